@@ -1,0 +1,435 @@
+//! Connection settings and the dedicated connections pgelect owns.
+//!
+//! Locks and leadership live on connections that pgelect opens itself and
+//! never returns to a pool. Each one is driven by a background task that reads
+//! the socket all the time, so the server's goodbye (a terminated backend, a
+//! restart) is noticed within milliseconds with no query in flight; the task
+//! also forwards `LISTEN` notifications.
+
+use std::fmt;
+use std::time::Duration;
+
+use futures_util::future::poll_fn;
+use tokio::sync::broadcast;
+use tokio::task::JoinHandle;
+use tokio_postgres::config::Host;
+use tokio_postgres::{AsyncMessage, Client, Config, NoTls};
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{Error, Result};
+use crate::schema::SchemaName;
+
+/// Default bound on establishing a connection.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Where and how to connect, plus the schema pgelect's tables live in.
+///
+/// Built from a URL (`postgres://user:password@host:port/db?...`), a libpq
+/// key/value string, the environment, or a [`tokio_postgres::Config`].
+/// `Debug` and every error render the target as `host:port/database user=NAME`
+/// and never show the password.
+///
+/// ```
+/// use pgelect::ConnectOptions;
+/// let o = ConnectOptions::from_url("postgres://app:s3cret@db.internal:5432/app").unwrap();
+/// assert_eq!(o.target(), "db.internal:5432/app user=app");
+/// assert!(!format!("{o:?}").contains("s3cret"));
+/// assert!(ConnectOptions::from_url("postgres://app:s3cret@db:notaport/app").is_err());
+/// ```
+#[derive(Clone)]
+pub struct ConnectOptions {
+    config: Config,
+    schema: SchemaName,
+    connect_timeout: Duration,
+}
+
+impl ConnectOptions {
+    /// Parses a `postgres://` URL or a libpq key/value connection string.
+    ///
+    /// The error never repeats the string (it may hold a password).
+    pub fn from_url(url: &str) -> Result<ConnectOptions> {
+        let config: Config = url.parse().map_err(|e: tokio_postgres::Error| {
+            // The driver's parse errors name the offending part, not the value.
+            Error::config(format!("the database URL cannot be parsed ({e}); expected postgres://user:password@host:port/database"))
+        })?;
+        Ok(ConnectOptions::from_config(config))
+    }
+
+    /// Uses `DATABASE_URL` if set, else the libpq variables `PGHOST`,
+    /// `PGPORT`, `PGUSER`, `PGPASSWORD`, `PGDATABASE`, `PGAPPNAME`
+    /// (defaults: localhost, 5432, the OS user, no password, the user name).
+    pub fn from_env() -> Result<ConnectOptions> {
+        if let Some(url) = std::env::var("DATABASE_URL").ok().filter(|s| !s.is_empty()) {
+            return ConnectOptions::from_url(&url);
+        }
+        let var = |k: &str| std::env::var(k).ok().filter(|s| !s.is_empty());
+        let mut c = Config::new();
+        c.host(var("PGHOST").as_deref().unwrap_or("localhost"));
+        if let Some(p) = var("PGPORT") {
+            let port: u16 = p
+                .parse()
+                .map_err(|_| Error::config(format!("PGPORT={p:?} is not a port number")))?;
+            c.port(port);
+        }
+        let user = var("PGUSER")
+            .or_else(|| var("USER"))
+            .unwrap_or_else(|| "postgres".into());
+        c.user(&user);
+        if let Some(pw) = var("PGPASSWORD") {
+            c.password(pw);
+        }
+        c.dbname(var("PGDATABASE").as_deref().unwrap_or(&user));
+        if let Some(app) = var("PGAPPNAME") {
+            c.application_name(app);
+        }
+        Ok(ConnectOptions::from_config(c))
+    }
+
+    /// Wraps a driver configuration.
+    pub fn from_config(config: Config) -> ConnectOptions {
+        ConnectOptions {
+            config,
+            schema: SchemaName::default(),
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+        }
+    }
+
+    /// The schema pgelect's tables live in. Default: `pgelect`.
+    pub fn schema(mut self, schema: &str) -> Result<ConnectOptions> {
+        self.schema = SchemaName::new(schema)?;
+        Ok(self)
+    }
+
+    /// Bound on establishing a connection. Default: `10s`. Must be positive.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Result<ConnectOptions> {
+        if timeout.is_zero() {
+            return Err(Error::config("connect_timeout must be positive"));
+        }
+        self.connect_timeout = timeout;
+        Ok(self)
+    }
+
+    /// The schema name.
+    pub fn schema_name(&self) -> &SchemaName {
+        &self.schema
+    }
+
+    /// The driver configuration (with the password; do not log it).
+    pub fn driver_config(&self) -> &Config {
+        &self.config
+    }
+
+    /// `host:port/database user=NAME`, for messages. Never holds the password.
+    pub fn target(&self) -> String {
+        let host = match self.config.get_hosts().first() {
+            Some(Host::Tcp(h)) => h.clone(),
+            Some(Host::Unix(p)) => p.display().to_string(),
+            None => "localhost".into(),
+        };
+        let port = self.config.get_ports().first().copied().unwrap_or(5432);
+        let db = self
+            .config
+            .get_dbname()
+            .or(self.config.get_user())
+            .unwrap_or("?");
+        let user = self.config.get_user().unwrap_or("?");
+        format!("{host}:{port}/{db} user={user}")
+    }
+
+    /// Opens a connection that pgelect owns, names it `pgelect:<purpose>`
+    /// unless an application name was set, and starts its driver task.
+    pub(crate) async fn connect(&self, purpose: &str) -> Result<DedicatedConnection> {
+        self.connect_with(purpose, None).await
+    }
+
+    /// Like [`ConnectOptions::connect`], for a connection that will hold
+    /// locks: applies `tcp` on the client side and, through session settings,
+    /// on the server side (see [`lock_session_settings`]).
+    pub(crate) async fn connect_for_locks(
+        &self,
+        purpose: &str,
+        tcp: &TcpTimeouts,
+    ) -> Result<DedicatedConnection> {
+        let conn = self.connect_with(purpose, Some(tcp)).await?;
+        conn.set_session(&lock_session_settings(tcp), self.schema.as_str())
+            .await?;
+        Ok(conn)
+    }
+
+    async fn connect_with(
+        &self,
+        purpose: &str,
+        tcp: Option<&TcpTimeouts>,
+    ) -> Result<DedicatedConnection> {
+        let mut config = self.config.clone();
+        if let Some(tcp) = tcp {
+            tcp.apply_client(&mut config);
+        }
+        if config.get_application_name().is_none() {
+            config.application_name(format!("pgelect:{purpose}"));
+        }
+        config.connect_timeout(self.connect_timeout);
+        let target = self.target();
+        let connecting = config.connect(NoTls);
+        let (client, connection) =
+            match tokio::time::timeout(self.connect_timeout + Duration::from_secs(1), connecting)
+                .await
+            {
+                Err(_) => {
+                    return Err(Error::ConnectTimeout {
+                        target,
+                        timeout: self.connect_timeout,
+                    })
+                }
+                Ok(Err(e)) => return Err(classify_connect_error(target, e, self.connect_timeout)),
+                Ok(Ok(pair)) => pair,
+            };
+        let mut conn = DedicatedConnection::drive(client, connection);
+        let row = conn
+            .client
+            .query_typed_one("SELECT pg_backend_pid()", &[])
+            .await
+            .map_err(|e| Error::db("start a session", self.schema.as_str(), e))?;
+        conn.pid = row.get(0);
+        Ok(conn)
+    }
+}
+
+fn classify_connect_error(target: String, e: tokio_postgres::Error, timeout: Duration) -> Error {
+    use tokio_postgres::error::SqlState;
+    match e.code() {
+        Some(c)
+            if *c == SqlState::INVALID_PASSWORD
+                || *c == SqlState::INVALID_AUTHORIZATION_SPECIFICATION =>
+        {
+            Error::Auth { target, source: e }
+        }
+        _ if e.to_string().contains("timeout") || e.to_string().contains("timed out") => {
+            Error::ConnectTimeout { target, timeout }
+        }
+        _ => Error::Connect { target, source: e },
+    }
+}
+
+impl fmt::Debug for ConnectOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConnectOptions")
+            .field("target", &self.target())
+            .field(
+                "password",
+                &self.config.get_password().map(|_| "<redacted>"),
+            )
+            .field("schema", &self.schema.as_str())
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
+}
+
+/// A `LISTEN` notification received on a dedicated connection.
+#[derive(Clone, Debug)]
+pub(crate) struct Notice {
+    pub(crate) channel: String,
+    pub(crate) payload: String,
+}
+
+/// A connection pgelect owns, with its driver task.
+///
+/// `closed()` is cancelled the moment the driver task sees the connection end
+/// (server FATAL, EOF, reset) or the owner kills it.
+pub(crate) struct DedicatedConnection {
+    client: Client,
+    closed: CancellationToken,
+    notices: broadcast::Sender<Notice>,
+    task: JoinHandle<()>,
+    pid: i32,
+}
+
+impl DedicatedConnection {
+    fn drive(
+        client: Client,
+        mut connection: tokio_postgres::Connection<
+            tokio_postgres::Socket,
+            tokio_postgres::tls::NoTlsStream,
+        >,
+    ) -> DedicatedConnection {
+        let closed = CancellationToken::new();
+        let (notices, _) = broadcast::channel(256);
+        let tx = notices.clone();
+        let done = closed.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                match poll_fn(|cx| connection.poll_message(cx)).await {
+                    Some(Ok(AsyncMessage::Notification(n))) => {
+                        let _ = tx.send(Notice {
+                            channel: n.channel().to_owned(),
+                            payload: n.payload().to_owned(),
+                        });
+                    }
+                    Some(Ok(AsyncMessage::Notice(n))) => {
+                        tracing::debug!(message = n.message(), "server notice");
+                    }
+                    Some(Ok(_)) => {}
+                    Some(Err(e)) => {
+                        tracing::debug!(error = %e, "dedicated connection ended with an error");
+                        break;
+                    }
+                    None => break,
+                }
+            }
+            done.cancel();
+        });
+        DedicatedConnection {
+            client,
+            closed,
+            notices,
+            task,
+            pid: 0,
+        }
+    }
+
+    /// The client to run statements with.
+    pub(crate) fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// The server backend's process id.
+    pub(crate) fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// Cancelled when the connection has ended.
+    pub(crate) fn closed(&self) -> &CancellationToken {
+        &self.closed
+    }
+
+    /// True once the connection has ended.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.is_cancelled() || self.client.is_closed()
+    }
+
+    /// A receiver of `LISTEN` notifications from now on.
+    pub(crate) fn notices(&self) -> broadcast::Receiver<Notice> {
+        self.notices.subscribe()
+    }
+
+    /// Drops the socket at once (the server sees the client vanish and
+    /// releases its session locks). Used after a heartbeat timed out.
+    pub(crate) fn kill(&self) {
+        self.task.abort();
+        self.closed.cancel();
+    }
+
+    /// A token for cancelling the statement in flight (a blocked lock wait).
+    pub(crate) fn cancel_token(&self) -> tokio_postgres::CancelToken {
+        self.client.cancel_token()
+    }
+
+    /// Sets server-side settings for this session only, skipping those the
+    /// server does not know (older versions), and returns nothing.
+    pub(crate) async fn set_session(
+        &self,
+        settings: &[(&str, String)],
+        schema: &str,
+    ) -> Result<()> {
+        if settings.is_empty() {
+            return Ok(());
+        }
+        let names: Vec<&str> = settings.iter().map(|(n, _)| *n).collect();
+        let values: Vec<&str> = settings.iter().map(|(_, v)| v.as_str()).collect();
+        self.client
+            .query_typed(
+                "SELECT set_config(s.name, v.value, false)
+                   FROM unnest($1::text[], $2::text[]) AS v(name, value)
+                   JOIN pg_settings s ON s.name = v.name",
+                &[
+                    (&names, tokio_postgres::types::Type::TEXT_ARRAY),
+                    (&values, tokio_postgres::types::Type::TEXT_ARRAY),
+                ],
+            )
+            .await
+            .map_err(|e| Error::db("configure the session", schema, e))?;
+        Ok(())
+    }
+
+    /// Closes the connection politely and waits for the driver task.
+    pub(crate) async fn close(self) {
+        let DedicatedConnection { client, task, .. } = self;
+        drop(client);
+        let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+    }
+}
+
+impl fmt::Debug for DedicatedConnection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DedicatedConnection")
+            .field("pid", &self.pid)
+            .field("closed", &self.is_closed())
+            .finish()
+    }
+}
+
+/// Server-side settings for a connection that holds locks: TCP timeouts so
+/// that the server notices a vanished client and releases its locks, and no
+/// idle or statement timeouts that would end a long-held lock or a long wait.
+pub(crate) fn lock_session_settings(tcp: &TcpTimeouts) -> Vec<(&'static str, String)> {
+    vec![
+        (
+            "tcp_keepalives_idle",
+            tcp.keepalive_idle.as_secs().max(1).to_string(),
+        ),
+        (
+            "tcp_keepalives_interval",
+            tcp.keepalive_interval.as_secs().max(1).to_string(),
+        ),
+        ("tcp_keepalives_count", tcp.keepalive_count.to_string()),
+        ("tcp_user_timeout", tcp.user_timeout.as_millis().to_string()),
+        ("idle_session_timeout", "0".into()),
+        ("idle_in_transaction_session_timeout", "0".into()),
+        ("statement_timeout", "0".into()),
+        ("lock_timeout", "0".into()),
+    ]
+}
+
+/// TCP timeouts applied on both ends of a lock-holding connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcpTimeouts {
+    /// Idle time before the first keepalive probe. Default: `5s`.
+    pub keepalive_idle: Duration,
+    /// Time between probes. Default: `2s`.
+    pub keepalive_interval: Duration,
+    /// Unanswered probes before the peer is declared gone. Default: `3`.
+    pub keepalive_count: u32,
+    /// Longest time sent data may stay unacknowledged (`TCP_USER_TIMEOUT`).
+    /// Default: `10s`.
+    pub user_timeout: Duration,
+}
+
+impl Default for TcpTimeouts {
+    fn default() -> Self {
+        TcpTimeouts {
+            keepalive_idle: Duration::from_secs(5),
+            keepalive_interval: Duration::from_secs(2),
+            keepalive_count: 3,
+            user_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl TcpTimeouts {
+    /// The longest time either end can take to declare a silent peer gone:
+    /// the larger of the keepalive path and the user timeout.
+    pub fn detection_bound(&self) -> Duration {
+        let keepalive = self.keepalive_idle + self.keepalive_interval * self.keepalive_count;
+        keepalive.max(self.user_timeout)
+    }
+
+    /// Applies the client-side half to a driver configuration.
+    pub(crate) fn apply_client(&self, config: &mut Config) {
+        config
+            .keepalives(true)
+            .keepalives_idle(self.keepalive_idle)
+            .keepalives_interval(self.keepalive_interval)
+            .keepalives_retries(self.keepalive_count)
+            .tcp_user_timeout(self.user_timeout);
+    }
+}

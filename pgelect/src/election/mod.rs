@@ -1,0 +1,1 @@
+//! Leader election: the `Elector`, its backends and the `Leadership` handle.

@@ -1,0 +1,268 @@
+//! The one error type of the crate.
+
+use std::time::Duration;
+
+use tokio_postgres::error::SqlState;
+
+/// SQLSTATE raised by `pgelect.fence` when the term is not the current one.
+pub const SQLSTATE_STALE_TERM: &str = "PE001";
+/// SQLSTATE raised by `pgelect.fence` when the role has no leader row or no holder.
+pub const SQLSTATE_NO_LEADER: &str = "PE002";
+
+/// Everything that can go wrong in pgelect.
+///
+/// Messages are lower-case, name what went wrong and, where it is known, what
+/// to do. No variant ever carries a connection password: connection targets
+/// are rendered as `host:port/database user=NAME`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A configuration value or argument is out of range or malformed.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+
+    /// A name (lock name, role, node id, schema) is empty, too long, or has a
+    /// forbidden character.
+    #[error("invalid {what} {shown}: {reason}")]
+    InvalidName {
+        /// What kind of name: "lock name", "role", "node id", "schema".
+        what: &'static str,
+        /// The name, shortened and escaped for display.
+        shown: String,
+        /// Why it is refused.
+        reason: String,
+    },
+
+    /// The server could not be reached or refused the connection.
+    #[error("could not connect to {target}: {source}; check that PostgreSQL is running there and that the URL is right")]
+    Connect {
+        /// `host:port/database user=NAME`, never the password.
+        target: String,
+        /// The driver's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+
+    /// The connection attempt did not finish in time.
+    #[error("could not connect to {target} within {timeout:?}: the server does not answer; check the host, port and firewall")]
+    ConnectTimeout {
+        /// `host:port/database user=NAME`, never the password.
+        target: String,
+        /// The bound that passed.
+        timeout: Duration,
+    },
+
+    /// The server rejected the credentials.
+    #[error("authentication failed for {target}: {source}; check the user name and password")]
+    Auth {
+        /// `host:port/database user=NAME`, never the password.
+        target: String,
+        /// The driver's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+
+    /// The pgelect schema is not installed in this database.
+    #[error("schema \"{schema}\" of pgelect is not installed in this database: run `pgelect migrate` (or `pgelect::migrate`) first")]
+    SchemaMissing {
+        /// The schema looked for.
+        schema: String,
+    },
+
+    /// The installed schema is older or newer than this library.
+    #[error(
+        "schema \"{schema}\" is at version {found}, this pgelect needs version {expected}: {hint}"
+    )]
+    SchemaVersion {
+        /// The schema looked at.
+        schema: String,
+        /// The version found in the database.
+        found: i32,
+        /// The version this library was built for.
+        expected: i32,
+        /// What to do.
+        hint: &'static str,
+    },
+
+    /// The database user lacks a privilege the operation needs.
+    #[error("permission denied while trying to {operation}: {source}; grant the role the needed privileges (see the README's section on privileges)")]
+    Permission {
+        /// What pgelect was doing.
+        operation: &'static str,
+        /// The driver's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+
+    /// A bounded wait for a lock ran out.
+    #[error("timed out after {waited:?} waiting for lock {key}")]
+    LockTimeout {
+        /// The lock, as `LockKey`'s display form.
+        key: String,
+        /// How long pgelect waited.
+        waited: Duration,
+    },
+
+    /// The same lock key is already held through this connection, and taking it
+    /// again would stack the lock silently.
+    #[error("lock {key} is already held through this connection; release it first or use another connection")]
+    AlreadyHeld {
+        /// The lock, as `LockKey`'s display form.
+        key: String,
+    },
+
+    /// A fenced statement ran with a term that is no longer the current one.
+    #[error("stale fencing term for role {role}: {message}")]
+    StaleTerm {
+        /// The role whose fence refused.
+        role: String,
+        /// The server's message (names the stale and the current term).
+        message: String,
+    },
+
+    /// A dedicated connection was lost (terminated, reset, timed out).
+    #[error("connection lost while trying to {operation}")]
+    ConnectionLost {
+        /// What pgelect was doing.
+        operation: &'static str,
+    },
+
+    /// A statement failed.
+    #[error("database error while trying to {operation}: {source}")]
+    Database {
+        /// What pgelect was doing.
+        operation: &'static str,
+        /// The driver's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+
+    /// A statement on the caller's sqlx connection failed.
+    #[cfg(feature = "sqlx")]
+    #[error("database error while trying to {operation}: {source}")]
+    Sqlx {
+        /// What pgelect was doing.
+        operation: &'static str,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+
+    /// The connection goes through a pooler in transaction mode, where session
+    /// state (advisory locks, LISTEN) does not stay on one server backend.
+    #[error("{0}")]
+    Pooler(String),
+}
+
+/// The crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// True for a bounded wait that ran out (lock timeout, connect timeout).
+    pub fn is_timeout(&self) -> bool {
+        matches!(
+            self,
+            Error::LockTimeout { .. } | Error::ConnectTimeout { .. }
+        )
+    }
+
+    /// True when the cause is a lost or unreachable connection: retrying later
+    /// on a new connection may succeed.
+    pub fn is_connection(&self) -> bool {
+        match self {
+            Error::Connect { .. } | Error::ConnectTimeout { .. } | Error::ConnectionLost { .. } => {
+                true
+            }
+            Error::Database { source, .. } => source.is_closed() || source.as_db_error().is_none(),
+            _ => false,
+        }
+    }
+
+    /// True when a fence refused a stale term.
+    pub fn is_stale_term(&self) -> bool {
+        matches!(self, Error::StaleTerm { .. })
+    }
+
+    /// The SQLSTATE of the server's error, where there is one.
+    pub fn sqlstate(&self) -> Option<&str> {
+        match self {
+            Error::Auth { source, .. }
+            | Error::Permission { source, .. }
+            | Error::Connect { source, .. }
+            | Error::Database { source, .. } => source.code().map(SqlState::code),
+            Error::StaleTerm { .. } => Some(SQLSTATE_STALE_TERM),
+            _ => None,
+        }
+    }
+
+    /// Classifies a driver error raised by a statement of `operation`, mapping
+    /// a missing schema, a missing privilege and a lost connection to their own
+    /// variants.
+    pub(crate) fn db(
+        operation: &'static str,
+        schema: &str,
+        source: tokio_postgres::Error,
+    ) -> Error {
+        if source.is_closed() {
+            return Error::ConnectionLost { operation };
+        }
+        match source.code() {
+            Some(c) if *c == SqlState::INSUFFICIENT_PRIVILEGE => {
+                Error::Permission { operation, source }
+            }
+            Some(c)
+                if *c == SqlState::UNDEFINED_TABLE
+                    || *c == SqlState::INVALID_SCHEMA_NAME
+                    || *c == SqlState::UNDEFINED_FUNCTION =>
+            {
+                let mentions = source
+                    .as_db_error()
+                    .map(|d| d.message().contains(schema))
+                    .unwrap_or(false);
+                if mentions {
+                    Error::SchemaMissing {
+                        schema: schema.to_owned(),
+                    }
+                } else {
+                    Error::Database { operation, source }
+                }
+            }
+            Some(c) if c.code() == SQLSTATE_STALE_TERM || c.code() == SQLSTATE_NO_LEADER => {
+                let message = source
+                    .as_db_error()
+                    .map(|d| d.message().to_owned())
+                    .unwrap_or_default();
+                let role = message.split('"').nth(1).unwrap_or_default().to_owned();
+                Error::StaleTerm { role, message }
+            }
+            _ => Error::Database { operation, source },
+        }
+    }
+
+    pub(crate) fn config(msg: impl Into<String>) -> Error {
+        Error::Config(msg.into())
+    }
+}
+
+/// Renders a name for an error message: escaped, and cut to 64 characters.
+pub(crate) fn shown(name: &str) -> String {
+    let mut out: String = name.chars().take(64).collect::<String>();
+    if out.len() < name.len() {
+        out.push('…');
+    }
+    format!("{out:?}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shown_cuts_and_escapes() {
+        assert_eq!(shown("a\0b"), "\"a\\0b\"");
+        let long = "x".repeat(200);
+        let s = shown(&long);
+        assert!(s.chars().count() < 70, "{s}");
+        assert!(s.contains('…'));
+    }
+}

@@ -1,0 +1,274 @@
+//! The `pgelect` schema: versioned, idempotent migrations.
+//!
+//! Everything pgelect keeps in the database lives in one schema (`pgelect` by
+//! default, configurable). [`migrate`] installs or upgrades it; it is safe to
+//! run from many processes at once, because the whole migration runs under a
+//! session advisory lock on a dedicated connection, and the unlock's result is
+//! checked.
+
+use tokio_postgres::types::Type;
+use tokio_postgres::GenericClient;
+
+use crate::conn::ConnectOptions;
+use crate::error::{shown, Error, Result};
+use crate::key::LockKey;
+
+/// The default schema name.
+pub const DEFAULT_SCHEMA: &str = "pgelect";
+
+/// The schema version this library needs (the number of migrations it ships).
+pub const SCHEMA_VERSION: i32 = MIGRATIONS.len() as i32;
+
+/// A validated schema name: 1 to 63 characters of `a-z`, `0-9` and `_`, not
+/// starting with a digit. Only such names are accepted so that they can be
+/// spliced into SQL without quoting surprises.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct SchemaName(String);
+
+impl SchemaName {
+    /// Validates a schema name.
+    ///
+    /// ```
+    /// use pgelect::SchemaName;
+    /// assert!(SchemaName::new("pgelect").is_ok());
+    /// assert!(SchemaName::new("my_app_locks").is_ok());
+    /// assert!(SchemaName::new("Bad-Name").is_err());
+    /// assert!(SchemaName::new("").is_err());
+    /// ```
+    pub fn new(name: &str) -> Result<SchemaName> {
+        let refuse = |reason: &str| {
+            Err(Error::InvalidName {
+                what: "schema",
+                shown: shown(name),
+                reason: reason.to_owned(),
+            })
+        };
+        if name.is_empty() {
+            return refuse("it is empty");
+        }
+        if name.len() > 63 {
+            return refuse("it is longer than 63 bytes, PostgreSQL's limit for identifiers");
+        }
+        if !name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        {
+            return refuse("use only lower-case letters a-z, digits and '_'");
+        }
+        if name.as_bytes()[0].is_ascii_digit() {
+            return refuse("it must not start with a digit");
+        }
+        Ok(SchemaName(name.to_owned()))
+    }
+
+    /// The name as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Default for SchemaName {
+    fn default() -> Self {
+        SchemaName(DEFAULT_SCHEMA.to_owned())
+    }
+}
+
+impl std::fmt::Display for SchemaName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The migrations, in order. `{s}` stands for the schema name. Never edit a
+/// shipped migration: add a new one.
+const MIGRATIONS: &[&str] = &[
+    // 1: leaders, fence, key.
+    r#"
+CREATE TABLE {s}.leaders (
+    role         text PRIMARY KEY CHECK (role <> ''),
+    holder       text,
+    holder_meta  jsonb,
+    term         bigint NOT NULL DEFAULT 0 CHECK (term >= 0),
+    backend      text,
+    holder_pid   integer,
+    acquired_at  timestamptz,
+    renewed_at   timestamptz,
+    lease_until  timestamptz
+);
+COMMENT ON TABLE {s}.leaders IS 'pgelect: one row per role; term is the fencing token and only rises';
+
+CREATE FUNCTION {s}.fence(p_role text, p_term bigint) RETURNS void
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    cur_term bigint;
+    cur_holder text;
+BEGIN
+    SELECT l.term, l.holder INTO cur_term, cur_holder
+      FROM {s}.leaders l WHERE l.role = p_role FOR SHARE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'PE002',
+            MESSAGE = format('role "%s" has no leader row; term %s cannot be fenced', p_role, p_term),
+            HINT = 'stop acting as leader and roll back';
+    END IF;
+    IF cur_term IS DISTINCT FROM p_term THEN
+        RAISE EXCEPTION USING ERRCODE = 'PE001',
+            MESSAGE = format('role "%s": term %s is stale, the current term is %s', p_role, p_term, cur_term),
+            HINT = 'this process is no longer the leader: roll back and stop acting as leader';
+    END IF;
+    IF cur_holder IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'PE002',
+            MESSAGE = format('role "%s": term %s was released and has no holder now', p_role, p_term),
+            HINT = 'this process is no longer the leader: roll back and stop acting as leader';
+    END IF;
+END
+$fn$;
+COMMENT ON FUNCTION {s}.fence(text, bigint) IS 'pgelect: call inside a transaction; fails unless p_term is the current term of p_role';
+
+CREATE FUNCTION {s}.key(name text) RETURNS bigint
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $fn$
+BEGIN
+    IF name = '' THEN
+        RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = 'pgelect.key: the lock name is empty';
+    END IF;
+    RETURN ('x' || encode(substr(sha256(convert_to('pgelect:' || name, 'UTF8')), 1, 8), 'hex'))::bit(64)::bigint;
+END
+$fn$;
+COMMENT ON FUNCTION {s}.key(text) IS 'pgelect: the advisory-lock key of a name, as LockKey::from_name computes it';
+"#,
+];
+
+/// Installs or upgrades the pgelect schema on the database `options` point at.
+///
+/// Idempotent, and safe to run from many processes at once: the migration is
+/// serialised by a session advisory lock on a dedicated connection.
+///
+/// # Cancel safety
+/// Not cancel safe in the sense that a cancelled call may leave the dedicated
+/// connection's advisory lock to be released by the connection's closing;
+/// every migration itself runs in a transaction, so the schema is never left
+/// half-migrated.
+///
+/// ```no_run
+/// # async fn f() -> Result<(), pgelect::Error> {
+/// let options = pgelect::ConnectOptions::from_url("postgres://app@db/app")?;
+/// let applied = pgelect::migrate(&options).await?;
+/// println!("applied {applied} migrations");
+/// # Ok(()) }
+/// ```
+pub async fn migrate(options: &ConnectOptions) -> Result<u32> {
+    let conn = options.connect("migrate").await?;
+    let schema = options.schema_name().clone();
+    let result = migrate_locked(conn.client(), &schema).await;
+    conn.close().await;
+    result
+}
+
+/// The key of the advisory lock that serialises migrations of `schema`.
+fn migration_lock(schema: &SchemaName) -> LockKey {
+    LockKey::from_name(&format!("pgelect.migrate.{schema}")).expect("BUG: valid lock name")
+}
+
+async fn migrate_locked(client: &tokio_postgres::Client, schema: &SchemaName) -> Result<u32> {
+    let key = migration_lock(schema);
+    let s = schema.as_str();
+    let err = |op: &'static str| move |e| Error::db(op, s, e);
+    let LockKey::Single(high) = key else {
+        unreachable!("BUG: names hash to single keys")
+    };
+    client
+        .query_typed("SELECT pg_advisory_lock($1)", &[(&high, Type::INT8)])
+        .await
+        .map_err(err("take the migration lock"))?;
+    let applied = apply_pending(client, schema).await;
+    let unlocked = client
+        .query_typed_one("SELECT pg_advisory_unlock($1)", &[(&high, Type::INT8)])
+        .await
+        .map_err(err("release the migration lock"))?;
+    let unlocked: bool = unlocked.get(0);
+    if !unlocked {
+        return Err(Error::config(
+            "the migration lock was not held at unlock time; the migration ran unserialised — check for a connection pooler in transaction mode between pgelect and PostgreSQL",
+        ));
+    }
+    applied
+}
+
+async fn apply_pending(client: &tokio_postgres::Client, schema: &SchemaName) -> Result<u32> {
+    let s = schema.as_str();
+    let err = |op: &'static str| move |e| Error::db(op, s, e);
+    client
+        .batch_execute(&format!(
+            "CREATE SCHEMA IF NOT EXISTS {s};
+             CREATE TABLE IF NOT EXISTS {s}.migrations (
+                 version    integer PRIMARY KEY,
+                 applied_at timestamptz NOT NULL DEFAULT now()
+             );"
+        ))
+        .await
+        .map_err(err("create the schema"))?;
+    let found = installed_version(client, schema).await?;
+    if found > SCHEMA_VERSION {
+        return Err(Error::SchemaVersion {
+            schema: s.to_owned(),
+            found,
+            expected: SCHEMA_VERSION,
+            hint: "the database was migrated by a newer pgelect; upgrade this program",
+        });
+    }
+    let mut applied = 0;
+    for (i, sql) in MIGRATIONS.iter().enumerate().skip(found as usize) {
+        let version = i as i32 + 1;
+        let body = sql.replace("{s}", s);
+        let script = format!(
+            "BEGIN;\n{body}\nINSERT INTO {s}.migrations (version) VALUES ({version});\nCOMMIT;"
+        );
+        if let Err(e) = client.batch_execute(&script).await {
+            let _ = client.batch_execute("ROLLBACK").await;
+            return Err(Error::db("apply a migration", s, e));
+        }
+        tracing::info!(schema = s, version, "pgelect migration applied");
+        applied += 1;
+    }
+    Ok(applied)
+}
+
+async fn installed_version<C: GenericClient>(client: &C, schema: &SchemaName) -> Result<i32> {
+    let s = schema.as_str();
+    let row = client
+        .query_typed_one(
+            &format!("SELECT coalesce(max(version), 0) FROM {s}.migrations"),
+            &[],
+        )
+        .await
+        .map_err(|e| Error::db("read the schema version", s, e))?;
+    Ok(row.get(0))
+}
+
+/// Checks that the schema is installed at the version this library needs.
+///
+/// Returns [`Error::SchemaMissing`] (which says to run `pgelect migrate`) or
+/// [`Error::SchemaVersion`] otherwise.
+///
+/// # Cancel safety
+/// Cancel safe: it only reads.
+pub async fn check_schema<C: GenericClient>(client: &C, schema: &SchemaName) -> Result<()> {
+    let found = installed_version(client, schema).await?;
+    match found {
+        0 => Err(Error::SchemaMissing {
+            schema: schema.to_string(),
+        }),
+        v if v < SCHEMA_VERSION => Err(Error::SchemaVersion {
+            schema: schema.to_string(),
+            found: v,
+            expected: SCHEMA_VERSION,
+            hint: "run `pgelect migrate` to upgrade it",
+        }),
+        v if v > SCHEMA_VERSION => Err(Error::SchemaVersion {
+            schema: schema.to_string(),
+            found: v,
+            expected: SCHEMA_VERSION,
+            hint: "the database was migrated by a newer pgelect; upgrade this program",
+        }),
+        _ => Ok(()),
+    }
+}
