@@ -1,1 +1,44 @@
-fn main() {}
+//! The `pgelect` command: leader election and locks on PostgreSQL from the shell.
+
+#![deny(unsafe_code)]
+
+mod child;
+mod cli;
+mod duration;
+mod exit;
+mod migrate;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use crate::cli::{Cli, Command};
+use crate::exit::Failure;
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return exit::usage(e),
+    };
+    cli::init_logging(&cli.global);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("pgelect: cannot start the async runtime: {e}");
+            return ExitCode::from(exit::SOFTWARE);
+        }
+    };
+    let result: Result<u8, Failure> = runtime.block_on(async move {
+        match cli.command {
+            Command::Migrate(args) => migrate::run(&cli.global, args).await,
+        }
+    });
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(failure) => failure.report(),
+    }
+}

@@ -1,0 +1,105 @@
+//! Command-line grammar and global options.
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::exit::Failure;
+
+/// Leader election and distributed locks on the PostgreSQL you already run.
+#[derive(Debug, Parser)]
+#[command(name = "pgelect", version, propagate_version = true)]
+#[command(after_help = "Examples:
+  pgelect migrate --database-url postgres://app@db/app
+  DATABASE_URL=postgres://app@db/app pgelect migrate --schema my_locks
+
+The database is taken from --database-url, else DATABASE_URL, else the libpq
+variables PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE.
+
+Exit codes: 0 success, 64 usage error, 69 database unavailable,
+75 lock not acquired, 77 permission denied, 78 configuration error.")]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: Global,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Options every subcommand takes.
+#[derive(Debug, Args)]
+pub struct Global {
+    /// PostgreSQL URL (postgres://user:password@host:port/db). Never printed.
+    #[arg(
+        long,
+        global = true,
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
+    pub database_url: Option<String>,
+    /// Schema holding pgelect's tables.
+    #[arg(long, global = true, default_value = "pgelect", value_name = "NAME")]
+    pub schema: String,
+    /// More log output (-v info, -vv debug, -vvv trace).
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+    /// Only errors.
+    #[arg(short, long, global = true, conflicts_with = "verbose")]
+    pub quiet: bool,
+    /// Log format on standard error.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// How logs are written.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Install or upgrade the pgelect schema (idempotent; safe to run concurrently).
+    #[command(after_help = "Examples:
+  pgelect migrate --database-url postgres://app@db/app
+  pgelect migrate --schema my_locks")]
+    Migrate(crate::migrate::MigrateArgs),
+}
+
+impl Global {
+    /// The connection options from the flags and the environment.
+    pub fn connect_options(&self) -> Result<pgelect::ConnectOptions, Failure> {
+        let options = match self.database_url.as_deref().filter(|u| !u.is_empty()) {
+            Some(url) => pgelect::ConnectOptions::from_url(url)?,
+            None => pgelect::ConnectOptions::from_env()?,
+        };
+        Ok(options.schema(&self.schema)?)
+    }
+}
+
+/// Sets up `tracing` on standard error per `-v`, `-q` and `--log-format`;
+/// `RUST_LOG` overrides the level.
+pub fn init_logging(global: &Global) {
+    use tracing_subscriber::EnvFilter;
+    let level = if global.quiet {
+        "error"
+    } else {
+        match global.verbose {
+            0 => "warn",
+            1 => "info",
+            2 => "debug",
+            _ => "trace",
+        }
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        EnvFilter::new(format!("{level},tokio_postgres=warn"))
+    });
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match global.log_format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}

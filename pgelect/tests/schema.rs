@@ -1,0 +1,192 @@
+//! The schema: migrations, the fence function, and the errors users meet
+//! before anything else (bad URLs, passwords, missing schema, privileges).
+
+use std::time::{Duration, Instant};
+
+use pgelect::{ConnectOptions, Error};
+use pgelect_testkit::{FaultProxy, TestDb, TEST_PASSWORD};
+
+fn options(db: &TestDb) -> ConnectOptions {
+    ConnectOptions::from_url(&db.url()).expect("test URL parses")
+}
+
+#[tokio::test]
+async fn migrate_is_idempotent() {
+    let db = TestDb::new("migrate_idem").await;
+    let applied = pgelect::migrate(&options(&db)).await.unwrap();
+    assert_eq!(applied as i32, pgelect::SCHEMA_VERSION);
+    assert_eq!(pgelect::migrate(&options(&db)).await.unwrap(), 0);
+    let client = db.connect().await;
+    pgelect::check_schema(&client, &pgelect::SchemaName::default())
+        .await
+        .expect("schema present after migrate");
+}
+
+#[tokio::test]
+async fn concurrent_migrations_apply_each_version_once() {
+    let db = TestDb::new("migrate_conc").await;
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let o = options(&db);
+        tasks.push(tokio::spawn(async move { pgelect::migrate(&o).await }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.unwrap().expect("every concurrent migrate succeeds");
+    }
+    assert_eq!(total as i32, pgelect::SCHEMA_VERSION, "each migration applied exactly once");
+    let client = db.connect().await;
+    let rows = client
+        .query_typed("SELECT count(*) FROM pgelect.migrations", &[])
+        .await
+        .unwrap();
+    assert_eq!(rows[0].get::<_, i64>(0), pgelect::SCHEMA_VERSION as i64);
+}
+
+#[tokio::test]
+async fn schema_name_is_configurable() {
+    let db = TestDb::new("migrate_schema").await;
+    let o = options(&db).schema("app_locks").unwrap();
+    pgelect::migrate(&o).await.unwrap();
+    let client = db.connect().await;
+    let row = client
+        .query_typed_one("SELECT app_locks.key('x')", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        pgelect::LockKey::from_i64(row.get(0)),
+        pgelect::LockKey::from_name("x").unwrap()
+    );
+    let missing = pgelect::check_schema(&client, &pgelect::SchemaName::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(missing, Error::SchemaMissing { .. }), "{missing:?}");
+    assert!(ConnectOptions::from_url(&db.url()).unwrap().schema("Bad Name").is_err());
+}
+
+#[tokio::test]
+async fn missing_schema_says_to_run_migrate() {
+    let db = TestDb::new("schema_missing").await;
+    let client = db.connect().await;
+    let e = pgelect::check_schema(&client, &pgelect::SchemaName::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::SchemaMissing { .. }), "{e:?}");
+    assert!(e.to_string().contains("pgelect migrate"), "{e}");
+}
+
+#[tokio::test]
+async fn fence_accepts_only_the_current_term() {
+    let db = TestDb::new("fence_sql").await;
+    pgelect::migrate(&options(&db)).await.unwrap();
+    let mut client = db.connect().await;
+    client
+        .batch_execute("INSERT INTO pgelect.leaders (role, holder, term) VALUES ('r', 'n1', 5)")
+        .await
+        .unwrap();
+
+    let tx = client.transaction().await.unwrap();
+    tx.batch_execute("SELECT pgelect.fence('r', 5)").await.expect("current term passes");
+    tx.commit().await.unwrap();
+
+    let stale = client.batch_execute("SELECT pgelect.fence('r', 4)").await.unwrap_err();
+    let db_err = stale.as_db_error().expect("a server error");
+    assert_eq!(db_err.code().code(), pgelect::SQLSTATE_STALE_TERM);
+    assert!(db_err.message().contains('4') && db_err.message().contains('5'), "{}", db_err.message());
+
+    let unknown = client.batch_execute("SELECT pgelect.fence('nope', 1)").await.unwrap_err();
+    assert_eq!(unknown.code().unwrap().code(), pgelect::SQLSTATE_NO_LEADER);
+
+    client
+        .batch_execute("UPDATE pgelect.leaders SET holder = NULL WHERE role = 'r'")
+        .await
+        .unwrap();
+    let released = client.batch_execute("SELECT pgelect.fence('r', 5)").await.unwrap_err();
+    assert_eq!(released.code().unwrap().code(), pgelect::SQLSTATE_NO_LEADER);
+}
+
+#[tokio::test]
+async fn wrong_password_is_an_auth_error_without_the_password() {
+    let db = TestDb::new("bad_password").await;
+    let url = db.url().replace(TEST_PASSWORD, "not-the-Secret-9");
+    let e = pgelect::migrate(&ConnectOptions::from_url(&url).unwrap()).await.unwrap_err();
+    assert!(matches!(e, Error::Auth { .. }), "{e:?}");
+    let shown = format!("{e} {e:?}");
+    assert!(!shown.contains("not-the-Secret-9"), "password leaked: {shown}");
+    assert!(shown.contains("password"), "says what to check: {shown}");
+}
+
+#[tokio::test]
+async fn passwords_never_show_in_debug_or_target() {
+    let o = ConnectOptions::from_url("postgres://u:Hunter2-Secret@h:1/d").unwrap();
+    assert!(!format!("{o:?}").contains("Hunter2-Secret"));
+    assert!(!o.target().contains("Hunter2-Secret"));
+    let e = ConnectOptions::from_url("postgres://u:Hunter2-Secret@h:notaport/d").unwrap_err();
+    assert!(!format!("{e} {e:?}").contains("Hunter2-Secret"));
+}
+
+#[tokio::test]
+async fn refused_port_fails_fast_with_the_target() {
+    let port = pgelect_testkit::free_port();
+    let url = format!("postgres://postgres:{TEST_PASSWORD}@127.0.0.1:{port}/postgres");
+    let started = Instant::now();
+    let e = pgelect::migrate(&ConnectOptions::from_url(&url).unwrap()).await.unwrap_err();
+    println!("refused connection reported after {:?}", started.elapsed());
+    assert!(e.is_connection(), "{e:?}");
+    assert!(e.to_string().contains(&format!("127.0.0.1:{port}")), "{e}");
+    assert!(!e.to_string().contains(TEST_PASSWORD));
+}
+
+#[tokio::test]
+async fn silent_server_times_out_instead_of_hanging() {
+    let db = TestDb::new("blackhole_connect").await;
+    let proxy = FaultProxy::start(db_addr(&db)).unwrap();
+    proxy.blackhole();
+    let mut config = db.config();
+    config.host("127.0.0.1").port(proxy.port());
+    let o = ConnectOptions::from_config(config)
+        .connect_timeout(Duration::from_millis(500))
+        .unwrap();
+    let started = Instant::now();
+    let e = pgelect::migrate(&o).await.unwrap_err();
+    let took = started.elapsed();
+    println!("blackholed connect gave up after {took:?}");
+    assert!(e.is_timeout() || e.is_connection(), "{e:?}");
+    assert!(took < Duration::from_secs(5), "bounded: {took:?}");
+}
+
+#[tokio::test]
+async fn unknown_database_is_named_in_the_error() {
+    let db = TestDb::new("wrong_db").await;
+    let mut config = db.config();
+    config.dbname("no_such_database_here");
+    let e = pgelect::migrate(&ConnectOptions::from_config(config)).await.unwrap_err();
+    assert!(e.to_string().contains("no_such_database_here"), "{e}");
+}
+
+#[tokio::test]
+async fn user_without_rights_gets_a_permission_error() {
+    let db = TestDb::new("no_rights").await;
+    pgelect::migrate(&options(&db)).await.unwrap();
+    let url = db.create_role("pgelect_nobody", "pw-nobody-1", false).await;
+    let o = ConnectOptions::from_url(&url).unwrap();
+    // Reading the schema needs USAGE on it.
+    let e = pgelect::migrate(&o).await.unwrap_err();
+    assert!(matches!(e, Error::Permission { .. }), "{e:?}");
+    assert!(e.to_string().contains("grant"), "says what to do: {e}");
+}
+
+#[tokio::test]
+async fn zero_connect_timeout_is_rejected() {
+    let o = ConnectOptions::from_url("postgres://u@h/d").unwrap();
+    assert!(matches!(o.connect_timeout(Duration::ZERO), Err(Error::Config(_))));
+}
+
+fn db_addr(db: &TestDb) -> std::net::SocketAddr {
+    let config = db.config();
+    let host = match &config.get_hosts()[0] {
+        tokio_postgres::config::Host::Tcp(h) => h.clone(),
+        other => panic!("tests use TCP, got {other:?}"),
+    };
+    format!("{host}:{}", config.get_ports()[0]).parse().unwrap()
+}

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The demo: a throwaway local PostgreSQL, three candidates, the leader killed,
+# the failover timed, then a planned resign timed; everything cleaned up.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+cargo build --release -q -p pgelect-cli
+exec target/release/pgelect demo "$@"

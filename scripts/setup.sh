@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Makes sure this machine has what pgelect's demo and tests need: the
+# PostgreSQL server binaries and PgBouncer (from the system's packages) and a
+# Rust toolchain. Installs what is missing where it can (as root, with apt-get)
+# and otherwise says exactly what to install. Safe to run again.
+set -euo pipefail
+
+have_pg() {
+  if [ -n "${PGELECT_PG_BIN:-}" ] && [ -x "$PGELECT_PG_BIN/initdb" ]; then return 0; fi
+  if command -v pg_config >/dev/null 2>&1 && [ -x "$(pg_config --bindir 2>/dev/null)/initdb" ]; then return 0; fi
+  compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null
+}
+have_pgbouncer() { command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ]; }
+
+missing=()
+have_pg || missing+=(postgresql)
+have_pgbouncer || missing+=(pgbouncer)
+
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing ${missing[*]} from the system's packages" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q >/dev/null
+    # policy-rc.d keeps the package from starting a system-wide server: the
+    # tests and the demo start their own throwaway clusters.
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+      trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+    fi
+    apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    echo "setup: missing ${missing[*]}. Install them with:" >&2
+    echo "  sudo apt-get install ${missing[*]}        # Debian/Ubuntu" >&2
+    echo "or point PGELECT_PG_BIN at a directory holding initdb and postgres." >&2
+    exit 69
+  fi
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "setup: cargo is missing; install a Rust toolchain (https://rustup.rs) and run this again" >&2
+  exit 69
+fi
