@@ -1,1 +1,322 @@
-//! placeholder
+//! Test infrastructure for pgelect (dev-only, never published).
+//!
+//! Provides, without Docker or downloads:
+//!
+//! * [`Cluster`]: a throwaway PostgreSQL server (initdb + postgres from the
+//!   local installation, see [`pg_bin_dir`]), listening on `127.0.0.1` only,
+//!   with SCRAM password authentication ([`SUPERUSER`] / [`TEST_PASSWORD`]).
+//! * [`TestDb`]: a fresh database per test, on the server named by
+//!   `PGELECT_TEST_DATABASE_URL` ([`external_url`]) if set, else on the
+//!   per-process [`Cluster::shared`] cluster.
+//! * [`PgBouncer`]: a real pgbouncer in front of a [`Cluster`], in session or
+//!   transaction pooling mode.
+//! * [`FaultProxy`]: a TCP proxy that can blackhole, cut or refuse
+//!   connections, to simulate network partitions.
+//!
+//! # Running as root
+//!
+//! `initdb`, `postgres`, `pg_ctl` and `pgbouncer` refuse to run as root. When
+//! the effective uid is 0 they are run as the `postgres` system user (or
+//! `nobody` if there is no such user), and their directories are chowned to
+//! that user. Otherwise they run as the current user.
+//!
+//! # Cleanup
+//!
+//! Every server (PostgreSQL or pgbouncer) gets a tiny *reaper* process
+//! (`sh -c`) whose stdin is a pipe held open only by the test process. When
+//! the test process exits for any reason (normal exit, panic, abort,
+//! `SIGKILL`), the pipe closes, the reaper's `read` returns, and the reaper
+//! signals the server (then `SIGKILL`s its whole process group) and removes
+//! its directory. This matters because statics such as
+//! [`Cluster::shared`] are never dropped in Rust. `Drop` of each handle does
+//! the same work eagerly.
+//!
+//! # Cost
+//!
+//! The first [`Cluster::start`] on a machine runs `initdb` once (about 1 s
+//! on an idle machine) into a template directory (keyed by the PostgreSQL
+//! version, the server uid and the initdb options; created atomically with
+//! `rename`, never deleted) which later clusters copy with `cp -a` (28 MB:
+//! 0.1 s on an idle machine, but up to 1-2 s on a disk busy with builds);
+//! the server then starts in 0.1-0.3 s. That is why directories go to
+//! `/dev/shm` when it is a tmpfs with at least 1 GiB free (the copy then
+//! takes 0.1-0.3 s even under load), else to [`std::env::temp_dir`].
+//! `PGELECT_TEST_NO_TEMPLATE=1` always runs `initdb` instead.
+//!
+//! # Environment variables
+//!
+//! * `PGELECT_TEST_DATABASE_URL`: use this server for [`TestDb::new`].
+//! * `PGELECT_PG_BIN`: directory holding `initdb`, `postgres`, `pg_ctl`.
+//! * `PGELECT_PGBOUNCER`: path of the pgbouncer binary.
+//! * `PGELECT_TEST_TMPDIR`: parent directory of the servers' directories and
+//!   of the template (default: `/dev/shm` if a roomy tmpfs, else
+//!   [`std::env::temp_dir`]).
+//! * `PGELECT_TEST_NO_TEMPLATE`: disable the initdb template cache.
+//! * `PGELECT_TESTKIT_DEBUG`: print how long each cluster took to start.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod cluster;
+mod pgbouncer;
+mod proxy;
+mod testdb;
+mod util;
+
+use std::io;
+use std::net::{Ipv4Addr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+pub use cluster::Cluster;
+pub use pgbouncer::{pgbouncer_available, PgBouncer, PoolMode};
+pub use proxy::FaultProxy;
+pub use testdb::TestDb;
+
+/// Superuser password of every throwaway cluster (and of the pgbouncer
+/// `userlist.txt`).
+pub const TEST_PASSWORD: &str = "pgelect-test-secret-7Q";
+
+/// Superuser name of every throwaway cluster.
+pub const SUPERUSER: &str = "postgres";
+
+/// Host every throwaway server listens on.
+pub(crate) const HOST: &str = "127.0.0.1";
+
+/// The external test server URL: `PGELECT_TEST_DATABASE_URL`, if set and
+/// non-empty.
+///
+/// When set, [`TestDb::new`] creates its databases there (the URL must name
+/// a role allowed to `CREATE DATABASE`/`CREATE ROLE`, and a database it can
+/// connect to, typically `postgres`) instead of starting a local cluster.
+pub fn external_url() -> Option<String> {
+    std::env::var("PGELECT_TEST_DATABASE_URL")
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+}
+
+/// Directory holding the PostgreSQL server binaries (`initdb`, `postgres`,
+/// `pg_ctl`).
+///
+/// Looks at, in order: the `PGELECT_PG_BIN` environment variable,
+/// `pg_config --bindir` (if that directory contains `initdb`), and the
+/// highest-versioned `/usr/lib/postgresql/*/bin` (Debian/Ubuntu layout).
+///
+/// # Errors
+///
+/// `NotFound` with instructions (run `scripts/setup.sh` or
+/// `apt-get install postgresql`) when nothing is found, or when
+/// `PGELECT_PG_BIN` is set but does not contain `initdb`.
+pub fn pg_bin_dir() -> io::Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("PGELECT_PG_BIN").filter(|v| !v.is_empty()) {
+        let dir = PathBuf::from(dir);
+        if has_initdb(&dir) {
+            return Ok(dir);
+        }
+        return Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!(
+                "PGELECT_PG_BIN={} does not contain an `initdb` executable",
+                dir.display()
+            ),
+        ));
+    }
+    if let Ok(out) = Command::new("pg_config").arg("--bindir").output() {
+        if out.status.success() {
+            let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+            if has_initdb(&dir) {
+                return Ok(dir);
+            }
+        }
+    }
+    let mut best: Option<(Vec<u64>, PathBuf)> = None;
+    if let Ok(entries) = std::fs::read_dir("/usr/lib/postgresql") {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(version) = name
+                .split('.')
+                .map(|p| p.parse::<u64>().ok())
+                .collect::<Option<Vec<u64>>>()
+            else {
+                continue;
+            };
+            let bin = entry.path().join("bin");
+            if has_initdb(&bin) && best.as_ref().is_none_or(|(v, _)| version > *v) {
+                best = Some((version, bin));
+            }
+        }
+    }
+    best.map(|(_, bin)| bin).ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::NotFound,
+            "PostgreSQL server binaries (initdb, postgres, pg_ctl) not found: run \
+             `scripts/setup.sh` or `apt-get install postgresql`, or set PGELECT_PG_BIN \
+             to the directory holding them (or PGELECT_TEST_DATABASE_URL to use an \
+             existing server for TestDb)",
+        )
+    })
+}
+
+fn has_initdb(dir: &Path) -> bool {
+    dir.join("initdb").is_file()
+}
+
+/// A TCP port on `127.0.0.1` that was free a moment ago.
+///
+/// The port is picked at random *below* the kernel's ephemeral port range
+/// (`/proc/sys/net/ipv4/ip_local_port_range`) and checked by binding it, so
+/// that outgoing connections and `bind(0)` listeners (such as
+/// [`FaultProxy`]) never grab a port a stopped [`Cluster`] wants back in
+/// [`Cluster::start_again`]. Falls back to binding `127.0.0.1:0`. There is
+/// still an unavoidable race with other processes between this check and the
+/// real bind: callers retry with a new port when the server fails to bind.
+///
+/// # Panics
+///
+/// If not even `127.0.0.1:0` can be bound (no loopback networking).
+pub fn free_port() -> u16 {
+    let (low, high) = util::ephemeral_range();
+    let range = if low >= 11024 {
+        Some((low - 10_000, low - 1))
+    } else if high <= 55_535 {
+        Some((high + 1, high + 10_000))
+    } else {
+        None
+    };
+    if let Some((lo, hi)) = range {
+        for _ in 0..64 {
+            let span = u64::from(hi - lo) + 1;
+            let offset = u16::try_from(util::random_u64() % span).unwrap_or(0);
+            let port = lo + offset;
+            if TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
+                return port;
+            }
+        }
+    }
+    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("pgelect-testkit: cannot bind any TCP port on 127.0.0.1")
+}
+
+/// Percent-encodes a URL component (everything but RFC 3986 unreserved
+/// characters).
+pub(crate) fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Rewrites a libpq-style connection string (URL or `key=value` form),
+/// replacing the credentials and/or the database name.
+pub(crate) fn rewrite_conn_str(
+    base: &str,
+    creds: Option<(&str, &str)>,
+    db: Option<&str>,
+) -> String {
+    let scheme_end = ["postgres://", "postgresql://"]
+        .iter()
+        .find(|p| base.starts_with(*p))
+        .map(|p| p.len());
+    let Some(scheme_end) = scheme_end else {
+        // key=value form: later keys override earlier ones.
+        let quote = |v: &str| format!("'{}'", v.replace('\\', "\\\\").replace('\'', "\\'"));
+        let mut out = base.to_owned();
+        if let Some((user, password)) = creds {
+            out.push_str(&format!(
+                " user={} password={}",
+                quote(user),
+                quote(password)
+            ));
+        }
+        if let Some(db) = db {
+            out.push_str(&format!(" dbname={}", quote(db)));
+        }
+        return out;
+    };
+    let (scheme, rest) = base.split_at(scheme_end);
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    let (path, query) = match tail.find('?') {
+        Some(i) => tail.split_at(i),
+        None => (tail, ""),
+    };
+    let hosts = match authority.rfind('@') {
+        Some(i) => &authority[i + 1..],
+        None => authority,
+    };
+    let userinfo = match (creds, authority.rfind('@')) {
+        (Some((user, password)), _) => {
+            format!("{}:{}@", percent_encode(user), percent_encode(password))
+        }
+        (None, Some(i)) => authority[..=i].to_owned(),
+        (None, None) => String::new(),
+    };
+    let path = match db {
+        Some(db) => format!("/{}", percent_encode(db)),
+        None => path.to_owned(),
+    };
+    format!("{scheme}{userinfo}{hosts}{path}{query}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rewrite_url() {
+        let base = "postgres://u:p@h:5432/db?sslmode=disable";
+        assert_eq!(
+            rewrite_conn_str(base, None, Some("x y")),
+            "postgres://u:p@h:5432/x%20y?sslmode=disable"
+        );
+        assert_eq!(
+            rewrite_conn_str(base, Some(("a", "p@ss")), None),
+            "postgres://a:p%40ss@h:5432/db?sslmode=disable"
+        );
+        assert_eq!(
+            rewrite_conn_str("postgresql://h", Some(("a", "b")), Some("d")),
+            "postgresql://a:b@h/d"
+        );
+        assert_eq!(
+            rewrite_conn_str("host=h user=u", Some(("a", "it's")), Some("d")),
+            "host=h user=u user='a' password='it\\'s' dbname='d'"
+        );
+    }
+
+    #[test]
+    fn rewritten_urls_parse() {
+        let url = rewrite_conn_str(
+            "postgres://u:p@127.0.0.1:5/db",
+            Some(("r", "p w:/@'")),
+            Some("t_1"),
+        );
+        let cfg: tokio_postgres::Config = url.parse().unwrap();
+        assert_eq!(cfg.get_user(), Some("r"));
+        assert_eq!(cfg.get_password(), Some(&b"p w:/@'"[..]));
+        assert_eq!(cfg.get_dbname(), Some("t_1"));
+        let kv = rewrite_conn_str("host=h", Some(("r", "a'b\\c")), Some("d"));
+        let cfg: tokio_postgres::Config = kv.parse().unwrap();
+        assert_eq!(cfg.get_password(), Some(&b"a'b\\c"[..]));
+        assert_eq!(cfg.get_dbname(), Some("d"));
+    }
+
+    #[test]
+    fn free_port_is_bindable() {
+        let p = free_port();
+        assert!(p > 0);
+        TcpListener::bind((Ipv4Addr::LOCALHOST, p)).unwrap();
+    }
+
+    #[test]
+    fn finds_binaries() {
+        let dir = pg_bin_dir().unwrap();
+        assert!(dir.join("postgres").is_file());
+    }
+}

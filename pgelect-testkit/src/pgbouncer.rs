@@ -1,0 +1,347 @@
+//! A real pgbouncer in front of a [`Cluster`].
+
+use std::fs;
+use std::io;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use crate::util::{
+    self, as_server_user, block_on_fresh_runtime, ctx, err, make_temp_dir, open_log, wait_or_kill,
+    write_private, ReadyError, Reaper,
+};
+use crate::{free_port, percent_encode, Cluster, HOST, SUPERUSER, TEST_PASSWORD};
+
+/// How long pgbouncer may take to answer a query through it after being
+/// spawned.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// PgBouncer pooling mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PoolMode {
+    /// `pool_mode = session`: a client keeps its server connection until it
+    /// disconnects (`server_reset_query = DISCARD ALL` on release).
+    Session,
+    /// `pool_mode = transaction`: a client holds a server connection only
+    /// for the duration of a transaction. Session state (advisory locks held
+    /// at session level, prepared statements, `SET`) does not survive
+    /// between transactions; use the simple query protocol.
+    Transaction,
+}
+
+impl PoolMode {
+    fn as_str(self) -> &'static str {
+        match self {
+            PoolMode::Session => "session",
+            PoolMode::Transaction => "transaction",
+        }
+    }
+}
+
+/// Whether a pgbouncer binary was found: `PGELECT_PGBOUNCER`, the usual
+/// system locations, or `PATH`.
+pub fn pgbouncer_available() -> bool {
+    pgbouncer_bin().is_some()
+}
+
+fn pgbouncer_bin() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("PGELECT_PGBOUNCER").filter(|v| !v.is_empty()) {
+        let p = PathBuf::from(p);
+        return p.is_file().then_some(p);
+    }
+    let system = [
+        "/usr/sbin/pgbouncer",
+        "/usr/bin/pgbouncer",
+        "/usr/local/sbin/pgbouncer",
+        "/usr/local/bin/pgbouncer",
+    ];
+    let path_dirs = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .unwrap_or_default();
+    system
+        .iter()
+        .map(PathBuf::from)
+        .chain(path_dirs.into_iter().map(|d| d.join("pgbouncer")))
+        .find(|p| p.is_file())
+}
+
+/// A real pgbouncer (run as the unprivileged server user when root) in
+/// front of a [`Cluster`], listening on `127.0.0.1`.
+///
+/// Clients authenticate with SCRAM as [`SUPERUSER`] / [`TEST_PASSWORD`]
+/// (from its `userlist.txt`), or as any other role of the cluster (looked up
+/// with `auth_query`). Database `pgbouncer` is the admin console
+/// (`SHOW POOLS`, `SHOW CONFIG`, ... with the simple query protocol).
+/// Settings: `max_client_conn = 500`, `default_pool_size = 20`,
+/// `ignore_startup_parameters = extra_float_digits`,
+/// `server_login_retry = 1`; log in `pgbouncer.log` next to its ini file.
+///
+/// Dropping it (or the test process exiting) kills pgbouncer and removes its
+/// directory.
+#[derive(Debug)]
+pub struct PgBouncer {
+    dir: PathBuf,
+    bin: PathBuf,
+    port: u16,
+    server_port: u16,
+    mode: PoolMode,
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    child: Option<Child>,
+    reaper: Option<Reaper>,
+}
+
+impl PgBouncer {
+    /// Starts pgbouncer in `mode` in front of `cluster` on a free port and
+    /// waits (at most 10 s) until a `SELECT 1` through it succeeds.
+    ///
+    /// # Errors
+    ///
+    /// `NotFound` if pgbouncer is not installed; otherwise if it does not
+    /// start (the message includes the log tail).
+    pub fn start(cluster: &Cluster, mode: PoolMode) -> io::Result<PgBouncer> {
+        let bin = pgbouncer_bin().ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                "pgbouncer not found: run `scripts/setup.sh` or `apt-get install pgbouncer`, \
+                 or set PGELECT_PGBOUNCER to its path",
+            )
+        })?;
+        let dir = make_temp_dir("pgbouncer")?;
+        let reaper = match Reaper::spawn(&dir, "TERM") {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
+        let mut bouncer = PgBouncer {
+            dir,
+            bin,
+            port: 0,
+            server_port: cluster.port(),
+            mode,
+            state: Mutex::new(State {
+                child: None,
+                reaper: Some(reaper),
+            }),
+        };
+        // From here on, dropping `bouncer` cleans everything up.
+        let userlist = format!(
+            "\"{}\" \"{}\"\n",
+            SUPERUSER.replace('"', "\"\""),
+            TEST_PASSWORD.replace('"', "\"\"")
+        );
+        write_private(&bouncer.dir.join("userlist.txt"), &userlist)?;
+        let mut clash = None;
+        for _ in 0..10 {
+            bouncer.port = free_port();
+            bouncer.write_ini()?;
+            match bouncer.spawn() {
+                Ok(()) => return Ok(bouncer),
+                Err(e) if e.is_port_clash() => clash = Some(e),
+                Err(e) => return Err(ctx(e.into_io(), "pgbouncer failed to start")),
+            }
+        }
+        Err(ctx(
+            clash.map_or_else(|| err("no attempt"), ReadyError::into_io),
+            "pgbouncer could not bind a free port after 10 attempts",
+        ))
+    }
+
+    /// The port pgbouncer listens on (stable across
+    /// [`restart`](PgBouncer::restart)).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `postgres://postgres:PASSWORD@127.0.0.1:PORT/<database>` through
+    /// pgbouncer (database `pgbouncer` is its admin console).
+    pub fn url(&self, database: &str) -> String {
+        format!(
+            "postgres://{}:{}@{HOST}:{}/{}",
+            percent_encode(SUPERUSER),
+            percent_encode(TEST_PASSWORD),
+            self.port,
+            percent_encode(database)
+        )
+    }
+
+    /// A superuser connection config for `database` through pgbouncer (no
+    /// connect timeout is set).
+    pub fn config(&self, database: &str) -> tokio_postgres::Config {
+        let mut config = tokio_postgres::Config::new();
+        config
+            .host(HOST)
+            .port(self.port)
+            .user(SUPERUSER)
+            .password(TEST_PASSWORD)
+            .dbname(database);
+        config
+    }
+
+    /// Kills pgbouncer (`SIGKILL`: all client and server connections drop)
+    /// and starts it again on the same port; returns once a query through it
+    /// succeeds.
+    ///
+    /// # Errors
+    ///
+    /// If it does not come back within 10 s (e.g. the port was taken
+    /// meanwhile), with the log tail.
+    pub fn restart(&self) -> io::Result<()> {
+        self.stop()?;
+        self.spawn()
+            .map_err(|e| ctx(e.into_io(), "restart pgbouncer"))
+    }
+
+    /// Kills pgbouncer (`SIGKILL`) and waits for it to exit. A no-op if it is
+    /// not running. [`restart`](PgBouncer::restart) brings it back.
+    ///
+    /// # Errors
+    ///
+    /// Only if waiting for the process fails.
+    pub fn stop(&self) -> io::Result<()> {
+        let mut st = self.lock();
+        if let Some(mut child) = st.child.take() {
+            let _ = child.kill();
+            if util::wait_timeout(&mut child, Duration::from_secs(10))?.is_none() {
+                return Err(err("pgbouncer did not exit after SIGKILL"));
+            }
+        }
+        if let Some(reaper) = st.reaper.as_mut() {
+            reaper.watch(0);
+        }
+        Ok(())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn write_ini(&self) -> io::Result<()> {
+        let dir = self.dir.display();
+        let reset = match self.mode {
+            PoolMode::Session => "DISCARD ALL",
+            PoolMode::Transaction => "",
+        };
+        let ini = format!(
+            "\
+[databases]
+* = host={HOST} port={server_port}
+
+[pgbouncer]
+listen_addr = {HOST}
+listen_port = {port}
+unix_socket_dir =
+pidfile = {dir}/pgbouncer.pid
+auth_type = scram-sha-256
+auth_file = {dir}/userlist.txt
+auth_user = {SUPERUSER}
+auth_query = SELECT usename, passwd FROM pg_catalog.pg_shadow WHERE usename = $1
+admin_users = {SUPERUSER}
+stats_users = {SUPERUSER}
+pool_mode = {mode}
+max_client_conn = 500
+default_pool_size = 20
+ignore_startup_parameters = extra_float_digits
+server_reset_query = {reset}
+server_login_retry = 1
+",
+            server_port = self.server_port,
+            port = self.port,
+            mode = self.mode.as_str(),
+        );
+        write_private(&self.dir.join("pgbouncer.ini"), &ini)
+    }
+
+    fn spawn(&self) -> Result<(), ReadyError> {
+        let mut st = self.lock();
+        if let Some(child) = st.child.as_mut() {
+            if matches!(child.try_wait(), Ok(None)) {
+                return Err(ReadyError::Other(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    "pgbouncer is already running",
+                )));
+            }
+        }
+        st.child = None;
+        let pidfile = self.dir.join("pgbouncer.pid");
+        let _ = fs::remove_file(&pidfile);
+        let log = self.dir.join("pgbouncer.log");
+        let (out, from) = open_log(&log).map_err(ReadyError::Other)?;
+        let mut cmd = Command::new(&self.bin);
+        cmd.arg(self.dir.join("pgbouncer.ini"))
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().map_err(ReadyError::Other)?)
+            .stderr(out)
+            .current_dir(&self.dir)
+            .process_group(0);
+        as_server_user(&mut cmd);
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| ReadyError::Other(ctx(e, format!("spawn {}", self.bin.display()))))?;
+        if let Some(reaper) = st.reaper.as_mut() {
+            reaper.watch(child.id());
+        }
+        let admin = self.config("pgbouncer");
+        let db = self.config("postgres");
+        let ready = util::wait_ready(
+            "pgbouncer",
+            &mut child,
+            self.port,
+            START_TIMEOUT,
+            &log,
+            from,
+            || {
+                let (mut admin, mut db) = (admin.clone(), db.clone());
+                let pidfile = pidfile.clone();
+                block_on_fresh_runtime(Duration::from_secs(5), move || async move {
+                    admin.connect_timeout(Duration::from_secs(2));
+                    db.connect_timeout(Duration::from_secs(2));
+                    // Guard against another pgbouncer that grabbed our port.
+                    let config = util::simple_rows(admin, "SHOW CONFIG").await?;
+                    let ours = config.iter().any(|row| {
+                        row.first().and_then(Option::as_deref) == Some("pidfile")
+                            && row.get(1).and_then(Option::as_deref) == pidfile.to_str()
+                    });
+                    if !ours {
+                        return Err(err("port is served by another pgbouncer"));
+                    }
+                    util::simple_rows(db, "SELECT 1").await.map(|_| ())
+                })
+            },
+        );
+        match ready {
+            Ok(()) => {
+                st.child = Some(child);
+                Ok(())
+            }
+            Err(e) => {
+                wait_or_kill(&mut child, Duration::ZERO);
+                if let Some(reaper) = st.reaper.as_mut() {
+                    reaper.watch(0);
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for PgBouncer {
+    /// Kills pgbouncer and removes its directory.
+    fn drop(&mut self) {
+        let _ = self.stop();
+        let reaper = self.lock().reaper.take();
+        if let Some(reaper) = reaper {
+            reaper.finish(Duration::from_secs(30));
+        }
+        if self.dir.exists() {
+            let _ = fs::remove_dir_all(&self.dir);
+        }
+    }
+}
