@@ -1,1 +1,58 @@
-fn main() {}
+//! Reproducible pgelect benchmarks.
+//!
+//! ```text
+//! cargo run --release -p pgelect-bench -- <benchmark> [options]
+//! ```
+//!
+//! Each benchmark starts a throwaway PostgreSQL cluster with
+//! `pgelect-testkit` (or uses `PGELECT_BENCH_DATABASE_URL`), measures its
+//! variants in alternating rounds in the same run, and prints a table for
+//! people and one JSON line for scripts. One module per benchmark.
+
+use std::process::ExitCode;
+
+mod xact_lock;
+
+const USAGE: &str = "\
+usage: pgelect-bench <benchmark> [options]
+
+benchmarks:
+  xact-lock   transaction-lock acquire + commit throughput, pgelect next to a bare
+              tokio-postgres loop (options: --seconds N, --rounds N, --json)
+
+environment:
+  PGELECT_BENCH_DATABASE_URL   use this database instead of a throwaway cluster";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("xact-lock") => xact_lock::run(&args[1..]),
+        Some("-h" | "--help" | "help") => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Some(other) => Err(format!("unknown benchmark {other:?}\n\n{USAGE}")),
+        None => Err(USAGE.to_owned()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("pgelect-bench: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The database to benchmark against: `PGELECT_BENCH_DATABASE_URL`, or a
+/// throwaway cluster that lives as long as the returned handle.
+pub(crate) fn database() -> Result<(String, Option<pgelect_testkit::Cluster>), String> {
+    if let Some(url) = std::env::var("PGELECT_BENCH_DATABASE_URL")
+        .ok()
+        .filter(|s| !s.trim().is_empty())
+    {
+        return Ok((url, None));
+    }
+    let cluster = pgelect_testkit::Cluster::start()
+        .map_err(|e| format!("cannot start a throwaway PostgreSQL cluster: {e}"))?;
+    Ok((cluster.url("postgres"), Some(cluster)))
+}

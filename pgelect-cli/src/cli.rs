@@ -65,6 +65,20 @@ pub enum Command {
   pgelect migrate --database-url postgres://app@db/app
   pgelect migrate --schema my_locks")]
     Migrate(crate::migrate::MigrateArgs),
+    /// Run a command while holding a fleet-wide advisory lock, like flock(1).
+    #[command(after_help = "Examples:
+  pgelect lock --key nightly-report -- ./report.sh
+  pgelect lock --key db-backup --no-wait -- pg_dump app
+  pgelect lock --key deploy --timeout 30s -- ./deploy.sh
+
+Exit codes: the command's own code; 75 when the lock was not acquired
+(--no-wait, --timeout); 69 when the lock's connection was lost (the command
+is killed at once); 127 when the command does not exist.
+
+While the command runs it has PGELECT_LOCK=NAME in its environment.
+SIGTERM or SIGINT stop it (SIGTERM, then SIGKILL after --grace) and release
+the lock.")]
+    Lock(crate::lock::LockArgs),
 }
 
 impl Global {

@@ -6,7 +6,9 @@ mod child;
 mod cli;
 mod duration;
 mod exit;
+mod lock;
 mod migrate;
+mod signals;
 
 use std::process::ExitCode;
 
@@ -35,6 +37,7 @@ fn main() -> ExitCode {
     let result: Result<u8, Failure> = runtime.block_on(async move {
         match cli.command {
             Command::Migrate(args) => migrate::run(&cli.global, args).await,
+            Command::Lock(args) => lock::run(&cli.global, args).await,
         }
     });
     match result {

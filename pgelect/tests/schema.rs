@@ -140,11 +140,9 @@ async fn refused_port_fails_fast_with_the_target() {
 #[tokio::test]
 async fn silent_server_times_out_instead_of_hanging() {
     let db = TestDb::new("blackhole_connect").await;
-    let proxy = FaultProxy::start(db_addr(&db)).unwrap();
+    let proxy = FaultProxy::start(db.server_addr()).unwrap();
     proxy.blackhole();
-    let mut config = db.config();
-    config.host("127.0.0.1").port(proxy.port());
-    let o = ConnectOptions::from_config(config)
+    let o = ConnectOptions::from_config(db.config_via(proxy.port()))
         .connect_timeout(Duration::from_millis(500))
         .unwrap();
     let started = Instant::now();
@@ -180,13 +178,4 @@ async fn user_without_rights_gets_a_permission_error() {
 async fn zero_connect_timeout_is_rejected() {
     let o = ConnectOptions::from_url("postgres://u@h/d").unwrap();
     assert!(matches!(o.connect_timeout(Duration::ZERO), Err(Error::Config(_))));
-}
-
-fn db_addr(db: &TestDb) -> std::net::SocketAddr {
-    let config = db.config();
-    let host = match &config.get_hosts()[0] {
-        tokio_postgres::config::Host::Tcp(h) => h.clone(),
-        other => panic!("tests use TCP, got {other:?}"),
-    };
-    format!("{host}:{}", config.get_ports()[0]).parse().unwrap()
 }

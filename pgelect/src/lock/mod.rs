@@ -1,2 +1,145 @@
 //! Advisory locks: session-scoped on dedicated connections, and
 //! transaction-scoped on the caller's transaction.
+//!
+//! PostgreSQL's [advisory locks](https://www.postgresql.org/docs/current/explicit-locking.html#ADVISORY-LOCKS)
+//! come in two scopes, and pgelect offers both:
+//!
+//! * **Session locks** ([`LockSession`], [`LockGuard`]) live as long as the
+//!   server session that took them. pgelect takes them on a connection it
+//!   opens itself and never hands to a pool, so a lock cannot leak into an
+//!   unrelated request that later borrows the same pooled connection. The
+//!   guard's [`lost()`](LockGuard::lost) tells you when that connection died
+//!   (and with it the lock, on the server).
+//! * **Transaction locks** ([`xact_lock`], [`try_xact_lock`],
+//!   [`xact_lock_timeout`] and their `_shared` forms) are taken on *your*
+//!   transaction and released by PostgreSQL at its commit or rollback. They
+//!   need no dedicated connection and work through PgBouncer in transaction
+//!   mode. With the `sqlx` feature, the module `pgelect::lock::sqlx` has the same
+//!   functions over `&mut sqlx::PgConnection`.
+//!
+//! Both kinds use the keys of [`LockKey`], and share key
+//! spaces with any other client that calls `pg_advisory_lock` and friends.
+//!
+//! # Sharp edges
+//! * Advisory locks are per database: the same key in two databases of one
+//!   cluster is two different locks.
+//! * A session lock guards nothing by itself once its connection is gone:
+//!   watch [`LockGuard::lost`] and stop the protected work when it fires.
+//!   For writes that must never happen after a loss, use the fencing of the
+//!   election module, not a bare lock.
+//! * Release on drop is a best-effort fallback, not immediate: prefer
+//!   [`LockGuard::release`], which reports what PostgreSQL did.
+
+mod session;
+#[cfg(feature = "sqlx")]
+pub mod sqlx;
+mod xact;
+
+use std::time::Duration;
+
+pub use session::{LockGuard, LockSession, LockSessionBuilder};
+pub use xact::{
+    try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, xact_lock_shared_timeout,
+    xact_lock_timeout,
+};
+
+use crate::error::{Error, Result};
+use crate::key::LockKey;
+
+/// The mode of an advisory lock.
+///
+/// Any number of sessions or transactions may hold a key in
+/// [`Shared`](LockMode::Shared) mode at once; [`Exclusive`](LockMode::Exclusive)
+/// excludes every other holder, shared or exclusive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LockMode {
+    /// One holder at a time (`pg_advisory_lock`).
+    Exclusive,
+    /// Many shared holders, no exclusive one (`pg_advisory_lock_shared`).
+    Shared,
+}
+
+impl LockMode {
+    /// The suffix PostgreSQL's function names carry for this mode.
+    fn suffix(self) -> &'static str {
+        match self {
+            LockMode::Exclusive => "",
+            LockMode::Shared => "_shared",
+        }
+    }
+
+    /// The `pg_locks.mode` of a granted advisory lock in this mode.
+    fn pg_locks_mode(self) -> &'static str {
+        match self {
+            LockMode::Exclusive => "ExclusiveLock",
+            LockMode::Shared => "ShareLock",
+        }
+    }
+}
+
+/// Converts a bounded wait to whole milliseconds for `lock_timeout`.
+///
+/// Rounds up, so that a sub-millisecond bound never becomes `0` (which
+/// PostgreSQL reads as "no limit"), and refuses zero and values beyond
+/// PostgreSQL's `lock_timeout` range.
+fn timeout_millis(what: &str, timeout: Duration) -> Result<i64> {
+    if timeout.is_zero() {
+        return Err(Error::config(format!(
+            "{what} must be positive; use the try_* function for an immediate answer"
+        )));
+    }
+    let ms = timeout.as_nanos().div_ceil(1_000_000);
+    if ms > i32::MAX as u128 {
+        return Err(Error::config(format!(
+            "{what} of {timeout:?} is longer than PostgreSQL's lock_timeout allows \
+             ({}ms); use the unbounded wait instead",
+            i32::MAX
+        )));
+    }
+    Ok(ms as i64)
+}
+
+/// The key as SQL literals, for the simple-query protocol: `'42'::int8` or
+/// `'1'::int4, '2'::int4`. Integers only, so nothing to escape.
+fn key_literals(key: &LockKey) -> String {
+    match *key {
+        LockKey::Single(k) => format!("'{k}'::int8"),
+        LockKey::Pair(a, b) => format!("'{a}'::int4, '{b}'::int4"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeout_millis_rounds_up_and_refuses_zero() {
+        assert!(timeout_millis("t", Duration::ZERO).is_err());
+        assert_eq!(timeout_millis("t", Duration::from_nanos(1)).unwrap(), 1);
+        assert_eq!(timeout_millis("t", Duration::from_micros(1500)).unwrap(), 2);
+        assert_eq!(timeout_millis("t", Duration::from_secs(5)).unwrap(), 5000);
+        let max = Duration::from_millis(i32::MAX as u64);
+        assert_eq!(timeout_millis("t", max).unwrap(), i32::MAX as i64);
+        let err = timeout_millis("t", max + Duration::from_millis(1)).unwrap_err();
+        assert!(matches!(err, Error::Config(_)), "{err}");
+    }
+
+    #[test]
+    fn key_literals_cover_the_extremes() {
+        assert_eq!(
+            key_literals(&LockKey::from_i64(i64::MIN)),
+            "'-9223372036854775808'::int8"
+        );
+        assert_eq!(
+            key_literals(&LockKey::from_pair(-1, i32::MAX)),
+            "'-1'::int4, '2147483647'::int4"
+        );
+    }
+
+    #[test]
+    fn modes_map_to_postgres_names() {
+        assert_eq!(LockMode::Shared.suffix(), "_shared");
+        assert_eq!(LockMode::Exclusive.pg_locks_mode(), "ExclusiveLock");
+        assert_eq!(LockMode::Shared.pg_locks_mode(), "ShareLock");
+    }
+}

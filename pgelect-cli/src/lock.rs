@@ -1,0 +1,101 @@
+//! `pgelect lock`: flock(1) for a fleet.
+
+use std::time::Duration;
+
+use clap::Args;
+use pgelect::{LockKey, LockSession};
+
+use crate::child;
+use crate::cli::Global;
+use crate::exit::{self, Failure};
+use crate::signals::Signals;
+
+#[derive(Debug, Args)]
+pub struct LockArgs {
+    /// Name of the lock; the same name locks the same key on every machine
+    /// (and in SQL: pgelect.key(NAME)).
+    #[arg(long, value_name = "NAME")]
+    pub key: String,
+    /// Take the lock in shared mode (many shared holders, no exclusive one).
+    #[arg(long)]
+    pub shared: bool,
+    /// Give up after waiting this long (500ms, 10s, 2m); exit 75.
+    #[arg(long, value_parser = crate::duration::parse_positive, conflicts_with = "no_wait", value_name = "DURATION")]
+    pub timeout: Option<Duration>,
+    /// Do not wait: exit 75 at once if the lock is held elsewhere.
+    #[arg(long, short = 'n')]
+    pub no_wait: bool,
+    /// Time the command gets between SIGTERM and SIGKILL when pgelect is
+    /// asked to stop.
+    #[arg(long, value_parser = crate::duration::parse_positive, default_value = "10s", value_name = "DURATION")]
+    pub grace: Duration,
+    /// The command to run while holding the lock, after `--`.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub command: Vec<String>,
+}
+
+pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
+    let key = LockKey::from_name(&args.key)?;
+    let options = global.connect_options()?;
+    let mut signals = Signals::install()?;
+    let session = LockSession::builder(&options)
+        .name(format!("lock:{}", short(&args.key)))
+        .connect()
+        .await?;
+    let acquiring = async {
+        match (args.no_wait, args.timeout, args.shared) {
+            (true, _, false) => session.try_lock(key).await,
+            (true, _, true) => session.try_lock_shared(key).await,
+            (false, Some(t), false) => session.lock_timeout(key, t).await.map(Some),
+            (false, Some(t), true) => session.lock_shared_timeout(key, t).await.map(Some),
+            (false, None, false) => session.lock(key).await.map(Some),
+            (false, None, true) => session.lock_shared(key).await.map(Some),
+        }
+    };
+    let guard = tokio::select! {
+        got = acquiring => match got {
+            Ok(Some(guard)) => guard,
+            Ok(None) => {
+                return Err(Failure::new(exit::TEMPFAIL, format!("lock {:?} is held elsewhere; not waiting (--no-wait)", args.key)));
+            }
+            Err(e) if e.is_timeout() => {
+                return Err(Failure::new(exit::TEMPFAIL, format!("lock {:?} not acquired: {e}", args.key)));
+            }
+            Err(e) => return Err(e.into()),
+        },
+        sig = signals.recv() => {
+            return Err(Failure::new(exit::TEMPFAIL, format!("interrupted by {sig} while waiting for lock {:?}", args.key)));
+        }
+    };
+    tracing::info!(key = %args.key, "lock acquired; starting the command");
+    let env = [("PGELECT_LOCK", args.key.clone())];
+    let mut child = child::spawn(&args.command, &env)?;
+    let outcome = tokio::select! {
+        status = child.wait() => {
+            let status = status.map_err(|e| Failure::new(exit::SOFTWARE, format!("waiting for the command failed: {e}")))?;
+            Ok(child::exit_code(status))
+        }
+        _ = guard.lost() => {
+            let _ = child.kill_now().await;
+            Err(Failure::new(exit::UNAVAILABLE, format!("lost lock {:?}: its database connection ended; the command was killed", args.key)))
+        }
+        sig = signals.recv() => {
+            tracing::info!(%sig, "stopping the command");
+            let status = child.stop(args.grace).await.map_err(|e| Failure::new(exit::SOFTWARE, format!("stopping the command failed: {e}")))?;
+            Ok(child::exit_code(status))
+        }
+    };
+    if outcome.is_ok() {
+        match guard.release().await {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(key = %args.key, "the lock was no longer held at release"),
+            Err(e) => tracing::warn!(key = %args.key, error = %e, "releasing the lock failed; the server frees it when the connection closes"),
+        }
+    }
+    outcome
+}
+
+/// A name cut to fit `application_name` (63 bytes) with room for a prefix.
+fn short(name: &str) -> String {
+    name.chars().take(40).collect()
+}

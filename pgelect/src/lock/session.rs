@@ -1,0 +1,824 @@
+//! Session-level advisory locks on a dedicated connection.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::{Arc, Mutex as StdMutex, MutexGuard as StdMutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{oneshot, Mutex as AsyncMutex, OwnedMutexGuard};
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::Type;
+use tokio_postgres::NoTls;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+
+use super::{key_literals, timeout_millis, LockMode};
+use crate::conn::{ConnectOptions, DedicatedConnection, TcpTimeouts};
+use crate::error::{Error, Result};
+use crate::key::LockKey;
+
+const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(1);
+const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
+const DEFAULT_NAME: &str = "locks";
+
+/// A dedicated PostgreSQL connection that holds session-level advisory
+/// locks: as many as you like, exclusive or shared.
+///
+/// A session lock lives as long as the server session that took it, so
+/// pgelect takes it on a connection it opens itself (with the TCP keepalive
+/// and user timeouts of [`TcpTimeouts`] on both ends, and no idle, statement
+/// or lock timeouts) and never returns to a pool. The connection closes when
+/// the `LockSession` and every [`LockGuard`] taken from it are dropped; the
+/// server then releases whatever is still held.
+///
+/// # Losing the connection
+/// [`lost()`](LockSession::lost) (and the same on every guard) resolves when
+/// the connection ends: pushed by the driver task the moment the server's
+/// goodbye or a reset arrives (a terminated backend is seen in milliseconds),
+/// and backed by a heartbeat (`SELECT 1` every
+/// [`heartbeat`](LockSessionBuilder::heartbeat)) that closes the connection
+/// when an answer takes longer than
+/// [`heartbeat_timeout`](LockSessionBuilder::heartbeat_timeout), for the
+/// silent failures no packet announces. When `lost()` fires the locks may
+/// already be someone else's: stop the work they protect.
+///
+/// # One statement at a time
+/// A PostgreSQL session runs one statement at a time, and a blocking
+/// `pg_advisory_lock` occupies it until granted. So a `LockSession` runs its
+/// operations one after another, in the order they were called (a fair
+/// queue): while [`lock`](LockSession::lock) or
+/// [`lock_timeout`](LockSession::lock_timeout) waits, a `try_lock` or a
+/// `release` through the same session waits behind it. The heartbeat skips
+/// its beats during such a wait; the driver task and the TCP timeouts still
+/// watch the connection (a dead peer is noticed within
+/// [`TcpTimeouts::detection_bound`]). To wait for one lock while working
+/// freely with others, use a second `LockSession` for the wait.
+///
+/// Taking a key that this session already holds, in either mode, fails with
+/// [`Error::AlreadyHeld`] instead of stacking a second lock that one release
+/// would not undo.
+///
+/// ```no_run
+/// # async fn f() -> Result<(), pgelect::Error> {
+/// use pgelect::{ConnectOptions, LockKey, LockSession};
+///
+/// let options = ConnectOptions::from_url("postgres://app:secret@localhost/app")?;
+/// let session = LockSession::connect(&options).await?;
+/// let key = LockKey::from_name("nightly-report")?;
+/// if let Some(guard) = session.try_lock(key).await? {
+///     tokio::select! {
+///         _ = guard.lost() => eprintln!("lock lost, stopping"),
+///         _ = async { /* the report */ } => {}
+///     }
+///     let released = guard.release().await?;
+///     assert!(released);
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct LockSession {
+    inner: Arc<Inner>,
+}
+
+/// Builds a [`LockSession`]; see [`LockSession::builder`].
+#[derive(Clone, Debug)]
+#[must_use = "a builder does nothing until `connect` is called"]
+pub struct LockSessionBuilder {
+    options: ConnectOptions,
+    heartbeat: Duration,
+    heartbeat_timeout: Duration,
+    tcp: TcpTimeouts,
+    name: String,
+}
+
+/// A session-level advisory lock held through a [`LockSession`].
+///
+/// Release it with [`release`](LockGuard::release), which reports whether
+/// PostgreSQL really held and released it. Dropping the guard releases it
+/// too, as a best-effort fallback: the release is queued on the session and
+/// run by a task spawned on the current Tokio runtime, in turn with the
+/// session's other statements (never interleaved with them, since the
+/// session runs one statement at a time). It is therefore not immediate; and
+/// without a runtime it waits for the next operation on the session, or for
+/// the session to close. Either way the key becomes free for this session
+/// again before its next operation runs.
+#[must_use = "dropping the guard releases the lock (in the background)"]
+pub struct LockGuard {
+    inner: Arc<Inner>,
+    key: LockKey,
+    mode: LockMode,
+    released: bool,
+}
+
+/// Exclusive access to the session's connection, held for every statement.
+type Ops = OwnedMutexGuard<()>;
+
+struct Inner {
+    conn: DedicatedConnection,
+    /// Serialises statements (see "One statement at a time"). Fair (FIFO).
+    ops: Arc<AsyncMutex<()>>,
+    state: StdMutex<State>,
+    /// The connection's `closed()` token: cancelled when it ends.
+    lost: CancellationToken,
+    /// Bound on every short statement (heartbeat, try, unlock, checks).
+    statement_timeout: Duration,
+    schema: String,
+}
+
+#[derive(Default)]
+struct State {
+    held: HashMap<LockKey, LockMode>,
+    /// Locks of dropped guards, to release before the next statement.
+    pending: Vec<(LockKey, LockMode)>,
+    waiting: Option<(LockKey, LockMode)>,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Wait {
+    Try,
+    Forever,
+    Bounded(Duration),
+}
+
+impl LockSession {
+    /// Opens a session with the default settings (see [`LockSessionBuilder`]).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future drops the half-opened connection.
+    pub async fn connect(options: &ConnectOptions) -> Result<LockSession> {
+        LockSession::builder(options).connect().await
+    }
+
+    /// A builder for a session with non-default heartbeat or TCP timeouts.
+    ///
+    /// ```no_run
+    /// # async fn f(options: pgelect::ConnectOptions) -> Result<(), pgelect::Error> {
+    /// use std::time::Duration;
+    /// let session = pgelect::LockSession::builder(&options)
+    ///     .heartbeat(Duration::from_millis(500))
+    ///     .heartbeat_timeout(Duration::from_secs(2))
+    ///     .name("report-locks")
+    ///     .connect()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn builder(options: &ConnectOptions) -> LockSessionBuilder {
+        LockSessionBuilder {
+            options: options.clone(),
+            heartbeat: DEFAULT_HEARTBEAT,
+            heartbeat_timeout: DEFAULT_HEARTBEAT_TIMEOUT,
+            tcp: TcpTimeouts::default(),
+            name: DEFAULT_NAME.to_owned(),
+        }
+    }
+
+    /// Tries to take `key` exclusively, without waiting.
+    ///
+    /// `Ok(None)` when another session holds it (in any mode).
+    /// [`Error::AlreadyHeld`] when this session holds it already.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: if the future is dropped after the server granted the
+    /// lock, pgelect releases it again in the background.
+    pub async fn try_lock(&self, key: LockKey) -> Result<Option<LockGuard>> {
+        self.acquire(key, LockMode::Exclusive, Wait::Try).await
+    }
+
+    /// Tries to take `key` in shared mode, without waiting.
+    ///
+    /// `Ok(None)` when another session holds it exclusively.
+    ///
+    /// # Cancel safety
+    /// As for [`try_lock`](LockSession::try_lock): cancel safe.
+    pub async fn try_lock_shared(&self, key: LockKey) -> Result<Option<LockGuard>> {
+        self.acquire(key, LockMode::Shared, Wait::Try).await
+    }
+
+    /// Takes `key` exclusively, waiting as long as it takes.
+    ///
+    /// The wait is PostgreSQL's own (`pg_advisory_lock`): waiters are served
+    /// in order, and the lock is granted the moment the holder lets go.
+    /// Other operations on this session queue behind the wait (see "One
+    /// statement at a time").
+    ///
+    /// # Cancel safety
+    /// Cancel safe: when the future is dropped, pgelect cancels the wait on
+    /// the server (a cancel request, as `pg_cancel_backend` would), and if
+    /// the lock was granted in the meantime releases it, before the
+    /// session's next statement runs.
+    pub async fn lock(&self, key: LockKey) -> Result<LockGuard> {
+        let guard = self
+            .acquire(key, LockMode::Exclusive, Wait::Forever)
+            .await?;
+        Ok(guard.expect("BUG: a blocking wait returns a guard or an error"))
+    }
+
+    /// Takes `key` in shared mode, waiting as long as it takes.
+    ///
+    /// # Cancel safety
+    /// As for [`lock`](LockSession::lock): cancel safe.
+    pub async fn lock_shared(&self, key: LockKey) -> Result<LockGuard> {
+        let guard = self.acquire(key, LockMode::Shared, Wait::Forever).await?;
+        Ok(guard.expect("BUG: a blocking wait returns a guard or an error"))
+    }
+
+    /// Takes `key` exclusively, waiting at most about `timeout`.
+    ///
+    /// The server bounds the wait (`lock_timeout`, set for this one wait and
+    /// reset in the same round trip), so no cancel request is needed and the
+    /// bound holds to the millisecond. When it runs out the error is
+    /// [`Error::LockTimeout`]. PostgreSQL may grant the lock at the very
+    /// moment the timeout fires and still report the timeout; pgelect then
+    /// finds the lock in `pg_locks` and returns the guard rather than leak
+    /// the lock. A zero `timeout` is refused with [`Error::Config`]
+    /// (use [`try_lock`](LockSession::try_lock)); sub-millisecond values
+    /// round up to 1 ms.
+    ///
+    /// # Cancel safety
+    /// As for [`lock`](LockSession::lock): cancel safe.
+    ///
+    /// ```no_run
+    /// # async fn f(session: pgelect::LockSession) -> Result<(), pgelect::Error> {
+    /// use std::time::Duration;
+    /// let key = pgelect::LockKey::from_i64(42);
+    /// match session.lock_timeout(key, Duration::from_secs(3)).await {
+    ///     Ok(guard) => { /* ... */ guard.release().await?; }
+    ///     Err(e) if e.is_timeout() => eprintln!("busy, try later"),
+    ///     Err(e) => return Err(e),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn lock_timeout(&self, key: LockKey, timeout: Duration) -> Result<LockGuard> {
+        let guard = self
+            .acquire(key, LockMode::Exclusive, Wait::Bounded(timeout))
+            .await?;
+        Ok(guard.expect("BUG: a bounded wait returns a guard or an error"))
+    }
+
+    /// Takes `key` in shared mode, waiting at most about `timeout`.
+    ///
+    /// # Cancel safety
+    /// As for [`lock`](LockSession::lock): cancel safe.
+    pub async fn lock_shared_timeout(&self, key: LockKey, timeout: Duration) -> Result<LockGuard> {
+        let guard = self
+            .acquire(key, LockMode::Shared, Wait::Bounded(timeout))
+            .await?;
+        Ok(guard.expect("BUG: a bounded wait returns a guard or an error"))
+    }
+
+    /// The keys this session holds through live guards (or whose release
+    /// after a drop is still queued), with their modes.
+    pub fn held(&self) -> Vec<(LockKey, LockMode)> {
+        let state = self.inner.state();
+        state.held.iter().map(|(k, m)| (*k, *m)).collect()
+    }
+
+    /// The process id of the server backend that holds the locks (as in
+    /// `pg_locks.pid` and `pg_stat_activity.pid`).
+    pub fn backend_pid(&self) -> i32 {
+        self.inner.conn.pid()
+    }
+
+    /// Resolves when the connection has ended, and with it every lock of
+    /// this session. See "Losing the connection".
+    ///
+    /// # Cancel safety
+    /// Cancel safe: the future only observes.
+    pub fn lost(&self) -> WaitForCancellationFutureOwned {
+        self.inner.lost.clone().cancelled_owned()
+    }
+
+    /// A token that is cancelled when the connection ends; hand it to work
+    /// that must stop then. Cancelling it yourself affects nothing else.
+    pub fn lost_token(&self) -> CancellationToken {
+        self.inner.lost.child_token()
+    }
+
+    /// True once the connection has ended.
+    pub fn is_lost(&self) -> bool {
+        self.inner.lost.is_cancelled()
+    }
+
+    /// Test hook, not API: runs `pg_advisory_unlock_all()` on the session
+    /// behind the guards' backs, so that tests can see
+    /// [`LockGuard::release`] report `false`.
+    #[doc(hidden)]
+    pub async fn unlock_all_behind_guards_for_tests(&self) -> Result<()> {
+        let ops = self.inner.ops.clone().lock_owned().await;
+        self.inner
+            .quick(
+                "unlock all (test hook)",
+                self.inner
+                    .client()
+                    .simple_query("SELECT pg_advisory_unlock_all()"),
+            )
+            .await?;
+        drop(ops);
+        Ok(())
+    }
+
+    async fn acquire(&self, key: LockKey, mode: LockMode, wait: Wait) -> Result<Option<LockGuard>> {
+        if let Wait::Bounded(t) = wait {
+            timeout_millis("the lock wait timeout", t)?;
+        }
+        // The statement runs in a task of its own, so that whatever the
+        // caller does with this future, the session ends in a known state:
+        // if the caller goes away, the task cancels the server-side wait and
+        // releases a lock that was granted anyway.
+        let inner = self.inner.clone();
+        let (mut tx, rx) = oneshot::channel();
+        tokio::spawn(async move {
+            let ops = tokio::select! {
+                ops = inner.ops.clone().lock_owned() => ops,
+                _ = tx.closed() => return,
+            };
+            let result = inner.acquire_locked(&ops, key, mode, wait, &mut tx).await;
+            if let Err(Ok(Some(guard))) = tx.send(result) {
+                inner.release_unwanted(&ops, guard).await;
+            }
+        });
+        rx.await.unwrap_or(Err(Error::ConnectionLost {
+            operation: "acquire a lock (the runtime is shutting down)",
+        }))
+    }
+}
+
+impl LockSessionBuilder {
+    /// How often the heartbeat checks the connection with `SELECT 1`.
+    /// Default: `1s`. Must be positive.
+    pub fn heartbeat(mut self, every: Duration) -> Self {
+        self.heartbeat = every;
+        self
+    }
+
+    /// How long the heartbeat, and every other short statement of the
+    /// session (try, release, checks), may wait for an answer before the
+    /// connection is declared dead and closed, so that the server releases
+    /// its locks and [`LockSession::lost`] fires. Lock waits are not
+    /// bounded by it. Default: `5s`. Must be positive.
+    pub fn heartbeat_timeout(mut self, timeout: Duration) -> Self {
+        self.heartbeat_timeout = timeout;
+        self
+    }
+
+    /// TCP keepalive and user timeouts, applied on the client and, through
+    /// session settings, on the server. Default: [`TcpTimeouts::default`].
+    pub fn tcp_timeouts(mut self, tcp: TcpTimeouts) -> Self {
+        self.tcp = tcp;
+        self
+    }
+
+    /// Names the connection `pgelect:<name>` in `pg_stat_activity` (unless
+    /// the connection options set an application name). Default: `locks`.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// Validates the settings, connects, and starts the heartbeat.
+    ///
+    /// Fails with [`Error::Config`] for a zero heartbeat or heartbeat
+    /// timeout, before connecting.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future drops the half-opened connection.
+    pub async fn connect(self) -> Result<LockSession> {
+        if self.heartbeat.is_zero() {
+            return Err(Error::config(format!(
+                "lock session heartbeat must be positive, got {:?}",
+                self.heartbeat
+            )));
+        }
+        if self.heartbeat_timeout.is_zero() {
+            return Err(Error::config(format!(
+                "lock session heartbeat_timeout must be positive, got {:?}",
+                self.heartbeat_timeout
+            )));
+        }
+        let conn = self
+            .options
+            .connect_for_locks(&self.name, &self.tcp)
+            .await?;
+        let lost = conn.closed().clone();
+        let inner = Arc::new(Inner {
+            conn,
+            ops: Arc::new(AsyncMutex::new(())),
+            state: StdMutex::new(State::default()),
+            lost: lost.clone(),
+            statement_timeout: self.heartbeat_timeout,
+            schema: self.options.schema_name().as_str().to_owned(),
+        });
+        tokio::spawn(heartbeat(Arc::downgrade(&inner), lost, self.heartbeat));
+        Ok(LockSession { inner })
+    }
+}
+
+impl LockGuard {
+    /// The key held.
+    pub fn key(&self) -> LockKey {
+        self.key
+    }
+
+    /// The mode it is held in.
+    pub fn mode(&self) -> LockMode {
+        self.mode
+    }
+
+    /// The process id of the server backend holding the lock.
+    pub fn backend_pid(&self) -> i32 {
+        self.inner.conn.pid()
+    }
+
+    /// Resolves when the connection holding the lock has ended: from then
+    /// on the lock is not held (the server released it, or will as soon as
+    /// it notices). Stop the work the lock protects.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: the future only observes.
+    pub fn lost(&self) -> WaitForCancellationFutureOwned {
+        self.inner.lost.clone().cancelled_owned()
+    }
+
+    /// A token cancelled when the connection holding the lock ends.
+    /// Cancelling it yourself affects nothing else.
+    pub fn lost_token(&self) -> CancellationToken {
+        self.inner.lost.child_token()
+    }
+
+    /// True once the connection holding the lock has ended.
+    pub fn is_lost(&self) -> bool {
+        self.inner.lost.is_cancelled()
+    }
+
+    /// Releases the lock and reports what PostgreSQL did: `true` when it
+    /// held the lock and released it (`pg_advisory_unlock` returned true),
+    /// `false` when the server did not hold it (someone released it behind
+    /// pgelect's back, e.g. with `pg_advisory_unlock_all()` on this
+    /// connection).
+    ///
+    /// Fails with [`Error::ConnectionLost`] when the connection is gone; the
+    /// server releases locks of a closed session by itself.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: if the future is dropped, the guard is dropped with it
+    /// and the drop fallback releases the lock (a second unlock of a lock
+    /// already released does no harm).
+    pub async fn release(mut self) -> Result<bool> {
+        let inner = self.inner.clone();
+        let ops = inner.ops.clone().lock_owned().await;
+        inner.flush_pending(&ops).await;
+        if inner.lost.is_cancelled() {
+            inner.state().held.remove(&self.key);
+            self.released = true;
+            return Err(Error::ConnectionLost {
+                operation: "release a lock",
+            });
+        }
+        match inner.unlock(&ops, self.key, self.mode).await {
+            Ok(released) => {
+                inner.state().held.remove(&self.key);
+                self.released = true;
+                Ok(released)
+            }
+            Err(e) if e.is_connection() => {
+                inner.state().held.remove(&self.key);
+                self.released = true;
+                Err(e)
+            }
+            // Leaves `released` false: the drop fallback tries once more.
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Drop for LockGuard {
+    fn drop(&mut self) {
+        if self.released {
+            return;
+        }
+        self.inner.state().pending.push((self.key, self.mode));
+        if self.inner.lost.is_cancelled() {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let inner = self.inner.clone();
+            runtime.spawn(async move {
+                let ops = inner.ops.clone().lock_owned().await;
+                inner.flush_pending(&ops).await;
+            });
+        } else {
+            tracing::debug!(
+                key = %self.key,
+                "lock guard dropped outside a Tokio runtime: the release waits for the \
+                 session's next operation or its end"
+            );
+        }
+    }
+}
+
+impl Inner {
+    fn state(&self) -> StdMutexGuard<'_, State> {
+        // No code panics while holding this lock; recover the data anyway.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn client(&self) -> &tokio_postgres::Client {
+        self.conn.client()
+    }
+
+    /// Runs a short statement bounded by `statement_timeout`; one that does
+    /// not answer in time means the connection is dead: it is closed (the
+    /// server then releases the locks) and `lost` fires.
+    async fn quick<T>(
+        &self,
+        operation: &'static str,
+        statement: impl Future<Output = std::result::Result<T, tokio_postgres::Error>>,
+    ) -> Result<T> {
+        match tokio::time::timeout(self.statement_timeout, statement).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(Error::db(operation, &self.schema, e)),
+            Err(_) => {
+                tracing::warn!(
+                    pid = self.conn.pid(),
+                    timeout = ?self.statement_timeout,
+                    operation,
+                    "lock connection did not answer in time; closing it"
+                );
+                self.conn.kill();
+                Err(Error::ConnectionLost { operation })
+            }
+        }
+    }
+
+    async fn acquire_locked(
+        self: &Arc<Self>,
+        ops: &Ops,
+        key: LockKey,
+        mode: LockMode,
+        wait: Wait,
+        caller: &mut oneshot::Sender<Result<Option<LockGuard>>>,
+    ) -> Result<Option<LockGuard>> {
+        self.flush_pending(ops).await;
+        if self.lost.is_cancelled() {
+            return Err(Error::ConnectionLost {
+                operation: "acquire a lock",
+            });
+        }
+        if self.state().held.contains_key(&key) {
+            return Err(Error::AlreadyHeld {
+                key: key.to_string(),
+            });
+        }
+        let params = key.params();
+        let args: Vec<_> = params.iter().map(|p| p.as_sql()).collect();
+        match wait {
+            Wait::Try => {
+                let sql = format!(
+                    "SELECT pg_try_advisory_lock{}({})",
+                    mode.suffix(),
+                    key.sql_args(1)
+                );
+                let row = self
+                    .quick("try a lock", self.client().query_typed_one(&sql, &args))
+                    .await?;
+                Ok(row.get::<_, bool>(0).then(|| self.register(key, mode)))
+            }
+            Wait::Forever => {
+                let sql = format!(
+                    "SELECT pg_advisory_lock{}({})",
+                    mode.suffix(),
+                    key.sql_args(1)
+                );
+                let statement = async { self.client().query_typed(&sql, &args).await.map(drop) };
+                self.wait_for(ops, key, mode, false, statement, caller)
+                    .await
+            }
+            Wait::Bounded(timeout) => {
+                let ms = timeout_millis("the lock wait timeout", timeout)?;
+                // One round trip, one implicit transaction: if the wait
+                // fails, the rollback also undoes the SET, so lock_timeout
+                // is back at 0 either way (a session lock taken inside an
+                // aborted transaction stays held, which is checked below).
+                let sql = format!(
+                    "SET lock_timeout = '{ms}ms'; SELECT pg_advisory_lock{}({}); SET lock_timeout = 0",
+                    mode.suffix(),
+                    key_literals(&key)
+                );
+                let statement = async { self.client().simple_query(&sql).await.map(drop) };
+                self.wait_for(ops, key, mode, true, statement, caller).await
+            }
+        }
+    }
+
+    /// Drives a lock wait to its end, cancelling it on the server if the
+    /// caller goes away, and makes sure no granted lock is left untracked.
+    async fn wait_for(
+        self: &Arc<Self>,
+        ops: &Ops,
+        key: LockKey,
+        mode: LockMode,
+        bounded: bool,
+        statement: impl Future<Output = std::result::Result<(), tokio_postgres::Error>>,
+        caller: &mut oneshot::Sender<Result<Option<LockGuard>>>,
+    ) -> Result<Option<LockGuard>> {
+        let started = Instant::now();
+        self.state().waiting = Some((key, mode));
+        tokio::pin!(statement);
+        let (outcome, abandoned) = tokio::select! {
+            outcome = &mut statement => (outcome, false),
+            _ = caller.closed() => {
+                tracing::debug!(%key, pid = self.conn.pid(), "lock wait abandoned; cancelling it on the server");
+                if let Err(e) = self.conn.cancel_token().cancel_query(NoTls).await {
+                    tracing::warn!(%key, error = %e, "could not cancel an abandoned lock wait; it ends when granted");
+                }
+                (statement.await, true)
+            }
+        };
+        self.state().waiting = None;
+        match outcome {
+            Ok(()) if abandoned => {
+                if let Err(e) = self.unlock(ops, key, mode).await {
+                    tracing::warn!(%key, error = %e, "could not release a lock granted after its wait was abandoned");
+                }
+                Ok(None)
+            }
+            Ok(()) => Ok(Some(self.register(key, mode))),
+            Err(e) if e.is_closed() => Err(Error::ConnectionLost {
+                operation: "wait for a lock",
+            }),
+            Err(e) => {
+                // PostgreSQL can grant the lock at the moment the wait
+                // fails (timeout, cancel) and still report the failure; a
+                // session lock then stays held. Look, and do not leak it.
+                let timed_out = bounded && e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE);
+                let granted = self.is_granted(key, mode).await?;
+                if granted && timed_out && !abandoned {
+                    tracing::debug!(%key, "lock granted as its wait timed out; keeping it");
+                    return Ok(Some(self.register(key, mode)));
+                }
+                if granted {
+                    self.unlock(ops, key, mode).await?;
+                }
+                if timed_out {
+                    Err(Error::LockTimeout {
+                        key: key.to_string(),
+                        waited: started.elapsed(),
+                    })
+                } else {
+                    Err(Error::db("wait for a lock", &self.schema, e))
+                }
+            }
+        }
+    }
+
+    /// True when this backend holds `key` in `mode` (per `pg_locks`).
+    async fn is_granted(&self, key: LockKey, mode: LockMode) -> Result<bool> {
+        let (classid, objid, objsubid) = key.pg_locks_ids();
+        let mode_name = mode.pg_locks_mode();
+        let row = self
+            .quick(
+                "check pg_locks",
+                self.client().query_typed_one(
+                    "SELECT EXISTS (SELECT 1 FROM pg_locks
+                      WHERE locktype = 'advisory' AND pid = pg_backend_pid()
+                        AND classid = $1 AND objid = $2 AND objsubid = $3
+                        AND mode = $4 AND granted)",
+                    &[
+                        (&classid, Type::OID),
+                        (&objid, Type::OID),
+                        (&objsubid, Type::INT2),
+                        (&mode_name, Type::TEXT),
+                    ],
+                ),
+            )
+            .await?;
+        Ok(row.get(0))
+    }
+
+    /// `pg_advisory_unlock[_shared]`: true when the server held and released.
+    async fn unlock(&self, _ops: &Ops, key: LockKey, mode: LockMode) -> Result<bool> {
+        let sql = format!(
+            "SELECT pg_advisory_unlock{}({})",
+            mode.suffix(),
+            key.sql_args(1)
+        );
+        let params = key.params();
+        let args: Vec<_> = params.iter().map(|p| p.as_sql()).collect();
+        let mut retried = false;
+        loop {
+            let result = self
+                .quick("release a lock", self.client().query_typed_one(&sql, &args))
+                .await;
+            match result {
+                Ok(row) => return Ok(row.get(0)),
+                // The cancel request of an abandoned wait can arrive late
+                // and hit the next statement: run it again.
+                Err(e) if !retried && e.sqlstate() == Some(SqlState::QUERY_CANCELED.code()) => {
+                    retried = true;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Releases the locks of dropped guards.
+    async fn flush_pending(&self, ops: &Ops) {
+        loop {
+            let next = self.state().pending.pop();
+            let Some((key, mode)) = next else { break };
+            if !self.lost.is_cancelled() {
+                match self.unlock(ops, key, mode).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        tracing::warn!(%key, "a dropped lock guard's lock was not held any more")
+                    }
+                    Err(e) => tracing::warn!(
+                        %key, error = %e,
+                        "releasing a dropped lock guard's lock failed; it stays held until the session ends"
+                    ),
+                }
+            }
+            self.state().held.remove(&key);
+        }
+    }
+
+    fn register(self: &Arc<Self>, key: LockKey, mode: LockMode) -> LockGuard {
+        self.state().held.insert(key, mode);
+        LockGuard {
+            inner: self.clone(),
+            key,
+            mode,
+            released: false,
+        }
+    }
+
+    /// Releases a lock granted to a caller that went away meanwhile.
+    async fn release_unwanted(&self, ops: &Ops, mut guard: LockGuard) {
+        if let Err(e) = self.unlock(ops, guard.key, guard.mode).await {
+            tracing::warn!(key = %guard.key, error = %e, "could not release a lock nobody waited for any more");
+        }
+        self.state().held.remove(&guard.key);
+        guard.released = true;
+    }
+}
+
+/// Checks the connection every `every`, and closes it when a check is not
+/// answered within the statement timeout. Ends with the session.
+async fn heartbeat(session: Weak<Inner>, lost: CancellationToken, every: Duration) {
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticks.tick().await;
+    loop {
+        tokio::select! {
+            _ = lost.cancelled() => return,
+            _ = ticks.tick() => {}
+        }
+        let Some(inner) = session.upgrade() else {
+            return;
+        };
+        // Busy means a statement is in flight: a short one is bounded by the
+        // same timeout, a lock wait is watched by the driver and TCP.
+        let Ok(ops) = inner.ops.clone().try_lock_owned() else {
+            continue;
+        };
+        inner.flush_pending(&ops).await;
+        if inner.lost.is_cancelled() {
+            return;
+        }
+        if let Err(e) = inner
+            .quick(
+                "check the connection",
+                inner.client().simple_query("SELECT 1"),
+            )
+            .await
+        {
+            tracing::warn!(pid = inner.conn.pid(), error = %e, "lock connection heartbeat failed; closing it");
+            inner.conn.kill();
+            return;
+        }
+    }
+}
+
+impl fmt::Debug for LockSession {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = self.inner.state();
+        f.debug_struct("LockSession")
+            .field("backend_pid", &self.inner.conn.pid())
+            .field("held", &state.held)
+            .field("waiting", &state.waiting)
+            .field("lost", &self.inner.lost.is_cancelled())
+            .finish()
+    }
+}
+
+impl fmt::Debug for LockGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockGuard")
+            .field("key", &self.key)
+            .field("mode", &self.mode)
+            .field("backend_pid", &self.inner.conn.pid())
+            .field("released", &self.released)
+            .field("lost", &self.inner.lost.is_cancelled())
+            .finish()
+    }
+}
