@@ -19,6 +19,10 @@ pub const NOT_EXECUTABLE: u8 = 126;
 pub struct Child {
     inner: tokio::process::Child,
     pgid: i32,
+    /// The write end of the watcher's pipe: when it closes (this handle is
+    /// dropped, or the supervisor dies, even by SIGKILL) the watcher kills
+    /// the whole process group, grandchildren included.
+    _watch: Option<tokio::process::ChildStdin>,
 }
 
 /// Starts `argv` with `env` added to the environment, in a new process group
@@ -42,7 +46,53 @@ pub fn spawn(argv: &[String], env: &[(&str, String)]) -> Result<Child, Failure> 
     die_with_parent(&mut cmd);
     let inner = cmd.spawn().map_err(|e| spawn_failure(program, e))?;
     let pid = inner.id().map(|p| p as i32).unwrap_or(0);
-    Ok(Child { inner, pgid: pid })
+    let watch = watch_group(pid);
+    Ok(Child {
+        inner,
+        pgid: pid,
+        _watch: watch,
+    })
+}
+
+/// Starts a tiny watcher, outside the child's process group, that kills the
+/// group when its standard input closes. `PR_SET_PDEATHSIG` only reaches the
+/// direct child; the watcher also ends what the child started in the
+/// background, so nothing of the command outlives the supervisor's hold on
+/// the lock or the leadership. The watcher is this executable, started with
+/// [`WATCH_GROUP_ARG`]; if it cannot start, only the death signal protects.
+fn watch_group(pgid: i32) -> Option<tokio::process::ChildStdin> {
+    if pgid <= 0 {
+        return None;
+    }
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot find our own executable to watch the command's process group");
+            return None;
+        }
+    };
+    let spawned = Command::new(exe)
+        .args([WATCH_GROUP_ARG, &pgid.to_string()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .process_group(0)
+        .kill_on_drop(false)
+        .spawn();
+    match spawned {
+        Ok(mut watcher) => {
+            let stdin = watcher.stdin.take();
+            // Reap it in the background so it leaves no zombie.
+            tokio::spawn(async move {
+                let _ = watcher.wait().await;
+            });
+            stdin
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot start the process-group watcher; background processes of the command may outlive a killed supervisor");
+            None
+        }
+    }
 }
 
 fn spawn_failure(program: &str, e: io::Error) -> Failure {
@@ -147,4 +197,41 @@ pub fn exit_code(status: ExitStatus) -> u8 {
         (None, Some(sig)) => 128u8.wrapping_add(sig as u8),
         _ => crate::exit::SOFTWARE,
     }
+}
+
+/// Sends `signal` to one process, if it still has a pid.
+pub fn signal_pid(pid: Option<u32>, signal: i32) {
+    if let Some(pid) = pid {
+        // SAFETY: kill(2) on a pid we started; no memory is involved.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::kill(pid as i32, signal);
+        }
+    }
+}
+
+/// The hidden first argument that makes `pgelect` a process-group watcher.
+pub const WATCH_GROUP_ARG: &str = "__pgelect-watch-group";
+
+/// The watcher's whole life: wait for standard input to close, then kill
+/// the process group. Ignores SIGINT and SIGTERM meant for the terminal's
+/// foreground group (it runs in a group of its own anyway).
+pub fn watch_group_main(pgid: &str) -> std::process::ExitCode {
+    use std::io::Read;
+    let Ok(pgid) = pgid.parse::<i32>() else {
+        return std::process::ExitCode::from(crate::exit::USAGE);
+    };
+    if pgid <= 1 {
+        return std::process::ExitCode::from(crate::exit::USAGE);
+    }
+    let mut sink = [0u8; 64];
+    let mut stdin = std::io::stdin();
+    while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+    // SAFETY: kill(2) with a negative pid signals a process group; no memory
+    // is involved.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::kill(-pgid, libc::SIGKILL);
+    }
+    std::process::ExitCode::SUCCESS
 }

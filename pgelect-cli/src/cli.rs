@@ -65,6 +65,21 @@ pub enum Command {
   pgelect migrate --database-url postgres://app@db/app
   pgelect migrate --schema my_locks")]
     Migrate(crate::migrate::MigrateArgs),
+    /// Run a command only while this process leads a role (a singleton).
+    #[command(after_help = "Examples:
+  pgelect run --role scheduler -- ./scheduler --config prod.toml
+  pgelect run --role reconciler --id $(hostname) --ttl 10s -- ./reconcile
+  pgelect run --role nightly --on-exit exit -- ./nightly-job.sh
+
+The command gets PGELECT_ROLE, PGELECT_NODE and PGELECT_TERM (the fencing
+term: pass it to pgelect.fence(role, term) in your transactions).
+It runs in its own process group and dies with the supervisor.
+On an unexpected loss of leadership (connection lost, lease deadline,
+preemption) the process group is killed at once, and pgelect stands again.
+On a resign request (pgelect resign) or SIGTERM/SIGINT: SIGTERM, then SIGKILL
+after --grace, then a clean release (standbys take over in milliseconds);
+after SIGTERM/SIGINT pgelect exits 0.")]
+    Run(crate::run::RunArgs),
     /// Run a command while holding a fleet-wide advisory lock, like flock(1).
     #[command(after_help = "Examples:
   pgelect lock --key nightly-report -- ./report.sh
@@ -79,6 +94,35 @@ While the command runs it has PGELECT_LOCK=NAME in its environment.
 SIGTERM or SIGINT stop it (SIGTERM, then SIGKILL after --grace) and release
 the lock.")]
     Lock(crate::lock::LockArgs),
+    /// Ask a role's current leader to step down; waits for a new term.
+    #[command(after_help = "Examples:
+  pgelect resign --role scheduler
+  pgelect resign --role scheduler --timeout 5s
+
+Exit codes: 0 when a new term was seen (or the role had no leader),
+75 when no new term was seen within --timeout.")]
+    Resign(crate::resign::ResignArgs),
+    /// Watch a failover: a throwaway PostgreSQL, three candidates, the leader
+    /// killed, the failover timed, then a planned resign.
+    #[command(after_help = "Examples:
+  pgelect demo
+  pgelect demo --candidates 5 --ttl 3s
+  pgelect demo --database-url postgres://app@db/app
+
+Without a database URL it starts a throwaway PostgreSQL from the system's
+binaries (initdb/postgres; as root it runs them as the postgres user) and
+removes it afterwards.")]
+    Demo(crate::demo::DemoArgs),
+    /// Show every role's leader, term, lease and candidates.
+    #[command(after_help = "Examples:
+  pgelect status
+  pgelect status --role scheduler --json
+  pgelect status --watch
+
+Lease times come from the server's clock. Candidates are the connections
+whose application_name is pgelect:<role>:<node>: 'holding' holds the
+role's lock, 'waiting' waits for it, 'standing' polls for it.")]
+    Status(crate::status::StatusArgs),
 }
 
 impl Global {
@@ -106,9 +150,8 @@ pub fn init_logging(global: &Global) {
             _ => "trace",
         }
     };
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-        EnvFilter::new(format!("{level},tokio_postgres=warn"))
-    });
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new(format!("{level},tokio_postgres=warn")));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

@@ -8,7 +8,9 @@ use std::time::Duration;
 pub fn parse_positive(text: &str) -> Result<Duration, String> {
     let d = parse(text)?;
     if d.is_zero() {
-        return Err(format!("{text:?} is zero; give a positive duration such as 500ms, 15s or 2m"));
+        return Err(format!(
+            "{text:?} is zero; give a positive duration such as 500ms, 15s or 2m"
+        ));
     }
     Ok(d)
 }
@@ -16,15 +18,17 @@ pub fn parse_positive(text: &str) -> Result<Duration, String> {
 fn parse(text: &str) -> Result<Duration, String> {
     let t = text.trim();
     if t.starts_with('-') {
-        return Err(format!("{text:?} is negative; give a positive duration such as 500ms, 15s or 2m"));
+        return Err(format!(
+            "{text:?} is negative; give a positive duration such as 500ms, 15s or 2m"
+        ));
     }
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (number, unit) = t.split_at(split);
-    let value: f64 = number
-        .parse()
-        .map_err(|_| format!("{text:?} is not a duration; use forms such as 500ms, 15s, 2m or 1h"))?;
+    let value: f64 = number.parse().map_err(|_| {
+        format!("{text:?} is not a duration; use forms such as 500ms, 15s, 2m or 1h")
+    })?;
     let seconds = match unit.trim() {
         "ms" => value / 1000.0,
         "" | "s" => value,

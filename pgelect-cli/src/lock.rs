@@ -20,14 +20,17 @@ pub struct LockArgs {
     #[arg(long)]
     pub shared: bool,
     /// Give up after waiting this long (500ms, 10s, 2m); exit 75.
-    #[arg(long, value_parser = crate::duration::parse_positive, conflicts_with = "no_wait", value_name = "DURATION")]
+    // allow_hyphen_values: `--timeout -1s` reaches the parser and gets its
+    // "is negative" message instead of clap's advice to write `-- -1`, which
+    // would make `-1` the command.
+    #[arg(long, value_parser = crate::duration::parse_positive, conflicts_with = "no_wait", value_name = "DURATION", allow_hyphen_values = true)]
     pub timeout: Option<Duration>,
     /// Do not wait: exit 75 at once if the lock is held elsewhere.
     #[arg(long, short = 'n')]
     pub no_wait: bool,
     /// Time the command gets between SIGTERM and SIGKILL when pgelect is
     /// asked to stop.
-    #[arg(long, value_parser = crate::duration::parse_positive, default_value = "10s", value_name = "DURATION")]
+    #[arg(long, value_parser = crate::duration::parse_positive, default_value = "10s", value_name = "DURATION", allow_hyphen_values = true)]
     pub grace: Duration,
     /// The command to run while holding the lock, after `--`.
     #[arg(last = true, required = true, value_name = "CMD")]
@@ -64,12 +67,14 @@ pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
             Err(e) => return Err(e.into()),
         },
         sig = signals.recv() => {
+            withdraw_wait(&session, key, args.shared).await;
             return Err(Failure::new(exit::TEMPFAIL, format!("interrupted by {sig} while waiting for lock {:?}", args.key)));
         }
     };
     tracing::info!(key = %args.key, "lock acquired; starting the command");
     let env = [("PGELECT_LOCK", args.key.clone())];
     let mut child = child::spawn(&args.command, &env)?;
+    tracing::debug!(pid = child.pid(), "command started");
     let outcome = tokio::select! {
         status = child.wait() => {
             let status = status.map_err(|e| Failure::new(exit::SOFTWARE, format!("waiting for the command failed: {e}")))?;
@@ -85,14 +90,49 @@ pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
             Ok(child::exit_code(status))
         }
     };
+    // What the command left running in the background must not outlive the
+    // lock: end the whole process group before releasing.
+    child.signal_group(libc::SIGKILL);
+    drop(child);
     if outcome.is_ok() {
         match guard.release().await {
             Ok(true) => {}
             Ok(false) => tracing::warn!(key = %args.key, "the lock was no longer held at release"),
-            Err(e) => tracing::warn!(key = %args.key, error = %e, "releasing the lock failed; the server frees it when the connection closes"),
+            Err(e) => {
+                tracing::warn!(key = %args.key, error = %e, "releasing the lock failed; the server frees it when the connection closes")
+            }
         }
     }
     outcome
+}
+
+/// Returns once a lock wait abandoned by dropping its future has been
+/// withdrawn on the server (at most 5 s).
+///
+/// The library cancels an abandoned wait in a background task. PostgreSQL
+/// does not notice a client that goes away while its backend waits for a
+/// lock, so exiting before that task ran would leave a ghost waiter queued
+/// on the server until the lock is granted, and an exclusive ghost blocks
+/// every later shared request meanwhile. A session runs its operations in
+/// order, so the next one completes only after the cancel: a `try_lock` is
+/// that barrier (and is released at once should it win the lock).
+async fn withdraw_wait(session: &LockSession, key: LockKey, shared: bool) {
+    let barrier = async {
+        let got = if shared {
+            session.try_lock_shared(key).await
+        } else {
+            session.try_lock(key).await
+        };
+        if let Ok(Some(guard)) = got {
+            let _ = guard.release().await;
+        }
+    };
+    if tokio::time::timeout(Duration::from_secs(5), barrier)
+        .await
+        .is_err()
+    {
+        tracing::warn!("the abandoned lock wait was not withdrawn in 5s; the server ends it when the lock is granted");
+    }
 }
 
 /// A name cut to fit `application_name` (63 bytes) with room for a prefix.

@@ -4,11 +4,17 @@
 
 mod child;
 mod cli;
+mod db;
+mod demo;
 mod duration;
 mod exit;
+mod http;
 mod lock;
 mod migrate;
+mod resign;
+mod run;
 mod signals;
+mod status;
 
 use std::process::ExitCode;
 
@@ -18,6 +24,10 @@ use crate::cli::{Cli, Command};
 use crate::exit::Failure;
 
 fn main() -> ExitCode {
+    let raw: Vec<String> = std::env::args().collect();
+    if raw.len() == 3 && raw[1] == child::WATCH_GROUP_ARG {
+        return child::watch_group_main(&raw[2]);
+    }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => return exit::usage(e),
@@ -38,6 +48,10 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Migrate(args) => migrate::run(&cli.global, args).await,
             Command::Lock(args) => lock::run(&cli.global, args).await,
+            Command::Status(args) => status::run(&cli.global, args).await,
+            Command::Run(args) => run::run(&cli.global, args).await,
+            Command::Resign(args) => resign::run(&cli.global, args).await,
+            Command::Demo(args) => demo::run(&cli.global, args).await,
         }
     });
     match result {

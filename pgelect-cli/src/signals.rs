@@ -13,7 +13,10 @@ pub struct Signals {
 impl Signals {
     pub fn install() -> Result<Signals, Failure> {
         let fail = |e: std::io::Error| {
-            Failure::new(exit::SOFTWARE, format!("cannot install signal handlers: {e}"))
+            Failure::new(
+                exit::SOFTWARE,
+                format!("cannot install signal handlers: {e}"),
+            )
         };
         Ok(Signals {
             term: signal(SignalKind::terminate()).map_err(fail)?,

@@ -86,11 +86,20 @@ impl ConnectOptions {
     }
 
     /// Wraps a driver configuration.
+    ///
+    /// A `connect_timeout` set in the configuration (or the URL's
+    /// `connect_timeout=` parameter) is kept; otherwise it is
+    /// [`DEFAULT_CONNECT_TIMEOUT`].
     pub fn from_config(config: Config) -> ConnectOptions {
+        let connect_timeout = config
+            .get_connect_timeout()
+            .copied()
+            .filter(|t| !t.is_zero())
+            .unwrap_or(DEFAULT_CONNECT_TIMEOUT);
         ConnectOptions {
             config,
             schema: SchemaName::default(),
-            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            connect_timeout,
         }
     }
 
@@ -387,6 +396,10 @@ pub(crate) fn lock_session_settings(tcp: &TcpTimeouts) -> Vec<(&'static str, Str
         ("idle_in_transaction_session_timeout", "0".into()),
         ("statement_timeout", "0".into()),
         ("lock_timeout", "0".into()),
+        // PostgreSQL 14+: a backend blocked in a lock wait checks every
+        // second whether its client is still there, so a waiter whose
+        // process died does not stay queued (and granted) as a ghost.
+        ("client_connection_check_interval", "1000".into()),
     ]
 }
 

@@ -120,6 +120,17 @@ pub enum Error {
         message: String,
     },
 
+    /// The leadership a fence or an operation relied on has already ended.
+    #[error("leadership of role {role:?} (term {term}) has ended ({reason}); stop acting as leader")]
+    LeadershipLost {
+        /// The role.
+        role: String,
+        /// The term that ended.
+        term: i64,
+        /// Why it ended.
+        reason: crate::election::LossReason,
+    },
+
     /// A dedicated connection was lost (terminated, reset, timed out).
     #[error("connection lost while trying to {operation}")]
     ConnectionLost {
@@ -181,6 +192,12 @@ impl Error {
     /// True when a fence refused a stale term.
     pub fn is_stale_term(&self) -> bool {
         matches!(self, Error::StaleTerm { .. })
+    }
+
+    /// True when a fence refused because this process knows its leadership
+    /// ended ([`Error::LeadershipLost`]) or the server found the term stale.
+    pub fn is_leadership_lost(&self) -> bool {
+        matches!(self, Error::StaleTerm { .. } | Error::LeadershipLost { .. })
     }
 
     /// The SQLSTATE of the server's error, where there is one.

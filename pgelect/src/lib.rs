@@ -23,6 +23,7 @@ pub mod election;
 mod error;
 mod key;
 pub mod lock;
+pub mod metrics;
 mod schema;
 
 pub use conn::{ConnectOptions, TcpTimeouts, DEFAULT_CONNECT_TIMEOUT};

@@ -1,1 +1,368 @@
-//! Leader election: the `Elector`, its backends and the `Leadership` handle.
+//! Leader election: the [`Elector`], the [`Leadership`] handle, observers.
+//!
+//! # The session backend
+//!
+//! Each candidate owns a dedicated connection (never a pooled one) named
+//! `pgelect:<role>:<node>`, with server-side TCP keepalives and
+//! `TCP_USER_TIMEOUT` set, and idle/statement timeouts off.
+//!
+//! 1. A standby waits on `pg_advisory_lock` of the role's key (see
+//!    [`StandbyMode`]); PostgreSQL grants it the moment the leader's backend
+//!    ends or unlocks. The wait notices its own connection dying (the driver
+//!    task reads the socket all the time; client-side keepalives) and
+//!    reconnects with backoff and jitter.
+//! 2. Granted, it bumps the term and writes the lease row in one statement
+//!    on the same connection, and learns whether the previous leader
+//!    released cleanly. Only then is anyone told.
+//! 3. After a clean release it acts at once. Otherwise (the row still named a
+//!    holder: a crash, a terminated backend, a reset connection) it waits the
+//!    *handover delay*, long enough for a live old leader to notice that its
+//!    connection is gone; the old term is already fenced off meanwhile.
+//! 4. The leader renews the lease every `renew_every`, heartbeats every
+//!    `heartbeat`, and ends its leadership — cancelling the token — the
+//!    moment the connection closes, a heartbeat or renewal times out, a
+//!    renewal finds the row no longer ours, or its local deadline
+//!    (`ttl - safety_margin` after the last successful renewal was sent, on
+//!    the monotonic clock) passes, even with the database unreachable.
+//! 5. A standby that finds the lock held but the lease expired on the
+//!    server's clock (a frozen leader) terminates that backend, if allowed.
+//! 6. Resigning stops the duties first, then clears the holder, notifies and
+//!    unlocks: a blocking standby takes over within milliseconds.
+//!
+//! # Guarantees
+//!
+//! * **Safety.** At most one process holds the role's advisory lock. Acting
+//!   intervals of two leaders do not overlap as long as each process's
+//!   timers run (no pause longer than the margins) and clocks advance at
+//!   about the same rate: see the inequalities enforced by
+//!   [`ElectorBuilder::build`]. Writes made through
+//!   [`Leadership::fence`] are serialised with leadership even without
+//!   those assumptions (a paused or partitioned old leader's fenced
+//!   transactions fail once a newer term began).
+//! * **Partition.** A leader cut off from the database demotes itself at its
+//!   local deadline; the server releases its lock only later (its TCP
+//!   timeouts are longer than the deadline), and the new leader still waits
+//!   the handover delay.
+//! * **Pause.** A stopped leader process cannot act on timers; once its lease
+//!   expired on the server clock, a standby terminates its backend and takes
+//!   over; when it resumes it sees its connection closed and its deadline
+//!   passed. Use the fence for writes.
+//! * **Database restart.** Every connection ends; leaders demote at once
+//!   (push detection); candidates reconnect; exactly one wins, with a higher
+//!   term (terms are stored in the table), after the handover delay.
+//! * **Liveness.** A crashed leader is replaced after the server notices
+//!   (at once for a killed process, whose kernel closes the socket) plus the
+//!   handover delay (2.5 s by default); a resigning one at once.
+//!
+//! ```no_run
+//! # async fn f() -> Result<(), pgelect::Error> {
+//! use std::time::Duration;
+//! let options = pgelect::ConnectOptions::from_url("postgres://app@db/app")?;
+//! let elector = pgelect::Elector::builder(options, "scheduler")
+//!     .ttl(Duration::from_secs(10))
+//!     .build()?;
+//! let leadership = elector.leadership().await?;
+//! println!("leading with term {}", leadership.term());
+//! tokio::select! {
+//!     _ = leadership.lost() => println!("lost: {:?}", leadership.loss_reason()),
+//!     _ = tokio::time::sleep(Duration::from_secs(60)) => leadership.resign().await?,
+//! }
+//! # Ok(()) }
+//! ```
+
+mod config;
+mod core;
+mod leadership;
+mod session;
+mod watch;
+
+use std::fmt;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::conn::ConnectOptions;
+use crate::error::Result;
+use crate::key::LockKey;
+
+pub use config::{ElectorBuilder, StandbyMode, MAX_ROLE_BYTES};
+pub use leadership::{LeaderContext, Leadership, LossReason, Term};
+pub use watch::{current_leader, request_resign, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
+
+use self::core::Timing;
+
+/// Stands for election of one role.
+///
+/// Built with [`Elector::builder`]; see [`ElectorBuilder`] for the timing,
+/// its defaults and the safety inequalities it enforces. One `Elector` may
+/// campaign again after losing; dropping it stops its observer connection
+/// (a [`Leadership`] it handed out lives on).
+pub struct Elector {
+    shared: Arc<Shared>,
+}
+
+pub(crate) struct Shared {
+    pub(crate) options: ConnectOptions,
+    pub(crate) role: String,
+    pub(crate) node: String,
+    pub(crate) key: LockKey,
+    pub(crate) timing: Timing,
+    pub(crate) standby: StandbyMode,
+    pub(crate) meta: Option<serde_json::Value>,
+    pub(crate) leader: tokio::sync::watch::Sender<Option<LeaderInfo>>,
+    pub(crate) standing: tokio::sync::watch::Sender<usize>,
+    observer: Mutex<Option<CancellationToken>>,
+}
+
+impl Shared {
+    /// Starts the observer task if it is not running.
+    pub(crate) fn ensure_observer(self: &Arc<Self>) {
+        let mut slot = self.observer.lock().expect("BUG: poisoned observer slot");
+        if slot.as_ref().is_some_and(|t| !t.is_cancelled()) {
+            return;
+        }
+        let stop = CancellationToken::new();
+        *slot = Some(stop.clone());
+        let observer = watch::Observer {
+            shared: Arc::downgrade(self),
+            stop,
+        };
+        tokio::spawn(observer.run());
+    }
+
+    /// Publishes the current leader to watchers, if it changed.
+    pub(crate) fn publish(&self, info: Option<LeaderInfo>) {
+        self.leader.send_if_modified(|cur| {
+            if *cur != info {
+                *cur = info;
+                true
+            } else {
+                false
+            }
+        });
+    }
+
+    /// Publishes `info` only if watchers currently see `node` with `term`.
+    pub(crate) fn publish_if_holder(&self, node: &str, term: i64, info: Option<LeaderInfo>) {
+        self.leader.send_if_modified(|cur| {
+            if cur
+                .as_ref()
+                .is_some_and(|c| c.holder == node && c.term.get() == term)
+            {
+                *cur = info;
+                true
+            } else {
+                false
+            }
+        });
+    }
+}
+
+impl Elector {
+    /// Starts building an elector for `role` on the database `options`
+    /// point at. The role is validated by [`ElectorBuilder::build`]: 1 to
+    /// [`MAX_ROLE_BYTES`] bytes, no NUL.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let options = pgelect::ConnectOptions::from_url("postgres://app@db/app").unwrap();
+    /// let elector = pgelect::Elector::builder(options.clone(), "scheduler").build().unwrap();
+    /// assert_eq!(elector.ttl(), Duration::from_secs(15));
+    /// assert_eq!(elector.handover_delay(), Duration::from_millis(2500));
+    /// // A renewal interval that cannot keep a healthy leader is refused.
+    /// let err = pgelect::Elector::builder(options, "scheduler")
+    ///     .ttl(Duration::from_secs(3))
+    ///     .renew_every(Duration::from_secs(3))
+    ///     .build()
+    ///     .unwrap_err();
+    /// assert!(err.to_string().contains("renew_every 3s"), "{err}");
+    /// ```
+    pub fn builder(options: ConnectOptions, role: &str) -> ElectorBuilder {
+        ElectorBuilder::new(options, role)
+    }
+
+    pub(crate) fn from_parts(
+        options: ConnectOptions,
+        role: String,
+        node: String,
+        key: LockKey,
+        timing: Timing,
+        standby: StandbyMode,
+        meta: Option<serde_json::Value>,
+    ) -> Elector {
+        Elector {
+            shared: Arc::new(Shared {
+                options,
+                role,
+                node,
+                key,
+                timing,
+                standby,
+                meta,
+                leader: tokio::sync::watch::Sender::new(None),
+                standing: tokio::sync::watch::Sender::new(0),
+                observer: Mutex::new(None),
+            }),
+        }
+    }
+
+    /// The role stood for.
+    pub fn role(&self) -> &str {
+        &self.shared.role
+    }
+
+    /// This candidate's node id (the `holder` written while leading).
+    pub fn node_id(&self) -> &str {
+        &self.shared.node
+    }
+
+    /// The lease TTL.
+    pub fn ttl(&self) -> Duration {
+        self.shared.timing.ttl
+    }
+
+    /// The wait after an unclean takeover.
+    pub fn handover_delay(&self) -> Duration {
+        self.shared.timing.handover_delay
+    }
+
+    /// How long after sending its last successful renewal a leader may act:
+    /// `ttl - safety_margin`.
+    pub fn deadline_budget(&self) -> Duration {
+        self.shared.timing.deadline_budget()
+    }
+
+    /// The role's advisory-lock key (`pgelect.key('election:<schema>:<role>')`).
+    pub fn lock_key(&self) -> LockKey {
+        self.shared.key
+    }
+
+    /// Campaigns until elected and returns the leadership.
+    ///
+    /// Waits as configured ([`StandbyMode`]); reconnects with backoff and
+    /// jitter after connection failures and database restarts. Returns an
+    /// error only for what waiting cannot fix: a missing schema
+    /// ([`Error::SchemaMissing`](crate::Error::SchemaMissing), run `pgelect
+    /// migrate`), a pooler in transaction mode
+    /// ([`Error::Pooler`](crate::Error::Pooler)), bad credentials or
+    /// privileges.
+    ///
+    /// Returns only once the handover delay (after an unclean loss) has
+    /// passed: from then on the caller may act until
+    /// [`Leadership::lost`] completes.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future while waiting cancels the lock wait
+    /// and drops the lock connection; if the lock had already been granted
+    /// (during the handover delay), the connection is dropped and standbys
+    /// see an unclean loss. No leadership is ever left held without a
+    /// handle.
+    pub async fn leadership(&self) -> Result<Leadership> {
+        session::campaign(&self.shared).await
+    }
+
+    /// The current leader of the role, updated on every change: from this
+    /// elector's own elections and releases, from `NOTIFY` of other
+    /// candidates, and by reading the lease row every `check_every`. `None`
+    /// while nobody holds the role.
+    ///
+    /// The first call starts a light observer connection, kept until the
+    /// elector is dropped. Must be called within a Tokio runtime.
+    pub fn watch(&self) -> tokio::sync::watch::Receiver<Option<LeaderInfo>> {
+        self.shared.ensure_observer();
+        self.shared.leader.subscribe()
+    }
+
+    /// Runs duties while leader, as long as `shutdown` is not cancelled —
+    /// the callback layer over [`Elector::leadership`].
+    ///
+    /// On every election, `on_elected` is called with a [`LeaderContext`]
+    /// and the future it returns is run: these are the duties. They must
+    /// stop (the future must complete) soon after
+    /// [`LeaderContext::token`] is cancelled. Then:
+    ///
+    /// * leadership lost (connection, deadline, preemption, resign request):
+    ///   the future is awaited until it completes;
+    /// * `shutdown` cancelled: the token is cancelled with
+    ///   [`LossReason::Shutdown`], the future awaited;
+    /// * the future completes by itself: leadership is resigned;
+    ///
+    /// and, only after the duties completed, the leadership is released
+    /// cleanly where the connection still allows it, and `on_demoted` runs
+    /// and is awaited. Then it stands again, or returns `Ok(())` after a
+    /// shutdown.
+    ///
+    /// Returns an error only when campaigning fails for good (see
+    /// [`Elector::leadership`]).
+    ///
+    /// # Cancel safety
+    /// Dropping the future drops a held leadership without release
+    /// (standbys see an unclean loss); cancel `shutdown` instead.
+    pub async fn run<E, EF, D, DF>(
+        self,
+        shutdown: CancellationToken,
+        mut on_elected: E,
+        mut on_demoted: D,
+    ) -> Result<()>
+    where
+        E: FnMut(LeaderContext) -> EF,
+        EF: Future<Output = ()>,
+        D: FnMut() -> DF,
+        DF: Future<Output = ()>,
+    {
+        loop {
+            let leadership = tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                l = self.leadership() => l?,
+            };
+            let ctx = leadership.context();
+            let duties = on_elected(ctx.clone());
+            tokio::pin!(duties);
+            let mut finished_alone = false;
+            tokio::select! {
+                _ = &mut duties => finished_alone = true,
+                _ = ctx.lost() => {}
+                _ = shutdown.cancelled() => leadership.stop(LossReason::Shutdown),
+            }
+            if !finished_alone {
+                duties.await;
+            }
+            if let Err(e) = leadership.release(LossReason::Resigned).await {
+                tracing::warn!(role = %self.shared.role, error = %e, "release after the duties stopped failed");
+            }
+            on_demoted().await;
+            if shutdown.is_cancelled() {
+                return Ok(());
+            }
+        }
+    }
+}
+
+impl Drop for Elector {
+    fn drop(&mut self) {
+        if let Some(t) = self
+            .shared
+            .observer
+            .lock()
+            .expect("BUG: poisoned observer slot")
+            .take()
+        {
+            t.cancel();
+        }
+    }
+}
+
+impl fmt::Debug for Elector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Elector")
+            .field("role", &self.shared.role)
+            .field("node", &self.shared.node)
+            .field("target", &self.shared.options.target())
+            .field("timing", &self.shared.timing)
+            .field("standby", &self.shared.standby)
+            .field("leader", &*self.shared.leader.borrow())
+            .finish()
+    }
+}

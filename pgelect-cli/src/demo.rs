@@ -1,0 +1,308 @@
+//! `pgelect demo`: a throwaway PostgreSQL, three candidates, the leader
+//! killed, the failover timed; then a planned resign, timed.
+
+use std::process::Stdio;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use clap::Args;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+
+use crate::cli::Global;
+use crate::exit::{self, Failure};
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// How many candidates stand for the role.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(2..=16))]
+    pub candidates: u8,
+    /// The candidates' lease TTL.
+    #[arg(long, value_parser = crate::duration::parse_positive, default_value = "5s", value_name = "DURATION")]
+    pub ttl: Duration,
+}
+
+const ROLE: &str = "demo";
+const STEP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A duty line: a candidate's command announcing that it runs as leader.
+#[derive(Debug)]
+struct Duty {
+    node: String,
+    term: i64,
+    at_unix_ns: u128,
+}
+
+struct Candidate {
+    name: String,
+    process: Child,
+}
+
+pub async fn run(global: &Global, args: DemoArgs) -> Result<u8, Failure> {
+    let mut signals = crate::signals::Signals::install()?;
+    let (url, cluster) = match global.database_url.as_deref().filter(|u| !u.is_empty()) {
+        Some(url) => {
+            println!(
+                "• using the database at {}",
+                pgelect::ConnectOptions::from_url(url)?.target()
+            );
+            (url.to_owned(), None)
+        }
+        None => {
+            println!("• starting a throwaway PostgreSQL from the system's binaries …");
+            let started = Instant::now();
+            let cluster = tokio::task::spawn_blocking(pgelect_testkit::Cluster::start)
+                .await
+                .map_err(|e| Failure::new(exit::SOFTWARE, format!("the cluster start task failed: {e}")))?
+                .map_err(|e| Failure::new(exit::UNAVAILABLE, format!("cannot start a throwaway PostgreSQL: {e}; install the server with `apt-get install postgresql`, or pass --database-url")))?;
+            println!(
+                "  PostgreSQL on 127.0.0.1:{} (data in {}), up in {} ms",
+                cluster.port(),
+                cluster.data_dir().display(),
+                started.elapsed().as_millis()
+            );
+            (cluster.url("postgres"), Some(cluster))
+        }
+    };
+    let options = pgelect::ConnectOptions::from_url(&url)?.schema(&global.schema)?;
+    pgelect::migrate(&options).await?;
+    println!("• schema {} installed", options.schema_name());
+
+    let outcome = tokio::select! {
+        r = scenario(&url, &options, &args) => r,
+        sig = signals.recv() => Err(Failure::new(exit::TEMPFAIL, format!("interrupted by {sig}; cleaning up"))),
+    };
+    drop(cluster);
+    if outcome.is_ok() {
+        println!("• candidates stopped, throwaway PostgreSQL removed. Done.");
+    }
+    outcome
+}
+
+async fn scenario(
+    url: &str,
+    options: &pgelect::ConnectOptions,
+    args: &DemoArgs,
+) -> Result<u8, Failure> {
+    let exe = std::env::current_exe().map_err(|e| {
+        Failure::new(
+            exit::SOFTWARE,
+            format!("cannot find the pgelect executable: {e}"),
+        )
+    })?;
+    let (duty_tx, mut duties) = mpsc::unbounded_channel::<Duty>();
+    let mut candidates = Vec::new();
+    println!(
+        "• starting {} candidates for role {ROLE:?} (ttl {}), each `pgelect run` with a command that announces itself",
+        args.candidates,
+        crate::duration::show(args.ttl)
+    );
+    let started = Instant::now();
+    for i in 1..=args.candidates {
+        let name = format!("candidate-{i}");
+        let mut cmd = Command::new(&exe);
+        cmd.args(["run", "--role", ROLE, "--id", &name, "--ttl"])
+            .arg(crate::duration::show(args.ttl))
+            .args([
+                "--database-url",
+                url,
+                "--schema",
+                options.schema_name().as_str(),
+                "-q",
+                "--",
+            ])
+            .args([
+                "sh",
+                "-c",
+                "echo DUTY $PGELECT_NODE $PGELECT_TERM $(date +%s%N); exec sleep 86400",
+            ])
+            .stdout(Stdio::piped())
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .process_group(0);
+        let mut process = cmd
+            .spawn()
+            .map_err(|e| Failure::new(exit::SOFTWARE, format!("cannot start a candidate: {e}")))?;
+        let stdout = process.stdout.take().expect("BUG: piped stdout");
+        let tx = duty_tx.clone();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stdout).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                let parts: Vec<&str> = line.split_whitespace().collect();
+                if let ["DUTY", node, term, ns] = parts[..] {
+                    if let (Ok(term), Ok(at_unix_ns)) = (term.parse(), ns.parse()) {
+                        let _ = tx.send(Duty {
+                            node: node.to_owned(),
+                            term,
+                            at_unix_ns,
+                        });
+                    }
+                }
+            }
+        });
+        candidates.push(Candidate { name, process });
+    }
+
+    let first = next_duty(&mut duties).await?;
+    println!(
+        "• {} leads with term {} ({} ms after the candidates started)",
+        first.node,
+        first.term,
+        started.elapsed().as_millis()
+    );
+    show_status(options).await;
+
+    // 1. A crash: SIGKILL the leader's supervisor (its command dies with it).
+    let leader = candidates
+        .iter_mut()
+        .find(|c| c.name == first.node)
+        .ok_or_else(|| Failure::new(exit::SOFTWARE, "the leader is not one of the candidates"))?;
+    println!(
+        "• killing {} with SIGKILL: no goodbye, like a machine that died",
+        first.node
+    );
+    let observer = Observer::connect(options).await?;
+    let killed_at = now_ns();
+    let killed = Instant::now();
+    leader
+        .process
+        .start_kill()
+        .map_err(|e| Failure::new(exit::SOFTWARE, format!("cannot kill the leader: {e}")))?;
+    let _ = leader.process.wait().await;
+    let term_seen = observer.wait_for_new_term(first.term).await?;
+    let second = next_duty(&mut duties).await?;
+    let acted_ms = (second.at_unix_ns.saturating_sub(killed_at)) as f64 / 1e6;
+    println!(
+        "• {} leads with term {}: the new term was recorded {} ms after the kill; its command started {:.0} ms after the kill",
+        second.node,
+        second.term,
+        term_seen.saturating_duration_since(killed).as_millis(),
+        acted_ms
+    );
+    println!(
+        "  (after an unclean loss the new leader first bumps the term, so writes fenced with term {} fail at once,\n   then waits the handover delay ({} ms here), long enough for a live old leader to have noticed, before it acts)",
+        first.term,
+        handover_delay(options, args.ttl).as_millis()
+    );
+    show_stale_fence(options, first.term).await;
+
+    // 2. A planned handover: ask the leader to resign.
+    println!(
+        "• asking {} to resign (planned handover, like a rolling deploy)",
+        second.node
+    );
+    let asked_at = now_ns();
+    pgelect::request_resign(options, ROLE).await?;
+    let third = next_duty(&mut duties).await?;
+    println!(
+        "• {} leads with term {}: its command started {:.0} ms after the request (clean release: no handover delay)",
+        third.node,
+        third.term,
+        third.at_unix_ns.saturating_sub(asked_at) as f64 / 1e6
+    );
+    show_status(options).await;
+
+    for c in &mut candidates {
+        crate::child::signal_pid(c.process.id(), libc::SIGTERM);
+    }
+    for c in &mut candidates {
+        let _ = tokio::time::timeout(Duration::from_secs(15), c.process.wait()).await;
+    }
+    Ok(0)
+}
+
+async fn next_duty(duties: &mut mpsc::UnboundedReceiver<Duty>) -> Result<Duty, Failure> {
+    match tokio::time::timeout(STEP_TIMEOUT, duties.recv()).await {
+        Ok(Some(d)) => Ok(d),
+        Ok(None) => Err(Failure::new(exit::SOFTWARE, "every candidate exited")),
+        Err(_) => Err(Failure::new(
+            exit::SOFTWARE,
+            format!("no leader within {}s", STEP_TIMEOUT.as_secs()),
+        )),
+    }
+}
+
+/// A connection opened before the kill, so that its set-up is not timed.
+struct Observer {
+    client: tokio_postgres::Client,
+    schema: String,
+}
+
+impl Observer {
+    async fn connect(options: &pgelect::ConnectOptions) -> Result<Observer, Failure> {
+        let (client, _notices) = crate::db::connect(options, "pgelect:demo-observer").await?;
+        Ok(Observer {
+            client,
+            schema: options.schema_name().as_str().to_owned(),
+        })
+    }
+
+    /// Polls the lease row (every 2 ms, bounded) until the term moves past `old`.
+    async fn wait_for_new_term(&self, old: i64) -> Result<Instant, Failure> {
+        let schema = &self.schema;
+        let sql = format!("SELECT term FROM {schema}.leaders WHERE role = $1");
+        let deadline = Instant::now() + STEP_TIMEOUT;
+        while Instant::now() < deadline {
+            let row = self
+                .client
+                .query_typed_one(&sql, &[(&ROLE, tokio_postgres::types::Type::TEXT)])
+                .await
+                .map_err(|e| crate::db::classify(schema, "read the leaders table", e))?;
+            if row.get::<_, i64>(0) > old {
+                return Ok(Instant::now());
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        Err(Failure::new(exit::SOFTWARE, "no new term after the kill"))
+    }
+}
+
+async fn show_stale_fence(options: &pgelect::ConnectOptions, stale: i64) {
+    let Ok((client, _)) = crate::db::connect(options, "pgelect:demo-fence").await else {
+        return;
+    };
+    let schema = options.schema_name().as_str();
+    let sql = format!("SELECT {schema}.fence($1, $2)");
+    match client
+        .query_typed(
+            &sql,
+            &[
+                (&ROLE, tokio_postgres::types::Type::TEXT),
+                (&stale, tokio_postgres::types::Type::INT8),
+            ],
+        )
+        .await
+    {
+        Err(e) => println!(
+            "  a transaction fenced with the old term {stale} is refused: {}",
+            e.as_db_error()
+                .map(|d| d.message().to_owned())
+                .unwrap_or_else(|| e.to_string())
+        ),
+        Ok(_) => println!("  UNEXPECTED: a write fenced with the old term {stale} was accepted"),
+    }
+}
+
+async fn show_status(options: &pgelect::ConnectOptions) {
+    if let Ok(text) = crate::status::snapshot(options, Some(ROLE)).await {
+        for line in text.lines() {
+            println!("    {line}");
+        }
+    }
+}
+
+fn now_ns() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
+}
+
+/// The handover delay the candidates use (the library's default for `ttl`).
+fn handover_delay(options: &pgelect::ConnectOptions, ttl: Duration) -> Duration {
+    pgelect::Elector::builder(options.clone(), ROLE)
+        .ttl(ttl)
+        .build()
+        .map(|e| e.handover_delay())
+        .unwrap_or_default()
+}

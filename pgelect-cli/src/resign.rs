@@ -1,0 +1,80 @@
+//! `pgelect resign`: ask a role's leader to step down, and see it happen.
+
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use tokio_postgres::types::Type;
+
+use crate::cli::Global;
+use crate::exit::{self, Failure};
+
+#[derive(Debug, Args)]
+pub struct ResignArgs {
+    /// The role whose leader should step down.
+    #[arg(long, value_name = "ROLE")]
+    pub role: String,
+    /// Give up waiting for a new term after this long (exit 75).
+    #[arg(long, value_parser = crate::duration::parse_positive, default_value = "30s", value_name = "DURATION")]
+    pub timeout: Duration,
+}
+
+pub async fn run(global: &Global, args: ResignArgs) -> Result<u8, Failure> {
+    let options = global.connect_options()?;
+    let schema = options.schema_name().as_str().to_owned();
+    let (client, mut notices) = crate::db::connect(&options, "pgelect:resign").await?;
+    client
+        .batch_execute(&format!("LISTEN {}", pgelect::LEADER_CHANNEL))
+        .await
+        .map_err(|e| crate::db::classify(&schema, "listen for changes", e))?;
+    let started = Instant::now();
+    let asked = pgelect::request_resign(&options, &args.role).await?;
+    let Some(asked) = asked else {
+        println!("role {:?} has no leader; nothing to resign", args.role);
+        return Ok(0);
+    };
+    let old_term = asked.term.get();
+    println!(
+        "asked {} (term {old_term}) to resign role {:?}; waiting for a change of term",
+        asked.holder, args.role
+    );
+    let sql = format!("SELECT term, holder FROM {schema}.leaders WHERE role = $1");
+    let deadline = tokio::time::Instant::now() + args.timeout;
+    loop {
+        let row = client
+            .query_typed_opt(&sql, &[(&args.role, Type::TEXT)])
+            .await
+            .map_err(|e| crate::db::classify(&schema, "read the leaders table", e))?;
+        if let Some(row) = row {
+            let term: i64 = row.get(0);
+            let holder: Option<String> = row.get(1);
+            if term != old_term {
+                println!(
+                    "role {:?} is now led by {} with term {term} ({} ms after the request)",
+                    args.role,
+                    holder.as_deref().unwrap_or("(nobody yet)"),
+                    started.elapsed().as_millis()
+                );
+                return Ok(0);
+            }
+            if holder.is_none() {
+                println!(
+                    "leader released role {:?} ({} ms after the request); no candidate has taken it yet",
+                    args.role,
+                    started.elapsed().as_millis()
+                );
+            }
+        }
+        // Woken by the leader's NOTIFY; the short tick covers a missed one.
+        tokio::select! {
+            n = notices.recv() => if n.is_none() {
+                return Err(Failure::new(exit::UNAVAILABLE, "the database connection ended while waiting"));
+            },
+            _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+            _ = tokio::time::sleep_until(deadline) => {
+                return Err(Failure::new(exit::TEMPFAIL, format!(
+                    "no new term for role {:?} within {}: the leader may not be listening (is it a pgelect leader?), or no standby is waiting",
+                    args.role, crate::duration::show(args.timeout))));
+            }
+        }
+    }
+}

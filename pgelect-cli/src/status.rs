@@ -1,0 +1,319 @@
+//! `pgelect status`: who leads each role, and who stands.
+
+use std::io::{IsTerminal, Write};
+use std::time::Duration;
+
+use clap::Args;
+use tokio_postgres::types::Type;
+
+use crate::cli::Global;
+use crate::exit::{self, Failure};
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Only this role.
+    #[arg(long, value_name = "ROLE")]
+    pub role: Option<String>,
+    /// Print stable JSON (one object) instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Keep redrawing when leadership changes (and each second, for the
+    /// lease countdown); stop with Ctrl-C.
+    #[arg(long)]
+    pub watch: bool,
+}
+
+/// One role as `status` shows it.
+#[derive(Debug, Clone, PartialEq)]
+struct RoleStatus {
+    role: String,
+    holder: Option<String>,
+    term: i64,
+    backend: Option<String>,
+    acquired_at: Option<String>,
+    lease_remaining_ms: Option<i64>,
+    candidates: Vec<Candidate>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct Candidate {
+    node: String,
+    pid: i32,
+    state: String,
+}
+
+fn status_sql(schema: &str) -> String {
+    // Everything is computed on the server: its clock decides leases.
+    format!(
+        "WITH r AS (
+            SELECT l.role, l.holder, l.term, l.backend,
+                   to_char(l.acquired_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS acquired_at,
+                   CASE WHEN l.holder IS NULL THEN NULL
+                        ELSE (extract(epoch FROM (l.lease_until - now())) * 1000)::bigint END AS lease_ms,
+                   {schema}.key('election:{schema}:' || l.role) AS k
+              FROM {schema}.leaders l
+             WHERE $1::text IS NULL OR l.role = $1
+        )
+        SELECT r.role, r.holder, r.term, r.backend, r.acquired_at, r.lease_ms,
+               coalesce((
+                 SELECT json_agg(json_build_object(
+                          'node', substr(a.application_name, length('pgelect:' || r.role || ':') + 1),
+                          'pid', a.pid,
+                          'state', CASE WHEN pl.granted THEN 'holding'
+                                        WHEN pl.pid IS NOT NULL THEN 'waiting'
+                                        ELSE 'standing' END)
+                          ORDER BY pl.granted DESC NULLS LAST, a.backend_start)
+                   FROM pg_stat_activity a
+                   LEFT JOIN pg_locks pl
+                     ON pl.pid = a.pid AND pl.locktype = 'advisory' AND pl.objsubid = 1
+                    AND pl.classid = ((r.k >> 32) & 4294967295)::oid
+                    AND pl.objid = (r.k & 4294967295)::oid
+                  WHERE a.datname = current_database()
+                    AND starts_with(a.application_name, 'pgelect:' || r.role || ':')
+               ), '[]'::json)::text AS candidates
+          FROM r
+         ORDER BY r.role"
+    )
+}
+
+async fn read(
+    client: &tokio_postgres::Client,
+    schema: &str,
+    role: Option<&str>,
+) -> Result<Vec<RoleStatus>, Failure> {
+    let rows = client
+        .query_typed(&status_sql(schema), &[(&role, Type::TEXT)])
+        .await
+        .map_err(|e| Failure::from(crate::db::classify(schema, "read the leaders table", e)))?;
+    let mut out = Vec::with_capacity(rows.len());
+    for row in rows {
+        let candidates: String = row.get(6);
+        let parsed: serde_json::Value = serde_json::from_str(&candidates).unwrap_or_default();
+        let candidates = parsed
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|c| Candidate {
+                        node: c["node"].as_str().unwrap_or_default().to_owned(),
+                        pid: c["pid"].as_i64().unwrap_or_default() as i32,
+                        state: c["state"].as_str().unwrap_or_default().to_owned(),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.push(RoleStatus {
+            role: row.get(0),
+            holder: row.get(1),
+            term: row.get(2),
+            backend: row.get(3),
+            acquired_at: row.get(4),
+            lease_remaining_ms: row.get(5),
+            candidates,
+        });
+    }
+    Ok(out)
+}
+
+fn to_json(roles: &[RoleStatus]) -> serde_json::Value {
+    let roles: Vec<serde_json::Value> = roles
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "role": r.role,
+                "holder": r.holder,
+                "term": r.term,
+                "backend": r.backend,
+                "acquired_at": r.acquired_at,
+                "lease_remaining_ms": r.lease_remaining_ms,
+                "lease_expired": r.lease_remaining_ms.map(|ms| ms < 0),
+                "candidates": r.candidates.iter().map(|c| serde_json::json!({
+                    "node": c.node, "pid": c.pid, "state": c.state,
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    serde_json::json!({ "roles": roles })
+}
+
+fn to_table(roles: &[RoleStatus]) -> String {
+    if roles.is_empty() {
+        return "no roles yet: nothing has stood for election in this schema\n".to_owned();
+    }
+    let header = [
+        "ROLE",
+        "LEADER",
+        "TERM",
+        "SINCE (UTC)",
+        "LEASE LEFT",
+        "CANDIDATES",
+    ];
+    let mut rows: Vec<[String; 6]> = Vec::new();
+    for r in roles {
+        let lease = match r.lease_remaining_ms {
+            None => "-".to_owned(),
+            Some(ms) if ms < 0 => format!("expired {:.1}s ago", -ms as f64 / 1000.0),
+            Some(ms) => format!("{:.1}s", ms as f64 / 1000.0),
+        };
+        let waiting = r.candidates.iter().filter(|c| c.state != "holding").count();
+        let candidates = if r.candidates.is_empty() {
+            "none connected".to_owned()
+        } else {
+            let names: Vec<String> = r
+                .candidates
+                .iter()
+                .map(|c| format!("{} ({})", c.node, c.state))
+                .collect();
+            match waiting {
+                0 => names.join(", "),
+                n => format!("{n} standing by: {}", names.join(", ")),
+            }
+        };
+        rows.push([
+            r.role.clone(),
+            r.holder.clone().unwrap_or_else(|| "(none)".to_owned()),
+            r.term.to_string(),
+            r.acquired_at.clone().unwrap_or_else(|| "-".to_owned()),
+            lease,
+            candidates,
+        ]);
+    }
+    let mut widths = header.map(|h| h.chars().count());
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row.iter()) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let line = |cells: Vec<&str>, out: &mut String| {
+        let mut parts = Vec::new();
+        for (i, c) in cells.iter().enumerate() {
+            if i + 1 == cells.len() {
+                parts.push(c.to_string());
+            } else {
+                parts.push(format!("{c:<width$}", width = widths[i]));
+            }
+        }
+        out.push_str(parts.join("  ").trim_end());
+        out.push('\n');
+    };
+    line(header.to_vec(), &mut out);
+    for row in &rows {
+        line(row.iter().map(String::as_str).collect(), &mut out);
+    }
+    out
+}
+
+fn render(roles: &[RoleStatus], json: bool) -> String {
+    if json {
+        format!("{}\n", to_json(roles))
+    } else {
+        to_table(roles)
+    }
+}
+
+/// The status table of `role` (or every role), for the demo.
+pub async fn snapshot(
+    options: &pgelect::ConnectOptions,
+    role: Option<&str>,
+) -> Result<String, Failure> {
+    let (client, _) = crate::db::connect(options, "pgelect:status").await?;
+    let roles = read(&client, options.schema_name().as_str(), role).await?;
+    Ok(to_table(&roles))
+}
+
+pub async fn run(global: &Global, args: StatusArgs) -> Result<u8, Failure> {
+    let options = global.connect_options()?;
+    if let Some(role) = &args.role {
+        if role.is_empty() || role.contains('\0') {
+            return Err(Failure::new(
+                exit::USAGE,
+                "--role must be a non-empty name without NUL characters",
+            ));
+        }
+    }
+    let schema = options.schema_name().as_str().to_owned();
+    let (client, mut notify_rx) = crate::db::connect(&options, "pgelect:status").await?;
+    let role = args.role.as_deref();
+    if !args.watch {
+        let roles = read(&client, &schema, role).await?;
+        print!("{}", render(&roles, args.json));
+        return Ok(0);
+    }
+    client
+        .batch_execute(&format!("LISTEN {}", pgelect::LEADER_CHANNEL))
+        .await
+        .map_err(|e| Failure::from(crate::db::classify(&schema, "listen for changes", e)))?;
+    let tty = std::io::stdout().is_terminal() && !args.json;
+    let mut signals = crate::signals::Signals::install()?;
+    let mut last = String::new();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        let roles = read(&client, &schema, role).await?;
+        let text = render(&roles, args.json);
+        let mut stdout = std::io::stdout().lock();
+        if tty {
+            // Home, draw, clear what is left: no blank frame, no flicker.
+            let _ = write!(stdout, "\x1b[H{}\x1b[J", text.replace('\n', "\x1b[K\n"));
+        } else if text != last {
+            let _ = write!(stdout, "{text}");
+        }
+        let _ = stdout.flush();
+        drop(stdout);
+        last = text;
+        tokio::select! {
+            _ = tick.tick() => {}
+            n = notify_rx.recv() => if n.is_none() {
+                return Err(Failure::new(exit::UNAVAILABLE, "the database connection ended"));
+            },
+            _ = signals.recv() => return Ok(0),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Vec<RoleStatus> {
+        vec![RoleStatus {
+            role: "scheduler".into(),
+            holder: Some("node-a".into()),
+            term: 7,
+            backend: Some("session".into()),
+            acquired_at: Some("2026-11-25T21:00:00.000Z".into()),
+            lease_remaining_ms: Some(4200),
+            candidates: vec![
+                Candidate {
+                    node: "node-a".into(),
+                    pid: 10,
+                    state: "holding".into(),
+                },
+                Candidate {
+                    node: "node-b".into(),
+                    pid: 11,
+                    state: "waiting".into(),
+                },
+            ],
+        }]
+    }
+
+    #[test]
+    fn table_lines_up_and_names_everyone() {
+        let t = to_table(&sample());
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 2);
+        assert_eq!(lines[0].find("LEADER"), lines[1].find("node-a"));
+        assert!(
+            lines[1].contains("4.2s") && lines[1].contains("node-b (waiting)"),
+            "{t}"
+        );
+    }
+
+    #[test]
+    fn json_is_stable() {
+        let j = to_json(&sample());
+        assert_eq!(j["roles"][0]["term"], 7);
+        assert_eq!(j["roles"][0]["lease_expired"], false);
+        assert_eq!(j["roles"][0]["candidates"][1]["state"], "waiting");
+    }
+}

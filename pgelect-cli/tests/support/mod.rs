@@ -1,0 +1,276 @@
+//! Shared harness for the tests that drive the real `pgelect` binary.
+//!
+//! Every run is bounded: [`finish`] kills the process and fails the test when
+//! it outlives its limit, so a test never hangs. Readiness is awaited through
+//! events (a marker file written by the child, a row in `pg_locks`), polled
+//! in bounded loops, never through fixed sleeps.
+
+#![allow(dead_code)] // each test binary uses a different part of the harness
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::io::AsyncReadExt;
+use tokio::process::{Child, Command};
+use tokio_postgres::Client;
+
+/// The binary under test.
+pub const BIN: &str = env!("CARGO_BIN_EXE_pgelect");
+
+/// Variables that would let the environment of `cargo test` leak into a run.
+const SCRUBBED_ENV: &[&str] = &[
+    "DATABASE_URL",
+    "PGHOST",
+    "PGHOSTADDR",
+    "PGPORT",
+    "PGUSER",
+    "PGPASSWORD",
+    "PGPASSFILE",
+    "PGDATABASE",
+    "PGAPPNAME",
+    "PGSERVICE",
+    "PGCONNECT_TIMEOUT",
+    "RUST_LOG",
+];
+
+/// `pgelect ARGS` with a scrubbed environment, stdin closed, stdout and
+/// stderr piped, killed if its handle is dropped (a failing test leaves no
+/// process behind; the command's child dies with it through
+/// `PR_SET_PDEATHSIG`).
+pub fn pgelect<I, S>(args: I) -> Command
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let mut cmd = Command::new(BIN);
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    for var in SCRUBBED_ENV {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
+/// The outcome of one run.
+#[derive(Debug)]
+pub struct Run {
+    /// Exit code (`None` if killed by a signal).
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    /// From spawn (or from the start given to [`finish`]) to exit.
+    pub elapsed: Duration,
+}
+
+impl Run {
+    /// Standard output and standard error together.
+    pub fn output(&self) -> String {
+        format!("{}{}", self.stdout, self.stderr)
+    }
+
+    /// Panics with the whole output unless the exit code is `code`.
+    pub fn assert_code(&self, code: i32) -> &Run {
+        assert_eq!(
+            self.code,
+            Some(code),
+            "expected exit code {code}, got {:?} after {:?}\n--- stdout\n{}--- stderr\n{}",
+            self.code,
+            self.elapsed,
+            self.stdout,
+            self.stderr
+        );
+        self
+    }
+}
+
+/// Runs `cmd` to completion within `limit`.
+pub async fn run(mut cmd: Command, limit: Duration) -> Run {
+    let started = Instant::now();
+    let child = cmd.spawn().expect("spawn pgelect");
+    finish(child, started, limit).await
+}
+
+/// Waits for `child` (spawned with piped output by [`pgelect`]) to exit
+/// within `limit` of `started`; on timeout kills it and panics with what it
+/// printed.
+pub async fn finish(mut child: Child, started: Instant, limit: Duration) -> Run {
+    let stdout = child.stdout.take().map(|s| tokio::spawn(read_all(s)));
+    let stderr = child.stderr.take().map(|s| tokio::spawn(read_all(s)));
+    let remaining = limit.saturating_sub(started.elapsed());
+    let status = tokio::time::timeout(remaining, child.wait()).await;
+    let elapsed = started.elapsed();
+    let timed_out = status.is_err();
+    if timed_out {
+        let _ = child.start_kill();
+        let _ = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
+    }
+    // The command's own children inherit the pipes; do not wait forever for
+    // them to close.
+    let collect = |task: Option<tokio::task::JoinHandle<String>>| async move {
+        match task {
+            None => String::new(),
+            Some(task) => match tokio::time::timeout(Duration::from_secs(5), task).await {
+                Ok(Ok(text)) => text,
+                _ => "<output pipe still open after 5s>".to_owned(),
+            },
+        }
+    };
+    let stdout = collect(stdout).await;
+    let stderr = collect(stderr).await;
+    if timed_out {
+        panic!(
+            "pgelect did not exit within {limit:?}; killed it\n--- stdout\n{stdout}--- stderr\n{stderr}"
+        );
+    }
+    let status = status.expect("checked above").expect("wait for pgelect");
+    Run {
+        code: status.code(),
+        stdout,
+        stderr,
+        elapsed,
+    }
+}
+
+async fn read_all(mut pipe: impl tokio::io::AsyncRead + Unpin) -> String {
+    let mut buf = Vec::new();
+    let _ = pipe.read_to_end(&mut buf).await;
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+/// Polls `condition` every 10 ms until it holds; panics with `what` after
+/// `limit`.
+pub async fn wait_until<F, Fut>(what: &str, limit: Duration, mut condition: F) -> Duration
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let started = Instant::now();
+    loop {
+        if condition().await {
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits for `path` to exist (a marker the command writes once running).
+pub async fn wait_for_file(path: &Path, limit: Duration) -> Duration {
+    let what = format!("{} to appear", path.display());
+    wait_until(&what, limit, || async { path.exists() }).await
+}
+
+/// Sends `signal` (a name such as `TERM`) to `pid` with kill(1).
+pub fn send_signal(pid: u32, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status()
+        .expect("run kill(1)");
+    assert!(status.success(), "kill -{signal} {pid} failed");
+}
+
+/// True while `pid` exists and is not a zombie (a zombie has exited; only its
+/// parent has not reaped it yet).
+pub fn process_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => false,
+        Ok(stat) => {
+            // "pid (comm) S ...": the state follows the last ')'.
+            let state = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next());
+            !matches!(state, Some("Z" | "X") | None)
+        }
+    }
+}
+
+/// A directory for one test, removed on drop.
+#[derive(Debug)]
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(hint: &str) -> TempDir {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "pgelect-cli-{hint}-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).expect("create test directory");
+        TempDir(path)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    pub fn join(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+
+    /// The path as a string for shell scripts.
+    pub fn sh(&self, name: &str) -> String {
+        self.join(name).display().to_string()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// One advisory lock in this test's database, as `pg_locks` and
+/// `pg_stat_activity` show it.
+#[derive(Debug, Clone)]
+pub struct AdvisoryLock {
+    pub pid: i32,
+    pub application_name: String,
+    pub mode: String,
+    pub granted: bool,
+}
+
+/// The advisory locks (held and awaited) in the current database.
+pub async fn advisory_locks(admin: &Client) -> Vec<AdvisoryLock> {
+    admin
+        .query(
+            "SELECT l.pid, coalesce(a.application_name, ''), l.mode, l.granted
+               FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+              WHERE l.locktype = 'advisory'
+                AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+              ORDER BY l.granted DESC, l.pid",
+            &[],
+        )
+        .await
+        .expect("query pg_locks")
+        .iter()
+        .map(|row| AdvisoryLock {
+            pid: row.get(0),
+            application_name: row.get(1),
+            mode: row.get(2),
+            granted: row.get(3),
+        })
+        .collect()
+}
+
+/// Waits until `pg_locks` shows `granted` held and `waiting` awaited
+/// advisory locks in this database.
+pub async fn await_advisory_locks(admin: &Client, granted: usize, waiting: usize) {
+    let what = format!("{granted} granted and {waiting} waiting advisory locks");
+    wait_until(&what, Duration::from_secs(10), || async {
+        let locks = advisory_locks(admin).await;
+        locks.iter().filter(|l| l.granted).count() == granted
+            && locks.iter().filter(|l| !l.granted).count() == waiting
+    })
+    .await;
+}

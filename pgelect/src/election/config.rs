@@ -1,0 +1,304 @@
+//! The elector's configuration: a builder whose every default is documented
+//! and whose `build()` checks the safety inequalities.
+
+use std::hash::{BuildHasher, Hasher};
+use std::time::Duration;
+
+use crate::conn::{ConnectOptions, TcpTimeouts};
+use crate::error::{shown, Error, Result};
+use crate::key::LockKey;
+
+use super::core::{Timing, TimingRequest};
+use super::Elector;
+
+/// The longest role or node id accepted, in bytes.
+pub const MAX_ROLE_BYTES: usize = 255;
+
+/// How a standby waits for the leader's lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum StandbyMode {
+    /// Wait in `pg_advisory_lock` on the lock connection: the server grants
+    /// the lock the moment the leader's backend ends or unlocks (a few ms on
+    /// loopback). A second, light connection watches the lease row (for
+    /// [`Elector::watch`] and zombie preemption). The default.
+    #[default]
+    Blocking,
+    /// Try `pg_try_advisory_lock` on the lock connection every `interval`,
+    /// and at once when the leader announces a release with `NOTIFY`. One
+    /// connection per candidate; a crashed leader is replaced within
+    /// `interval` plus the handover delay. For processes that stand for many
+    /// roles.
+    Polling {
+        /// Time between attempts. Must be positive.
+        interval: Duration,
+    },
+}
+
+/// Builds an [`Elector`]; see [`Elector::builder`].
+///
+/// # Timing and the safety inequality
+///
+/// With the defaults (`ttl` 15 s):
+///
+/// | setting | default | with ttl 15 s |
+/// |---|---|---|
+/// | `ttl` | 15 s | 15 s |
+/// | `safety_margin` | `ttl / 5` | 3 s |
+/// | `renew_every` | `ttl / 3` | 5 s |
+/// | `heartbeat` | 1 s | 1 s |
+/// | `heartbeat_timeout` | 1 s | 1 s |
+/// | `handover_delay` | `min(heartbeat + heartbeat_timeout, ttl - safety_margin) + 500 ms` | 2.5 s |
+/// | `tcp_timeouts` | derived from `ttl` (below) | idle 5 s, interval 2 s, count 6, user timeout 15 s |
+/// | `check_every` | `renew_every` | 5 s |
+///
+/// A leader's **local deadline** is `ttl - safety_margin` (12 s) after the
+/// *sending* of its last successful renewal, on the monotonic clock; when it
+/// passes, leadership is cancelled whether or not the database answers.
+/// `build()` enforces, and rejects with [`Error::Config`] naming the values:
+///
+/// 1. `ttl - safety_margin < ttl`: the local deadline ends before the
+///    server-side lease (`now() + ttl` when the server ran the renewal,
+///    which is after it was sent) expires, so a standby that preempts an
+///    expired lease never overlaps a leader that still believes it leads;
+///    the margin (3 s) absorbs clock-rate drift and one network round trip.
+/// 2. `ttl - safety_margin < min(tcp user_timeout, keepalive_idle +
+///    keepalive_interval × keepalive_count)` (12 s < 15 s): a partitioned
+///    leader demotes itself before the *server* can declare it gone and
+///    release its lock to a standby. `connect_for_locks` sets these TCP
+///    settings on the server side of the lock connection. The derived
+///    defaults use `TCP_USER_TIMEOUT = ttl` and a keepalive path longer than
+///    `ttl`, so the lock is released soon after the deadline, not hours later.
+/// 3. `renew_every < ttl - safety_margin`: a healthy leader renews (twice,
+///    with the defaults) before its deadline.
+/// 4. `handover_delay ≥ min(heartbeat + heartbeat_timeout, ttl -
+///    safety_margin)`: after an *unclean* takeover (the lease row still named
+///    a holder: the old backend was terminated or its connection reset) the
+///    old leader may still be alive and not yet know. Its driver task reads
+///    the socket all the time, so a FIN or RST is seen within a millisecond;
+///    if none arrives, its next heartbeat is sent within `heartbeat` (1 s) and
+///    fails within `heartbeat_timeout` (1 s), and at the latest its deadline
+///    ends it. The default adds 500 ms for scheduling delays: 2.5 s. A clean
+///    release (the holder cleared itself) is taken over at once.
+///
+/// A process that is *paused* (stopped, swapped out, a long GC) cannot run
+/// any timer: writes that must never overlap use the fence
+/// ([`Leadership::fence`](crate::Leadership::fence)), which the takeover's
+/// term bump defeats.
+#[derive(Clone, Debug)]
+pub struct ElectorBuilder {
+    options: ConnectOptions,
+    role: String,
+    node_id: Option<String>,
+    timing: TimingRequest,
+    standby: StandbyMode,
+    meta: Option<serde_json::Value>,
+}
+
+impl ElectorBuilder {
+    pub(crate) fn new(options: ConnectOptions, role: &str) -> ElectorBuilder {
+        ElectorBuilder {
+            options,
+            role: role.to_owned(),
+            node_id: None,
+            timing: TimingRequest::default(),
+            standby: StandbyMode::default(),
+            meta: None,
+        }
+    }
+
+    /// This candidate's name, stored as `holder` in the lease row and shown
+    /// in `application_name`. Default: `<hostname>-<pid>-<8 random hex
+    /// digits>`, unique per process (never the bare host name, which two
+    /// processes on one host would share).
+    pub fn node_id(mut self, node_id: &str) -> Self {
+        self.node_id = Some(node_id.to_owned());
+        self
+    }
+
+    /// Lease time to live. Default: `15s`.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.timing.ttl = Some(ttl);
+        self
+    }
+
+    /// How much earlier than the lease the local deadline ends. Default:
+    /// `ttl / 5`.
+    pub fn safety_margin(mut self, margin: Duration) -> Self {
+        self.timing.safety_margin = Some(margin);
+        self
+    }
+
+    /// Time between renewals. Default: `ttl / 3`.
+    pub fn renew_every(mut self, every: Duration) -> Self {
+        self.timing.renew_every = Some(every);
+        self
+    }
+
+    /// Wait after an unclean takeover before acting. Default:
+    /// `min(heartbeat + heartbeat_timeout, ttl - safety_margin) + 500ms`
+    /// (`2.5s` with the other defaults); shorter values are rejected.
+    pub fn handover_delay(mut self, delay: Duration) -> Self {
+        self.timing.handover_delay = Some(delay);
+        self
+    }
+
+    /// Time between heartbeats (`SELECT 1`) on the lock connection while
+    /// leading, backing up the push detection of a closed socket. Default:
+    /// `1s`.
+    pub fn heartbeat(mut self, every: Duration) -> Self {
+        self.timing.heartbeat = Some(every);
+        self
+    }
+
+    /// How long a heartbeat or renewal may take before the lock connection
+    /// is declared dead and dropped. Default: `1s`.
+    pub fn heartbeat_timeout(mut self, timeout: Duration) -> Self {
+        self.timing.heartbeat_timeout = Some(timeout);
+        self
+    }
+
+    /// How often a standby reads the lease row (for [`Elector::watch`] and to
+    /// preempt a leader whose lease expired). Default: `renew_every`.
+    pub fn check_every(mut self, every: Duration) -> Self {
+        self.timing.check_every = Some(every);
+        self
+    }
+
+    /// How a standby waits. Default: [`StandbyMode::Blocking`].
+    pub fn standby(mut self, mode: StandbyMode) -> Self {
+        self.standby = mode;
+        self
+    }
+
+    /// TCP timeouts of the lock connection, on both ends. Default: derived
+    /// from the TTL — `TCP_USER_TIMEOUT = ttl`, `keepalive_idle = ttl/3`,
+    /// `keepalive_interval = ttl/6` and enough probes for the keepalive path
+    /// to outlast `ttl` (whole seconds, at least 1).
+    pub fn tcp_timeouts(mut self, tcp: TcpTimeouts) -> Self {
+        self.timing.tcp = Some(tcp);
+        self
+    }
+
+    /// JSON stored as `holder_meta` in the lease row while this candidate
+    /// leads (an address, a version). Default: none.
+    pub fn meta(mut self, meta: serde_json::Value) -> Self {
+        self.meta = Some(meta);
+        self
+    }
+
+    /// Validates everything and builds the elector. Opens no connection.
+    ///
+    /// Fails with [`Error::InvalidName`] for an empty role or node id, one
+    /// with a NUL character or longer than [`MAX_ROLE_BYTES`], and with
+    /// [`Error::Config`] naming the values for timing that breaks the safety
+    /// inequalities (see [`ElectorBuilder`]).
+    pub fn build(self) -> Result<Elector> {
+        validate_name("role", &self.role)?;
+        let node = match self.node_id {
+            Some(n) => {
+                validate_name("node id", &n)?;
+                n
+            }
+            None => default_node_id(),
+        };
+        let timing: Timing = self.timing.validate().map_err(Error::Config)?;
+        if let StandbyMode::Polling { interval } = self.standby {
+            if interval.is_zero() {
+                return Err(Error::config("standby polling interval must be positive"));
+            }
+        }
+        let key = role_key(self.options.schema_name().as_str(), &self.role);
+        Ok(Elector::from_parts(
+            self.options,
+            self.role,
+            node,
+            key,
+            timing,
+            self.standby,
+            self.meta,
+        ))
+    }
+}
+
+/// The advisory-lock key of a role's election: `LockKey::from_name` of
+/// `election:<schema>:<role>`, i.e. `pgelect.key('election:pgelect:' || role)`
+/// in SQL for the default schema.
+pub(crate) fn role_key(schema: &str, role: &str) -> LockKey {
+    LockKey::from_name(&format!("election:{schema}:{role}")).expect("BUG: validated role")
+}
+
+pub(crate) fn validate_name(what: &'static str, name: &str) -> Result<()> {
+    let refuse = |reason: &str| {
+        Err(Error::InvalidName {
+            what,
+            shown: shown(name),
+            reason: reason.to_owned(),
+        })
+    };
+    if name.is_empty() {
+        return refuse("it is empty");
+    }
+    if name.len() > MAX_ROLE_BYTES {
+        return refuse(&format!(
+            "it is {} bytes long, the limit is {MAX_ROLE_BYTES}",
+            name.len()
+        ));
+    }
+    if name.contains('\0') {
+        return refuse("it contains a NUL character, which PostgreSQL text cannot hold");
+    }
+    Ok(())
+}
+
+/// A random 64-bit number from the standard library's per-process random
+/// hash keys: enough for jitter and node-id suffixes, not for secrets.
+pub(crate) fn random_u64() -> u64 {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
+}
+
+/// `<hostname>-<pid>-<8 hex digits>`.
+pub(crate) fn default_node_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "host".to_owned());
+    let host: String = host.chars().take(64).collect();
+    format!(
+        "{host}-{}-{:08x}",
+        std::process::id(),
+        random_u64() as u32
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_node_ids_are_unique_per_call_and_not_the_host_name() {
+        let a = default_node_id();
+        let b = default_node_id();
+        assert_ne!(a, b);
+        assert!(a.contains(&format!("-{}-", std::process::id())), "{a}");
+        validate_name("node id", &a).unwrap();
+    }
+
+    #[test]
+    fn names_are_validated() {
+        assert!(validate_name("role", "").is_err());
+        assert!(validate_name("role", "a\0b").is_err());
+        assert!(validate_name("role", &"x".repeat(MAX_ROLE_BYTES + 1)).is_err());
+        validate_name("role", &"x".repeat(MAX_ROLE_BYTES)).unwrap();
+        validate_name("role", "scheduler:eu-1 ✓").unwrap();
+    }
+}

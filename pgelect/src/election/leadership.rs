@@ -1,0 +1,346 @@
+//! The `Leadership` handle, its `Term` and the reasons a leadership ends.
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::{mpsc, oneshot};
+use tokio_postgres::types::Type;
+use tokio_postgres::GenericClient;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
+
+use crate::error::{Error, Result};
+use crate::schema::SchemaName;
+
+/// A fencing term: it rises by one at every change of leader of a role and
+/// never goes back, across leaders, restarts of candidates and restarts of
+/// the database (it is stored in `pgelect.leaders.term`).
+///
+/// ```
+/// use pgelect::Term;
+/// assert!(Term::new(7) > Term::new(6));
+/// assert_eq!(Term::new(7).get(), 7);
+/// assert_eq!(Term::new(7).to_string(), "7");
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Term(i64);
+
+impl Term {
+    /// Wraps a term as stored in the database.
+    pub const fn new(term: i64) -> Term {
+        Term(term)
+    }
+
+    /// The term as stored in the database (`bigint`).
+    pub const fn get(self) -> i64 {
+        self.0
+    }
+}
+
+impl fmt::Display for Term {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Why a leadership ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LossReason {
+    /// The elector was shut down (the `shutdown` token of
+    /// [`Elector::run`](crate::Elector::run) was cancelled).
+    Shutdown,
+    /// The lock connection ended or stopped answering (server terminated the
+    /// backend, database restart, network failure, heartbeat timeout). The
+    /// server releases the lock with the connection.
+    ConnectionLost,
+    /// No renewal succeeded within `ttl - safety_margin` of the last
+    /// successful one's sending: leadership was ended by the local timer,
+    /// whether or not the database can be reached.
+    Deadline,
+    /// A renewal found the lease row no longer ours: another candidate leads.
+    Preempted,
+    /// Resigned: [`Leadership::resign`] was called, or another process asked
+    /// with [`request_resign`](crate::request_resign).
+    Resigned,
+    /// Every [`Leadership`] handle was dropped without `resign`: the lock
+    /// connection was dropped, and standbys treat it as an unclean loss.
+    Dropped,
+}
+
+impl LossReason {
+    /// A short label, used in metrics and logs: `shutdown`,
+    /// `connection_lost`, `deadline`, `preempted`, `resigned`, `dropped`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LossReason::Shutdown => "shutdown",
+            LossReason::ConnectionLost => "connection_lost",
+            LossReason::Deadline => "deadline",
+            LossReason::Preempted => "preempted",
+            LossReason::Resigned => "resigned",
+            LossReason::Dropped => "dropped",
+        }
+    }
+}
+
+impl fmt::Display for LossReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// State shared between a leadership's keeper task and its handles.
+#[derive(Debug)]
+pub(crate) struct LeaderState {
+    pub(crate) role: String,
+    pub(crate) schema: SchemaName,
+    pub(crate) term: Term,
+    pub(crate) token: CancellationToken,
+    pub(crate) reason: Mutex<Option<LossReason>>,
+}
+
+impl LeaderState {
+    /// Records the first reason and cancels the token (in that order, so a
+    /// woken waiter always finds the reason).
+    pub(crate) fn end(&self, reason: LossReason) -> bool {
+        let mut r = self.reason.lock().expect("BUG: poisoned loss reason");
+        let first = r.is_none();
+        if first {
+            *r = Some(reason);
+        }
+        drop(r);
+        self.token.cancel();
+        first
+    }
+
+    pub(crate) fn reason(&self) -> Option<LossReason> {
+        *self.reason.lock().expect("BUG: poisoned loss reason")
+    }
+}
+
+/// Requests from handles to the keeper task.
+#[derive(Debug)]
+pub(crate) enum Command {
+    /// Cancel the token with this reason; keep the lock for a clean release.
+    Stop { reason: LossReason },
+    /// Cancel the token with this reason and release cleanly; reply when done.
+    Release {
+        reason: LossReason,
+        reply: oneshot::Sender<Result<()>>,
+    },
+}
+
+/// What an elected process gets: the term, the token that ends its duties,
+/// and the fence. Cheap to clone; handed to the `on_elected` callback of
+/// [`Elector::run`](crate::Elector::run) and obtained from
+/// [`Leadership::context`].
+#[derive(Clone)]
+pub struct LeaderContext {
+    state: Arc<LeaderState>,
+}
+
+impl LeaderContext {
+    /// The fencing term of this leadership.
+    pub fn term(&self) -> Term {
+        self.state.term
+    }
+
+    /// The role led.
+    pub fn role(&self) -> &str {
+        &self.state.role
+    }
+
+    /// Cancelled the moment leadership ends, for any reason. Stop acting as
+    /// leader when it is.
+    pub fn token(&self) -> CancellationToken {
+        self.state.token.clone()
+    }
+
+    /// True once leadership has ended.
+    pub fn is_lost(&self) -> bool {
+        self.state.token.is_cancelled()
+    }
+
+    /// Completes when leadership ends, for any reason.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only waits.
+    pub fn lost(&self) -> WaitForCancellationFuture<'_> {
+        self.state.token.cancelled()
+    }
+
+    /// Why leadership ended; `None` while it lasts.
+    pub fn loss_reason(&self) -> Option<LossReason> {
+        self.state.reason()
+    }
+
+    /// Fences the caller's transaction with this term: runs
+    /// `SELECT pgelect.fence(role, term)`, which locks the role's row
+    /// `FOR SHARE` until the transaction ends and fails unless the term is
+    /// still current.
+    ///
+    /// Call it inside the transaction whose writes must not happen after a
+    /// newer leader began, before those writes (or at least before commit).
+    /// Because a takeover must `UPDATE` that row to bump the term, it waits
+    /// for fenced transactions of the old term to end, and once the term
+    /// moved, every fence of the old term fails with [`Error::StaleTerm`]: a
+    /// fenced transaction of an old term never commits after a newer term
+    /// began, even when this process was paused or partitioned.
+    ///
+    /// Fails at once, without a statement, once this leadership is known
+    /// lost. The statement is unnamed (no prepared statement), so it works
+    /// through PgBouncer in transaction mode.
+    ///
+    /// # Cancel safety
+    /// Cancelling drops the statement's future; the transaction is the
+    /// caller's, roll it back.
+    pub async fn fence<C: GenericClient + Sync>(&self, tx: &C) -> Result<()> {
+        let s = &self.state;
+        if let Some(reason) = s.reason() {
+            return Err(Error::LeadershipLost {
+                role: s.role.clone(),
+                term: s.term.get(),
+                reason,
+            });
+        }
+        let sql = format!("SELECT {}.fence($1, $2)", s.schema.as_str());
+        let term = s.term.get();
+        tx.query_typed(&sql, &[(&s.role, Type::TEXT), (&term, Type::INT8)])
+            .await
+            .map_err(|e| Error::db("fence a transaction", s.schema.as_str(), e))?;
+        Ok(())
+    }
+
+    pub(crate) fn new(state: Arc<LeaderState>) -> LeaderContext {
+        LeaderContext { state }
+    }
+}
+
+impl fmt::Debug for LeaderContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LeaderContext")
+            .field("role", &self.state.role)
+            .field("term", &self.state.term)
+            .field("lost", &self.state.reason())
+            .finish()
+    }
+}
+
+/// The handle of a won election.
+///
+/// Leadership lasts until [`lost()`](Leadership::lost) completes (its
+/// [`token()`](Leadership::token) is cancelled): on a lost lock connection,
+/// a passed local deadline, a preemption, a resign request from another
+/// process, or [`resign`](Leadership::resign). Every loss is reported; it is
+/// never a silent change of state.
+///
+/// # Ending it
+/// * [`resign`](Leadership::resign) cancels the token, then — after your
+///   duties have stopped, which is why you call it only then — clears the
+///   holder, sends `NOTIFY` and unlocks: standbys take over within
+///   milliseconds, at once, with no handover delay.
+/// * After a loss you do not cause (for example a resign requested by
+///   another process), call `resign` once your duties stopped: while the lock
+///   connection lives, it still releases cleanly. The lock is kept for that
+///   at most one TTL.
+/// * Dropping every handle without `resign` cancels the token and drops the
+///   lock connection: standbys see an unclean loss and wait the handover
+///   delay. This is a fallback, not the way to step down.
+pub struct Leadership {
+    pub(crate) context: LeaderContext,
+    pub(crate) commands: mpsc::UnboundedSender<Command>,
+}
+
+impl Leadership {
+    /// The fencing term of this leadership.
+    pub fn term(&self) -> Term {
+        self.context.term()
+    }
+
+    /// The role led.
+    pub fn role(&self) -> &str {
+        self.context.role()
+    }
+
+    /// Cancelled the moment leadership ends, for any reason.
+    pub fn token(&self) -> CancellationToken {
+        self.context.token()
+    }
+
+    /// Completes when leadership ends, for any reason.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only waits.
+    pub fn lost(&self) -> WaitForCancellationFuture<'_> {
+        self.context.lost()
+    }
+
+    /// True once leadership has ended.
+    pub fn is_lost(&self) -> bool {
+        self.context.is_lost()
+    }
+
+    /// Why leadership ended; `None` while it lasts.
+    pub fn loss_reason(&self) -> Option<LossReason> {
+        self.context.loss_reason()
+    }
+
+    /// A cheap, cloneable view (term, token, fence) to hand to the tasks
+    /// doing the leader's work.
+    pub fn context(&self) -> LeaderContext {
+        self.context.clone()
+    }
+
+    /// Fences the caller's transaction with this term; see
+    /// [`LeaderContext::fence`].
+    ///
+    /// # Cancel safety
+    /// Cancelling drops the statement's future; roll the transaction back.
+    pub async fn fence<C: GenericClient + Sync>(&self, tx: &C) -> Result<()> {
+        self.context.fence(tx).await
+    }
+
+    /// Steps down: cancels the token (reason [`LossReason::Resigned`] unless
+    /// leadership already ended), then, in one transaction, clears the
+    /// holder where holder and term are still ours and sends `NOTIFY`, then
+    /// unlocks the advisory lock and checks that it was held.
+    ///
+    /// Stop the duties that act as leader *before* calling it: standbys take
+    /// over as soon as it returns. If leadership had already ended with the
+    /// connection (lost connection, deadline, preemption), there is nothing
+    /// to release and it returns `Ok(())`.
+    ///
+    /// # Cancel safety
+    /// The release runs in the leadership's own task and completes even if
+    /// this future is dropped.
+    pub async fn resign(self) -> Result<()> {
+        self.release(LossReason::Resigned).await
+    }
+
+    /// Cancels the token with `reason`, keeping the lock for a clean release.
+    pub(crate) fn stop(&self, reason: LossReason) {
+        let _ = self.commands.send(Command::Stop { reason });
+    }
+
+    pub(crate) async fn release(&self, reason: LossReason) -> Result<()> {
+        let (reply, answer) = oneshot::channel();
+        if self
+            .commands
+            .send(Command::Release { reason, reply })
+            .is_err()
+        {
+            // The keeper ended: the connection, and with it the lock, is gone.
+            return Ok(());
+        }
+        answer.await.unwrap_or(Ok(()))
+    }
+}
+
+impl fmt::Debug for Leadership {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Leadership")
+            .field("role", &self.context.state.role)
+            .field("term", &self.context.state.term)
+            .field("lost", &self.context.state.reason())
+            .finish()
+    }
+}

@@ -1,0 +1,659 @@
+//! The session backend's driver: campaign (lock wait, term bump, handover)
+//! and the leader's keeper task (renewals, heartbeats, deadline, release).
+//!
+//! All decisions are taken by [`Keeper`](super::core::Keeper); this module
+//! only does I/O and reports what happened, with the monotonic time.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use tokio_postgres::types::{ToSql, Type};
+use tracing::Instrument;
+
+use crate::conn::DedicatedConnection;
+use crate::error::{Error, Result};
+use crate::metrics;
+use crate::schema::check_schema;
+
+use super::config::random_u64;
+use super::core::{Action, Keeper, Phase, Probe};
+use super::leadership::{Command, LeaderContext, LeaderState, Leadership, LossReason};
+use super::watch::{
+    parse_leader_event, preempt_zombie, read_leader, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
+};
+use super::{Shared, StandbyMode, Term};
+
+/// Exponential backoff with jitter: 100 ms doubling up to 5 s, each delay
+/// drawn from `[d/2, d]`.
+pub(crate) fn backoff(failures: u32) -> Duration {
+    let exp = failures.saturating_sub(1).min(6);
+    let d = Duration::from_millis(100 * (1u64 << exp)).min(Duration::from_secs(5));
+    let half = d / 2;
+    let jitter = (random_u64() % (half.as_millis() as u64 + 1)) as u64;
+    half + Duration::from_millis(jitter)
+}
+
+/// True for failures that a new connection may cure: the server went away,
+/// restarts, is overloaded, or our backend was terminated.
+pub(crate) fn is_transient(e: &Error) -> bool {
+    match e {
+        Error::Connect { .. } | Error::ConnectTimeout { .. } | Error::ConnectionLost { .. } => {
+            true
+        }
+        Error::Database { source, .. } => {
+            source.is_closed()
+                || source.as_db_error().is_none()
+                || source.code().is_some_and(|c| {
+                    let class = &c.code()[..2];
+                    matches!(class, "08" | "57" | "53" | "40" | "58")
+                })
+        }
+        _ => false,
+    }
+}
+
+/// Campaigns until elected. Transient failures are retried with backoff;
+/// configuration, schema, permission and pooler errors are returned.
+pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
+    let span = tracing::info_span!("pgelect.campaign", role = %shared.role, node = %shared.node);
+    async {
+        let mut failures = 0u32;
+        loop {
+            match attempt(shared).await {
+                Ok(Some(l)) => return Ok(l),
+                Ok(None) => {
+                    // Lost during the handover delay: stand again at once.
+                    failures = 0;
+                }
+                Err(e) if is_transient(&e) => {
+                    failures = failures.saturating_add(1);
+                    let wait = backoff(failures);
+                    tracing::warn!(error = %e, retry_in = ?wait, "campaign interrupted; reconnecting");
+                    tokio::time::sleep(wait).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// Kills the lock connection unless disarmed: a campaign future dropped in
+/// the middle of a lock wait must not leave a waiting backend behind.
+struct KillOnDrop<'a> {
+    conn: Option<&'a DedicatedConnection>,
+}
+
+impl Drop for KillOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            let cancel = conn.cancel_token();
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let _ = cancel.cancel_query(tokio_postgres::NoTls).await;
+                });
+            }
+            conn.kill();
+        }
+    }
+}
+
+struct StandingGuard<'a>(&'a Shared);
+
+impl Drop for StandingGuard<'_> {
+    fn drop(&mut self) {
+        self.0.standing.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
+    let schema = shared.options.schema_name().clone();
+    let s = schema.as_str();
+    let purpose = format!("{}:{}", shared.role, shared.node);
+    let conn = shared
+        .options
+        .connect_for_locks(&purpose, &shared.timing.tcp)
+        .await?;
+    let mut guard = KillOnDrop { conn: Some(&conn) };
+    // A backend blocked in a lock wait notices a vanished client only if it
+    // checks the socket (PostgreSQL 14+); skipped on older servers.
+    conn.set_session(
+        &[(
+            "client_connection_check_interval",
+            shared.timing.heartbeat.as_millis().max(1).to_string(),
+        )],
+        s,
+    )
+    .await?;
+    check_schema(conn.client(), &schema).await?;
+    check_not_transaction_pooled(shared, &conn).await?;
+
+    let key = shared.key;
+    let params = key.params();
+    let args: Vec<(&(dyn ToSql + Sync), Type)> = params.iter().map(|p| p.as_sql()).collect();
+    let wait_started = Instant::now();
+    match shared.standby {
+        StandbyMode::Blocking => {
+            shared.ensure_observer();
+            shared.standing.send_modify(|n| *n += 1);
+            let _standing = StandingGuard(shared);
+            let sql = format!("SELECT pg_advisory_lock({})", key.sql_args(1));
+            tokio::select! {
+                r = conn.client().query_typed(&sql, &args) => {
+                    r.map_err(|e| Error::db("wait for the leader's lock", s, e))?;
+                }
+                _ = conn.closed().cancelled() => {
+                    return Err(Error::ConnectionLost { operation: "wait for the leader's lock" });
+                }
+            }
+        }
+        StandbyMode::Polling { interval } => {
+            poll_for_lock(shared, &conn, interval, &args).await?;
+        }
+    }
+    tracing::debug!(waited = ?wait_started.elapsed(), "lock granted");
+    let granted_at = Instant::now();
+
+    // The term bump and the lease row, in one transaction. LISTEN for
+    // resign requests commits with it: requests are delivered from the
+    // moment the row names us, and none meant for the previous leader.
+    let notices = conn.notices();
+    let sent_at = Instant::now();
+    conn.client()
+        .batch_execute(&format!("BEGIN; LISTEN {RESIGN_CHANNEL}"))
+        .await
+        .map_err(|e| Error::db("record the new term", s, e))?;
+    let elected = elect(shared, &conn).await?;
+    conn.client()
+        .batch_execute("COMMIT")
+        .await
+        .map_err(|e| Error::db("record the new term", s, e))?;
+    let answered = Instant::now();
+    let unclean = elected.previous_holder.is_some();
+    if let Some(prev) = &elected.previous_holder {
+        tracing::info!(term = elected.term.get(), previous = %prev, delay = ?shared.timing.handover_delay,
+            "elected after an unclean loss; waiting the handover delay before acting");
+    } else {
+        tracing::info!(
+            term = elected.term.get(),
+            "elected after a clean release; acting at once"
+        );
+    }
+    shared.publish(Some(LeaderInfo {
+        role: shared.role.clone(),
+        holder: shared.node.clone(),
+        holder_meta: shared.meta.clone(),
+        term: elected.term,
+        backend: Some("session".into()),
+        acquired_at: elected.acquired_at,
+        renewed_at: elected.acquired_at,
+        lease_until: elected.lease_until,
+        lease_expired: false,
+        holder_pid: Some(conn.pid()),
+    }));
+
+    let keeper = Keeper::new(shared.timing, sent_at, answered, unclean);
+    let state = Arc::new(LeaderState {
+        role: shared.role.clone(),
+        schema: schema.clone(),
+        term: elected.term,
+        token: tokio_util::sync::CancellationToken::new(),
+        reason: Mutex::new(None),
+    });
+    let (commands, rx) = mpsc::unbounded_channel();
+    let (activated_tx, activated_rx) = oneshot::channel();
+    guard.conn = None;
+    drop(guard);
+    let span = tracing::info_span!("pgelect.leader", role = %shared.role, node = %shared.node, term = elected.term.get());
+    tokio::spawn(
+        keep(
+            shared.clone(),
+            conn,
+            notices,
+            keeper,
+            state.clone(),
+            rx,
+            activated_tx,
+            granted_at,
+        )
+        .instrument(span),
+    );
+    let leadership = Leadership {
+        context: LeaderContext::new(state),
+        commands,
+    };
+    match activated_rx.await {
+        Ok(true) => Ok(Some(leadership)),
+        _ => Ok(None),
+    }
+}
+
+struct Elected {
+    term: Term,
+    previous_holder: Option<String>,
+    acquired_at: SystemTime,
+    lease_until: SystemTime,
+}
+
+async fn elect(shared: &Shared, conn: &DedicatedConnection) -> Result<Elected> {
+    let s = shared.options.schema_name().as_str();
+    // No FOR UPDATE in `old`: a row locked after `up` updated it in the same
+    // statement is skipped, which hid the previous holder (and with it the
+    // handover delay). The advisory lock already serialises electors, and
+    // `up` locks the row itself.
+    let sql = format!(
+        "WITH old AS (
+             SELECT holder FROM {s}.leaders WHERE role = $1
+         ), up AS (
+             INSERT INTO {s}.leaders AS l
+                    (role, holder, holder_meta, term, backend, holder_pid, acquired_at, renewed_at, lease_until)
+             VALUES ($1, $2, $3, 1, 'session', pg_backend_pid(), now(), now(),
+                     now() + $4 * interval '1 millisecond')
+             ON CONFLICT (role) DO UPDATE
+                SET holder = EXCLUDED.holder, holder_meta = EXCLUDED.holder_meta,
+                    term = l.term + 1, backend = EXCLUDED.backend,
+                    holder_pid = EXCLUDED.holder_pid, acquired_at = EXCLUDED.acquired_at,
+                    renewed_at = EXCLUDED.renewed_at, lease_until = EXCLUDED.lease_until
+             RETURNING l.term, l.acquired_at, l.lease_until
+         )
+         SELECT up.term, (SELECT holder FROM old), up.acquired_at, up.lease_until,
+                pg_notify('{LEADER_CHANNEL}', $5)::text
+           FROM up"
+    );
+    let ttl_ms = shared.timing.ttl.as_millis() as i64;
+    let payload = format!("{s}:elected:{}", shared.role);
+    let row = conn
+        .client()
+        .query_typed_one(
+            &sql,
+            &[
+                (&shared.role, Type::TEXT),
+                (&shared.node, Type::TEXT),
+                (&shared.meta, Type::JSONB),
+                (&ttl_ms, Type::INT8),
+                (&payload, Type::TEXT),
+            ],
+        )
+        .await
+        .map_err(|e| Error::db("record the new term", s, e))?;
+    Ok(Elected {
+        term: Term::new(row.get(0)),
+        previous_holder: row.get(1),
+        acquired_at: row.get(2),
+        lease_until: row.get(3),
+    })
+}
+
+/// Detects a pooler in transaction (or statement) mode between us and the
+/// server, where the advisory lock would stay on a pooled backend while our
+/// next statements run elsewhere.
+///
+/// A second client connection opens a transaction and keeps it open, which
+/// pins one server backend to it for as long as it lasts. Then:
+/// * directly or through a session pool, the lock connection owns its
+///   backend for good: the probe never gets that backend, and the lock
+///   connection's backend pid never changes;
+/// * through a transaction pool, the lock connection's backend is returned
+///   to the pool after every statement; the probe's `BEGIN` takes an idle
+///   server connection — PgBouncer hands out the most recently used one,
+///   which is the lock connection's — or, if it gets another one, the lock
+///   connection's next statement may land elsewhere. Either shows.
+///
+/// The check runs the lock connection's pid query three times around the
+/// probe's transaction, so both signs are looked at.
+async fn check_not_transaction_pooled(shared: &Shared, conn: &DedicatedConnection) -> Result<()> {
+    let s = shared.options.schema_name().as_str();
+    let first = backend_pid(conn.client(), s).await?;
+    let probe = shared.options.connect("pooler-probe").await?;
+    let result = async {
+        probe
+            .client()
+            .batch_execute("BEGIN")
+            .await
+            .map_err(|e| Error::db("check for a transaction pooler", s, e))?;
+        let probe_pid = backend_pid(probe.client(), s).await?;
+        let second = backend_pid(conn.client(), s).await?;
+        let third = backend_pid(conn.client(), s).await?;
+        let _ = probe.client().batch_execute("ROLLBACK").await;
+        Ok::<_, Error>((probe_pid, [conn.pid(), first, second, third]))
+    }
+    .await;
+    probe.close().await;
+    let (probe_pid, seen) = result?;
+    let moved = seen.iter().any(|p| *p != seen[0]);
+    if moved || seen.contains(&probe_pid) {
+        return Err(Error::Pooler(format!(
+            "the session backend needs one server session for its whole life, but {} is reached through a pooler in transaction or statement mode (server backend pids seen on one client connection: {seen:?}; a second client got {probe_pid}): advisory locks and LISTEN would stay on a pooled backend. Use the lease backend, which works through transaction pooling, or connect directly or through a session-mode pool",
+            shared.options.target()
+        )));
+    }
+    Ok(())
+}
+
+async fn backend_pid(c: &tokio_postgres::Client, schema: &str) -> Result<i32> {
+    c.query_typed_one("SELECT pg_backend_pid()", &[])
+        .await
+        .map(|r| r.get::<_, i32>(0))
+        .map_err(|e| Error::db("check for a transaction pooler", schema, e))
+}
+
+async fn poll_for_lock(
+    shared: &Shared,
+    conn: &DedicatedConnection,
+    interval: Duration,
+    args: &[(&(dyn ToSql + Sync), Type)],
+) -> Result<()> {
+    let schema = shared.options.schema_name();
+    let s = schema.as_str();
+    let mut notices = conn.notices();
+    conn.client()
+        .batch_execute(&format!("LISTEN {LEADER_CHANNEL}"))
+        .await
+        .map_err(|e| Error::db("listen for leader changes", s, e))?;
+    let sql = format!("SELECT pg_try_advisory_lock({})", shared.key.sql_args(1));
+    loop {
+        let row = conn
+            .client()
+            .query_typed_one(&sql, args)
+            .await
+            .map_err(|e| Error::db("try the leader's lock", s, e))?;
+        if row.get::<_, bool>(0) {
+            conn.client()
+                .batch_execute(&format!("UNLISTEN {LEADER_CHANNEL}"))
+                .await
+                .map_err(|e| Error::db("stop listening", s, e))?;
+            return Ok(());
+        }
+        let info = read_leader(conn.client(), schema, &shared.role).await?;
+        if info.as_ref().is_some_and(|i| i.lease_expired) {
+            if let Some(pid) = preempt_zombie(conn.client(), schema, &shared.role, shared.key).await? {
+                metrics::preempted_zombie(&shared.role);
+                tracing::debug!(pid, "preempted; trying the lock again");
+                continue;
+            }
+        }
+        shared.publish(info);
+        let sleep = tokio::time::sleep(interval);
+        tokio::pin!(sleep);
+        loop {
+            tokio::select! {
+                _ = &mut sleep => break,
+                _ = conn.closed().cancelled() => {
+                    return Err(Error::ConnectionLost { operation: "wait for the leader's lock" });
+                }
+                n = notices.recv() => match n {
+                    Ok(n) => {
+                        if n.channel == LEADER_CHANNEL
+                            && parse_leader_event(s, &n.payload)
+                                .is_some_and(|(e, r)| e == "released" && r == shared.role)
+                        {
+                            break;
+                        }
+                    }
+                    Err(_) => break,
+                },
+            }
+        }
+    }
+}
+
+type StatementFuture<'a> =
+    Pin<Box<dyn Future<Output = (Probe, Instant, Result<u64, tokio_postgres::Error>)> + Send + 'a>>;
+
+/// The leader's task: carries out the keeper's actions until leadership ends.
+async fn keep(
+    shared: Arc<Shared>,
+    conn: DedicatedConnection,
+    mut notices: tokio::sync::broadcast::Receiver<crate::conn::Notice>,
+    mut keeper: Keeper,
+    state: Arc<LeaderState>,
+    mut commands: mpsc::UnboundedReceiver<Command>,
+    activated: oneshot::Sender<bool>,
+    granted_at: Instant,
+) {
+    let s = shared.options.schema_name().as_str().to_owned();
+    let renew_sql = format!(
+        "UPDATE {s}.leaders
+            SET renewed_at = now(), lease_until = now() + $4 * interval '1 millisecond'
+          WHERE role = $1 AND holder = $2 AND term = $3 AND holder_pid = pg_backend_pid()
+         RETURNING term"
+    );
+    let ttl_ms = shared.timing.ttl.as_millis() as i64;
+    let term = state.term.get();
+    let client = conn.client();
+    let mut activated = Some(activated);
+    let mut was_active = false;
+    let mut in_flight: Option<StatementFuture<'_>> = None;
+    let resign_payload = format!("{s}:{}", shared.role);
+    let mut release_reply: Option<(LossReason, oneshot::Sender<Result<()>>)> = None;
+
+    'outer: loop {
+        let now = Instant::now();
+        while let Some(action) = keeper.poll(now) {
+            match action {
+                Action::Renew => {
+                    let c = client;
+                    let sql = renew_sql.clone();
+                    let role = shared.role.clone();
+                    let node = shared.node.clone();
+                    in_flight = Some(Box::pin(async move {
+                        let sent = Instant::now();
+                        let r = c
+                            .query_typed(
+                                &sql,
+                                &[
+                                    (&role, Type::TEXT),
+                                    (&node, Type::TEXT),
+                                    (&term, Type::INT8),
+                                    (&ttl_ms, Type::INT8),
+                                ],
+                            )
+                            .await
+                            .map(|rows| rows.len() as u64);
+                        (Probe::Renew, sent, r)
+                    }));
+                }
+                Action::Heartbeat => {
+                    let c = client;
+                    in_flight = Some(Box::pin(async move {
+                        let sent = Instant::now();
+                        let r = c.simple_query("SELECT 1").await.map(|_| 1);
+                        (Probe::Heartbeat, sent, r)
+                    }));
+                }
+                Action::Activate => {
+                    was_active = true;
+                    metrics::leader_on(&shared.role, term, granted_at.elapsed());
+                    tracing::info!(takeover = ?granted_at.elapsed(), "leadership begins");
+                    if activated.take().is_none_or(|tx| tx.send(true).is_err()) {
+                        // The campaign was dropped while waiting: nobody will
+                        // ever hold this leadership.
+                        state.end(LossReason::Dropped);
+                        metrics::leader_off(&shared.role, LossReason::Dropped.as_str());
+                        conn.kill();
+                        break 'outer;
+                    }
+                }
+                Action::Lose { reason, kill } => {
+                    let first = state.end(reason);
+                    if first && was_active {
+                        metrics::leader_off(&shared.role, reason.as_str());
+                        tracing::warn!(%reason, "leadership lost");
+                    } else if first {
+                        tracing::warn!(%reason, "lost the lock before acting");
+                    }
+                    if kill {
+                        conn.kill();
+                        if was_active {
+                            shared.publish_if_holder(&shared.node, term, None);
+                        }
+                        break 'outer;
+                    }
+                }
+            }
+        }
+        if keeper.phase() == Phase::Done {
+            break;
+        }
+        let wake = keeper.next_wake().expect("BUG: a live keeper has a wake time");
+        tokio::select! {
+            biased;
+            _ = conn.closed().cancelled() => keeper.connection_lost(),
+            cmd = commands.recv() => match cmd {
+                None => {
+                    let first = state.end(LossReason::Dropped);
+                    if first && was_active {
+                        metrics::leader_off(&shared.role, LossReason::Dropped.as_str());
+                    }
+                    conn.kill();
+                    break;
+                }
+                Some(Command::Stop { reason }) => keeper.stop_requested(reason, Instant::now()),
+                Some(Command::Release { reason, reply }) => {
+                    release_reply = Some((reason, reply));
+                    break;
+                }
+            },
+            (probe, sent, result) = async { in_flight.as_mut().expect("BUG: guarded").await }, if in_flight.is_some() => {
+                in_flight = None;
+                let now = Instant::now();
+                match (probe, result) {
+                    (Probe::Renew, Ok(1)) => {
+                        keeper.renewed(sent, now);
+                        let remaining = keeper.deadline().saturating_duration_since(now);
+                        metrics::renewed(&shared.role, now - sent, remaining);
+                    }
+                    (Probe::Renew, Ok(_)) => {
+                        tracing::warn!("renewal found the lease row no longer ours: preempted");
+                        keeper.preempted();
+                    }
+                    (Probe::Heartbeat, Ok(_)) => keeper.heartbeat_ok(now),
+                    (_, Err(e)) => {
+                        let e = Error::db("renew the lease", &s, e);
+                        if is_transient(&e) || conn.is_closed() {
+                            tracing::warn!(error = %e, "lock connection failed");
+                            keeper.connection_lost();
+                        } else {
+                            tracing::warn!(error = %e, "renewal failed; retrying until the deadline");
+                            keeper.renew_failed(now);
+                        }
+                    }
+                }
+            }
+            n = notices.recv() => {
+                if let Ok(n) = n {
+                    if n.channel == RESIGN_CHANNEL && n.payload == resign_payload {
+                        tracing::info!("resignation requested by another process");
+                        keeper.stop_requested(LossReason::Resigned, Instant::now());
+                    }
+                }
+            }
+            _ = tokio::time::sleep_until(wake) => {}
+        }
+    }
+
+    drop(in_flight);
+    if let Some(tx) = activated.take() {
+        let _ = tx.send(false);
+    }
+    let Some((reason, reply)) = release_reply else {
+        return;
+    };
+    // Duties have stopped (the caller says so by releasing): cancel first,
+    // then clear the holder and notify, then unlock.
+    let first = state.end(reason);
+    if first && was_active {
+        metrics::leader_off(&shared.role, reason.as_str());
+    }
+    keeper.finish(reason);
+    let bound = shared.timing.heartbeat_timeout * 2;
+    let result = match tokio::time::timeout(bound, release(&shared, &conn, term)).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::ConnectionLost {
+            operation: "release the leadership",
+        }),
+    };
+    match &result {
+        Ok(()) => {
+            tracing::info!(%reason, "leadership released");
+            shared.publish_if_holder(&shared.node, term, None);
+            conn.close().await;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "clean release failed; dropping the lock connection");
+            conn.kill();
+        }
+    }
+    let _ = reply.send(result);
+}
+
+async fn release(shared: &Shared, conn: &DedicatedConnection, term: i64) -> Result<()> {
+    let s = shared.options.schema_name().as_str();
+    let sql = format!(
+        "WITH c AS (
+             UPDATE {s}.leaders
+                SET holder = NULL, holder_pid = NULL, holder_meta = NULL,
+                    renewed_at = now(), lease_until = now()
+              WHERE role = $1 AND holder = $2 AND term = $3
+             RETURNING 1
+         )
+         SELECT (SELECT count(*) FROM c), pg_notify('{LEADER_CHANNEL}', $4)::text"
+    );
+    let payload = format!("{s}:released:{}", shared.role);
+    let row = conn
+        .client()
+        .query_typed_one(
+            &sql,
+            &[
+                (&shared.role, Type::TEXT),
+                (&shared.node, Type::TEXT),
+                (&term, Type::INT8),
+                (&payload, Type::TEXT),
+            ],
+        )
+        .await
+        .map_err(|e| Error::db("release the leadership", s, e))?;
+    let cleared: i64 = row.get(0);
+    if cleared == 0 {
+        tracing::warn!(term, "the lease row no longer named this leader at release");
+    }
+    let params = shared.key.params();
+    let args: Vec<(&(dyn ToSql + Sync), Type)> = params.iter().map(|p| p.as_sql()).collect();
+    let row = conn
+        .client()
+        .query_typed_one(
+            &format!("SELECT pg_advisory_unlock({})", shared.key.sql_args(1)),
+            &args,
+        )
+        .await
+        .map_err(|e| Error::db("unlock the leader's lock", s, e))?;
+    if !row.get::<_, bool>(0) {
+        return Err(Error::Pooler(format!(
+            "the leader's advisory lock was not held by this session at release (role {:?}); is a pooler in transaction mode between pgelect and {}?",
+            shared.role,
+            shared.options.target()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_with_jitter_and_a_cap() {
+        for n in 1..40 {
+            let d = backoff(n);
+            assert!(d <= Duration::from_secs(5), "{d:?}");
+            assert!(d >= Duration::from_millis(50), "{d:?}");
+        }
+        assert!(backoff(1) <= Duration::from_millis(100));
+        assert!(backoff(10) >= Duration::from_millis(2500));
+    }
+}

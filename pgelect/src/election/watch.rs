@@ -1,0 +1,335 @@
+//! Observing a role: the current leader, change notifications, resign
+//! requests and the preemption of zombie leaders.
+
+use std::sync::Weak;
+use std::time::SystemTime;
+
+use tokio_postgres::types::Type;
+use tokio_postgres::GenericClient;
+use tokio_util::sync::CancellationToken;
+
+use crate::conn::{ConnectOptions, DedicatedConnection};
+use crate::error::{Error, Result};
+use crate::key::LockKey;
+use crate::schema::SchemaName;
+
+use super::config::validate_name;
+use super::Shared;
+
+/// The `NOTIFY` channel on which leadership changes are announced. The
+/// payload is `<schema>:<event>:<role>`, with event `elected` or `released`.
+pub const LEADER_CHANNEL: &str = "pgelect_leader";
+
+/// The `NOTIFY` channel on which a leader listens for resign requests. The
+/// payload is `<schema>:<role>`.
+pub const RESIGN_CHANNEL: &str = "pgelect_resign";
+
+/// A role's leader as the lease row shows it.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct LeaderInfo {
+    /// The role.
+    pub role: String,
+    /// The leader's node id.
+    pub holder: String,
+    /// The JSON the leader stored with [`ElectorBuilder::meta`](crate::ElectorBuilder::meta).
+    pub holder_meta: Option<serde_json::Value>,
+    /// The fencing term.
+    pub term: super::Term,
+    /// The backend that elected it (`session`).
+    pub backend: Option<String>,
+    /// The server's clock when this term began.
+    pub acquired_at: SystemTime,
+    /// The server's clock at the last renewal.
+    pub renewed_at: SystemTime,
+    /// The server's clock at which the lease ends unless renewed.
+    pub lease_until: SystemTime,
+    /// True when the lease had expired on the server's clock when read: the
+    /// leader is frozen, partitioned or gone.
+    pub lease_expired: bool,
+    /// The server process id of the leader's lock connection.
+    pub holder_pid: Option<i32>,
+}
+
+fn leader_sql(schema: &SchemaName) -> String {
+    format!(
+        "SELECT holder, holder_meta, term, backend, acquired_at, renewed_at, lease_until,
+                coalesce(lease_until < now(), true), holder_pid
+           FROM {schema}.leaders WHERE role = $1"
+    )
+}
+
+/// Reads the role's leader; `None` when the role has no row or no holder.
+pub(crate) async fn read_leader<C: GenericClient + Sync>(
+    client: &C,
+    schema: &SchemaName,
+    role: &str,
+) -> Result<Option<LeaderInfo>> {
+    let rows = client
+        .query_typed(&leader_sql(schema), &[(&role, Type::TEXT)])
+        .await
+        .map_err(|e| Error::db("read the leader", schema.as_str(), e))?;
+    let Some(row) = rows.first() else {
+        return Ok(None);
+    };
+    let holder: Option<String> = row.get(0);
+    let Some(holder) = holder else {
+        return Ok(None);
+    };
+    let epoch = SystemTime::UNIX_EPOCH;
+    Ok(Some(LeaderInfo {
+        role: role.to_owned(),
+        holder,
+        holder_meta: row.get(1),
+        term: super::Term::new(row.get(2)),
+        backend: row.get(3),
+        acquired_at: row.get::<_, Option<SystemTime>>(4).unwrap_or(epoch),
+        renewed_at: row.get::<_, Option<SystemTime>>(5).unwrap_or(epoch),
+        lease_until: row.get::<_, Option<SystemTime>>(6).unwrap_or(epoch),
+        lease_expired: row.get(7),
+        holder_pid: row.get(8),
+    }))
+}
+
+/// Reads the current leader of `role` once, on a short-lived connection.
+///
+/// For observers that do not stand for election; candidates and long-lived
+/// observers use [`Elector::watch`](crate::Elector::watch). Returns `None`
+/// when the role has never been led or its last leader released it.
+///
+/// # Cancel safety
+/// Cancel safe: it only reads; a cancelled call drops its connection.
+pub async fn current_leader(options: &ConnectOptions, role: &str) -> Result<Option<LeaderInfo>> {
+    validate_name("role", role)?;
+    let conn = options.connect("observe").await?;
+    let result = read_leader(conn.client(), options.schema_name(), role).await;
+    conn.close().await;
+    result
+}
+
+/// Asks the current leader of `role`, wherever it runs, to resign: sends
+/// `NOTIFY pgelect_resign` with the role, which leaders listen to on their
+/// lock connection. The leader cancels its leadership token; through
+/// [`Elector::run`](crate::Elector::run) it then releases cleanly as soon as
+/// its duties stopped, and a standby takes over at once.
+///
+/// Returns the leader that was asked, if the row named one (it may have
+/// changed meanwhile).
+///
+/// # Cancel safety
+/// Cancel safe: the notification is sent by one statement or not at all.
+pub async fn request_resign(options: &ConnectOptions, role: &str) -> Result<Option<LeaderInfo>> {
+    validate_name("role", role)?;
+    let conn = options.connect("resign").await?;
+    let schema = options.schema_name();
+    let result = async {
+        let leader = read_leader(conn.client(), schema, role).await?;
+        let payload = format!("{schema}:{role}");
+        conn.client()
+            .query_typed(
+                "SELECT pg_notify($1, $2)",
+                &[(&RESIGN_CHANNEL, Type::TEXT), (&payload, Type::TEXT)],
+            )
+            .await
+            .map_err(|e| Error::db("request a resignation", schema.as_str(), e))?;
+        Ok(leader)
+    }
+    .await;
+    conn.close().await;
+    result
+}
+
+/// Parses a notification on [`LEADER_CHANNEL`]: `(event, role)` if it is
+/// about `schema`.
+pub(crate) fn parse_leader_event<'a>(schema: &str, payload: &'a str) -> Option<(&'a str, &'a str)> {
+    let mut parts = payload.splitn(3, ':');
+    let s = parts.next()?;
+    let event = parts.next()?;
+    let role = parts.next()?;
+    (s == schema).then_some((event, role))
+}
+
+/// Terminates the backend of a *zombie* leader: one whose lease expired on
+/// the server's clock while its backend still holds the role's advisory lock
+/// (a frozen or partitioned leader whose connection the server has not
+/// dropped; a pooler keeping a backend alive).
+///
+/// A healthy leader renews every `renew_every < ttl - safety_margin`, so
+/// its lease never expires and it is never preempted. Checking, choosing the
+/// pid and signalling happen in one statement, and only the pid recorded in
+/// the lease row that also holds the lock is signalled.
+///
+/// Returns the terminated pid. A refusal (no `pg_signal_backend`, superuser
+/// backend) is logged and reported as `Ok(None)`: the standby keeps waiting.
+pub(crate) async fn preempt_zombie<C: GenericClient + Sync>(
+    client: &C,
+    schema: &SchemaName,
+    role: &str,
+    key: LockKey,
+) -> Result<Option<i32>> {
+    let (classid, objid, objsubid) = key.pg_locks_ids();
+    let sql = format!(
+        "SELECT k.pid, l.term, l.holder, pg_terminate_backend(k.pid)
+           FROM {schema}.leaders l
+           JOIN pg_locks k
+             ON k.locktype = 'advisory' AND k.granted AND k.mode = 'ExclusiveLock'
+            AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+            AND k.classid = $2 AND k.objid = $3 AND k.objsubid = $4
+            AND k.pid = l.holder_pid
+          WHERE l.role = $1 AND l.holder IS NOT NULL AND l.lease_until < now()
+            AND k.pid <> pg_backend_pid()"
+    );
+    let rows = client
+        .query_typed(
+            &sql,
+            &[
+                (&role, Type::TEXT),
+                (&classid, Type::OID),
+                (&objid, Type::OID),
+                (&objsubid, Type::INT2),
+            ],
+        )
+        .await;
+    match rows {
+        Ok(rows) => {
+            let Some(row) = rows.first() else {
+                return Ok(None);
+            };
+            let pid: i32 = row.get(0);
+            let term: i64 = row.get(1);
+            let holder: String = row.get(2);
+            let done: bool = row.get(3);
+            if done {
+                tracing::warn!(role, pid, term, holder = %holder, "terminated the backend of a leader whose lease expired on the server");
+                Ok(Some(pid))
+            } else {
+                tracing::warn!(role, pid, term, holder = %holder, "could not terminate the backend of a leader whose lease expired; waiting");
+                Ok(None)
+            }
+        }
+        Err(e) => match Error::db("preempt an expired leader", schema.as_str(), e) {
+            Error::Permission { source, .. } => {
+                tracing::warn!(role, error = %source, "not allowed to terminate the backend of a leader whose lease expired (needs pg_signal_backend or the same role); waiting for it to go away");
+                Ok(None)
+            }
+            other => Err(other),
+        },
+    }
+}
+
+/// The background observer of an elector: keeps the watch channel current
+/// (on `NOTIFY` and every `check_every`), and, while a blocking standby of
+/// this elector waits, preempts zombie leaders. Holds the elector's state
+/// weakly and ends when the elector is dropped.
+pub(crate) struct Observer {
+    pub(crate) shared: Weak<Shared>,
+    pub(crate) stop: CancellationToken,
+}
+
+impl Observer {
+    pub(crate) async fn run(self) {
+        let mut failures = 0u32;
+        while !self.stop.is_cancelled() {
+            let Some(shared) = self.shared.upgrade() else {
+                return;
+            };
+            let purpose = format!("observe:{}", shared.role);
+            let options = shared.options.clone();
+            drop(shared);
+            let conn = tokio::select! {
+                _ = self.stop.cancelled() => return,
+                c = options.connect(&purpose) => c,
+            };
+            match conn {
+                Ok(conn) => {
+                    failures = 0;
+                    if let Err(e) = self.observe(&conn).await {
+                        tracing::debug!(error = %e, "observer connection failed; reconnecting");
+                    }
+                    conn.kill();
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "observer cannot connect; retrying");
+                }
+            }
+            failures = failures.saturating_add(1);
+            tokio::select! {
+                _ = self.stop.cancelled() => return,
+                _ = tokio::time::sleep(super::session::backoff(failures)) => {}
+            }
+        }
+    }
+
+    async fn observe(&self, conn: &DedicatedConnection) -> Result<()> {
+        let Some(shared) = self.shared.upgrade() else {
+            return Ok(());
+        };
+        let schema = shared.options.schema_name().clone();
+        let role = shared.role.clone();
+        let key = shared.key;
+        let check_every = shared.timing.check_every;
+        let mut standing = shared.standing.subscribe();
+        drop(shared);
+        let mut notices = conn.notices();
+        conn.client()
+            .batch_execute(&format!("LISTEN {LEADER_CHANNEL}"))
+            .await
+            .map_err(|e| Error::db("listen for leader changes", schema.as_str(), e))?;
+        loop {
+            let info = read_leader(conn.client(), &schema, &role).await?;
+            let expired = info.as_ref().is_some_and(|i| i.lease_expired);
+            let Some(shared) = self.shared.upgrade() else {
+                return Ok(());
+            };
+            shared.publish(info);
+            drop(shared);
+            if expired && *standing.borrow_and_update() > 0 {
+                if preempt_zombie(conn.client(), &schema, &role, key).await?.is_some() {
+                    crate::metrics::preempted_zombie(&role);
+                }
+            }
+            let sleep = tokio::time::sleep(check_every);
+            tokio::pin!(sleep);
+            loop {
+                tokio::select! {
+                    _ = self.stop.cancelled() => return Ok(()),
+                    _ = conn.closed().cancelled() => return Err(Error::ConnectionLost { operation: "observe the leader" }),
+                    _ = &mut sleep => break,
+                    r = standing.changed() => {
+                        if r.is_err() {
+                            return Ok(());
+                        }
+                        break;
+                    }
+                    n = notices.recv() => match n {
+                        Ok(n) if n.channel == LEADER_CHANNEL => {
+                            if parse_leader_event(schema.as_str(), &n.payload).is_some_and(|(_, r)| r == role) {
+                                break;
+                            }
+                        }
+                        Ok(_) => {}
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => break,
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                            return Err(Error::ConnectionLost { operation: "observe the leader" })
+                        }
+                    },
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leader_events_are_parsed_per_schema() {
+        assert_eq!(
+            parse_leader_event("pgelect", "pgelect:released:a:b"),
+            Some(("released", "a:b"))
+        );
+        assert_eq!(parse_leader_event("other", "pgelect:released:a"), None);
+        assert_eq!(parse_leader_event("pgelect", "garbage"), None);
+    }
+}

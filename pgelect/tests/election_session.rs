@@ -1,0 +1,512 @@
+//! The session backend against a real server: mutual exclusion, handover,
+//! release, fencing, preemption, pooler detection, configuration errors.
+//!
+//! Timing assertions use generous bounds and print what they measured.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pgelect::{ConnectOptions, Elector, ElectorBuilder, Error, LossReason, StandbyMode, Term};
+use pgelect_testkit::{Cluster, FaultProxy, PgBouncer, PoolMode, TestDb};
+
+fn options(url: &str) -> ConnectOptions {
+    ConnectOptions::from_url(url).expect("test URL parses")
+}
+
+async fn migrated(hint: &str) -> (TestDb, ConnectOptions) {
+    let db = TestDb::new(hint).await;
+    let o = options(&db.url());
+    pgelect::migrate(&o).await.expect("migrate");
+    (db, o)
+}
+
+/// Short timings for tests: ttl 2 s (deadline 1.6 s), renew every 500 ms,
+/// heartbeat 200 ms with a 500 ms timeout, handover delay 1.2 s.
+fn fast(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
+    Elector::builder(o.clone(), role)
+        .node_id(node)
+        .ttl(Duration::from_secs(2))
+        .renew_every(Duration::from_millis(500))
+        .heartbeat(Duration::from_millis(200))
+        .heartbeat_timeout(Duration::from_millis(500))
+        .check_every(Duration::from_millis(200))
+}
+
+/// Acting intervals recorded on this process's monotonic clock.
+#[derive(Clone, Default)]
+struct Intervals(Arc<Mutex<Vec<(String, Term, Instant, Option<Instant>)>>>);
+
+impl Intervals {
+    fn start(&self, node: &str, term: Term) -> usize {
+        let mut v = self.0.lock().unwrap();
+        v.push((node.to_owned(), term, Instant::now(), None));
+        v.len() - 1
+    }
+    fn end(&self, i: usize) {
+        self.0.lock().unwrap()[i].3 = Some(Instant::now());
+    }
+    /// Asserts that no two intervals overlap and that terms rise with time.
+    fn assert_disjoint(&self) {
+        let mut v = self.0.lock().unwrap().clone();
+        v.sort_by_key(|x| x.2);
+        for w in v.windows(2) {
+            let end = w[0].3.expect("an earlier leadership has ended");
+            assert!(
+                end <= w[1].2,
+                "overlap: {} (term {}) acted until {:?} after {} (term {}) began",
+                w[0].0,
+                w[0].1,
+                end - w[1].2,
+                w[1].0,
+                w[1].1
+            );
+            assert!(w[0].1 < w[1].1, "terms must rise: {:?} then {:?}", w[0].1, w[1].1);
+        }
+    }
+}
+
+async fn holder_pid(db: &TestDb, role: &str) -> i32 {
+    let c = db.connect().await;
+    c.query_typed_one(
+        "SELECT holder_pid FROM pgelect.leaders WHERE role = $1",
+        &[(&role, tokio_postgres::types::Type::TEXT)],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exactly_one_of_eight_candidates_leads_repeatedly() {
+    let (_db, o) = migrated("elect_eight").await;
+    let started = Instant::now();
+    for round in 0..20 {
+        let role = format!("eight-{round}");
+        let log = Intervals::default();
+        let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut tasks = Vec::new();
+        for n in 0..8 {
+            let e = fast(&o, &role, &format!("n{n}")).build().unwrap();
+            let log = log.clone();
+            let active = active.clone();
+            tasks.push(tokio::spawn(async move {
+                let l = e.leadership().await.expect("elected");
+                let was = active.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                assert_eq!(was, 0, "two leaders at once");
+                let i = log.start(e.node_id(), l.term());
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                assert!(!l.is_lost(), "{:?}", l.loss_reason());
+                active.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                log.end(i);
+                l.resign().await.expect("resign");
+            }));
+        }
+        for t in tasks {
+            tokio::time::timeout(Duration::from_secs(30), t)
+                .await
+                .expect("all eight lead in turn")
+                .unwrap();
+        }
+        log.assert_disjoint();
+        let v = log.0.lock().unwrap();
+        assert_eq!(v.len(), 8);
+        // Clean releases: every successor acted without a handover delay.
+        let gaps: Vec<u128> = v
+            .windows(2)
+            .map(|w| (w[1].2 - w[0].3.unwrap()).as_millis())
+            .collect();
+        assert!(gaps.iter().all(|g| *g < 1000), "{gaps:?}");
+        if round == 0 {
+            println!("round 0: clean handover gaps (ms): {gaps:?}");
+        }
+    }
+    println!("20 rounds of 8 candidates in {:?}", started.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthy_leader_is_never_preempted() {
+    let (_db, o) = migrated("elect_healthy").await;
+    let ttl = Duration::from_secs(1);
+    let b = |node: &str| {
+        Elector::builder(o.clone(), "healthy")
+            .node_id(node)
+            .ttl(ttl)
+            .heartbeat(Duration::from_millis(100))
+            .heartbeat_timeout(Duration::from_millis(300))
+            .check_every(Duration::from_millis(50))
+    };
+    let leader = b("leader").build().unwrap().leadership().await.unwrap();
+    let blocking = b("blocking").build().unwrap();
+    let polling = b("polling")
+        .standby(StandbyMode::Polling {
+            interval: Duration::from_millis(50),
+        })
+        .build()
+        .unwrap();
+    let watch = blocking.watch();
+    let hold = ttl * 6;
+    tokio::select! {
+        l = blocking.leadership() => panic!("blocking standby elected: {:?}", l.map(|l| l.term())),
+        l = polling.leadership() => panic!("polling standby elected: {:?}", l.map(|l| l.term())),
+        _ = leader.lost() => panic!("healthy leader lost: {:?}", leader.loss_reason()),
+        _ = tokio::time::sleep(hold) => {}
+    }
+    let seen = watch.borrow().clone().expect("watchers see the leader");
+    assert_eq!(seen.holder, "leader");
+    assert_eq!(seen.term, leader.term());
+    assert!(!seen.lease_expired);
+    println!("leader kept term {} for {hold:?} (6 TTLs) with two standbys checking every 50 ms", leader.term());
+    leader.resign().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_frees_at_once_and_watchers_follow() {
+    let (_db, o) = migrated("elect_release").await;
+    let a = fast(&o, "release", "a").build().unwrap();
+    let b = fast(&o, "release", "b").build().unwrap();
+    let la = a.leadership().await.unwrap();
+    let mut watch = a.watch();
+    let standby = tokio::spawn(async move {
+        let l = b.leadership().await.unwrap();
+        (Instant::now(), l)
+    });
+    // Let b block on the lock.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let term_a = la.term();
+    let t0 = Instant::now();
+    la.resign().await.unwrap();
+    let (elected_at, lb) = standby.await.unwrap();
+    let took = elected_at - t0;
+    println!("clean release -> standby elected in {took:?}");
+    assert!(took < Duration::from_millis(500), "{took:?}");
+    assert_eq!(lb.term().get(), term_a.get() + 1);
+    // The watcher converges on b.
+    tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            if watch.borrow_and_update().as_ref().map(|i| i.holder.as_str()) == Some("b") {
+                break;
+            }
+            watch.changed().await.unwrap();
+        }
+    })
+    .await
+    .expect("watch shows the new leader");
+    let now = pgelect::current_leader(&o, "release").await.unwrap().unwrap();
+    assert_eq!(now.holder, "b");
+    assert_eq!(now.term, lb.term());
+    lb.resign().await.unwrap();
+    assert!(pgelect::current_leader(&o, "release").await.unwrap().is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_leader_renewal_and_fence_fail_after_takeover() {
+    let (db, o) = migrated("elect_stale").await;
+    let a = fast(&o, "stale", "a").build().unwrap();
+    let la = a.leadership().await.unwrap();
+    let client = db.connect().await;
+    // The fence passes for the current term.
+    client.batch_execute("BEGIN").await.unwrap();
+    la.fence(&client).await.expect("current term is fenced in");
+    client.batch_execute("COMMIT").await.unwrap();
+    // Another party takes the row over (as a takeover does: term bump).
+    client
+        .batch_execute("UPDATE pgelect.leaders SET term = term + 1, holder = 'intruder' WHERE role = 'stale'")
+        .await
+        .unwrap();
+    // Before the leader notices, the server already refuses its term.
+    client.batch_execute("BEGIN").await.unwrap();
+    let e = la.fence(&client).await.unwrap_err();
+    client.batch_execute("ROLLBACK").await.unwrap();
+    assert!(e.is_stale_term() || matches!(e, Error::LeadershipLost { .. }), "{e}");
+    // The next renewal finds no row: preempted, at once.
+    let t0 = Instant::now();
+    tokio::time::timeout(Duration::from_secs(3), la.lost())
+        .await
+        .expect("renewal notices the takeover");
+    println!("stale leader noticed the takeover in {:?}", t0.elapsed());
+    assert_eq!(la.loss_reason(), Some(LossReason::Preempted));
+    let e = la.fence(&client).await.unwrap_err();
+    assert!(matches!(e, Error::LeadershipLost { reason: LossReason::Preempted, .. }), "{e}");
+    // SQL fence with the old term fails too.
+    let old = la.term().get();
+    let r = client
+        .query_typed(
+            "SELECT pgelect.fence('stale', $1)",
+            &[(&old, tokio_postgres::types::Type::INT8)],
+        )
+        .await;
+    assert_eq!(r.unwrap_err().code().unwrap().code(), pgelect::SQLSTATE_STALE_TERM);
+    la.resign().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminated_leader_backend_hands_over_after_the_delay() {
+    let (db, o) = migrated("elect_terminate").await;
+    let a = fast(&o, "term", "a").build().unwrap();
+    let b = fast(&o, "term", "b").build().unwrap();
+    let log = Intervals::default();
+    let la = a.leadership().await.unwrap();
+    let ia = log.start("a", la.term());
+    let log2 = log.clone();
+    let standby = tokio::spawn(async move {
+        let l = b.leadership().await.unwrap();
+        let i = log2.start("b", l.term());
+        (l, i)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pid = holder_pid(&db, "term").await;
+    let c = db.connect().await;
+    let t0 = Instant::now();
+    c.query_typed("SELECT pg_terminate_backend($1)", &[(&pid, tokio_postgres::types::Type::INT4)])
+        .await
+        .unwrap();
+    la.lost().await;
+    log.end(ia);
+    let noticed = t0.elapsed();
+    let (lb, ib) = standby.await.unwrap();
+    let took = t0.elapsed();
+    println!("terminated backend: leader noticed in {noticed:?}, standby acting after {took:?} (handover delay {:?})", a.handover_delay());
+    assert_eq!(la.loss_reason(), Some(LossReason::ConnectionLost));
+    assert!(noticed < Duration::from_millis(500), "{noticed:?}");
+    assert!(took >= a.handover_delay(), "unclean takeover waits the handover delay");
+    assert!(lb.term() > la.term());
+    log.end(ib);
+    log.assert_disjoint();
+    lb.resign().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blackholed_leader_demotes_before_the_standby_acts() {
+    let (db, o) = migrated("elect_blackhole").await;
+    let proxy = FaultProxy::start(Cluster::shared().addr()).unwrap();
+    let via_proxy = ConnectOptions::from_config(db.config_via(proxy.port()));
+    let a = fast(&via_proxy, "bh", "a").build().unwrap();
+    let b = fast(&o, "bh", "b").build().unwrap();
+    let log = Intervals::default();
+    let la = a.leadership().await.unwrap();
+    let ia = log.start("a", la.term());
+    let log2 = log.clone();
+    let standby = tokio::spawn(async move {
+        let l = b.leadership().await.unwrap();
+        let i = log2.start("b", l.term());
+        (l, i)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t0 = Instant::now();
+    proxy.blackhole();
+    la.lost().await;
+    log.end(ia);
+    let noticed = t0.elapsed();
+    let (lb, ib) = tokio::time::timeout(Duration::from_secs(20), standby)
+        .await
+        .expect("standby takes over from a partitioned leader")
+        .unwrap();
+    let took = t0.elapsed();
+    println!(
+        "blackhole: leader demoted after {noticed:?} ({:?}), standby acting after {took:?}",
+        la.loss_reason()
+    );
+    assert!(noticed <= a.deadline_budget() + Duration::from_millis(200), "{noticed:?}");
+    assert!(lb.term() > la.term());
+    log.end(ib);
+    log.assert_disjoint();
+    proxy.heal();
+    lb.resign().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_restart_ends_in_exactly_one_leader_with_a_higher_term() {
+    let cluster = Cluster::start().unwrap();
+    let db = TestDb::on(&cluster, "elect_restart").await;
+    let o = options(&db.url());
+    pgelect::migrate(&o).await.unwrap();
+    let log = Intervals::default();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut tasks = Vec::new();
+    for n in 0..3 {
+        let e = fast(&o, "restart", &format!("n{n}")).build().unwrap();
+        let log = log.clone();
+        let stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let l = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    l = e.leadership() => l.unwrap(),
+                };
+                let i = log.start(e.node_id(), l.term());
+                tokio::select! {
+                    _ = l.lost() => log.end(i),
+                    _ = stop.cancelled() => { log.end(i); let _ = l.resign().await; return; }
+                }
+            }
+        }));
+    }
+    let wait_leader = |min: Term| {
+        let log = log.clone();
+        async move {
+            loop {
+                if let Some(t) = log
+                    .0
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .find(|x| x.1 > min && x.3.is_none())
+                    .map(|x| x.1)
+                {
+                    return t;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let first = tokio::time::timeout(Duration::from_secs(10), wait_leader(Term::new(0)))
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    cluster.restart().unwrap();
+    let second = tokio::time::timeout(Duration::from_secs(30), wait_leader(first))
+        .await
+        .expect("a leader after the restart");
+    println!("database restart: term {first} -> {second}, new leader acting {:?} after the restart began", t0.elapsed());
+    // Stay a while: still exactly one.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let open = log.0.lock().unwrap().iter().filter(|x| x.3.is_none()).count();
+    assert_eq!(open, 1);
+    stop.cancel();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    log.assert_disjoint();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_demotes_after_duties_stop_and_resign_can_be_requested() {
+    let (_db, o) = migrated("elect_run").await;
+    let events = Arc::new(Mutex::new(Vec::<String>::new()));
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let e = fast(&o, "run", "runner").build().unwrap();
+    let ev1 = events.clone();
+    let ev2 = events.clone();
+    let runner = tokio::spawn(e.run(
+        shutdown.clone(),
+        move |ctx| {
+            let ev = ev1.clone();
+            async move {
+                ev.lock().unwrap().push(format!("elected {}", ctx.term()));
+                ctx.lost().await;
+                // Duties take a while to stop.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                ev.lock().unwrap().push(format!("duties stopped {:?}", ctx.loss_reason()));
+            }
+        },
+        move || {
+            let ev = ev2.clone();
+            async move { ev.lock().unwrap().push("demoted".into()) }
+        },
+    ));
+    let standby = fast(&o, "run", "standby").build().unwrap();
+    let mut watch = standby.watch();
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while watch.borrow_and_update().as_ref().map(|i| i.holder.clone()) != Some("runner".into()) {
+            watch.changed().await.unwrap();
+        }
+    })
+    .await
+    .unwrap();
+    eprintln!("runner leads");
+    let asked = pgelect::request_resign(&o, "run").await.unwrap();
+    eprintln!("asked");
+    assert_eq!(asked.unwrap().holder, "runner");
+    let t0 = Instant::now();
+    let l = standby.leadership().await.unwrap();
+    println!("requested resign -> standby elected in {:?}", t0.elapsed());
+    // Clean release: no handover delay (1.2 s); duties took 100 ms.
+    assert!(t0.elapsed() < Duration::from_millis(1000), "{:?}", t0.elapsed());
+    {
+        let ev = events.lock().unwrap();
+        assert_eq!(ev[1], "duties stopped Some(Resigned)");
+        assert_eq!(ev[2], "demoted");
+    }
+    eprintln!("{:?}", events.lock().unwrap());
+    l.resign().await.unwrap();
+    // The runner stands again and leads; shutdown stops it cleanly.
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while events.lock().unwrap().len() < 4 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .unwrap();
+    shutdown.cancel();
+    runner.await.unwrap().unwrap();
+    let ev = events.lock().unwrap().clone();
+    assert_eq!(ev[4], "duties stopped Some(Shutdown)", "{ev:?}");
+    assert_eq!(ev[5], "demoted");
+    assert!(pgelect::current_leader(&o, "run").await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn transaction_pooler_is_refused_session_pooler_works() {
+    let (db, _) = migrated("elect_pooler").await;
+    let tx_pool = PgBouncer::start(Cluster::shared(), PoolMode::Transaction).unwrap();
+    let o = options(&tx_pool.url(db.name()));
+    let e = fast(&o, "pooled", "p").build().unwrap();
+    let err = tokio::time::timeout(Duration::from_secs(10), e.leadership())
+        .await
+        .expect("refused promptly")
+        .unwrap_err();
+    assert!(matches!(err, Error::Pooler(_)), "{err}");
+    assert!(err.to_string().contains("lease backend"), "{err}");
+    println!("transaction pool: {err}");
+
+    let session_pool = PgBouncer::start(Cluster::shared(), PoolMode::Session).unwrap();
+    let o = options(&session_pool.url(db.name()));
+    let l = fast(&o, "pooled", "s").build().unwrap().leadership().await.unwrap();
+    assert!(!l.is_lost());
+    l.resign().await.unwrap();
+}
+
+#[tokio::test]
+async fn missing_schema_says_to_migrate() {
+    let db = TestDb::new("elect_noschema").await;
+    let e = fast(&options(&db.url()), "r", "n").build().unwrap();
+    let err = e.leadership().await.unwrap_err();
+    assert!(matches!(err, Error::SchemaMissing { .. }), "{err}");
+    assert!(err.to_string().contains("pgelect migrate"), "{err}");
+}
+
+#[test]
+fn bad_configurations_are_rejected_naming_the_values() {
+    let o = options("postgres://u@localhost/db");
+    let err = |b: ElectorBuilder| b.build().unwrap_err().to_string();
+    let e = err(Elector::builder(o.clone(), "r").ttl(Duration::ZERO));
+    assert!(e.contains("ttl must be positive"), "{e}");
+    let e = err(Elector::builder(o.clone(), "r").renew_every(Duration::ZERO));
+    assert!(e.contains("renew_every must be positive"), "{e}");
+    let e = err(Elector::builder(o.clone(), "r").ttl(Duration::from_secs(5)).renew_every(Duration::from_secs(5)));
+    assert!(e.contains("renew_every 5s must be shorter than ttl 5s"), "{e}");
+    let e = err(Elector::builder(o.clone(), "r").handover_delay(Duration::from_millis(10)));
+    assert!(e.contains("handover_delay 10ms"), "{e}");
+    let e = err(Elector::builder(o.clone(), "r").tcp_timeouts(pgelect::TcpTimeouts {
+        keepalive_idle: Duration::from_secs(1),
+        keepalive_interval: Duration::from_secs(1),
+        keepalive_count: 2,
+        user_timeout: Duration::from_secs(60),
+    }));
+    assert!(e.contains("keepalive_idle 1s"), "{e}");
+    let e = err(Elector::builder(o.clone(), "r").standby(StandbyMode::Polling { interval: Duration::ZERO }));
+    assert!(e.contains("polling interval"), "{e}");
+    for role in ["", "a\0b"] {
+        let e = Elector::builder(o.clone(), role).build().unwrap_err();
+        assert!(matches!(e, Error::InvalidName { what: "role", .. }), "{e}");
+    }
+    let long = "r".repeat(pgelect::MAX_ROLE_BYTES + 1);
+    let e = Elector::builder(o.clone(), &long).build().unwrap_err();
+    assert!(matches!(e, Error::InvalidName { what: "role", .. }), "{e}");
+    let e = Elector::builder(o.clone(), "r").node_id("").build().unwrap_err();
+    assert!(matches!(e, Error::InvalidName { what: "node id", .. }), "{e}");
+    // Defaults are valid and the node id is unique per process, not the host.
+    let a = Elector::builder(o.clone(), "r").build().unwrap();
+    let b = Elector::builder(o, "r").build().unwrap();
+    assert_ne!(a.node_id(), b.node_id());
+}
