@@ -17,15 +17,23 @@ pub async fn connect(
 ) -> Result<(Client, mpsc::UnboundedReceiver<String>), Failure> {
     let mut config = options.driver_config().clone();
     config.application_name(application_name);
-    config.connect_timeout(Duration::from_secs(10));
+    // A `connect_timeout` from the URL wins over the default.
+    let timeout = config
+        .get_connect_timeout()
+        .copied()
+        .unwrap_or(pgelect::DEFAULT_CONNECT_TIMEOUT);
+    config.connect_timeout(timeout);
     let target = options.target();
-    let connecting = tokio::time::timeout(Duration::from_secs(11), config.connect(NoTls));
+    let connecting = tokio::time::timeout(timeout + Duration::from_secs(1), config.connect(NoTls));
     let (client, mut connection) = connecting
         .await
         .map_err(|_| {
             Failure::new(
                 exit::UNAVAILABLE,
-                format!("could not connect to {target}: timed out; check the host and port"),
+                format!(
+                    "could not connect to {target}: no answer within {}; check the host and port",
+                    crate::duration::show(timeout)
+                ),
             )
         })?
         .map_err(|e| {

@@ -19,6 +19,7 @@ pub struct ResignArgs {
 }
 
 pub async fn run(global: &Global, args: ResignArgs) -> Result<u8, Failure> {
+    crate::run::check_name("--role", &args.role)?;
     let options = global.connect_options()?;
     let schema = options.schema_name().as_str().to_owned();
     let (client, mut notices) = crate::db::connect(&options, "pgelect:resign").await?;
@@ -39,6 +40,7 @@ pub async fn run(global: &Global, args: ResignArgs) -> Result<u8, Failure> {
     );
     let sql = format!("SELECT term, holder FROM {schema}.leaders WHERE role = $1");
     let deadline = tokio::time::Instant::now() + args.timeout;
+    let mut said_released = false;
     loop {
         let row = client
             .query_typed_opt(&sql, &[(&args.role, Type::TEXT)])
@@ -48,15 +50,24 @@ pub async fn run(global: &Global, args: ResignArgs) -> Result<u8, Failure> {
             let term: i64 = row.get(0);
             let holder: Option<String> = row.get(1);
             if term != old_term {
+                // Alone, a `pgelect run` leader stands again at once and wins:
+                // a new term, but leadership did not move. Say so.
+                let same = holder.as_deref() == Some(asked.holder.as_str());
                 println!(
-                    "role {:?} is now led by {} with term {term} ({} ms after the request)",
+                    "role {:?} is now led by {} with term {term} ({} ms after the request){}",
                     args.role,
                     holder.as_deref().unwrap_or("(nobody yet)"),
-                    started.elapsed().as_millis()
+                    started.elapsed().as_millis(),
+                    if same {
+                        "; the same node was re-elected: no other candidate was waiting"
+                    } else {
+                        ""
+                    }
                 );
                 return Ok(0);
             }
-            if holder.is_none() {
+            if holder.is_none() && !said_released {
+                said_released = true;
                 println!(
                     "leader released role {:?} ({} ms after the request); no candidate has taken it yet",
                     args.role,

@@ -51,6 +51,10 @@ pub enum OnExit {
 const DEFAULT_GRACE: Duration = Duration::from_secs(10);
 
 pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
+    check_name("--role", &args.role)?;
+    if let Some(node) = &args.node {
+        check_name("--id", node)?;
+    }
     let options = global.connect_options()?;
     let mut builder = Elector::builder(options.clone(), &args.role).ttl(args.ttl);
     if let Some(node) = &args.node {
@@ -73,6 +77,11 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
         Some(g) => g,
         None => DEFAULT_GRACE.min(budget / 2),
     };
+    // Both checks fail fast: a standby would otherwise learn only when (if
+    // ever) elected that its command does not exist, and the campaign
+    // retries an unreachable database for ever.
+    check_command(&args.command)?;
+    preflight(&options).await?;
     let mut signals = Signals::install()?;
     let node = elector.node_id().to_owned();
     let http = match args.metrics_addr {
@@ -103,7 +112,15 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
             ("PGELECT_NODE", node.clone()),
             ("PGELECT_TERM", term.to_string()),
         ];
-        let mut child = child::spawn(&args.command, &env)?;
+        let mut child = match child::spawn(&args.command, &env) {
+            Ok(child) => child,
+            Err(failure) => {
+                // Hand over cleanly rather than leave standbys an unclean
+                // loss (and its handover delay) to clear up.
+                release(leadership).await;
+                return Err(failure);
+            }
+        };
         loop {
             tokio::select! {
                 status = child.wait() => {
@@ -117,7 +134,13 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
                                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                                 _ = leadership.lost() => break,
                             }
-                            child = child::spawn(&args.command, &env)?;
+                            child = match child::spawn(&args.command, &env) {
+                                Ok(child) => child,
+                                Err(failure) => {
+                                    release(leadership).await;
+                                    return Err(failure);
+                                }
+                            };
                             continue;
                         }
                         OnExit::Exit => {
@@ -155,6 +178,96 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
             }
         }
     }
+}
+
+/// Refuses a role or node id that is empty or holds control characters:
+/// they cannot be shown in `application_name` (the server replaces them),
+/// so `pgelect status` could not find the candidate, and they garble logs.
+/// (NUL cannot reach us: argv strings end at NUL.)
+pub fn check_name(flag: &str, value: &str) -> Result<(), Failure> {
+    if value.is_empty() {
+        return Err(Failure::new(
+            exit::USAGE,
+            format!("{flag} is empty; give a name such as `scheduler`"),
+        ));
+    }
+    if let Some(c) = value.chars().find(|c| c.is_control()) {
+        return Err(Failure::new(
+            exit::USAGE,
+            format!(
+                "{flag} {value:?} contains the control character U+{:04X}; use printable characters only",
+                c as u32
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Finds the command the way `execvp` will (a name with a `/` as a path,
+/// else on `PATH`), so that a typo fails with 127 (126 when not executable)
+/// before standing for election rather than after winning it.
+fn check_command(argv: &[String]) -> Result<(), Failure> {
+    use std::os::unix::fs::PermissionsExt;
+    use std::path::{Path, PathBuf};
+    let program = argv
+        .first()
+        .ok_or_else(|| Failure::new(exit::USAGE, "no command given after `--`"))?;
+    let executable = |p: &Path| {
+        std::fs::metadata(p)
+            .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+            .ok()
+    };
+    let candidates: Vec<PathBuf> = if program.contains('/') {
+        vec![PathBuf::from(program)]
+    } else {
+        let path = std::env::var_os("PATH")
+            .filter(|p| !p.is_empty())
+            .unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
+        std::env::split_paths(&path)
+            .map(|dir| dir.join(program))
+            .collect()
+    };
+    let mut found_but_not_executable = false;
+    for candidate in &candidates {
+        match executable(candidate) {
+            Some(true) => return Ok(()),
+            Some(false) => found_but_not_executable = true,
+            None => {}
+        }
+    }
+    if found_but_not_executable {
+        Err(Failure::new(
+            child::NOT_EXECUTABLE,
+            format!(
+                "command {program:?} cannot be executed: permission denied (or not a regular file)"
+            ),
+        ))
+    } else {
+        Err(Failure::new(
+            child::NOT_FOUND,
+            format!("command not found: {program:?}; check the name and PATH"),
+        ))
+    }
+}
+
+/// One connection before standing: a database that cannot be reached at
+/// start is most likely a wrong URL, which retrying would hide for ever
+/// (exit 69, bounded by the connect timeout); a missing or old schema is a
+/// configuration error (78). Once started, `run` rides out outages.
+async fn preflight(options: &pgelect::ConnectOptions) -> Result<(), Failure> {
+    let (client, _notices) = crate::db::connect(options, "pgelect:run-check")
+        .await
+        .map_err(|f| {
+            Failure::new(
+                f.code,
+                format!(
+                    "{}; `pgelect run` needs the database at start (after that it stays in the election through outages)",
+                    f.message
+                ),
+            )
+        })?;
+    pgelect::check_schema(&client, options.schema_name()).await?;
+    Ok(())
 }
 
 /// SIGTERM, then SIGKILL after `grace`; at once if leadership ends for a

@@ -203,6 +203,18 @@ fn to_table(roles: &[RoleStatus]) -> String {
     out
 }
 
+/// `roles` with the lease countdown reduced to whether the lease expired:
+/// what counts as a change for `--watch` on a pipe.
+fn without_countdown(roles: &[RoleStatus]) -> Vec<RoleStatus> {
+    roles
+        .iter()
+        .map(|r| RoleStatus {
+            lease_remaining_ms: r.lease_remaining_ms.map(|ms| if ms < 0 { -1 } else { 1 }),
+            ..r.clone()
+        })
+        .collect()
+}
+
 fn render(roles: &[RoleStatus], json: bool) -> String {
     if json {
         format!("{}\n", to_json(roles))
@@ -224,12 +236,7 @@ pub async fn snapshot(
 pub async fn run(global: &Global, args: StatusArgs) -> Result<u8, Failure> {
     let options = global.connect_options()?;
     if let Some(role) = &args.role {
-        if role.is_empty() || role.contains('\0') {
-            return Err(Failure::new(
-                exit::USAGE,
-                "--role must be a non-empty name without NUL characters",
-            ));
-        }
+        crate::run::check_name("--role", role)?;
     }
     let schema = options.schema_name().as_str().to_owned();
     let (client, mut notify_rx) = crate::db::connect(&options, "pgelect:status").await?;
@@ -245,21 +252,26 @@ pub async fn run(global: &Global, args: StatusArgs) -> Result<u8, Failure> {
         .map_err(|e| Failure::from(crate::db::classify(&schema, "listen for changes", e)))?;
     let tty = std::io::stdout().is_terminal() && !args.json;
     let mut signals = crate::signals::Signals::install()?;
-    let mut last = String::new();
+    let mut last: Option<Vec<RoleStatus>> = None;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         let roles = read(&client, &schema, role).await?;
-        let text = render(&roles, args.json);
         let mut stdout = std::io::stdout().lock();
         if tty {
             // Home, draw, clear what is left: no blank frame, no flicker.
+            let text = render(&roles, args.json);
             let _ = write!(stdout, "\x1b[H{}\x1b[J", text.replace('\n', "\x1b[K\n"));
-        } else if text != last {
-            let _ = write!(stdout, "{text}");
+        } else {
+            // A pipe gets a snapshot per change, not per tick: the lease
+            // countdown alone would print one every second.
+            let seen = Some(without_countdown(&roles));
+            if seen != last {
+                let _ = write!(stdout, "{}", render(&roles, args.json));
+                last = seen;
+            }
         }
         let _ = stdout.flush();
         drop(stdout);
-        last = text;
         tokio::select! {
             _ = tick.tick() => {}
             n = notify_rx.recv() => if n.is_none() {

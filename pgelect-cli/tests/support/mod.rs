@@ -274,3 +274,144 @@ pub async fn await_advisory_locks(admin: &Client, granted: usize, waiting: usize
     })
     .await;
 }
+
+/// Nanoseconds since the Unix epoch (what `date +%s%N` prints), to compare
+/// the test's observations with times the commands write.
+pub fn unix_ns() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_nanos()
+}
+
+/// Reads a pid that a command wrote to `path`.
+pub fn read_pid_file(path: &Path) -> u32 {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
+        .trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("{} holds no pid: {e}", path.display()))
+}
+
+/// A long-running `pgelect` (a `run` supervisor, `status --watch`) whose
+/// standard output and error are drained all the time, so that its logs can
+/// never fill a pipe and block it, and are at hand when an assertion fails.
+/// Killed when dropped.
+pub struct Background {
+    pub name: String,
+    child: Child,
+    stdout: std::sync::Arc<std::sync::Mutex<String>>,
+    stderr: std::sync::Arc<std::sync::Mutex<String>>,
+    lines: tokio::sync::mpsc::UnboundedReceiver<String>,
+    started: Instant,
+}
+
+impl Background {
+    /// Spawns `cmd` (from [`pgelect`], so with piped output).
+    pub fn spawn(name: &str, mut cmd: Command) -> Background {
+        use tokio::io::AsyncBufReadExt;
+        let mut child = cmd.spawn().expect("spawn pgelect");
+        let stdout = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let stderr = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let (tx, lines) = tokio::sync::mpsc::unbounded_channel();
+        let out = child.stdout.take().expect("piped stdout");
+        let sink = stdout.clone();
+        tokio::spawn(async move {
+            let mut reader = tokio::io::BufReader::new(out).lines();
+            while let Ok(Some(line)) = reader.next_line().await {
+                sink.lock().unwrap().push_str(&format!("{line}\n"));
+                let _ = tx.send(line);
+            }
+        });
+        let err = child.stderr.take().expect("piped stderr");
+        let sink = stderr.clone();
+        tokio::spawn(async move {
+            let mut reader = tokio::io::BufReader::new(err).lines();
+            while let Ok(Some(line)) = reader.next_line().await {
+                sink.lock().unwrap().push_str(&format!("{line}\n"));
+            }
+        });
+        Background {
+            name: name.to_owned(),
+            child,
+            stdout,
+            stderr,
+            lines,
+            started: Instant::now(),
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id().expect("pgelect still has a pid")
+    }
+
+    /// Sends `signal` (a name such as `TERM`) to pgelect itself.
+    pub fn signal(&self, signal: &str) {
+        send_signal(self.pid(), signal);
+    }
+
+    /// What it printed so far, for failure messages.
+    pub fn output(&self) -> String {
+        format!(
+            "--- {} stdout\n{}--- {} stderr\n{}",
+            self.name,
+            self.stdout.lock().unwrap(),
+            self.name,
+            self.stderr.lock().unwrap()
+        )
+    }
+
+    /// The next line of standard output for which `wanted` holds (earlier
+    /// lines are skipped); panics after `limit`.
+    pub async fn next_line(
+        &mut self,
+        what: &str,
+        limit: Duration,
+        wanted: impl Fn(&str) -> bool,
+    ) -> String {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            match tokio::time::timeout_at(deadline, self.lines.recv()).await {
+                Ok(Some(line)) if wanted(&line) => return line,
+                Ok(Some(_)) => {}
+                Ok(None) => panic!(
+                    "{} closed its output before {what}\n{}",
+                    self.name,
+                    self.output()
+                ),
+                Err(_) => panic!(
+                    "timed out after {limit:?} waiting for {what}\n{}",
+                    self.output()
+                ),
+            }
+        }
+    }
+
+    /// Waits for it to exit within `limit`; returns the exit code (`None`
+    /// after a signal). On timeout kills it and panics with its output.
+    pub async fn wait(&mut self, limit: Duration) -> Option<i32> {
+        match tokio::time::timeout(limit, self.child.wait()).await {
+            Ok(status) => status.expect("wait for pgelect").code(),
+            Err(_) => {
+                let _ = self.child.start_kill();
+                let _ = self.child.wait().await;
+                panic!(
+                    "{} did not exit within {limit:?}; killed it\n{}",
+                    self.name,
+                    self.output()
+                );
+            }
+        }
+    }
+
+    /// SIGKILLs pgelect and reaps it.
+    pub async fn kill(&mut self) {
+        self.child.start_kill().expect("SIGKILL pgelect");
+        let _ = self.child.wait().await;
+    }
+
+    /// How long ago it was spawned.
+    pub fn age(&self) -> Duration {
+        self.started.elapsed()
+    }
+}

@@ -1,0 +1,378 @@
+//! `pgelect status`, `pgelect resign` and `pgelect demo` (the real binary)
+//! against a real PostgreSQL, with real `pgelect run` candidates.
+//!
+//! The candidates' command writes `$D/term-<term>` holding its node when it
+//! starts; tests await those files and rows in `pg_locks` in bounded
+//! polling loops. Measured times are printed (`cargo test -- --nocapture`).
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use pgelect_testkit::TestDb;
+use support::{await_advisory_locks, pgelect, run, wait_for_file, Background, TempDir};
+
+const ROLE: &str = "r";
+const START: Duration = Duration::from_secs(15);
+const EXIT: Duration = Duration::from_secs(10);
+const QUICK: Duration = Duration::from_secs(10);
+
+/// Announces the term it runs under, then runs until SIGTERM.
+const ANNOUNCE: &str = r#"trap 'exit 0' TERM
+echo "$PGELECT_NODE" > "$D/t.$PGELECT_TERM"; mv "$D/t.$PGELECT_TERM" "$D/term-$PGELECT_TERM"
+while :; do sleep 1 & wait $!; done"#;
+
+async fn setup(hint: &str) -> (TestDb, TempDir) {
+    let db = TestDb::new(hint).await;
+    let options = pgelect::ConnectOptions::from_url(&db.url()).expect("test URL parses");
+    pgelect::migrate(&options).await.expect("migrate");
+    (db, TempDir::new(hint))
+}
+
+fn candidate(db: &TestDb, dir: &TempDir, node: &str, extra: &[&str], script: &str) -> Background {
+    let mut cmd = pgelect(["-v", "run", "--role", ROLE, "--id", node, "--ttl", "3s"]);
+    cmd.args(extra)
+        .args(["--database-url", &db.url(), "--", "sh", "-c", script])
+        .env("D", dir.path());
+    Background::spawn(node, cmd)
+}
+
+/// Waits for the command to start under `term`; returns the node running it.
+async fn leader_of_term(dir: &TempDir, term: i64) -> String {
+    let path = dir.join(&format!("term-{term}"));
+    wait_for_file(&path, START).await;
+    std::fs::read_to_string(path)
+        .expect("read term file")
+        .trim()
+        .to_owned()
+}
+
+fn command(db: &TestDb, args: &[&str]) -> tokio::process::Command {
+    let mut cmd = pgelect(args);
+    cmd.args(["--database-url", &db.url()]);
+    cmd
+}
+
+async fn stop(sups: &mut [Background]) {
+    for s in sups.iter() {
+        s.signal("TERM");
+    }
+    for s in sups.iter_mut() {
+        let code = s.wait(EXIT).await;
+        assert_eq!(code, Some(0), "{} after SIGTERM\n{}", s.name, s.output());
+    }
+}
+
+#[tokio::test]
+async fn status_shows_the_holder_and_the_waiting_candidate_as_a_table_and_as_json() {
+    let (db, dir) = setup("status_two").await;
+    let admin = db.connect().await;
+    let mut sups = vec![candidate(&db, &dir, "node-a", &[], ANNOUNCE)];
+    assert_eq!(leader_of_term(&dir, 1).await, "node-a");
+    sups.push(candidate(&db, &dir, "node-b", &[], ANNOUNCE));
+    await_advisory_locks(&admin, 1, 1).await;
+
+    let table = run(command(&db, &["status"]), QUICK).await;
+    table.assert_code(0);
+    println!("{}", table.stdout);
+    let lines: Vec<&str> = table.stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "{}", table.stdout);
+    for column in [
+        "ROLE",
+        "LEADER",
+        "TERM",
+        "SINCE (UTC)",
+        "LEASE LEFT",
+        "CANDIDATES",
+    ] {
+        assert!(
+            lines[0].contains(column),
+            "no {column} column:\n{}",
+            table.stdout
+        );
+    }
+    let cells: Vec<&str> = lines[1].split_whitespace().collect();
+    assert_eq!(&cells[..3], ["r", "node-a", "1"], "{}", lines[1]);
+    assert_eq!(
+        lines[0].find("LEADER"),
+        lines[1].find("node-a"),
+        "columns do not line up"
+    );
+    assert!(
+        lines[1].contains("node-a (holding)") && lines[1].contains("node-b (waiting)"),
+        "{}",
+        lines[1]
+    );
+
+    let json = run(command(&db, &["status", "--json", "--role", ROLE]), QUICK).await;
+    json.assert_code(0);
+    let v: serde_json::Value = serde_json::from_str(&json.stdout).expect("status --json is JSON");
+    println!("{v}");
+    let roles = v["roles"].as_array().expect("roles[]");
+    assert_eq!(roles.len(), 1);
+    let r = &roles[0];
+    let mut keys: Vec<&str> = r
+        .as_object()
+        .expect("object")
+        .keys()
+        .map(String::as_str)
+        .collect();
+    keys.sort_unstable();
+    assert_eq!(
+        keys,
+        [
+            "acquired_at",
+            "backend",
+            "candidates",
+            "holder",
+            "lease_expired",
+            "lease_remaining_ms",
+            "role",
+            "term"
+        ]
+    );
+    assert_eq!(r["role"], ROLE);
+    assert_eq!(r["holder"], "node-a");
+    assert_eq!(r["term"], 1);
+    assert_eq!(r["lease_expired"], false);
+    let left = r["lease_remaining_ms"]
+        .as_i64()
+        .expect("lease_remaining_ms");
+    // Up to the TTL, plus slack: status's `now()` is its transaction start,
+    // which can precede a renewal that commits before its snapshot.
+    assert!(
+        left > 0 && left <= 3500,
+        "lease_remaining_ms {left} with ttl 3s"
+    );
+    let at = r["acquired_at"].as_str().expect("acquired_at");
+    assert!(
+        at.len() == 24 && at.ends_with('Z') && at.as_bytes()[10] == b'T',
+        "acquired_at {at:?}"
+    );
+    let mut states: Vec<(String, String)> = r["candidates"]
+        .as_array()
+        .expect("candidates[]")
+        .iter()
+        .map(|c| {
+            assert!(c["pid"].as_i64().is_some_and(|p| p > 0), "{c}");
+            (
+                c["node"].as_str().expect("node").to_owned(),
+                c["state"].as_str().expect("state").to_owned(),
+            )
+        })
+        .collect();
+    states.sort();
+    assert_eq!(
+        states,
+        [
+            ("node-a".into(), "holding".into()),
+            ("node-b".into(), "waiting".into())
+        ]
+    );
+
+    let other = run(
+        command(&db, &["status", "--json", "--role", "other"]),
+        QUICK,
+    )
+    .await;
+    other.assert_code(0);
+    assert_eq!(other.stdout.trim(), r#"{"roles":[]}"#);
+    stop(&mut sups).await;
+}
+
+#[tokio::test]
+async fn status_watch_prints_a_snapshot_per_change_and_shows_the_new_leader_after_a_resign() {
+    let (db, dir) = setup("status_watch").await;
+    let admin = db.connect().await;
+    let mut sups = vec![candidate(&db, &dir, "node-a", &[], ANNOUNCE)];
+    assert_eq!(leader_of_term(&dir, 1).await, "node-a");
+    sups.push(candidate(&db, &dir, "node-b", &[], ANNOUNCE));
+    await_advisory_locks(&admin, 1, 1).await;
+
+    // Standard output is a pipe: no terminal redraws, one line per snapshot.
+    let mut watch = Background::spawn(
+        "watch",
+        command(&db, &["status", "--watch", "--json", "--role", ROLE]),
+    );
+    let parse = |line: &str| -> serde_json::Value {
+        serde_json::from_str(line).expect("a JSON snapshot per line")
+    };
+    let first = parse(&watch.next_line("the first snapshot", QUICK, |_| true).await);
+    assert_eq!(first["roles"][0]["holder"], "node-a", "{first}");
+    // Nothing changes (only the lease counts down): nothing is printed.
+    let quiet = tokio::time::timeout(
+        Duration::from_millis(2500),
+        watch.next_line("no line", Duration::from_secs(3), |_| true),
+    )
+    .await;
+    assert!(
+        quiet.is_err(),
+        "printed a snapshot with nothing changed: {quiet:?}"
+    );
+
+    let asked = Instant::now();
+    run(command(&db, &["resign", "--role", ROLE]), QUICK)
+        .await
+        .assert_code(0);
+    let line = watch
+        .next_line("a snapshot naming node-b", QUICK, |l| {
+            parse(l)["roles"][0]["holder"] == "node-b"
+        })
+        .await;
+    println!(
+        "watch showed the new leader {:?} after the resign: {line}",
+        asked.elapsed()
+    );
+    assert_eq!(parse(&line)["roles"][0]["term"], 2);
+
+    watch.signal("TERM");
+    assert_eq!(watch.wait(EXIT).await, Some(0), "{}", watch.output());
+    stop(&mut sups).await;
+}
+
+#[tokio::test]
+async fn resign_hands_over_to_the_standby_and_prints_the_new_term() {
+    let (db, dir) = setup("resign_handover").await;
+    let admin = db.connect().await;
+    let mut sups = vec![candidate(&db, &dir, "node-a", &[], ANNOUNCE)];
+    assert_eq!(leader_of_term(&dir, 1).await, "node-a");
+    sups.push(candidate(&db, &dir, "node-b", &[], ANNOUNCE));
+    await_advisory_locks(&admin, 1, 1).await;
+
+    let out = run(command(&db, &["resign", "--role", ROLE]), QUICK).await;
+    println!(
+        "resign: exit {:?} after {:?}\n{}",
+        out.code, out.elapsed, out.stdout
+    );
+    out.assert_code(0);
+    assert!(
+        out.stdout.contains("asked node-a (term 1)"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout.contains("now led by node-b with term 2"),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(leader_of_term(&dir, 2).await, "node-b");
+    assert!(
+        out.elapsed < Duration::from_secs(3),
+        "took {:?}",
+        out.elapsed
+    );
+    stop(&mut sups).await;
+}
+
+#[tokio::test]
+async fn resign_of_a_role_without_a_leader_exits_0_and_says_so() {
+    let (db, _dir) = setup("resign_nobody").await;
+    for role in ["never-led", ROLE] {
+        let out = run(command(&db, &["resign", "--role", role]), QUICK).await;
+        out.assert_code(0);
+        assert!(out.stdout.contains("has no leader"), "{}", out.stdout);
+    }
+    let empty = run(command(&db, &["resign", "--role", ""]), QUICK).await;
+    empty.assert_code(64);
+    assert!(empty.stderr.contains("--role is empty"), "{}", empty.stderr);
+}
+
+/// Alone, a resigning leader stands again and wins a new term at once.
+#[tokio::test]
+async fn resign_without_a_standby_sees_the_same_node_reelected() {
+    let (db, dir) = setup("resign_alone").await;
+    let mut sups = vec![candidate(&db, &dir, "node-a", &[], ANNOUNCE)];
+    assert_eq!(leader_of_term(&dir, 1).await, "node-a");
+    let out = run(
+        command(&db, &["resign", "--role", ROLE, "--timeout", "5s"]),
+        QUICK,
+    )
+    .await;
+    println!(
+        "resign, no standby: exit {:?} after {:?}\n{}",
+        out.code, out.elapsed, out.stdout
+    );
+    out.assert_code(0);
+    assert!(
+        out.stdout.contains("now led by node-a with term 2"),
+        "{}",
+        out.stdout
+    );
+    assert!(out.stdout.contains("re-elected"), "{}", out.stdout);
+    assert_eq!(leader_of_term(&dir, 2).await, "node-a");
+    stop(&mut sups).await;
+}
+
+/// A leader whose command takes longer than `--timeout` to stop: 75.
+#[tokio::test]
+async fn resign_exits_75_when_no_new_term_comes_within_the_timeout() {
+    let (db, dir) = setup("resign_timeout").await;
+    let stubborn = r#"trap '' TERM
+echo "$PGELECT_NODE" > "$D/t.$PGELECT_TERM"; mv "$D/t.$PGELECT_TERM" "$D/term-$PGELECT_TERM"
+exec sleep 30"#;
+    let mut sups = vec![candidate(
+        &db,
+        &dir,
+        "node-a",
+        &["--grace", "1500ms"],
+        stubborn,
+    )];
+    assert_eq!(leader_of_term(&dir, 1).await, "node-a");
+    let out = run(
+        command(&db, &["resign", "--role", ROLE, "--timeout", "300ms"]),
+        QUICK,
+    )
+    .await;
+    println!(
+        "resign --timeout 300ms: exit {:?} after {:?}\n{}{}",
+        out.code, out.elapsed, out.stdout, out.stderr
+    );
+    out.assert_code(75);
+    assert!(
+        out.elapsed >= Duration::from_millis(300) && out.elapsed < Duration::from_secs(3),
+        "took {:?}",
+        out.elapsed
+    );
+    assert!(out.stderr.contains("no new term"), "{}", out.stderr);
+    // The leader still steps down, after its grace.
+    assert_eq!(leader_of_term(&dir, 2).await, "node-a");
+    stop(&mut sups).await;
+}
+
+#[tokio::test]
+async fn demo_completes_and_leaves_no_server_behind() {
+    let out = run(pgelect(["demo"]), Duration::from_secs(120)).await;
+    println!(
+        "demo: exit {:?} after {:?}\n{}{}",
+        out.code, out.elapsed, out.stdout, out.stderr
+    );
+    out.assert_code(0);
+    for needle in [
+        "leads with term 1",
+        "after the kill",
+        "is refused",
+        "after the request",
+        "Done.",
+    ] {
+        assert!(out.stdout.contains(needle), "demo output lacks {needle:?}");
+    }
+    let data = out
+        .stdout
+        .split_once("(data in ")
+        .and_then(|(_, rest)| rest.split_once(')'))
+        .map(|(path, _)| std::path::PathBuf::from(path))
+        .expect("the demo prints its data directory");
+    assert!(!data.exists(), "{} is still there", data.display());
+    let needle = data.display().to_string();
+    let leftovers: Vec<String> = std::fs::read_dir("/proc")
+        .expect("read /proc")
+        .flatten()
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains(&needle))
+        .collect();
+    assert!(
+        leftovers.is_empty(),
+        "processes of the demo's server left: {leftovers:?}"
+    );
+}
