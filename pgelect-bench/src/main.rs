@@ -11,6 +11,7 @@
 
 use std::process::ExitCode;
 
+mod failover;
 mod xact_lock;
 
 const USAGE: &str = "\
@@ -19,6 +20,8 @@ usage: pgelect-bench <benchmark> [options]
 benchmarks:
   xact-lock   transaction-lock acquire + commit throughput, pgelect next to a bare
               tokio-postgres loop (options: --seconds N, --rounds N, --json)
+  failover    crash failover and voluntary handoff of the session backend, next to a
+              bare pg_advisory_lock baseline (options: --trials N, --json)
 
 environment:
   PGELECT_BENCH_DATABASE_URL   use this database instead of a throwaway cluster";
@@ -27,6 +30,7 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("xact-lock") => xact_lock::run(&args[1..]),
+        Some("failover") => failover::run(&args[1..]),
         Some("-h" | "--help" | "help") => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;

@@ -121,7 +121,9 @@ pub enum Error {
     },
 
     /// The leadership a fence or an operation relied on has already ended.
-    #[error("leadership of role {role:?} (term {term}) has ended ({reason}); stop acting as leader")]
+    #[error(
+        "leadership of role {role:?} (term {term}) has ended ({reason}); stop acting as leader"
+    )]
     LeadershipLost {
         /// The role.
         role: String,

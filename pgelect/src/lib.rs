@@ -27,10 +27,10 @@ pub mod metrics;
 mod schema;
 
 pub use conn::{ConnectOptions, TcpTimeouts, DEFAULT_CONNECT_TIMEOUT};
-pub use error::{Error, Result, SQLSTATE_NO_LEADER, SQLSTATE_STALE_TERM};
-pub use key::{LockKey, MAX_KEY_NAME_BYTES};
-pub use schema::{check_schema, migrate, SchemaName, DEFAULT_SCHEMA, SCHEMA_VERSION};
 #[doc(inline)]
 pub use election::*;
+pub use error::{Error, Result, SQLSTATE_NO_LEADER, SQLSTATE_STALE_TERM};
+pub use key::{LockKey, MAX_KEY_NAME_BYTES};
 #[doc(inline)]
 pub use lock::*;
+pub use schema::{check_schema, migrate, SchemaName, DEFAULT_SCHEMA, SCHEMA_VERSION};

@@ -39,11 +39,7 @@ pub(crate) fn leader_off(role: &str, reason: &'static str) {
     metrics::counter!(LOSSES, "role" => role, "reason" => reason).increment(1);
 }
 
-pub(crate) fn renewed(
-    role: &str,
-    round_trip: std::time::Duration,
-    remaining: std::time::Duration,
-) {
+pub(crate) fn renewed(role: &str, round_trip: std::time::Duration, remaining: std::time::Duration) {
     let role = role.to_owned();
     metrics::histogram!(RENEW_SECONDS, "role" => role.clone()).record(round_trip.as_secs_f64());
     metrics::gauge!(DEADLINE_REMAINING_SECONDS, "role" => role).set(remaining.as_secs_f64());

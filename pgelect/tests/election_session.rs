@@ -32,9 +32,12 @@ fn fast(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
         .check_every(Duration::from_millis(200))
 }
 
+/// One leader's acting interval: node, term, start, end.
+type Interval = (String, Term, Instant, Option<Instant>);
+
 /// Acting intervals recorded on this process's monotonic clock.
 #[derive(Clone, Default)]
-struct Intervals(Arc<Mutex<Vec<(String, Term, Instant, Option<Instant>)>>>);
+struct Intervals(Arc<Mutex<Vec<Interval>>>);
 
 impl Intervals {
     fn start(&self, node: &str, term: Term) -> usize {
@@ -60,7 +63,12 @@ impl Intervals {
                 w[1].0,
                 w[1].1
             );
-            assert!(w[0].1 < w[1].1, "terms must rise: {:?} then {:?}", w[0].1, w[1].1);
+            assert!(
+                w[0].1 < w[1].1,
+                "terms must rise: {:?} then {:?}",
+                w[0].1,
+                w[1].1
+            );
         }
     }
 }
@@ -155,7 +163,10 @@ async fn healthy_leader_is_never_preempted() {
     assert_eq!(seen.holder, "leader");
     assert_eq!(seen.term, leader.term());
     assert!(!seen.lease_expired);
-    println!("leader kept term {} for {hold:?} (6 TTLs) with two standbys checking every 50 ms", leader.term());
+    println!(
+        "leader kept term {} for {hold:?} (6 TTLs) with two standbys checking every 50 ms",
+        leader.term()
+    );
     leader.resign().await.unwrap();
 }
 
@@ -183,7 +194,12 @@ async fn release_frees_at_once_and_watchers_follow() {
     // The watcher converges on b.
     tokio::time::timeout(Duration::from_secs(5), async {
         loop {
-            if watch.borrow_and_update().as_ref().map(|i| i.holder.as_str()) == Some("b") {
+            if watch
+                .borrow_and_update()
+                .as_ref()
+                .map(|i| i.holder.as_str())
+                == Some("b")
+            {
                 break;
             }
             watch.changed().await.unwrap();
@@ -191,11 +207,17 @@ async fn release_frees_at_once_and_watchers_follow() {
     })
     .await
     .expect("watch shows the new leader");
-    let now = pgelect::current_leader(&o, "release").await.unwrap().unwrap();
+    let now = pgelect::current_leader(&o, "release")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(now.holder, "b");
     assert_eq!(now.term, lb.term());
     lb.resign().await.unwrap();
-    assert!(pgelect::current_leader(&o, "release").await.unwrap().is_none());
+    assert!(pgelect::current_leader(&o, "release")
+        .await
+        .unwrap()
+        .is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -210,14 +232,19 @@ async fn stale_leader_renewal_and_fence_fail_after_takeover() {
     client.batch_execute("COMMIT").await.unwrap();
     // Another party takes the row over (as a takeover does: term bump).
     client
-        .batch_execute("UPDATE pgelect.leaders SET term = term + 1, holder = 'intruder' WHERE role = 'stale'")
+        .batch_execute(
+            "UPDATE pgelect.leaders SET term = term + 1, holder = 'intruder' WHERE role = 'stale'",
+        )
         .await
         .unwrap();
     // Before the leader notices, the server already refuses its term.
     client.batch_execute("BEGIN").await.unwrap();
     let e = la.fence(&client).await.unwrap_err();
     client.batch_execute("ROLLBACK").await.unwrap();
-    assert!(e.is_stale_term() || matches!(e, Error::LeadershipLost { .. }), "{e}");
+    assert!(
+        e.is_stale_term() || matches!(e, Error::LeadershipLost { .. }),
+        "{e}"
+    );
     // The next renewal finds no row: preempted, at once.
     let t0 = Instant::now();
     tokio::time::timeout(Duration::from_secs(3), la.lost())
@@ -226,7 +253,16 @@ async fn stale_leader_renewal_and_fence_fail_after_takeover() {
     println!("stale leader noticed the takeover in {:?}", t0.elapsed());
     assert_eq!(la.loss_reason(), Some(LossReason::Preempted));
     let e = la.fence(&client).await.unwrap_err();
-    assert!(matches!(e, Error::LeadershipLost { reason: LossReason::Preempted, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::LeadershipLost {
+                reason: LossReason::Preempted,
+                ..
+            }
+        ),
+        "{e}"
+    );
     // SQL fence with the old term fails too.
     let old = la.term().get();
     let r = client
@@ -235,7 +271,10 @@ async fn stale_leader_renewal_and_fence_fail_after_takeover() {
             &[(&old, tokio_postgres::types::Type::INT8)],
         )
         .await;
-    assert_eq!(r.unwrap_err().code().unwrap().code(), pgelect::SQLSTATE_STALE_TERM);
+    assert_eq!(
+        r.unwrap_err().code().unwrap().code(),
+        pgelect::SQLSTATE_STALE_TERM
+    );
     la.resign().await.unwrap();
 }
 
@@ -257,9 +296,12 @@ async fn terminated_leader_backend_hands_over_after_the_delay() {
     let pid = holder_pid(&db, "term").await;
     let c = db.connect().await;
     let t0 = Instant::now();
-    c.query_typed("SELECT pg_terminate_backend($1)", &[(&pid, tokio_postgres::types::Type::INT4)])
-        .await
-        .unwrap();
+    c.query_typed(
+        "SELECT pg_terminate_backend($1)",
+        &[(&pid, tokio_postgres::types::Type::INT4)],
+    )
+    .await
+    .unwrap();
     la.lost().await;
     log.end(ia);
     let noticed = t0.elapsed();
@@ -268,7 +310,10 @@ async fn terminated_leader_backend_hands_over_after_the_delay() {
     println!("terminated backend: leader noticed in {noticed:?}, standby acting after {took:?} (handover delay {:?})", a.handover_delay());
     assert_eq!(la.loss_reason(), Some(LossReason::ConnectionLost));
     assert!(noticed < Duration::from_millis(500), "{noticed:?}");
-    assert!(took >= a.handover_delay(), "unclean takeover waits the handover delay");
+    assert!(
+        took >= a.handover_delay(),
+        "unclean takeover waits the handover delay"
+    );
     assert!(lb.term() > la.term());
     log.end(ib);
     log.assert_disjoint();
@@ -306,7 +351,10 @@ async fn blackholed_leader_demotes_before_the_standby_acts() {
         "blackhole: leader demoted after {noticed:?} ({:?}), standby acting after {took:?}",
         la.loss_reason()
     );
-    assert!(noticed <= a.deadline_budget() + Duration::from_millis(200), "{noticed:?}");
+    assert!(
+        noticed <= a.deadline_budget() + Duration::from_millis(200),
+        "{noticed:?}"
+    );
     assert!(lb.term() > la.term());
     log.end(ib);
     log.assert_disjoint();
@@ -370,7 +418,13 @@ async fn database_restart_ends_in_exactly_one_leader_with_a_higher_term() {
     println!("database restart: term {first} -> {second}, new leader acting {:?} after the restart began", t0.elapsed());
     // Stay a while: still exactly one.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let open = log.0.lock().unwrap().iter().filter(|x| x.3.is_none()).count();
+    let open = log
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|x| x.3.is_none())
+        .count();
     assert_eq!(open, 1);
     stop.cancel();
     for t in tasks {
@@ -396,7 +450,9 @@ async fn run_demotes_after_duties_stop_and_resign_can_be_requested() {
                 ctx.lost().await;
                 // Duties take a while to stop.
                 tokio::time::sleep(Duration::from_millis(100)).await;
-                ev.lock().unwrap().push(format!("duties stopped {:?}", ctx.loss_reason()));
+                ev.lock()
+                    .unwrap()
+                    .push(format!("duties stopped {:?}", ctx.loss_reason()));
             }
         },
         move || {
@@ -407,27 +463,36 @@ async fn run_demotes_after_duties_stop_and_resign_can_be_requested() {
     let standby = fast(&o, "run", "standby").build().unwrap();
     let mut watch = standby.watch();
     tokio::time::timeout(Duration::from_secs(5), async {
-        while watch.borrow_and_update().as_ref().map(|i| i.holder.clone()) != Some("runner".into()) {
+        while watch.borrow_and_update().as_ref().map(|i| i.holder.clone()) != Some("runner".into())
+        {
             watch.changed().await.unwrap();
         }
     })
     .await
     .unwrap();
-    eprintln!("runner leads");
-    let asked = pgelect::request_resign(&o, "run").await.unwrap();
-    eprintln!("asked");
-    assert_eq!(asked.unwrap().holder, "runner");
+    // The standby waits in the lock queue before the request, so it is
+    // granted the lock ahead of the runner standing again.
+    let standby_task = tokio::spawn(async move {
+        let l = standby.leadership().await.unwrap();
+        (Instant::now(), l)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let t0 = Instant::now();
-    let l = standby.leadership().await.unwrap();
-    println!("requested resign -> standby elected in {:?}", t0.elapsed());
+    let asked = pgelect::request_resign(&o, "run").await.unwrap();
+    assert_eq!(asked.unwrap().holder, "runner");
+    let (at, l) = tokio::time::timeout(Duration::from_secs(10), standby_task)
+        .await
+        .expect("standby takes over after the requested resign")
+        .unwrap();
+    let took = at - t0;
+    println!("requested resign -> standby elected in {took:?} (duties take 100 ms to stop)");
     // Clean release: no handover delay (1.2 s); duties took 100 ms.
-    assert!(t0.elapsed() < Duration::from_millis(1000), "{:?}", t0.elapsed());
+    assert!(took < Duration::from_millis(1000), "{took:?}");
     {
         let ev = events.lock().unwrap();
         assert_eq!(ev[1], "duties stopped Some(Resigned)");
         assert_eq!(ev[2], "demoted");
     }
-    eprintln!("{:?}", events.lock().unwrap());
     l.resign().await.unwrap();
     // The runner stands again and leads; shutdown stops it cleanly.
     tokio::time::timeout(Duration::from_secs(5), async {
@@ -461,7 +526,12 @@ async fn transaction_pooler_is_refused_session_pooler_works() {
 
     let session_pool = PgBouncer::start(Cluster::shared(), PoolMode::Session).unwrap();
     let o = options(&session_pool.url(db.name()));
-    let l = fast(&o, "pooled", "s").build().unwrap().leadership().await.unwrap();
+    let l = fast(&o, "pooled", "s")
+        .build()
+        .unwrap()
+        .leadership()
+        .await
+        .unwrap();
     assert!(!l.is_lost());
     l.resign().await.unwrap();
 }
@@ -483,18 +553,29 @@ fn bad_configurations_are_rejected_naming_the_values() {
     assert!(e.contains("ttl must be positive"), "{e}");
     let e = err(Elector::builder(o.clone(), "r").renew_every(Duration::ZERO));
     assert!(e.contains("renew_every must be positive"), "{e}");
-    let e = err(Elector::builder(o.clone(), "r").ttl(Duration::from_secs(5)).renew_every(Duration::from_secs(5)));
-    assert!(e.contains("renew_every 5s must be shorter than ttl 5s"), "{e}");
+    let e = err(Elector::builder(o.clone(), "r")
+        .ttl(Duration::from_secs(5))
+        .renew_every(Duration::from_secs(5)));
+    assert!(
+        e.contains("renew_every 5s must be shorter than ttl 5s"),
+        "{e}"
+    );
     let e = err(Elector::builder(o.clone(), "r").handover_delay(Duration::from_millis(10)));
     assert!(e.contains("handover_delay 10ms"), "{e}");
-    let e = err(Elector::builder(o.clone(), "r").tcp_timeouts(pgelect::TcpTimeouts {
-        keepalive_idle: Duration::from_secs(1),
-        keepalive_interval: Duration::from_secs(1),
-        keepalive_count: 2,
-        user_timeout: Duration::from_secs(60),
-    }));
+    let e = err(
+        Elector::builder(o.clone(), "r").tcp_timeouts(pgelect::TcpTimeouts {
+            keepalive_idle: Duration::from_secs(1),
+            keepalive_interval: Duration::from_secs(1),
+            keepalive_count: 2,
+            user_timeout: Duration::from_secs(60),
+        }),
+    );
     assert!(e.contains("keepalive_idle 1s"), "{e}");
-    let e = err(Elector::builder(o.clone(), "r").standby(StandbyMode::Polling { interval: Duration::ZERO }));
+    let e = err(
+        Elector::builder(o.clone(), "r").standby(StandbyMode::Polling {
+            interval: Duration::ZERO,
+        }),
+    );
     assert!(e.contains("polling interval"), "{e}");
     for role in ["", "a\0b"] {
         let e = Elector::builder(o.clone(), role).build().unwrap_err();
@@ -503,8 +584,20 @@ fn bad_configurations_are_rejected_naming_the_values() {
     let long = "r".repeat(pgelect::MAX_ROLE_BYTES + 1);
     let e = Elector::builder(o.clone(), &long).build().unwrap_err();
     assert!(matches!(e, Error::InvalidName { what: "role", .. }), "{e}");
-    let e = Elector::builder(o.clone(), "r").node_id("").build().unwrap_err();
-    assert!(matches!(e, Error::InvalidName { what: "node id", .. }), "{e}");
+    let e = Elector::builder(o.clone(), "r")
+        .node_id("")
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::InvalidName {
+                what: "node id",
+                ..
+            }
+        ),
+        "{e}"
+    );
     // Defaults are valid and the node id is unique per process, not the host.
     let a = Elector::builder(o.clone(), "r").build().unwrap();
     let b = Elector::builder(o, "r").build().unwrap();

@@ -34,7 +34,11 @@ async fn concurrent_migrations_apply_each_version_once() {
     for t in tasks {
         total += t.await.unwrap().expect("every concurrent migrate succeeds");
     }
-    assert_eq!(total as i32, pgelect::SCHEMA_VERSION, "each migration applied exactly once");
+    assert_eq!(
+        total as i32,
+        pgelect::SCHEMA_VERSION,
+        "each migration applied exactly once"
+    );
     let client = db.connect().await;
     let rows = client
         .query_typed("SELECT count(*) FROM pgelect.migrations", &[])
@@ -60,8 +64,14 @@ async fn schema_name_is_configurable() {
     let missing = pgelect::check_schema(&client, &pgelect::SchemaName::default())
         .await
         .unwrap_err();
-    assert!(matches!(missing, Error::SchemaMissing { .. }), "{missing:?}");
-    assert!(ConnectOptions::from_url(&db.url()).unwrap().schema("Bad Name").is_err());
+    assert!(
+        matches!(missing, Error::SchemaMissing { .. }),
+        "{missing:?}"
+    );
+    assert!(ConnectOptions::from_url(&db.url())
+        .unwrap()
+        .schema("Bad Name")
+        .is_err());
 }
 
 #[tokio::test]
@@ -86,22 +96,37 @@ async fn fence_accepts_only_the_current_term() {
         .unwrap();
 
     let tx = client.transaction().await.unwrap();
-    tx.batch_execute("SELECT pgelect.fence('r', 5)").await.expect("current term passes");
+    tx.batch_execute("SELECT pgelect.fence('r', 5)")
+        .await
+        .expect("current term passes");
     tx.commit().await.unwrap();
 
-    let stale = client.batch_execute("SELECT pgelect.fence('r', 4)").await.unwrap_err();
+    let stale = client
+        .batch_execute("SELECT pgelect.fence('r', 4)")
+        .await
+        .unwrap_err();
     let db_err = stale.as_db_error().expect("a server error");
     assert_eq!(db_err.code().code(), pgelect::SQLSTATE_STALE_TERM);
-    assert!(db_err.message().contains('4') && db_err.message().contains('5'), "{}", db_err.message());
+    assert!(
+        db_err.message().contains('4') && db_err.message().contains('5'),
+        "{}",
+        db_err.message()
+    );
 
-    let unknown = client.batch_execute("SELECT pgelect.fence('nope', 1)").await.unwrap_err();
+    let unknown = client
+        .batch_execute("SELECT pgelect.fence('nope', 1)")
+        .await
+        .unwrap_err();
     assert_eq!(unknown.code().unwrap().code(), pgelect::SQLSTATE_NO_LEADER);
 
     client
         .batch_execute("UPDATE pgelect.leaders SET holder = NULL WHERE role = 'r'")
         .await
         .unwrap();
-    let released = client.batch_execute("SELECT pgelect.fence('r', 5)").await.unwrap_err();
+    let released = client
+        .batch_execute("SELECT pgelect.fence('r', 5)")
+        .await
+        .unwrap_err();
     assert_eq!(released.code().unwrap().code(), pgelect::SQLSTATE_NO_LEADER);
 }
 
@@ -109,10 +134,15 @@ async fn fence_accepts_only_the_current_term() {
 async fn wrong_password_is_an_auth_error_without_the_password() {
     let db = TestDb::new("bad_password").await;
     let url = db.url().replace(TEST_PASSWORD, "not-the-Secret-9");
-    let e = pgelect::migrate(&ConnectOptions::from_url(&url).unwrap()).await.unwrap_err();
+    let e = pgelect::migrate(&ConnectOptions::from_url(&url).unwrap())
+        .await
+        .unwrap_err();
     assert!(matches!(e, Error::Auth { .. }), "{e:?}");
     let shown = format!("{e} {e:?}");
-    assert!(!shown.contains("not-the-Secret-9"), "password leaked: {shown}");
+    assert!(
+        !shown.contains("not-the-Secret-9"),
+        "password leaked: {shown}"
+    );
     assert!(shown.contains("password"), "says what to check: {shown}");
 }
 
@@ -130,7 +160,9 @@ async fn refused_port_fails_fast_with_the_target() {
     let port = pgelect_testkit::free_port();
     let url = format!("postgres://postgres:{TEST_PASSWORD}@127.0.0.1:{port}/postgres");
     let started = Instant::now();
-    let e = pgelect::migrate(&ConnectOptions::from_url(&url).unwrap()).await.unwrap_err();
+    let e = pgelect::migrate(&ConnectOptions::from_url(&url).unwrap())
+        .await
+        .unwrap_err();
     println!("refused connection reported after {:?}", started.elapsed());
     assert!(e.is_connection(), "{e:?}");
     assert!(e.to_string().contains(&format!("127.0.0.1:{port}")), "{e}");
@@ -158,7 +190,9 @@ async fn unknown_database_is_named_in_the_error() {
     let db = TestDb::new("wrong_db").await;
     let mut config = db.config();
     config.dbname("no_such_database_here");
-    let e = pgelect::migrate(&ConnectOptions::from_config(config)).await.unwrap_err();
+    let e = pgelect::migrate(&ConnectOptions::from_config(config))
+        .await
+        .unwrap_err();
     assert!(e.to_string().contains("no_such_database_here"), "{e}");
 }
 
@@ -177,5 +211,8 @@ async fn user_without_rights_gets_a_permission_error() {
 #[tokio::test]
 async fn zero_connect_timeout_is_rejected() {
     let o = ConnectOptions::from_url("postgres://u@h/d").unwrap();
-    assert!(matches!(o.connect_timeout(Duration::ZERO), Err(Error::Config(_))));
+    assert!(matches!(
+        o.connect_timeout(Duration::ZERO),
+        Err(Error::Config(_))
+    ));
 }

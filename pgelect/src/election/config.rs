@@ -273,11 +273,7 @@ pub(crate) fn default_node_id() -> String {
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "host".to_owned());
     let host: String = host.chars().take(64).collect();
-    format!(
-        "{host}-{}-{:08x}",
-        std::process::id(),
-        random_u64() as u32
-    )
+    format!("{host}-{}-{:08x}", std::process::id(), random_u64() as u32)
 }
 
 #[cfg(test)]

@@ -112,7 +112,9 @@ impl TimingRequest {
         let ttl = self.ttl.unwrap_or(DEFAULT_TTL);
         positive("ttl", ttl)?;
         if ttl > MAX_TTL {
-            return Err(format!("ttl {ttl:?} is longer than the maximum {MAX_TTL:?}"));
+            return Err(format!(
+                "ttl {ttl:?} is longer than the maximum {MAX_TTL:?}"
+            ));
         }
         let safety_margin = self.safety_margin.unwrap_or(ttl / 5);
         positive("safety_margin", safety_margin)?;
@@ -406,7 +408,10 @@ impl Keeper {
                 self.reason = Some(reason);
                 self.phase = Phase::LameDuck;
                 self.lame_duck_until = Some(now + self.timing.ttl);
-                self.pending_action = Some(Action::Lose { reason, kill: false });
+                self.pending_action = Some(Action::Lose {
+                    reason,
+                    kill: false,
+                });
             }
             Phase::LameDuck | Phase::Done => {}
         }
@@ -472,7 +477,9 @@ mod tests {
 
     #[test]
     fn derived_tcp_outlasts_every_ttl() {
-        for ttl_ms in [100, 999, 1000, 1001, 2000, 2500, 5000, 15_000, 60_000, 86_400_000] {
+        for ttl_ms in [
+            100, 999, 1000, 1001, 2000, 2500, 5000, 15_000, 60_000, 86_400_000,
+        ] {
             let ttl = ms(ttl_ms);
             let tcp = default_tcp_for(ttl);
             assert!(server_release_min(&tcp) >= ttl, "ttl {ttl:?} tcp {tcp:?}");
@@ -560,7 +567,7 @@ mod tests {
         let at = t0 + t.handover_delay;
         assert!(k.next_wake().unwrap() <= at);
         // Drive to the activation.
-        let mut now = t0 + ms(251);
+        let mut now;
         loop {
             now = k.next_wake().unwrap();
             match k.poll(now) {
@@ -606,7 +613,7 @@ mod tests {
         let t0 = Instant::now();
         let mut k = Keeper::new(t, t0, t0, false);
         assert_eq!(k.poll(t0), Some(Action::Activate));
-        let mut now = t0;
+        let mut now;
         let lost_at = loop {
             now = k.next_wake().unwrap();
             match k.poll(now) {
@@ -695,7 +702,7 @@ mod tests {
         assert_eq!(k.poll(t0 + ms(1000)), Some(Action::Renew));
         k.renewed(t0 + ms(1000), t0 + ms(1001));
         // Nobody released within a TTL: abandon the lock.
-        let mut now = t0 + ms(1001);
+        let mut now;
         loop {
             now = k.next_wake().unwrap();
             match k.poll(now) {

@@ -283,10 +283,13 @@ impl Observer {
             };
             shared.publish(info);
             drop(shared);
-            if expired && *standing.borrow_and_update() > 0 {
-                if preempt_zombie(conn.client(), &schema, &role, key).await?.is_some() {
-                    crate::metrics::preempted_zombie(&role);
-                }
+            if expired
+                && *standing.borrow_and_update() > 0
+                && preempt_zombie(conn.client(), &schema, &role, key)
+                    .await?
+                    .is_some()
+            {
+                crate::metrics::preempted_zombie(&role);
             }
             let sleep = tokio::time::sleep(check_every);
             tokio::pin!(sleep);
