@@ -57,7 +57,9 @@ fn status_sql(schema: &str) -> String {
         SELECT r.role, r.holder, r.term, r.backend, r.acquired_at, r.lease_ms,
                coalesce((
                  SELECT json_agg(json_build_object(
-                          'node', substr(a.application_name, length('pgelect:' || r.role || ':') + 1),
+                          'node', CASE WHEN starts_with(a.application_name, 'pgelect:' || r.role || ':')
+                                       THEN substr(a.application_name, length('pgelect:' || r.role || ':') + 1)
+                                       ELSE a.application_name END,
                           'pid', a.pid,
                           'state', CASE WHEN pl.granted THEN 'holding'
                                         WHEN pl.pid IS NOT NULL THEN 'waiting'
@@ -69,7 +71,12 @@ fn status_sql(schema: &str) -> String {
                     AND pl.classid = ((r.k >> 32) & 4294967295)::oid
                     AND pl.objid = (r.k & 4294967295)::oid
                   WHERE a.datname = current_database()
-                    AND starts_with(a.application_name, 'pgelect:' || r.role || ':')
+                    -- Holders and waiters are found by the role's lock key,
+                    -- whatever their application_name (PostgreSQL cuts it at
+                    -- 63 bytes and keeps ASCII only); polling standbys, which
+                    -- hold no lock entry, by their name.
+                    AND (pl.pid IS NOT NULL
+                         OR starts_with(a.application_name, 'pgelect:' || r.role || ':'))
                ), '[]'::json)::text AS candidates
           FROM r
          ORDER BY r.role"

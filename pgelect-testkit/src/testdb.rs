@@ -192,6 +192,38 @@ impl TestDb {
         client
     }
 
+    /// Waits until at least `n` sessions of this database wait for an
+    /// advisory lock (`pg_locks`, not granted): the event a test needs before
+    /// it frees a lock and times the takeover. Polls every 5 ms.
+    ///
+    /// # Panics
+    ///
+    /// If that does not happen within 30 s.
+    pub async fn wait_for_advisory_waiters(&self, n: i64) {
+        let client = self.connect().await;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            let row = client
+                .query_one(
+                    "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database
+                      WHERE l.locktype = 'advisory' AND NOT l.granted
+                        AND d.datname = current_database()",
+                    &[],
+                )
+                .await
+                .unwrap_or_else(|e| panic!("pgelect-testkit: cannot read pg_locks: {}", pg_err(e)));
+            let waiting: i64 = row.get(0);
+            if waiting >= n {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "pgelect-testkit: only {waiting} of {n} advisory-lock waiters after 30 s"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
+
     /// The server-wide role name [`create_role`](TestDb::create_role) uses
     /// for `name`: `<name>_<counter>_<pid>` (sanitised like database names),
     /// unique to this `TestDb` because roles are shared by all databases of

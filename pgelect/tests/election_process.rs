@@ -106,7 +106,7 @@ async fn sigkilled_leader_process_is_replaced_with_a_higher_term() {
     let standby = fast(&o, "killed", "standby").build().unwrap();
     let handover = standby.handover_delay();
     let task = tokio::spawn(async move { (standby.leadership().await.unwrap(), Instant::now()) });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    db.wait_for_advisory_waiters(1).await;
     let t0 = Instant::now();
     leader.signal("-KILL");
     let (l, at) = tokio::time::timeout(Duration::from_secs(20), task)
@@ -145,7 +145,7 @@ async fn freeze_leader(
         .build()
         .unwrap();
     let task = tokio::spawn(async move { (standby.leadership().await, Instant::now()) });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    db.wait_for_advisory_waiters(1).await;
     let t0 = Instant::now();
     leader.signal("-STOP");
     let client = db.connect().await;

@@ -181,8 +181,7 @@ async fn release_frees_at_once_and_watchers_follow() {
         let l = b.leadership().await.unwrap();
         (Instant::now(), l)
     });
-    // Let b block on the lock.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    _db.wait_for_advisory_waiters(1).await;
     let term_a = la.term();
     let t0 = Instant::now();
     la.resign().await.unwrap();
@@ -292,7 +291,7 @@ async fn terminated_leader_backend_hands_over_after_the_delay() {
         let i = log2.start("b", l.term());
         (l, i)
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    db.wait_for_advisory_waiters(1).await;
     let pid = holder_pid(&db, "term").await;
     let c = db.connect().await;
     let t0 = Instant::now();
@@ -336,7 +335,7 @@ async fn blackholed_leader_demotes_before_the_standby_acts() {
         let i = log2.start("b", l.term());
         (l, i)
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    db.wait_for_advisory_waiters(1).await;
     let t0 = Instant::now();
     proxy.blackhole();
     la.lost().await;
@@ -476,7 +475,7 @@ async fn run_demotes_after_duties_stop_and_resign_can_be_requested() {
         let l = standby.leadership().await.unwrap();
         (Instant::now(), l)
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    _db.wait_for_advisory_waiters(1).await;
     let t0 = Instant::now();
     let asked = pgelect::request_resign(&o, "run").await.unwrap();
     assert_eq!(asked.unwrap().holder, "runner");
