@@ -442,6 +442,9 @@ async fn a_partitioned_leader_kills_its_command_before_its_lease_ends() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_database_restart_kills_the_command_and_a_leader_returns_with_a_higher_term() {
+    if pgelect_testkit::skip_without_own_server("cli database restart") {
+        return;
+    }
     let cluster = tokio::task::spawn_blocking(Cluster::start)
         .await
         .expect("join")

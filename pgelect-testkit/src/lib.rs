@@ -95,6 +95,29 @@ pub fn external_url() -> Option<String> {
         .filter(|s| !s.is_empty())
 }
 
+/// For tests that need a server of their own (to stop or restart it, or to
+/// put PgBouncer in front of it): returns `true`, after printing a visible
+/// `SKIPPED` line naming the test, when [`external_url`] is set, since such
+/// a test cannot restart someone else's server.
+///
+/// ```
+/// # fn t() {
+/// if pgelect_testkit::skip_without_own_server("database_restart") {
+///     return;
+/// }
+/// # }
+/// ```
+pub fn skip_without_own_server(test: &str) -> bool {
+    if external_url().is_some() {
+        eprintln!(
+            "SKIPPED {test}: PGELECT_TEST_DATABASE_URL points at an existing server, and this test needs a throwaway server of its own (it restarts it or puts PgBouncer in front of it)"
+        );
+        println!("SKIPPED {test}: needs a throwaway server of its own");
+        return true;
+    }
+    false
+}
+
 /// Directory holding the PostgreSQL server binaries (`initdb`, `postgres`,
 /// `pg_ctl`).
 ///

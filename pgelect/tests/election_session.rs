@@ -322,7 +322,7 @@ async fn terminated_leader_backend_hands_over_after_the_delay() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blackholed_leader_demotes_before_the_standby_acts() {
     let (db, o) = migrated("elect_blackhole").await;
-    let proxy = FaultProxy::start(Cluster::shared().addr()).unwrap();
+    let proxy = FaultProxy::start(db.server_addr()).unwrap();
     let via_proxy = ConnectOptions::from_config(db.config_via(proxy.port()));
     let a = fast(&via_proxy, "bh", "a").build().unwrap();
     let b = fast(&o, "bh", "b").build().unwrap();
@@ -363,6 +363,9 @@ async fn blackholed_leader_demotes_before_the_standby_acts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn database_restart_ends_in_exactly_one_leader_with_a_higher_term() {
+    if pgelect_testkit::skip_without_own_server("database_restart_ends_in_exactly_one_leader") {
+        return;
+    }
     let cluster = Cluster::start().unwrap();
     let db = TestDb::on(&cluster, "elect_restart").await;
     let o = options(&db.url());
@@ -511,6 +514,9 @@ async fn run_demotes_after_duties_stop_and_resign_can_be_requested() {
 
 #[tokio::test]
 async fn transaction_pooler_is_refused_session_pooler_works() {
+    if pgelect_testkit::skip_without_own_server("transaction_pooler_is_refused") {
+        return;
+    }
     let (db, _) = migrated("elect_pooler").await;
     let tx_pool = PgBouncer::start(Cluster::shared(), PoolMode::Transaction).unwrap();
     let o = options(&tx_pool.url(db.name()));

@@ -210,6 +210,55 @@ impl LeaderContext {
         Ok(())
     }
 
+    /// Like [`fence`](LeaderContext::fence), on the caller's sqlx connection
+    /// or transaction (pass `&mut *tx`). Feature `sqlx`.
+    ///
+    /// # Cancel safety
+    /// Cancelling drops the statement's future; roll the transaction back.
+    #[cfg(feature = "sqlx")]
+    pub async fn fence_sqlx(&self, conn: &mut ::sqlx::PgConnection) -> Result<()> {
+        let s = &self.state;
+        if let Some(reason) = s.reason() {
+            return Err(Error::LeadershipLost {
+                role: s.role.clone(),
+                term: s.term.get(),
+                reason,
+            });
+        }
+        let sql = format!("SELECT {}.fence($1, $2)::text", s.schema.as_str());
+        let result = ::sqlx::query(::sqlx::AssertSqlSafe(sql))
+            .bind(&s.role)
+            .bind(s.term.get())
+            .persistent(false)
+            .execute(conn)
+            .await;
+        match result {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                let stale = e
+                    .as_database_error()
+                    .filter(|d| {
+                        matches!(
+                            d.code().as_deref(),
+                            Some(crate::error::SQLSTATE_STALE_TERM)
+                                | Some(crate::error::SQLSTATE_NO_LEADER)
+                        )
+                    })
+                    .map(|d| d.message().to_owned());
+                match stale {
+                    Some(message) => Err(Error::StaleTerm {
+                        role: s.role.clone(),
+                        message,
+                    }),
+                    None => Err(Error::Sqlx {
+                        operation: "fence a transaction",
+                        source: e,
+                    }),
+                }
+            }
+        }
+    }
+
     pub(crate) fn new(state: Arc<LeaderState>) -> LeaderContext {
         LeaderContext { state }
     }
@@ -297,6 +346,16 @@ impl Leadership {
     /// Cancelling drops the statement's future; roll the transaction back.
     pub async fn fence<C: GenericClient + Sync>(&self, tx: &C) -> Result<()> {
         self.context.fence(tx).await
+    }
+
+    /// Fences the caller's sqlx transaction with this term; see
+    /// [`LeaderContext::fence_sqlx`]. Feature `sqlx`.
+    ///
+    /// # Cancel safety
+    /// Cancelling drops the statement's future; roll the transaction back.
+    #[cfg(feature = "sqlx")]
+    pub async fn fence_sqlx(&self, conn: &mut ::sqlx::PgConnection) -> Result<()> {
+        self.context.fence_sqlx(conn).await
     }
 
     /// Steps down: cancels the token (reason [`LossReason::Resigned`] unless
