@@ -12,6 +12,7 @@
 use std::process::ExitCode;
 
 mod failover;
+mod lease;
 mod xact_lock;
 
 const USAGE: &str = "\
@@ -22,6 +23,11 @@ benchmarks:
               tokio-postgres loop (options: --seconds N, --rounds N, --json)
   failover    crash failover and voluntary handoff of the session backend, next to a
               bare pg_advisory_lock baseline (options: --trials N, --json)
+  lease-failover
+              crash failover of the lease backend against the TTL (leader process
+              SIGKILLed) and statements per second per candidate, through PgBouncer
+              in transaction mode when installed (options: --ttls 1,2,10,
+              --trials N (30), --window SECONDS (10), --direct, --json)
 
 environment:
   PGELECT_BENCH_DATABASE_URL   use this database instead of a throwaway cluster";
@@ -31,6 +37,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("xact-lock") => xact_lock::run(&args[1..]),
         Some("failover") => failover::run(&args[1..]),
+        Some("lease-failover") => lease::run(&args[1..]),
         Some("-h" | "--help" | "help") => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;

@@ -70,6 +70,7 @@ pub enum Command {
   pgelect run --role scheduler -- ./scheduler --config prod.toml
   pgelect run --role reconciler --id $(hostname) --ttl 10s -- ./reconcile
   pgelect run --role nightly --on-exit exit -- ./nightly-job.sh
+  pgelect run --role sweeper --backend lease --database-url postgres://app@pgbouncer:6432/app -- ./sweep
 
 The command gets PGELECT_ROLE, PGELECT_NODE and PGELECT_TERM (the fencing
 term: pass it to pgelect.fence(role, term) in your transactions).

@@ -21,6 +21,17 @@ pub struct RunArgs {
     /// Lease time-to-live: a frozen or cut-off leader is replaced after it.
     #[arg(long, value_parser = crate::duration::parse_positive, default_value = "15s", value_name = "DURATION")]
     pub ttl: Duration,
+    /// Election backend: `session` (advisory lock on a dedicated connection:
+    /// failover in milliseconds to seconds; needs a direct connection or a
+    /// session pool) or `lease` (lease row only: works through PgBouncer in
+    /// transaction mode; a crashed leader is replaced when its lease ends).
+    #[arg(long, value_enum, default_value_t = BackendArg::Session)]
+    pub backend: BackendArg,
+    /// Lease backend only: a direct connection (bypassing the pooler) used
+    /// for LISTEN, so that standbys take over a released lease at once and
+    /// resign requests arrive at once.
+    #[arg(long, value_name = "URL")]
+    pub listen_url: Option<String>,
     /// Time the command gets between SIGTERM and SIGKILL on a planned step-down
     /// (default: 10s, or less when the TTL leaves less time).
     #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION")]
@@ -35,6 +46,15 @@ pub struct RunArgs {
     /// The command to run while leader, after `--`.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<String>,
+}
+
+/// The election backend, as typed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendArg {
+    /// Advisory lock plus lease row (the default).
+    Session,
+    /// Lease row only, pooler-safe.
+    Lease,
 }
 
 /// What happens when the command exits by itself.
@@ -57,6 +77,22 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
     }
     let options = global.connect_options()?;
     let mut builder = Elector::builder(options.clone(), &args.role).ttl(args.ttl);
+    builder = match args.backend {
+        BackendArg::Session => {
+            if args.listen_url.is_some() {
+                return Err(Failure::new(
+                    exit::USAGE,
+                    "--listen-url is for --backend lease; the session backend listens on its own lock connection",
+                ));
+            }
+            builder.backend(pgelect::Backend::Session)
+        }
+        BackendArg::Lease => builder.backend(pgelect::Backend::Lease),
+    };
+    if let Some(url) = &args.listen_url {
+        let listen = pgelect::ConnectOptions::from_url(url)?.schema(&global.schema)?;
+        builder = builder.listen_via(listen);
+    }
     if let Some(node) = &args.node {
         builder = builder.node_id(node);
     }

@@ -2,8 +2,12 @@
 //! leader: stands for a role until killed, and reports on stdout.
 //!
 //! ```text
-//! candidate <database-url> <role> [ttl-ms] [node-id]
+//! candidate [--backend session|lease] [--listen <direct-url>] <database-url> <role> [ttl-ms] [node-id]
 //! ```
+//!
+//! `--backend lease` elects with the lease backend (the database URL may
+//! point at PgBouncer in transaction mode; renewals every ttl/4, statement
+//! timeout 300 ms); `--listen` gives it a direct connection for `LISTEN`.
 //!
 //! Prints `STANDING <node>`, then `ELECTED <term> <unix-ms>` on every
 //! election and `LOST <reason> <unix-ms>` on every loss. A line `resign` on
@@ -27,18 +31,38 @@ fn say(line: String) {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().collect();
+    let mut args: Vec<String> = Vec::new();
+    let mut backend = pgelect::Backend::Session;
+    let mut listen = None;
+    let mut it = std::env::args();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--backend" => backend = it.next().unwrap_or_default().parse()?,
+            "--listen" => listen = it.next(),
+            _ => args.push(a),
+        }
+    }
     if args.len() < 3 {
-        eprintln!("usage: candidate <database-url> <role> [ttl-ms] [node-id]");
+        eprintln!("usage: candidate [--backend session|lease] [--listen <direct-url>] <database-url> <role> [ttl-ms] [node-id]");
         std::process::exit(2);
     }
     let options = pgelect::ConnectOptions::from_url(&args[1])?;
     let mut builder = pgelect::Elector::builder(options, &args[2])
+        .backend(backend)
         .heartbeat(Duration::from_millis(200))
         .heartbeat_timeout(Duration::from_millis(500))
         .check_every(Duration::from_millis(200));
     if let Some(ttl) = args.get(3) {
-        builder = builder.ttl(Duration::from_millis(ttl.parse()?));
+        let ttl = Duration::from_millis(ttl.parse()?);
+        builder = builder.ttl(ttl);
+        if backend == pgelect::Backend::Lease {
+            builder = builder
+                .renew_every(ttl / 4)
+                .heartbeat_timeout(Duration::from_millis(300).min(ttl / 4));
+        }
+    }
+    if let Some(url) = listen {
+        builder = builder.listen_via(pgelect::ConnectOptions::from_url(&url)?);
     }
     if let Some(node) = args.get(4) {
         builder = builder.node_id(node);

@@ -4,15 +4,46 @@
 //! pgelect turns a PostgreSQL database into a coordination service: no etcd,
 //! ZooKeeper or Consul to operate.
 //!
-//! * [`LockKey`]: advisory-lock keys from integers, pairs, names (hashed the
-//!   same way as SQL `pgelect.key(name)`) and UUIDs.
-//! * [`migrate`]: installs the `pgelect` schema (idempotent, concurrency-safe).
+//! * **Locks** ([`lock`]): session advisory locks on a connection pgelect
+//!   owns ([`LockSession`], [`LockGuard`] with [`lost()`](LockGuard::lost)),
+//!   and transaction locks on *your* transaction ([`xact_lock`],
+//!   [`xact_lock_timeout`], …; sqlx behind the `sqlx` feature). Shared and
+//!   exclusive, try / wait / bounded wait.
+//! * **Keys** ([`LockKey`]): from integers, pairs, names (hashed the same way
+//!   as SQL `pgelect.key(name)`) and UUIDs.
+//! * **Election** ([`election`]): [`Elector`] and the [`Leadership`] handle
+//!   with its fencing [`Term`], [`Leadership::fence`] for your transactions,
+//!   observers ([`Elector::watch`], [`current_leader`]) and resign requests
+//!   from other processes ([`request_resign`]). Two backends
+//!   ([`Backend`]): `Session` (advisory lock: fast failover) and `Lease`
+//!   (lease row only: safe through PgBouncer in transaction mode).
+//! * **Schema** ([`migrate`]): installs the `pgelect` schema (idempotent,
+//!   concurrency-safe).
+//!
+//! # Guarantees, in short
+//!
+//! * At most one process holds a role's lock or lease at a time, on the
+//!   database's word.
+//! * A leader stops acting (its token is cancelled) when its connection
+//!   ends, when a renewal finds another holder, or at its local deadline,
+//!   measured on the monotonic clock from the *sending* of its last
+//!   successful renewal, whether or not the database can be reached. The
+//!   configuration is checked so that this deadline passes before anyone
+//!   else can take over ([`ElectorBuilder`] lists the inequalities with
+//!   their default numbers).
+//! * A process that was paused cannot run timers; writes that must never
+//!   overlap go through the fence: a fenced transaction of an old term never
+//!   commits after a newer term began.
 //!
 //! # Quick start
 //! ```no_run
 //! # async fn f() -> Result<(), pgelect::Error> {
 //! let options = pgelect::ConnectOptions::from_url("postgres://app:secret@localhost/app")?;
 //! pgelect::migrate(&options).await?;
+//! let elector = pgelect::Elector::builder(options, "scheduler").build()?;
+//! let leadership = elector.leadership().await?;
+//! println!("leading with term {}", leadership.term());
+//! leadership.lost().await; // do the work until this fires
 //! # Ok(()) }
 //! ```
 #![forbid(unsafe_code)]
@@ -34,3 +65,8 @@ pub use key::{LockKey, MAX_KEY_NAME_BYTES};
 #[doc(inline)]
 pub use lock::*;
 pub use schema::{check_schema, migrate, SchemaName, DEFAULT_SCHEMA, SCHEMA_VERSION};
+
+/// The README's examples, compiled as doc tests so that they stay true.
+#[doc = include_str!("../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -22,6 +22,9 @@ pub const DEADLINE_REMAINING_SECONDS: &str = "pgelect_deadline_remaining_seconds
 /// Histogram, seconds: from the lock being granted to the user being told
 /// (the term transaction plus, after an unclean loss, the handover delay).
 pub const TAKEOVER_SECONDS: &str = "pgelect_takeover_duration_seconds";
+/// Counter: statements sent by the lease backend (acquire, renew, release),
+/// labelled by `kind`.
+pub const LEASE_STATEMENTS: &str = "pgelect_lease_statements_total";
 /// Counter: zombie leaders whose backend this process terminated.
 pub const PREEMPTIONS: &str = "pgelect_preemptions_total";
 
@@ -47,4 +50,8 @@ pub(crate) fn renewed(role: &str, round_trip: std::time::Duration, remaining: st
 
 pub(crate) fn preempted_zombie(role: &str) {
     metrics::counter!(PREEMPTIONS, "role" => role.to_owned()).increment(1);
+}
+
+pub(crate) fn lease_statement(role: &str, kind: &'static str) {
+    metrics::counter!(LEASE_STATEMENTS, "role" => role.to_owned(), "kind" => kind).increment(1);
 }

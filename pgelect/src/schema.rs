@@ -135,6 +135,14 @@ END
 $fn$;
 COMMENT ON FUNCTION {s}.key(text) IS 'pgelect: the advisory-lock key of a name, as LockKey::from_name computes it';
 "#,
+    // 2: resign requests that reach a lease-backend leader without LISTEN;
+    // the token of a lease taken by an unanswered acquire attempt.
+    r#"
+ALTER TABLE {s}.leaders ADD COLUMN resign_requested boolean NOT NULL DEFAULT false;
+ALTER TABLE {s}.leaders ADD COLUMN lease_token bigint;
+COMMENT ON COLUMN {s}.leaders.lease_token IS 'pgelect: random per acquire attempt of the lease backend; lets a candidate recognise a lease its unanswered attempt took';
+COMMENT ON COLUMN {s}.leaders.resign_requested IS 'pgelect: set by request_resign; a lease-backend leader reads it at every renewal and steps down; cleared by the next election';
+"#,
 ];
 
 /// Installs or upgrades the pgelect schema on the database `options` point at.

@@ -14,6 +14,66 @@ use super::Elector;
 /// The longest role or node id accepted, in bytes.
 pub const MAX_ROLE_BYTES: usize = 255;
 
+/// Which mechanism elects the leader of a role. Every candidate of one role
+/// must use the same backend: a candidate that finds the role held by a live
+/// leader of the other backend fails with [`Error::Config`].
+///
+/// See the [module documentation](crate::election) for when to choose which.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Backend {
+    /// A session advisory lock on a dedicated connection, plus the lease
+    /// row for terms and observers. Standbys are granted the lock the moment
+    /// the leader's backend ends. Needs a direct connection or a
+    /// session-mode pool; refuses a transaction pooler with
+    /// [`Error::Pooler`]. The default.
+    #[default]
+    Session,
+    /// The lease row alone: every step is one statement in its own
+    /// transaction, all times on the server's clock. Works through
+    /// PgBouncer in transaction mode; a crashed leader is replaced when its
+    /// lease expires (about `ttl` later).
+    Lease,
+}
+
+impl Backend {
+    /// The name stored in `pgelect.leaders.backend`: `session` or `lease`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Session => "session",
+            Backend::Lease => "lease",
+        }
+    }
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = Error;
+
+    /// Parses `session` or `lease`.
+    ///
+    /// ```
+    /// use pgelect::Backend;
+    /// assert_eq!("lease".parse::<Backend>().unwrap(), Backend::Lease);
+    /// assert!("zookeeper".parse::<Backend>().is_err());
+    /// ```
+    fn from_str(s: &str) -> Result<Backend> {
+        match s {
+            "session" => Ok(Backend::Session),
+            "lease" => Ok(Backend::Lease),
+            other => Err(Error::config(format!(
+                "unknown election backend {:?}: expected \"session\" or \"lease\"",
+                shown(other)
+            ))),
+        }
+    }
+}
+
 /// How a standby waits for the leader's lock.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -81,6 +141,29 @@ pub enum StandbyMode {
 ///    ends it. The default adds 500 ms for scheduling delays: 2.5 s. A clean
 ///    release (the holder cleared itself) is taken over at once.
 ///
+/// # The lease backend's inequalities
+///
+/// With [`Backend::Lease`] the same `ttl`, `safety_margin` and `renew_every`
+/// (same defaults: 15 s, 3 s, 5 s) apply, plus `retry_every` (1 s) and
+/// `heartbeat_timeout` (1 s), which bounds every lease statement (and the
+/// reconnection before it). `build()` enforces:
+///
+/// 1. `ttl - safety_margin < ttl`: the local deadline (12 s after the
+///    *sending* of the last successful renewal) ends before the lease on the
+///    server (`now() + ttl` when the server *ran* that renewal, later) does.
+/// 2. `renew_every < ttl - safety_margin` (5 s < 12 s): a healthy leader
+///    renews before its deadline, with time for retries.
+/// 3. `heartbeat_timeout < ttl - safety_margin`: a stuck statement is given
+///    up and retried before the deadline.
+///
+/// No TCP or handover constraint is needed, unlike the session backend: a
+/// lease changes hands only when the acquiring statement finds it expired
+/// *on the server's clock* — which happens after the old leader's local
+/// deadline passed (1.) whatever the state of its connection — or after the
+/// old leader cleared it itself (a clean release, after its duties
+/// stopped). A lost connection releases nothing, so nobody has to wait for a
+/// live old leader to notice one; the handover delay is zero.
+///
 /// A process that is *paused* (stopped, swapped out, a long GC) cannot run
 /// any timer: writes that must never overlap use the fence
 /// ([`Leadership::fence`](crate::Leadership::fence)), which the takeover's
@@ -93,6 +176,8 @@ pub struct ElectorBuilder {
     timing: TimingRequest,
     standby: StandbyMode,
     meta: Option<serde_json::Value>,
+    backend: Backend,
+    listen_via: Option<ConnectOptions>,
 }
 
 impl ElectorBuilder {
@@ -104,7 +189,46 @@ impl ElectorBuilder {
             timing: TimingRequest::default(),
             standby: StandbyMode::default(),
             meta: None,
+            backend: Backend::default(),
+            listen_via: None,
         }
+    }
+
+    /// The election mechanism. Default: [`Backend::Session`]. All
+    /// candidates of a role must use the same one.
+    ///
+    /// With [`Backend::Lease`] the timing is checked against the lease
+    /// backend's inequalities (see [`ElectorBuilder`]); `handover_delay`,
+    /// `heartbeat`, `tcp_timeouts` and `standby` do not apply and are
+    /// ignored, and `heartbeat_timeout` bounds every lease statement.
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
+    }
+
+    /// Lease backend: the longest a standby sleeps between two attempts to
+    /// take the lease. A standby normally sleeps exactly until the lease's
+    /// server-reported expiry plus a jitter of at most 50 ms; this caps that
+    /// sleep, and so bounds how late a standby without a
+    /// [`listen_via`](ElectorBuilder::listen_via) connection notices a
+    /// voluntary release. Default: `1s`.
+    pub fn retry_every(mut self, every: Duration) -> Self {
+        self.timing.retry_every = Some(every);
+        self
+    }
+
+    /// Lease backend: a connection that bypasses the pooler (directly to
+    /// PostgreSQL, or through a session-mode pool), used only to `LISTEN`.
+    /// With it, standbys wake up on a leader's release `NOTIFY` (a voluntary
+    /// release is taken over in milliseconds instead of within
+    /// [`retry_every`](ElectorBuilder::retry_every)), and a leader hears
+    /// [`request_resign`](crate::request_resign) at once instead of at its
+    /// next renewal. Losing this connection never affects leadership; it is
+    /// reopened with backoff. Default: none (`LISTEN` through a transaction
+    /// pooler does not work).
+    pub fn listen_via(mut self, options: ConnectOptions) -> Self {
+        self.listen_via = Some(options);
+        self
     }
 
     /// This candidate's name, stored as `holder` in the lease row and shown
@@ -153,6 +277,11 @@ impl ElectorBuilder {
 
     /// How long a heartbeat or renewal may take before the lock connection
     /// is declared dead and dropped. Default: `1s`.
+    ///
+    /// Lease backend: the bound on every statement, including the
+    /// (re)connection before it; a statement that runs out is cancelled,
+    /// its connection dropped, and it is retried. Default: `min(1s, (ttl -
+    /// safety_margin) / 4)`.
     pub fn heartbeat_timeout(mut self, timeout: Duration) -> Self {
         self.timing.heartbeat_timeout = Some(timeout);
         self
@@ -202,7 +331,20 @@ impl ElectorBuilder {
             }
             None => default_node_id(),
         };
-        let timing: Timing = self.timing.validate().map_err(Error::Config)?;
+        let timing: Timing = match self.backend {
+            Backend::Session => self.timing.validate(),
+            Backend::Lease => self.timing.validate_lease(),
+        }
+        .map_err(Error::Config)?;
+        if let Some(listen) = &self.listen_via {
+            if listen.schema_name() != self.options.schema_name() {
+                return Err(Error::config(format!(
+                    "listen_via uses schema {:?} but the elector uses {:?}; they must match",
+                    listen.schema_name().as_str(),
+                    self.options.schema_name().as_str()
+                )));
+            }
+        }
         if let StandbyMode::Polling { interval } = self.standby {
             if interval.is_zero() {
                 return Err(Error::config("standby polling interval must be positive"));
@@ -217,6 +359,8 @@ impl ElectorBuilder {
             timing,
             self.standby,
             self.meta,
+            self.backend,
+            self.listen_via,
         ))
     }
 }

@@ -1,9 +1,10 @@
-//! The pure core of the session backend: timing validation, deadline
-//! arithmetic and the leader's keep-alive state machine.
+//! The pure core of both backends: timing validation, deadline arithmetic
+//! and the leader's keep-alive state machine.
 //!
-//! Nothing here does I/O or reads a clock. The driver in `session.rs` feeds
-//! events with the monotonic time they happened at, and carries out the
-//! actions the [`Keeper`] returns; unit tests feed simulated time.
+//! Nothing here does I/O or reads a clock. The drivers in `session.rs` and
+//! `lease.rs` feed events with the monotonic time they happened at, and
+//! carry out the actions the [`Keeper`] returns; unit tests feed simulated
+//! time.
 
 use std::time::Duration;
 
@@ -31,6 +32,8 @@ pub(crate) struct Timing {
     pub(crate) handover_delay: Duration,
     pub(crate) check_every: Duration,
     pub(crate) tcp: TcpTimeouts,
+    /// Lease backend: the longest a standby sleeps between two attempts.
+    pub(crate) retry_every: Duration,
 }
 
 /// The timing as the user set it; `None` means "derive the default".
@@ -44,14 +47,17 @@ pub(crate) struct TimingRequest {
     pub(crate) handover_delay: Option<Duration>,
     pub(crate) check_every: Option<Duration>,
     pub(crate) tcp: Option<TcpTimeouts>,
+    pub(crate) retry_every: Option<Duration>,
 }
 
 /// Default TTL.
 pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(15);
 /// Default heartbeat interval.
 pub(crate) const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(1);
-/// Default heartbeat timeout.
+/// Default heartbeat timeout (the lease backend's statement timeout).
 pub(crate) const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(1);
+/// Default cap on a lease-backend standby's sleep between two attempts.
+pub(crate) const DEFAULT_RETRY_EVERY: Duration = Duration::from_secs(1);
 
 /// The TCP timeouts used when none are given: derived from the TTL so that
 /// the server cannot declare a silent client gone (and release its lock)
@@ -175,6 +181,8 @@ impl TimingRequest {
         }
         let check_every = self.check_every.unwrap_or(renew_every);
         positive("check_every", check_every)?;
+        let retry_every = self.retry_every.unwrap_or(DEFAULT_RETRY_EVERY);
+        positive("retry_every", retry_every)?;
         Ok(Timing {
             ttl,
             safety_margin,
@@ -184,6 +192,67 @@ impl TimingRequest {
             handover_delay,
             check_every,
             tcp,
+            retry_every,
+        })
+    }
+
+    /// Fills the defaults and checks the lease backend's inequalities:
+    /// `ttl - safety_margin < ttl` (the local deadline ends before the
+    /// server-side lease), `renew_every < ttl - safety_margin` and the
+    /// statement timeout (`heartbeat_timeout`) `< ttl - safety_margin`.
+    ///
+    /// No TCP or handover constraint: a lease is taken over only once it
+    /// expired on the server's clock (after the old leader's local deadline)
+    /// or after a clean release, never because a connection ended. The
+    /// handover delay is zero.
+    pub(crate) fn validate_lease(&self) -> Result<Timing, String> {
+        let ttl = self.ttl.unwrap_or(DEFAULT_TTL);
+        positive("ttl", ttl)?;
+        if ttl > MAX_TTL {
+            return Err(format!(
+                "ttl {ttl:?} is longer than the maximum {MAX_TTL:?}"
+            ));
+        }
+        let safety_margin = self.safety_margin.unwrap_or(ttl / 5);
+        positive("safety_margin", safety_margin)?;
+        if safety_margin >= ttl {
+            return Err(format!(
+                "safety_margin {safety_margin:?} must be shorter than ttl {ttl:?}"
+            ));
+        }
+        let budget = ttl - safety_margin;
+        let renew_every = self.renew_every.unwrap_or(ttl / 3);
+        positive("renew_every", renew_every)?;
+        if renew_every >= budget {
+            return Err(format!(
+                "renew_every {renew_every:?} must be shorter than the local deadline ttl - safety_margin = {budget:?} (ttl {ttl:?}, safety_margin {safety_margin:?}), or a healthy leader would lose leadership between two renewals"
+            ));
+        }
+        let heartbeat = self.heartbeat.unwrap_or(DEFAULT_HEARTBEAT);
+        positive("heartbeat", heartbeat)?;
+        let statement_timeout = self
+            .heartbeat_timeout
+            .unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT.min(budget / 4));
+        positive("heartbeat_timeout", statement_timeout)?;
+        if statement_timeout >= budget {
+            return Err(format!(
+                "heartbeat_timeout (the lease statement timeout) {statement_timeout:?} must be shorter than ttl - safety_margin = {budget:?}"
+            ));
+        }
+        let check_every = self.check_every.unwrap_or(renew_every);
+        positive("check_every", check_every)?;
+        let retry_every = self.retry_every.unwrap_or(DEFAULT_RETRY_EVERY);
+        positive("retry_every", retry_every)?;
+        Ok(Timing {
+            ttl,
+            safety_margin,
+            renew_every,
+            heartbeat,
+            heartbeat_timeout: statement_timeout,
+            handover_delay: Duration::ZERO,
+            check_every,
+            tcp: self.tcp.unwrap_or_else(|| default_tcp_for(ttl)),
+            retry_every,
         })
     }
 }
@@ -257,12 +326,20 @@ pub(crate) struct Keeper {
     lame_duck_until: Option<Instant>,
     reason: Option<LossReason>,
     pending_action: Option<Action>,
+    /// Lease backend: no heartbeats (there is no session to keep alive), no
+    /// in-flight timeout here (the driver bounds every statement and reports
+    /// a failure), and a failed renewal is retried, not fatal.
+    lease: bool,
 }
 
 impl Keeper {
     /// A keeper for a leadership whose term-bumping statement was sent at
     /// `sent_at` and answered at `now`. After an unclean takeover the user
-    /// is told only after the handover delay.
+    /// is told only after the handover delay, counted from `sent_at`: the
+    /// old leader's connection had ended before the lock was granted, which
+    /// was before `sent_at`, so the delay is still counted from a moment
+    /// after the old leader's loss, and the term transaction's round trip
+    /// overlaps with it instead of adding to the failover.
     pub(crate) fn new(timing: Timing, sent_at: Instant, now: Instant, unclean: bool) -> Keeper {
         let delay = if unclean {
             timing.handover_delay
@@ -273,14 +350,25 @@ impl Keeper {
             timing,
             phase: Phase::Pending,
             deadline: sent_at + timing.deadline_budget(),
-            active_at: now + delay,
+            active_at: sent_at + delay,
             next_renew: sent_at + timing.renew_every,
             next_heartbeat: now + timing.heartbeat,
             in_flight: None,
             lame_duck_until: None,
             reason: None,
             pending_action: None,
+            lease: false,
         }
+    }
+
+    /// A keeper for a lease-backend leadership whose acquiring statement was
+    /// sent at `sent_at`: active at once (a lease is taken over only after
+    /// it expired on the server or was released), no heartbeats, renewals
+    /// every `renew_every`, failures retried until the deadline.
+    pub(crate) fn new_lease(timing: Timing, sent_at: Instant) -> Keeper {
+        let mut k = Keeper::new(timing, sent_at, sent_at, false);
+        k.lease = true;
+        k
     }
 
     /// The current phase.
@@ -317,7 +405,7 @@ impl Keeper {
             }
         }
         if let Some((_, sent)) = self.in_flight {
-            if now >= sent + self.timing.heartbeat_timeout {
+            if !self.lease && now >= sent + self.timing.heartbeat_timeout {
                 self.in_flight = None;
                 return Some(self.fail_connection());
             }
@@ -331,7 +419,7 @@ impl Keeper {
             self.in_flight = Some((Probe::Renew, now));
             return Some(Action::Renew);
         }
-        if now >= self.next_heartbeat {
+        if !self.lease && now >= self.next_heartbeat {
             self.in_flight = Some((Probe::Heartbeat, now));
             return Some(Action::Heartbeat);
         }
@@ -344,10 +432,11 @@ impl Keeper {
             return None;
         }
         let mut t = self.deadline;
-        if let Some((_, sent)) = self.in_flight {
-            t = t.min(sent + self.timing.heartbeat_timeout);
-        } else {
-            t = t.min(self.next_renew).min(self.next_heartbeat);
+        match self.in_flight {
+            Some((_, sent)) if !self.lease => t = t.min(sent + self.timing.heartbeat_timeout),
+            Some(_) => {}
+            None if self.lease => t = t.min(self.next_renew),
+            None => t = t.min(self.next_renew).min(self.next_heartbeat),
         }
         if self.phase == Phase::Pending {
             t = t.min(self.active_at);
@@ -385,6 +474,23 @@ impl Keeper {
         self.in_flight = None;
         // Retry at the heartbeat pace; the deadline stays where it was.
         self.next_renew = now + self.timing.heartbeat.min(self.timing.renew_every);
+    }
+
+    /// Lease backend: a renewal failed (connection refused or reset, pooler
+    /// restarting, statement timeout, any error but "no row"). The deadline
+    /// stays where it was; the next attempt is due after `wait`, capped so
+    /// that at least one more attempt is made before the deadline where
+    /// there is room for it.
+    pub(crate) fn renew_retry(&mut self, now: Instant, wait: Duration) {
+        self.in_flight = None;
+        let mut at = now + wait;
+        let room = self.deadline.saturating_duration_since(now);
+        // Halve the room left, but not below 10 ms (no storm of attempts
+        // just before the deadline).
+        if at >= self.deadline && room >= Duration::from_millis(20) {
+            at = now + room / 2;
+        }
+        self.next_renew = at;
     }
 
     /// The heartbeat was answered.
@@ -739,5 +845,156 @@ mod tests {
             assert!(k.deadline() > now);
         }
         assert!(now - t0 > Duration::from_secs(60));
+    }
+
+    fn lease_timing() -> Timing {
+        TimingRequest {
+            ttl: Some(ms(2000)),
+            renew_every: Some(ms(500)),
+            heartbeat_timeout: Some(ms(300)),
+            ..Default::default()
+        }
+        .validate_lease()
+        .unwrap()
+    }
+
+    #[test]
+    fn lease_defaults_and_inequalities() {
+        let t = TimingRequest::default().validate_lease().unwrap();
+        assert_eq!(t.ttl, ms(15_000));
+        assert_eq!(t.deadline_budget(), ms(12_000));
+        assert_eq!(t.renew_every, ms(5_000));
+        assert_eq!(t.retry_every, ms(1_000));
+        assert_eq!(t.handover_delay, Duration::ZERO);
+        assert_eq!(t.heartbeat_timeout, ms(1_000));
+        // Short TTLs get a shorter default statement timeout.
+        let t = TimingRequest {
+            ttl: Some(ms(1_000)),
+            ..Default::default()
+        }
+        .validate_lease()
+        .unwrap();
+        assert_eq!(t.heartbeat_timeout, ms(200));
+        // No TCP constraint: TCP timeouts the session backend refuses are
+        // irrelevant to a lease.
+        TimingRequest {
+            tcp: Some(TcpTimeouts::default()),
+            ttl: Some(ms(60_000)),
+            ..Default::default()
+        }
+        .validate_lease()
+        .unwrap();
+        for (req, needle) in [
+            (
+                TimingRequest {
+                    renew_every: Some(ms(12_000)),
+                    ..Default::default()
+                },
+                "renew_every 12s",
+            ),
+            (
+                TimingRequest {
+                    heartbeat_timeout: Some(ms(12_000)),
+                    ..Default::default()
+                },
+                "statement timeout",
+            ),
+            (
+                TimingRequest {
+                    retry_every: Some(Duration::ZERO),
+                    ..Default::default()
+                },
+                "retry_every must be positive",
+            ),
+            (
+                TimingRequest {
+                    safety_margin: Some(ms(15_000)),
+                    ..Default::default()
+                },
+                "safety_margin 15s",
+            ),
+        ] {
+            let e = req.validate_lease().unwrap_err();
+            assert!(e.contains(needle), "{e:?} lacks {needle:?}");
+        }
+    }
+
+    #[test]
+    fn lease_keeper_renews_without_heartbeats_and_counts_from_the_send() {
+        let t = lease_timing();
+        let t0 = Instant::now();
+        let mut k = Keeper::new_lease(t, t0);
+        assert_eq!(k.poll(t0 + ms(3)), Some(Action::Activate));
+        assert_eq!(k.deadline(), t0 + ms(1600));
+        assert_eq!(k.next_wake(), Some(t0 + ms(500)));
+        assert_eq!(k.poll(t0 + ms(500)), Some(Action::Renew));
+        // In flight for longer than the statement timeout: the keeper does
+        // not kill anything (the driver bounds the statement and reports).
+        assert_eq!(k.poll(t0 + ms(900)), None);
+        assert_eq!(k.next_wake(), Some(t0 + ms(1600)));
+        k.renewed(t0 + ms(500), t0 + ms(950));
+        assert_eq!(k.deadline(), t0 + ms(2100));
+        let mut now = t0 + ms(950);
+        for _ in 0..1000 {
+            match k.poll(now) {
+                Some(Action::Renew) => k.renewed(now, now + ms(5)),
+                None => {}
+                other => panic!("{other:?}"),
+            }
+            now = k.next_wake().unwrap();
+            assert!(k.deadline() > now);
+        }
+    }
+
+    #[test]
+    fn lease_keeper_retries_failures_until_the_deadline_never_beyond() {
+        let t = lease_timing();
+        let t0 = Instant::now();
+        let mut k = Keeper::new_lease(t, t0);
+        k.poll(t0);
+        let mut attempts = Vec::new();
+        let mut now;
+        let lost_at = loop {
+            now = k.next_wake().unwrap();
+            match k.poll(now) {
+                Some(Action::Renew) => {
+                    attempts.push(now - t0);
+                    // Refused at once, then retried after a 300 ms backoff.
+                    k.renew_retry(now, ms(300));
+                }
+                Some(Action::Lose { reason, kill }) => {
+                    assert_eq!(reason, LossReason::Deadline);
+                    assert!(kill);
+                    break now;
+                }
+                None => {}
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(lost_at, t0 + t.deadline_budget());
+        assert!(attempts.len() >= 4, "{attempts:?}");
+        assert!(attempts.iter().all(|a| *a < t.deadline_budget()));
+        // A late success after the deadline never revives it.
+        k.renewed(lost_at - ms(1), lost_at + ms(1));
+        assert_eq!(k.poll(lost_at + ms(2)), None);
+        assert_eq!(k.phase(), Phase::Done);
+    }
+
+    #[test]
+    fn lease_keeper_ends_at_once_when_the_row_is_no_longer_ours() {
+        let t = lease_timing();
+        let t0 = Instant::now();
+        let mut k = Keeper::new_lease(t, t0);
+        k.poll(t0);
+        assert_eq!(k.poll(t0 + ms(500)), Some(Action::Renew));
+        k.preempted();
+        assert_eq!(
+            k.poll(t0 + ms(501)),
+            Some(Action::Lose {
+                reason: LossReason::Preempted,
+                kill: true
+            })
+        );
+        assert_eq!(k.next_wake(), None);
     }
 }

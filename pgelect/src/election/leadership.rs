@@ -51,7 +51,9 @@ pub enum LossReason {
     Shutdown,
     /// The lock connection ended or stopped answering (server terminated the
     /// backend, database restart, network failure, heartbeat timeout). The
-    /// server releases the lock with the connection.
+    /// server releases the lock with the connection. Session backend only:
+    /// the lease backend retries until its deadline
+    /// ([`LossReason::Deadline`]).
     ConnectionLost,
     /// No renewal succeeded within `ttl - safety_margin` of the last
     /// successful one's sending: leadership was ended by the local timer,
@@ -63,7 +65,8 @@ pub enum LossReason {
     /// with [`request_resign`](crate::request_resign).
     Resigned,
     /// Every [`Leadership`] handle was dropped without `resign`: the lock
-    /// connection was dropped, and standbys treat it as an unclean loss.
+    /// connection was dropped, and standbys treat it as an unclean loss
+    /// (lease backend: the lease is not released and expires after `ttl`).
     Dropped,
 }
 
@@ -367,6 +370,15 @@ impl Leadership {
     /// over as soon as it returns. If leadership had already ended with the
     /// connection (lost connection, deadline, preemption), there is nothing
     /// to release and it returns `Ok(())`.
+    ///
+    /// Lease backend: one statement clears the holder where holder and term
+    /// are ours and sends `NOTIFY` (retried up to three times, each bounded
+    /// by the statement timeout). After a [`LossReason::Deadline`] loss the
+    /// lease may still be ours on the server (the database was unreachable
+    /// for a while): the release is then still attempted, and is a no-op if
+    /// another candidate took over meanwhile. After a preemption there is
+    /// nothing to release. A failed release is returned as an error; the
+    /// lease then expires on its own.
     ///
     /// # Cancel safety
     /// The release runs in the leadership's own task and completes even if

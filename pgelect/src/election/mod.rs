@@ -1,5 +1,66 @@
 //! Leader election: the [`Elector`], the [`Leadership`] handle, observers.
 //!
+//! One API, two backends ([`Backend`], chosen with
+//! [`ElectorBuilder::backend`]): the same [`Elector::leadership`],
+//! [`Leadership`] (term, token, loss reason, fence, resign),
+//! [`Elector::watch`], [`Elector::run`] callbacks, [`current_leader`] and
+//! [`request_resign`]. All candidates of a role must use the same backend;
+//! a candidate that finds a live leader of the other one fails with
+//! [`Error::Config`](crate::Error::Config).
+//!
+//! # Which backend
+//!
+//! | | session (default) | lease |
+//! |---|---|---|
+//! | connection | direct or session-mode pool, one dedicated connection per candidate | anything, including PgBouncer in **transaction** mode; one connection, reopened at will |
+//! | crashed leader replaced after | the server notices (ms for a killed process) + handover delay (2.5 s by default) | the lease expires: at most `ttl` (15 s by default) after the crash, + ≤ 50 ms |
+//! | voluntary release taken over | at once (lock granted) | at once with [`listen_via`](ElectorBuilder::listen_via), else within `retry_every` (1 s) |
+//! | load at steady state | a heartbeat per second and a renewal per `renew_every` per leader; standbys block in the server | one statement per `renew_every` per leader, about one per `retry_every` per standby |
+//! | frozen leader | preempted (`pg_terminate_backend`) once its lease expired | taken over once its lease expired |
+//!
+//! Choose the session backend where candidates can reach PostgreSQL
+//! directly (fast crash failover, push detection of a dead leader). Choose
+//! the lease backend behind a transaction pooler (where session advisory
+//! locks silently break: the lock stays on a pooled server backend), or
+//! where a failover time of about one TTL is fine and the fewest moving
+//! parts are wanted.
+//!
+//! # The lease backend
+//!
+//! Every step is one statement, hence one transaction, and every time
+//! comparison uses the server's `now()`; the remaining lease is computed by
+//! the server, so the candidates' clocks never need to agree.
+//!
+//! 1. A standby runs one upsert that takes the role's row only if it has no
+//!    holder or its lease expired (`lease_until < now()`), bumping the term
+//!    (a missing row is inserted with term 1). Concurrent candidates are
+//!    serialised by the row lock: exactly one wins.
+//! 2. Not won, it learns from the same statement how long the lease still
+//!    runs (server arithmetic), and tries again at that expiry plus a
+//!    jitter of at most 50 ms — capped by `retry_every` — or at once when a
+//!    release `NOTIFY` arrives on the [`listen_via`](ElectorBuilder::listen_via)
+//!    connection.
+//! 3. The leader renews every `renew_every` with an update scoped to its
+//!    holder name *and* term. No row means another candidate took over:
+//!    leadership ends at once ([`LossReason::Preempted`]). Failed renewals
+//!    (connection refused or reset, PgBouncer restarting, statement timeout)
+//!    are retried, reconnecting as needed, until the local deadline
+//!    (`ttl - safety_margin` after the *sending* of the last successful
+//!    renewal) — never beyond: then leadership ends
+//!    ([`LossReason::Deadline`]) whether or not the database answers.
+//! 4. Resigning clears the holder where holder and term are ours and sends
+//!    `NOTIFY`, in one statement. [`request_resign`] reaches a lease leader
+//!    through a `resign_requested` flag returned by its next renewal, or at
+//!    once by `NOTIFY` with a `listen_via` connection.
+//!
+//! Safety: the old leader's local deadline ends before its lease expires on
+//! the server (the lease was set by the server after the renewal was sent,
+//! for `ttl > ttl - safety_margin`), and a lease is taken only once expired
+//! or released — so acting intervals do not overlap as long as clocks
+//! advance at about the same rate and no process pauses longer than the
+//! margin. [`Leadership::fence`] serialises writes with leadership even
+//! without those assumptions.
+//!
 //! # The session backend
 //!
 //! Each candidate owns a dedicated connection (never a pooled one) named
@@ -29,7 +90,7 @@
 //! 6. Resigning stops the duties first, then clears the holder, notifies and
 //!    unlocks: a blocking standby takes over within milliseconds.
 //!
-//! # Guarantees
+//! # Guarantees (session backend)
 //!
 //! * **Safety.** At most one process holds the role's advisory lock. Acting
 //!   intervals of two leaders do not overlap as long as each process's
@@ -73,6 +134,7 @@
 mod config;
 mod core;
 mod leadership;
+mod lease;
 mod session;
 mod watch;
 
@@ -83,12 +145,14 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::conn::ConnectOptions;
+use crate::conn::{ConnectOptions, Notice};
 use crate::error::Result;
 use crate::key::LockKey;
 
-pub use config::{ElectorBuilder, StandbyMode, MAX_ROLE_BYTES};
+pub use config::{Backend, ElectorBuilder, StandbyMode, MAX_ROLE_BYTES};
 pub use leadership::{LeaderContext, Leadership, LossReason, Term};
+#[doc(hidden)]
+pub use lease::{lease_sql, LeaseSql};
 pub use watch::{current_leader, request_resign, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 
 use self::core::Timing;
@@ -114,6 +178,14 @@ pub(crate) struct Shared {
     pub(crate) leader: tokio::sync::watch::Sender<Option<LeaderInfo>>,
     pub(crate) standing: tokio::sync::watch::Sender<usize>,
     observer: Mutex<Option<CancellationToken>>,
+    pub(crate) backend: Backend,
+    /// Lease backend: the direct connection for `LISTEN`, if any.
+    pub(crate) listen_via: Option<ConnectOptions>,
+    /// Lease backend: notifications received on the `LISTEN` connection.
+    pub(crate) lease_notices: tokio::sync::broadcast::Sender<Notice>,
+    listener: Mutex<Option<CancellationToken>>,
+    /// Lease backend: statements sent (acquire, renew, release, connect probe).
+    pub(crate) lease_statements: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -130,6 +202,21 @@ impl Shared {
             stop,
         };
         tokio::spawn(observer.run());
+    }
+
+    /// Lease backend: starts the `LISTEN` task if a `listen_via` connection
+    /// is configured and the task is not running.
+    pub(crate) fn ensure_lease_listener(self: &Arc<Self>) {
+        let Some(options) = self.listen_via.clone() else {
+            return;
+        };
+        let mut slot = self.listener.lock().expect("BUG: poisoned listener slot");
+        if slot.as_ref().is_some_and(|t| !t.is_cancelled()) {
+            return;
+        }
+        let stop = CancellationToken::new();
+        *slot = Some(stop.clone());
+        tokio::spawn(lease::listen(Arc::downgrade(self), options, stop));
     }
 
     /// Publishes the current leader to watchers, if it changed.
@@ -183,6 +270,7 @@ impl Elector {
         ElectorBuilder::new(options, role)
     }
 
+    #[allow(clippy::too_many_arguments)] // one call site, in build()
     pub(crate) fn from_parts(
         options: ConnectOptions,
         role: String,
@@ -191,6 +279,8 @@ impl Elector {
         timing: Timing,
         standby: StandbyMode,
         meta: Option<serde_json::Value>,
+        backend: Backend,
+        listen_via: Option<ConnectOptions>,
     ) -> Elector {
         Elector {
             shared: Arc::new(Shared {
@@ -204,6 +294,11 @@ impl Elector {
                 leader: tokio::sync::watch::Sender::new(None),
                 standing: tokio::sync::watch::Sender::new(0),
                 observer: Mutex::new(None),
+                backend,
+                listen_via,
+                lease_notices: tokio::sync::broadcast::Sender::new(64),
+                listener: Mutex::new(None),
+                lease_statements: std::sync::atomic::AtomicU64::new(0),
             }),
         }
     }
@@ -223,7 +318,26 @@ impl Elector {
         self.shared.timing.ttl
     }
 
-    /// The wait after an unclean takeover.
+    /// The election backend.
+    pub fn backend(&self) -> Backend {
+        self.shared.backend
+    }
+
+    /// Lease backend: the number of statements this elector (and the
+    /// leaderships it handed out) has sent to the database so far —
+    /// acquire attempts, renewals, releases — for capacity planning (also
+    /// recorded as the metric
+    /// [`LEASE_STATEMENTS`](crate::metrics::LEASE_STATEMENTS)). Always 0
+    /// for the session backend.
+    pub fn lease_statements(&self) -> u64 {
+        self.shared
+            .lease_statements
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The wait after an unclean takeover (session backend; zero for the
+    /// lease backend, which never takes over a lease that has not expired
+    /// on the server or been released).
     pub fn handover_delay(&self) -> Duration {
         self.shared.timing.handover_delay
     }
@@ -241,12 +355,15 @@ impl Elector {
 
     /// Campaigns until elected and returns the leadership.
     ///
-    /// Waits as configured ([`StandbyMode`]); reconnects with backoff and
-    /// jitter after connection failures and database restarts. Returns an
-    /// error only for what waiting cannot fix: a missing schema
+    /// Waits as configured ([`StandbyMode`]; lease backend: until the
+    /// lease's server-reported expiry, a release `NOTIFY` or `retry_every`);
+    /// reconnects with backoff and jitter after connection failures and
+    /// database restarts. Returns an error only for what waiting cannot fix:
+    /// a missing schema
     /// ([`Error::SchemaMissing`](crate::Error::SchemaMissing), run `pgelect
-    /// migrate`), a pooler in transaction mode
-    /// ([`Error::Pooler`](crate::Error::Pooler)), bad credentials or
+    /// migrate`), a pooler in transaction mode with the session backend
+    /// ([`Error::Pooler`](crate::Error::Pooler)), a live leader of the other
+    /// backend ([`Error::Config`](crate::Error::Config)), bad credentials or
     /// privileges.
     ///
     /// Returns only once the handover delay (after an unclean loss) has
@@ -259,8 +376,16 @@ impl Elector {
     /// (during the handover delay), the connection is dropped and standbys
     /// see an unclean loss. No leadership is ever left held without a
     /// handle.
+    ///
+    /// Lease backend: dropping the future while the acquiring statement is
+    /// in flight may leave the lease taken on the server with no handle
+    /// (the statement is cancelled, but may have committed): nobody acts on
+    /// it, and it expires after `ttl`.
     pub async fn leadership(&self) -> Result<Leadership> {
-        session::campaign(&self.shared).await
+        match self.shared.backend {
+            Backend::Session => session::campaign(&self.shared).await,
+            Backend::Lease => lease::campaign(&self.shared).await,
+        }
     }
 
     /// The current leader of the role, updated on every change: from this
@@ -344,6 +469,15 @@ impl Drop for Elector {
     fn drop(&mut self) {
         if let Some(t) = self
             .shared
+            .listener
+            .lock()
+            .expect("BUG: poisoned listener slot")
+            .take()
+        {
+            t.cancel();
+        }
+        if let Some(t) = self
+            .shared
             .observer
             .lock()
             .expect("BUG: poisoned observer slot")
@@ -361,6 +495,7 @@ impl fmt::Debug for Elector {
             .field("node", &self.shared.node)
             .field("target", &self.shared.options.target())
             .field("timing", &self.shared.timing)
+            .field("backend", &self.shared.backend)
             .field("standby", &self.shared.standby)
             .field("leader", &*self.shared.leader.borrow())
             .finish()

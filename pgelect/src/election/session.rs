@@ -258,7 +258,12 @@ async fn elect(shared: &Shared, conn: &DedicatedConnection) -> Result<Elected> {
                 SET holder = EXCLUDED.holder, holder_meta = EXCLUDED.holder_meta,
                     term = l.term + 1, backend = EXCLUDED.backend,
                     holder_pid = EXCLUDED.holder_pid, acquired_at = EXCLUDED.acquired_at,
-                    renewed_at = EXCLUDED.renewed_at, lease_until = EXCLUDED.lease_until
+                    renewed_at = EXCLUDED.renewed_at, lease_until = EXCLUDED.lease_until,
+                    resign_requested = false, lease_token = NULL
+              -- A live lease-backend leader is not protected by the advisory
+              -- lock: never take its row (all candidates of a role must use
+              -- one backend; refused below).
+              WHERE NOT (l.backend = 'lease' AND l.holder IS NOT NULL AND l.lease_until >= now())
              RETURNING l.term, l.acquired_at, l.lease_until
          )
          SELECT up.term, (SELECT holder FROM old), up.acquired_at, up.lease_until,
@@ -269,7 +274,7 @@ async fn elect(shared: &Shared, conn: &DedicatedConnection) -> Result<Elected> {
     let payload = format!("{s}:elected:{}", shared.role);
     let row = conn
         .client()
-        .query_typed_one(
+        .query_typed_opt(
             &sql,
             &[
                 (&shared.role, Type::TEXT),
@@ -281,6 +286,12 @@ async fn elect(shared: &Shared, conn: &DedicatedConnection) -> Result<Elected> {
         )
         .await
         .map_err(|e| Error::db("record the new term", s, e))?;
+    let Some(row) = row else {
+        return Err(Error::config(format!(
+            "role {:?} is held by a live leader using the lease backend, but this candidate uses the session backend: all candidates of a role must use the same backend",
+            shared.role
+        )));
+    };
     Ok(Elected {
         term: Term::new(row.get(0)),
         previous_holder: row.get(1),

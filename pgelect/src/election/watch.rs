@@ -36,7 +36,7 @@ pub struct LeaderInfo {
     pub holder_meta: Option<serde_json::Value>,
     /// The fencing term.
     pub term: super::Term,
-    /// The backend that elected it (`session`).
+    /// The backend that elected it (`session` or `lease`).
     pub backend: Option<String>,
     /// The server's clock when this term began.
     pub acquired_at: SystemTime,
@@ -107,17 +107,28 @@ pub async fn current_leader(options: &ConnectOptions, role: &str) -> Result<Opti
     result
 }
 
-/// Asks the current leader of `role`, wherever it runs, to resign: sends
-/// `NOTIFY pgelect_resign` with the role, which leaders listen to on their
-/// lock connection. The leader cancels its leadership token; through
+/// Asks the current leader of `role`, wherever it runs, to resign, by both
+/// paths at once, in one statement:
+///
+/// * `NOTIFY pgelect_resign` with the role: session-backend leaders listen
+///   on their lock connection, lease-backend leaders on their
+///   [`listen_via`](crate::ElectorBuilder::listen_via) connection; they
+///   hear it at once;
+/// * `resign_requested = true` on the lease row of the term read: a
+///   lease-backend leader without a `LISTEN` connection (behind a
+///   transaction pooler) sees it in the answer to its next renewal, within
+///   `renew_every`. The next election clears it.
+///
+/// The leader cancels its leadership token; through
 /// [`Elector::run`](crate::Elector::run) it then releases cleanly as soon as
-/// its duties stopped, and a standby takes over at once.
+/// its duties stopped, and a standby takes over at once (lease backend
+/// without `LISTEN`: within `retry_every`).
 ///
 /// Returns the leader that was asked, if the row named one (it may have
-/// changed meanwhile).
+/// changed meanwhile; the request is scoped to the term read).
 ///
 /// # Cancel safety
-/// Cancel safe: the notification is sent by one statement or not at all.
+/// Cancel safe: the request is made by one statement or not at all.
 pub async fn request_resign(options: &ConnectOptions, role: &str) -> Result<Option<LeaderInfo>> {
     validate_name("role", role)?;
     let conn = options.connect("resign").await?;
@@ -125,10 +136,23 @@ pub async fn request_resign(options: &ConnectOptions, role: &str) -> Result<Opti
     let result = async {
         let leader = read_leader(conn.client(), schema, role).await?;
         let payload = format!("{schema}:{role}");
+        let term = leader.as_ref().map(|l| l.term.get());
         conn.client()
             .query_typed(
-                "SELECT pg_notify($1, $2)",
-                &[(&RESIGN_CHANNEL, Type::TEXT), (&payload, Type::TEXT)],
+                &format!(
+                    "WITH u AS (
+                         UPDATE {schema}.leaders SET resign_requested = true
+                          WHERE role = $3 AND holder IS NOT NULL AND term = $4
+                         RETURNING 1
+                     )
+                     SELECT (SELECT count(*) FROM u), pg_notify($1, $2)::text"
+                ),
+                &[
+                    (&RESIGN_CHANNEL, Type::TEXT),
+                    (&payload, Type::TEXT),
+                    (&role, Type::TEXT),
+                    (&term, Type::INT8),
+                ],
             )
             .await
             .map_err(|e| Error::db("request a resignation", schema.as_str(), e))?;
@@ -234,7 +258,15 @@ impl Observer {
                 return;
             };
             let purpose = format!("observe:{}", shared.role);
-            let options = shared.options.clone();
+            // LISTEN needs a connection that keeps its server session: not
+            // one through a transaction pooler, which the lease backend may
+            // use. Without `listen_via` the lease backend's observer only
+            // polls (every `check_every`).
+            let (options, listen) = match (shared.backend, &shared.listen_via) {
+                (super::Backend::Lease, Some(direct)) => (direct.clone(), true),
+                (super::Backend::Lease, None) => (shared.options.clone(), false),
+                _ => (shared.options.clone(), true),
+            };
             drop(shared);
             let conn = tokio::select! {
                 _ = self.stop.cancelled() => return,
@@ -243,7 +275,7 @@ impl Observer {
             match conn {
                 Ok(conn) => {
                     failures = 0;
-                    if let Err(e) = self.observe(&conn).await {
+                    if let Err(e) = self.observe(&conn, listen).await {
                         tracing::debug!(error = %e, "observer connection failed; reconnecting");
                     }
                     conn.kill();
@@ -260,7 +292,7 @@ impl Observer {
         }
     }
 
-    async fn observe(&self, conn: &DedicatedConnection) -> Result<()> {
+    async fn observe(&self, conn: &DedicatedConnection, listen: bool) -> Result<()> {
         let Some(shared) = self.shared.upgrade() else {
             return Ok(());
         };
@@ -271,10 +303,12 @@ impl Observer {
         let mut standing = shared.standing.subscribe();
         drop(shared);
         let mut notices = conn.notices();
-        conn.client()
-            .batch_execute(&format!("LISTEN {LEADER_CHANNEL}"))
-            .await
-            .map_err(|e| Error::db("listen for leader changes", schema.as_str(), e))?;
+        if listen {
+            conn.client()
+                .batch_execute(&format!("LISTEN {LEADER_CHANNEL}"))
+                .await
+                .map_err(|e| Error::db("listen for leader changes", schema.as_str(), e))?;
+        }
         loop {
             let info = read_leader(conn.client(), &schema, &role).await?;
             let expired = info.as_ref().is_some_and(|i| i.lease_expired);

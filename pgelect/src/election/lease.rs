@@ -1,0 +1,786 @@
+//! The lease backend's driver: campaign (take the lease when it is free or
+//! expired on the server's clock), the leader's keeper task (renewals,
+//! deadline, release) and the optional `LISTEN` connection.
+//!
+//! Every step is one statement, hence one transaction, so the backend works
+//! through PgBouncer in transaction mode: no session state (no advisory
+//! lock, no `SET`, no named prepared statement — `query_typed` uses the
+//! unnamed statement) is relied upon between two statements. Every time
+//! comparison uses the server's `now()`, and the remaining lease is computed
+//! by the server, so the candidates' clocks never need to agree.
+//!
+//! All decisions about the leader's deadline are taken by
+//! [`Keeper`](super::core::Keeper) in its lease mode; this module only does
+//! I/O and reports what happened, with the monotonic time.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::time::Instant;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::Row;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::conn::{ConnectOptions, DedicatedConnection, Notice};
+use crate::error::{Error, Result};
+use crate::metrics;
+use crate::schema::{check_schema, SchemaName};
+
+use super::config::random_u64;
+use super::core::{Action, Keeper, Phase};
+use super::leadership::{Command, LeaderContext, LeaderState, Leadership, LossReason};
+use super::session::{backoff, is_transient};
+use super::watch::{parse_leader_event, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
+use super::{Shared, Term};
+
+/// The largest jitter added to a standby's wake-up after the lease's
+/// server-reported expiry, so that standbys do not all fire at once.
+pub(crate) const MAX_JITTER: Duration = Duration::from_millis(50);
+
+/// The lease backend's three statements, exactly as the driver sends them.
+///
+/// Exposed (hidden from the docs) so that integration tests run the very
+/// statements the driver runs. Parameters:
+///
+/// * `acquire`: `$1` role (text), `$2` node (text), `$3` holder meta
+///   (jsonb), `$4` ttl in ms (int8), `$5` NOTIFY payload (text), `$6` a
+///   random token for this attempt (int8), `$7` the tokens of this
+///   campaign's earlier attempts that got no answer (int8[]): a lease one of
+///   them took is taken again. One row:
+///   won term (int8, NULL if not won), acquired_at, lease_until, remaining
+///   ms of our new lease (float8), then the row as it was before: holder,
+///   backend, remaining ms (float8, negative if expired).
+/// * `renew`: `$1` role, `$2` node, `$3` term (int8), `$4` ttl ms. A row
+///   (remaining ms, resign_requested) if the lease is still ours; none
+///   otherwise.
+/// * `release`: `$1` role, `$2` node, `$3` term, `$4` NOTIFY payload. One
+///   row: the number of rows cleared (int8, 0 or 1).
+#[doc(hidden)]
+#[derive(Clone, Debug)]
+pub struct LeaseSql {
+    /// Takes the lease if free or expired (inserts the row with term 1 if
+    /// missing).
+    pub acquire: String,
+    /// Renews the lease if holder and term are still ours.
+    pub renew: String,
+    /// Clears the holder if holder and term are still ours.
+    pub release: String,
+}
+
+/// The lease statements for `schema`; see [`LeaseSql`].
+#[doc(hidden)]
+pub fn lease_sql(schema: &SchemaName) -> LeaseSql {
+    let s = schema.as_str();
+    // `cur` reads the row as of the statement's snapshot; the upsert locks
+    // the latest version and re-checks its WHERE on it (READ COMMITTED), so
+    // of concurrent candidates exactly one wins, whatever `cur` showed.
+    let acquire = format!(
+        "WITH cur AS (
+             SELECT holder, backend, lease_until FROM {s}.leaders WHERE role = $1
+         ), up AS (
+             INSERT INTO {s}.leaders AS l
+                    (role, holder, holder_meta, term, backend, holder_pid,
+                     acquired_at, renewed_at, lease_until, resign_requested, lease_token)
+             VALUES ($1, $2, $3, 1, 'lease', NULL, now(), now(),
+                     now() + $4 * interval '1 millisecond', false, $6)
+             ON CONFLICT (role) DO UPDATE
+                SET holder = EXCLUDED.holder, holder_meta = EXCLUDED.holder_meta,
+                    term = l.term + 1, backend = 'lease', holder_pid = NULL,
+                    acquired_at = EXCLUDED.acquired_at, renewed_at = EXCLUDED.renewed_at,
+                    lease_until = EXCLUDED.lease_until, resign_requested = false,
+                    lease_token = EXCLUDED.lease_token
+              WHERE l.holder IS NULL OR l.lease_until IS NULL OR l.lease_until < now()
+                 -- a lease taken by one of our own unanswered attempts:
+                 -- nobody acts on it, take it again with a new term
+                 OR (l.holder = $2 AND l.lease_token = ANY($7::int8[]))
+             RETURNING l.term, l.acquired_at, l.lease_until
+         )
+         SELECT up.term, up.acquired_at, up.lease_until,
+                (extract(epoch FROM up.lease_until - now()) * 1000)::float8,
+                cur.holder, cur.backend,
+                (extract(epoch FROM cur.lease_until - now()) * 1000)::float8,
+                CASE WHEN up.term IS NOT NULL THEN pg_notify('{LEADER_CHANNEL}', $5)::text END
+           FROM (SELECT 1) AS one
+           LEFT JOIN up ON true
+           LEFT JOIN cur ON true"
+    );
+    // `greatest`: a renewal that was given up on the client but ran late on
+    // the server (after a retry on a new connection) never moves the lease
+    // back in time below what a later renewal promised.
+    let renew = format!(
+        "UPDATE {s}.leaders
+            SET renewed_at = greatest(renewed_at, now()),
+                lease_until = greatest(lease_until, now() + $4 * interval '1 millisecond')
+          WHERE role = $1 AND holder = $2 AND term = $3
+         RETURNING (extract(epoch FROM lease_until - now()) * 1000)::float8, resign_requested"
+    );
+    let release = format!(
+        "WITH c AS (
+             UPDATE {s}.leaders
+                SET holder = NULL, holder_pid = NULL, holder_meta = NULL, lease_token = NULL,
+                    renewed_at = now(), lease_until = now(), resign_requested = false
+              WHERE role = $1 AND holder = $2 AND term = $3
+             RETURNING 1
+         )
+         SELECT count(*), CASE WHEN count(*) > 0 THEN pg_notify('{LEADER_CHANNEL}', $4)::text END
+           FROM c"
+    );
+    LeaseSql {
+        acquire,
+        renew,
+        release,
+    }
+}
+
+fn ms(f: f64) -> Duration {
+    if f.is_finite() && f > 0.0 {
+        Duration::from_secs_f64((f / 1000.0).min(1e9))
+    } else {
+        Duration::ZERO
+    }
+}
+
+fn jitter() -> Duration {
+    Duration::from_millis(random_u64() % (MAX_JITTER.as_millis() as u64 + 1))
+}
+
+/// Runs one statement on the lease connection, (re)connecting first if
+/// needed; the whole is bounded by the statement timeout
+/// (`heartbeat_timeout`). On a timeout or a connection failure the
+/// connection is dropped (the running statement cancelled), so the next
+/// attempt starts on a fresh one.
+async fn exec(
+    shared: &Shared,
+    conn: &mut Option<DedicatedConnection>,
+    operation: &'static str,
+    sql: &str,
+    params: &[(&(dyn ToSql + Sync), Type)],
+) -> Result<Vec<Row>> {
+    let schema = shared.options.schema_name().as_str();
+    let bound = shared.timing.heartbeat_timeout;
+    shared
+        .lease_statements
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let kind = match operation {
+        "take the lease" => "acquire",
+        "renew the lease" => "renew",
+        "release the lease" => "release",
+        _ => "other",
+    };
+    metrics::lease_statement(&shared.role, kind);
+    let run = async {
+        if conn.as_ref().is_some_and(|c| c.is_closed()) {
+            conn.take();
+        }
+        if conn.is_none() {
+            let purpose = format!("lease:{}:{}", shared.role, shared.node);
+            *conn = Some(shared.options.connect(&purpose).await?);
+        }
+        let c = conn.as_ref().expect("BUG: connected above");
+        c.client()
+            .query_typed(sql, params)
+            .await
+            .map_err(|e| Error::db(operation, schema, e))
+    };
+    match tokio::time::timeout(bound, run).await {
+        Ok(Ok(rows)) => Ok(rows),
+        Ok(Err(e)) => {
+            if is_transient(&e) {
+                if let Some(c) = conn.take() {
+                    c.kill();
+                }
+            }
+            Err(e)
+        }
+        Err(_) => {
+            if let Some(c) = conn.take() {
+                // The statement may still run on the server: ask it to stop.
+                let cancel = c.cancel_token();
+                tokio::spawn(async move {
+                    let _ = cancel.cancel_query(tokio_postgres::NoTls).await;
+                });
+                c.kill();
+            }
+            Err(Error::ConnectionLost { operation })
+        }
+    }
+}
+
+/// Campaigns until elected. Transient failures (connection refused or
+/// reset, pooler restarting, timeouts) are retried with backoff; a missing
+/// schema, a permission error or a role held by the session backend are
+/// returned.
+pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
+    let span = tracing::info_span!("pgelect.campaign", role = %shared.role, node = %shared.node, backend = "lease");
+    async {
+        let schema = shared.options.schema_name().clone();
+        let s = schema.as_str();
+        let sql = Arc::new(lease_sql(&schema));
+        let mut notices = shared.lease_notices.subscribe();
+        shared.ensure_lease_listener();
+        let mut conn: Option<DedicatedConnection> = None;
+        let mut failures = 0u32;
+        let mut schema_checked = false;
+        // Tokens of attempts that got no answer (timeout, lost connection):
+        // one of them may have committed, leaving a lease with our name
+        // that nobody acts on; the next attempts may take it again at once
+        // instead of waiting a TTL for it to expire.
+        let mut unanswered: Vec<i64> = Vec::new();
+        let ttl_ms = shared.timing.ttl.as_millis() as i64;
+        let payload = format!("{s}:elected:{}", shared.role);
+        loop {
+            let token = random_u64() as i64;
+            let mut pending = false;
+            let attempt = async {
+                if !schema_checked {
+                    let c = conn.as_ref().filter(|c| !c.is_closed());
+                    if c.is_none() {
+                        // exec connects; a trivial statement does it here.
+                        exec(shared, &mut conn, "connect", "SELECT 1", &[]).await?;
+                    }
+                    let c = conn.as_ref().expect("BUG: connected above");
+                    // Bounded like every statement: a pooler may queue it
+                    // for a long time while the server is down.
+                    let checked = tokio::time::timeout(
+                        shared.timing.heartbeat_timeout,
+                        check_schema(c.client(), &schema),
+                    )
+                    .await;
+                    match checked {
+                        Ok(r) => r?,
+                        Err(_) => {
+                            if let Some(c) = conn.take() {
+                                c.kill();
+                            }
+                            return Err(Error::ConnectionLost {
+                                operation: "check the schema",
+                            });
+                        }
+                    }
+                    schema_checked = true;
+                }
+                let sent = Instant::now();
+                let rows = exec(
+                    shared,
+                    &mut conn,
+                    "take the lease",
+                    &sql.acquire,
+                    &[
+                        (&shared.role, Type::TEXT),
+                        (&shared.node, Type::TEXT),
+                        (&shared.meta, Type::JSONB),
+                        (&ttl_ms, Type::INT8),
+                        (&payload, Type::TEXT),
+                        (&token, Type::INT8),
+                        (&unanswered, Type::INT8_ARRAY),
+                    ],
+                )
+                .await
+                .inspect_err(|e| {
+                    if !matches!(e, Error::Database { source, .. } if source.as_db_error().is_some()) {
+                        pending = true;
+                    }
+                })?;
+                Ok::<_, Error>((sent, rows))
+            };
+            let outcome = attempt.await;
+            if pending {
+                if unanswered.len() >= 8 {
+                    unanswered.remove(0);
+                }
+                unanswered.push(token);
+            }
+            let wait = match outcome {
+                Ok((sent, rows)) => {
+                    failures = 0;
+                    let row = rows.first().expect("BUG: the acquire statement returns one row");
+                    let won: Option<i64> = row.get(0);
+                    let prev_holder: Option<String> = row.get(4);
+                    let prev_backend: Option<String> = row.get(5);
+                    let prev_remaining: Option<f64> = row.get(6);
+                    if let Some(term) = won {
+                        let acquired_at: SystemTime = row.get(1);
+                        let lease_until: SystemTime = row.get(2);
+                        if prev_holder.is_some() && prev_backend.as_deref() == Some("session") {
+                            tracing::warn!(previous = ?prev_holder, "took over an expired lease of a session-backend leader: all candidates of a role should use one backend");
+                        }
+                        if let Some(l) = elected(
+                            shared,
+                            conn.take(),
+                            &sql,
+                            Term::new(term),
+                            sent,
+                            acquired_at,
+                            lease_until,
+                        )
+                        .await
+                        {
+                            return Ok(l);
+                        }
+                        Duration::ZERO
+                    } else {
+                        let remaining = prev_remaining.unwrap_or(0.0);
+                        if prev_holder.is_some()
+                            && prev_backend.as_deref() == Some("session")
+                            && remaining > 0.0
+                        {
+                            return Err(Error::config(format!(
+                                "role {:?} is held by {:?}, a leader using the session backend, but this candidate uses the lease backend: all candidates of a role must use the same backend",
+                                shared.role,
+                                prev_holder.unwrap_or_default()
+                            )));
+                        }
+                        let left = if prev_holder.is_some() { ms(remaining) } else { Duration::ZERO };
+                        tracing::trace!(holder = ?prev_holder, ?left, "lease held; sleeping until it expires");
+                        (left + jitter()).min(shared.timing.retry_every)
+                    }
+                }
+                Err(e) if is_transient(&e) => {
+                    failures = failures.saturating_add(1);
+                    let wait = backoff(failures).min(shared.timing.retry_every);
+                    tracing::warn!(error = %e, retry_in = ?wait, "lease attempt failed; retrying");
+                    wait
+                }
+                Err(e) => {
+                    if let Some(c) = conn.take() {
+                        c.close().await;
+                    }
+                    return Err(e);
+                }
+            };
+            if wait.is_zero() {
+                continue;
+            }
+            let sleep = tokio::time::sleep(wait);
+            tokio::pin!(sleep);
+            loop {
+                tokio::select! {
+                    _ = &mut sleep => break,
+                    n = notices.recv() => match n {
+                        Ok(n) if n.channel == LEADER_CHANNEL
+                            && parse_leader_event(s, &n.payload)
+                                .is_some_and(|(e, r)| e == "released" && r == shared.role) =>
+                        {
+                            // A few ms of jitter spread the standbys' attempts.
+                            tokio::time::sleep(jitter() / 10).await;
+                            break;
+                        }
+                        Ok(_) => {}
+                        Err(broadcast::error::RecvError::Lagged(_)) => break,
+                        Err(broadcast::error::RecvError::Closed) => {
+                            // Never: the sender lives in `shared`.
+                            sleep.as_mut().await;
+                            break;
+                        }
+                    },
+                }
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// The lease was won by a statement sent at `sent`: starts the keeper task
+/// and returns the handle, or `None` if the answer came so late that the
+/// local deadline already passed (the lease is then released unused).
+async fn elected(
+    shared: &Arc<Shared>,
+    mut conn: Option<DedicatedConnection>,
+    sql: &Arc<LeaseSql>,
+    term: Term,
+    sent: Instant,
+    acquired_at: SystemTime,
+    lease_until: SystemTime,
+) -> Option<Leadership> {
+    let mut keeper = Keeper::new_lease(shared.timing, sent);
+    let now = Instant::now();
+    match keeper.poll(now) {
+        Some(Action::Activate) => {}
+        other => {
+            tracing::warn!(term = term.get(), action = ?other, "won the lease past the local deadline; releasing it unused");
+            let _ = release(shared, &mut conn, sql, term.get()).await;
+            return None;
+        }
+    }
+    tracing::info!(
+        term = term.get(),
+        took = ?now - sent,
+        "leadership begins (lease)"
+    );
+    metrics::leader_on(&shared.role, term.get(), now - sent);
+    shared.publish(Some(LeaderInfo {
+        role: shared.role.clone(),
+        holder: shared.node.clone(),
+        holder_meta: shared.meta.clone(),
+        term,
+        backend: Some("lease".into()),
+        acquired_at,
+        renewed_at: acquired_at,
+        lease_until,
+        lease_expired: false,
+        holder_pid: None,
+    }));
+    let state = Arc::new(LeaderState {
+        role: shared.role.clone(),
+        schema: shared.options.schema_name().clone(),
+        term,
+        token: CancellationToken::new(),
+        reason: Mutex::new(None),
+    });
+    let (commands, rx) = mpsc::unbounded_channel();
+    let notices = shared.lease_notices.subscribe();
+    let span = tracing::info_span!("pgelect.leader", role = %shared.role, node = %shared.node, term = term.get(), backend = "lease");
+    tokio::spawn(
+        keep(
+            shared.clone(),
+            conn,
+            sql.clone(),
+            keeper,
+            state.clone(),
+            rx,
+            notices,
+        )
+        .instrument(span),
+    );
+    Some(Leadership {
+        context: LeaderContext::new(state),
+        commands,
+    })
+}
+
+type Renewal = (
+    Option<DedicatedConnection>,
+    Instant,
+    Result<Option<(f64, bool)>>,
+);
+type RenewFuture = Pin<Box<dyn Future<Output = Renewal> + Send>>;
+
+fn renew(
+    shared: Arc<Shared>,
+    mut conn: Option<DedicatedConnection>,
+    sql: Arc<LeaseSql>,
+    term: i64,
+) -> RenewFuture {
+    Box::pin(async move {
+        let ttl_ms = shared.timing.ttl.as_millis() as i64;
+        let sent = Instant::now();
+        let r = exec(
+            &shared,
+            &mut conn,
+            "renew the lease",
+            &sql.renew,
+            &[
+                (&shared.role, Type::TEXT),
+                (&shared.node, Type::TEXT),
+                (&term, Type::INT8),
+                (&ttl_ms, Type::INT8),
+            ],
+        )
+        .await
+        .map(|rows| {
+            rows.first()
+                .map(|r| (r.get::<_, f64>(0), r.get::<_, bool>(1)))
+        });
+        (conn, sent, r)
+    })
+}
+
+/// The leader's task: carries out the keeper's actions until leadership
+/// ends, then releases when asked to.
+async fn keep(
+    shared: Arc<Shared>,
+    mut conn: Option<DedicatedConnection>,
+    sql: Arc<LeaseSql>,
+    mut keeper: Keeper,
+    state: Arc<LeaderState>,
+    mut commands: mpsc::UnboundedReceiver<Command>,
+    mut notices: broadcast::Receiver<Notice>,
+) {
+    let s = shared.options.schema_name().as_str().to_owned();
+    let term = state.term.get();
+    let resign_payload = format!("{s}:{}", shared.role);
+    let mut in_flight: Option<RenewFuture> = None;
+    let mut failures = 0u32;
+    let mut release_reply: Option<(LossReason, oneshot::Sender<Result<()>>)> = None;
+    let mut ended: Option<LossReason> = None;
+
+    'outer: loop {
+        let now = Instant::now();
+        while let Some(action) = keeper.poll(now) {
+            match action {
+                Action::Renew => {
+                    in_flight = Some(renew(shared.clone(), conn.take(), sql.clone(), term));
+                }
+                // Lease mode sends no heartbeats; activation was reported
+                // by `elected` already.
+                Action::Heartbeat => keeper.heartbeat_ok(now),
+                Action::Activate => {}
+                Action::Lose { reason, kill } => {
+                    if state.end(reason) {
+                        metrics::leader_off(&shared.role, reason.as_str());
+                        tracing::warn!(%reason, "leadership lost");
+                    }
+                    if kill {
+                        shared.publish_if_holder(&shared.node, term, None);
+                        ended = Some(reason);
+                        break 'outer;
+                    }
+                }
+            }
+        }
+        if keeper.phase() == Phase::Done {
+            break;
+        }
+        let wake = keeper
+            .next_wake()
+            .expect("BUG: a live keeper has a wake time");
+        tokio::select! {
+            biased;
+            cmd = commands.recv() => match cmd {
+                None => {
+                    if state.end(LossReason::Dropped) {
+                        metrics::leader_off(&shared.role, LossReason::Dropped.as_str());
+                    }
+                    // Not released: the duties may still be stopping. The
+                    // lease expires on its own, after the local deadline.
+                    break;
+                }
+                Some(Command::Stop { reason }) => keeper.stop_requested(reason, Instant::now()),
+                Some(Command::Release { reason, reply }) => {
+                    release_reply = Some((reason, reply));
+                    break;
+                }
+            },
+            (c, sent, result) = async { in_flight.as_mut().expect("BUG: guarded").await }, if in_flight.is_some() => {
+                in_flight = None;
+                conn = c;
+                let now = Instant::now();
+                match result {
+                    Ok(Some((remaining_ms, resign))) => {
+                        failures = 0;
+                        keeper.renewed(sent, now);
+                        let left = keeper.deadline().saturating_duration_since(now);
+                        metrics::renewed(&shared.role, now - sent, left);
+                        tracing::trace!(server_remaining = ?ms(remaining_ms), deadline_in = ?left, "renewed");
+                        if resign {
+                            tracing::info!("resignation requested by another process (lease row)");
+                            keeper.stop_requested(LossReason::Resigned, now);
+                        }
+                    }
+                    Ok(None) => {
+                        tracing::warn!("renewal found the lease no longer ours: preempted");
+                        keeper.preempted();
+                    }
+                    Err(e) => {
+                        failures = failures.saturating_add(1);
+                        // Retries are cheap (one statement or a refused
+                        // connection): keep them frequent, so that a short
+                        // outage is ridden out.
+                        let cap = (shared.timing.renew_every / 4).max(Duration::from_millis(50));
+                        let wait = backoff(failures).min(cap);
+                        tracing::warn!(error = %e, retry_in = ?wait, deadline_in = ?keeper.deadline().saturating_duration_since(now), "renewal failed; retrying until the deadline");
+                        keeper.renew_retry(now, wait);
+                    }
+                }
+            }
+            n = notices.recv() => {
+                if let Ok(n) = n {
+                    if n.channel == RESIGN_CHANNEL && n.payload == resign_payload {
+                        tracing::info!("resignation requested by another process (NOTIFY)");
+                        keeper.stop_requested(LossReason::Resigned, Instant::now());
+                    }
+                }
+            }
+            _ = tokio::time::sleep_until(wake) => {}
+        }
+    }
+
+    // After a deadline loss the lease may still be ours on the server (the
+    // database was unreachable for a while); once the user's duties stopped
+    // (it calls `resign`, as `Elector::run` does) a release lets standbys
+    // take over without waiting for the expiry. After a preemption there is
+    // nothing left to release.
+    if release_reply.is_none() && ended == Some(LossReason::Deadline) {
+        drop(in_flight.take());
+        loop {
+            match commands.recv().await {
+                Some(Command::Release { reason, reply }) => {
+                    release_reply = Some((reason, reply));
+                    break;
+                }
+                Some(Command::Stop { .. }) => {}
+                None => break,
+            }
+        }
+    }
+    let Some((reason, reply)) = release_reply else {
+        if let Some(c) = conn {
+            c.close().await;
+        }
+        return;
+    };
+    // A renewal in flight finishes first (bounded by the statement timeout):
+    // its connection is the one to release on.
+    if let Some(f) = in_flight.take() {
+        let (c, _, _) = f.await;
+        conn = c;
+    }
+    if state.end(reason) {
+        metrics::leader_off(&shared.role, reason.as_str());
+    }
+    keeper.finish(reason);
+    let result = if ended == Some(LossReason::Preempted) {
+        Ok(())
+    } else {
+        release(&shared, &mut conn, &sql, term).await.map(|_| ())
+    };
+    match &result {
+        Ok(()) => {
+            tracing::info!(%reason, "leadership released");
+            shared.publish_if_holder(&shared.node, term, None);
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "clean release failed; the lease will expire on its own");
+        }
+    }
+    if let Some(c) = conn {
+        c.close().await;
+    }
+    let _ = reply.send(result);
+}
+
+/// Clears the holder where holder and term are ours, with a NOTIFY in the
+/// same transaction. Up to three attempts (transient failures), each bounded
+/// by the statement timeout. Returns whether the row was still ours.
+async fn release(
+    shared: &Shared,
+    conn: &mut Option<DedicatedConnection>,
+    sql: &LeaseSql,
+    term: i64,
+) -> Result<bool> {
+    let s = shared.options.schema_name().as_str();
+    let payload = format!("{s}:released:{}", shared.role);
+    let mut failures = 0;
+    loop {
+        let r = exec(
+            shared,
+            conn,
+            "release the lease",
+            &sql.release,
+            &[
+                (&shared.role, Type::TEXT),
+                (&shared.node, Type::TEXT),
+                (&term, Type::INT8),
+                (&payload, Type::TEXT),
+            ],
+        )
+        .await;
+        match r {
+            Ok(rows) => {
+                let cleared: i64 = rows.first().map(|r| r.get(0)).unwrap_or(0);
+                if cleared == 0 {
+                    tracing::warn!(term, "the lease row no longer named this leader at release");
+                }
+                return Ok(cleared > 0);
+            }
+            Err(e) if is_transient(&e) && failures < 2 => {
+                failures += 1;
+                tokio::time::sleep(backoff(failures)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The `LISTEN` connection of a lease-backend elector (see
+/// `ElectorBuilder::listen_via`): forwards notifications on
+/// [`LEADER_CHANNEL`] and [`RESIGN_CHANNEL`] to the elector's broadcast
+/// channel; reconnects with backoff; ends when the elector is dropped.
+pub(crate) async fn listen(shared: Weak<Shared>, options: ConnectOptions, stop: CancellationToken) {
+    let mut failures = 0u32;
+    loop {
+        let purpose = match shared.upgrade() {
+            Some(s) => format!("listen:{}:{}", s.role, s.node),
+            None => return,
+        };
+        let conn = tokio::select! {
+            _ = stop.cancelled() => return,
+            c = options.connect(&purpose) => c,
+        };
+        match conn {
+            Ok(conn) => {
+                let mut rx = conn.notices();
+                let listened = conn
+                    .client()
+                    .batch_execute(&format!("LISTEN {LEADER_CHANNEL}; LISTEN {RESIGN_CHANNEL}"))
+                    .await;
+                match listened {
+                    Ok(()) => {
+                        failures = 0;
+                        loop {
+                            tokio::select! {
+                                _ = stop.cancelled() => {
+                                    conn.close().await;
+                                    return;
+                                }
+                                _ = conn.closed().cancelled() => break,
+                                n = rx.recv() => match n {
+                                    Ok(n) => match shared.upgrade() {
+                                        Some(s) => { let _ = s.lease_notices.send(n); }
+                                        None => return,
+                                    },
+                                    Err(broadcast::error::RecvError::Lagged(_)) => {}
+                                    Err(broadcast::error::RecvError::Closed) => break,
+                                },
+                            }
+                        }
+                        tracing::debug!("LISTEN connection lost; reconnecting");
+                    }
+                    Err(e) => tracing::debug!(error = %e, "LISTEN failed; retrying"),
+                }
+                conn.kill();
+            }
+            Err(e) => tracing::debug!(error = %e, "LISTEN connection cannot connect; retrying"),
+        }
+        failures = failures.saturating_add(1);
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(backoff(failures)) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_reported_milliseconds_are_clamped() {
+        assert_eq!(ms(-5.0), Duration::ZERO);
+        assert_eq!(ms(f64::NAN), Duration::ZERO);
+        assert_eq!(ms(1500.0), Duration::from_millis(1500));
+        for _ in 0..100 {
+            assert!(jitter() <= MAX_JITTER);
+        }
+    }
+
+    #[test]
+    fn statements_are_scoped_to_holder_and_term() {
+        let sql = lease_sql(&SchemaName::default());
+        assert!(sql
+            .renew
+            .contains("WHERE role = $1 AND holder = $2 AND term = $3"));
+        assert!(sql
+            .release
+            .contains("WHERE role = $1 AND holder = $2 AND term = $3"));
+        assert!(sql.acquire.contains("l.lease_until < now()"));
+        for s in [&sql.acquire, &sql.renew, &sql.release] {
+            assert!(!s.contains(';'), "one statement each: {s}");
+        }
+    }
+}

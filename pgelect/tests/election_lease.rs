@@ -1,0 +1,1046 @@
+//! The lease backend through a real PgBouncer in transaction mode: mutual
+//! exclusion, stale-lease takeover, release, the statements' scoping, terms
+//! and the fence, PgBouncer and database restarts, crashed and frozen leader
+//! processes, resign requests with and without LISTEN, mixed backends.
+//!
+//! Timing assertions use generous bounds and print what they measured.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use pgelect::{Backend, ConnectOptions, Elector, ElectorBuilder, Error, LossReason, Term};
+use pgelect_testkit::{Cluster, FaultProxy, PgBouncer, PoolMode, TestDb};
+use tokio_postgres::types::Type;
+
+fn options(url: &str) -> ConnectOptions {
+    ConnectOptions::from_url(url).expect("test URL parses")
+}
+
+/// A database on the shared cluster, migrated (directly: migrations take a
+/// session advisory lock), and a PgBouncer in transaction mode in front of
+/// the cluster. Returns the database, the options through PgBouncer, the
+/// direct options, and the bouncer.
+async fn setup(hint: &str) -> (TestDb, ConnectOptions, ConnectOptions, PgBouncer) {
+    let cluster = tokio::task::spawn_blocking(Cluster::shared).await.unwrap();
+    let db = TestDb::on(cluster, hint).await;
+    let direct = options(&db.url());
+    pgelect::migrate(&direct).await.expect("migrate");
+    let bouncer = PgBouncer::start(cluster, PoolMode::Transaction).expect("pgbouncer starts");
+    let pooled = options(&bouncer.url(db.name()));
+    (db, pooled, direct, bouncer)
+}
+
+/// Short timings: ttl 2 s (local deadline 1.6 s), renew every 500 ms,
+/// statements (with a reconnection: SCRAM in a debug build is slow) bounded
+/// by 600 ms, standbys retry at least every 200 ms.
+fn fast(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
+    Elector::builder(o.clone(), role)
+        .backend(Backend::Lease)
+        .node_id(node)
+        .ttl(Duration::from_secs(2))
+        .renew_every(Duration::from_millis(500))
+        .heartbeat_timeout(Duration::from_millis(600))
+        .retry_every(Duration::from_millis(200))
+        .check_every(Duration::from_millis(200))
+}
+
+/// One leader's acting interval: node, term, start, end.
+type Interval = (String, Term, Instant, Option<Instant>);
+
+/// Acting intervals recorded on this process's monotonic clock.
+#[derive(Clone, Default)]
+struct Intervals(Arc<Mutex<Vec<Interval>>>);
+
+impl Intervals {
+    fn start(&self, node: &str, term: Term) -> usize {
+        let mut v = self.0.lock().unwrap();
+        v.push((node.to_owned(), term, Instant::now(), None));
+        v.len() - 1
+    }
+    fn end(&self, i: usize) {
+        self.0.lock().unwrap()[i].3 = Some(Instant::now());
+    }
+    fn open(&self) -> Vec<Interval> {
+        let v = self.0.lock().unwrap();
+        v.iter().filter(|x| x.3.is_none()).cloned().collect()
+    }
+    /// Asserts that no two intervals overlap and that terms rise with time.
+    fn assert_disjoint(&self) {
+        let mut v = self.0.lock().unwrap().clone();
+        v.sort_by_key(|x| x.2);
+        for w in v.windows(2) {
+            let end = w[0].3.expect("an earlier leadership has ended");
+            assert!(
+                end <= w[1].2,
+                "overlap: {} (term {}) acted until {:?} after {} (term {}) began",
+                w[0].0,
+                w[0].1,
+                end - w[1].2,
+                w[1].0,
+                w[1].1
+            );
+            assert!(
+                w[0].1 < w[1].1,
+                "terms must rise: {:?} then {:?}",
+                w[0].1,
+                w[1].1
+            );
+        }
+    }
+}
+
+/// The role's row: holder, term, lease_until.
+async fn row(c: &tokio_postgres::Client, role: &str) -> (Option<String>, i64, Option<SystemTime>) {
+    let r = c
+        .query_typed_one(
+            "SELECT holder, term, lease_until FROM pgelect.leaders WHERE role = $1",
+            &[(&role, Type::TEXT)],
+        )
+        .await
+        .unwrap();
+    (r.get(0), r.get(1), r.get(2))
+}
+
+async fn connect(url: &str) -> tokio_postgres::Client {
+    let (c, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    c
+}
+
+/// Waits until `n` LISTEN connections of electors of `role` are up (their
+/// last statement was the LISTEN and they are idle).
+async fn wait_listeners(admin: &tokio_postgres::Client, role: &str, n: i64) {
+    let pattern = format!("pgelect:listen:{role}:%");
+    tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let got: i64 = admin
+                .query_typed_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE application_name LIKE $1 AND state = 'idle'
+                        AND query LIKE 'LISTEN%'",
+                    &[(&pattern, Type::TEXT)],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if got >= n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("LISTEN connections up");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exactly_one_of_eight_candidates_wins_through_pgbouncer_repeatedly() {
+    let (db, pooled, direct, _bouncer) = setup("lease_eight").await;
+    let admin = db.connect().await;
+    let started = Instant::now();
+    for round in 0..20 {
+        let role = format!("eight-{round}");
+        // Even rounds wake standbys with LISTEN on a direct connection, odd
+        // rounds rely on the retry interval alone.
+        let listen = round % 2 == 0;
+        let log = Intervals::default();
+        let active = Arc::new(AtomicUsize::new(0));
+        // With LISTEN, the first leader holds on until every standby's
+        // LISTEN connection is up (SCRAM in a debug build costs ~100 ms of
+        // CPU per connection), so that every handover is a NOTIFY wake-up.
+        let (ready_tx, ready) = tokio::sync::watch::channel(!listen);
+        let mut tasks = Vec::new();
+        for n in 0..8 {
+            let mut b = fast(&pooled, &role, &format!("n{n}"));
+            if listen {
+                b = b.listen_via(direct.clone());
+            }
+            let e = b.build().unwrap();
+            let log = log.clone();
+            let active = active.clone();
+            let mut ready = ready.clone();
+            tasks.push(tokio::spawn(async move {
+                let l = e.leadership().await.expect("elected");
+                let was = active.fetch_add(1, Ordering::SeqCst);
+                assert_eq!(was, 0, "two leaders at once");
+                let i = log.start(e.node_id(), l.term());
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                if l.term().get() == 1 {
+                    ready.wait_for(|r| *r).await.unwrap();
+                }
+                assert!(!l.is_lost(), "{:?}", l.loss_reason());
+                active.fetch_sub(1, Ordering::SeqCst);
+                log.end(i);
+                // A release that fails (a loaded machine: three attempts
+                // timed out) leaves the lease to expire: slower, not unsafe.
+                if let Err(e) = l.resign().await {
+                    println!("  resign failed, the lease will expire: {e}");
+                }
+            }));
+        }
+        if listen {
+            wait_listeners(&admin, &role, 8).await;
+            ready_tx.send_replace(true);
+        }
+        for t in tasks {
+            tokio::time::timeout(Duration::from_secs(30), t)
+                .await
+                .expect("all eight lead in turn")
+                .unwrap();
+        }
+        log.assert_disjoint();
+        let v = log.0.lock().unwrap();
+        assert_eq!(v.len(), 8);
+        let terms: Vec<i64> = v.iter().map(|x| x.1.get()).collect();
+        assert_eq!(terms, (1..=8).collect::<Vec<_>>(), "one term per leader");
+        let gaps: Vec<u128> = v
+            .windows(2)
+            .map(|w| (w[1].2 - w[0].3.unwrap()).as_millis())
+            .collect();
+        // Clean releases: without LISTEN within retry_every (200 ms) plus
+        // jitter, with LISTEN at once. Liveness bounds only, generous for a
+        // loaded machine (a statement and a reconnection through PgBouncer
+        // in a debug build may take hundreds of ms); safety is asserted
+        // above.
+        assert!(gaps.iter().all(|g| *g < 2000), "listen {listen}: {gaps:?}");
+        // (The LISTEN speed-up itself is measured on a quiet standby by
+        // release_frees_at_once_and_watchers_follow.)
+        if round < 2 {
+            println!("round {round} (listen {listen}): handover gaps after release (ms): {gaps:?}");
+        }
+    }
+    println!(
+        "20 rounds of 8 lease candidates through PgBouncer in {:?}",
+        started.elapsed()
+    );
+    drop(db);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statements_scope_to_holder_and_term_and_terms_rise() {
+    let (db, pooled, _direct, bouncer) = setup("lease_sql").await;
+    // The very statements the driver sends, through PgBouncer.
+    let c = connect(&bouncer.url(db.name())).await;
+    let sql = pgelect::lease_sql(&pgelect::SchemaName::default());
+    let role = "sql";
+    let ttl: i64 = 60_000;
+    let meta: Option<serde_json::Value> = None;
+    let acquire_with = |node: &'static str, token: i64, unanswered: Vec<i64>| {
+        let c = &c;
+        let sql = &sql;
+        let meta = &meta;
+        async move {
+            let r = c
+                .query_typed_one(
+                    &sql.acquire,
+                    &[
+                        (&role, Type::TEXT),
+                        (&node, Type::TEXT),
+                        (meta, Type::JSONB),
+                        (&ttl, Type::INT8),
+                        (&"pgelect:elected:sql", Type::TEXT),
+                        (&token, Type::INT8),
+                        (&unanswered, Type::INT8_ARRAY),
+                    ],
+                )
+                .await
+                .unwrap();
+            let won: Option<i64> = r.get(0);
+            let prev: Option<String> = r.get(4);
+            let prev_left: Option<f64> = r.get(6);
+            (won, prev, prev_left)
+        }
+    };
+    let renew = |node: &'static str, term: i64| {
+        let c = &c;
+        let sql = &sql;
+        async move {
+            c.query_typed(
+                &sql.renew,
+                &[
+                    (&role, Type::TEXT),
+                    (&node, Type::TEXT),
+                    (&term, Type::INT8),
+                    (&ttl, Type::INT8),
+                ],
+            )
+            .await
+            .unwrap()
+            .len()
+        }
+    };
+    let release = |node: &'static str, term: i64| {
+        let c = &c;
+        let sql = &sql;
+        async move {
+            c.query_typed_one(
+                &sql.release,
+                &[
+                    (&role, Type::TEXT),
+                    (&node, Type::TEXT),
+                    (&term, Type::INT8),
+                    (&"pgelect:released:sql", Type::TEXT),
+                ],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+        }
+    };
+    // The first acquire inserts the row with term 1.
+    let acquire = |node: &'static str| acquire_with(node, 7, Vec::new());
+    let (won, prev, _) = acquire("a").await;
+    assert_eq!((won, prev), (Some(1), None));
+    // A second candidate is refused and told who holds it and for how long
+    // (the server's arithmetic).
+    let (won, prev, left) = acquire("b").await;
+    assert_eq!(won, None);
+    assert_eq!(prev.as_deref(), Some("a"));
+    let left = left.unwrap();
+    assert!(left > 55_000.0 && left <= 60_000.0, "{left}");
+    let before = row(&c, role).await;
+    // A non-holder's renew and release change nothing; neither do the
+    // holder's with a wrong term.
+    assert_eq!(renew("b", 1).await, 0);
+    assert_eq!(release("b", 1).await, 0);
+    assert_eq!(renew("a", 2).await, 0);
+    assert_eq!(release("a", 0).await, 0);
+    assert_eq!(row(&c, role).await, before);
+    // The holder renews.
+    assert_eq!(renew("a", 1).await, 1);
+    // Release frees at once: the next acquire wins with term 2.
+    assert_eq!(release("a", 1).await, 1);
+    assert_eq!(row(&c, role).await.0, None);
+    let (won, _, _) = acquire("b").await;
+    assert_eq!(won, Some(2));
+    // The old holder's renewal now finds nothing ("not leader").
+    assert_eq!(renew("a", 1).await, 0);
+    assert_eq!(release("a", 1).await, 0);
+    assert_eq!(row(&c, role).await.0.as_deref(), Some("b"));
+    // An expired lease is taken over by the next acquire, with term 3.
+    c.batch_execute(
+        "UPDATE pgelect.leaders SET lease_until = now() - interval '1 ms' WHERE role = 'sql'",
+    )
+    .await
+    .unwrap();
+    let (won, prev, left) = acquire("a").await;
+    assert_eq!(won, Some(3));
+    assert_eq!(prev.as_deref(), Some("b"));
+    assert!(left.unwrap() < 0.0);
+    // ... and b's renewal then says "not leader".
+    assert_eq!(renew("b", 2).await, 0);
+    // The fence rejects every old term.
+    for old in [1i64, 2] {
+        c.batch_execute("BEGIN").await.unwrap();
+        let r = c
+            .query_typed("SELECT pgelect.fence('sql', $1)", &[(&old, Type::INT8)])
+            .await;
+        c.batch_execute("ROLLBACK").await.unwrap();
+        assert_eq!(
+            r.unwrap_err().code().unwrap().code(),
+            pgelect::SQLSTATE_STALE_TERM
+        );
+    }
+    // A lease taken by an attempt whose answer was lost (token 41) is
+    // taken again at once by the same candidate naming that token, with a
+    // new term; not by another token list, not by another candidate.
+    release("a", 3).await;
+    assert_eq!(acquire_with("a", 41, vec![]).await.0, Some(4));
+    assert_eq!(acquire_with("a", 42, vec![40, 43]).await.0, None);
+    assert_eq!(acquire_with("b", 42, vec![41]).await.0, None);
+    assert_eq!(acquire_with("a", 42, vec![40, 41]).await.0, Some(5));
+    assert_eq!(renew("a", 4).await, 0);
+    assert_eq!(renew("a", 5).await, 1);
+    release("a", 5).await;
+    // Through the API: terms strictly increase over elections.
+    let mut last = Term::new(5);
+    for i in 0..5 {
+        let l = fast(&pooled, role, &format!("api{i}"))
+            .build()
+            .unwrap()
+            .leadership()
+            .await
+            .unwrap();
+        assert!(l.term() > last, "{:?} after {last:?}", l.term());
+        last = l.term();
+        l.resign().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_leader_demotes_before_its_lease_is_taken_over() {
+    let (db, pooled, _direct, bouncer) = setup("lease_stale").await;
+    // Leader a reaches PgBouncer through a fault proxy; b directly.
+    let proxy = FaultProxy::start(([127, 0, 0, 1], bouncer.port()).into()).unwrap();
+    let via_proxy = options(&format!(
+        "postgres://postgres:{}@127.0.0.1:{}/{}",
+        pgelect_testkit::TEST_PASSWORD,
+        proxy.port(),
+        db.name()
+    ))
+    .connect_timeout(Duration::from_millis(500))
+    .unwrap();
+    let a = fast(&via_proxy, "stale", "a").build().unwrap();
+    let la = a.leadership().await.unwrap();
+    let old = la.term();
+    let client = db.connect().await;
+    // The fence passes for the current term, through the handle.
+    client.batch_execute("BEGIN").await.unwrap();
+    la.fence(&client).await.expect("current term is fenced in");
+    client.batch_execute("COMMIT").await.unwrap();
+
+    let b = fast(&pooled, "stale", "b").build().unwrap();
+    let standby = tokio::spawn(async move {
+        let l = b.leadership().await.unwrap();
+        (Instant::now(), l)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t0 = Instant::now();
+    proxy.blackhole();
+    tokio::time::timeout(Duration::from_secs(5), la.lost())
+        .await
+        .expect("the partitioned leader demotes itself");
+    let lost_at = Instant::now();
+    assert_eq!(la.loss_reason(), Some(LossReason::Deadline));
+    let (elected_at, lb) = tokio::time::timeout(Duration::from_secs(10), standby)
+        .await
+        .unwrap()
+        .unwrap();
+    println!(
+        "partitioned leader (ttl 2 s, deadline 1.6 s): demoted {:?} after the partition, standby acting {:?} after it; gap {:?}",
+        lost_at - t0,
+        elected_at - t0,
+        elected_at - lost_at
+    );
+    assert!(
+        lost_at < elected_at,
+        "the old leader stopped before the new one began"
+    );
+    // The lease expires ttl after a's last renewal, which was sent before
+    // the partition; its deadline was 400 ms before that.
+    assert!(
+        elected_at - lost_at >= Duration::from_millis(200),
+        "{:?}",
+        elected_at - lost_at
+    );
+    assert!(lb.term() > old);
+    // The old term is fenced off, in the handle and on the server.
+    let e = la.fence(&client).await.unwrap_err();
+    assert!(e.is_leadership_lost(), "{e}");
+    client.batch_execute("BEGIN").await.unwrap();
+    let r = client
+        .query_typed(
+            "SELECT pgelect.fence('stale', $1)",
+            &[(&old.get(), Type::INT8)],
+        )
+        .await;
+    client.batch_execute("ROLLBACK").await.unwrap();
+    assert_eq!(
+        r.unwrap_err().code().unwrap().code(),
+        pgelect::SQLSTATE_STALE_TERM
+    );
+    // Healed, the old leader's release changes nothing.
+    proxy.heal();
+    // (b renews meanwhile: compare holder and term, not lease_until.)
+    let before = row(&client, "stale").await;
+    la.resign().await.unwrap();
+    let after = row(&client, "stale").await;
+    assert_eq!((&after.0, after.1), (&before.0, before.1));
+    assert_eq!(before.0.as_deref(), Some("b"));
+    lb.resign().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_frees_at_once_and_watchers_follow() {
+    let (db, pooled, direct, _bouncer) = setup("lease_release").await;
+    let admin = db.connect().await;
+    for listen in [true, false] {
+        let role = format!("release-{listen}");
+        let a = fast(&pooled, &role, "a").build().unwrap();
+        let mut b = fast(&pooled, &role, "b").retry_every(Duration::from_millis(500));
+        if listen {
+            b = b.listen_via(direct.clone());
+        }
+        let b = b.build().unwrap();
+        let la = a.leadership().await.unwrap();
+        let mut watch = a.watch();
+        let standby = tokio::spawn(async move {
+            let l = b.leadership().await.unwrap();
+            (Instant::now(), l)
+        });
+        // Let the standby settle into its wait (and its LISTEN connect).
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        if listen {
+            wait_listeners(&admin, &role, 1).await;
+        }
+        let t0 = Instant::now();
+        la.resign().await.unwrap();
+        let (elected_at, lb) = standby.await.unwrap();
+        let took = elected_at - t0;
+        println!(
+            "clean release (listen {listen}, retry_every 500 ms): standby elected in {took:?}"
+        );
+        // Quiet machine: 5-10 ms with LISTEN, 350-450 ms without (a
+        // standby sleeps up to retry_every = 500 ms). Bounds leave room for
+        // a loaded one.
+        if listen {
+            assert!(took < Duration::from_millis(250), "{took:?}");
+        } else {
+            assert!(took < Duration::from_millis(800), "{took:?}");
+        }
+        tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                if watch
+                    .borrow_and_update()
+                    .as_ref()
+                    .map(|i| i.holder.as_str())
+                    == Some("b")
+                {
+                    break;
+                }
+                watch.changed().await.unwrap();
+            }
+        })
+        .await
+        .expect("watch shows the new leader");
+        let now = pgelect::current_leader(&pooled, &role)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(now.holder, "b");
+        assert_eq!(now.backend.as_deref(), Some("lease"));
+        assert_eq!(now.term, lb.term());
+        lb.resign().await.unwrap();
+        assert!(pgelect::current_leader(&pooled, &role)
+            .await
+            .unwrap()
+            .is_none());
+    }
+}
+
+/// Candidates that lead in turn and record their acting intervals until
+/// `stop`; each keeps its leadership until it is lost.
+fn stand(
+    builders: Vec<ElectorBuilder>,
+    log: &Intervals,
+    stop: &tokio_util::sync::CancellationToken,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    builders
+        .into_iter()
+        .map(|b| {
+            let e = b.build().unwrap();
+            let log = log.clone();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                loop {
+                    let l = tokio::select! {
+                        _ = stop.cancelled() => return,
+                        l = e.leadership() => l.unwrap(),
+                    };
+                    let i = log.start(e.node_id(), l.term());
+                    tokio::select! {
+                        _ = l.lost() => {
+                            log.end(i);
+                            println!("  {} lost term {}: {:?}", e.node_id(), l.term(), l.loss_reason());
+                            let _ = l.resign().await;
+                        }
+                        _ = stop.cancelled() => { log.end(i); let _ = l.resign().await; return; }
+                    }
+                }
+            })
+        })
+        .collect()
+}
+
+/// Waits (at most 10 s, for a loaded machine) until exactly one candidate
+/// acts and the row names it.
+async fn one_leader(log: &Intervals, client: &tokio_postgres::Client, role: &str) -> Vec<Interval> {
+    let t0 = Instant::now();
+    loop {
+        let open = log.open();
+        let (holder, term, _) = row(client, role).await;
+        if open.len() == 1
+            && holder.as_deref() == Some(open[0].0.as_str())
+            && term == open[0].1.get()
+        {
+            return open;
+        }
+        assert!(open.len() <= 1, "two leaders at once: {open:?}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "no single leader: {open:?}, row {holder:?} term {term}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn wait_leader(log: &Intervals, within: Duration) -> Interval {
+    tokio::time::timeout(within, async {
+        loop {
+            if let Some(x) = log.open().into_iter().next() {
+                return x;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("a leader")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pgbouncer_restart_ends_in_exactly_one_leader() {
+    let (db, pooled, _direct, bouncer) = setup("lease_bouncer").await;
+    let client = db.connect().await;
+    let log = Intervals::default();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let tasks = stand(
+        (0..3)
+            .map(|n| fast(&pooled, "bounce", &format!("n{n}")))
+            .collect(),
+        &log,
+        &stop,
+    );
+    for (i, down) in [
+        Duration::ZERO,
+        Duration::from_millis(800),
+        Duration::from_secs(3),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let before = wait_leader(&log, Duration::from_secs(10)).await;
+        let t0 = Instant::now();
+        bouncer.stop().unwrap();
+        tokio::time::sleep(down).await;
+        bouncer.restart().unwrap();
+        let back = t0.elapsed();
+        // Past a full TTL, exactly one leader, the one the row names (the
+        // acting intervals are checked for overlap at the end).
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        let open = one_leader(&log, &client, "bounce").await;
+        let (holder, term, _) = row(&client, "bounce").await;
+        assert_eq!(holder.as_deref(), Some(open[0].0.as_str()));
+        assert_eq!(term, open[0].1.get());
+        let kept = open[0].1 == before.1;
+        println!(
+            "PgBouncer restart {i}: down {back:?} (local deadline 1.6 s); leader {} term {} {}",
+            open[0].0,
+            open[0].1,
+            if kept {
+                "kept its leadership"
+            } else {
+                "changed"
+            }
+        );
+        // Consistent with the deadline: a short outage is ridden out, one
+        // longer than the deadline budget ends the leadership.
+        if back < Duration::from_millis(600) {
+            assert!(kept, "a leader should ride out a {back:?} outage");
+        }
+        if back > Duration::from_millis(2000) {
+            assert!(
+                !kept,
+                "a leader cannot keep a lease through a {back:?} outage"
+            );
+        }
+    }
+    stop.cancel();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    log.assert_disjoint();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_restart_ends_in_exactly_one_leader() {
+    let cluster = tokio::task::spawn_blocking(Cluster::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let db = TestDb::on(&cluster, "lease_restart").await;
+    pgelect::migrate(&options(&db.url())).await.unwrap();
+    let bouncer = PgBouncer::start(&cluster, PoolMode::Transaction).unwrap();
+    let pooled = options(&bouncer.url(db.name()));
+    let log = Intervals::default();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let tasks = stand(
+        (0..3)
+            .map(|n| fast(&pooled, "restart", &format!("n{n}")))
+            .collect(),
+        &log,
+        &stop,
+    );
+    for mode in ["restart", "kill"] {
+        let before = wait_leader(&log, Duration::from_secs(10)).await;
+        let t0 = Instant::now();
+        if mode == "restart" {
+            cluster.restart().unwrap();
+        } else {
+            cluster.kill().unwrap();
+            cluster.start_again().unwrap();
+        }
+        let back = t0.elapsed();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let client = db.connect().await;
+        let open = one_leader(&log, &client, "restart").await;
+        let (holder, term, _) = row(&client, "restart").await;
+        assert_eq!(holder.as_deref(), Some(open[0].0.as_str()));
+        assert_eq!(term, open[0].1.get());
+        assert!(open[0].1 >= before.1);
+        println!(
+            "database {mode}: down {back:?}; leader {} term {} ({})",
+            open[0].0,
+            open[0].1,
+            if open[0].1 == before.1 {
+                "kept"
+            } else {
+                "changed"
+            }
+        );
+    }
+    stop.cancel();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    log.assert_disjoint();
+}
+
+fn candidate_exe() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap();
+    let path = dir.join("examples").join("candidate");
+    if !path.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let st = Command::new(cargo)
+            .args(["build", "-p", "pgelect", "--example", "candidate"])
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+    path
+}
+
+/// A lease candidate process and the lines it prints.
+struct Candidate {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Candidate {
+    fn spawn(url: &str, role: &str, ttl_ms: u64, node: &str) -> Candidate {
+        let mut child = Command::new(candidate_exe())
+            .args(["--backend", "lease", url, role, &ttl_ms.to_string(), node])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        Candidate { child, lines }
+    }
+
+    fn expect(&self, prefix: &str, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.starts_with(prefix) => return l,
+                Ok(_) => {}
+                Err(e) => panic!("no {prefix:?} line within {within:?}: {e}"),
+            }
+        }
+    }
+
+    fn signal(&self, sig: &str) {
+        let st = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+}
+
+impl Drop for Candidate {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn term_of(line: &str) -> Term {
+    Term::new(line.split_whitespace().nth(1).unwrap().parse().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkilled_leader_process_is_replaced_within_the_ttl() {
+    let (db, pooled, _direct, bouncer) = setup("lease_kill").await;
+    let ttl = Duration::from_secs(1);
+    let mut took_all = Vec::new();
+    for trial in 0..3 {
+        let role = format!("killed-{trial}");
+        let leader = Candidate::spawn(&bouncer.url(db.name()), &role, 1000, "proc");
+        let old = term_of(&leader.expect("ELECTED", Duration::from_secs(20)));
+        let standby = fast(&pooled, &role, "standby")
+            .ttl(ttl)
+            .renew_every(Duration::from_millis(250))
+            .retry_every(Duration::from_secs(1))
+            .build()
+            .unwrap();
+        let task =
+            tokio::spawn(async move { (standby.leadership().await.unwrap(), Instant::now()) });
+        // Kill at a random point of the renewal cycle.
+        tokio::time::sleep(Duration::from_millis(400 + 97 * trial)).await;
+        let t0 = Instant::now();
+        leader.signal("-KILL");
+        let (l, at) = tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .unwrap()
+            .unwrap();
+        let took = at - t0;
+        println!(
+            "SIGKILLed lease leader (ttl {ttl:?}, renew 250 ms): standby acting after {took:?}"
+        );
+        assert!(l.term() > old);
+        // The lease ran ttl from the dead leader's last renewal: at most ttl
+        // after the kill, plus jitter (50 ms) and slack for a loaded machine.
+        assert!(
+            took < ttl + Duration::from_millis(100) + Duration::from_millis(400),
+            "{took:?}"
+        );
+        took_all.push(took);
+        l.resign().await.unwrap();
+    }
+    println!("SIGKILL failover (ttl 1 s): {took_all:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_leader_process_is_taken_over_and_finds_its_lease_gone() {
+    let (db, pooled, _direct, bouncer) = setup("lease_frozen").await;
+    let client = db.connect().await;
+    let leader = Candidate::spawn(&bouncer.url(db.name()), "frozen", 1000, "proc");
+    let old = term_of(&leader.expect("ELECTED", Duration::from_secs(20)));
+    let standby = fast(&pooled, "frozen", "standby")
+        .ttl(Duration::from_secs(1))
+        .renew_every(Duration::from_millis(250))
+        .build()
+        .unwrap();
+    let task = tokio::spawn(async move { (standby.leadership().await.unwrap(), Instant::now()) });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t0 = Instant::now();
+    leader.signal("-STOP");
+    let (l, at) = tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .unwrap()
+        .unwrap();
+    println!(
+        "frozen lease leader (ttl 1 s): standby acting after {:?}",
+        at - t0
+    );
+    // Not before the frozen leader's lease expired: at least its deadline
+    // budget (800 ms) minus one renewal interval after the freeze.
+    assert!(at - t0 >= Duration::from_millis(500), "{:?}", at - t0);
+    assert!(l.term() > old);
+    client.batch_execute("BEGIN").await.unwrap();
+    let r = client
+        .query_typed(
+            "SELECT pgelect.fence('frozen', $1)",
+            &[(&old.get(), Type::INT8)],
+        )
+        .await;
+    client.batch_execute("ROLLBACK").await.unwrap();
+    assert_eq!(
+        r.unwrap_err().code().unwrap().code(),
+        pgelect::SQLSTATE_STALE_TERM
+    );
+    let before = row(&client, "frozen").await;
+    // Thawed, it reports the loss (its deadline passed while frozen), and
+    // its release (the example resigns after a loss) changes nothing.
+    leader.signal("-CONT");
+    let lost = leader.expect("LOST", Duration::from_secs(5));
+    println!("thawed old leader: {lost:?}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = row(&client, "frozen").await;
+    assert_eq!(after.0, before.0);
+    assert_eq!(after.1, before.1);
+    assert_eq!(after.0.as_deref(), Some("standby"));
+    assert!(!l.is_lost());
+    l.resign().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resign_requests_reach_a_lease_leader_with_and_without_listen() {
+    let (db, pooled, direct, _bouncer) = setup("lease_resign").await;
+    let admin = db.connect().await;
+    for listen in [false, true] {
+        let role = format!("resign-{listen}");
+        let mut b = fast(&pooled, &role, "leader");
+        if listen {
+            b = b.listen_via(direct.clone());
+        }
+        let e = b.build().unwrap();
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let (elected_tx, mut elected_rx) = tokio::sync::mpsc::unbounded_channel();
+        let (lost_tx, mut lost_rx) = tokio::sync::mpsc::unbounded_channel();
+        let sd = shutdown.clone();
+        let run = tokio::spawn(e.run(
+            sd,
+            move |ctx| {
+                let elected_tx = elected_tx.clone();
+                let lost_tx = lost_tx.clone();
+                async move {
+                    let _ = elected_tx.send(ctx.term());
+                    ctx.lost().await;
+                    let _ = lost_tx.send((Instant::now(), ctx.loss_reason()));
+                }
+            },
+            || async {},
+        ));
+        let first = elected_rx.recv().await.unwrap();
+        if listen {
+            wait_listeners(&admin, &role, 1).await;
+        }
+        let t0 = Instant::now();
+        // Through PgBouncer: the request sets the column and notifies.
+        let asked = pgelect::request_resign(&pooled, &role)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(asked.holder, "leader");
+        let (at, reason) = tokio::time::timeout(Duration::from_secs(5), lost_rx.recv())
+            .await
+            .expect("the leader hears the request")
+            .unwrap();
+        assert_eq!(reason, Some(LossReason::Resigned));
+        let took = at - t0;
+        println!("request_resign (listen {listen}, renew every 500 ms): leader stepped down after {took:?}");
+        // Includes request_resign's own connection (SCRAM). Quiet machine:
+        // ~100 ms with LISTEN, ~200-500 ms without (the next renewal).
+        if listen {
+            assert!(took < Duration::from_millis(400), "{took:?}");
+        } else {
+            assert!(took < Duration::from_millis(1200), "{took:?}");
+        }
+        // run() released and stands again: re-elected with a higher term,
+        // and the request does not carry over.
+        let second = tokio::time::timeout(Duration::from_secs(5), elected_rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(second > first);
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        assert!(
+            lost_rx.try_recv().is_err(),
+            "the next term is not asked to resign"
+        );
+        shutdown.cancel();
+        run.await.unwrap().unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_backend_refuses_the_transaction_pool_the_lease_backend_uses() {
+    let (_db, pooled, direct, _bouncer) = setup("lease_pool").await;
+    let session = Elector::builder(pooled.clone(), "pooled")
+        .node_id("s")
+        .ttl(Duration::from_secs(2))
+        .renew_every(Duration::from_millis(500))
+        .heartbeat(Duration::from_millis(200))
+        .heartbeat_timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let err = tokio::time::timeout(Duration::from_secs(10), session.leadership())
+        .await
+        .expect("refused promptly")
+        .unwrap_err();
+    assert!(matches!(err, Error::Pooler(_)), "{err}");
+    let l = fast(&pooled, "pooled", "l")
+        .build()
+        .unwrap()
+        .leadership()
+        .await
+        .unwrap();
+    assert!(!l.is_lost());
+    // Mixed backends on one role are refused, both ways.
+    let direct_session = Elector::builder(direct.clone(), "pooled")
+        .node_id("s2")
+        .ttl(Duration::from_secs(2))
+        .renew_every(Duration::from_millis(500))
+        .heartbeat(Duration::from_millis(200))
+        .heartbeat_timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let err = tokio::time::timeout(Duration::from_secs(10), direct_session.leadership())
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err}");
+    println!("session candidate vs lease leader: {err}");
+    assert!(!l.is_lost());
+    l.resign().await.unwrap();
+    let ls = direct_session.leadership().await.unwrap();
+    let err = tokio::time::timeout(
+        Duration::from_secs(10),
+        fast(&pooled, "pooled", "l2").build().unwrap().leadership(),
+    )
+    .await
+    .unwrap()
+    .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err}");
+    println!("lease candidate vs session leader: {err}");
+    ls.resign().await.unwrap();
+}
+
+#[test]
+fn lease_configurations_are_checked_against_the_lease_inequalities() {
+    let o = options("postgres://u@h/db");
+    let e = Elector::builder(o.clone(), "r")
+        .backend(Backend::Lease)
+        .build()
+        .unwrap();
+    assert_eq!(e.backend(), Backend::Lease);
+    assert_eq!(e.handover_delay(), Duration::ZERO);
+    assert_eq!(e.deadline_budget(), Duration::from_secs(12));
+    // TCP timeouts the session backend would refuse do not matter here.
+    Elector::builder(o.clone(), "r")
+        .backend(Backend::Lease)
+        .ttl(Duration::from_secs(120))
+        .tcp_timeouts(pgelect::TcpTimeouts::default())
+        .build()
+        .unwrap();
+    let err = Elector::builder(o.clone(), "r")
+        .backend(Backend::Lease)
+        .ttl(Duration::from_secs(2))
+        .renew_every(Duration::from_secs(2))
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("renew_every 2s"), "{err}");
+    let err = Elector::builder(o.clone(), "r")
+        .backend(Backend::Lease)
+        .ttl(Duration::from_secs(2))
+        .heartbeat_timeout(Duration::from_secs(2))
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("statement timeout"), "{err}");
+    let err = Elector::builder(o.clone(), "r")
+        .backend(Backend::Lease)
+        .listen_via(o.clone().schema("other").unwrap())
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("listen_via"), "{err}");
+    assert!("sessions".parse::<Backend>().is_err());
+}
