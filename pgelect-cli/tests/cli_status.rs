@@ -376,3 +376,84 @@ async fn demo_completes_and_leaves_no_server_behind() {
         "processes of the demo's server left: {leftovers:?}"
     );
 }
+
+/// One HTTP/1.1 GET on `port`; returns the status code and the body.
+async fn http_get(port: u16, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream =
+        tokio::time::timeout(QUICK, tokio::net::TcpStream::connect(("127.0.0.1", port)))
+            .await
+            .expect("connect in time")
+            .expect("the metrics listener accepts");
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut raw = String::new();
+    tokio::time::timeout(QUICK, stream.read_to_string(&mut raw))
+        .await
+        .expect("answer in time")
+        .unwrap();
+    let code = raw
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP answer: {raw:?}"));
+    let body = raw
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (code, body)
+}
+
+#[tokio::test]
+async fn metrics_addr_serves_metrics_health_and_the_leader() {
+    let (db, dir) = setup("status_http").await;
+    let admin = db.connect().await;
+    let (pa, pb) = (pgelect_testkit::free_port(), pgelect_testkit::free_port());
+    let addr_a = format!("127.0.0.1:{pa}");
+    let addr_b = format!("127.0.0.1:{pb}");
+    let mut sups = vec![candidate(
+        &db,
+        &dir,
+        "node-a",
+        &["--metrics-addr", &addr_a],
+        ANNOUNCE,
+    )];
+    assert_eq!(leader_of_term(&dir, 1).await, "node-a");
+    sups.push(candidate(
+        &db,
+        &dir,
+        "node-b",
+        &["--metrics-addr", &addr_b],
+        ANNOUNCE,
+    ));
+    await_advisory_locks(&admin, 1, 1).await;
+
+    let (code, body) = http_get(pa, "/healthz").await;
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("leading with term 1"), "{body}");
+    let (code, body) = http_get(pb, "/healthz").await;
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("standing by"), "{body}");
+
+    let (code, body) = http_get(pa, "/metrics").await;
+    assert_eq!(code, 200);
+    assert!(body.contains("pgelect_is_leader{role=\"r\"} 1"), "{body}");
+    assert!(body.contains("pgelect_term{role=\"r\"} 1"), "{body}");
+
+    let (code, body) = http_get(pa, "/leader").await;
+    assert_eq!(code, 200);
+    let json: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(json["is_leader"], true, "{json}");
+    assert_eq!(json["term"], 1, "{json}");
+    // The standby's view comes from its observer, which follows the row.
+    support::wait_until("the standby's /leader to name node-a", QUICK, || async {
+        let (_, body) = http_get(pb, "/leader").await;
+        let json: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        json["is_leader"] == false && json["leader"]["holder"] == "node-a"
+    })
+    .await;
+    assert_eq!(http_get(pa, "/nope").await.0, 404);
+    stop(&mut sups).await;
+}

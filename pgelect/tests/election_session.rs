@@ -413,7 +413,7 @@ async fn database_restart_ends_in_exactly_one_leader_with_a_higher_term() {
         .await
         .unwrap();
     let t0 = Instant::now();
-    cluster.restart().unwrap();
+    tokio::task::block_in_place(|| cluster.restart()).unwrap();
     let second = tokio::time::timeout(Duration::from_secs(30), wait_leader(first))
         .await
         .expect("a leader after the restart");
@@ -607,4 +607,77 @@ fn bad_configurations_are_rejected_naming_the_values() {
     let a = Elector::builder(o.clone(), "r").build().unwrap();
     let b = Elector::builder(o, "r").build().unwrap();
     assert_ne!(a.node_id(), b.node_id());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_standbys_take_over_after_a_release_and_after_a_terminated_leader() {
+    let (db, o) = migrated("elect_polling").await;
+    let polling = |node: &str| {
+        fast(&o, "poll", node).standby(StandbyMode::Polling {
+            interval: Duration::from_millis(300),
+        })
+    };
+    let a = fast(&o, "poll", "a").build().unwrap();
+    let la = a.leadership().await.unwrap();
+    let b = polling("b").build().unwrap();
+    let standby = tokio::spawn(async move {
+        let l = b.leadership().await.unwrap();
+        (Instant::now(), l)
+    });
+    // A polling standby holds no lock entry; let it connect and listen.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let t0 = Instant::now();
+    la.resign().await.unwrap();
+    let (at, lb) = tokio::time::timeout(Duration::from_secs(10), standby)
+        .await
+        .expect("the polling standby takes over")
+        .unwrap();
+    println!("polling standby after a clean release: {:?}", at - t0);
+    assert_eq!(lb.term().get(), la_term(&db).await);
+    // Liveness only (the NOTIFY wake-up makes it milliseconds when quiet).
+    assert!(at - t0 < Duration::from_secs(3), "{:?}", at - t0);
+
+    // An unclean loss: the leader's backend is terminated; the next polling
+    // standby takes over with a higher term, only after the handover delay.
+    let c = polling("c").build().unwrap();
+    let handover = c.handover_delay();
+    let next = tokio::spawn(async move {
+        let l = c.leadership().await.unwrap();
+        (Instant::now(), l)
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let pid = holder_pid(&db, "poll").await;
+    let admin = db.connect().await;
+    let t1 = Instant::now();
+    admin
+        .query_typed_one(
+            "SELECT pg_terminate_backend($1)",
+            &[(&pid, tokio_postgres::types::Type::INT4)],
+        )
+        .await
+        .unwrap();
+    lb.lost().await;
+    assert_eq!(lb.loss_reason(), Some(LossReason::ConnectionLost));
+    let (at, lc) = tokio::time::timeout(Duration::from_secs(10), next)
+        .await
+        .expect("the second polling standby takes over")
+        .unwrap();
+    println!(
+        "polling standby after a terminated leader: {:?} (handover delay {handover:?})",
+        at - t1
+    );
+    assert!(lc.term() > lb.term());
+    assert!(
+        at - t1 >= handover,
+        "unclean takeover waits the handover delay"
+    );
+    lc.resign().await.unwrap();
+}
+
+async fn la_term(db: &TestDb) -> i64 {
+    let c = db.connect().await;
+    c.query_typed_one("SELECT term FROM pgelect.leaders WHERE role = 'poll'", &[])
+        .await
+        .unwrap()
+        .get(0)
 }
