@@ -5,16 +5,16 @@
 //!
 //! Timing assertions use generous bounds and print what they measured.
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use pgelect::{Backend, ConnectOptions, Elector, ElectorBuilder, Error, LossReason, Term};
 use pgelect_testkit::{Cluster, FaultProxy, PgBouncer, PoolMode, TestDb};
 use tokio_postgres::types::Type;
+
+mod support;
+use support::{term_of, Candidate, Interval, Intervals};
 
 fn options(url: &str) -> ConnectOptions {
     ConnectOptions::from_url(url).expect("test URL parses")
@@ -46,51 +46,6 @@ fn fast(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
         .heartbeat_timeout(Duration::from_millis(600))
         .retry_every(Duration::from_millis(200))
         .check_every(Duration::from_millis(200))
-}
-
-/// One leader's acting interval: node, term, start, end.
-type Interval = (String, Term, Instant, Option<Instant>);
-
-/// Acting intervals recorded on this process's monotonic clock.
-#[derive(Clone, Default)]
-struct Intervals(Arc<Mutex<Vec<Interval>>>);
-
-impl Intervals {
-    fn start(&self, node: &str, term: Term) -> usize {
-        let mut v = self.0.lock().unwrap();
-        v.push((node.to_owned(), term, Instant::now(), None));
-        v.len() - 1
-    }
-    fn end(&self, i: usize) {
-        self.0.lock().unwrap()[i].3 = Some(Instant::now());
-    }
-    fn open(&self) -> Vec<Interval> {
-        let v = self.0.lock().unwrap();
-        v.iter().filter(|x| x.3.is_none()).cloned().collect()
-    }
-    /// Asserts that no two intervals overlap and that terms rise with time.
-    fn assert_disjoint(&self) {
-        let mut v = self.0.lock().unwrap().clone();
-        v.sort_by_key(|x| x.2);
-        for w in v.windows(2) {
-            let end = w[0].3.expect("an earlier leadership has ended");
-            assert!(
-                end <= w[1].2,
-                "overlap: {} (term {}) acted until {:?} after {} (term {}) began",
-                w[0].0,
-                w[0].1,
-                end - w[1].2,
-                w[1].0,
-                w[1].1
-            );
-            assert!(
-                w[0].1 < w[1].1,
-                "terms must rise: {:?} then {:?}",
-                w[0].1,
-                w[1].1
-            );
-        }
-    }
 }
 
 /// The role's row: holder, term, lease_until.
@@ -720,79 +675,6 @@ async fn database_restart_ends_in_exactly_one_leader() {
     log.assert_disjoint();
 }
 
-fn candidate_exe() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap();
-    let path = dir.join("examples").join("candidate");
-    if !path.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let st = Command::new(cargo)
-            .args(["build", "-p", "pgelect", "--example", "candidate"])
-            .status()
-            .unwrap();
-        assert!(st.success());
-    }
-    path
-}
-
-/// A lease candidate process and the lines it prints.
-struct Candidate {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Candidate {
-    fn spawn(url: &str, role: &str, ttl_ms: u64, node: &str) -> Candidate {
-        let mut child = Command::new(candidate_exe())
-            .args(["--backend", "lease", url, role, &ttl_ms.to_string(), node])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let out = child.stdout.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        Candidate { child, lines }
-    }
-
-    fn expect(&self, prefix: &str, within: Duration) -> String {
-        let deadline = Instant::now() + within;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) if l.starts_with(prefix) => return l,
-                Ok(_) => {}
-                Err(e) => panic!("no {prefix:?} line within {within:?}: {e}"),
-            }
-        }
-    }
-
-    fn signal(&self, sig: &str) {
-        let st = Command::new("kill")
-            .args([sig, &self.child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(st.success());
-    }
-}
-
-impl Drop for Candidate {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn term_of(line: &str) -> Term {
-    Term::new(line.split_whitespace().nth(1).unwrap().parse().unwrap())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkilled_leader_process_is_replaced_within_the_ttl() {
     let (db, pooled, _direct, bouncer) = setup("lease_kill").await;
@@ -800,7 +682,14 @@ async fn sigkilled_leader_process_is_replaced_within_the_ttl() {
     let mut took_all = Vec::new();
     for trial in 0..3 {
         let role = format!("killed-{trial}");
-        let leader = Candidate::spawn(&bouncer.url(db.name()), &role, 1000, "proc");
+        let leader = Candidate::spawn(&[
+            "--backend",
+            "lease",
+            &bouncer.url(db.name()),
+            &role,
+            "1000",
+            "proc",
+        ]);
         let old = term_of(&leader.expect("ELECTED", Duration::from_secs(20)));
         let standby = fast(&pooled, &role, "standby")
             .ttl(ttl)
@@ -839,7 +728,14 @@ async fn sigkilled_leader_process_is_replaced_within_the_ttl() {
 async fn frozen_leader_process_is_taken_over_and_finds_its_lease_gone() {
     let (db, pooled, _direct, bouncer) = setup("lease_frozen").await;
     let client = db.connect().await;
-    let leader = Candidate::spawn(&bouncer.url(db.name()), "frozen", 1000, "proc");
+    let leader = Candidate::spawn(&[
+        "--backend",
+        "lease",
+        &bouncer.url(db.name()),
+        "frozen",
+        "1000",
+        "proc",
+    ]);
     let old = term_of(&leader.expect("ELECTED", Duration::from_secs(20)));
     let standby = fast(&pooled, "frozen", "standby")
         .ttl(Duration::from_secs(1))

@@ -2,88 +2,13 @@
 //! frozen with SIGSTOP (zombie preemption, as superuser and as an
 //! unprivileged role, and the fence of the frozen leader's term).
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use pgelect::{ConnectOptions, Elector, ElectorBuilder, Term};
+use pgelect::{ConnectOptions, Elector, ElectorBuilder};
 use pgelect_testkit::{TestDb, TEST_PASSWORD};
 
-fn candidate_exe() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap();
-    let path = dir.join("examples").join("candidate");
-    if !path.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let st = Command::new(cargo)
-            .args(["build", "-p", "pgelect", "--example", "candidate"])
-            .status()
-            .unwrap();
-        assert!(st.success());
-    }
-    path
-}
-
-/// A candidate process and the lines it prints.
-struct Candidate {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Candidate {
-    fn spawn(url: &str, role: &str, ttl_ms: u64) -> Candidate {
-        let mut child = Command::new(candidate_exe())
-            .args([url, role, &ttl_ms.to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let out = child.stdout.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        Candidate { child, lines }
-    }
-
-    /// Waits for a line starting with `prefix`.
-    fn expect(&self, prefix: &str, within: Duration) -> String {
-        let deadline = Instant::now() + within;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) if l.starts_with(prefix) => return l,
-                Ok(_) => {}
-                Err(e) => panic!("no {prefix:?} line within {within:?}: {e}"),
-            }
-        }
-    }
-
-    fn signal(&self, sig: &str) {
-        let st = Command::new("kill")
-            .args([sig, &self.child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(st.success());
-    }
-}
-
-impl Drop for Candidate {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn term_of(line: &str) -> Term {
-    Term::new(line.split_whitespace().nth(1).unwrap().parse().unwrap())
-}
+mod support;
+use support::{term_of, Candidate};
 
 fn fast(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
     Elector::builder(o.clone(), role)
@@ -100,7 +25,7 @@ async fn sigkilled_leader_process_is_replaced_with_a_higher_term() {
     let db = TestDb::new("proc_kill").await;
     let o = ConnectOptions::from_url(&db.url()).unwrap();
     pgelect::migrate(&o).await.unwrap();
-    let leader = Candidate::spawn(&db.url(), "killed", 2000);
+    let leader = Candidate::spawn(&[&db.url(), "killed", "2000"]);
     let elected = leader.expect("ELECTED", Duration::from_secs(20));
     let old = term_of(&elected);
     let standby = fast(&o, "killed", "standby").build().unwrap();
@@ -133,7 +58,7 @@ async fn freeze_leader(
     role: &str,
     expect_takeover: bool,
 ) -> Option<pgelect::Leadership> {
-    let leader = Candidate::spawn(&db.url(), role, 1000);
+    let leader = Candidate::spawn(&[&db.url(), role, "1000"]);
     let old = term_of(&leader.expect("ELECTED", Duration::from_secs(20)));
     let so = ConnectOptions::from_url(standby_url).unwrap();
     let standby = Elector::builder(so, role)

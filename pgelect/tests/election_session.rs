@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 use pgelect::{ConnectOptions, Elector, ElectorBuilder, Error, LossReason, StandbyMode, Term};
 use pgelect_testkit::{Cluster, FaultProxy, PgBouncer, PoolMode, TestDb};
 
+mod support;
+use support::Intervals;
+
 fn options(url: &str) -> ConnectOptions {
     ConnectOptions::from_url(url).expect("test URL parses")
 }
@@ -30,47 +33,6 @@ fn fast(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
         .heartbeat(Duration::from_millis(200))
         .heartbeat_timeout(Duration::from_millis(500))
         .check_every(Duration::from_millis(200))
-}
-
-/// One leader's acting interval: node, term, start, end.
-type Interval = (String, Term, Instant, Option<Instant>);
-
-/// Acting intervals recorded on this process's monotonic clock.
-#[derive(Clone, Default)]
-struct Intervals(Arc<Mutex<Vec<Interval>>>);
-
-impl Intervals {
-    fn start(&self, node: &str, term: Term) -> usize {
-        let mut v = self.0.lock().unwrap();
-        v.push((node.to_owned(), term, Instant::now(), None));
-        v.len() - 1
-    }
-    fn end(&self, i: usize) {
-        self.0.lock().unwrap()[i].3 = Some(Instant::now());
-    }
-    /// Asserts that no two intervals overlap and that terms rise with time.
-    fn assert_disjoint(&self) {
-        let mut v = self.0.lock().unwrap().clone();
-        v.sort_by_key(|x| x.2);
-        for w in v.windows(2) {
-            let end = w[0].3.expect("an earlier leadership has ended");
-            assert!(
-                end <= w[1].2,
-                "overlap: {} (term {}) acted until {:?} after {} (term {}) began",
-                w[0].0,
-                w[0].1,
-                end - w[1].2,
-                w[1].0,
-                w[1].1
-            );
-            assert!(
-                w[0].1 < w[1].1,
-                "terms must rise: {:?} then {:?}",
-                w[0].1,
-                w[1].1
-            );
-        }
-    }
 }
 
 async fn holder_pid(db: &TestDb, role: &str) -> i32 {

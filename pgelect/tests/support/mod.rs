@@ -1,0 +1,138 @@
+//! Helpers shared by the election test binaries: acting intervals on one
+//! clock, and leader processes (the `candidate` example) to kill or freeze.
+//! Each test binary uses a part of it.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pgelect::Term;
+
+/// One leader's acting interval: node, term, start, end.
+pub type Interval = (String, Term, Instant, Option<Instant>);
+
+/// Acting intervals recorded on this process's monotonic clock.
+#[derive(Clone, Default)]
+pub struct Intervals(pub Arc<Mutex<Vec<Interval>>>);
+
+impl Intervals {
+    pub fn start(&self, node: &str, term: Term) -> usize {
+        let mut v = self.0.lock().unwrap();
+        v.push((node.to_owned(), term, Instant::now(), None));
+        v.len() - 1
+    }
+
+    pub fn end(&self, i: usize) {
+        self.0.lock().unwrap()[i].3 = Some(Instant::now());
+    }
+
+    /// The intervals still open.
+    pub fn open(&self) -> Vec<Interval> {
+        let v = self.0.lock().unwrap();
+        v.iter().filter(|x| x.3.is_none()).cloned().collect()
+    }
+
+    /// Asserts that no two intervals overlap and that terms rise with time.
+    pub fn assert_disjoint(&self) {
+        let mut v = self.0.lock().unwrap().clone();
+        v.sort_by_key(|x| x.2);
+        for w in v.windows(2) {
+            let end = w[0].3.expect("an earlier leadership has ended");
+            assert!(
+                end <= w[1].2,
+                "overlap: {} (term {}) acted until {:?} after {} (term {}) began",
+                w[0].0,
+                w[0].1,
+                end - w[1].2,
+                w[1].0,
+                w[1].1
+            );
+            assert!(
+                w[0].1 < w[1].1,
+                "terms must rise: {:?} then {:?}",
+                w[0].1,
+                w[1].1
+            );
+        }
+    }
+}
+
+/// The `candidate` example, built on first use.
+fn candidate_exe() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap();
+    let path = dir.join("examples").join("candidate");
+    if !path.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let st = Command::new(cargo)
+            .args(["build", "-p", "pgelect", "--example", "candidate"])
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+    path
+}
+
+/// A candidate process and the lines it prints.
+pub struct Candidate {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Candidate {
+    /// Starts `candidate ARGS…` (see pgelect/examples/candidate.rs).
+    pub fn spawn(args: &[&str]) -> Candidate {
+        let mut child = Command::new(candidate_exe())
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        Candidate { child, lines }
+    }
+
+    /// Waits for a line starting with `prefix`.
+    pub fn expect(&self, prefix: &str, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.starts_with(prefix) => return l,
+                Ok(_) => {}
+                Err(e) => panic!("no {prefix:?} line within {within:?}: {e}"),
+            }
+        }
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let st = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+}
+
+impl Drop for Candidate {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The term in a candidate's `ELECTED <term> …` line.
+pub fn term_of(line: &str) -> Term {
+    Term::new(line.split_whitespace().nth(1).unwrap().parse().unwrap())
+}
