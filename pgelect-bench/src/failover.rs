@@ -18,13 +18,12 @@
 //! The child processes are this binary again, in a hidden mode:
 //! `failover --child holder <url> <key>` and `failover --child leader <url> <role>`.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use crate::common::{connect, ChildProc, Stats};
+
 use std::time::{Duration, Instant};
 
 use pgelect::{ConnectOptions, Elector, LockKey};
 use tokio_postgres::types::Type;
-use tokio_postgres::NoTls;
 
 const ROLE: &str = "bench-failover";
 const BASELINE_KEY: i64 = 0x5eed_f00d;
@@ -149,16 +148,6 @@ async fn measure(url: &str, trials: usize, json: bool) -> Result<(), String> {
     Ok(())
 }
 
-async fn connect(url: &str) -> Result<tokio_postgres::Client, String> {
-    let (client, conn) = tokio_postgres::connect(url, NoTls)
-        .await
-        .map_err(|e| format!("cannot connect: {e}"))?;
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    Ok(client)
-}
-
 /// Waits until some session waits for the advisory lock `key`.
 async fn until_waiting(observer: &tokio_postgres::Client, key: i64) -> Result<(), String> {
     let (classid, objid) = (((key as u64) >> 32) as u32, key as u64 as u32);
@@ -182,68 +171,9 @@ async fn until_waiting(observer: &tokio_postgres::Client, key: i64) -> Result<()
     }
 }
 
-/// A child process of this binary, and a reader of its stdout.
-struct ChildProc {
-    child: Child,
-    lines: std::sync::mpsc::Receiver<String>,
-}
-
-impl ChildProc {
-    fn spawn(args: &[&str]) -> Result<ChildProc, String> {
-        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-        let mut child = Command::new(exe)
-            .arg("failover")
-            .arg("--child")
-            .args(args)
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("cannot spawn a child: {e}"))?;
-        let out = child.stdout.take().expect("BUG: piped stdout");
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(ChildProc { child, lines })
-    }
-
-    async fn expect(&self, prefix: &str) -> Result<String, String> {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            match self.lines.try_recv() {
-                Ok(l) if l.starts_with(prefix) => return Ok(l),
-                Ok(_) => {}
-                Err(std::sync::mpsc::TryRecvError::Empty) => {
-                    if Instant::now() > deadline {
-                        return Err(format!("child printed no {prefix:?} within 30 s"));
-                    }
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                }
-                Err(e) => return Err(format!("child ended before {prefix:?}: {e}")),
-            }
-        }
-    }
-
-    fn kill9(&mut self) -> Result<(), String> {
-        self.child
-            .kill()
-            .map_err(|e| format!("cannot SIGKILL the child: {e}"))
-    }
-}
-
-impl Drop for ChildProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 async fn baseline_trial(url: &str, observer: &tokio_postgres::Client) -> Result<f64, String> {
-    let mut holder = ChildProc::spawn(&["holder", url, &BASELINE_KEY.to_string()])?;
-    holder.expect("HELD").await?;
+    let mut holder = ChildProc::spawn("failover", &["holder", url, &BASELINE_KEY.to_string()])?;
+    holder.expect("HELD", Duration::from_secs(30)).await?;
     let waiter = connect(url).await?;
     let wait = tokio::spawn(async move {
         let r = waiter
@@ -282,8 +212,8 @@ async fn crash_trial(
     options: &ConnectOptions,
     observer: &tokio_postgres::Client,
 ) -> Result<f64, String> {
-    let mut leader = ChildProc::spawn(&["leader", url, ROLE])?;
-    leader.expect("ELECTED").await?;
+    let mut leader = ChildProc::spawn("failover", &["leader", url, ROLE])?;
+    leader.expect("ELECTED", Duration::from_secs(30)).await?;
     let standby = builder(options.clone())
         .node_id("bench-standby")
         .build()
@@ -364,40 +294,4 @@ fn child(args: &[String]) -> Result<(), String> {
             _ => Err(format!("failover --child: bad arguments {args:?}")),
         }
     })
-}
-
-struct Stats {
-    p50: f64,
-    p99: f64,
-    min: f64,
-    max: f64,
-}
-
-impl Stats {
-    /// Nearest-rank percentiles.
-    fn of(samples: &[f64]) -> Stats {
-        let mut v = samples.to_vec();
-        v.sort_by(|a, b| a.total_cmp(b));
-        let rank = |p: f64| {
-            let i = ((p / 100.0) * v.len() as f64).ceil() as usize;
-            v[i.clamp(1, v.len()) - 1]
-        };
-        Stats {
-            p50: rank(50.0),
-            p99: rank(99.0),
-            min: v[0],
-            max: v[v.len() - 1],
-        }
-    }
-
-    fn json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "p50": round2(self.p50), "p99": round2(self.p99),
-            "min": round2(self.min), "max": round2(self.max),
-        })
-    }
-}
-
-fn round2(x: f64) -> f64 {
-    (x * 100.0).round() / 100.0
 }

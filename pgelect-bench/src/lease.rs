@@ -23,12 +23,11 @@
 //! at the server-reported expiry plus at most 50 ms of jitter: failover in
 //! `[ttl - renew_every, ttl + 50 ms + a round trip]`.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use crate::common::{connect, round2, ChildProc, Stats};
+
 use std::time::{Duration, Instant};
 
 use pgelect::{Backend, ConnectOptions, Elector};
-use tokio_postgres::NoTls;
 
 /// Entry point: `lease-failover [--ttls 1,2,10] [--trials N] [--window S] [--direct] [--json]`.
 pub fn run(args: &[String]) -> Result<(), String> {
@@ -292,7 +291,7 @@ async fn crash_trial(
     i: usize,
 ) -> Result<f64, String> {
     let ttl_ms = ttl.as_millis().to_string();
-    let mut leader = ChildProc::spawn(&["leader", via, role, &ttl_ms])?;
+    let mut leader = ChildProc::spawn("lease-failover", &["leader", via, role, &ttl_ms])?;
     leader
         .expect("ELECTED", ttl * 3 + Duration::from_secs(30))
         .await?;
@@ -315,75 +314,6 @@ async fn crash_trial(
     let ms = (elected - t0).as_secs_f64() * 1000.0;
     l.resign().await.map_err(|e| e.to_string())?;
     Ok(ms)
-}
-
-async fn connect(url: &str) -> Result<tokio_postgres::Client, String> {
-    let (client, conn) = tokio_postgres::connect(url, NoTls)
-        .await
-        .map_err(|e| format!("cannot connect: {e}"))?;
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    Ok(client)
-}
-
-/// A child process of this binary, and a reader of its stdout.
-struct ChildProc {
-    child: Child,
-    lines: std::sync::mpsc::Receiver<String>,
-}
-
-impl ChildProc {
-    fn spawn(args: &[&str]) -> Result<ChildProc, String> {
-        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-        let mut child = Command::new(exe)
-            .arg("lease-failover")
-            .arg("--child")
-            .args(args)
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("cannot spawn a child: {e}"))?;
-        let out = child.stdout.take().expect("BUG: piped stdout");
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(ChildProc { child, lines })
-    }
-
-    async fn expect(&self, prefix: &str, within: Duration) -> Result<String, String> {
-        let deadline = Instant::now() + within;
-        loop {
-            match self.lines.try_recv() {
-                Ok(l) if l.starts_with(prefix) => return Ok(l),
-                Ok(_) => {}
-                Err(std::sync::mpsc::TryRecvError::Empty) => {
-                    if Instant::now() > deadline {
-                        return Err(format!("child printed no {prefix:?} within {within:?}"));
-                    }
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                }
-                Err(e) => return Err(format!("child ended before {prefix:?}: {e}")),
-            }
-        }
-    }
-
-    fn kill9(&mut self) -> Result<(), String> {
-        self.child
-            .kill()
-            .map_err(|e| format!("cannot SIGKILL the child: {e}"))
-    }
-}
-
-impl Drop for ChildProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// The hidden child mode: a lease leader that prints `ELECTED <term>` and
@@ -410,42 +340,6 @@ fn child(args: &[String]) -> Result<(), String> {
             _ => Err(format!("lease-failover --child: bad arguments {args:?}")),
         }
     })
-}
-
-struct Stats {
-    p50: f64,
-    p99: f64,
-    min: f64,
-    max: f64,
-}
-
-impl Stats {
-    /// Nearest-rank percentiles.
-    fn of(samples: &[f64]) -> Stats {
-        let mut v = samples.to_vec();
-        v.sort_by(|a, b| a.total_cmp(b));
-        let rank = |p: f64| {
-            let i = ((p / 100.0) * v.len() as f64).ceil() as usize;
-            v[i.clamp(1, v.len()) - 1]
-        };
-        Stats {
-            p50: rank(50.0),
-            p99: rank(99.0),
-            min: v[0],
-            max: v[v.len() - 1],
-        }
-    }
-
-    fn json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "p50": round2(self.p50), "p99": round2(self.p99),
-            "min": round2(self.min), "max": round2(self.max),
-        })
-    }
-}
-
-fn round2(x: f64) -> f64 {
-    (x * 100.0).round() / 100.0
 }
 
 fn round3(x: f64) -> f64 {

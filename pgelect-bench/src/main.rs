@@ -11,6 +11,7 @@
 
 use std::process::ExitCode;
 
+mod common;
 mod failover;
 mod lease;
 mod xact_lock;
