@@ -460,6 +460,67 @@ async fn one_session_holds_many_locks() {
 }
 
 #[tokio::test]
+async fn an_unbounded_wait_does_not_hold_back_vacuum() {
+    let (_db, options, admin) = setup("lock_xmin").await;
+    let a = LockSession::connect(&options).await.unwrap();
+    let b = LockSession::builder(&options)
+        .wait_slice(Duration::from_millis(300))
+        .connect()
+        .await
+        .unwrap();
+    let key = LockKey::from_pair(7, -7);
+    let held = a.lock(key).await.unwrap();
+    let waiter = {
+        let b = b.clone();
+        tokio::spawn(async move { b.lock(key).await })
+    };
+    await_advisory_locks(&admin, b.backend_pid(), (0, 1)).await;
+    let xmin = |pid: i32| {
+        let admin = &admin;
+        async move {
+            admin
+                .query_one(
+                    "SELECT backend_xmin::text::bigint FROM pg_stat_activity WHERE pid = $1",
+                    &[&pid],
+                )
+                .await
+                .unwrap()
+                .get::<_, Option<i64>>(0)
+        }
+    };
+    let first = xmin(b.backend_pid())
+        .await
+        .expect("a waiting statement holds a snapshot");
+    let t0 = Instant::now();
+    loop {
+        admin.query_one("SELECT txid_current()", &[]).await.unwrap();
+        if xmin(b.backend_pid()).await.is_some_and(|x| x > first) {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the waiter's xmin stayed at {first}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!(
+        "waiter's xmin moved on after {:?} (slice 300 ms)",
+        t0.elapsed()
+    );
+    // Still one wait as far as the caller sees: granted when released.
+    let released_at = Instant::now();
+    assert!(held.release().await.unwrap());
+    let g = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("waiter granted")
+        .unwrap()
+        .unwrap();
+    println!("granted {:?} after the release", released_at.elapsed());
+    assert_eq!(advisory_locks(&admin, b.backend_pid()).await, (1, 0));
+    assert!(g.release().await.unwrap());
+}
+
+#[tokio::test]
 async fn zero_durations_are_refused() {
     let (_db, options, _admin) = setup("lock_bad_input").await;
     let err = LockSession::builder(&options)
@@ -477,6 +538,15 @@ async fn zero_durations_are_refused() {
         .await
         .unwrap_err();
     assert!(matches!(err, Error::Config(_)), "{err}");
+    let err = LockSession::builder(&options)
+        .wait_slice(Duration::ZERO)
+        .connect()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::Config(_)) && err.to_string().contains("wait_slice"),
+        "{err}"
+    );
     let a = LockSession::connect(&options).await.unwrap();
     let err = a
         .lock_shared_timeout(LockKey::from_i64(1), Duration::ZERO)

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{oneshot, Mutex as AsyncMutex, OwnedMutexGuard};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
-use tokio_postgres::NoTls;
+use tokio_postgres::{NoTls, SimpleQueryMessage};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use super::{key_literals, timeout_millis, LockMode};
@@ -20,6 +20,8 @@ use crate::key::LockKey;
 const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(1);
 const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
 const DEFAULT_NAME: &str = "locks";
+/// Default slice of an unbounded lock wait.
+const DEFAULT_WAIT_SLICE: Duration = Duration::from_secs(10);
 
 /// A dedicated PostgreSQL connection that holds session-level advisory
 /// locks: as many as you like, exclusive or shared.
@@ -89,6 +91,7 @@ pub struct LockSessionBuilder {
     heartbeat_timeout: Duration,
     tcp: TcpTimeouts,
     name: String,
+    wait_slice: Duration,
 }
 
 /// A session-level advisory lock held through a [`LockSession`].
@@ -122,6 +125,8 @@ struct Inner {
     lost: CancellationToken,
     /// Bound on every short statement (heartbeat, try, unlock, checks).
     statement_timeout: Duration,
+    /// Length of one slice of an unbounded lock wait.
+    wait_slice: Duration,
     schema: String,
 }
 
@@ -169,6 +174,7 @@ impl LockSession {
             heartbeat_timeout: DEFAULT_HEARTBEAT_TIMEOUT,
             tcp: TcpTimeouts::default(),
             name: DEFAULT_NAME.to_owned(),
+            wait_slice: DEFAULT_WAIT_SLICE,
         }
     }
 
@@ -196,8 +202,11 @@ impl LockSession {
 
     /// Takes `key` exclusively, waiting as long as it takes.
     ///
-    /// The wait is PostgreSQL's own (`pg_advisory_lock`): waiters are served
-    /// in order, and the lock is granted the moment the holder lets go.
+    /// The wait is PostgreSQL's own (`pg_advisory_lock`): the lock is
+    /// granted the moment the holder lets go, and waiters are served in
+    /// order. The wait is re-issued every
+    /// [`wait_slice`](LockSessionBuilder::wait_slice) (10 s) so that it
+    /// does not hold back VACUUM; a re-issued wait queues again.
     /// Other operations on this session queue behind the wait (see "One
     /// statement at a time").
     ///
@@ -375,10 +384,25 @@ impl LockSessionBuilder {
         self
     }
 
+    /// How long one slice of an unbounded wait ([`LockSession::lock`],
+    /// [`LockSession::lock_shared`]) lasts before it is issued again.
+    /// Default: `10s`. Must be positive, at most 24 h.
+    ///
+    /// A waiting statement holds a snapshot, and the oldest snapshot bounds
+    /// what VACUUM may remove in the whole database (the xmin horizon): one
+    /// `pg_advisory_lock` blocked for hours keeps every dead row for hours.
+    /// Each slice catches its own lock timeout (the server logs no error).
+    /// The price: the server's waiting order is kept within a slice only,
+    /// since a re-issued wait queues again.
+    pub fn wait_slice(mut self, slice: Duration) -> Self {
+        self.wait_slice = slice;
+        self
+    }
+
     /// Validates the settings, connects, and starts the heartbeat.
     ///
-    /// Fails with [`Error::Config`] for a zero heartbeat or heartbeat
-    /// timeout, before connecting.
+    /// Fails with [`Error::Config`] for a zero heartbeat, heartbeat
+    /// timeout or wait slice, before connecting.
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future drops the half-opened connection.
@@ -387,6 +411,12 @@ impl LockSessionBuilder {
             return Err(Error::config(format!(
                 "lock session heartbeat must be positive, got {:?}",
                 self.heartbeat
+            )));
+        }
+        if self.wait_slice.is_zero() || self.wait_slice > Duration::from_secs(24 * 3600) {
+            return Err(Error::config(format!(
+                "lock session wait_slice must be positive and at most 24h, got {:?}",
+                self.wait_slice
             )));
         }
         if self.heartbeat_timeout.is_zero() {
@@ -406,6 +436,7 @@ impl LockSessionBuilder {
             state: StdMutex::new(State::default()),
             lost: lost.clone(),
             statement_timeout: self.heartbeat_timeout,
+            wait_slice: self.wait_slice,
             schema: self.options.schema_name().as_str().to_owned(),
         });
         tokio::spawn(heartbeat(Arc::downgrade(&inner), lost, self.heartbeat));
@@ -584,12 +615,34 @@ impl Inner {
                 Ok(row.get::<_, bool>(0).then(|| self.register(key, mode)))
             }
             Wait::Forever => {
+                // In slices (see `LockSessionBuilder::wait_slice`): the
+                // block catches its lock timeout and says whether the lock
+                // was granted in a transaction-local setting, read by the
+                // second statement of the same implicit transaction.
+                let ms = self.wait_slice.as_millis();
                 let sql = format!(
-                    "SELECT pg_advisory_lock{}({})",
+                    "DO $pgelect$ BEGIN
+                         PERFORM set_config('lock_timeout', '{ms}', true);
+                         PERFORM pg_advisory_lock{}({});
+                         PERFORM set_config('pgelect.granted', 'on', true);
+                     EXCEPTION WHEN lock_not_available THEN NULL;
+                     END $pgelect$;
+                     SELECT current_setting('pgelect.granted', true)",
                     mode.suffix(),
-                    key.sql_args(1)
+                    key_literals(&key)
                 );
-                let statement = async { self.client().query_typed(&sql, &args).await.map(drop) };
+                let statement = async {
+                    loop {
+                        let messages = self.client().simple_query(&sql).await?;
+                        let granted = messages.iter().any(|m| match m {
+                            SimpleQueryMessage::Row(r) => r.get(0) == Some("on"),
+                            _ => false,
+                        });
+                        if granted {
+                            return Ok(());
+                        }
+                    }
+                };
                 self.wait_for(ops, key, mode, false, statement, caller)
                     .await
             }
