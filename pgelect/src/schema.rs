@@ -143,6 +143,29 @@ ALTER TABLE {s}.leaders ADD COLUMN lease_token bigint;
 COMMENT ON COLUMN {s}.leaders.lease_token IS 'pgelect: random per acquire attempt of the lease backend; lets a candidate recognise a lease its unanswered attempt took';
 COMMENT ON COLUMN {s}.leaders.resign_requested IS 'pgelect: set by request_resign; a lease-backend leader reads it at every renewal and steps down; cleared by the next election';
 "#,
+    // 3: a bounded slice of a lock wait. A statement holds a snapshot while
+    // it runs, and a snapshot holds back the xmin horizon (what VACUUM may
+    // remove): a standby blocked in pg_advisory_lock for days would keep
+    // every dead row of the database for days. Waiting in slices of a few
+    // seconds lets the horizon move on; the timeout is caught here, so the
+    // server does not log an error for every slice.
+    r#"
+CREATE FUNCTION {s}.lock_wait_slice(p_key bigint, p_slice_ms integer) RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    IF p_slice_ms IS NULL OR p_slice_ms <= 0 THEN
+        RAISE EXCEPTION 'pgelect.lock_wait_slice: the slice must be positive, not %', p_slice_ms
+            USING ERRCODE = '22023';
+    END IF;
+    PERFORM set_config('lock_timeout', p_slice_ms::text, true);
+    PERFORM pg_advisory_lock(p_key);
+    RETURN true;
+EXCEPTION WHEN lock_not_available THEN
+    RETURN false;
+END
+$$;
+COMMENT ON FUNCTION {s}.lock_wait_slice(bigint, integer) IS 'pgelect: waits up to p_slice_ms for the session advisory lock p_key; true when granted';
+"#,
 ];
 
 /// Installs or upgrades the pgelect schema on the database `options` point at.

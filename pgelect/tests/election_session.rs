@@ -181,6 +181,192 @@ async fn release_frees_at_once_and_watchers_follow() {
         .is_none());
 }
 
+/// Waits (bounded) until the server shows `want` observer connections of
+/// `role`, and returns how long that took.
+async fn await_observers(db: &TestDb, role: &str, want: i64) -> Duration {
+    let c = db.connect().await;
+    let app = format!("pgelect:observe:{role}");
+    let t0 = Instant::now();
+    loop {
+        let n: i64 = c
+            .query_typed_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+                &[(&app, tokio_postgres::types::Type::TEXT)],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if n == want {
+            return t0.elapsed();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{n} observer connections of {role}, expected {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_holds_one_backend_and_publishes_its_renewals() {
+    let (db, o) = migrated("elect_one_backend").await;
+    let a = fast(&o, "one", "a").build().unwrap();
+    let mut watch = a.watch();
+    println!("observer up in {:?}", await_observers(&db, "one", 1).await);
+    let la = a.leadership().await.unwrap();
+    // While leading, the observer connection is closed: the leader process
+    // holds its lock connection only.
+    println!(
+        "observer closed {:?} after the election",
+        await_observers(&db, "one", 0).await
+    );
+    let lock_app = "pgelect:one:a";
+    let c = db.connect().await;
+    let held: i64 = c
+        .query_typed_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+            &[(&lock_app, tokio_postgres::types::Type::TEXT)],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(held, 1, "the lock connection is open");
+    // Watchers still follow the lease: the leader publishes each renewal.
+    let first = watch.borrow_and_update().clone().expect("leader published");
+    assert_eq!(first.holder, "a");
+    let renewed = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            watch.changed().await.unwrap();
+            let cur = watch.borrow_and_update().clone();
+            if let Some(cur) = cur {
+                if cur.renewed_at > first.renewed_at {
+                    return cur;
+                }
+            }
+        }
+    })
+    .await
+    .expect("a renewal reaches the watchers");
+    assert_eq!(renewed.term, la.term());
+    assert!(renewed.lease_until > first.lease_until);
+    let row = pgelect::current_leader(&o, "one").await.unwrap().unwrap();
+    assert!(row.renewed_at >= renewed.renewed_at);
+    // After the release the observer comes back and sees nobody lead.
+    la.resign().await.unwrap();
+    println!(
+        "observer back {:?} after the release",
+        await_observers(&db, "one", 1).await
+    );
+    assert!(watch.borrow().is_none());
+}
+
+/// The xmin a backend of this test's database holds, by application name.
+async fn backend_xmin(c: &tokio_postgres::Client, app: &str) -> Option<i64> {
+    c.query_typed_one(
+        "SELECT backend_xmin::text::bigint FROM pg_stat_activity
+          WHERE application_name = $1 AND datname = current_database()",
+        &[(&app, tokio_postgres::types::Type::TEXT)],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocking_standby_does_not_hold_back_vacuum() {
+    let (db, o) = migrated("elect_xmin").await;
+    let a = fast(&o, "xmin", "a").build().unwrap();
+    let b = fast(&o, "xmin", "b")
+        .wait_slice(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let la = a.leadership().await.unwrap();
+    let standby = tokio::spawn(async move { b.leadership().await });
+    db.wait_for_advisory_waiters(1).await;
+    let c = db.connect().await;
+    let first = backend_xmin(&c, "pgelect:xmin:b")
+        .await
+        .expect("a waiting statement holds a snapshot");
+    // Transactions go on elsewhere; the standby's horizon must follow them
+    // within a few slices rather than stay where its wait began.
+    let t0 = Instant::now();
+    let moved = loop {
+        let xid: i64 = c
+            .query_typed_one("SELECT txid_current()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        if let Some(now) = backend_xmin(&c, "pgelect:xmin:b").await {
+            if now > first {
+                break now;
+            }
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the standby's xmin stayed at {first} while xids reached {xid}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    println!(
+        "standby xmin moved from {first} to {moved} in {:?} (slice 300 ms)",
+        t0.elapsed()
+    );
+    // Still a blocking standby: a clean release is taken at once.
+    let t1 = Instant::now();
+    la.resign().await.unwrap();
+    let lb = tokio::time::timeout(Duration::from_secs(5), standby)
+        .await
+        .expect("the standby takes over")
+        .unwrap()
+        .unwrap();
+    println!("released -> standby elected in {:?}", t1.elapsed());
+    assert!(
+        t1.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t1.elapsed()
+    );
+    lb.resign().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_lock_connection_is_reused_unless_it_died() {
+    let (db, o) = migrated("elect_reuse").await;
+    let a = fast(&o, "reuse", "a").build().unwrap();
+    let first = a.leadership().await.unwrap();
+    let pid = holder_pid(&db, "reuse").await;
+    let first_term = first.term().get();
+    first.resign().await.unwrap();
+    // The next campaign runs on the same server backend.
+    let second = a.leadership().await.unwrap();
+    assert_eq!(holder_pid(&db, "reuse").await, pid);
+    assert_eq!(second.term().get(), first_term + 1);
+    second.resign().await.unwrap();
+    let c = db.connect().await;
+    let idle: i64 = c
+        .query_typed_one(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE pid = $1 AND state = 'idle'",
+            &[(&pid, tokio_postgres::types::Type::INT4)],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(idle, 1, "the spare connection stays open and idle");
+    // A spare connection that died is replaced.
+    c.query_typed(
+        "SELECT pg_terminate_backend($1)",
+        &[(&pid, tokio_postgres::types::Type::INT4)],
+    )
+    .await
+    .unwrap();
+    let third = tokio::time::timeout(Duration::from_secs(10), a.leadership())
+        .await
+        .expect("a new connection is opened")
+        .unwrap();
+    assert_ne!(holder_pid(&db, "reuse").await, pid);
+    third.resign().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_leader_renewal_and_fence_fail_after_takeover() {
     let (db, o) = migrated("elect_stale").await;

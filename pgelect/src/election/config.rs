@@ -111,6 +111,7 @@ pub enum StandbyMode {
 /// | `handover_delay` | `min(heartbeat + heartbeat_timeout, ttl - safety_margin) + 500 ms` | 2.5 s |
 /// | `tcp_timeouts` | derived from `ttl` (below) | idle 5 s, interval 2 s, count 6, user timeout 15 s |
 /// | `check_every` | `renew_every` | 5 s |
+/// | `wait_slice` | 10 s | 10 s |
 ///
 /// A leader's **local deadline** is `ttl - safety_margin` (12 s) after the
 /// *sending* of its last successful renewal, on the monotonic clock; when it
@@ -291,6 +292,22 @@ impl ElectorBuilder {
     /// preempt a leader whose lease expired). Default: `renew_every`.
     pub fn check_every(mut self, every: Duration) -> Self {
         self.timing.check_every = Some(every);
+        self
+    }
+
+    /// Session backend: how long one slice of a blocking standby's lock
+    /// wait lasts before it is issued again. Default: 10 s.
+    ///
+    /// A statement holds a snapshot while it runs, and the oldest snapshot
+    /// bounds what VACUUM may remove in the whole database (the xmin
+    /// horizon): a standby blocked in one `pg_advisory_lock` for days would
+    /// keep every dead row for days. Each slice is one statement
+    /// (`pgelect.lock_wait_slice`) that catches its own lock timeout, so the
+    /// server logs no error for it. Between two slices the lock is not
+    /// waited for during one round trip; a release in that moment is taken
+    /// by the next slice at once (or by another standby).
+    pub fn wait_slice(mut self, slice: Duration) -> Self {
+        self.timing.wait_slice = Some(slice);
         self
     }
 

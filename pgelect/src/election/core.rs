@@ -34,6 +34,9 @@ pub(crate) struct Timing {
     pub(crate) tcp: TcpTimeouts,
     /// Lease backend: the longest a standby sleeps between two attempts.
     pub(crate) retry_every: Duration,
+    /// Session backend: the length of one slice of a blocking standby's
+    /// lock wait.
+    pub(crate) wait_slice: Duration,
 }
 
 /// The timing as the user set it; `None` means "derive the default".
@@ -48,6 +51,7 @@ pub(crate) struct TimingRequest {
     pub(crate) check_every: Option<Duration>,
     pub(crate) tcp: Option<TcpTimeouts>,
     pub(crate) retry_every: Option<Duration>,
+    pub(crate) wait_slice: Option<Duration>,
 }
 
 /// Default TTL.
@@ -58,6 +62,8 @@ pub(crate) const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(1);
 pub(crate) const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(1);
 /// Default cap on a lease-backend standby's sleep between two attempts.
 pub(crate) const DEFAULT_RETRY_EVERY: Duration = Duration::from_secs(1);
+/// Default slice of a blocking standby's lock wait.
+pub(crate) const DEFAULT_WAIT_SLICE: Duration = Duration::from_secs(10);
 
 /// The TCP timeouts used when none are given: derived from the TTL so that
 /// the server cannot declare a silent client gone (and release its lock)
@@ -183,6 +189,13 @@ impl TimingRequest {
         positive("check_every", check_every)?;
         let retry_every = self.retry_every.unwrap_or(DEFAULT_RETRY_EVERY);
         positive("retry_every", retry_every)?;
+        let wait_slice = self.wait_slice.unwrap_or(DEFAULT_WAIT_SLICE);
+        positive("wait_slice", wait_slice)?;
+        if wait_slice > MAX_TTL {
+            return Err(format!(
+                "wait_slice {wait_slice:?} is longer than the maximum {MAX_TTL:?}"
+            ));
+        }
         Ok(Timing {
             ttl,
             safety_margin,
@@ -193,6 +206,7 @@ impl TimingRequest {
             check_every,
             tcp,
             retry_every,
+            wait_slice,
         })
     }
 
@@ -243,6 +257,13 @@ impl TimingRequest {
         positive("check_every", check_every)?;
         let retry_every = self.retry_every.unwrap_or(DEFAULT_RETRY_EVERY);
         positive("retry_every", retry_every)?;
+        let wait_slice = self.wait_slice.unwrap_or(DEFAULT_WAIT_SLICE);
+        positive("wait_slice", wait_slice)?;
+        if wait_slice > MAX_TTL {
+            return Err(format!(
+                "wait_slice {wait_slice:?} is longer than the maximum {MAX_TTL:?}"
+            ));
+        }
         Ok(Timing {
             ttl,
             safety_margin,
@@ -253,6 +274,7 @@ impl TimingRequest {
             check_every,
             tcp: self.tcp.unwrap_or_else(|| default_tcp_for(ttl)),
             retry_every,
+            wait_slice,
         })
     }
 }

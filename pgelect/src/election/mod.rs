@@ -145,7 +145,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::conn::{ConnectOptions, Notice};
+use crate::conn::{ConnectOptions, DedicatedConnection, Notice};
 use crate::error::Result;
 use crate::key::LockKey;
 
@@ -176,8 +176,13 @@ pub(crate) struct Shared {
     pub(crate) standby: StandbyMode,
     pub(crate) meta: Option<serde_json::Value>,
     pub(crate) leader: tokio::sync::watch::Sender<Option<LeaderInfo>>,
-    pub(crate) standing: tokio::sync::watch::Sender<usize>,
+    /// What this elector is doing, which decides whether its observer
+    /// connection is needed.
+    pub(crate) activity: tokio::sync::watch::Sender<Activity>,
     observer: Mutex<Option<CancellationToken>>,
+    /// Session backend: the lock connection of the last clean release, for
+    /// the next campaign.
+    spare: Mutex<Option<DedicatedConnection>>,
     pub(crate) backend: Backend,
     /// Lease backend: the direct connection for `LISTEN`, if any.
     pub(crate) listen_via: Option<ConnectOptions>,
@@ -186,6 +191,29 @@ pub(crate) struct Shared {
     listener: Mutex<Option<CancellationToken>>,
     /// Lease backend: statements sent (acquire, renew, release, connect probe).
     pub(crate) lease_statements: std::sync::atomic::AtomicU64,
+}
+
+/// What an elector is doing, for its observer task.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct Activity {
+    /// Blocking standbys of this elector waiting for the lock.
+    pub(crate) standing: usize,
+    /// Live session-backend leaderships of this elector.
+    pub(crate) leading: usize,
+    /// [`Elector::watch`] was called.
+    pub(crate) watched: bool,
+}
+
+impl Activity {
+    /// The observer connection is open while someone watches or a blocking
+    /// standby waits (it preempts zombie leaders), and never while this
+    /// elector leads with the session backend: the leader publishes its own
+    /// state, and a leader process then holds one server backend, not two
+    /// (the failover benchmark measured the second backend: the dead
+    /// leader's lock was granted later when its process held more of them).
+    pub(crate) fn wants_observer(&self) -> bool {
+        self.leading == 0 && (self.watched || self.standing > 0)
+    }
 }
 
 impl Shared {
@@ -202,6 +230,21 @@ impl Shared {
             stop,
         };
         tokio::spawn(observer.run());
+    }
+
+    /// Takes the spare lock connection, if it is still open.
+    pub(crate) fn take_spare(&self) -> Option<DedicatedConnection> {
+        let conn = self
+            .spare
+            .lock()
+            .expect("BUG: poisoned spare slot")
+            .take()?;
+        (!conn.is_closed()).then_some(conn)
+    }
+
+    /// Keeps a released lock connection for the next campaign.
+    pub(crate) fn put_spare(&self, conn: DedicatedConnection) {
+        *self.spare.lock().expect("BUG: poisoned spare slot") = Some(conn);
     }
 
     /// Lease backend: starts the `LISTEN` task if a `listen_via` connection
@@ -292,8 +335,9 @@ impl Elector {
                 standby,
                 meta,
                 leader: tokio::sync::watch::Sender::new(None),
-                standing: tokio::sync::watch::Sender::new(0),
+                activity: tokio::sync::watch::Sender::new(Activity::default()),
                 observer: Mutex::new(None),
+                spare: Mutex::new(None),
                 backend,
                 listen_via,
                 lease_notices: tokio::sync::broadcast::Sender::new(64),
@@ -396,6 +440,9 @@ impl Elector {
     /// The first call starts a light observer connection, kept until the
     /// elector is dropped. Must be called within a Tokio runtime.
     pub fn watch(&self) -> tokio::sync::watch::Receiver<Option<LeaderInfo>> {
+        self.shared
+            .activity
+            .send_if_modified(|a| !std::mem::replace(&mut a.watched, true));
         self.shared.ensure_observer();
         self.shared.leader.subscribe()
     }

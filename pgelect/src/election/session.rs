@@ -12,10 +12,12 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::Row;
 use tracing::Instrument;
 
 use crate::conn::DedicatedConnection;
 use crate::error::{Error, Result};
+use crate::key::LockKey;
 use crate::metrics;
 use crate::schema::check_schema;
 
@@ -25,7 +27,7 @@ use super::leadership::{Command, LeaderContext, LeaderState, Leadership, LossRea
 use super::watch::{
     parse_leader_event, preempt_zombie, read_leader, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
 };
-use super::{Shared, StandbyMode, Term};
+use super::{Activity, Shared, StandbyMode, Term};
 
 /// Exponential backoff with jitter: 100 ms doubling up to 5 s, each delay
 /// drawn from `[d/2, d]`.
@@ -101,35 +103,77 @@ impl Drop for KillOnDrop<'_> {
     }
 }
 
-struct StandingGuard<'a>(&'a Shared);
+/// Counts itself in one of the elector's [`Activity`] counters (standing
+/// standbys, live leaderships) for as long as it lives.
+struct Counted<'a> {
+    activity: &'a tokio::sync::watch::Sender<Activity>,
+    field: fn(&mut Activity) -> &mut usize,
+}
 
-impl Drop for StandingGuard<'_> {
-    fn drop(&mut self) {
-        self.0.standing.send_modify(|n| *n = n.saturating_sub(1));
+impl<'a> Counted<'a> {
+    fn new(
+        activity: &'a tokio::sync::watch::Sender<Activity>,
+        field: fn(&mut Activity) -> &mut usize,
+    ) -> Self {
+        activity.send_modify(|a| *field(a) += 1);
+        Counted { activity, field }
     }
 }
 
-async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
-    let schema = shared.options.schema_name().clone();
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        let field = self.field;
+        self.activity
+            .send_modify(|a| *field(a) = field(a).saturating_sub(1));
+    }
+}
+
+/// Opens and prepares a lock connection: session settings, schema and
+/// pooler checks, and the election statement planned once.
+async fn lock_connection(shared: &Shared, elect: &ElectStatement) -> Result<DedicatedConnection> {
+    let schema = shared.options.schema_name();
     let s = schema.as_str();
     let purpose = format!("{}:{}", shared.role, shared.node);
     let conn = shared
         .options
         .connect_for_locks(&purpose, &shared.timing.tcp)
         .await?;
+    let prepared = async {
+        // A backend blocked in a lock wait notices a vanished client only if
+        // it checks the socket (PostgreSQL 14+); skipped on older servers.
+        conn.set_session(
+            &[(
+                "client_connection_check_interval",
+                shared.timing.heartbeat.as_millis().max(1).to_string(),
+            )],
+            s,
+        )
+        .await?;
+        check_schema(conn.client(), schema).await?;
+        check_not_transaction_pooled(shared, &conn).await?;
+        elect.warm_up(shared, &conn).await
+    }
+    .await;
+    match prepared {
+        Ok(()) => Ok(conn),
+        Err(e) => {
+            conn.kill();
+            Err(e)
+        }
+    }
+}
+
+async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
+    let schema = shared.options.schema_name().clone();
+    let s = schema.as_str();
+    let elect = ElectStatement::new(shared);
+    // The connection of this elector's last clean release, if it is still
+    // open: warmed up and checked already, and no backend to start.
+    let conn = match shared.take_spare() {
+        Some(conn) => conn,
+        None => lock_connection(shared, &elect).await?,
+    };
     let mut guard = KillOnDrop { conn: Some(&conn) };
-    // A backend blocked in a lock wait notices a vanished client only if it
-    // checks the socket (PostgreSQL 14+); skipped on older servers.
-    conn.set_session(
-        &[(
-            "client_connection_check_interval",
-            shared.timing.heartbeat.as_millis().max(1).to_string(),
-        )],
-        s,
-    )
-    .await?;
-    check_schema(conn.client(), &schema).await?;
-    check_not_transaction_pooled(shared, &conn).await?;
 
     let key = shared.key;
     let params = key.params();
@@ -138,15 +182,28 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
     match shared.standby {
         StandbyMode::Blocking => {
             shared.ensure_observer();
-            shared.standing.send_modify(|n| *n += 1);
-            let _standing = StandingGuard(shared);
-            let sql = format!("SELECT pg_advisory_lock({})", key.sql_args(1));
-            tokio::select! {
-                r = conn.client().query_typed(&sql, &args) => {
-                    r.map_err(|e| Error::db("wait for the leader's lock", s, e))?;
-                }
-                _ = conn.closed().cancelled() => {
-                    return Err(Error::ConnectionLost { operation: "wait for the leader's lock" });
+            let _standing = Counted::new(&shared.activity, |a| &mut a.standing);
+            let LockKey::Single(k) = key else {
+                unreachable!("BUG: role keys are hashed names, which are single keys")
+            };
+            // At most 24 h (validated), which fits an i32 of milliseconds.
+            let slice_ms = shared.timing.wait_slice.as_millis() as i32;
+            let sql = format!("SELECT {s}.lock_wait_slice($1, $2)");
+            let slice_args: [(&(dyn ToSql + Sync), Type); 2] =
+                [(&k, Type::INT8), (&slice_ms, Type::INT4)];
+            loop {
+                tokio::select! {
+                    r = conn.client().query_typed_one(&sql, &slice_args) => {
+                        let granted: bool = r
+                            .map_err(|e| Error::db("wait for the leader's lock", s, e))?
+                            .get(0);
+                        if granted {
+                            break;
+                        }
+                    }
+                    _ = conn.closed().cancelled() => {
+                        return Err(Error::ConnectionLost { operation: "wait for the leader's lock" });
+                    }
                 }
             }
         }
@@ -167,7 +224,7 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
     let listen = format!("BEGIN; LISTEN {RESIGN_CHANNEL}");
     let (begun, elected, committed) = tokio::join!(
         conn.client().batch_execute(&listen),
-        elect(shared, &conn),
+        elect.run(shared, &conn),
         conn.client().batch_execute("COMMIT"),
     );
     begun.map_err(|e| Error::db("record the new term", s, e))?;
@@ -240,64 +297,97 @@ struct Elected {
     lease_until: SystemTime,
 }
 
-async fn elect(shared: &Shared, conn: &DedicatedConnection) -> Result<Elected> {
-    let s = shared.options.schema_name().as_str();
-    // No FOR UPDATE in `old`: a row locked after `up` updated it in the same
-    // statement is skipped, which hid the previous holder (and with it the
-    // handover delay). The advisory lock already serialises electors, and
-    // `up` locks the row itself.
-    let sql = format!(
-        "WITH old AS (
-             SELECT holder FROM {s}.leaders WHERE role = $1
-         ), up AS (
-             INSERT INTO {s}.leaders AS l
-                    (role, holder, holder_meta, term, backend, holder_pid, acquired_at, renewed_at, lease_until)
-             VALUES ($1, $2, $3, 1, 'session', pg_backend_pid(), now(), now(),
-                     now() + $4 * interval '1 millisecond')
-             ON CONFLICT (role) DO UPDATE
-                SET holder = EXCLUDED.holder, holder_meta = EXCLUDED.holder_meta,
-                    term = l.term + 1, backend = EXCLUDED.backend,
-                    holder_pid = EXCLUDED.holder_pid, acquired_at = EXCLUDED.acquired_at,
-                    renewed_at = EXCLUDED.renewed_at, lease_until = EXCLUDED.lease_until,
-                    resign_requested = false, lease_token = NULL
-              -- A live lease-backend leader is not protected by the advisory
-              -- lock: never take its row (all candidates of a role must use
-              -- one backend; refused below).
-              WHERE NOT (l.backend = 'lease' AND l.holder IS NOT NULL AND l.lease_until >= now())
-             RETURNING l.term, l.acquired_at, l.lease_until
-         )
-         SELECT up.term, (SELECT holder FROM old), up.acquired_at, up.lease_until,
-                pg_notify('{LEADER_CHANNEL}', $5)::text
-           FROM up"
-    );
-    let ttl_ms = shared.timing.ttl.as_millis() as i64;
-    let payload = format!("{s}:elected:{}", shared.role);
-    let row = conn
-        .client()
-        .query_typed_opt(
-            &sql,
-            &[
-                (&shared.role, Type::TEXT),
-                (&shared.node, Type::TEXT),
-                (&shared.meta, Type::JSONB),
-                (&ttl_ms, Type::INT8),
-                (&payload, Type::TEXT),
-            ],
-        )
-        .await
-        .map_err(|e| Error::db("record the new term", s, e))?;
-    let Some(row) = row else {
-        return Err(Error::config(format!(
-            "role {:?} is held by a live leader using the lease backend, but this candidate uses the session backend: all candidates of a role must use the same backend",
-            shared.role
-        )));
-    };
-    Ok(Elected {
-        term: Term::new(row.get(0)),
-        previous_holder: row.get(1),
-        acquired_at: row.get(2),
-        lease_until: row.get(3),
-    })
+/// The statement that records a new term: bumps the term and writes the
+/// lease row naming this candidate, returns the previous holder (set when
+/// the last leader did not release cleanly) and notifies watchers.
+struct ElectStatement {
+    sql: String,
+    ttl_ms: i64,
+    payload: String,
+}
+
+impl ElectStatement {
+    fn new(shared: &Shared) -> Self {
+        let s = shared.options.schema_name().as_str();
+        // No FOR UPDATE in `old`: a row locked after `up` updated it in the
+        // same statement is skipped, which hid the previous holder (and with
+        // it the handover delay). The advisory lock already serialises
+        // electors, and `up` locks the row itself.
+        let sql = format!(
+            "WITH old AS (
+                 SELECT holder FROM {s}.leaders WHERE role = $1
+             ), up AS (
+                 INSERT INTO {s}.leaders AS l
+                        (role, holder, holder_meta, term, backend, holder_pid, acquired_at, renewed_at, lease_until)
+                 VALUES ($1, $2, $3, 1, 'session', pg_backend_pid(), now(), now(),
+                         now() + $4 * interval '1 millisecond')
+                 ON CONFLICT (role) DO UPDATE
+                    SET holder = EXCLUDED.holder, holder_meta = EXCLUDED.holder_meta,
+                        term = l.term + 1, backend = EXCLUDED.backend,
+                        holder_pid = EXCLUDED.holder_pid, acquired_at = EXCLUDED.acquired_at,
+                        renewed_at = EXCLUDED.renewed_at, lease_until = EXCLUDED.lease_until,
+                        resign_requested = false, lease_token = NULL
+                  -- A live lease-backend leader is not protected by the advisory
+                  -- lock: never take its row (all candidates of a role must use
+                  -- one backend; refused below).
+                  WHERE NOT (l.backend = 'lease' AND l.holder IS NOT NULL AND l.lease_until >= now())
+                 RETURNING l.term, l.acquired_at, l.lease_until
+             )
+             SELECT up.term, (SELECT holder FROM old), up.acquired_at, up.lease_until,
+                    pg_notify('{LEADER_CHANNEL}', $5)::text
+               FROM up"
+        );
+        ElectStatement {
+            sql,
+            ttl_ms: shared.timing.ttl.as_millis() as i64,
+            payload: format!("{s}:elected:{}", shared.role),
+        }
+    }
+
+    fn args<'a>(&'a self, shared: &'a Shared) -> [(&'a (dyn ToSql + Sync), Type); 5] {
+        [
+            (&shared.role, Type::TEXT),
+            (&shared.node, Type::TEXT),
+            (&shared.meta, Type::JSONB),
+            (&self.ttl_ms, Type::INT8),
+            (&self.payload, Type::TEXT),
+        ]
+    }
+
+    /// Plans the statement without running it (`EXPLAIN`), before the lock
+    /// wait. A new server backend loads the catalog entries of the lease
+    /// table, its indexes and the functions on first use: about 1.5 ms of a
+    /// 2-core machine's time (measured with pgbench), which would otherwise
+    /// fall between the lock grant and the new term.
+    async fn warm_up(&self, shared: &Shared, conn: &DedicatedConnection) -> Result<()> {
+        let s = shared.options.schema_name().as_str();
+        conn.client()
+            .query_typed(&format!("EXPLAIN {}", self.sql), &self.args(shared))
+            .await
+            .map_err(|e| Error::db("prepare the election statement", s, e))?;
+        Ok(())
+    }
+
+    async fn run(&self, shared: &Shared, conn: &DedicatedConnection) -> Result<Elected> {
+        let s = shared.options.schema_name().as_str();
+        let row = conn
+            .client()
+            .query_typed_opt(&self.sql, &self.args(shared))
+            .await
+            .map_err(|e| Error::db("record the new term", s, e))?;
+        let Some(row) = row else {
+            return Err(Error::config(format!(
+                "role {:?} is held by a live leader using the lease backend, but this candidate uses the session backend: all candidates of a role must use the same backend",
+                shared.role
+            )));
+        };
+        Ok(Elected {
+            term: Term::new(row.get(0)),
+            previous_holder: row.get(1),
+            acquired_at: row.get(2),
+            lease_until: row.get(3),
+        })
+    }
 }
 
 /// Detects a pooler in transaction (or statement) mode between us and the
@@ -415,8 +505,9 @@ async fn poll_for_lock(
     }
 }
 
-type StatementFuture<'a> =
-    Pin<Box<dyn Future<Output = (Probe, Instant, Result<u64, tokio_postgres::Error>)> + Send + 'a>>;
+type StatementFuture<'a> = Pin<
+    Box<dyn Future<Output = (Probe, Instant, Result<Vec<Row>, tokio_postgres::Error>)> + Send + 'a>,
+>;
 
 /// The leader's task: carries out the keeper's actions until leadership ends.
 #[allow(clippy::too_many_arguments)] // one call site; a struct would only rename them
@@ -430,12 +521,13 @@ async fn keep(
     activated: oneshot::Sender<bool>,
     granted_at: Instant,
 ) {
+    let _leading = Counted::new(&shared.activity, |a| &mut a.leading);
     let s = shared.options.schema_name().as_str().to_owned();
     let renew_sql = format!(
         "UPDATE {s}.leaders
             SET renewed_at = now(), lease_until = now() + $4 * interval '1 millisecond'
           WHERE role = $1 AND holder = $2 AND term = $3 AND holder_pid = pg_backend_pid()
-         RETURNING term"
+         RETURNING renewed_at, lease_until"
     );
     let ttl_ms = shared.timing.ttl.as_millis() as i64;
     let term = state.term.get();
@@ -467,8 +559,7 @@ async fn keep(
                                     (&ttl_ms, Type::INT8),
                                 ],
                             )
-                            .await
-                            .map(|rows| rows.len() as u64);
+                            .await;
                         (Probe::Renew, sent, r)
                     }));
                 }
@@ -476,7 +567,7 @@ async fn keep(
                     let c = client;
                     in_flight = Some(Box::pin(async move {
                         let sent = Instant::now();
-                        let r = c.simple_query("SELECT 1").await.map(|_| 1);
+                        let r = c.simple_query("SELECT 1").await.map(|_| Vec::new());
                         (Probe::Heartbeat, sent, r)
                     }));
                 }
@@ -539,10 +630,24 @@ async fn keep(
                 in_flight = None;
                 let now = Instant::now();
                 match (probe, result) {
-                    (Probe::Renew, Ok(1)) => {
+                    (Probe::Renew, Ok(rows)) if rows.len() == 1 => {
                         keeper.renewed(sent, now);
                         let remaining = keeper.deadline().saturating_duration_since(now);
                         metrics::renewed(&shared.role, now - sent, remaining);
+                        // Watchers see the renewal: while leading, this
+                        // elector's observer is closed and the leader is
+                        // the one that knows.
+                        let renewed_at: SystemTime = rows[0].get(0);
+                        let lease_until: SystemTime = rows[0].get(1);
+                        shared.leader.send_if_modified(|cur| match cur {
+                            Some(c) if c.holder == shared.node && c.term.get() == term => {
+                                c.renewed_at = renewed_at;
+                                c.lease_until = lease_until;
+                                c.lease_expired = false;
+                                true
+                            }
+                            _ => false,
+                        });
                     }
                     (Probe::Renew, Ok(_)) => {
                         tracing::warn!("renewal found the lease row no longer ours: preempted");
@@ -598,7 +703,11 @@ async fn keep(
         Ok(()) => {
             tracing::info!(%reason, "leadership released");
             shared.publish_if_holder(&shared.node, term, None);
-            conn.close().await;
+            // Kept for this elector's next campaign rather than closed now:
+            // a backend ending on the server is work that would compete
+            // with the successor's election (measured in the failover
+            // benchmark); it is closed when the elector is dropped.
+            shared.put_spare(conn);
         }
         Err(e) => {
             tracing::warn!(error = %e, "clean release failed; dropping the lock connection");
@@ -632,9 +741,13 @@ async fn release(shared: &Shared, conn: &DedicatedConnection, term: i64) -> Resu
         (&term, Type::INT8),
         (&payload, Type::TEXT),
     ];
-    let (cleared, unlocked) = tokio::join!(
+    let unlisten = format!("UNLISTEN {RESIGN_CHANNEL}");
+    let (cleared, unlocked, unlistened) = tokio::join!(
         conn.client().query_typed_one(&sql, &clear_args),
         conn.client().query_typed_one(&unlock_sql, &args),
+        // A listening backend that does not read (a later lock wait) would
+        // hold back the server's notification queue.
+        conn.client().batch_execute(&unlisten),
     );
     let cleared: i64 = cleared
         .map_err(|e| Error::db("release the leadership", s, e))?
@@ -650,6 +763,7 @@ async fn release(shared: &Shared, conn: &DedicatedConnection, term: i64) -> Resu
             shared.options.target()
         )));
     }
+    unlistened.map_err(|e| Error::db("stop listening for resign requests", s, e))?;
     Ok(())
 }
 

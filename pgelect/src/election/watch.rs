@@ -267,7 +267,13 @@ impl Observer {
                 (super::Backend::Lease, None) => (shared.options.clone(), false),
                 _ => (shared.options.clone(), true),
             };
+            let mut activity = shared.activity.subscribe();
             drop(shared);
+            // Connected only while needed (see `Activity::wants_observer`).
+            tokio::select! {
+                _ = self.stop.cancelled() => return,
+                r = activity.wait_for(|a| a.wants_observer()) => if r.is_err() { return },
+            }
             let conn = tokio::select! {
                 _ = self.stop.cancelled() => return,
                 c = options.connect(&purpose) => c,
@@ -275,10 +281,16 @@ impl Observer {
             match conn {
                 Ok(conn) => {
                     failures = 0;
-                    if let Err(e) = self.observe(&conn, listen).await {
-                        tracing::debug!(error = %e, "observer connection failed; reconnecting");
+                    match self.observe(&conn, listen, activity).await {
+                        Ok(()) => {
+                            conn.close().await;
+                            continue;
+                        }
+                        Err(e) => {
+                            tracing::debug!(error = %e, "observer connection failed; reconnecting");
+                            conn.kill();
+                        }
                     }
-                    conn.kill();
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "observer cannot connect; retrying");
@@ -292,7 +304,14 @@ impl Observer {
         }
     }
 
-    async fn observe(&self, conn: &DedicatedConnection, listen: bool) -> Result<()> {
+    /// Observes until the connection fails (`Err`), or until the elector
+    /// is dropped or stopped, or no longer needs the connection (`Ok`).
+    async fn observe(
+        &self,
+        conn: &DedicatedConnection,
+        listen: bool,
+        mut activity: tokio::sync::watch::Receiver<super::Activity>,
+    ) -> Result<()> {
         let Some(shared) = self.shared.upgrade() else {
             return Ok(());
         };
@@ -300,16 +319,24 @@ impl Observer {
         let role = shared.role.clone();
         let key = shared.key;
         let check_every = shared.timing.check_every;
-        let mut standing = shared.standing.subscribe();
         drop(shared);
         let mut notices = conn.notices();
-        if listen {
-            conn.client()
-                .batch_execute(&format!("LISTEN {LEADER_CHANNEL}"))
-                .await
-                .map_err(|e| Error::db("listen for leader changes", schema.as_str(), e))?;
-        }
+        let mut listening = false;
         loop {
+            let now = *activity.borrow_and_update();
+            if !now.wants_observer() {
+                return Ok(());
+            }
+            // Changes are pushed only to watchers. A standby alone needs
+            // the periodic check (zombies), not a wake-up on every change,
+            // which would put a read beside its own election on the server.
+            if listen && now.watched && !listening {
+                conn.client()
+                    .batch_execute(&format!("LISTEN {LEADER_CHANNEL}"))
+                    .await
+                    .map_err(|e| Error::db("listen for leader changes", schema.as_str(), e))?;
+                listening = true;
+            }
             let info = read_leader(conn.client(), &schema, &role).await?;
             let expired = info.as_ref().is_some_and(|i| i.lease_expired);
             let Some(shared) = self.shared.upgrade() else {
@@ -318,7 +345,7 @@ impl Observer {
             shared.publish(info);
             drop(shared);
             if expired
-                && *standing.borrow_and_update() > 0
+                && now.standing > 0
                 && preempt_zombie(conn.client(), &schema, &role, key)
                     .await?
                     .is_some()
@@ -332,7 +359,7 @@ impl Observer {
                     _ = self.stop.cancelled() => return Ok(()),
                     _ = conn.closed().cancelled() => return Err(Error::ConnectionLost { operation: "observe the leader" }),
                     _ = &mut sleep => break,
-                    r = standing.changed() => {
+                    r = activity.changed() => {
                         if r.is_err() {
                             return Ok(());
                         }
