@@ -162,7 +162,8 @@ use self::core::Timing;
 /// Built with [`Elector::builder`]; see [`ElectorBuilder`] for the timing,
 /// its defaults and the safety inequalities it enforces. One `Elector` may
 /// campaign again after losing; dropping it stops its observer connection
-/// (a [`Leadership`] it handed out lives on).
+/// and closes the lock connection kept from its last clean release (a
+/// [`Leadership`] it handed out lives on).
 pub struct Elector {
     shared: Arc<Shared>,
 }
@@ -438,7 +439,9 @@ impl Elector {
     /// while nobody holds the role.
     ///
     /// The first call starts a light observer connection, kept until the
-    /// elector is dropped. Must be called within a Tokio runtime.
+    /// elector is dropped; while this elector leads with the session backend
+    /// it is closed and the leader publishes its own renewals. Must be
+    /// called within a Tokio runtime.
     pub fn watch(&self) -> tokio::sync::watch::Receiver<Option<LeaderInfo>> {
         self.shared
             .activity
