@@ -136,6 +136,15 @@ struct State {
     /// Locks of dropped guards, to release before the next statement.
     pending: Vec<(LockKey, LockMode)>,
     waiting: Option<(LockKey, LockMode)>,
+    /// Set while pgelect cancels an abandoned wait: a query-cancel error is
+    /// then ours. Otherwise one is a late cancel of an earlier wait (the
+    /// driver's cancel request does not wait for the server to act on it)
+    /// and the statement is run again.
+    cancelling: bool,
+}
+
+fn is_query_canceled(e: &tokio_postgres::Error) -> bool {
+    e.code() == Some(&SqlState::QUERY_CANCELED)
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -315,12 +324,11 @@ impl LockSession {
     pub async fn unlock_all_behind_guards_for_tests(&self) -> Result<()> {
         let ops = self.inner.ops.clone().lock_owned().await;
         self.inner
-            .quick(
-                "unlock all (test hook)",
+            .quick("unlock all (test hook)", || {
                 self.inner
                     .client()
-                    .simple_query("SELECT pg_advisory_unlock_all()"),
-            )
+                    .simple_query("SELECT pg_advisory_unlock_all()")
+            })
             .await?;
         drop(ops);
         Ok(())
@@ -560,12 +568,27 @@ impl Inner {
     /// Runs a short statement bounded by `statement_timeout`; one that does
     /// not answer in time means the connection is dead: it is closed (the
     /// server then releases the locks) and `lost` fires.
-    async fn quick<T>(
-        &self,
-        operation: &'static str,
-        statement: impl Future<Output = std::result::Result<T, tokio_postgres::Error>>,
-    ) -> Result<T> {
-        match tokio::time::timeout(self.statement_timeout, statement).await {
+    ///
+    /// A query-cancel error is a late cancel request of an abandoned wait
+    /// (nothing else of pgelect cancels a short statement): it is run again,
+    /// once.
+    async fn quick<T, F>(&self, operation: &'static str, statement: impl Fn() -> F) -> Result<T>
+    where
+        F: Future<Output = std::result::Result<T, tokio_postgres::Error>>,
+    {
+        let bounded = async {
+            match statement().await {
+                Err(e) if is_query_canceled(&e) => {
+                    tracing::debug!(
+                        operation,
+                        "a late cancel request hit a short statement; running it again"
+                    );
+                    statement().await
+                }
+                other => other,
+            }
+        };
+        match tokio::time::timeout(self.statement_timeout, bounded).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(Error::db(operation, &self.schema, e)),
             Err(_) => {
@@ -610,7 +633,7 @@ impl Inner {
                     key.sql_args(1)
                 );
                 let row = self
-                    .quick("try a lock", self.client().query_typed_one(&sql, &args))
+                    .quick("try a lock", || self.client().query_typed_one(&sql, &args))
                     .await?;
                 Ok(row.get::<_, bool>(0).then(|| self.register(key, mode)))
             }
@@ -633,7 +656,13 @@ impl Inner {
                 );
                 let statement = async {
                     loop {
-                        let messages = self.client().simple_query(&sql).await?;
+                        let messages = match self.client().simple_query(&sql).await {
+                            Err(e) if is_query_canceled(&e) && !self.state().cancelling => {
+                                tracing::debug!(%key, "a late cancel request hit a lock wait; waiting again");
+                                continue;
+                            }
+                            r => r?,
+                        };
                         let granted = messages.iter().any(|m| match m {
                             SimpleQueryMessage::Row(r) => r.get(0) == Some("on"),
                             _ => false,
@@ -657,7 +686,15 @@ impl Inner {
                     mode.suffix(),
                     key_literals(&key)
                 );
-                let statement = async { self.client().simple_query(&sql).await.map(drop) };
+                let statement = async {
+                    match self.client().simple_query(&sql).await {
+                        Err(e) if is_query_canceled(&e) && !self.state().cancelling => {
+                            tracing::debug!(%key, "a late cancel request hit a bounded lock wait; waiting again");
+                            self.client().simple_query(&sql).await.map(drop)
+                        }
+                        r => r.map(drop),
+                    }
+                };
                 self.wait_for(ops, key, mode, true, statement, caller).await
             }
         }
@@ -681,13 +718,18 @@ impl Inner {
             outcome = &mut statement => (outcome, false),
             _ = caller.closed() => {
                 tracing::debug!(%key, pid = self.conn.pid(), "lock wait abandoned; cancelling it on the server");
+                self.state().cancelling = true;
                 if let Err(e) = self.conn.cancel_token().cancel_query(NoTls).await {
                     tracing::warn!(%key, error = %e, "could not cancel an abandoned lock wait; it ends when granted");
                 }
                 (statement.await, true)
             }
         };
-        self.state().waiting = None;
+        {
+            let mut state = self.state();
+            state.waiting = None;
+            state.cancelling = false;
+        }
         match outcome {
             Ok(()) if abandoned => {
                 if let Err(e) = self.unlock(ops, key, mode).await {
@@ -728,22 +770,22 @@ impl Inner {
     async fn is_granted(&self, key: LockKey, mode: LockMode) -> Result<bool> {
         let (classid, objid, objsubid) = key.pg_locks_ids();
         let mode_name = mode.pg_locks_mode();
+        let args: [(&(dyn tokio_postgres::types::ToSql + Sync), Type); 4] = [
+            (&classid, Type::OID),
+            (&objid, Type::OID),
+            (&objsubid, Type::INT2),
+            (&mode_name, Type::TEXT),
+        ];
         let row = self
-            .quick(
-                "check pg_locks",
+            .quick("check pg_locks", || {
                 self.client().query_typed_one(
                     "SELECT EXISTS (SELECT 1 FROM pg_locks
                       WHERE locktype = 'advisory' AND pid = pg_backend_pid()
                         AND classid = $1 AND objid = $2 AND objsubid = $3
                         AND mode = $4 AND granted)",
-                    &[
-                        (&classid, Type::OID),
-                        (&objid, Type::OID),
-                        (&objsubid, Type::INT2),
-                        (&mode_name, Type::TEXT),
-                    ],
-                ),
-            )
+                    &args,
+                )
+            })
             .await?;
         Ok(row.get(0))
     }
@@ -757,21 +799,12 @@ impl Inner {
         );
         let params = key.params();
         let args: Vec<_> = params.iter().map(|p| p.as_sql()).collect();
-        let mut retried = false;
-        loop {
-            let result = self
-                .quick("release a lock", self.client().query_typed_one(&sql, &args))
-                .await;
-            match result {
-                Ok(row) => return Ok(row.get(0)),
-                // The cancel request of an abandoned wait can arrive late
-                // and hit the next statement: run it again.
-                Err(e) if !retried && e.sqlstate() == Some(SqlState::QUERY_CANCELED.code()) => {
-                    retried = true;
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        let row = self
+            .quick("release a lock", || {
+                self.client().query_typed_one(&sql, &args)
+            })
+            .await?;
+        Ok(row.get(0))
     }
 
     /// Releases the locks of dropped guards.
@@ -839,10 +872,9 @@ async fn heartbeat(session: Weak<Inner>, lost: CancellationToken, every: Duratio
             return;
         }
         if let Err(e) = inner
-            .quick(
-                "check the connection",
-                inner.client().simple_query("SELECT 1"),
-            )
+            .quick("check the connection", || {
+                inner.client().simple_query("SELECT 1")
+            })
             .await
         {
             tracing::warn!(pid = inner.conn.pid(), error = %e, "lock connection heartbeat failed; closing it");
