@@ -27,6 +27,9 @@ pub const TAKEOVER_SECONDS: &str = "pgelect_takeover_duration_seconds";
 pub const LEASE_STATEMENTS: &str = "pgelect_lease_statements_total";
 /// Counter: zombie leaders whose backend this process terminated.
 pub const PREEMPTIONS: &str = "pgelect_preemptions_total";
+/// Histogram, seconds: how late a local deadline was noticed, recorded when
+/// over 100 ms (the process was paused or starved of CPU).
+pub const DEADLINE_LATE_SECONDS: &str = "pgelect_deadline_late_seconds";
 
 pub(crate) fn leader_on(role: &str, term: i64, takeover: std::time::Duration) {
     let role = role.to_owned();
@@ -46,6 +49,11 @@ pub(crate) fn renewed(role: &str, round_trip: std::time::Duration, remaining: st
     let role = role.to_owned();
     metrics::histogram!(RENEW_SECONDS, "role" => role.clone()).record(round_trip.as_secs_f64());
     metrics::gauge!(DEADLINE_REMAINING_SECONDS, "role" => role).set(remaining.as_secs_f64());
+}
+
+pub(crate) fn deadline_late(role: &str, late: std::time::Duration) {
+    metrics::histogram!(DEADLINE_LATE_SECONDS, "role" => role.to_owned())
+        .record(late.as_secs_f64());
 }
 
 pub(crate) fn preempted_zombie(role: &str) {

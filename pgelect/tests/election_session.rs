@@ -450,7 +450,7 @@ async fn terminated_leader_backend_hands_over_after_the_delay() {
     .await
     .unwrap();
     la.lost().await;
-    log.end(ia);
+    log.end_at(ia, la.lost_at().expect("lost"));
     let noticed = t0.elapsed();
     let (lb, ib) = standby.await.unwrap();
     let took = t0.elapsed();
@@ -487,7 +487,7 @@ async fn blackholed_leader_demotes_before_the_standby_acts() {
     let t0 = Instant::now();
     proxy.blackhole();
     la.lost().await;
-    log.end(ia);
+    log.end_at(ia, la.lost_at().expect("lost"));
     let noticed = t0.elapsed();
     let (lb, ib) = tokio::time::timeout(Duration::from_secs(20), standby)
         .await
@@ -533,7 +533,7 @@ async fn database_restart_ends_in_exactly_one_leader_with_a_higher_term() {
                 };
                 let i = log.start(e.node_id(), l.term());
                 tokio::select! {
-                    _ = l.lost() => log.end(i),
+                    _ = l.lost() => log.end_at(i, l.lost_at().expect("lost")),
                     _ = stop.cancelled() => { log.end(i); let _ = l.resign().await; return; }
                 }
             }

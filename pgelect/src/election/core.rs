@@ -17,6 +17,17 @@ use super::leadership::LossReason;
 /// The longest TTL accepted, so that deadline arithmetic cannot overflow.
 pub(crate) const MAX_TTL: Duration = Duration::from_secs(24 * 3600);
 
+/// Logs a local deadline noticed well after it passed: the process was
+/// paused or starved of CPU, and may have believed it led after its lease
+/// could be taken over; only fenced writes were safe meanwhile.
+pub(crate) fn warn_if_late(role: &str, reason: LossReason, now: Instant, deadline: Instant) {
+    let late = now.saturating_duration_since(deadline);
+    if reason == LossReason::Deadline && late > Duration::from_millis(100) {
+        tracing::warn!(role, late = ?late, "the local deadline was noticed late: this process was paused or starved of CPU; only fenced writes were safe in that time");
+        crate::metrics::deadline_late(role, late);
+    }
+}
+
 /// Slack added on top of the worst-case detection time when the handover
 /// delay is derived: covers scheduling delays of the old leader's runtime.
 pub(crate) const HANDOVER_SLACK: Duration = Duration::from_millis(500);

@@ -98,7 +98,8 @@ pub(crate) struct LeaderState {
     pub(crate) schema: SchemaName,
     pub(crate) term: Term,
     pub(crate) token: CancellationToken,
-    pub(crate) reason: Mutex<Option<LossReason>>,
+    /// The first reason, and when the token was cancelled for it.
+    pub(crate) reason: Mutex<Option<(LossReason, std::time::Instant)>>,
 }
 
 impl LeaderState {
@@ -108,7 +109,7 @@ impl LeaderState {
         let mut r = self.reason.lock().expect("BUG: poisoned loss reason");
         let first = r.is_none();
         if first {
-            *r = Some(reason);
+            *r = Some((reason, std::time::Instant::now()));
         }
         drop(r);
         self.token.cancel();
@@ -116,6 +117,10 @@ impl LeaderState {
     }
 
     pub(crate) fn reason(&self) -> Option<LossReason> {
+        self.ended().map(|(r, _)| r)
+    }
+
+    pub(crate) fn ended(&self) -> Option<(LossReason, std::time::Instant)> {
         *self.reason.lock().expect("BUG: poisoned loss reason")
     }
 }
@@ -174,6 +179,14 @@ impl LeaderContext {
     /// Why leadership ended; `None` while it lasts.
     pub fn loss_reason(&self) -> Option<LossReason> {
         self.state.reason()
+    }
+
+    /// When leadership ended, on this process's monotonic clock: the
+    /// moment the token was cancelled, which is when this process stopped
+    /// believing it leads (tasks waiting on [`lost`](Self::lost) wake a
+    /// little later). `None` while it lasts.
+    pub fn lost_at(&self) -> Option<std::time::Instant> {
+        self.state.ended().map(|(_, at)| at)
     }
 
     /// Fences the caller's transaction with this term: runs
@@ -334,6 +347,11 @@ impl Leadership {
     /// Why leadership ended; `None` while it lasts.
     pub fn loss_reason(&self) -> Option<LossReason> {
         self.context.loss_reason()
+    }
+
+    /// When leadership ended (see [`LeaderContext::lost_at`]).
+    pub fn lost_at(&self) -> Option<std::time::Instant> {
+        self.context.lost_at()
     }
 
     /// A cheap, cloneable view (term, token, fence) to hand to the tasks

@@ -31,7 +31,7 @@ use crate::metrics;
 use crate::schema::{check_schema, SchemaName};
 
 use super::config::random_u64;
-use super::core::{Action, Keeper, Phase};
+use super::core::{warn_if_late, Action, Keeper, Phase};
 use super::leadership::{Command, LeaderContext, LeaderState, Leadership, LossReason};
 use super::session::{backoff, is_transient};
 use super::watch::{parse_leader_event, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
@@ -153,6 +153,9 @@ fn jitter() -> Duration {
 /// (`heartbeat_timeout`). On a timeout or a connection failure the
 /// connection is dropped (the running statement cancelled), so the next
 /// attempt starts on a fresh one.
+/// The least time allowed for connecting and for a standby's attempt.
+const PATIENT_BOUND: Duration = Duration::from_secs(2);
+
 async fn exec(
     shared: &Shared,
     conn: &mut Option<DedicatedConnection>,
@@ -161,7 +164,17 @@ async fn exec(
     params: &[(&(dyn ToSql + Sync), Type)],
 ) -> Result<Vec<Row>> {
     let schema = shared.options.schema_name().as_str();
-    let bound = shared.timing.heartbeat_timeout;
+    // Renewals and releases are bounded by `heartbeat_timeout`, so that a
+    // leader retries within its deadline budget. Connecting, and a
+    // standby's attempt, may take longer on a loaded machine (a connection
+    // through PgBouncer with SCRAM took over 200 ms in CI) without risk:
+    // a deadline counts from before the connection, and a standby holds
+    // nothing while it waits.
+    let patient = shared.timing.heartbeat_timeout.max(PATIENT_BOUND);
+    let bound = match operation {
+        "take the lease" | "connect" => patient,
+        _ => shared.timing.heartbeat_timeout,
+    };
     shared
         .lease_statements
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -172,15 +185,18 @@ async fn exec(
         _ => "other",
     };
     metrics::lease_statement(&shared.role, kind);
+    if conn.as_ref().is_some_and(|c| c.is_closed()) {
+        conn.take();
+    }
+    if conn.is_none() {
+        let purpose = format!("lease:{}:{}", shared.role, shared.node);
+        match tokio::time::timeout(patient, shared.options.connect(&purpose)).await {
+            Ok(c) => *conn = Some(c?),
+            Err(_) => return Err(Error::ConnectionLost { operation }),
+        }
+    }
+    let c = conn.as_ref().expect("BUG: connected above");
     let run = async {
-        if conn.as_ref().is_some_and(|c| c.is_closed()) {
-            conn.take();
-        }
-        if conn.is_none() {
-            let purpose = format!("lease:{}:{}", shared.role, shared.node);
-            *conn = Some(shared.options.connect(&purpose).await?);
-        }
-        let c = conn.as_ref().expect("BUG: connected above");
         c.client()
             .query_typed(sql, params)
             .await
@@ -246,7 +262,7 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
                     // Bounded like every statement: a pooler may queue it
                     // for a long time while the server is down.
                     let checked = tokio::time::timeout(
-                        shared.timing.heartbeat_timeout,
+                        shared.timing.heartbeat_timeout.max(PATIENT_BOUND),
                         check_schema(c.client(), &schema),
                     )
                     .await;
@@ -521,6 +537,7 @@ async fn keep(
                 Action::Heartbeat => keeper.heartbeat_ok(now),
                 Action::Activate => {}
                 Action::Lose { reason, kill } => {
+                    warn_if_late(&shared.role, reason, now, keeper.deadline());
                     if state.end(reason) {
                         metrics::leader_off(&shared.role, reason.as_str());
                         tracing::warn!(%reason, "leadership lost");

@@ -26,7 +26,14 @@ impl Intervals {
     }
 
     pub fn end(&self, i: usize) {
-        self.0.lock().unwrap()[i].3 = Some(Instant::now());
+        self.end_at(i, Instant::now());
+    }
+
+    /// Ends interval `i` at `at`: for a lost leadership, the moment the
+    /// library cancelled its token (`Leadership::lost_at`), not the later
+    /// moment a test task woke up to it.
+    pub fn end_at(&self, i: usize, at: Instant) {
+        self.0.lock().unwrap()[i].3 = Some(at);
     }
 
     /// The intervals still open.
