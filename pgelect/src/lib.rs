@@ -16,7 +16,9 @@
 //!   observers ([`Elector::watch`], [`current_leader`]) and resign requests
 //!   from other processes ([`request_resign`]). Two backends
 //!   ([`Backend`]): `Session` (advisory lock: fast failover) and `Lease`
-//!   (lease row only: safe through PgBouncer in transaction mode).
+//!   (lease row only: safe through PgBouncer in transaction mode). Polling
+//!   candidates of many roles can share one connection
+//!   ([`SharedConnection`]).
 //! * **Schema** ([`migrate`]): installs the `pgelect` schema (idempotent,
 //!   concurrency-safe).
 //!

@@ -9,7 +9,7 @@ use crate::error::{shown, Error, Result};
 use crate::key::LockKey;
 
 use super::core::{Timing, TimingRequest};
-use super::Elector;
+use super::{Elector, SharedConnection};
 
 /// The longest role or node id accepted, in bytes.
 pub const MAX_ROLE_BYTES: usize = 255;
@@ -85,10 +85,11 @@ pub enum StandbyMode {
     #[default]
     Blocking,
     /// Try `pg_try_advisory_lock` on the lock connection every `interval`,
-    /// and at once when the leader announces a release with `NOTIFY`. One
-    /// connection per candidate; a crashed leader is replaced within
-    /// `interval` plus the handover delay. For processes that stand for many
-    /// roles.
+    /// and at once when the leader announces a release with `NOTIFY`. A
+    /// crashed leader is replaced within `interval` plus the handover
+    /// delay. For processes that stand for many roles: with
+    /// [`ElectorBuilder::shared_connection`] the candidates of all roles
+    /// share one connection.
     Polling {
         /// Time between attempts. Must be positive.
         interval: Duration,
@@ -179,6 +180,7 @@ pub struct ElectorBuilder {
     meta: Option<serde_json::Value>,
     backend: Backend,
     listen_via: Option<ConnectOptions>,
+    shared_connection: Option<SharedConnection>,
 }
 
 impl ElectorBuilder {
@@ -192,6 +194,7 @@ impl ElectorBuilder {
             meta: None,
             backend: Backend::default(),
             listen_via: None,
+            shared_connection: None,
         }
     }
 
@@ -279,10 +282,12 @@ impl ElectorBuilder {
     /// How long a heartbeat or renewal may take before the lock connection
     /// is declared dead and dropped. Default: `1s`.
     ///
-    /// Lease backend: the bound on every statement, including the
-    /// (re)connection before it; a statement that runs out is cancelled,
-    /// its connection dropped, and it is retried. Default: `min(1s, (ttl -
-    /// safety_margin) / 4)`.
+    /// Lease backend: the bound on a leader's renewal and release; one that
+    /// runs out is cancelled, its connection dropped, and it is retried
+    /// within the deadline budget. Connecting and a standby's attempt may
+    /// take up to `max(heartbeat_timeout, 2s)` (no risk: the deadline counts
+    /// from before the connection, and a standby holds nothing). Default:
+    /// `min(1s, (ttl - safety_margin) / 4)`.
     pub fn heartbeat_timeout(mut self, timeout: Duration) -> Self {
         self.timing.heartbeat_timeout = Some(timeout);
         self
@@ -308,6 +313,26 @@ impl ElectorBuilder {
     /// by the next slice at once (or by another standby).
     pub fn wait_slice(mut self, slice: Duration) -> Self {
         self.timing.wait_slice = Some(slice);
+        self
+    }
+
+    /// Session backend: stand on `connection`, shared with the candidates of
+    /// other roles, instead of on a connection of this candidate's own (see
+    /// [`SharedConnection`]). Sets the standby mode to
+    /// [`StandbyMode::Polling`] every second unless a polling interval was
+    /// chosen, and the TCP timeouts to the connection's (`build()` refuses
+    /// a blocking standby, other TCP timeouts, the lease backend, and a
+    /// second candidate of the same role on the connection).
+    pub fn shared_connection(mut self, connection: &SharedConnection) -> Self {
+        if self.standby == StandbyMode::Blocking {
+            self.standby = StandbyMode::Polling {
+                interval: Duration::from_secs(1),
+            };
+        }
+        if self.timing.tcp.is_none() {
+            self.timing.tcp = Some(connection.tcp_timeouts());
+        }
+        self.shared_connection = Some(connection.clone());
         self
     }
 
@@ -367,6 +392,40 @@ impl ElectorBuilder {
                 return Err(Error::config("standby polling interval must be positive"));
             }
         }
+        let claim = match &self.shared_connection {
+            None => None,
+            Some(c) => {
+                if self.backend != Backend::Session {
+                    return Err(Error::config(
+                        "a shared connection is for the session backend; lease-backend candidates hold no connection while standing",
+                    ));
+                }
+                if self.standby == StandbyMode::Blocking {
+                    return Err(Error::config(
+                        "candidates on a shared connection must poll (StandbyMode::Polling): a blocking wait would occupy the connection of every role on it",
+                    ));
+                }
+                if self.timing.tcp != Some(c.tcp_timeouts()) {
+                    return Err(Error::config(format!(
+                        "tcp_timeouts {:?} differ from the shared connection's {:?}; the deadline is checked against the connection's",
+                        self.timing.tcp,
+                        c.tcp_timeouts()
+                    )));
+                }
+                if c.options().target() != self.options.target()
+                    || c.options().schema_name() != self.options.schema_name()
+                {
+                    return Err(Error::config(format!(
+                        "the shared connection goes to {} (schema {:?}), the elector to {} (schema {:?}); they must match",
+                        c.options().target(),
+                        c.options().schema_name().as_str(),
+                        self.options.target(),
+                        self.options.schema_name().as_str()
+                    )));
+                }
+                Some(c.claim(&self.role)?)
+            }
+        };
         let key = role_key(self.options.schema_name().as_str(), &self.role);
         Ok(Elector::from_parts(
             self.options,
@@ -378,6 +437,7 @@ impl ElectorBuilder {
             self.meta,
             self.backend,
             self.listen_via,
+            claim,
         ))
     }
 }

@@ -136,6 +136,7 @@ mod core;
 mod leadership;
 mod lease;
 mod session;
+mod shared_conn;
 mod watch;
 
 use std::fmt;
@@ -153,9 +154,11 @@ pub use config::{Backend, ElectorBuilder, StandbyMode, MAX_ROLE_BYTES};
 pub use leadership::{LeaderContext, Leadership, LossReason, Term};
 #[doc(hidden)]
 pub use lease::{lease_sql, LeaseSql};
+pub use shared_conn::SharedConnection;
 pub use watch::{current_leader, request_resign, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 
 use self::core::Timing;
+use self::shared_conn::RoleClaim;
 
 /// Stands for election of one role.
 ///
@@ -184,6 +187,8 @@ pub(crate) struct Shared {
     /// Session backend: the lock connection of the last clean release, for
     /// the next campaign.
     spare: Mutex<Option<DedicatedConnection>>,
+    /// Session backend: the shared connection this candidate stands on.
+    pub(crate) host: Option<RoleClaim>,
     pub(crate) backend: Backend,
     /// Lease backend: the direct connection for `LISTEN`, if any.
     pub(crate) listen_via: Option<ConnectOptions>,
@@ -325,6 +330,7 @@ impl Elector {
         meta: Option<serde_json::Value>,
         backend: Backend,
         listen_via: Option<ConnectOptions>,
+        host: Option<RoleClaim>,
     ) -> Elector {
         Elector {
             shared: Arc::new(Shared {
@@ -339,6 +345,7 @@ impl Elector {
                 activity: tokio::sync::watch::Sender::new(Activity::default()),
                 observer: Mutex::new(None),
                 spare: Mutex::new(None),
+                host,
                 backend,
                 listen_via,
                 lease_notices: tokio::sync::broadcast::Sender::new(64),

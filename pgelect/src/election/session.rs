@@ -15,14 +15,14 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Row;
 use tracing::Instrument;
 
-use crate::conn::DedicatedConnection;
+use crate::conn::{ConnectOptions, DedicatedConnection};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::metrics;
 use crate::schema::check_schema;
 
 use super::config::random_u64;
-use super::core::{Action, Keeper, Phase, Probe};
+use super::core::{warn_if_late, Action, Keeper, Phase, Probe};
 use super::leadership::{Command, LeaderContext, LeaderState, Leadership, LossReason};
 use super::watch::{
     parse_leader_event, preempt_zombie, read_leader, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
@@ -83,22 +83,94 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
     .await
 }
 
-/// Kills the lock connection unless disarmed: a campaign future dropped in
-/// the middle of a lock wait must not leave a waiting backend behind.
+/// The connection a candidate stands on.
+pub(crate) enum LockConn {
+    /// Its own: dropped leadership kills it (the server releases the lock),
+    /// a clean release keeps it for the next campaign.
+    Own(DedicatedConnection),
+    /// A [`SharedConnection`](super::SharedConnection), also holding other
+    /// roles' locks: dropped leadership unlocks this role's key only.
+    Shared(Arc<DedicatedConnection>),
+}
+
+impl std::ops::Deref for LockConn {
+    type Target = DedicatedConnection;
+
+    fn deref(&self) -> &DedicatedConnection {
+        match self {
+            LockConn::Own(c) => c,
+            LockConn::Shared(c) => c,
+        }
+    }
+}
+
+impl LockConn {
+    /// Lets go of `key` without a clean release: the lease row still names
+    /// this candidate, so the next leader waits the handover delay.
+    fn abandon(&self, key: LockKey) {
+        match self {
+            LockConn::Own(c) => c.kill(),
+            LockConn::Shared(c) => {
+                let c = c.clone();
+                let Ok(rt) = tokio::runtime::Handle::try_current() else {
+                    c.kill();
+                    return;
+                };
+                rt.spawn(async move {
+                    // Only if held: a campaign dropped while polling holds
+                    // nothing, and an unlock of a lock not held makes the
+                    // server log a warning.
+                    let (classid, objid, objsubid) = key.pg_locks_ids();
+                    let sql = format!(
+                        "SELECT CASE WHEN EXISTS (
+                             SELECT 1 FROM pg_locks
+                              WHERE locktype = 'advisory' AND pid = pg_backend_pid()
+                                AND granted AND mode = 'ExclusiveLock' AND classid = {classid}
+                                AND objid = {objid} AND objsubid = {objsubid})
+                         THEN pg_advisory_unlock({}) ELSE true END",
+                        key.sql_args(1)
+                    );
+                    let params = key.params();
+                    let args: Vec<(&(dyn ToSql + Sync), Type)> =
+                        params.iter().map(|p| p.as_sql()).collect();
+                    match c.client().query_typed_one(&sql, &args).await {
+                        Ok(row) if row.get::<_, bool>(0) => {}
+                        Ok(_) => tracing::warn!(%key, "an abandoned role's lock was not held on the shared connection"),
+                        Err(e) => {
+                            // A lock that cannot be released must not stay
+                            // with a session that no longer renews it.
+                            tracing::warn!(%key, error = %e, "could not unlock an abandoned role; dropping the shared connection");
+                            c.kill();
+                        }
+                    }
+                });
+            }
+        }
+    }
+}
+
+/// Undoes a campaign dropped half-way, unless disarmed: its own connection
+/// is killed (no waiting backend left behind); on a shared connection the
+/// role's lock is released if it was taken.
 struct KillOnDrop<'a> {
-    conn: Option<&'a DedicatedConnection>,
+    conn: Option<&'a LockConn>,
+    key: LockKey,
 }
 
 impl Drop for KillOnDrop<'_> {
     fn drop(&mut self) {
-        if let Some(conn) = self.conn.take() {
-            let cancel = conn.cancel_token();
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                rt.spawn(async move {
-                    let _ = cancel.cancel_query(tokio_postgres::NoTls).await;
-                });
+        match self.conn.take() {
+            Some(LockConn::Own(conn)) => {
+                let cancel = conn.cancel_token();
+                if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                    rt.spawn(async move {
+                        let _ = cancel.cancel_query(tokio_postgres::NoTls).await;
+                    });
+                }
+                conn.kill();
             }
-            conn.kill();
+            Some(shared @ LockConn::Shared(_)) => shared.abandon(self.key),
+            None => {}
         }
     }
 }
@@ -150,7 +222,7 @@ async fn lock_connection(shared: &Shared, elect: &ElectStatement) -> Result<Dedi
         )
         .await?;
         check_schema(conn.client(), schema).await?;
-        check_not_transaction_pooled(shared, &conn).await?;
+        check_not_transaction_pooled(&shared.options, &conn).await?;
         elect.warm_up(shared, &conn).await
     }
     .await;
@@ -167,13 +239,19 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
     let schema = shared.options.schema_name().clone();
     let s = schema.as_str();
     let elect = ElectStatement::new(shared);
-    // The connection of this elector's last clean release, if it is still
-    // open: warmed up and checked already, and no backend to start.
-    let conn = match shared.take_spare() {
-        Some(conn) => conn,
-        None => lock_connection(shared, &elect).await?,
+    let conn = match &shared.host {
+        Some(host) => LockConn::Shared(host.connection().get().await?),
+        // The connection of this elector's last clean release, if it is
+        // still open: warmed up and checked already, no backend to start.
+        None => LockConn::Own(match shared.take_spare() {
+            Some(conn) => conn,
+            None => lock_connection(shared, &elect).await?,
+        }),
     };
-    let mut guard = KillOnDrop { conn: Some(&conn) };
+    let mut guard = KillOnDrop {
+        conn: Some(&conn),
+        key: shared.key,
+    };
 
     let key = shared.key;
     let params = key.params();
@@ -208,7 +286,8 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
             }
         }
         StandbyMode::Polling { interval } => {
-            poll_for_lock(shared, &conn, interval, &args).await?;
+            let listen = matches!(conn, LockConn::Own(_));
+            poll_for_lock(shared, &conn, interval, &args, listen).await?;
         }
     }
     tracing::debug!(waited = ?wait_started.elapsed(), "lock granted");
@@ -217,19 +296,33 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
     // The term bump and the lease row, in one transaction. LISTEN for
     // resign requests commits with it: requests are delivered from the
     // moment the row names us, and none meant for the previous leader.
-    let notices = conn.notices();
-    // The three requests are pipelined (sent in this order in one go, run
-    // in order by the server): one round trip instead of three.
     let sent_at = Instant::now();
-    let listen = format!("BEGIN; LISTEN {RESIGN_CHANNEL}");
-    let (begun, elected, committed) = tokio::join!(
-        conn.client().batch_execute(&listen),
-        elect.run(shared, &conn),
-        conn.client().batch_execute("COMMIT"),
-    );
-    begun.map_err(|e| Error::db("record the new term", s, e))?;
-    let elected = elected?;
-    committed.map_err(|e| Error::db("record the new term", s, e))?;
+    let (elected, notices) = match &conn {
+        LockConn::Own(own) => {
+            let notices = own.notices();
+            // The three requests are pipelined (sent in this order in one
+            // go, run in order by the server): one round trip, not three.
+            let listen = format!("BEGIN; LISTEN {RESIGN_CHANNEL}");
+            let (begun, elected, committed) = tokio::join!(
+                own.client().batch_execute(&listen),
+                elect.run(shared, own),
+                own.client().batch_execute("COMMIT"),
+            );
+            begun.map_err(|e| Error::db("record the new term", s, e))?;
+            let elected = elected?;
+            committed.map_err(|e| Error::db("record the new term", s, e))?;
+            (elected, notices)
+        }
+        LockConn::Shared(c) => {
+            // Other roles' statements run on this connection too: no
+            // explicit transaction, one statement. The connection listens
+            // for resign requests all along; hearing them from the answer
+            // on leaves out those sent before this term (bar a few
+            // microseconds' race either way).
+            let elected = elect.run(shared, c).await?;
+            (elected, c.notices())
+        }
+    };
     let answered = Instant::now();
     let unclean = elected.previous_holder.is_some();
     if let Some(prev) = &elected.previous_holder {
@@ -407,10 +500,13 @@ impl ElectStatement {
 ///
 /// The check runs the lock connection's pid query three times around the
 /// probe's transaction, so both signs are looked at.
-async fn check_not_transaction_pooled(shared: &Shared, conn: &DedicatedConnection) -> Result<()> {
-    let s = shared.options.schema_name().as_str();
+pub(crate) async fn check_not_transaction_pooled(
+    options: &ConnectOptions,
+    conn: &DedicatedConnection,
+) -> Result<()> {
+    let s = options.schema_name().as_str();
     let first = backend_pid(conn.client(), s).await?;
-    let probe = shared.options.connect("pooler-probe").await?;
+    let probe = options.connect("pooler-probe").await?;
     let result = async {
         probe
             .client()
@@ -430,7 +526,7 @@ async fn check_not_transaction_pooled(shared: &Shared, conn: &DedicatedConnectio
     if moved || seen.contains(&probe_pid) {
         return Err(Error::Pooler(format!(
             "the session backend needs one server session for its whole life, but {} is reached through a pooler in transaction or statement mode (server backend pids seen on one client connection: {seen:?}; a second client got {probe_pid}): advisory locks and LISTEN would stay on a pooled backend. Use the lease backend, which works through transaction pooling, or connect directly or through a session-mode pool",
-            shared.options.target()
+            options.target()
         )));
     }
     Ok(())
@@ -448,14 +544,17 @@ async fn poll_for_lock(
     conn: &DedicatedConnection,
     interval: Duration,
     args: &[(&(dyn ToSql + Sync), Type)],
+    listen: bool,
 ) -> Result<()> {
     let schema = shared.options.schema_name();
     let s = schema.as_str();
     let mut notices = conn.notices();
-    conn.client()
-        .batch_execute(&format!("LISTEN {LEADER_CHANNEL}"))
-        .await
-        .map_err(|e| Error::db("listen for leader changes", s, e))?;
+    if listen {
+        conn.client()
+            .batch_execute(&format!("LISTEN {LEADER_CHANNEL}"))
+            .await
+            .map_err(|e| Error::db("listen for leader changes", s, e))?;
+    }
     let sql = format!("SELECT pg_try_advisory_lock({})", shared.key.sql_args(1));
     loop {
         let row = conn
@@ -464,10 +563,12 @@ async fn poll_for_lock(
             .await
             .map_err(|e| Error::db("try the leader's lock", s, e))?;
         if row.get::<_, bool>(0) {
-            conn.client()
-                .batch_execute(&format!("UNLISTEN {LEADER_CHANNEL}"))
-                .await
-                .map_err(|e| Error::db("stop listening", s, e))?;
+            if listen {
+                conn.client()
+                    .batch_execute(&format!("UNLISTEN {LEADER_CHANNEL}"))
+                    .await
+                    .map_err(|e| Error::db("stop listening", s, e))?;
+            }
             return Ok(());
         }
         let info = read_leader(conn.client(), schema, &shared.role).await?;
@@ -513,7 +614,7 @@ type StatementFuture<'a> = Pin<
 #[allow(clippy::too_many_arguments)] // one call site; a struct would only rename them
 async fn keep(
     shared: Arc<Shared>,
-    conn: DedicatedConnection,
+    conn: LockConn,
     mut notices: tokio::sync::broadcast::Receiver<crate::conn::Notice>,
     mut keeper: Keeper,
     state: Arc<LeaderState>,
@@ -580,11 +681,12 @@ async fn keep(
                         // ever hold this leadership.
                         state.end(LossReason::Dropped);
                         metrics::leader_off(&shared.role, LossReason::Dropped.as_str());
-                        conn.kill();
+                        conn.abandon(shared.key);
                         break 'outer;
                     }
                 }
                 Action::Lose { reason, kill } => {
+                    warn_if_late(&shared.role, reason, now, keeper.deadline());
                     let first = state.end(reason);
                     if first && was_active {
                         metrics::leader_off(&shared.role, reason.as_str());
@@ -593,7 +695,13 @@ async fn keep(
                         tracing::warn!(%reason, "lost the lock before acting");
                     }
                     if kill {
-                        conn.kill();
+                        // A dead connection goes; otherwise only this
+                        // role's lock (on its own connection, the same).
+                        if reason == LossReason::ConnectionLost {
+                            conn.kill();
+                        } else {
+                            conn.abandon(shared.key);
+                        }
                         if was_active {
                             shared.publish_if_holder(&shared.node, term, None);
                         }
@@ -617,7 +725,7 @@ async fn keep(
                     if first && was_active {
                         metrics::leader_off(&shared.role, LossReason::Dropped.as_str());
                     }
-                    conn.kill();
+                    conn.abandon(shared.key);
                     break;
                 }
                 Some(Command::Stop { reason }) => keeper.stop_requested(reason, Instant::now()),
@@ -707,7 +815,9 @@ async fn keep(
             // a backend ending on the server is work that would compete
             // with the successor's election (measured in the failover
             // benchmark); it is closed when the elector is dropped.
-            shared.put_spare(conn);
+            if let LockConn::Own(own) = conn {
+                shared.put_spare(own);
+            }
         }
         Err(e) => {
             tracing::warn!(error = %e, "clean release failed; dropping the lock connection");
@@ -717,7 +827,7 @@ async fn keep(
     let _ = reply.send(result);
 }
 
-async fn release(shared: &Shared, conn: &DedicatedConnection, term: i64) -> Result<()> {
+async fn release(shared: &Shared, conn: &LockConn, term: i64) -> Result<()> {
     let s = shared.options.schema_name().as_str();
     let sql = format!(
         "WITH c AS (
@@ -741,12 +851,16 @@ async fn release(shared: &Shared, conn: &DedicatedConnection, term: i64) -> Resu
         (&term, Type::INT8),
         (&payload, Type::TEXT),
     ];
-    let unlisten = format!("UNLISTEN {RESIGN_CHANNEL}");
+    // A listening backend that does not read (a later lock wait) would
+    // hold back the server's notification queue. A shared connection
+    // listens for its whole life and never waits.
+    let unlisten = match conn {
+        LockConn::Own(_) => format!("UNLISTEN {RESIGN_CHANNEL}"),
+        LockConn::Shared(_) => String::new(),
+    };
     let (cleared, unlocked, unlistened) = tokio::join!(
         conn.client().query_typed_one(&sql, &clear_args),
         conn.client().query_typed_one(&unlock_sql, &args),
-        // A listening backend that does not read (a later lock wait) would
-        // hold back the server's notification queue.
         conn.client().batch_execute(&unlisten),
     );
     let cleared: i64 = cleared

@@ -1,0 +1,271 @@
+//! Candidates of many roles on one shared connection, against a real
+//! server: one backend for all roles, mutual exclusion with other
+//! candidates, per-role release and abandonment, and the shared fate of the
+//! roles when the connection dies.
+//!
+//! Timing assertions use generous bounds and print what they measured.
+
+use std::time::{Duration, Instant};
+
+use pgelect::{
+    ConnectOptions, Elector, ElectorBuilder, Error, Leadership, SharedConnection, StandbyMode,
+    TcpTimeouts,
+};
+use pgelect_testkit::TestDb;
+
+mod support;
+use support::Intervals;
+
+async fn migrated(hint: &str) -> (TestDb, ConnectOptions) {
+    let db = TestDb::new(hint).await;
+    let o = ConnectOptions::from_url(&db.url()).expect("test URL parses");
+    pgelect::migrate(&o).await.expect("migrate");
+    (db, o)
+}
+
+/// ttl 2 s, renew every 500 ms, heartbeat 200 ms / 500 ms (handover delay
+/// 1.2 s), polling every 200 ms.
+fn fast(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
+    Elector::builder(o.clone(), role)
+        .node_id(node)
+        .ttl(Duration::from_secs(2))
+        .renew_every(Duration::from_millis(500))
+        .heartbeat(Duration::from_millis(200))
+        .heartbeat_timeout(Duration::from_millis(500))
+        .check_every(Duration::from_millis(200))
+        .standby(StandbyMode::Polling {
+            interval: Duration::from_millis(200),
+        })
+}
+
+async fn connections_named(db: &TestDb, app: &str) -> i64 {
+    db.connect()
+        .await
+        .query_typed_one(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE application_name = $1 AND datname = current_database()",
+            &[(&app, tokio_postgres::types::Type::TEXT)],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+const ROLES: usize = 12;
+
+fn role(i: usize) -> String {
+    format!("shard-{i}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_roles_share_one_backend_and_fail_over_together() {
+    let (db, o) = migrated("shared_many").await;
+    let tcp = TcpTimeouts::default();
+    let host_a = SharedConnection::new(&o, tcp);
+    let host_b = SharedConnection::new(&o, tcp);
+
+    // A leads every role, on one server backend.
+    let mut led: Vec<Leadership> = Vec::new();
+    let mut electors_a = Vec::new();
+    for i in 0..ROLES {
+        let e = fast(&o, &role(i), "a")
+            .shared_connection(&host_a)
+            .build()
+            .unwrap();
+        led.push(e.leadership().await.unwrap());
+        electors_a.push(e);
+    }
+    let pid_a = host_a.backend_pid().await.expect("connected");
+    assert_eq!(connections_named(&db, "pgelect:shared").await, 1);
+
+    // B stands for every role on its own shared connection.
+    let logs: Vec<Intervals> = (0..ROLES).map(|_| Intervals::default()).collect();
+    let starts: Vec<usize> = led
+        .iter()
+        .zip(&logs)
+        .map(|(l, log)| log.start("a", l.term()))
+        .collect();
+    let mut standbys = Vec::new();
+    for i in 0..ROLES {
+        let e = fast(&o, &role(i), "b")
+            .shared_connection(&host_b)
+            .build()
+            .unwrap();
+        standbys.push(tokio::spawn(async move {
+            let l = e.leadership().await;
+            (Instant::now(), l, e)
+        }));
+    }
+    // Several renewals later nothing changed hands (a loss is sticky).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    for l in &led {
+        assert!(
+            !l.is_lost(),
+            "a healthy leader on a shared connection lost: {:?}",
+            l.loss_reason()
+        );
+    }
+    assert!(standbys.iter().all(|s| !s.is_finished()));
+    assert_eq!(connections_named(&db, "pgelect:shared").await, 2);
+
+    // A resigns one role: B takes it within the polling wake-up.
+    let resigned = led.remove(3);
+    let old_term = resigned.term();
+    logs[3].end(starts[3]);
+    let t0 = Instant::now();
+    resigned.resign().await.unwrap();
+    let s3 = standbys.remove(3);
+    let (at3, l3, _e3) = tokio::time::timeout(Duration::from_secs(5), s3)
+        .await
+        .expect("the standby takes the released role")
+        .unwrap();
+    let l3 = l3.unwrap();
+    println!("released role taken over in {:?}", at3 - t0);
+    assert!(l3.term() > old_term);
+    // The other roles are untouched by it.
+    assert!(led.iter().all(|l| !l.is_lost()));
+
+    // A's backend is terminated: every role it led is lost, and B takes
+    // each over after the handover delay with a higher term.
+    let killer = db.connect().await;
+    killer
+        .query_typed(
+            "SELECT pg_terminate_backend($1)",
+            &[(&pid_a, tokio_postgres::types::Type::INT4)],
+        )
+        .await
+        .unwrap();
+    let killed_at = Instant::now();
+    let mut lost_at = Vec::new();
+    for (l, (log, start)) in led.iter().zip(
+        logs.iter()
+            .enumerate()
+            .filter(|(i, _)| *i != 3)
+            .map(|(i, log)| (log, starts[i])),
+    ) {
+        tokio::time::timeout(Duration::from_secs(5), l.lost())
+            .await
+            .expect("a leader on the dead connection notices");
+        let at = l.lost_at().expect("lost");
+        log.end_at(start, at);
+        lost_at.push(at);
+    }
+    let last_lost = lost_at.iter().max().unwrap();
+    println!(
+        "all {} leaders on the terminated connection lost within {:?}",
+        led.len(),
+        *last_lost - killed_at
+    );
+    let mut taken = Vec::new();
+    for (k, s) in standbys.into_iter().enumerate() {
+        let i = if k >= 3 { k + 1 } else { k };
+        let (at, l, e) = tokio::time::timeout(Duration::from_secs(15), s)
+            .await
+            .expect("the standby takes over")
+            .unwrap();
+        let l = l.unwrap();
+        logs[i].start("b", l.term());
+        assert!(l.term() > led[k].term(), "term must rise for {}", role(i));
+        taken.push((at - killed_at, l, e));
+    }
+    for log in &logs {
+        log.assert_disjoint();
+    }
+    let first = taken.iter().map(|t| t.0).min().unwrap();
+    let last = taken.iter().map(|t| t.0).max().unwrap();
+    println!("standbys took over {first:?}..{last:?} after the termination (handover delay 1.2 s)");
+    assert!(first >= Duration::from_millis(1200), "{first:?}");
+    for (_, l, _) in taken {
+        l.resign().await.unwrap();
+    }
+    l3.resign().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_role_is_released_alone() {
+    let (_db, o) = migrated("shared_abandon").await;
+    let host = SharedConnection::new(&o, TcpTimeouts::default());
+    let e1 = fast(&o, "one", "a")
+        .shared_connection(&host)
+        .build()
+        .unwrap();
+    let e2 = fast(&o, "two", "a")
+        .shared_connection(&host)
+        .build()
+        .unwrap();
+    let l1 = e1.leadership().await.unwrap();
+    let l2 = e2.leadership().await.unwrap();
+    let other = fast(&o, "one", "b").build().unwrap();
+    let standby = tokio::spawn(async move { (other.leadership().await, Instant::now()) });
+    // Dropping a leadership without release lets go of its lock only.
+    let term1 = l1.term();
+    let dropped_at = Instant::now();
+    drop(l1);
+    let (lb, at) = tokio::time::timeout(Duration::from_secs(10), standby)
+        .await
+        .expect("the dropped role is taken over")
+        .unwrap();
+    let lb = lb.unwrap();
+    println!(
+        "dropped role taken over after {:?} (unclean: handover delay 1.2 s)",
+        at - dropped_at
+    );
+    assert!(at - dropped_at >= Duration::from_millis(1200));
+    assert!(lb.term() > term1);
+    // The other role on the same connection still leads and renews.
+    let renewals = tokio::time::sleep(Duration::from_secs(2));
+    tokio::select! {
+        _ = l2.lost() => panic!("the other role was lost: {:?}", l2.loss_reason()),
+        _ = renewals => {}
+    }
+    let now = pgelect::current_leader(&o, "two").await.unwrap().unwrap();
+    assert_eq!(now.holder, "a");
+    assert_eq!(now.term, l2.term());
+    assert!(!now.lease_expired);
+    lb.resign().await.unwrap();
+    l2.resign().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_shared_connection_refuses_what_would_break_it() {
+    let (_db, o) = migrated("shared_refuse").await;
+    let host = SharedConnection::new(&o, TcpTimeouts::default());
+    let first = fast(&o, "r", "a").shared_connection(&host).build().unwrap();
+    // A second candidate of the same role on the same session would also
+    // win its re-entrant advisory lock.
+    let err = fast(&o, "r", "b")
+        .shared_connection(&host)
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::Config(_)) && err.to_string().contains("already has a candidate"),
+        "{err}"
+    );
+    drop(first);
+    fast(&o, "r", "b")
+        .shared_connection(&host)
+        .build()
+        .expect("free again once the first elector is gone");
+    let err = fast(&o, "s", "a")
+        .shared_connection(&host)
+        .standby(StandbyMode::Blocking)
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("must poll"), "{err}");
+    let err = fast(&o, "s", "a")
+        .backend(pgelect::Backend::Lease)
+        .shared_connection(&host)
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("session backend"), "{err}");
+    let other_tcp = TcpTimeouts {
+        user_timeout: Duration::from_secs(30),
+        ..TcpTimeouts::default()
+    };
+    let err = fast(&o, "s", "a")
+        .tcp_timeouts(other_tcp)
+        .shared_connection(&host)
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("tcp_timeouts"), "{err}");
+}
