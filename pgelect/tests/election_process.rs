@@ -4,21 +4,11 @@
 
 use std::time::{Duration, Instant};
 
-use pgelect::{ConnectOptions, Elector, ElectorBuilder};
+use pgelect::{ConnectOptions, Elector};
 use pgelect_testkit::{TestDb, TEST_PASSWORD};
 
 mod support;
-use support::{term_of, Candidate};
-
-fn fast(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
-    Elector::builder(o.clone(), role)
-        .node_id(node)
-        .ttl(Duration::from_secs(2))
-        .renew_every(Duration::from_millis(500))
-        .heartbeat(Duration::from_millis(200))
-        .heartbeat_timeout(Duration::from_millis(500))
-        .check_every(Duration::from_millis(200))
-}
+use support::{fast_session as fast, term_of, Candidate};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkilled_leader_process_is_replaced_with_a_higher_term() {

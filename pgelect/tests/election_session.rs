@@ -10,29 +10,10 @@ use pgelect::{ConnectOptions, Elector, ElectorBuilder, Error, LossReason, Standb
 use pgelect_testkit::{Cluster, FaultProxy, PgBouncer, PoolMode, TestDb};
 
 mod support;
-use support::Intervals;
+use support::{fast_session as fast, migrated, Intervals};
 
 fn options(url: &str) -> ConnectOptions {
     ConnectOptions::from_url(url).expect("test URL parses")
-}
-
-async fn migrated(hint: &str) -> (TestDb, ConnectOptions) {
-    let db = TestDb::new(hint).await;
-    let o = options(&db.url());
-    pgelect::migrate(&o).await.expect("migrate");
-    (db, o)
-}
-
-/// Short timings for tests: ttl 2 s (deadline 1.6 s), renew every 500 ms,
-/// heartbeat 200 ms with a 500 ms timeout, handover delay 1.2 s.
-fn fast(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
-    Elector::builder(o.clone(), role)
-        .node_id(node)
-        .ttl(Duration::from_secs(2))
-        .renew_every(Duration::from_millis(500))
-        .heartbeat(Duration::from_millis(200))
-        .heartbeat_timeout(Duration::from_millis(500))
-        .check_every(Duration::from_millis(200))
 }
 
 async fn holder_pid(db: &TestDb, role: &str) -> i32 {

@@ -8,34 +8,18 @@
 use std::time::{Duration, Instant};
 
 use pgelect::{
-    ConnectOptions, Elector, ElectorBuilder, Error, Leadership, SharedConnection, StandbyMode,
-    TcpTimeouts,
+    ConnectOptions, ElectorBuilder, Error, Leadership, SharedConnection, StandbyMode, TcpTimeouts,
 };
 use pgelect_testkit::TestDb;
 
 mod support;
-use support::Intervals;
+use support::{fast_session, migrated, Intervals};
 
-async fn migrated(hint: &str) -> (TestDb, ConnectOptions) {
-    let db = TestDb::new(hint).await;
-    let o = ConnectOptions::from_url(&db.url()).expect("test URL parses");
-    pgelect::migrate(&o).await.expect("migrate");
-    (db, o)
-}
-
-/// ttl 2 s, renew every 500 ms, heartbeat 200 ms / 500 ms (handover delay
-/// 1.2 s), polling every 200 ms.
+/// The session test timings (support::fast_session), polling every 200 ms.
 fn fast(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
-    Elector::builder(o.clone(), role)
-        .node_id(node)
-        .ttl(Duration::from_secs(2))
-        .renew_every(Duration::from_millis(500))
-        .heartbeat(Duration::from_millis(200))
-        .heartbeat_timeout(Duration::from_millis(500))
-        .check_every(Duration::from_millis(200))
-        .standby(StandbyMode::Polling {
-            interval: Duration::from_millis(200),
-        })
+    fast_session(o, role, node).standby(StandbyMode::Polling {
+        interval: Duration::from_millis(200),
+    })
 }
 
 async fn connections_named(db: &TestDb, app: &str) -> i64 {

@@ -9,7 +9,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pgelect::Term;
+use pgelect::{ConnectOptions, Elector, ElectorBuilder, Term};
+use pgelect_testkit::TestDb;
 
 /// One leader's acting interval: node, term, start, end.
 pub type Interval = (String, Term, Instant, Option<Instant>);
@@ -142,4 +143,25 @@ impl Drop for Candidate {
 /// The term in a candidate's `ELECTED <term> …` line.
 pub fn term_of(line: &str) -> Term {
     Term::new(line.split_whitespace().nth(1).unwrap().parse().unwrap())
+}
+
+/// A database of its own with the pgelect schema, and options for it.
+pub async fn migrated(hint: &str) -> (TestDb, ConnectOptions) {
+    let db = TestDb::new(hint).await;
+    let o = ConnectOptions::from_url(&db.url()).expect("test URL parses");
+    pgelect::migrate(&o).await.expect("migrate");
+    (db, o)
+}
+
+/// Short session-backend timings for tests: ttl 2 s (deadline 1.6 s),
+/// renew every 500 ms, heartbeat 200 ms with a 500 ms timeout (handover
+/// delay 1.2 s), lease row read every 200 ms.
+pub fn fast_session(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
+    Elector::builder(o.clone(), role)
+        .node_id(node)
+        .ttl(Duration::from_secs(2))
+        .renew_every(Duration::from_millis(500))
+        .heartbeat(Duration::from_millis(200))
+        .heartbeat_timeout(Duration::from_millis(500))
+        .check_every(Duration::from_millis(200))
 }
