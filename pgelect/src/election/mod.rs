@@ -137,6 +137,8 @@ mod leadership;
 mod lease;
 mod session;
 mod shared_conn;
+#[cfg(test)]
+mod sim;
 mod watch;
 
 use std::fmt;
