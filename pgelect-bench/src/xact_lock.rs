@@ -247,7 +247,7 @@ async fn bench(url: &str, options: &Options) -> Result<(), String> {
         }
         println!(
             "pgelect xact_lock / bare = {ratio:.3} (target >= {TARGET_RATIO}: {}); \
-             xact_lock_timeout runs two more statements (cap and restore lock_timeout)",
+             xact_lock_timeout caps and restores lock_timeout in the same statement",
             if ratio >= TARGET_RATIO {
                 "met"
             } else {

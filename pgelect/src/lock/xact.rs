@@ -38,6 +38,35 @@ SELECT caller.setting,
 pub(super) const RESTORE_LOCK_TIMEOUT_SQL: &str =
     "SELECT set_config('lock_timeout', $1::text, true)";
 
+/// Cap, wait and restore in one statement, for tokio-postgres: key
+/// parameters first, then the cap in milliseconds. The nested subqueries
+/// (`OFFSET 0` keeps the planner from merging them) run inside out: the
+/// caller's value is read,
+/// the cap set, the lock waited for under it, and the caller's value put
+/// back. If the wait fails the statement fails, the transaction is aborted
+/// and the capped value goes with it.
+fn bounded_sql(key: &LockKey, mode: LockMode) -> String {
+    let ms = key.params().len() + 1;
+    format!(
+        "SELECT set_config('lock_timeout', l.setting, true)
+           FROM (SELECT c.setting, pg_advisory_xact_lock{}({})::text
+                   FROM (SELECT o.setting,
+                                set_config('lock_timeout',
+                                           CASE WHEN o.ms > 0 AND o.ms <= ${ms}::int8 THEN o.setting
+                                                ELSE ${ms}::int8::text || 'ms'
+                                           END,
+                                           true)
+                           FROM (SELECT s.setting,
+                                        (extract(epoch FROM s.setting::interval) * 1000)::int8 AS ms
+                                   FROM (SELECT current_setting('lock_timeout') AS setting) AS s
+                                 OFFSET 0) AS o
+                         OFFSET 0) AS c
+                 OFFSET 0) AS l",
+        mode.suffix(),
+        key.sql_args(1)
+    )
+}
+
 /// `SELECT pg_[try_]advisory_xact_lock[_shared](<key>)` with parameters from `$1`.
 ///
 /// Static text: no formatting per call, and sqlx accepts it as safe SQL.
@@ -259,16 +288,14 @@ where
     C: GenericClient + Sync,
 {
     let ms = timeout_millis("the lock wait timeout", timeout)?;
-    let row = client
-        .query_typed_one(CAP_LOCK_TIMEOUT_SQL, &[(&ms, Type::INT8)])
-        .await
-        .map_err(|e| db("cap lock_timeout for the transaction", e))?;
-    let caller: String = row.get(0);
-    wait_xact(client, key, mode).await?;
+    let params = key.params();
+    let mut args: Vec<_> = params.iter().map(|p| p.as_sql()).collect();
+    args.push((&ms, Type::INT8));
+    let started = Instant::now();
     client
-        .query_typed(RESTORE_LOCK_TIMEOUT_SQL, &[(&caller, Type::TEXT)])
+        .query_typed(&bounded_sql(&key, mode), &args)
         .await
-        .map_err(|e| db("restore lock_timeout", e))?;
+        .map_err(|e| wait_error(&key, started, e))?;
     Ok(())
 }
 
