@@ -253,3 +253,28 @@ async fn a_shared_connection_refuses_what_would_break_it() {
         .unwrap_err();
     assert!(err.to_string().contains("tcp_timeouts"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_connection_through_a_transaction_pool_is_refused() {
+    if pgelect_testkit::skip_without_own_server("shared_transaction_pool") {
+        return;
+    }
+    let (db, _) = migrated("shared_pooler").await;
+    let pool = pgelect_testkit::PgBouncer::start(
+        pgelect_testkit::Cluster::shared(),
+        pgelect_testkit::PoolMode::Transaction,
+    )
+    .unwrap();
+    let o = ConnectOptions::from_url(&pool.url(db.name())).unwrap();
+    let host = SharedConnection::new(&o, TcpTimeouts::default());
+    let e = fast(&o, "pooled", "p")
+        .shared_connection(&host)
+        .build()
+        .unwrap();
+    let err = tokio::time::timeout(Duration::from_secs(10), e.leadership())
+        .await
+        .expect("refused promptly")
+        .unwrap_err();
+    assert!(matches!(err, Error::Pooler(_)), "{err}");
+    assert!(host.backend_pid().await.is_none(), "no connection kept");
+}
