@@ -278,3 +278,52 @@ async fn a_shared_connection_through_a_transaction_pool_is_refused() {
     assert!(matches!(err, Error::Pooler(_)), "{err}");
     assert!(host.backend_pid().await.is_none(), "no connection kept");
 }
+
+/// Transactions committed in this test's database, as the server counts
+/// them (other backends flush their counts within about a second).
+async fn commits(c: &tokio_postgres::Client) -> i64 {
+    c.batch_execute("SELECT pg_stat_force_next_flush()")
+        .await
+        .unwrap();
+    c.query_typed_one(
+        "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leaders_on_a_shared_connection_share_its_heartbeat() {
+    let (db, o) = migrated("shared_beat").await;
+    let host = SharedConnection::new(&o, TcpTimeouts::default());
+    let mut led = Vec::new();
+    let mut electors = Vec::new();
+    for i in 0..ROLES {
+        let e = fast(&o, &role(i), "a")
+            .shared_connection(&host)
+            .build()
+            .unwrap();
+        led.push(e.leadership().await.unwrap());
+        electors.push(e);
+    }
+    let c = db.connect().await;
+    // Let the heartbeats fall into step, then count for 5 s.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let c0 = commits(&c).await;
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let c1 = commits(&c).await;
+    let rate = (c1 - c0) as f64 / t0.elapsed().as_secs_f64();
+    // 12 leaders renew every 500 ms (24/s) and want a heartbeat every
+    // 200 ms: about 48 statements/s more if each sent its own, about 5/s
+    // when they share one.
+    println!("{ROLES} leaders on one connection: {rate:.1} transactions/s");
+    assert!(rate < 50.0, "{rate:.1}/s: the heartbeats are not shared");
+    assert!(rate > 15.0, "{rate:.1}/s: the renewals are missing");
+    for l in led {
+        assert!(!l.is_lost(), "{:?}", l.loss_reason());
+        l.resign().await.unwrap();
+    }
+}

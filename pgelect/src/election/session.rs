@@ -24,6 +24,7 @@ use crate::schema::check_schema;
 use super::config::random_u64;
 use super::core::{warn_if_late, Action, Keeper, Phase, Probe};
 use super::leadership::{Command, LeaderContext, LeaderState, Leadership, LossReason};
+use super::shared_conn::SharedSession;
 use super::watch::{
     parse_leader_event, preempt_zombie, read_leader, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
 };
@@ -90,7 +91,7 @@ pub(crate) enum LockConn {
     Own(DedicatedConnection),
     /// A [`SharedConnection`](super::SharedConnection), also holding other
     /// roles' locks: dropped leadership unlocks this role's key only.
-    Shared(Arc<DedicatedConnection>),
+    Shared(Arc<SharedSession>),
 }
 
 impl std::ops::Deref for LockConn {
@@ -666,8 +667,22 @@ async fn keep(
                 }
                 Action::Heartbeat => {
                     let c = client;
+                    let share_wait =
+                        (shared.timing.heartbeat_timeout / 4).min(Duration::from_millis(100));
+                    let session = match &conn {
+                        LockConn::Shared(session) => Some(session.clone()),
+                        LockConn::Own(_) => None,
+                    };
                     in_flight = Some(Box::pin(async move {
                         let sent = Instant::now();
+                        // On a shared connection, one heartbeat answers all
+                        // its leaders; a failed one is run again here to
+                        // get the error to report.
+                        if let Some(session) = session {
+                            if session.beat(sent, share_wait).await {
+                                return (Probe::Heartbeat, sent, Ok(Vec::new()));
+                            }
+                        }
                         let r = c.simple_query("SELECT 1").await.map(|_| Vec::new());
                         (Probe::Heartbeat, sent, r)
                     }));

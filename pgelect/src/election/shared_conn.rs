@@ -3,8 +3,10 @@
 use std::collections::HashSet;
 use std::fmt;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use tokio::sync::Mutex as AsyncMutex;
+use tokio::sync::{watch, Mutex as AsyncMutex};
+use tokio::time::Instant;
 
 use crate::conn::{ConnectOptions, DedicatedConnection, TcpTimeouts};
 use crate::error::{Error, Result};
@@ -58,7 +60,7 @@ struct Inner {
     options: ConnectOptions,
     tcp: TcpTimeouts,
     /// The live connection, opened on first use and again after it died.
-    current: AsyncMutex<Option<Arc<DedicatedConnection>>>,
+    current: AsyncMutex<Option<Arc<SharedSession>>>,
     /// Roles with a live elector on this connection.
     roles: Mutex<HashSet<String>>,
 }
@@ -109,14 +111,14 @@ impl SharedConnection {
     }
 
     /// The live connection, opened (and checked) if there is none.
-    pub(crate) async fn get(&self) -> Result<Arc<DedicatedConnection>> {
+    pub(crate) async fn get(&self) -> Result<Arc<SharedSession>> {
         let mut current = self.inner.current.lock().await;
         if let Some(c) = current.as_ref().filter(|c| !c.is_closed()) {
             return Ok(c.clone());
         }
-        let conn = Arc::new(self.open().await?);
-        *current = Some(conn.clone());
-        Ok(conn)
+        let session = SharedSession::start(self.open().await?);
+        *current = Some(session.clone());
+        Ok(session)
     }
 
     async fn open(&self) -> Result<DedicatedConnection> {
@@ -177,6 +179,99 @@ impl Drop for RoleClaim {
     fn drop(&mut self) {
         if let Ok(mut roles) = self.inner.roles.lock() {
             roles.remove(&self.role);
+        }
+    }
+}
+
+/// A live shared connection and its one heartbeat.
+///
+/// Each leader on the connection asks for a heartbeat at its own pace. A
+/// request made at `r` is answered by a `SELECT 1` *sent* at or after `r`,
+/// and the send waits a little (a quarter of the asking leader's heartbeat
+/// timeout, at most 100 ms) for other requests to share it. The leader's
+/// timeout still runs from `r`, so it learns of a dead connection no later
+/// than with a heartbeat of its own; leaders answered by one statement ask
+/// again together, so after a few beats one statement serves them all.
+pub(crate) struct SharedSession {
+    conn: DedicatedConnection,
+    /// The earliest moment by which a pending request wants its heartbeat
+    /// sent; `None` when no request is pending.
+    wanted: watch::Sender<Option<Instant>>,
+    /// The last heartbeat answered: when it was sent, whether it succeeded.
+    beats: watch::Sender<Option<(Instant, bool)>>,
+}
+
+impl std::ops::Deref for SharedSession {
+    type Target = DedicatedConnection;
+
+    fn deref(&self) -> &DedicatedConnection {
+        &self.conn
+    }
+}
+
+impl SharedSession {
+    fn start(conn: DedicatedConnection) -> Arc<SharedSession> {
+        let session = Arc::new(SharedSession {
+            conn,
+            wanted: watch::Sender::new(None),
+            beats: watch::Sender::new(None),
+        });
+        tokio::spawn(beat(Arc::downgrade(&session)));
+        session
+    }
+
+    /// True when a heartbeat sent at or after `requested` was answered;
+    /// false when it failed. The heartbeat is sent within `wait` of
+    /// `requested`.
+    pub(crate) async fn beat(&self, requested: Instant, wait: Duration) -> bool {
+        let mut beats = self.beats.subscribe();
+        let by = requested + wait;
+        self.wanted
+            .send_modify(|w| *w = Some(w.map_or(by, |x| x.min(by))));
+        let answered = beats
+            .wait_for(|b| b.is_some_and(|(sent, _)| sent >= requested))
+            .await
+            .map(|b| b.is_some_and(|(_, ok)| ok));
+        answered.unwrap_or(false)
+    }
+}
+
+/// The heartbeat task of a shared session: sends `SELECT 1` when the
+/// earliest pending request wants it, for every request pending then; ends
+/// with the session or at the first failure.
+async fn beat(session: std::sync::Weak<SharedSession>) {
+    let (mut wanted, closed) = match session.upgrade() {
+        Some(s) => (s.wanted.subscribe(), s.conn.closed().clone()),
+        None => return,
+    };
+    loop {
+        // Wait for the earliest pending request's moment, following new
+        // requests that want theirs sooner.
+        loop {
+            let by = *wanted.borrow_and_update();
+            let changed = tokio::select! {
+                _ = closed.cancelled() => return,
+                r = wanted.changed() => r,
+                _ = async {
+                    match by {
+                        Some(by) => tokio::time::sleep_until(by).await,
+                        None => std::future::pending().await,
+                    }
+                } => break,
+            };
+            if changed.is_err() {
+                return;
+            }
+        }
+        let Some(s) = session.upgrade() else {
+            return;
+        };
+        s.wanted.send_replace(None);
+        let sent = Instant::now();
+        let ok = s.conn.client().simple_query("SELECT 1").await.is_ok();
+        s.beats.send_replace(Some((sent, ok)));
+        if !ok {
+            return;
         }
     }
 }
