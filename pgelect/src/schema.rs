@@ -275,10 +275,13 @@ async fn installed_version<C: GenericClient>(client: &C, schema: &SchemaName) ->
     Ok(row.get(0))
 }
 
-/// Checks that the schema is installed at the version this library needs.
+/// Checks that the schema is installed at the version this library needs,
+/// or a newer one.
 ///
 /// Returns [`Error::SchemaMissing`] (which says to run `pgelect migrate`) or
-/// [`Error::SchemaVersion`] otherwise.
+/// [`Error::SchemaVersion`] (older than needed: migrate). A newer schema is
+/// accepted: migrations only ever add, so a rolling upgrade can migrate
+/// first while candidates of the previous version keep campaigning.
 ///
 /// # Cancel safety
 /// Cancel safe: it only reads.
@@ -294,12 +297,18 @@ pub async fn check_schema<C: GenericClient>(client: &C, schema: &SchemaName) -> 
             expected: SCHEMA_VERSION,
             hint: "run `pgelect migrate` to upgrade it",
         }),
-        v if v > SCHEMA_VERSION => Err(Error::SchemaVersion {
-            schema: schema.to_string(),
-            found: v,
-            expected: SCHEMA_VERSION,
-            hint: "the database was migrated by a newer pgelect; upgrade this program",
-        }),
+        v if v > SCHEMA_VERSION => {
+            // Migrations only add (a column with a default, a function):
+            // what an older version uses stays. So a rolling upgrade can
+            // migrate first while older candidates keep campaigning.
+            tracing::debug!(
+                schema = schema.as_str(),
+                found = v,
+                needed = SCHEMA_VERSION,
+                "the schema was migrated by a newer pgelect; migrations only add, so this version works with it"
+            );
+            Ok(())
+        }
         _ => Ok(()),
     }
 }

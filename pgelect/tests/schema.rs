@@ -48,6 +48,33 @@ async fn concurrent_migrations_apply_each_version_once() {
 }
 
 #[tokio::test]
+async fn an_older_schema_is_refused_a_newer_one_accepted() {
+    let db = TestDb::new("migrate_versions").await;
+    pgelect::migrate(&options(&db)).await.unwrap();
+    let client = db.connect().await;
+    let schema = pgelect::SchemaName::default();
+    // As if an older pgelect had migrated: the last migration missing.
+    client
+        .query_typed(
+            "DELETE FROM pgelect.migrations WHERE version = $1",
+            &[(&pgelect::SCHEMA_VERSION, tokio_postgres::types::Type::INT4)],
+        )
+        .await
+        .unwrap();
+    let err = pgelect::check_schema(&client, &schema).await.unwrap_err();
+    assert!(matches!(err, Error::SchemaVersion { .. }), "{err}");
+    assert!(err.to_string().contains("migrate"), "{err}");
+    // As if a newer pgelect had migrated (a rolling upgrade migrates first).
+    client
+        .batch_execute("INSERT INTO pgelect.migrations (version) VALUES (99), (98)")
+        .await
+        .unwrap();
+    pgelect::check_schema(&client, &schema)
+        .await
+        .expect("a newer schema works for this version");
+}
+
+#[tokio::test]
 async fn schema_name_is_configurable() {
     let db = TestDb::new("migrate_schema").await;
     let o = options(&db).schema("app_locks").unwrap();
