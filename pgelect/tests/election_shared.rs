@@ -327,3 +327,32 @@ async fn leaders_on_a_shared_connection_share_its_heartbeat() {
         l.resign().await.unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resign_request_reaches_only_its_role_on_a_shared_connection() {
+    let (_db, o) = migrated("shared_resign").await;
+    let host = SharedConnection::new(&o, TcpTimeouts::default());
+    let e1 = fast(&o, "r1", "a")
+        .shared_connection(&host)
+        .build()
+        .unwrap();
+    let e2 = fast(&o, "r2", "a")
+        .shared_connection(&host)
+        .build()
+        .unwrap();
+    let l1 = e1.leadership().await.unwrap();
+    let l2 = e2.leadership().await.unwrap();
+    let t0 = Instant::now();
+    let asked = pgelect::request_resign(&o, "r1").await.unwrap().unwrap();
+    assert_eq!(asked.term, l1.term());
+    tokio::time::timeout(Duration::from_secs(5), l1.lost())
+        .await
+        .expect("the asked leader steps down");
+    println!("resign request heard after {:?}", t0.elapsed());
+    assert_eq!(l1.loss_reason(), Some(pgelect::LossReason::Resigned));
+    l1.resign().await.unwrap();
+    // The other role on the connection did not hear it.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!l2.is_lost(), "{:?}", l2.loss_reason());
+    l2.resign().await.unwrap();
+}
