@@ -360,6 +360,18 @@ impl DedicatedConnection {
         Ok(())
     }
 
+    /// The connection, if its preparation (`prepared`) succeeded; otherwise
+    /// it is dropped at once and the error returned.
+    pub(crate) fn kept_if(self, prepared: Result<()>) -> Result<DedicatedConnection> {
+        match prepared {
+            Ok(()) => Ok(self),
+            Err(e) => {
+                self.kill();
+                Err(e)
+            }
+        }
+    }
+
     /// Closes the connection politely and waits for the driver task.
     pub(crate) async fn close(self) {
         let DedicatedConnection { client, task, .. } = self;

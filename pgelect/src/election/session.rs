@@ -227,13 +227,7 @@ async fn lock_connection(shared: &Shared, elect: &ElectStatement) -> Result<Dedi
         elect.warm_up(shared, &conn).await
     }
     .await;
-    match prepared {
-        Ok(()) => Ok(conn),
-        Err(e) => {
-            conn.kill();
-            Err(e)
-        }
-    }
+    conn.kept_if(prepared)
 }
 
 async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {

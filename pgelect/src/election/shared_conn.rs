@@ -138,13 +138,7 @@ impl SharedConnection {
                 .map_err(|e| Error::db("listen on the shared connection", s, e))
         }
         .await;
-        match prepared {
-            Ok(()) => Ok(conn),
-            Err(e) => {
-                conn.kill();
-                Err(e)
-            }
-        }
+        conn.kept_if(prepared)
     }
 }
 
