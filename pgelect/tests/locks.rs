@@ -523,30 +523,23 @@ async fn an_unbounded_wait_does_not_hold_back_vacuum() {
 #[tokio::test]
 async fn zero_durations_are_refused() {
     let (_db, options, _admin) = setup("lock_bad_input").await;
-    let err = LockSession::builder(&options)
-        .heartbeat(Duration::ZERO)
-        .connect()
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(err, Error::Config(_)) && err.to_string().contains("heartbeat"),
-        "{err}"
-    );
-    let err = LockSession::builder(&options)
-        .heartbeat_timeout(Duration::ZERO)
-        .connect()
-        .await
-        .unwrap_err();
-    assert!(matches!(err, Error::Config(_)), "{err}");
-    let err = LockSession::builder(&options)
-        .wait_slice(Duration::ZERO)
-        .connect()
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(err, Error::Config(_)) && err.to_string().contains("wait_slice"),
-        "{err}"
-    );
+    // Each builder setting refused before connecting, naming itself.
+    type Set = fn(pgelect::LockSessionBuilder) -> pgelect::LockSessionBuilder;
+    let cases: [(&str, Set); 3] = [
+        ("heartbeat", |b| b.heartbeat(Duration::ZERO)),
+        ("heartbeat_timeout", |b| b.heartbeat_timeout(Duration::ZERO)),
+        ("wait_slice", |b| b.wait_slice(Duration::ZERO)),
+    ];
+    for (name, set) in cases {
+        let err = set(LockSession::builder(&options))
+            .connect()
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::Config(_)) && err.to_string().contains(name),
+            "{name}: {err}"
+        );
+    }
     let a = LockSession::connect(&options).await.unwrap();
     let err = a
         .lock_shared_timeout(LockKey::from_i64(1), Duration::ZERO)
