@@ -112,6 +112,9 @@ async fn many_roles_share_one_backend_and_fail_over_together() {
     // A's backend is terminated: every role it led is lost, and B takes
     // each over after the handover delay with a higher term.
     let killer = db.connect().await;
+    // Taken before the statement: the server ends the backend (and frees
+    // its locks) before the answer comes back.
+    let killed_at = Instant::now();
     killer
         .query_typed(
             "SELECT pg_terminate_backend($1)",
@@ -119,7 +122,6 @@ async fn many_roles_share_one_backend_and_fail_over_together() {
         )
         .await
         .unwrap();
-    let killed_at = Instant::now();
     let mut lost_at = Vec::new();
     for (l, (log, start)) in led.iter().zip(
         logs.iter()
