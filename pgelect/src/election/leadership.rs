@@ -116,6 +116,28 @@ impl LeaderState {
         first
     }
 
+    /// [`end`](Self::end), and the first time, when the user had been told
+    /// of the leadership (`was_active`), counts the loss in the metrics.
+    pub(crate) fn end_counted(&self, reason: LossReason, was_active: bool) -> bool {
+        let first = self.end(reason);
+        if first && was_active {
+            crate::metrics::leader_off(&self.role, reason.as_str());
+        }
+        first
+    }
+
+    /// Fails with [`Error::LeadershipLost`] once the leadership ended.
+    fn ensure_live(&self) -> Result<()> {
+        match self.reason() {
+            Some(reason) => Err(Error::LeadershipLost {
+                role: self.role.clone(),
+                term: self.term.get(),
+                reason,
+            }),
+            None => Ok(()),
+        }
+    }
+
     pub(crate) fn reason(&self) -> Option<LossReason> {
         self.ended().map(|(r, _)| r)
     }
@@ -211,13 +233,7 @@ impl LeaderContext {
     /// caller's, roll it back.
     pub async fn fence<C: GenericClient + Sync>(&self, tx: &C) -> Result<()> {
         let s = &self.state;
-        if let Some(reason) = s.reason() {
-            return Err(Error::LeadershipLost {
-                role: s.role.clone(),
-                term: s.term.get(),
-                reason,
-            });
-        }
+        s.ensure_live()?;
         let sql = format!("SELECT {}.fence($1, $2)", s.schema.as_str());
         let term = s.term.get();
         tx.query_typed(&sql, &[(&s.role, Type::TEXT), (&term, Type::INT8)])
@@ -234,13 +250,7 @@ impl LeaderContext {
     #[cfg(feature = "sqlx")]
     pub async fn fence_sqlx(&self, conn: &mut ::sqlx::PgConnection) -> Result<()> {
         let s = &self.state;
-        if let Some(reason) = s.reason() {
-            return Err(Error::LeadershipLost {
-                role: s.role.clone(),
-                term: s.term.get(),
-                reason,
-            });
-        }
+        s.ensure_live()?;
         let sql = format!("SELECT {}.fence($1, $2)::text", s.schema.as_str());
         let result = ::sqlx::query(::sqlx::AssertSqlSafe(sql))
             .bind(&s.role)

@@ -538,8 +538,7 @@ async fn keep(
                 Action::Activate => {}
                 Action::Lose { reason, kill } => {
                     warn_if_late(&shared.role, reason, now, keeper.deadline());
-                    if state.end(reason) {
-                        metrics::leader_off(&shared.role, reason.as_str());
+                    if state.end_counted(reason, true) {
                         tracing::warn!(%reason, "leadership lost");
                     }
                     if kill {
@@ -560,9 +559,7 @@ async fn keep(
             biased;
             cmd = commands.recv() => match cmd {
                 None => {
-                    if state.end(LossReason::Dropped) {
-                        metrics::leader_off(&shared.role, LossReason::Dropped.as_str());
-                    }
+                    state.end_counted(LossReason::Dropped, true);
                     // Not released: the duties may still be stopping. The
                     // lease expires on its own, after the local deadline.
                     break;
@@ -647,9 +644,7 @@ async fn keep(
         let (c, _, _) = f.await;
         conn = c;
     }
-    if state.end(reason) {
-        metrics::leader_off(&shared.role, reason.as_str());
-    }
+    state.end_counted(reason, true);
     keeper.finish(reason);
     let result = if ended == Some(LossReason::Preempted) {
         Ok(())

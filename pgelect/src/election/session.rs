@@ -688,17 +688,15 @@ async fn keep(
                     if activated.take().is_none_or(|tx| tx.send(true).is_err()) {
                         // The campaign was dropped while waiting: nobody will
                         // ever hold this leadership.
-                        state.end(LossReason::Dropped);
-                        metrics::leader_off(&shared.role, LossReason::Dropped.as_str());
+                        state.end_counted(LossReason::Dropped, was_active);
                         conn.abandon(shared.key);
                         break 'outer;
                     }
                 }
                 Action::Lose { reason, kill } => {
                     warn_if_late(&shared.role, reason, now, keeper.deadline());
-                    let first = state.end(reason);
+                    let first = state.end_counted(reason, was_active);
                     if first && was_active {
-                        metrics::leader_off(&shared.role, reason.as_str());
                         tracing::warn!(%reason, "leadership lost");
                     } else if first {
                         tracing::warn!(%reason, "lost the lock before acting");
@@ -730,10 +728,7 @@ async fn keep(
             _ = conn.closed().cancelled() => keeper.connection_lost(),
             cmd = commands.recv() => match cmd {
                 None => {
-                    let first = state.end(LossReason::Dropped);
-                    if first && was_active {
-                        metrics::leader_off(&shared.role, LossReason::Dropped.as_str());
-                    }
+                    state.end_counted(LossReason::Dropped, was_active);
                     conn.abandon(shared.key);
                     break;
                 }
@@ -804,10 +799,7 @@ async fn keep(
     };
     // Duties have stopped (the caller says so by releasing): cancel first,
     // then clear the holder and notify, then unlock.
-    let first = state.end(reason);
-    if first && was_active {
-        metrics::leader_off(&shared.role, reason.as_str());
-    }
+    state.end_counted(reason, was_active);
     keeper.finish(reason);
     let bound = shared.timing.heartbeat_timeout * 2;
     let result = match tokio::time::timeout(bound, release(&shared, &conn, term)).await {
