@@ -687,6 +687,13 @@ fn bad_configurations_are_rejected_naming_the_values() {
     assert!(e.contains("ttl must be positive"), "{e}");
     let e = err(Elector::builder(o.clone(), "r").renew_every(Duration::ZERO));
     assert!(e.contains("renew_every must be positive"), "{e}");
+    let e = err(Elector::builder(o.clone(), "r").wait_slice(Duration::ZERO));
+    assert!(e.contains("wait_slice must be positive"), "{e}");
+    let e = err(Elector::builder(o.clone(), "r").wait_slice(Duration::from_secs(2 * 24 * 3600)));
+    assert!(
+        e.contains("wait_slice 172800s is longer than the maximum"),
+        "{e}"
+    );
     let e = err(Elector::builder(o.clone(), "r")
         .ttl(Duration::from_secs(5))
         .renew_every(Duration::from_secs(5)));
