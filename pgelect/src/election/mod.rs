@@ -146,6 +146,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::conn::{ConnectOptions, DedicatedConnection, Notice};
@@ -199,6 +200,44 @@ pub(crate) struct Shared {
     listener: Mutex<Option<CancellationToken>>,
     /// Lease backend: statements sent (acquire, renew, release, connect probe).
     pub(crate) lease_statements: std::sync::atomic::AtomicU64,
+    /// When one of this elector's connections last got an answer from the
+    /// server, for health checks that must not open connections of their own.
+    pub(crate) contact: Contact,
+}
+
+/// The moment a connection of an elector last got an answer from the
+/// server, kept as milliseconds since the elector was built (0: never).
+pub(crate) struct Contact {
+    origin: Instant,
+    last_ms: std::sync::atomic::AtomicU64,
+}
+
+impl Contact {
+    fn new() -> Contact {
+        Contact {
+            origin: Instant::now(),
+            last_ms: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Records that the server answered just now.
+    pub(crate) fn touch(&self) {
+        let ms = self.origin.elapsed().as_millis() as u64 + 1;
+        self.last_ms
+            .fetch_max(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// How long ago the server last answered, if it ever did.
+    fn since(&self) -> Option<Duration> {
+        match self.last_ms.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => None,
+            ms => Some(
+                self.origin
+                    .elapsed()
+                    .saturating_sub(Duration::from_millis(ms - 1)),
+            ),
+        }
+    }
 }
 
 /// What an elector is doing, for its observer task.
@@ -353,6 +392,7 @@ impl Elector {
                 lease_notices: tokio::sync::broadcast::Sender::new(64),
                 listener: Mutex::new(None),
                 lease_statements: std::sync::atomic::AtomicU64::new(0),
+                contact: Contact::new(),
             }),
         }
     }
@@ -387,6 +427,17 @@ impl Elector {
         self.shared
             .lease_statements
             .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How long ago one of this elector's connections (lock or lease
+    /// statements, heartbeats, lock-wait slices, polls, the observer) last
+    /// got an answer from the database; `None` if none ever did.
+    ///
+    /// For health checks: it costs nothing and opens no connection. A
+    /// standby blocked in a lock wait hears from the server once per
+    /// `wait_slice`; a leader at least once per heartbeat.
+    pub fn last_contact(&self) -> Option<Duration> {
+        self.shared.contact.since()
     }
 
     /// The wait after an unclean takeover (session backend; zero for the
