@@ -120,6 +120,16 @@ pub enum Error {
         message: String,
     },
 
+    /// A fence found no leader for the role: no row, or the term was
+    /// released and nobody holds it (SQLSTATE `PE002`).
+    #[error("no leader for role {role:?}: {message}")]
+    NoLeader {
+        /// The role whose fence refused, as the caller named it.
+        role: String,
+        /// The server's message.
+        message: String,
+    },
+
     /// The leadership a fence or an operation relied on has already ended.
     #[error(
         "leadership of role {role:?} (term {term}) has ended ({reason}); stop acting as leader"
@@ -197,9 +207,14 @@ impl Error {
     }
 
     /// True when a fence refused because this process knows its leadership
-    /// ended ([`Error::LeadershipLost`]) or the server found the term stale.
+    /// ended ([`Error::LeadershipLost`]), the server found the term stale
+    /// ([`Error::StaleTerm`]) or the role has no leader now
+    /// ([`Error::NoLeader`]): in every case, stop acting as leader.
     pub fn is_leadership_lost(&self) -> bool {
-        matches!(self, Error::StaleTerm { .. } | Error::LeadershipLost { .. })
+        matches!(
+            self,
+            Error::StaleTerm { .. } | Error::NoLeader { .. } | Error::LeadershipLost { .. }
+        )
     }
 
     /// The SQLSTATE of the server's error, where there is one.
@@ -210,6 +225,7 @@ impl Error {
             | Error::Connect { source, .. }
             | Error::Database { source, .. } => source.code().map(SqlState::code),
             Error::StaleTerm { .. } => Some(SQLSTATE_STALE_TERM),
+            Error::NoLeader { .. } => Some(SQLSTATE_NO_LEADER),
             _ => None,
         }
     }
@@ -246,15 +262,45 @@ impl Error {
                     Error::Database { operation, source }
                 }
             }
-            Some(c) if c.code() == SQLSTATE_STALE_TERM || c.code() == SQLSTATE_NO_LEADER => {
-                let message = source
-                    .as_db_error()
-                    .map(|d| d.message().to_owned())
-                    .unwrap_or_default();
-                let role = message.split('"').nth(1).unwrap_or_default().to_owned();
-                Error::StaleTerm { role, message }
-            }
             _ => Error::Database { operation, source },
+        }
+    }
+
+    /// Classifies the error of a `fence(role, term)` statement: the fence's
+    /// own SQLSTATEs become [`Error::StaleTerm`] and [`Error::NoLeader`] for
+    /// `role` (the caller's, never parsed back out of the message);
+    /// anything else as [`Error::db`].
+    pub(crate) fn fence(role: &str, schema: &str, source: tokio_postgres::Error) -> Error {
+        let fence_refusal = source
+            .as_db_error()
+            .map(|d| (d.code().code(), d.message().to_owned()));
+        match fence_refusal {
+            Some((SQLSTATE_STALE_TERM, message)) => Error::StaleTerm {
+                role: role.to_owned(),
+                message,
+            },
+            Some((SQLSTATE_NO_LEADER, message)) => Error::NoLeader {
+                role: role.to_owned(),
+                message,
+            },
+            _ => Error::db("fence a transaction", schema, source),
+        }
+    }
+
+    /// The same for a refusal read from another driver: the SQLSTATE and
+    /// message of the server's error, if it was one.
+    #[cfg(feature = "sqlx")]
+    pub(crate) fn fence_refusal(role: &str, code: Option<&str>, message: &str) -> Option<Error> {
+        match code? {
+            SQLSTATE_STALE_TERM => Some(Error::StaleTerm {
+                role: role.to_owned(),
+                message: message.to_owned(),
+            }),
+            SQLSTATE_NO_LEADER => Some(Error::NoLeader {
+                role: role.to_owned(),
+                message: message.to_owned(),
+            }),
+            _ => None,
         }
     }
 

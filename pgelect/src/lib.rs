@@ -60,12 +60,19 @@ pub mod metrics;
 mod schema;
 
 pub use conn::{ConnectOptions, TcpTimeouts, DEFAULT_CONNECT_TIMEOUT};
-#[doc(inline)]
-pub use election::*;
+pub use election::{
+    current_leader, request_resign, Backend, Elector, ElectorBuilder, LeaderContext, LeaderInfo,
+    Leadership, LossReason, SharedConnection, StandbyMode, Term, LEADER_CHANNEL, MAX_ROLE_BYTES,
+    RESIGN_CHANNEL,
+};
+#[doc(hidden)]
+pub use election::{lease_sql, LeaseSql};
 pub use error::{Error, Result, SQLSTATE_NO_LEADER, SQLSTATE_STALE_TERM};
 pub use key::{LockKey, MAX_KEY_NAME_BYTES};
-#[doc(inline)]
-pub use lock::*;
+pub use lock::{
+    try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, xact_lock_shared_timeout,
+    xact_lock_timeout, LockGuard, LockMode, LockSession, LockSessionBuilder,
+};
 pub use schema::{check_schema, migrate, SchemaName, DEFAULT_SCHEMA, SCHEMA_VERSION};
 
 /// The README's examples, compiled as doc tests so that they stay true.

@@ -171,6 +171,7 @@ pub enum StandbyMode {
 /// ([`Leadership::fence`](crate::Leadership::fence)), which the takeover's
 /// term bump defeats.
 #[derive(Clone, Debug)]
+#[must_use = "a builder does nothing until `build` is called"]
 pub struct ElectorBuilder {
     options: ConnectOptions,
     role: String,

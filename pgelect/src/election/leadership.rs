@@ -179,10 +179,14 @@ impl LeaderContext {
         &self.state.role
     }
 
-    /// Cancelled the moment leadership ends, for any reason. Stop acting as
-    /// leader when it is.
+    /// A token cancelled the moment leadership ends, for any reason. Stop
+    /// acting as leader when it is.
+    ///
+    /// It is a child of the leadership's own token: cancelling it (or
+    /// passing it to code that does) cancels only the child, never the
+    /// leadership itself. To step down, call [`Leadership::resign`].
     pub fn token(&self) -> CancellationToken {
-        self.state.token.clone()
+        self.state.token.child_token()
     }
 
     /// True once leadership has ended.
@@ -220,9 +224,10 @@ impl LeaderContext {
     /// newer leader began, before those writes (or at least before commit).
     /// Because a takeover must `UPDATE` that row to bump the term, it waits
     /// for fenced transactions of the old term to end, and once the term
-    /// moved, every fence of the old term fails with [`Error::StaleTerm`]: a
-    /// fenced transaction of an old term never commits after a newer term
-    /// began, even when this process was paused or partitioned.
+    /// moved, every fence of the old term fails with [`Error::StaleTerm`]
+    /// (or [`Error::NoLeader`] when the term was released and nobody holds
+    /// the role): a fenced transaction of an old term never commits after a
+    /// newer term began, even when this process was paused or partitioned.
     ///
     /// Fails at once, without a statement, once this leadership is known
     /// lost. The statement is unnamed (no prepared statement), so it works
@@ -238,7 +243,7 @@ impl LeaderContext {
         let term = s.term.get();
         tx.query_typed(&sql, &[(&s.role, Type::TEXT), (&term, Type::INT8)])
             .await
-            .map_err(|e| Error::db("fence a transaction", s.schema.as_str(), e))?;
+            .map_err(|e| Error::fence(&s.role, s.schema.as_str(), e))?;
         Ok(())
     }
 
@@ -261,26 +266,13 @@ impl LeaderContext {
         match result {
             Ok(_) => Ok(()),
             Err(e) => {
-                let stale = e
+                let refusal = e
                     .as_database_error()
-                    .filter(|d| {
-                        matches!(
-                            d.code().as_deref(),
-                            Some(crate::error::SQLSTATE_STALE_TERM)
-                                | Some(crate::error::SQLSTATE_NO_LEADER)
-                        )
-                    })
-                    .map(|d| d.message().to_owned());
-                match stale {
-                    Some(message) => Err(Error::StaleTerm {
-                        role: s.role.clone(),
-                        message,
-                    }),
-                    None => Err(Error::Sqlx {
-                        operation: "fence a transaction",
-                        source: e,
-                    }),
-                }
+                    .and_then(|d| Error::fence_refusal(&s.role, d.code().as_deref(), d.message()));
+                Err(refusal.unwrap_or(Error::Sqlx {
+                    operation: "fence a transaction",
+                    source: e,
+                }))
             }
         }
     }
@@ -320,6 +312,18 @@ impl fmt::Debug for LeaderContext {
 /// * Dropping every handle without `resign` cancels the token and drops the
 ///   lock connection: standbys see an unclean loss and wait the handover
 ///   delay. This is a fallback, not the way to step down.
+///
+/// Forgetting to bind it is a compile-time warning (`#[must_use]`), because
+/// the leadership would end at once:
+///
+/// ```compile_fail
+/// #![deny(unused_must_use)]
+/// async fn f(elector: &pgelect::Elector) -> Result<(), pgelect::Error> {
+///     elector.leadership().await?; // dropped at once: refused
+///     Ok(())
+/// }
+/// ```
+#[must_use = "dropping a Leadership ends it at once, and standbys see an unclean loss; bind it, and call `resign` to step down"]
 pub struct Leadership {
     pub(crate) context: LeaderContext,
     pub(crate) commands: mpsc::UnboundedSender<Command>,
@@ -336,7 +340,18 @@ impl Leadership {
         self.context.role()
     }
 
-    /// Cancelled the moment leadership ends, for any reason.
+    /// A token cancelled the moment leadership ends, for any reason.
+    ///
+    /// A child of the leadership's own token: cancelling it does not end
+    /// leadership (use [`resign`](Leadership::resign) for that).
+    ///
+    /// ```
+    /// # fn f(leadership: &pgelect::Leadership) {
+    /// let token = leadership.token();
+    /// token.cancel(); // cancels this child only
+    /// assert!(!leadership.is_lost());
+    /// # }
+    /// ```
     pub fn token(&self) -> CancellationToken {
         self.context.token()
     }

@@ -143,7 +143,7 @@ mod watch;
 
 use std::fmt;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -266,17 +266,24 @@ impl Activity {
 impl Shared {
     /// Starts the observer task if it is not running.
     pub(crate) fn ensure_observer(self: &Arc<Self>) {
-        let mut slot = self.observer.lock().expect("BUG: poisoned observer slot");
+        let mut slot = self.observer.lock().unwrap_or_else(PoisonError::into_inner);
         if slot.as_ref().is_some_and(|t| !t.is_cancelled()) {
             return;
         }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(
+                role = %self.role,
+                "Elector::watch was called outside a Tokio runtime: no observer runs, so the receiver sees only this elector's own elections"
+            );
+            return;
+        };
         let stop = CancellationToken::new();
         *slot = Some(stop.clone());
         let observer = watch::Observer {
             shared: Arc::downgrade(self),
             stop,
         };
-        tokio::spawn(observer.run());
+        runtime.spawn(observer.run());
     }
 
     /// Takes the spare lock connection, if it is still open.
@@ -284,14 +291,14 @@ impl Shared {
         let conn = self
             .spare
             .lock()
-            .expect("BUG: poisoned spare slot")
+            .unwrap_or_else(PoisonError::into_inner)
             .take()?;
         (!conn.is_closed()).then_some(conn)
     }
 
     /// Keeps a released lock connection for the next campaign.
     pub(crate) fn put_spare(&self, conn: DedicatedConnection) {
-        *self.spare.lock().expect("BUG: poisoned spare slot") = Some(conn);
+        *self.spare.lock().unwrap_or_else(PoisonError::into_inner) = Some(conn);
     }
 
     /// Lease backend: starts the `LISTEN` task if a `listen_via` connection
@@ -300,7 +307,7 @@ impl Shared {
         let Some(options) = self.listen_via.clone() else {
             return;
         };
-        let mut slot = self.listener.lock().expect("BUG: poisoned listener slot");
+        let mut slot = self.listener.lock().unwrap_or_else(PoisonError::into_inner);
         if slot.as_ref().is_some_and(|t| !t.is_cancelled()) {
             return;
         }
@@ -500,8 +507,10 @@ impl Elector {
     ///
     /// The first call starts a light observer connection, kept until the
     /// elector is dropped; while this elector leads with the session backend
-    /// it is closed and the leader publishes its own renewals. Must be
-    /// called within a Tokio runtime.
+    /// it is closed and the leader publishes its own renewals. Called
+    /// outside a Tokio runtime it does not panic: no observer starts (a
+    /// warning is logged) and the receiver sees only this elector's own
+    /// elections and releases until a campaign starts the observer.
     pub fn watch(&self) -> tokio::sync::watch::Receiver<Option<LeaderInfo>> {
         self.shared
             .activity
@@ -581,7 +590,7 @@ impl Drop for Elector {
             .shared
             .listener
             .lock()
-            .expect("BUG: poisoned listener slot")
+            .unwrap_or_else(PoisonError::into_inner)
             .take()
         {
             t.cancel();
@@ -590,7 +599,7 @@ impl Drop for Elector {
             .shared
             .observer
             .lock()
-            .expect("BUG: poisoned observer slot")
+            .unwrap_or_else(PoisonError::into_inner)
             .take()
         {
             t.cancel();

@@ -22,6 +22,7 @@ use crate::schema::DEFAULT_SCHEMA;
 /// returned as PostgreSQL prints it so that the restore puts back exactly
 /// that text. `current_setting` prints `lock_timeout` with a unit (`100ms`,
 /// `5s`, `1min`) or as `0`, all of which read as an `interval`.
+#[cfg(feature = "sqlx")]
 pub(super) const CAP_LOCK_TIMEOUT_SQL: &str = "\
 SELECT caller.setting,
        set_config('lock_timeout',
@@ -35,6 +36,7 @@ SELECT caller.setting,
         OFFSET 0) AS caller";
 
 /// Puts back the caller's `lock_timeout` (transaction-local, like the cap).
+#[cfg(feature = "sqlx")]
 pub(super) const RESTORE_LOCK_TIMEOUT_SQL: &str =
     "SELECT set_config('lock_timeout', $1::text, true)";
 
