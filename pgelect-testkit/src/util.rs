@@ -1,9 +1,7 @@
 //! Process, filesystem and runtime helpers shared by the servers.
 
-use std::collections::hash_map::RandomState;
 use std::fs::{self, File, OpenOptions};
 use std::future::Future;
-use std::hash::{BuildHasher, Hasher};
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
@@ -25,19 +23,9 @@ pub(crate) fn ctx(e: io::Error, what: impl std::fmt::Display) -> io::Error {
     io::Error::new(e.kind(), format!("{what}: {e}"))
 }
 
-/// A random number, different on every call (not cryptographic).
+/// A random number, different on every call.
 pub(crate) fn random_u64() -> u64 {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut h = RandomState::new().build_hasher();
-    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    h.write_u32(std::process::id());
-    h.write_u128(
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    h.finish()
+    rand::random()
 }
 
 /// The kernel's ephemeral port range (`low`, `high`).

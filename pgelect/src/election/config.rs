@@ -1,7 +1,6 @@
 //! The elector's configuration: a builder whose every default is documented
 //! and whose `build()` checks the safety inequalities.
 
-use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
 
 use crate::conn::{ConnectOptions, TcpTimeouts};
@@ -473,17 +472,11 @@ pub(crate) fn validate_name(what: &'static str, name: &str) -> Result<()> {
     Ok(())
 }
 
-/// A random 64-bit number from the standard library's per-process random
-/// hash keys: enough for jitter and node-id suffixes, not for secrets.
+/// A random 64-bit number (thread-local generator of the `rand` crate,
+/// already in the tree through tokio-postgres): for jitter, lease tokens and
+/// node-id suffixes.
 pub(crate) fn random_u64() -> u64 {
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    h.finish()
+    rand::random()
 }
 
 /// `<hostname>-<pid>-<8 hex digits>`.
