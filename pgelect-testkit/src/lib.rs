@@ -54,7 +54,7 @@
 //! * `PGELECT_TEST_NO_TEMPLATE`: disable the initdb template cache.
 //! * `PGELECT_TESTKIT_DEBUG`: print how long each cluster took to start.
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod cluster;
 mod pgbouncer;

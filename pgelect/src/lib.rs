@@ -49,7 +49,7 @@
 //! # Ok(()) }
 //! ```
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod conn;
 pub mod election;
