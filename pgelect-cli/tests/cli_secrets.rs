@@ -294,6 +294,23 @@ async fn a_password_on_the_command_line_is_warned_about_once() {
     assert!(out.stderr.contains("--database-url-file"), "{}", out.stderr);
     assert!(!out.output().contains(TEST_PASSWORD), "{}", out.output());
 
+    // A key=value string is accepted too, and warned about alike.
+    let addr = db.server_addr();
+    let kv = format!(
+        "host={} port={} user=postgres password='{TEST_PASSWORD}' dbname={}",
+        addr.ip(),
+        addr.port(),
+        db.name()
+    );
+    let out = run(pgelect(["status", "--database-url", &kv]), QUICK).await;
+    out.assert_code(0);
+    assert_eq!(
+        out.stderr.matches("holds a password").count(),
+        1,
+        "{}",
+        out.stderr
+    );
+
     // The same URL through the environment: no warning.
     let mut cmd = pgelect(["status"]);
     cmd.env("DATABASE_URL", db.url());
