@@ -10,8 +10,9 @@ use crate::exit::{self, Failure};
 #[derive(Debug, Parser)]
 #[command(name = "pgelect", version, propagate_version = true)]
 #[command(after_help = "Examples:
-  pgelect migrate --database-url postgres://app@db/app
-  DATABASE_URL=postgres://app@db/app pgelect migrate --schema my_locks
+  pgelect migrate --database-url postgres://app@db/app   # password from ~/.pgpass
+  DATABASE_URL=postgres://app:secret@db/app pgelect migrate --schema my_locks
+  pgelect migrate --database-url-file /run/secrets/pgelect-url
 
 The database is taken from --database-url, else --database-url-file (or
 PGELECT_DATABASE_URL_FILE), else DATABASE_URL, else the libpq variables
