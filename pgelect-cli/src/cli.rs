@@ -1,18 +1,25 @@
 //! Command-line grammar and global options.
 
+use std::path::{Path, PathBuf};
+
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::exit::Failure;
+use crate::exit::{self, Failure};
 
 /// Leader election and distributed locks on the PostgreSQL you already run.
 #[derive(Debug, Parser)]
 #[command(name = "pgelect", version, propagate_version = true)]
 #[command(after_help = "Examples:
-  pgelect migrate --database-url postgres://app@db/app
-  DATABASE_URL=postgres://app@db/app pgelect migrate --schema my_locks
+  pgelect migrate --database-url postgres://app@db/app   # password from ~/.pgpass
+  DATABASE_URL=postgres://app:secret@db/app pgelect migrate --schema my_locks
+  pgelect migrate --database-url-file /run/secrets/pgelect-url
 
-The database is taken from --database-url, else DATABASE_URL, else the libpq
-variables PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE.
+The database is taken from --database-url, else --database-url-file (or
+PGELECT_DATABASE_URL_FILE), else DATABASE_URL, else the libpq variables
+PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE. Without a password in the
+URL, PGPASSWORD, else the password file (PGPASSFILE, else ~/.pgpass) is used.
+A password on the command line is visible to every local user (ps,
+/proc/PID/cmdline): prefer the environment or a file (mode 0600).
 
 Exit codes: 0 success, 64 usage error, 69 database unavailable,
 75 lock not acquired, 77 permission denied, 78 configuration error.")]
@@ -26,7 +33,9 @@ pub struct Cli {
 /// Options every subcommand takes.
 #[derive(Debug, Args)]
 pub struct Global {
-    /// PostgreSQL URL (postgres://user:password@host:port/db). Never printed.
+    /// PostgreSQL URL (postgres://user:password@host:port/db) or key=value
+    /// string. Never printed. A password here is visible to every local user:
+    /// prefer DATABASE_URL, --database-url-file or ~/.pgpass.
     #[arg(
         long,
         global = true,
@@ -35,6 +44,15 @@ pub struct Global {
         value_name = "URL"
     )]
     pub database_url: Option<String>,
+    /// Read the database URL from this file (read once; a trailing newline
+    /// is ignored). Keep it private (mode 0600).
+    #[arg(
+        long,
+        global = true,
+        env = "PGELECT_DATABASE_URL_FILE",
+        value_name = "PATH"
+    )]
+    pub database_url_file: Option<PathBuf>,
     /// Schema holding pgelect's tables.
     #[arg(long, global = true, default_value = "pgelect", value_name = "NAME")]
     pub schema: String,
@@ -110,9 +128,11 @@ Exit codes: 0 when a new term was seen (or the role had no leader),
   pgelect demo --candidates 5 --ttl 3s
   pgelect demo --database-url postgres://app@db/app
 
-Without a database URL it starts a throwaway PostgreSQL from the system's
-binaries (initdb/postgres; as root it runs them as the postgres user) and
-removes it afterwards.")]
+Without --database-url or --database-url-file (DATABASE_URL is ignored here:
+it could name a production database) it starts a throwaway PostgreSQL from the
+system's binaries (initdb/postgres; as root it runs them as the postgres user)
+with a random superuser password, and removes it afterwards. The candidates
+read the URL from a private file (mode 0600), never from their command line.")]
     Demo(crate::demo::DemoArgs),
     /// Show every role's leader, term, lease and candidates.
     #[command(after_help = "Examples:
@@ -129,12 +149,130 @@ role's lock, 'waiting' waits for it, 'standing' polls for it.")]
 impl Global {
     /// The connection options from the flags and the environment.
     pub fn connect_options(&self) -> Result<pgelect::ConnectOptions, Failure> {
-        let options = match self.database_url.as_deref().filter(|u| !u.is_empty()) {
-            Some(url) => pgelect::ConnectOptions::from_url(url)?,
+        let url = resolve_url(
+            self.database_url.as_deref(),
+            "--database-url",
+            self.database_url_file.as_deref(),
+            "--database-url-file",
+        )?;
+        let options = match url {
+            Some(url) => pgelect::ConnectOptions::from_url(&url)?,
             None => pgelect::ConnectOptions::from_env()?,
         };
         Ok(options.schema(&self.schema)?)
     }
+
+    /// The database URL only if named on the command line itself
+    /// (`--database-url` or `--database-url-file`), ignoring `DATABASE_URL`
+    /// and the other variables: for `pgelect demo`, which must not run
+    /// against whatever database the environment happens to point at.
+    pub fn explicit_url(&self) -> Result<Option<(String, &'static str)>, Failure> {
+        let url = on_command_line("--database-url")
+            .then_some(self.database_url.as_deref())
+            .flatten();
+        let file = on_command_line("--database-url-file")
+            .then_some(self.database_url_file.as_deref())
+            .flatten();
+        let flag = match (url, file) {
+            (Some(_), _) => "--database-url",
+            (None, Some(_)) => "--database-url-file",
+            (None, None) => return Ok(None),
+        };
+        let url = resolve_url(url, "--database-url", file, "--database-url-file")?;
+        Ok(url.map(|u| (u, flag)))
+    }
+}
+
+/// A URL option that may come from its flag, its environment variable, or
+/// a file (`file_flag` or its variable). Precedence: the flag on the command
+/// line, then the file, then the variable. The flag and the file flag both
+/// on the command line are a usage error. Warns (once per flag) when the
+/// flag on the command line holds a password.
+pub fn resolve_url(
+    value: Option<&str>,
+    flag: &'static str,
+    file: Option<&Path>,
+    file_flag: &'static str,
+) -> Result<Option<String>, Failure> {
+    let value = value.filter(|v| !v.is_empty());
+    let value_on_line = value.is_some() && on_command_line(flag);
+    if value_on_line && file.is_some() && on_command_line(file_flag) {
+        return Err(Failure::new(
+            exit::USAGE,
+            format!("{flag} and {file_flag} both given; use one"),
+        ));
+    }
+    if value_on_line {
+        let url = value.expect("checked above");
+        if holds_password(url) {
+            warn_password_on_command_line(flag, file_flag);
+        }
+        return Ok(Some(url.to_owned()));
+    }
+    if let Some(path) = file {
+        return read_url_file(path, file_flag).map(Some);
+    }
+    Ok(value.map(str::to_owned))
+}
+
+/// Reads a URL from `path`: the whole file, without its trailing newline.
+/// Errors (exit 78) name the path, never the content.
+pub fn read_url_file(path: &Path, flag: &str) -> Result<String, Failure> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        Failure::new(
+            exit::CONFIG,
+            format!("cannot read the URL file {} ({flag}): {e}", path.display()),
+        )
+    })?;
+    let url = text.trim_end_matches(['\n', '\r']);
+    if url.trim().is_empty() {
+        return Err(Failure::new(
+            exit::CONFIG,
+            format!("the URL file {} ({flag}) is empty", path.display()),
+        ));
+    }
+    Ok(url.to_owned())
+}
+
+/// True if `flag` (as `--flag VALUE` or `--flag=VALUE`) is among this
+/// process's own arguments, before any `--` (after it come the supervised
+/// command's arguments).
+pub fn on_command_line(flag: &str) -> bool {
+    std::env::args_os()
+        .skip(1)
+        .take_while(|a| a != "--")
+        .any(|a| {
+            let a = a.to_string_lossy();
+            a == flag
+                || a.strip_prefix(flag)
+                    .is_some_and(|rest| rest.starts_with('='))
+        })
+}
+
+/// Whether a URL or key=value string names a password (unparsable strings
+/// are assumed to: the warning is cheap, a missed one is not).
+fn holds_password(url: &str) -> bool {
+    url.trim()
+        .parse::<tokio_postgres::Config>()
+        .map(|c| c.get_password().is_some())
+        .unwrap_or(true)
+}
+
+fn warn_password_on_command_line(flag: &'static str, file_flag: &'static str) {
+    static WARNED: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+    let mut warned = WARNED.lock().unwrap_or_else(|e| e.into_inner());
+    if warned.contains(&flag) {
+        return;
+    }
+    warned.push(flag);
+    let env = match flag {
+        "--database-url" => "DATABASE_URL",
+        "--listen-url" => "PGELECT_LISTEN_URL",
+        _ => "the environment",
+    };
+    tracing::warn!(
+        "the URL given with {flag} holds a password, which every local user can read in /proc/PID/cmdline (ps); pass it in {env}, in a file with {file_flag} (mode 0600), or leave it out of the URL and use PGPASSWORD or ~/.pgpass"
+    );
 }
 
 /// Sets up `tracing` on standard error per `-v`, `-q` and `--log-format`;

@@ -40,23 +40,44 @@ struct Candidate {
 
 pub async fn run(global: &Global, args: DemoArgs) -> Result<u8, Failure> {
     let mut signals = crate::signals::Signals::install()?;
-    let (url, cluster) = match global.database_url.as_deref().filter(|u| !u.is_empty()) {
-        Some(url) => {
+    // Only a database named on the command line: a DATABASE_URL that
+    // happens to be set could be production.
+    let (url, cluster) = match global.explicit_url()? {
+        Some((url, flag)) => {
             println!(
-                "• using the database at {}",
-                pgelect::ConnectOptions::from_url(url)?.target()
+                "• using the database at {} (from {flag})",
+                pgelect::ConnectOptions::from_url(&url)?.target()
             );
-            (url.to_owned(), None)
+            (url, None)
         }
         None => {
+            if std::env::var_os("DATABASE_URL").is_some_and(|v| !v.is_empty())
+                || std::env::var_os("PGELECT_DATABASE_URL_FILE").is_some_and(|v| !v.is_empty())
+            {
+                println!("• DATABASE_URL / PGELECT_DATABASE_URL_FILE is set but not used: the demo runs only against a database named with --database-url or --database-url-file");
+            }
             println!("• starting a throwaway PostgreSQL from the system's binaries …");
             let started = Instant::now();
             let cluster = tokio::task::spawn_blocking(pgelect_testkit::Cluster::start)
                 .await
                 .map_err(|e| Failure::new(exit::SOFTWARE, format!("the cluster start task failed: {e}")))?
                 .map_err(|e| Failure::new(exit::UNAVAILABLE, format!("cannot start a throwaway PostgreSQL: {e}; install the server with `apt-get install postgresql`, or pass --database-url")))?;
+            // The kit's password is public (it is in the source): give this
+            // cluster one nobody else knows.
+            let password = random_password()?;
+            let cluster = tokio::task::spawn_blocking(move || {
+                cluster.set_superuser_password(&password).map(|()| cluster)
+            })
+            .await
+            .map_err(|e| Failure::new(exit::SOFTWARE, format!("the password task failed: {e}")))?
+            .map_err(|e| {
+                Failure::new(
+                    exit::UNAVAILABLE,
+                    format!("cannot set the throwaway PostgreSQL's password: {e}"),
+                )
+            })?;
             println!(
-                "  PostgreSQL on 127.0.0.1:{} (data in {}), up in {} ms",
+                "  PostgreSQL on 127.0.0.1:{} (data in {}), up in {} ms, superuser password random for this run",
                 cluster.port(),
                 cluster.data_dir().display(),
                 started.elapsed().as_millis()
@@ -67,11 +88,17 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<u8, Failure> {
     let options = pgelect::ConnectOptions::from_url(&url)?.schema(&global.schema)?;
     pgelect::migrate(&options).await?;
     println!("• schema {} installed", options.schema_name());
+    let secret = UrlFile::write(&url)?;
+    println!(
+        "• the candidates read the URL from {} (mode 0600), never from their command line",
+        secret.path().display()
+    );
 
     let outcome = tokio::select! {
-        r = scenario(&url, &options, &args) => r,
+        r = scenario(secret.path(), &options, &args) => r,
         sig = signals.recv() => Err(Failure::new(exit::TEMPFAIL, format!("interrupted by {sig}; cleaning up"))),
     };
+    drop(secret);
     drop(cluster);
     if outcome.is_ok() {
         println!("• candidates stopped, throwaway PostgreSQL removed. Done.");
@@ -79,8 +106,83 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<u8, Failure> {
     outcome
 }
 
+/// 128 random bits as hex, from the kernel.
+fn random_password() -> Result<String, Failure> {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .map_err(|e| Failure::new(exit::SOFTWARE, format!("cannot read /dev/urandom: {e}")))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The database URL in a file only this user can read (mode 0600, in a
+/// directory of mode 0700), removed on drop: how the candidates get it.
+struct UrlFile {
+    dir: std::path::PathBuf,
+    path: std::path::PathBuf,
+}
+
+impl UrlFile {
+    fn write(url: &str) -> Result<UrlFile, Failure> {
+        use std::io::Write;
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+        let fail = |e: std::io::Error| {
+            Failure::new(
+                exit::SOFTWARE,
+                format!("cannot write the demo's private URL file: {e}"),
+            )
+        };
+        let dir = std::env::temp_dir().join(format!(
+            "pgelect-demo-{}-{}",
+            std::process::id(),
+            random_password()?.get(..8).unwrap_or_default()
+        ));
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .map_err(fail)?;
+        let file = UrlFile {
+            path: dir.join("database-url"),
+            dir,
+        };
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&file.path)
+            .and_then(|mut f| f.write_all(url.as_bytes()))
+            .map_err(fail)?;
+        Ok(file)
+    }
+
+    fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
+impl Drop for UrlFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Variables a candidate must not inherit: the URL comes from its file, and
+/// a DATABASE_URL of the demo's environment may name another database.
+const SCRUBBED_ENV: [&str; 9] = [
+    "DATABASE_URL",
+    "PGELECT_DATABASE_URL_FILE",
+    "PGELECT_LISTEN_URL",
+    "PGELECT_LISTEN_URL_FILE",
+    "PGPASSWORD",
+    "PGHOST",
+    "PGUSER",
+    "PGDATABASE",
+    "PGPORT",
+];
+
 async fn scenario(
-    url: &str,
+    url_file: &std::path::Path,
     options: &pgelect::ConnectOptions,
     args: &DemoArgs,
 ) -> Result<u8, Failure> {
@@ -103,14 +205,9 @@ async fn scenario(
         let mut cmd = Command::new(&exe);
         cmd.args(["run", "--role", ROLE, "--id", &name, "--ttl"])
             .arg(crate::duration::show(args.ttl))
-            .args([
-                "--database-url",
-                url,
-                "--schema",
-                options.schema_name().as_str(),
-                "-q",
-                "--",
-            ])
+            .arg("--database-url-file")
+            .arg(url_file)
+            .args(["--schema", options.schema_name().as_str(), "-q", "--"])
             .args([
                 "sh",
                 "-c",
@@ -120,6 +217,9 @@ async fn scenario(
             .stdin(Stdio::null())
             .kill_on_drop(true)
             .process_group(0);
+        for var in SCRUBBED_ENV {
+            cmd.env_remove(var);
+        }
         let mut process = cmd
             .spawn()
             .map_err(|e| Failure::new(exit::SOFTWARE, format!("cannot start a candidate: {e}")))?;

@@ -29,9 +29,19 @@ pub struct RunArgs {
     pub backend: BackendArg,
     /// Lease backend only: a direct connection (bypassing the pooler) used
     /// for LISTEN, so that standbys take over a released lease at once and
-    /// resign requests arrive at once.
-    #[arg(long, value_name = "URL")]
+    /// resign requests arrive at once. A password here is visible to every
+    /// local user: prefer PGELECT_LISTEN_URL or --listen-url-file.
+    #[arg(
+        long,
+        env = "PGELECT_LISTEN_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     pub listen_url: Option<String>,
+    /// Read the --listen-url URL from this file (read once; a trailing
+    /// newline is ignored). Keep it private (mode 0600).
+    #[arg(long, env = "PGELECT_LISTEN_URL_FILE", value_name = "PATH")]
+    pub listen_url_file: Option<std::path::PathBuf>,
     /// Time the command gets between SIGTERM and SIGKILL on a planned step-down
     /// (default: 10s, or less when the TTL leaves less time).
     #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION")]
@@ -77,19 +87,32 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
     }
     let options = global.connect_options()?;
     let mut builder = Elector::builder(options.clone(), &args.role).ttl(args.ttl);
+    let mut listen_url = crate::cli::resolve_url(
+        args.listen_url.as_deref(),
+        "--listen-url",
+        args.listen_url_file.as_deref(),
+        "--listen-url-file",
+    )?;
     builder = match args.backend {
         BackendArg::Session => {
-            if args.listen_url.is_some() {
-                return Err(Failure::new(
-                    exit::USAGE,
-                    "--listen-url is for --backend lease; the session backend listens on its own lock connection",
-                ));
+            if listen_url.is_some() {
+                if crate::cli::on_command_line("--listen-url")
+                    || crate::cli::on_command_line("--listen-url-file")
+                {
+                    return Err(Failure::new(
+                        exit::USAGE,
+                        "--listen-url is for --backend lease; the session backend listens on its own lock connection",
+                    ));
+                }
+                // From the environment, shared by candidates of both kinds.
+                tracing::info!("PGELECT_LISTEN_URL(_FILE) ignored: the session backend listens on its own lock connection");
+                listen_url = None;
             }
             builder.backend(pgelect::Backend::Session)
         }
         BackendArg::Lease => builder.backend(pgelect::Backend::Lease),
     };
-    if let Some(url) = &args.listen_url {
+    if let Some(url) = &listen_url {
         let listen = pgelect::ConnectOptions::from_url(url)?.schema(&global.schema)?;
         builder = builder.listen_via(listen);
     }

@@ -84,6 +84,9 @@ pub struct Cluster {
     bin: PathBuf,
     port: u16,
     template: Option<PathBuf>,
+    /// The superuser's password: [`TEST_PASSWORD`] unless
+    /// [`set_superuser_password`](Cluster::set_superuser_password) changed it.
+    password: Mutex<String>,
     state: Mutex<State>,
 }
 
@@ -135,6 +138,7 @@ impl Cluster {
             bin,
             port: 0,
             template: None,
+            password: Mutex::new(TEST_PASSWORD.to_owned()),
             state: Mutex::new(State {
                 postmaster: None,
                 reaper: Some(reaper),
@@ -232,7 +236,7 @@ impl Cluster {
         format!(
             "postgres://{}:{}@{HOST}:{}/{}",
             percent_encode(SUPERUSER),
-            percent_encode(TEST_PASSWORD),
+            percent_encode(&self.password()),
             self.port,
             percent_encode(database)
         )
@@ -247,9 +251,42 @@ impl Cluster {
             .host(HOST)
             .port(self.port)
             .user(SUPERUSER)
-            .password(TEST_PASSWORD)
+            .password(self.password())
             .dbname(database);
         config
+    }
+
+    /// Changes the superuser's password (`ALTER ROLE`) from now on, for a
+    /// cluster that must not accept the well-known [`TEST_PASSWORD`] (the
+    /// `pgelect demo`); [`url`](Cluster::url) and
+    /// [`config`](Cluster::config) use the new one. A
+    /// [`PgBouncer`](crate::PgBouncer) in front of the cluster still expects
+    /// [`TEST_PASSWORD`].
+    ///
+    /// # Errors
+    ///
+    /// If the server cannot be reached or refuses the statement (within 10 s).
+    pub fn set_superuser_password(&self, password: &str) -> io::Result<()> {
+        let mut config = self.config("postgres");
+        config.connect_timeout(Duration::from_secs(5));
+        let sql = format!(
+            "ALTER ROLE {} PASSWORD {}",
+            util::quote_ident(SUPERUSER),
+            util::quote_literal(password)
+        );
+        block_on_fresh_runtime(Duration::from_secs(10), move || async move {
+            util::simple_rows(config, &sql).await.map(drop)
+        })
+        .map_err(|e| ctx(e, "set the superuser password"))?;
+        *self.password.lock().unwrap_or_else(PoisonError::into_inner) = password.to_owned();
+        Ok(())
+    }
+
+    fn password(&self) -> String {
+        self.password
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// Stops the server (`pg_ctl stop -m fast`: clients are disconnected,

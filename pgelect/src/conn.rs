@@ -7,6 +7,7 @@
 //! also forwards `LISTEN` notifications.
 
 use std::fmt;
+use std::path::Path;
 use std::time::Duration;
 
 use futures_util::future::poll_fn;
@@ -18,6 +19,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
 use crate::schema::SchemaName;
+
+mod passfile;
 
 /// Default bound on establishing a connection.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -44,20 +47,41 @@ pub struct ConnectOptions {
 }
 
 impl ConnectOptions {
-    /// Parses a `postgres://` URL or a libpq key/value connection string.
+    /// Parses a `postgres://` (or `postgresql://`) URL or a libpq key/value
+    /// connection string (`host=db user=app password='a b' dbname=app`).
     ///
-    /// The error never repeats the string (it may hold a password).
+    /// When it holds no password, the password is taken, as libpq does, from
+    /// `PGPASSWORD`, else from the password file (`PGPASSFILE`, else
+    /// `~/.pgpass`; see [`ConnectOptions::password_file`]).
+    ///
+    /// Errors never repeat a password: a URL is shown with its user info
+    /// redacted (`postgres://app:***@db/app`), a key/value string not at
+    /// all, and the driver's complaint only when it names a known option. A
+    /// URL with more than one `@` is refused before anything is looked up:
+    /// libpq and the driver both split at the *first* `@`, so a password
+    /// holding an unescaped `@` would turn its tail into a host name (shown
+    /// in errors, sent to DNS). Percent-encode it as `%40`.
+    ///
+    /// ```
+    /// use pgelect::ConnectOptions;
+    /// let e = ConnectOptions::from_url("postgres://app:se@cret@db/app").unwrap_err();
+    /// assert!(e.to_string().contains("%40"));
+    /// assert!(!e.to_string().contains("cret"));
+    /// let o = ConnectOptions::from_url("host=db port=5433 user=app password='a b' dbname=app").unwrap();
+    /// assert_eq!(o.target(), "db:5433/app user=app");
+    /// ```
     pub fn from_url(url: &str) -> Result<ConnectOptions> {
-        let config: Config = url.parse().map_err(|e: tokio_postgres::Error| {
-            // The driver's parse errors name the offending part, not the value.
-            Error::config(format!("the database URL cannot be parsed ({e}); expected postgres://user:password@host:port/database"))
-        })?;
-        Ok(ConnectOptions::from_config(config))
+        let config = parse_connection_string(url.trim())?;
+        let mut options = ConnectOptions::from_config(config);
+        options.fill_password(passfile::default_path().as_deref());
+        Ok(options)
     }
 
-    /// Uses `DATABASE_URL` if set, else the libpq variables `PGHOST`,
-    /// `PGPORT`, `PGUSER`, `PGPASSWORD`, `PGDATABASE`, `PGAPPNAME`
-    /// (defaults: localhost, 5432, the OS user, no password, the user name).
+    /// Uses `DATABASE_URL` if set (as [`ConnectOptions::from_url`]), else
+    /// the libpq variables `PGHOST`, `PGPORT`, `PGUSER`, `PGPASSWORD`,
+    /// `PGDATABASE`, `PGAPPNAME` (defaults: localhost, 5432, the OS user, no
+    /// password, the user name). Without `PGPASSWORD` the password comes
+    /// from the password file (`PGPASSFILE`, else `~/.pgpass`), as in libpq.
     pub fn from_env() -> Result<ConnectOptions> {
         if let Some(url) = std::env::var("DATABASE_URL").ok().filter(|s| !s.is_empty()) {
             return ConnectOptions::from_url(&url);
@@ -75,14 +99,82 @@ impl ConnectOptions {
             .or_else(|| var("USER"))
             .unwrap_or_else(|| "postgres".into());
         c.user(&user);
-        if let Some(pw) = var("PGPASSWORD") {
-            c.password(pw);
-        }
         c.dbname(var("PGDATABASE").as_deref().unwrap_or(&user));
         if let Some(app) = var("PGAPPNAME") {
             c.application_name(app);
         }
-        Ok(ConnectOptions::from_config(c))
+        let mut options = ConnectOptions::from_config(c);
+        options.fill_password(passfile::default_path().as_deref());
+        Ok(options)
+    }
+
+    /// If no password is set yet, looks one up in the libpq password file
+    /// at `path` (format `hostname:port:database:username:password`, `*`
+    /// matches anything, `\:` and `\\` escape, first match wins; see the
+    /// [PostgreSQL manual](https://www.postgresql.org/docs/current/libpq-pgpass.html)).
+    ///
+    /// A missing file, or no matching line, changes nothing. As in libpq, a
+    /// file that is not a plain file or that group or others may access
+    /// (mode beyond `0600`) is ignored with a warning in the log.
+    ///
+    /// [`from_url`](ConnectOptions::from_url) and
+    /// [`from_env`](ConnectOptions::from_env) already consult `PGPASSFILE`
+    /// or `~/.pgpass`; [`from_config`](ConnectOptions::from_config) does not.
+    /// Only the first host is looked up (the driver has one password for
+    /// all hosts).
+    pub fn password_file(mut self, path: impl AsRef<Path>) -> ConnectOptions {
+        self.fill_password_from_file(path.as_ref());
+        self
+    }
+
+    /// True when a password is set (from the string, the environment or a
+    /// password file). The password itself is only in
+    /// [`driver_config`](ConnectOptions::driver_config).
+    pub fn has_password(&self) -> bool {
+        self.config.get_password().is_some()
+    }
+
+    /// `PGPASSWORD`, else the password file, when the configuration has no
+    /// password (libpq's order).
+    fn fill_password(&mut self, passfile: Option<&Path>) {
+        if self.has_password() {
+            return;
+        }
+        if let Some(pw) = std::env::var("PGPASSWORD").ok().filter(|s| !s.is_empty()) {
+            self.config.password(pw);
+            return;
+        }
+        if let Some(path) = passfile {
+            self.fill_password_from_file(path);
+        }
+    }
+
+    fn fill_password_from_file(&mut self, path: &Path) {
+        if self.has_password() {
+            return;
+        }
+        let host = match (
+            self.config.get_hosts().first(),
+            self.config.get_hostaddrs().first(),
+        ) {
+            (Some(Host::Tcp(h)), _) => h.clone(),
+            (Some(Host::Unix(p)), _) => p.display().to_string(),
+            (None, Some(addr)) => addr.to_string(),
+            (None, None) => String::new(),
+        };
+        let Some(user) = self.config.get_user() else {
+            return;
+        };
+        let what = passfile::Lookup {
+            host: &host,
+            port: self.config.get_ports().first().copied().unwrap_or(5432),
+            database: self.config.get_dbname().unwrap_or(user),
+            user,
+        };
+        if let Some(pw) = passfile::lookup(path, &what) {
+            tracing::debug!(path = %path.display(), target = %self.target(), "password taken from the password file");
+            self.config.password(pw);
+        }
     }
 
     /// Wraps a driver configuration.
@@ -202,6 +294,119 @@ impl ConnectOptions {
         conn.pid = row.get(0);
         Ok(conn)
     }
+}
+
+/// Parses a URL or key/value string, refusing an ambiguous URL and keeping
+/// every fragment of the input out of the error (see
+/// [`ConnectOptions::from_url`]).
+fn parse_connection_string(text: &str) -> Result<Config> {
+    let url_rest = ["postgres://", "postgresql://"]
+        .iter()
+        .find_map(|scheme| text.strip_prefix(scheme));
+    if let Some(rest) = url_rest {
+        if rest.matches('@').count() > 1 {
+            return Err(Error::config(format!(
+                "the database URL {} contains more than one '@': a password or user name that contains '@' must be percent-encoded as %40 (refused rather than guess where the host begins)",
+                redact_url(text)
+            )));
+        }
+    }
+    text.parse::<Config>().map_err(|e| {
+        let detail = parse_error_detail(&e)
+            .map(|d| format!(" ({d})"))
+            .unwrap_or_default();
+        match url_rest {
+            Some(_) => Error::config(format!(
+                "the database URL {} cannot be parsed{detail}; expected postgres://user:password@host:port/database, with '@', ':', '/', '?' and '&' in the password percent-encoded",
+                redact_url(text)
+            )),
+            None => Error::config(format!(
+                "the database connection string (key=value form, not shown) cannot be parsed{detail}; expected a postgres:// URL or pairs such as host=db user=app password='a b' dbname=app"
+            )),
+        }
+    })
+}
+
+/// libpq options the driver does not support: an unknown option with one
+/// of these names may be shown. Any other name may be a fragment of a
+/// password (`password=a b`), so it is not.
+const KNOWN_UNSUPPORTED_OPTIONS: [&str; 19] = [
+    "passfile",
+    "service",
+    "sslcert",
+    "sslkey",
+    "sslrootcert",
+    "sslcrl",
+    "sslcrldir",
+    "sslpassword",
+    "sslsni",
+    "sslcompression",
+    "requirepeer",
+    "require_auth",
+    "gssencmode",
+    "gsslib",
+    "krbsrvname",
+    "client_encoding",
+    "fallback_application_name",
+    "ssl_min_protocol_version",
+    "ssl_max_protocol_version",
+];
+
+/// The part of the driver's parse error that is safe to show. The driver's
+/// causes are private types, so this reads their text; anything not
+/// recognised is dropped rather than risk echoing a value.
+fn parse_error_detail(e: &tokio_postgres::Error) -> Option<String> {
+    let cause = std::error::Error::source(e)?.to_string();
+    let name_in = |prefix: &str| {
+        cause
+            .strip_prefix(prefix)?
+            .strip_suffix('`')
+            .filter(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+            .map(str::to_owned)
+    };
+    if let Some(name) = name_in("invalid value for option `") {
+        return Some(format!("invalid value for option `{name}`"));
+    }
+    if cause.starts_with("unknown option `") {
+        return Some(match name_in("unknown option `") {
+            Some(name) if KNOWN_UNSUPPORTED_OPTIONS.contains(&name.as_str()) => {
+                format!("option `{name}` is not supported")
+            }
+            _ => "an unknown option, whose name is not shown in case it is part of a password: quote values that contain spaces".to_owned(),
+        });
+    }
+    match cause.as_str() {
+        "unexpected EOF" | "unterminated parameter" => Some(cause),
+        _ if cause.starts_with("unexpected character") => Some(
+            "a syntax error: quote values that contain spaces or quotes, as key='it\\'s'"
+                .to_owned(),
+        ),
+        _ => None,
+    }
+}
+
+/// A URL for messages: the user name kept, the password replaced by `***`,
+/// the query (which may hold `password=`) by `?…`, and everything after the
+/// first `@` by `…` when another `@` follows (it may be the password's tail).
+fn redact_url(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("postgres", url));
+    let hide_query = |s: &str| match s.split_once('?') {
+        Some((head, _)) => format!("{head}?…"),
+        None => s.to_owned(),
+    };
+    let Some((creds, host)) = rest.split_once('@') else {
+        return format!("{scheme}://{}", hide_query(rest));
+    };
+    let user = match creds.split_once(':') {
+        Some((user, _)) => format!("{user}:***"),
+        None => creds.to_owned(),
+    };
+    let host = if host.contains('@') {
+        "…".to_owned()
+    } else {
+        hide_query(host)
+    };
+    format!("{scheme}://{user}@{host}")
 }
 
 fn classify_connect_error(target: String, e: tokio_postgres::Error, timeout: Duration) -> Error {
