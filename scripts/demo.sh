@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-cargo build --release -q -p pgelect-cli
+cargo build --release -q -p pgelect-cli --features throwaway
 exec target/release/pgelect demo "$@"

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 
-features=(--workspace --features pgelect/sqlx)
+features=(--workspace --features pgelect/sqlx,pgelect-cli/throwaway)
 cargo build "${features[@]}" --all-targets
 if cargo nextest --version >/dev/null 2>&1; then
   # Each test runs in its own process with its own throwaway cluster.

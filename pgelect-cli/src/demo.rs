@@ -56,33 +56,8 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<u8, Failure> {
             {
                 println!("• DATABASE_URL / PGELECT_DATABASE_URL_FILE is set but not used: the demo runs only against a database named with --database-url or --database-url-file");
             }
-            println!("• starting a throwaway PostgreSQL from the system's binaries …");
-            let started = Instant::now();
-            let cluster = tokio::task::spawn_blocking(pgelect_testkit::Cluster::start)
-                .await
-                .map_err(|e| Failure::new(exit::SOFTWARE, format!("the cluster start task failed: {e}")))?
-                .map_err(|e| Failure::new(exit::UNAVAILABLE, format!("cannot start a throwaway PostgreSQL: {e}; install the server with `apt-get install postgresql`, or pass --database-url")))?;
-            // The kit's password is public (it is in the source): give this
-            // cluster one nobody else knows.
-            let password = random_password()?;
-            let cluster = tokio::task::spawn_blocking(move || {
-                cluster.set_superuser_password(&password).map(|()| cluster)
-            })
-            .await
-            .map_err(|e| Failure::new(exit::SOFTWARE, format!("the password task failed: {e}")))?
-            .map_err(|e| {
-                Failure::new(
-                    exit::UNAVAILABLE,
-                    format!("cannot set the throwaway PostgreSQL's password: {e}"),
-                )
-            })?;
-            println!(
-                "  PostgreSQL on 127.0.0.1:{} (data in {}), up in {} ms, superuser password random for this run",
-                cluster.port(),
-                cluster.data_dir().display(),
-                started.elapsed().as_millis()
-            );
-            (cluster.url("postgres"), Some(cluster))
+            let (url, server) = throwaway::start().await?;
+            (url, Some(server))
         }
     };
     let options = pgelect::ConnectOptions::from_url(&url)?.schema(&global.schema)?;
@@ -405,4 +380,64 @@ fn handover_delay(options: &pgelect::ConnectOptions, ttl: Duration) -> Duration 
         .build()
         .map(|e| e.handover_delay())
         .unwrap_or_default()
+}
+
+/// The throwaway server, when this build has one (feature `throwaway`).
+#[cfg(feature = "throwaway")]
+mod throwaway {
+    use std::time::Instant;
+
+    use super::random_password;
+    use crate::exit::{self, Failure};
+
+    /// A running throwaway cluster; dropping it stops and removes it.
+    pub struct Server(#[allow(dead_code)] pgelect_testkit::Cluster);
+
+    /// Starts a throwaway PostgreSQL with a random superuser password and
+    /// returns its URL.
+    pub async fn start() -> Result<(String, Server), Failure> {
+        println!("• starting a throwaway PostgreSQL from the system's binaries …");
+        let started = Instant::now();
+        let cluster = tokio::task::spawn_blocking(pgelect_testkit::Cluster::start)
+            .await
+            .map_err(|e| Failure::new(exit::SOFTWARE, format!("the cluster start task failed: {e}")))?
+            .map_err(|e| Failure::new(exit::UNAVAILABLE, format!("cannot start a throwaway PostgreSQL: {e}; install the server with `apt-get install postgresql`, or pass --database-url")))?;
+        // The kit's password is public (it is in the source): give this
+        // cluster one nobody else knows.
+        let password = random_password()?;
+        let cluster = tokio::task::spawn_blocking(move || {
+            cluster.set_superuser_password(&password).map(|()| cluster)
+        })
+        .await
+        .map_err(|e| Failure::new(exit::SOFTWARE, format!("the password task failed: {e}")))?
+        .map_err(|e| {
+            Failure::new(
+                exit::UNAVAILABLE,
+                format!("cannot set the throwaway PostgreSQL's password: {e}"),
+            )
+        })?;
+        println!(
+            "  PostgreSQL on 127.0.0.1:{} (data in {}), up in {} ms, superuser password random for this run",
+            cluster.port(),
+            cluster.data_dir().display(),
+            started.elapsed().as_millis()
+        );
+        Ok((cluster.url("postgres"), Server(cluster)))
+    }
+}
+
+/// Without the feature `throwaway`: say how to get one.
+#[cfg(not(feature = "throwaway"))]
+mod throwaway {
+    use crate::exit::{self, Failure};
+
+    /// Never built.
+    pub enum Server {}
+
+    pub async fn start() -> Result<(String, Server), Failure> {
+        Err(Failure::new(
+            exit::CONFIG,
+            "this pgelect was built without a throwaway PostgreSQL: pass --database-url or --database-url-file (a database you may experiment in), or install with `cargo install pgelect-cli --features throwaway` (scripts/demo.sh builds with it)",
+        ))
+    }
 }

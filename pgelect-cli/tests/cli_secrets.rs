@@ -86,6 +86,7 @@ fn password_of(url: &str) -> String {
         .expect("the URL has a password")
 }
 
+#[cfg(feature = "throwaway")] // the demo's own server needs the feature
 #[tokio::test]
 async fn demo_puts_its_random_password_on_no_command_line_and_ignores_database_url() {
     // A DATABASE_URL that could be production: the demo must not use it,

@@ -339,6 +339,7 @@ exec sleep 30"#;
     stop(&mut sups).await;
 }
 
+#[cfg(feature = "throwaway")] // the demo's own server needs the feature
 #[tokio::test]
 async fn demo_completes_and_leaves_no_server_behind() {
     let out = run(pgelect(["demo"]), Duration::from_secs(120)).await;

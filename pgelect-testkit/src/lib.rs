@@ -1,4 +1,5 @@
-//! Test infrastructure for pgelect (dev-only, never published).
+//! Test infrastructure for pgelect, also behind `pgelect demo`'s throwaway server
+//! (the command's `throwaway` feature); never needed by the library at run time.
 //!
 //! Provides, without Docker or downloads:
 //!
