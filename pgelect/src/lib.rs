@@ -66,7 +66,10 @@ pub use error::{Error, Result, SQLSTATE_NO_LEADER, SQLSTATE_STALE_TERM};
 pub use key::{LockKey, MAX_KEY_NAME_BYTES};
 #[doc(inline)]
 pub use lock::*;
-pub use schema::{check_schema, migrate, SchemaName, DEFAULT_SCHEMA, SCHEMA_VERSION};
+pub use schema::{
+    check_schema, migrate, migrate_timeout, SchemaName, DEFAULT_SCHEMA, MIGRATE_LOCK_TIMEOUT,
+    SCHEMA_VERSION,
+};
 
 /// The README's examples, compiled as doc tests so that they stay true.
 #[doc = include_str!("../../README.md")]

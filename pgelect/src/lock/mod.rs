@@ -30,6 +30,7 @@
 //! * Release on drop is a best-effort fallback, not immediate: prefer
 //!   [`LockGuard::release`], which reports what PostgreSQL did.
 
+pub(crate) mod holders;
 mod session;
 #[cfg(feature = "sqlx")]
 pub mod sqlx;
@@ -37,6 +38,7 @@ mod xact;
 
 use std::time::Duration;
 
+pub use holders::{lock_holders, LockHolder};
 pub use session::{LockGuard, LockSession, LockSessionBuilder};
 pub use xact::{
     try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, xact_lock_shared_timeout,
@@ -82,7 +84,7 @@ impl LockMode {
 /// Rounds up, so that a sub-millisecond bound never becomes `0` (which
 /// PostgreSQL reads as "no limit"), and refuses zero and values beyond
 /// PostgreSQL's `lock_timeout` range.
-fn timeout_millis(what: &str, timeout: Duration) -> Result<i64> {
+pub(crate) fn timeout_millis(what: &str, timeout: Duration) -> Result<i64> {
     if timeout.is_zero() {
         return Err(Error::config(format!(
             "{what} must be positive; use the try_* function for an immediate answer"
