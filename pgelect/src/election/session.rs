@@ -648,11 +648,13 @@ async fn check_squatters(
             None => "it does not claim to be a pgelect candidate".to_owned(),
         };
         tracing::warn!(
+            role = %shared.role,
             pid = h.pid,
             user = ?h.user,
             application_name = ?h.application_name,
             client_addr = ?h.client_addr,
-            "the role's lock is held by {h}, which is not the leader the lease row names: {claim}; this standby waits until it lets go. Advisory keys are public and database-wide: end that session with pg_terminate_backend({}) and isolate pgelect (see the README's security section)",
+            "the lock of role {:?} is held by {h}, which is not the leader the lease row names: {claim}; this standby waits until it lets go. Advisory keys are public and database-wide: end that session with pg_terminate_backend({}) and isolate pgelect (see the README's security section)",
+            shared.role,
             h.pid
         );
     }
