@@ -122,7 +122,11 @@ async fn run_warns_about_a_squatter_and_status_shows_it_in_text_and_json() {
 
     // Without the candidate, asking for the role still shows the squatter.
     candidate.kill().await;
-    let alone = run(command(&db, &["status", "--json", "--role", "squatted"]), QUICK).await;
+    let alone = run(
+        command(&db, &["status", "--json", "--role", "squatted"]),
+        QUICK,
+    )
+    .await;
     alone.assert_code(0);
     let v: serde_json::Value = serde_json::from_str(&alone.stdout).expect("JSON");
     assert_eq!(v["roles"][0]["squatters"][0]["pid"], pid, "{v}");
@@ -145,7 +149,11 @@ async fn migrate_with_its_lock_squatted_exits_75_within_its_bound_naming_the_hol
         "\"migration-squatter\"",
         "pg_terminate_backend",
     ] {
-        assert!(out.stderr.contains(needle), "{needle:?} missing: {}", out.stderr);
+        assert!(
+            out.stderr.contains(needle),
+            "{needle:?} missing: {}",
+            out.stderr
+        );
     }
 }
 
@@ -174,7 +182,8 @@ async fn lock_no_wait_and_timeout_name_the_holder() {
     out.assert_code(75);
     println!("{}", out.stderr);
     assert!(
-        out.stderr.contains("lock \"nightly\" not acquired within 0.5s: "),
+        out.stderr
+            .contains("lock \"nightly\" not acquired within 0.5s: "),
         "a rounded duration and the lock's name: {}",
         out.stderr
     );
@@ -220,11 +229,18 @@ async fn status_escapes_control_characters_from_the_database() {
 async fn status_and_resign_print_the_real_cause_of_a_failure() {
     let db = TestDb::new("cli_squat_causes").await;
     let url = db.create_role("reader", "right-pw", false).await;
-    assert!(url.contains("right-pw"), "the role's URL carries its password");
+    assert!(
+        url.contains("right-pw"),
+        "the role's URL carries its password"
+    );
     let wrong_db = url.replace(db.name(), "no_such_database_here");
     let wrong_pw = url.replace("right-pw", "wrong-pw");
     let cases: [(&str, &str, &str); 3] = [
-        (&wrong_db, "database \"no_such_database_here\" does not exist", "right-pw"),
+        (
+            &wrong_db,
+            "database \"no_such_database_here\" does not exist",
+            "right-pw",
+        ),
         (&wrong_pw, "password authentication failed", "wrong-pw"),
         // The schema was never installed in this database.
         (&url, "run `pgelect migrate`", "right-pw"),

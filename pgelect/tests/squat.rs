@@ -42,10 +42,7 @@ impl Log {
         let deadline = Instant::now() + within;
         loop {
             let text = self.text();
-            if let Some(line) = text
-                .lines()
-                .find(|l| needles.iter().all(|n| l.contains(n)))
-            {
+            if let Some(line) = text.lines().find(|l| needles.iter().all(|n| l.contains(n))) {
                 return line.to_owned();
             }
             assert!(
@@ -120,7 +117,10 @@ async fn standby_warns_about_a_squatter(mode: StandbyMode, hint: &str) {
 
     let started = Instant::now();
     let standing = tokio::spawn(async move {
-        let l = elector.leadership().await.expect("elected once the squatter lets go");
+        let l = elector
+            .leadership()
+            .await
+            .expect("elected once the squatter lets go");
         (elector, l)
     });
     let line = log
@@ -137,7 +137,10 @@ async fn standby_warns_about_a_squatter(mode: StandbyMode, hint: &str) {
         .await;
     let seen_after = started.elapsed();
     println!("warned after {seen_after:?}: {line}");
-    assert!(line.contains("role \"squatted\""), "the line names the role: {line}");
+    assert!(
+        line.contains("role \"squatted\""),
+        "the line names the role: {line}"
+    );
 
     // Once per squatting pid, not every check: let a few more checks pass
     // (a slice is 500 ms, the checks at most every 3 s), then count.
@@ -148,7 +151,10 @@ async fn standby_warns_about_a_squatter(mode: StandbyMode, hint: &str) {
         .filter(|l| l.contains(&format!("pid {pid} ")) && l.contains("not the leader"))
         .count();
     assert_eq!(count, 1, "one warning per squatter:\n{}", log.text());
-    assert!(!standing.is_finished(), "the standby waits while the key is held");
+    assert!(
+        !standing.is_finished(),
+        "the standby waits while the key is held"
+    );
 
     let_go(&sq, key).await;
     let (_elector, leadership) = tokio::time::timeout(Duration::from_secs(20), standing)
@@ -221,7 +227,10 @@ async fn migrate_fails_within_its_bound_naming_whoever_holds_the_migration_lock(
         .expect_err("the migration lock is held");
     let took = started.elapsed();
     println!("failed after {took:?}: {err}");
-    assert!(took >= bound && took < bound + Duration::from_secs(5), "{took:?}");
+    assert!(
+        took >= bound && took < bound + Duration::from_secs(5),
+        "{took:?}"
+    );
     assert!(err.is_timeout(), "{err:?}");
     match &err {
         Error::MigrationLockTimeout { holders, .. } => {
@@ -291,7 +300,12 @@ async fn a_lock_session_wait_names_the_holder_in_its_timeout_and_its_log() {
     };
     let line = log
         .wait_for_line(
-            &["WARN", "still waiting for a lock", &format!("pid {pid} "), "\"lock-squatter\""],
+            &[
+                "WARN",
+                "still waiting for a lock",
+                &format!("pid {pid} "),
+                "\"lock-squatter\"",
+            ],
             Duration::from_secs(20),
         )
         .await;

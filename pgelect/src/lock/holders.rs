@@ -203,7 +203,8 @@ impl SquatWatch {
             .into_iter()
             .filter(|h| Some(h.pid) != row_pid)
             .collect();
-        self.seen.retain(|pid, _| foreign.iter().any(|h| h.pid == *pid));
+        self.seen
+            .retain(|pid, _| foreign.iter().any(|h| h.pid == *pid));
         let mut new = Vec::new();
         for h in foreign {
             let first = *self.seen.entry(h.pid).or_insert(now);

@@ -810,8 +810,10 @@ impl Inner {
 
     /// The other backends holding `key`, bounded like every short statement.
     async fn holders(&self, key: LockKey) -> Result<Vec<LockHolder>> {
-        self.quick("find the holders of a lock", || query_holders(self.client(), key))
-            .await
+        self.quick("find the holders of a lock", || {
+            query_holders(self.client(), key)
+        })
+        .await
     }
 
     /// True when this backend holds `key` in `mode` (per `pg_locks`).
