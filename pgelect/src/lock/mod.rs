@@ -23,6 +23,13 @@
 //! # Sharp edges
 //! * Advisory locks are per database: the same key in two databases of one
 //!   cluster is two different locks.
+//! * Within a database they are shared by every user who can connect, and
+//!   keys are public (a name's key is a hash anyone can compute): any such
+//!   user can take a key pgelect uses and make it wait. Waits therefore say
+//!   who holds their key ([`lock_holders`], [`LockSession::holders`], the
+//!   holders of [`Error::LockTimeout`](crate::Error::LockTimeout), a warning
+//!   after 5 s); to rule it out, give pgelect a database of its own or
+//!   `REVOKE CONNECT ON DATABASE … FROM PUBLIC`.
 //! * A session lock guards nothing by itself once its connection is gone:
 //!   watch [`LockGuard::lost`] and stop the protected work when it fires.
 //!   For writes that must never happen after a loss, use the fencing of the
