@@ -27,7 +27,7 @@
 //!   keys are public (a name's key is a hash anyone can compute): any such
 //!   user can take a key pgelect uses and make it wait. Waits therefore say
 //!   who holds their key ([`lock_holders`], [`LockSession::holders`], the
-//!   holders of [`Error::LockTimeout`](crate::Error::LockTimeout), a warning
+//!   holders of [`Error::LockTimeout`], a warning
 //!   after 5 s); to rule it out, give pgelect a database of its own or
 //!   `REVOKE CONNECT ON DATABASE … FROM PUBLIC`.
 //! * A session lock guards nothing by itself once its connection is gone:
