@@ -132,7 +132,9 @@ async fn standby_warns_about_a_squatter(mode: StandbyMode, hint: &str) {
                 "\"psql\"",
                 "not the leader the lease row names",
             ],
-            Duration::from_secs(20),
+            // Polling standbys look every 10 s; a fresh holder is named at
+            // the second look.
+            Duration::from_secs(30),
         )
         .await;
     let seen_after = started.elapsed();
@@ -142,9 +144,10 @@ async fn standby_warns_about_a_squatter(mode: StandbyMode, hint: &str) {
         "the line names the role: {line}"
     );
 
-    // Once per squatting pid, not every check: let a few more checks pass
-    // (a slice is 500 ms, the checks at most every 3 s), then count.
-    tokio::time::sleep(Duration::from_secs(7)).await;
+    // Once per squatting pid, not every check: let more checks pass (a
+    // blocking standby looks after every 500 ms slice, a polling one every
+    // 10 s), then count.
+    tokio::time::sleep(Duration::from_secs(11)).await;
     let count = log
         .text()
         .lines()
@@ -199,8 +202,9 @@ async fn a_standby_behind_a_live_pgelect_leader_does_not_warn() {
         .unwrap();
     let standing_b = tokio::spawn(async move { b.leadership().await.map(|l| (b, l)) });
     let standing_c = tokio::spawn(async move { c.leadership().await.map(|l| (c, l)) });
-    // Many slices and polls, and more than the grace twice over.
-    tokio::time::sleep(Duration::from_secs(8)).await;
+    // Many slices and polls, two lookups of the polling standby (every
+    // 10 s), more than the grace three times over.
+    tokio::time::sleep(Duration::from_secs(11)).await;
     assert!(!leader.is_lost());
     assert!(!standing_b.is_finished() && !standing_c.is_finished());
     let text = log.text();

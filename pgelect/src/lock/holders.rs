@@ -166,6 +166,12 @@ pub(crate) async fn query_holders<C: GenericClient + Sync>(
 /// (milliseconds).
 pub(crate) const SQUAT_GRACE: Duration = Duration::from_secs(3);
 
+/// How often a polling standby looks up who holds its role's key: as
+/// often as a blocking standby does with the default `wait_slice`, so that
+/// a standby behind a live leader costs one more short statement per 10 s
+/// (on a shared connection, per role).
+pub(crate) const SQUAT_CHECK_EVERY: Duration = Duration::from_secs(10);
+
 /// Tells squatters apart from legitimate holders over the checks of one
 /// wait, and says which are new (to warn about each pid once).
 #[derive(Debug, Default)]
@@ -177,11 +183,11 @@ pub(crate) struct SquatWatch {
 }
 
 impl SquatWatch {
-    /// True when a check is due: the first one, then at most every
-    /// [`SQUAT_GRACE`].
+    /// True when a check is due: the first one, then every
+    /// [`SQUAT_CHECK_EVERY`].
     pub(crate) fn due(&self, now: Instant) -> bool {
         self.last_check
-            .is_none_or(|t| now.saturating_duration_since(t) >= SQUAT_GRACE)
+            .is_none_or(|t| now.saturating_duration_since(t) >= SQUAT_CHECK_EVERY)
     }
 
     /// Takes the holders of a role's key and the pid the lease row names
@@ -281,8 +287,8 @@ mod tests {
         let mut w = SquatWatch::default();
         let t0 = Instant::now();
         assert!(w.check(t0, vec![holder(9, Some(0))], None).is_empty());
-        assert!(!w.due(t0 + Duration::from_secs(1)));
-        assert!(w.due(t0 + SQUAT_GRACE));
+        assert!(!w.due(t0 + SQUAT_GRACE));
+        assert!(w.due(t0 + SQUAT_CHECK_EVERY));
         let got = w.check(t0 + SQUAT_GRACE, vec![holder(9, Some(0))], None);
         assert_eq!(got.len(), 1);
         // Gone, then back: the same pid is not warned about twice.
