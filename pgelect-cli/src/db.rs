@@ -41,12 +41,15 @@ pub async fn connect(
                 Some(c) if c.code().starts_with("28") => exit::UNAVAILABLE,
                 _ => exit::UNAVAILABLE,
             };
+            let hint = match e.code().map(|c| c.code()) {
+                Some(c) if c.starts_with("28") => "check the user name and password",
+                Some("3D000") => "check the database name",
+                Some(_) => "see the server's message",
+                None => "check that PostgreSQL is running there and that the URL is right",
+            };
             Failure::new(
                 code,
-                format!(
-                    "could not connect to {target}: {}; check that PostgreSQL is running there and that the URL is right",
-                    with_causes(&e)
-                ),
+                format!("could not connect to {target}: {}; {hint}", with_causes(&e)),
             )
         })?;
     let (tx, rx) = mpsc::unbounded_channel();
@@ -99,6 +102,14 @@ pub fn classify(schema: &str, operation: &'static str, e: tokio_postgres::Error)
 pub fn with_causes(e: &dyn std::error::Error) -> String {
     let mut message = e.to_string();
     let mut source = e.source();
+    // tokio-postgres says only "db error" and keeps the server's error as
+    // its source: show the server's words alone.
+    if message == "db error" {
+        if let Some(s) = source {
+            message = s.to_string();
+            source = s.source();
+        }
+    }
     while let Some(s) = source {
         let text = s.to_string();
         if !message.contains(&text) {

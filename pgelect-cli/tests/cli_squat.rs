@@ -258,6 +258,11 @@ async fn status_and_resign_print_the_real_cause_of_a_failure() {
                 out.stderr
             );
             assert!(!out.output().contains(password), "password printed");
+            assert!(
+                !out.stderr.contains("db error"),
+                "the driver's empty words: {}",
+                out.stderr
+            );
         }
     }
 }
