@@ -43,7 +43,9 @@ impl From<pgelect::Error> for Failure {
             E::Config(_) | E::InvalidName { .. } => CONFIG,
             E::SchemaMissing { .. } | E::SchemaVersion { .. } | E::Pooler(_) => CONFIG,
             E::Permission { .. } => NOPERM,
-            E::LockTimeout { .. } | E::AlreadyHeld { .. } => TEMPFAIL,
+            E::LockTimeout { .. } | E::MigrationLockTimeout { .. } | E::AlreadyHeld { .. } => {
+                TEMPFAIL
+            }
             _ if e.is_connection() => UNAVAILABLE,
             E::Auth { .. } => UNAVAILABLE,
             _ => SOFTWARE,

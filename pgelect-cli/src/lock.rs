@@ -59,7 +59,17 @@ pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
         got = acquiring => match got {
             Ok(Some(guard)) => guard,
             Ok(None) => {
-                return Err(Failure::new(exit::TEMPFAIL, format!("lock {:?} is held elsewhere; not waiting (--no-wait)", args.key)));
+                let holders = session.holders(key).await.unwrap_or_default();
+                return Err(Failure::new(exit::TEMPFAIL, format!(
+                    "lock {:?} is {}; not waiting (--no-wait)",
+                    args.key, describe(&holders)
+                )));
+            }
+            Err(pgelect::Error::LockTimeout { waited, holders, .. }) => {
+                return Err(Failure::new(exit::TEMPFAIL, format!(
+                    "lock {:?} not acquired within {:.1}s: {}",
+                    args.key, waited.as_secs_f64(), describe(&holders)
+                )));
             }
             Err(e) if e.is_timeout() => {
                 return Err(Failure::new(exit::TEMPFAIL, format!("lock {:?} not acquired: {e}", args.key)));
@@ -133,6 +143,17 @@ async fn withdraw_wait(session: &LockSession, key: LockKey, shared: bool) {
     {
         tracing::warn!("the abandoned lock wait was not withdrawn in 5s; the server ends it when the lock is granted");
     }
+}
+
+/// Who holds a lock, for a message: `held by pid 4242 (user "mallory",
+/// application "psql")`. The text the client chose is escaped by
+/// `LockHolder`'s `Display`.
+fn describe(holders: &[pgelect::LockHolder]) -> String {
+    if holders.is_empty() {
+        return "held elsewhere (its holder let go or could not be seen)".to_owned();
+    }
+    let list: Vec<String> = holders.iter().map(ToString::to_string).collect();
+    format!("held by {}", list.join(", "))
 }
 
 /// A name cut to fit `application_name` (63 bytes) with room for a prefix.

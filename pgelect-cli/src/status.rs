@@ -33,6 +33,17 @@ struct RoleStatus {
     acquired_at: Option<String>,
     lease_remaining_ms: Option<i64>,
     candidates: Vec<Candidate>,
+    /// Backends holding the role's lock that are not the leader its lease
+    /// row names: another user (or a stray session) took the public key.
+    squatters: Vec<Squatter>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct Squatter {
+    pid: i32,
+    user: Option<String>,
+    application_name: String,
+    client_addr: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -44,15 +55,36 @@ struct Candidate {
 
 fn status_sql(schema: &str) -> String {
     // Everything is computed on the server: its clock decides leases.
+    // The roles: those with a row, the one asked for, and those whose key a
+    // backend calling itself `pgelect:<role>:<node>` holds or waits for (a
+    // role whose lock was squatted before anyone was elected has no row).
     format!(
-        "WITH r AS (
-            SELECT l.role, l.holder, l.term, l.backend,
+        "WITH locks AS (
+            SELECT pl.pid, pl.granted, pl.classid, pl.objid
+              FROM pg_locks pl
+             WHERE pl.locktype = 'advisory' AND pl.objsubid = 1
+               AND pl.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+        ), claimed AS (
+            SELECT DISTINCT split_part(a.application_name, ':', 2) AS role, lk.classid, lk.objid
+              FROM pg_stat_activity a JOIN locks lk ON lk.pid = a.pid
+             WHERE $1::text IS NULL AND a.datname = current_database()
+               AND starts_with(a.application_name, 'pgelect:')
+               AND split_part(a.application_name, ':', 2) <> ''
+               AND split_part(a.application_name, ':', 3) <> ''
+        ), names AS (
+            SELECT l.role FROM {schema}.leaders l WHERE $1::text IS NULL OR l.role = $1
+            UNION SELECT $1::text WHERE $1::text IS NOT NULL AND $1::text <> ''
+            UNION SELECT c.role FROM claimed c
+             CROSS JOIN LATERAL (SELECT {schema}.key('election:{schema}:' || c.role) AS k) ck
+             WHERE c.classid = ((ck.k >> 32) & 4294967295)::oid AND c.objid = (ck.k & 4294967295)::oid
+        ), r AS (
+            SELECT n.role, l.holder, coalesce(l.term, 0) AS term, l.backend, l.holder_pid,
                    to_char(l.acquired_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS acquired_at,
                    CASE WHEN l.holder IS NULL THEN NULL
                         ELSE (extract(epoch FROM (l.lease_until - now())) * 1000)::bigint END AS lease_ms,
-                   {schema}.key('election:{schema}:' || l.role) AS k
-              FROM {schema}.leaders l
-             WHERE $1::text IS NULL OR l.role = $1
+                   {schema}.key('election:{schema}:' || n.role) AS k,
+                   l.role IS NOT NULL AS has_row
+              FROM names n LEFT JOIN {schema}.leaders l ON l.role = n.role
         )
         SELECT r.role, r.holder, r.term, r.backend, r.acquired_at, r.lease_ms,
                coalesce((
@@ -61,23 +93,34 @@ fn status_sql(schema: &str) -> String {
                                        THEN substr(a.application_name, length('pgelect:' || r.role || ':') + 1)
                                        ELSE a.application_name END,
                           'pid', a.pid,
-                          'state', CASE WHEN pl.granted THEN 'holding'
-                                        WHEN pl.pid IS NOT NULL THEN 'waiting'
+                          'state', CASE WHEN lk.granted THEN 'holding'
+                                        WHEN lk.pid IS NOT NULL THEN 'waiting'
                                         ELSE 'standing' END)
-                          ORDER BY pl.granted DESC NULLS LAST, a.backend_start)
+                          ORDER BY lk.granted DESC NULLS LAST, a.backend_start)
                    FROM pg_stat_activity a
-                   LEFT JOIN pg_locks pl
-                     ON pl.pid = a.pid AND pl.locktype = 'advisory' AND pl.objsubid = 1
-                    AND pl.classid = ((r.k >> 32) & 4294967295)::oid
-                    AND pl.objid = (r.k & 4294967295)::oid
+                   LEFT JOIN locks lk ON lk.pid = a.pid
+                    AND lk.classid = ((r.k >> 32) & 4294967295)::oid AND lk.objid = (r.k & 4294967295)::oid
                   WHERE a.datname = current_database()
                     -- Holders and waiters are found by the role's lock key,
                     -- whatever their application_name (PostgreSQL cuts it at
                     -- 63 bytes and keeps ASCII only); polling standbys, which
-                    -- hold no lock entry, by their name.
-                    AND (pl.pid IS NOT NULL
+                    -- hold no lock entry, by their name. A holder that is not
+                    -- the row's is a squatter, listed apart.
+                    AND (lk.pid IS NOT NULL
                          OR starts_with(a.application_name, 'pgelect:' || r.role || ':'))
-               ), '[]'::json)::text AS candidates
+                    AND NOT (coalesce(lk.granted, false)
+                             AND a.pid IS DISTINCT FROM r.holder_pid)
+               ), '[]'::json)::text AS candidates,
+               coalesce((
+                 SELECT json_agg(json_build_object(
+                          'pid', lk.pid, 'user', a.usename,
+                          'application_name', coalesce(a.application_name, ''),
+                          'client_addr', host(a.client_addr)) ORDER BY lk.pid)
+                   FROM locks lk LEFT JOIN pg_stat_activity a ON a.pid = lk.pid
+                  WHERE lk.classid = ((r.k >> 32) & 4294967295)::oid AND lk.objid = (r.k & 4294967295)::oid
+                    AND lk.granted AND lk.pid IS DISTINCT FROM r.holder_pid
+               ), '[]'::json)::text AS squatters,
+               r.has_row
           FROM r
          ORDER BY r.role"
     )
@@ -96,7 +139,7 @@ async fn read(
     for row in rows {
         let candidates: String = row.get(6);
         let parsed: serde_json::Value = serde_json::from_str(&candidates).unwrap_or_default();
-        let candidates = parsed
+        let candidates: Vec<Candidate> = parsed
             .as_array()
             .map(|a| {
                 a.iter()
@@ -108,6 +151,30 @@ async fn read(
                     .collect()
             })
             .unwrap_or_default();
+        let squatters: String = row.get(7);
+        let parsed: serde_json::Value = serde_json::from_str(&squatters).unwrap_or_default();
+        let squatters: Vec<Squatter> = parsed
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|q| Squatter {
+                        pid: q["pid"].as_i64().unwrap_or_default() as i32,
+                        user: q["user"].as_str().map(str::to_owned),
+                        application_name: q["application_name"]
+                            .as_str()
+                            .unwrap_or_default()
+                            .to_owned(),
+                        client_addr: q["client_addr"].as_str().map(str::to_owned),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let has_row: bool = row.get(8);
+        // A role asked for by name that nobody stands for, holds or waits
+        // for is not shown (as before: it has no row).
+        if !has_row && candidates.is_empty() && squatters.is_empty() {
+            continue;
+        }
         out.push(RoleStatus {
             role: row.get(0),
             holder: row.get(1),
@@ -116,6 +183,7 @@ async fn read(
             acquired_at: row.get(4),
             lease_remaining_ms: row.get(5),
             candidates,
+            squatters,
         });
     }
     Ok(out)
@@ -135,6 +203,11 @@ fn to_json(roles: &[RoleStatus]) -> serde_json::Value {
                 "lease_expired": r.lease_remaining_ms.map(|ms| ms < 0),
                 "candidates": r.candidates.iter().map(|c| serde_json::json!({
                     "node": c.node, "pid": c.pid, "state": c.state,
+                })).collect::<Vec<_>>(),
+                "squatters": r.squatters.iter().map(|q| serde_json::json!({
+                    "pid": q.pid, "user": q.user, "application_name": q.application_name,
+                    "client_addr": q.client_addr,
+                    "claims_pgelect": q.application_name.starts_with("pgelect:"),
                 })).collect::<Vec<_>>(),
             })
         })
@@ -168,18 +241,28 @@ fn to_table(roles: &[RoleStatus]) -> String {
             let names: Vec<String> = r
                 .candidates
                 .iter()
-                .map(|c| format!("{} ({})", c.node, c.state))
+                .map(|c| format!("{} ({})", escape(&c.node), c.state))
                 .collect();
             match waiting {
                 0 => names.join(", "),
                 n => format!("{n} standing by: {}", names.join(", ")),
             }
         };
+        let candidates = match r.squatters.len() {
+            0 => candidates,
+            n => format!("lock squatted ({n}, see below); {candidates}"),
+        };
         rows.push([
-            r.role.clone(),
-            r.holder.clone().unwrap_or_else(|| "(none)".to_owned()),
+            escape(&r.role),
+            r.holder
+                .as_deref()
+                .map(escape)
+                .unwrap_or_else(|| "(none)".to_owned()),
             r.term.to_string(),
-            r.acquired_at.clone().unwrap_or_else(|| "-".to_owned()),
+            r.acquired_at
+                .as_deref()
+                .map(escape)
+                .unwrap_or_else(|| "-".to_owned()),
             lease,
             candidates,
         ]);
@@ -207,6 +290,81 @@ fn to_table(roles: &[RoleStatus]) -> String {
     for row in &rows {
         line(row.iter().map(String::as_str).collect(), &mut out);
     }
+    for r in roles {
+        for q in &r.squatters {
+            out.push_str(&format!(
+                "WARNING: role {} is blocked: its lock is held by {}, which is not the leader its lease row names{}; no candidate can take over until that session lets go. Advisory keys are database-wide: end it with pg_terminate_backend({}) and isolate pgelect (README: security)\n",
+                escape(&r.role),
+                describe(q),
+                if q.application_name.starts_with("pgelect:") {
+                    " (its application_name claims pgelect, which any client can set)"
+                } else {
+                    ""
+                },
+                q.pid
+            ));
+        }
+    }
+    out
+}
+
+/// `pid 4242 (user "mallory", application "psql", from 10.0.0.7)`, escaped.
+fn describe(q: &Squatter) -> String {
+    let mut s = format!(
+        "pid {} (user {}, application \"{}\"",
+        q.pid,
+        q.user
+            .as_deref()
+            .map_or_else(|| "unknown".to_owned(), |u| format!("\"{}\"", escape(u))),
+        escape(&q.application_name)
+    );
+    if let Some(addr) = &q.client_addr {
+        s.push_str(&format!(", from {}", escape(addr)));
+    }
+    s.push(')');
+    s
+}
+
+/// True for characters that must not reach a terminal raw: C0 controls
+/// (ESC among them), DEL, C1 controls (a lone CSI, U+009B, starts an escape
+/// sequence on some terminals), and the bidirectional overrides and
+/// isolates that reorder what is shown.
+fn is_unsafe(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+/// Text from the database as it may be shown on a terminal: every unsafe
+/// character written as `\u{1b}` (Rust's escape form), backslashes doubled
+/// so that an escape cannot be faked.
+fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c == '\\' {
+            out.push_str("\\\\");
+        } else if is_unsafe(c) {
+            out.push_str(&format!("\\u{{{:x}}}", c as u32));
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// JSON whose strings carry no unsafe character raw: serde_json escapes C0
+/// controls but writes DEL, C1 controls and bidirectional marks as they are;
+/// those are written as `\uXXXX` escapes (valid JSON, same value when
+/// parsed). They can only occur inside strings.
+fn json_text(value: &serde_json::Value) -> String {
+    let raw = value.to_string();
+    let mut out = String::with_capacity(raw.len());
+    for c in raw.chars() {
+        if is_unsafe(c) {
+            out.push_str(&format!("\\u{:04x}", c as u32));
+        } else {
+            out.push(c);
+        }
+    }
     out
 }
 
@@ -224,7 +382,7 @@ fn without_countdown(roles: &[RoleStatus]) -> Vec<RoleStatus> {
 
 fn render(roles: &[RoleStatus], json: bool) -> String {
     if json {
-        format!("{}\n", to_json(roles))
+        format!("{}\n", json_text(&to_json(roles)))
     } else {
         to_table(roles)
     }
@@ -301,6 +459,7 @@ mod tests {
             backend: Some("session".into()),
             acquired_at: Some("2026-11-25T21:00:00.000Z".into()),
             lease_remaining_ms: Some(4200),
+            squatters: vec![],
             candidates: vec![
                 Candidate {
                     node: "node-a".into(),
@@ -326,6 +485,34 @@ mod tests {
             lines[1].contains("4.2s") && lines[1].contains("node-b (waiting)"),
             "{t}"
         );
+    }
+
+    #[test]
+    fn control_characters_never_reach_the_terminal() {
+        let mut roles = sample();
+        roles[0].role = "r\u{1b}[2J\u{7f}\u{9b}\u{202e}".into();
+        roles[0].holder = Some("\u{1b}]0;pwned\u{7}".into());
+        roles[0].candidates[1].node = "b\\u{1b}\n".into();
+        roles[0].squatters.push(Squatter {
+            pid: 9,
+            user: Some("m\u{1b}".into()),
+            application_name: "\u{1b}[31m".into(),
+            client_addr: None,
+        });
+        for text in [render(&roles, false), render(&roles, true)] {
+            for bad in ['\u{1b}', '\u{7}', '\u{7f}', '\u{9b}', '\u{202e}'] {
+                assert!(!text.contains(bad), "{bad:?} in {text}");
+            }
+        }
+        let t = to_table(&roles);
+        assert!(t.contains("r\\u{1b}[2J"), "{t}");
+        // A literal backslash-u in the data cannot pass for an escape.
+        assert!(t.contains("b\\\\u{1b}\\u{a}"), "{t}");
+        assert!(t.contains("WARNING: role") && t.contains("pid 9"), "{t}");
+        // JSON still parses back to the exact value.
+        let v: serde_json::Value = serde_json::from_str(&render(&roles, true)).unwrap();
+        assert_eq!(v["roles"][0]["role"], "r\u{1b}[2J\u{7f}\u{9b}\u{202e}");
+        assert_eq!(v["roles"][0]["squatters"][0]["pid"], 9);
     }
 
     #[test]

@@ -128,9 +128,11 @@ async fn status_shows_the_holder_and_the_waiting_candidate_as_a_table_and_as_jso
             "lease_expired",
             "lease_remaining_ms",
             "role",
+            "squatters",
             "term"
         ]
     );
+    assert_eq!(r["squatters"], serde_json::json!([]), "no squatter here");
     assert_eq!(r["role"], ROLE);
     assert_eq!(r["holder"], "node-a");
     assert_eq!(r["term"], 1);

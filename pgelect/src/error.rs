@@ -95,12 +95,30 @@ pub enum Error {
     },
 
     /// A bounded wait for a lock ran out.
-    #[error("timed out after {waited:?} waiting for lock {key}")]
+    #[error("timed out after {} waiting for lock {key}{}", rounded(*.waited), holders_suffix(.holders))]
     LockTimeout {
         /// The lock, as `LockKey`'s display form.
         key: String,
         /// How long pgelect waited.
         waited: Duration,
+        /// Who held the lock when the wait ran out, where pgelect looked
+        /// (session locks); empty when it did not look or saw nobody.
+        holders: Vec<crate::lock::LockHolder>,
+    },
+
+    /// `migrate` waited its bound for the migration lock, which another
+    /// session holds.
+    #[error(
+        "timed out after {} waiting for the migration lock of schema \"{schema}\": {}; another `pgelect migrate` may be running, or another database user took the key (advisory locks are database-wide): end that session with pg_terminate_backend(pid), or give pgelect a database of its own (see the README's security section)",
+        rounded(*.waited), crate::lock::holders::describe(.holders)
+    )]
+    MigrationLockTimeout {
+        /// The schema being migrated.
+        schema: String,
+        /// How long pgelect waited.
+        waited: Duration,
+        /// Who held the migration lock when the wait ran out.
+        holders: Vec<crate::lock::LockHolder>,
     },
 
     /// The same lock key is already held through this connection, and taking it
@@ -185,7 +203,9 @@ impl Error {
     pub fn is_timeout(&self) -> bool {
         matches!(
             self,
-            Error::LockTimeout { .. } | Error::ConnectTimeout { .. }
+            Error::LockTimeout { .. }
+                | Error::MigrationLockTimeout { .. }
+                | Error::ConnectTimeout { .. }
         )
     }
 
@@ -309,6 +329,26 @@ impl Error {
     }
 }
 
+/// A duration for a message, rounded: `250ms`, `1.0s`, `30s`.
+pub(crate) fn rounded(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1000 {
+        format!("{ms}ms")
+    } else if ms < 10_000 {
+        format!("{:.1}s", d.as_secs_f64())
+    } else {
+        format!("{}s", d.as_secs_f64().round() as u64)
+    }
+}
+
+fn holders_suffix(holders: &[crate::lock::LockHolder]) -> String {
+    if holders.is_empty() {
+        String::new()
+    } else {
+        format!(": {}", crate::lock::holders::describe(holders))
+    }
+}
+
 /// Renders a name for an error message: escaped, and cut to 64 characters.
 pub(crate) fn shown(name: &str) -> String {
     let mut out: String = name.chars().take(64).collect::<String>();
@@ -321,6 +361,13 @@ pub(crate) fn shown(name: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_are_rounded_for_people() {
+        assert_eq!(rounded(Duration::from_micros(250_400)), "250ms");
+        assert_eq!(rounded(Duration::from_nanos(1_003_140_012)), "1.0s");
+        assert_eq!(rounded(Duration::from_millis(30_004)), "30s");
+    }
 
     #[test]
     fn shown_cuts_and_escapes() {

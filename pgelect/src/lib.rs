@@ -70,10 +70,14 @@ pub use election::{lease_sql, LeaseSql};
 pub use error::{Error, Result, SQLSTATE_NO_LEADER, SQLSTATE_STALE_TERM};
 pub use key::{LockKey, MAX_KEY_NAME_BYTES};
 pub use lock::{
-    try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, xact_lock_shared_timeout,
-    xact_lock_timeout, LockGuard, LockMode, LockSession, LockSessionBuilder,
+    lock_holders, try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared,
+    xact_lock_shared_timeout, xact_lock_timeout, LockGuard, LockHolder, LockMode, LockSession,
+    LockSessionBuilder,
 };
-pub use schema::{check_schema, migrate, SchemaName, DEFAULT_SCHEMA, SCHEMA_VERSION};
+pub use schema::{
+    check_schema, migrate, migrate_timeout, SchemaName, DEFAULT_SCHEMA, MIGRATE_LOCK_TIMEOUT,
+    SCHEMA_VERSION,
+};
 
 /// The README's examples, compiled as doc tests so that they stay true.
 #[doc = include_str!("../../README.md")]

@@ -30,6 +30,10 @@ pub const PREEMPTIONS: &str = "pgelect_preemptions_total";
 /// Histogram, seconds: how late a local deadline was noticed, recorded when
 /// over 100 ms (the process was paused or starved of CPU).
 pub const DEADLINE_LATE_SECONDS: &str = "pgelect_deadline_late_seconds";
+/// Gauge: backends holding this role's lock that are not the leader its
+/// lease row names (squatters), as this process's waiting standby last saw
+/// them; 0 when none or when not waiting.
+pub const SQUATTERS: &str = "pgelect_lock_squatters";
 
 pub(crate) fn leader_on(role: &str, term: i64, takeover: std::time::Duration) {
     let role = role.to_owned();
@@ -62,4 +66,8 @@ pub(crate) fn preempted_zombie(role: &str) {
 
 pub(crate) fn lease_statement(role: &str, kind: &'static str) {
     metrics::counter!(LEASE_STATEMENTS, "role" => role.to_owned(), "kind" => kind).increment(1);
+}
+
+pub(crate) fn squatters(role: &str, n: usize) {
+    metrics::gauge!(SQUATTERS, "role" => role.to_owned()).set(n as f64);
 }

@@ -6,12 +6,20 @@
 //! session advisory lock on a dedicated connection, and the unlock's result is
 //! checked.
 
+use std::time::{Duration, Instant};
+
+use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
-use tokio_postgres::GenericClient;
+use tokio_postgres::{GenericClient, SimpleQueryMessage};
 
 use crate::conn::ConnectOptions;
 use crate::error::{shown, Error, Result};
 use crate::key::LockKey;
+
+/// How long [`migrate`] waits for the migration lock before it fails with
+/// [`Error::MigrationLockTimeout`], naming who holds it: 30 s. A migration
+/// takes milliseconds, so a longer wait means a stuck or hostile holder.
+pub const MIGRATE_LOCK_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The default schema name.
 pub const DEFAULT_SCHEMA: &str = "pgelect";
@@ -171,7 +179,10 @@ COMMENT ON FUNCTION {s}.lock_wait_slice(bigint, integer) IS 'pgelect: waits up t
 /// Installs or upgrades the pgelect schema on the database `options` point at.
 ///
 /// Idempotent, and safe to run from many processes at once: the migration is
-/// serialised by a session advisory lock on a dedicated connection.
+/// serialised by a session advisory lock on a dedicated connection. The
+/// wait for that lock is bounded by [`MIGRATE_LOCK_TIMEOUT`] (30 s; see
+/// [`migrate_timeout`] for another bound): advisory keys are public and
+/// database-wide, so any user who can connect could hold it forever.
 ///
 /// # Cancel safety
 /// Not cancel safe in the sense that a cancelled call may leave the dedicated
@@ -187,9 +198,25 @@ COMMENT ON FUNCTION {s}.lock_wait_slice(bigint, integer) IS 'pgelect: waits up t
 /// # Ok(()) }
 /// ```
 pub async fn migrate(options: &ConnectOptions) -> Result<u32> {
+    migrate_timeout(options, MIGRATE_LOCK_TIMEOUT).await
+}
+
+/// [`migrate`], waiting at most about `lock_timeout` for the migration lock.
+///
+/// When the wait runs out the error is [`Error::MigrationLockTimeout`],
+/// which names the sessions holding the lock (pid, user, application name;
+/// see [`LockHolder`](crate::LockHolder)). The server bounds the wait
+/// (`lock_timeout`, as [`LockSession::lock_timeout`](crate::LockSession::lock_timeout)
+/// does). A zero bound, or one over PostgreSQL's `lock_timeout` range, is
+/// refused with [`Error::Config`].
+///
+/// # Cancel safety
+/// As for [`migrate`].
+pub async fn migrate_timeout(options: &ConnectOptions, lock_timeout: Duration) -> Result<u32> {
+    let ms = crate::lock::timeout_millis("the migration lock timeout", lock_timeout)?;
     let conn = options.connect("migrate").await?;
     let schema = options.schema_name().clone();
-    let result = migrate_locked(conn.client(), &schema).await;
+    let result = migrate_locked(conn.client(), &schema, ms).await;
     conn.close().await;
     result
 }
@@ -199,17 +226,57 @@ fn migration_lock(schema: &SchemaName) -> LockKey {
     LockKey::from_name(&format!("pgelect.migrate.{schema}")).expect("BUG: valid lock name")
 }
 
-async fn migrate_locked(client: &tokio_postgres::Client, schema: &SchemaName) -> Result<u32> {
+async fn migrate_locked(
+    client: &tokio_postgres::Client,
+    schema: &SchemaName,
+    lock_timeout_ms: i64,
+) -> Result<u32> {
     let key = migration_lock(schema);
     let s = schema.as_str();
     let err = |op: &'static str| move |e| Error::db(op, s, e);
     let LockKey::Single(high) = key else {
         unreachable!("BUG: names hash to single keys")
     };
-    client
-        .query_typed("SELECT pg_advisory_lock($1)", &[(&high, Type::INT8)])
-        .await
-        .map_err(err("take the migration lock"))?;
+    // Bounded by the server, in one round trip and one implicit
+    // transaction: a failed wait rolls the SET back, so lock_timeout is 0
+    // again either way for the migration's own statements.
+    let started = Instant::now();
+    let take = format!(
+        "SET lock_timeout = '{lock_timeout_ms}ms'; SELECT pg_advisory_lock('{high}'::int8); SET lock_timeout = 0"
+    );
+    match client.simple_query(&take).await {
+        Ok(_) => {}
+        Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
+            let waited = started.elapsed();
+            // Granted as the timeout fired? Then it is ours: go on.
+            let held = client
+                .simple_query(&format!(
+                    "SELECT EXISTS (SELECT 1 FROM pg_locks
+                      WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted
+                        AND classid = {} AND objid = {} AND objsubid = {})",
+                    key.pg_locks_ids().0,
+                    key.pg_locks_ids().1,
+                    key.pg_locks_ids().2
+                ))
+                .await
+                .map_err(err("check the migration lock"))?;
+            let granted = held.iter().any(|m| match m {
+                SimpleQueryMessage::Row(r) => r.get(0) == Some("t"),
+                _ => false,
+            });
+            if !granted {
+                let holders = crate::lock::holders::query_holders(client, key)
+                    .await
+                    .map_err(err("find who holds the migration lock"))?;
+                return Err(Error::MigrationLockTimeout {
+                    schema: s.to_owned(),
+                    waited,
+                    holders,
+                });
+            }
+        }
+        Err(e) => return Err(err("take the migration lock")(e)),
+    }
     let applied = apply_pending(client, schema).await;
     let unlocked = client
         .query_typed_one("SELECT pg_advisory_unlock($1)", &[(&high, Type::INT8)])

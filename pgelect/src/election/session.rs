@@ -18,6 +18,7 @@ use tracing::Instrument;
 use crate::conn::{ConnectOptions, DedicatedConnection};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
+use crate::lock::holders::{query_holders, SquatWatch};
 use crate::metrics;
 use crate::schema::check_schema;
 
@@ -264,6 +265,7 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
             let sql = format!("SELECT {s}.lock_wait_slice($1, $2)");
             let slice_args: [(&(dyn ToSql + Sync), Type); 2] =
                 [(&k, Type::INT8), (&slice_ms, Type::INT4)];
+            let mut squat = SquatWatch::default();
             loop {
                 tokio::select! {
                     r = conn.client().query_typed_one(&sql, &slice_args) => {
@@ -273,6 +275,10 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
                         if granted {
                             break;
                         }
+                        // A whole slice passed: who holds the lock?
+                        let leader = read_leader(conn.client(), &schema, &shared.role).await?;
+                        let row_pid = leader.and_then(|l| l.holder_pid);
+                        check_squatters(shared, &conn, &mut squat, row_pid).await?;
                     }
                     _ = conn.closed().cancelled() => {
                         return Err(Error::ConnectionLost { operation: "wait for the leader's lock" });
@@ -285,6 +291,7 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
             poll_for_lock(shared, &conn, interval, &args, listen).await?;
         }
     }
+    metrics::squatters(&shared.role, 0);
     tracing::debug!(waited = ?wait_started.elapsed(), "lock granted");
     let granted_at = Instant::now();
 
@@ -551,6 +558,7 @@ async fn poll_for_lock(
             .map_err(|e| Error::db("listen for leader changes", s, e))?;
     }
     let sql = format!("SELECT pg_try_advisory_lock({})", shared.key.sql_args(1));
+    let mut squat = SquatWatch::default();
     loop {
         let row = conn
             .client()
@@ -576,6 +584,10 @@ async fn poll_for_lock(
                 continue;
             }
         }
+        if squat.due(std::time::Instant::now()) {
+            let row_pid = info.as_ref().and_then(|i| i.holder_pid);
+            check_squatters(shared, conn, &mut squat, row_pid).await?;
+        }
         shared.publish(info);
         let sleep = tokio::time::sleep(interval);
         tokio::pin!(sleep);
@@ -599,6 +611,55 @@ async fn poll_for_lock(
             }
         }
     }
+}
+
+/// Looks up who holds the role's lock while this standby waits, and warns
+/// (once per pid) about a holder that is not the leader the lease row names
+/// (`row_pid`): another database user, or a stray session, that took the
+/// role's public key. Advisory locks are database-wide; see the README's
+/// security section.
+///
+/// Only a lost connection is returned as an error; other failures of the
+/// lookup are logged and the wait goes on.
+async fn check_squatters(
+    shared: &Shared,
+    conn: &DedicatedConnection,
+    watch: &mut SquatWatch,
+    row_pid: Option<i32>,
+) -> Result<()> {
+    let s = shared.options.schema_name().as_str();
+    let holders = match query_holders(conn.client(), shared.key).await {
+        Ok(h) => h,
+        Err(e) => {
+            let e = Error::db("find who holds the leader's lock", s, e);
+            if is_transient(&e) {
+                return Err(e);
+            }
+            tracing::debug!(error = %e, "could not look up who holds the role's lock");
+            return Ok(());
+        }
+    };
+    for h in watch.check(std::time::Instant::now(), holders, row_pid) {
+        let claim = match h.claims_pgelect_candidate() {
+            Some((role, node)) => format!(
+                "it claims to be pgelect candidate {node:?} of role {role:?} (application_name is set by the client), but the lease row names pid {}",
+                row_pid.map_or_else(|| "none".to_owned(), |p| p.to_string())
+            ),
+            None => "it does not claim to be a pgelect candidate".to_owned(),
+        };
+        tracing::warn!(
+            role = %shared.role,
+            pid = h.pid,
+            user = ?h.user,
+            application_name = ?h.application_name,
+            client_addr = ?h.client_addr,
+            "the lock of role {:?} is held by {h}, which is not the leader the lease row names: {claim}; this standby waits until it lets go. Advisory keys are public and database-wide: end that session with pg_terminate_backend({}) and isolate pgelect (see the README's security section)",
+            shared.role,
+            h.pid
+        );
+    }
+    metrics::squatters(&shared.role, watch.squatting());
+    Ok(())
 }
 
 type StatementFuture<'a> = Pin<

@@ -23,6 +23,13 @@
 //! # Sharp edges
 //! * Advisory locks are per database: the same key in two databases of one
 //!   cluster is two different locks.
+//! * Within a database they are shared by every user who can connect, and
+//!   keys are public (a name's key is a hash anyone can compute): any such
+//!   user can take a key pgelect uses and make it wait. Waits therefore say
+//!   who holds their key ([`lock_holders`], [`LockSession::holders`], the
+//!   holders of [`Error::LockTimeout`], a warning
+//!   after 5 s); to rule it out, give pgelect a database of its own or
+//!   `REVOKE CONNECT ON DATABASE … FROM PUBLIC`.
 //! * A session lock guards nothing by itself once its connection is gone:
 //!   watch [`LockGuard::lost`] and stop the protected work when it fires.
 //!   For writes that must never happen after a loss, use the fencing of the
@@ -30,6 +37,7 @@
 //! * Release on drop is a best-effort fallback, not immediate: prefer
 //!   [`LockGuard::release`], which reports what PostgreSQL did.
 
+pub(crate) mod holders;
 mod session;
 #[cfg(feature = "sqlx")]
 pub mod sqlx;
@@ -37,6 +45,7 @@ mod xact;
 
 use std::time::Duration;
 
+pub use holders::{lock_holders, LockHolder};
 pub use session::{LockGuard, LockSession, LockSessionBuilder};
 pub use xact::{
     try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, xact_lock_shared_timeout,
@@ -82,7 +91,7 @@ impl LockMode {
 /// Rounds up, so that a sub-millisecond bound never becomes `0` (which
 /// PostgreSQL reads as "no limit"), and refuses zero and values beyond
 /// PostgreSQL's `lock_timeout` range.
-fn timeout_millis(what: &str, timeout: Duration) -> Result<i64> {
+pub(crate) fn timeout_millis(what: &str, timeout: Duration) -> Result<i64> {
     if timeout.is_zero() {
         return Err(Error::config(format!(
             "{what} must be positive; use the try_* function for an immediate answer"

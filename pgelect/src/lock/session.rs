@@ -12,6 +12,7 @@ use tokio_postgres::types::Type;
 use tokio_postgres::{NoTls, SimpleQueryMessage};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
+use super::holders::{describe, lock_holders, query_holders, LockHolder};
 use super::{key_literals, timeout_millis, LockMode};
 use crate::conn::{ConnectOptions, DedicatedConnection, TcpTimeouts};
 use crate::error::{Error, Result};
@@ -22,6 +23,11 @@ const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
 const DEFAULT_NAME: &str = "locks";
 /// Default slice of an unbounded lock wait.
 const DEFAULT_WAIT_SLICE: Duration = Duration::from_secs(10);
+/// A lock wait longer than this looks, on a connection of its own, for who
+/// holds the key and logs it at warning level; then again every
+/// [`WAIT_RECHECK`], naming only holders not named before.
+const WAIT_WARN_AFTER: Duration = Duration::from_secs(5);
+const WAIT_RECHECK: Duration = Duration::from_secs(30);
 
 /// A dedicated PostgreSQL connection that holds session-level advisory
 /// locks: as many as you like, exclusive or shared.
@@ -128,6 +134,8 @@ struct Inner {
     /// Length of one slice of an unbounded lock wait.
     wait_slice: Duration,
     schema: String,
+    /// For the side connection that looks up the holders of a long wait.
+    options: ConnectOptions,
 }
 
 #[derive(Default)]
@@ -219,6 +227,11 @@ impl LockSession {
     /// Other operations on this session queue behind the wait (see "One
     /// statement at a time").
     ///
+    /// A wait that lasts longer than 5 s looks up who holds the key (on a
+    /// short-lived connection of its own) and logs a warning naming each
+    /// holder's pid, user and application name: advisory keys are public,
+    /// and any user who can connect to the database can hold one.
+    ///
     /// # Cancel safety
     /// Cancel safe: when the future is dropped, pgelect cancels the wait on
     /// the server (a cancel request, as `pg_cancel_backend` would), and if
@@ -250,7 +263,10 @@ impl LockSession {
     /// finds the lock in `pg_locks` and returns the guard rather than leak
     /// the lock. A zero `timeout` is refused with [`Error::Config`]
     /// (use [`try_lock`](LockSession::try_lock)); sub-millisecond values
-    /// round up to 1 ms.
+    /// round up to 1 ms. The timeout error names who held the lock then
+    /// (`holders` of [`Error::LockTimeout`]); a wait longer than 5 s also
+    /// logs the holders at warning level, as [`lock`](LockSession::lock)
+    /// does.
     ///
     /// # Cancel safety
     /// As for [`lock`](LockSession::lock): cancel safe.
@@ -282,6 +298,20 @@ impl LockSession {
             .acquire(key, LockMode::Shared, Wait::Bounded(timeout))
             .await?;
         Ok(guard.expect("BUG: a bounded wait returns a guard or an error"))
+    }
+
+    /// The other sessions of this database that hold `key` (see
+    /// [`lock_holders`](crate::lock_holders)): who to blame after a
+    /// `try_lock` returned `None` or a wait timed out. Runs on this
+    /// session's connection, so it queues behind a wait in progress.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only reads.
+    pub async fn holders(&self, key: LockKey) -> Result<Vec<LockHolder>> {
+        let ops = self.inner.ops.clone().lock_owned().await;
+        let holders = self.inner.holders(key).await;
+        drop(ops);
+        holders
     }
 
     /// The keys this session holds through live guards (or whose release
@@ -446,6 +476,7 @@ impl LockSessionBuilder {
             statement_timeout: self.heartbeat_timeout,
             wait_slice: self.wait_slice,
             schema: self.options.schema_name().as_str().to_owned(),
+            options: self.options,
         });
         tokio::spawn(heartbeat(Arc::downgrade(&inner), lost, self.heartbeat));
         Ok(LockSession { inner })
@@ -713,6 +744,11 @@ impl Inner {
     ) -> Result<Option<LockGuard>> {
         let started = Instant::now();
         self.state().waiting = Some((key, mode));
+        let _probe = AbortOnDrop(tokio::spawn(warn_about_holders(
+            self.options.clone(),
+            self.conn.pid(),
+            key,
+        )));
         tokio::pin!(statement);
         let (outcome, abandoned) = tokio::select! {
             outcome = &mut statement => (outcome, false),
@@ -755,15 +791,29 @@ impl Inner {
                     self.unlock(ops, key, mode).await?;
                 }
                 if timed_out {
+                    let waited = started.elapsed();
+                    let holders = self.holders(key).await.unwrap_or_else(|e| {
+                        tracing::debug!(%key, error = %e, "could not look up the holders of a lock");
+                        Vec::new()
+                    });
                     Err(Error::LockTimeout {
                         key: key.to_string(),
-                        waited: started.elapsed(),
+                        waited,
+                        holders,
                     })
                 } else {
                     Err(Error::db("wait for a lock", &self.schema, e))
                 }
             }
         }
+    }
+
+    /// The other backends holding `key`, bounded like every short statement.
+    async fn holders(&self, key: LockKey) -> Result<Vec<LockHolder>> {
+        self.quick("find the holders of a lock", || {
+            query_holders(self.client(), key)
+        })
+        .await
     }
 
     /// True when this backend holds `key` in `mode` (per `pg_locks`).
@@ -845,6 +895,55 @@ impl Inner {
         }
         self.state().held.remove(&guard.key);
         guard.released = true;
+    }
+}
+
+/// Aborts a task when dropped: the holder lookup of a wait that ended.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// While a wait lasts (this task is aborted when it ends): after
+/// [`WAIT_WARN_AFTER`] and then every [`WAIT_RECHECK`], looks up who holds
+/// `key` on a short-lived connection of its own (the session's is busy
+/// waiting) and logs each holder not named before at warning level.
+async fn warn_about_holders(options: ConnectOptions, waiter: i32, key: LockKey) {
+    let started = Instant::now();
+    let mut named = std::collections::HashSet::new();
+    tokio::time::sleep(WAIT_WARN_AFTER).await;
+    loop {
+        let found = async {
+            let conn = options.connect("lock-holders").await?;
+            let holders = lock_holders(conn.client(), key).await;
+            conn.close().await;
+            holders
+        };
+        match tokio::time::timeout(DEFAULT_HEARTBEAT_TIMEOUT, found).await {
+            Ok(Ok(holders)) => {
+                let new: Vec<LockHolder> = holders
+                    .into_iter()
+                    .filter(|h| h.pid != waiter && named.insert(h.pid))
+                    .collect();
+                if !new.is_empty() {
+                    tracing::warn!(
+                        %key,
+                        waited = %crate::error::rounded(started.elapsed()),
+                        pids = ?new.iter().map(|h| h.pid).collect::<Vec<_>>(),
+                        "still waiting for a lock {}; advisory locks are database-wide: any user who can connect can hold a key",
+                        describe(&new)
+                    );
+                }
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(%key, error = %e, "could not look up who holds a lock")
+            }
+            Err(_) => tracing::debug!(%key, "looking up who holds a lock took too long"),
+        }
+        tokio::time::sleep(WAIT_RECHECK).await;
     }
 }
 

@@ -141,6 +141,7 @@ async fn wait_xact(conn: &mut PgConnection, key: LockKey, mode: LockMode) -> Res
         Err(e) if is_wait_timeout(&e) => Err(Error::LockTimeout {
             key: key.to_string(),
             waited: started.elapsed(),
+            holders: Vec::new(),
         }),
         Err(e) => Err(db("take a transaction lock", e)),
     }

@@ -253,6 +253,7 @@ fn wait_error(key: &LockKey, started: Instant, e: tokio_postgres::Error) -> Erro
         Some(code) if is_wait_timeout_code(code.code()) => Error::LockTimeout {
             key: key.to_string(),
             waited: started.elapsed(),
+            holders: Vec::new(),
         },
         _ => db("take a transaction lock", e),
     }

@@ -1,0 +1,324 @@
+//! Squatted keys are visible: another database user with CONNECT only takes
+//! a role's, a lock's or the migration's advisory key with
+//! `pg_advisory_lock` on its own connection, and pgelect says who holds it
+//! (pid, user, application name) instead of waiting without a word.
+//!
+//! Warnings are read from a tracing capture installed per test (each test
+//! runs on its own current-thread runtime, so the capture sees only its own
+//! tasks).
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pgelect::{ConnectOptions, Error, LockKey, LockSession, StandbyMode};
+use pgelect_testkit::TestDb;
+use tokio_postgres::{Client, NoTls};
+
+mod support;
+use support::{fast_session as fast, migrated};
+
+/// The log written while the guard lives, warnings and up.
+#[derive(Clone, Default)]
+struct Log(Arc<Mutex<Vec<u8>>>);
+
+impl Log {
+    fn capture(&self) -> tracing::subscriber::DefaultGuard {
+        let log = self.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::WARN)
+            .with_ansi(false)
+            .with_writer(move || log.clone())
+            .finish();
+        tracing::subscriber::set_default(subscriber)
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+
+    /// Waits (bounded) until the log has a line containing every needle.
+    async fn wait_for_line(&self, needles: &[&str], within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let text = self.text();
+            if let Some(line) = text.lines().find(|l| needles.iter().all(|n| l.contains(n))) {
+                return line.to_owned();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no log line with {needles:?} within {within:?}; the log:\n{text}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Write for Log {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A login role with CONNECT only, connected on its own: the squatter.
+/// Returns its client, its backend pid and its role name.
+async fn squatter(db: &TestDb, app: &str) -> (Client, i32, String) {
+    let url = db.create_role("squatter", "squat-pw", false).await;
+    let mut config: tokio_postgres::Config = url.parse().unwrap();
+    config.application_name(app);
+    let (client, connection) = config.connect(NoTls).await.expect("squatter connects");
+    tokio::spawn(connection);
+    let pid: i32 = client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    (client, pid, db.role_name("squatter"))
+}
+
+async fn take(client: &Client, key: LockKey) {
+    let LockKey::Single(k) = key else {
+        panic!("single keys only here")
+    };
+    client
+        .execute("SELECT pg_advisory_lock($1)", &[&k])
+        .await
+        .expect("the squatter takes the key");
+}
+
+async fn let_go(client: &Client, key: LockKey) {
+    let LockKey::Single(k) = key else {
+        panic!("single keys only here")
+    };
+    let row = client
+        .query_one("SELECT pg_advisory_unlock($1)", &[&k])
+        .await
+        .unwrap();
+    assert!(row.get::<_, bool>(0), "the squatter held the key");
+}
+
+async fn standby_warns_about_a_squatter(mode: StandbyMode, hint: &str) {
+    let log = Log::default();
+    let _capture = log.capture();
+    let (db, o) = migrated(hint).await;
+    let elector = fast(&o, "squatted", "node-a")
+        .standby(mode)
+        .wait_slice(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let (sq, pid, user) = squatter(&db, "psql").await;
+    let key = elector.lock_key();
+    take(&sq, key).await;
+
+    let started = Instant::now();
+    let standing = tokio::spawn(async move {
+        let l = elector
+            .leadership()
+            .await
+            .expect("elected once the squatter lets go");
+        (elector, l)
+    });
+    let line = log
+        .wait_for_line(
+            &[
+                "WARN",
+                &format!("pid {pid} "),
+                &format!("{user:?}"),
+                "\"psql\"",
+                "not the leader the lease row names",
+            ],
+            // Polling standbys look every 10 s; a fresh holder is named at
+            // the second look.
+            Duration::from_secs(30),
+        )
+        .await;
+    let seen_after = started.elapsed();
+    println!("warned after {seen_after:?}: {line}");
+    assert!(
+        line.contains("role \"squatted\""),
+        "the line names the role: {line}"
+    );
+
+    // Once per squatting pid, not every check: let more checks pass (a
+    // blocking standby looks after every 500 ms slice, a polling one every
+    // 10 s), then count.
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let count = log
+        .text()
+        .lines()
+        .filter(|l| l.contains(&format!("pid {pid} ")) && l.contains("not the leader"))
+        .count();
+    assert_eq!(count, 1, "one warning per squatter:\n{}", log.text());
+    assert!(
+        !standing.is_finished(),
+        "the standby waits while the key is held"
+    );
+
+    let_go(&sq, key).await;
+    let (_elector, leadership) = tokio::time::timeout(Duration::from_secs(20), standing)
+        .await
+        .expect("elected after the squatter let go")
+        .unwrap();
+    assert_eq!(leadership.term().get(), 1);
+}
+
+#[tokio::test]
+async fn a_blocking_standby_warns_once_with_the_squatters_pid_user_and_application() {
+    standby_warns_about_a_squatter(StandbyMode::Blocking, "squat_blocking").await;
+}
+
+#[tokio::test]
+async fn a_polling_standby_warns_once_with_the_squatters_pid_user_and_application() {
+    standby_warns_about_a_squatter(
+        StandbyMode::Polling {
+            interval: Duration::from_millis(200),
+        },
+        "squat_polling",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_standby_behind_a_live_pgelect_leader_does_not_warn() {
+    let log = Log::default();
+    let _capture = log.capture();
+    let (_db, o) = migrated("squat_none").await;
+    let a = fast(&o, "busy", "node-a").build().unwrap();
+    let leader = a.leadership().await.unwrap();
+    let b = fast(&o, "busy", "node-b")
+        .wait_slice(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let c = fast(&o, "busy", "node-c")
+        .standby(StandbyMode::Polling {
+            interval: Duration::from_millis(200),
+        })
+        .build()
+        .unwrap();
+    let standing_b = tokio::spawn(async move { b.leadership().await.map(|l| (b, l)) });
+    let standing_c = tokio::spawn(async move { c.leadership().await.map(|l| (c, l)) });
+    // Many slices and polls, two lookups of the polling standby (every
+    // 10 s), more than the grace three times over.
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    assert!(!leader.is_lost());
+    assert!(!standing_b.is_finished() && !standing_c.is_finished());
+    let text = log.text();
+    assert!(
+        !text.contains("not the leader the lease row names"),
+        "a live leader was taken for a squatter:\n{text}"
+    );
+    standing_b.abort();
+    standing_c.abort();
+}
+
+#[tokio::test]
+async fn migrate_fails_within_its_bound_naming_whoever_holds_the_migration_lock() {
+    let db = TestDb::new("squat_migrate").await;
+    let o = ConnectOptions::from_url(&db.url()).unwrap();
+    let (sq, pid, user) = squatter(&db, "migration-squatter").await;
+    let key = LockKey::from_name("pgelect.migrate.pgelect").unwrap();
+    take(&sq, key).await;
+
+    let bound = Duration::from_secs(1);
+    let started = Instant::now();
+    let err = pgelect::migrate_timeout(&o, bound)
+        .await
+        .expect_err("the migration lock is held");
+    let took = started.elapsed();
+    println!("failed after {took:?}: {err}");
+    assert!(
+        took >= bound && took < bound + Duration::from_secs(5),
+        "{took:?}"
+    );
+    assert!(err.is_timeout(), "{err:?}");
+    match &err {
+        Error::MigrationLockTimeout { holders, .. } => {
+            assert_eq!(holders.len(), 1, "{holders:?}");
+            assert_eq!(holders[0].pid, pid);
+            assert_eq!(holders[0].user.as_deref(), Some(user.as_str()));
+            assert_eq!(holders[0].application_name, "migration-squatter");
+        }
+        other => panic!("expected MigrationLockTimeout, got {other:?}"),
+    }
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("pid {pid} ")) && text.contains("pg_terminate_backend"),
+        "{text}"
+    );
+    assert!(text.contains("1.0s"), "a rounded duration: {text}");
+
+    // Once it lets go, migrate works.
+    let_go(&sq, key).await;
+    assert!(pgelect::migrate_timeout(&o, bound).await.unwrap() > 0);
+}
+
+#[tokio::test]
+async fn a_lock_session_wait_names_the_holder_in_its_timeout_and_its_log() {
+    let log = Log::default();
+    let _capture = log.capture();
+    let db = TestDb::new("squat_lock").await;
+    let o = ConnectOptions::from_url(&db.url()).unwrap();
+    let (sq, pid, user) = squatter(&db, "lock-squatter").await;
+    let key = LockKey::from_name("nightly").unwrap();
+    take(&sq, key).await;
+    let session = LockSession::connect(&o).await.unwrap();
+
+    // try: the session says who holds it.
+    assert!(session.try_lock(key).await.unwrap().is_none());
+    let holders = session.holders(key).await.unwrap();
+    assert_eq!(holders.iter().map(|h| h.pid).collect::<Vec<_>>(), [pid]);
+    assert_eq!(holders[0].claims_pgelect_candidate(), None);
+
+    // A bounded wait: the error names the holder, with a rounded duration.
+    let err = session
+        .lock_timeout(key, Duration::from_millis(300))
+        .await
+        .expect_err("held");
+    let text = err.to_string();
+    println!("{text}");
+    match &err {
+        Error::LockTimeout { holders, .. } => {
+            assert_eq!(holders.len(), 1);
+            assert_eq!(holders[0].pid, pid);
+            assert_eq!(holders[0].user.as_deref(), Some(user.as_str()));
+        }
+        other => panic!("expected LockTimeout, got {other:?}"),
+    }
+    // Rounded to the millisecond, not "0.301234567s".
+    assert!(
+        text.starts_with("timed out after 3") && text.contains("ms waiting"),
+        "{text}"
+    );
+    assert!(text.contains("\"lock-squatter\""), "{text}");
+
+    // An unbounded wait logs the holder after a few seconds, then is
+    // granted when the squatter lets go.
+    let waiting = {
+        let session = session.clone();
+        tokio::spawn(async move { session.lock(key).await })
+    };
+    let line = log
+        .wait_for_line(
+            &[
+                "WARN",
+                "still waiting for a lock",
+                &format!("pid {pid} "),
+                "\"lock-squatter\"",
+            ],
+            Duration::from_secs(20),
+        )
+        .await;
+    println!("{line}");
+    let_go(&sq, key).await;
+    let guard = tokio::time::timeout(Duration::from_secs(20), waiting)
+        .await
+        .expect("granted after the squatter let go")
+        .unwrap()
+        .unwrap();
+    assert!(guard.release().await.unwrap());
+}
