@@ -203,7 +203,10 @@ async fn exec(
             .map_err(|e| Error::db(operation, schema, e))
     };
     match tokio::time::timeout(bound, run).await {
-        Ok(Ok(rows)) => Ok(rows),
+        Ok(Ok(rows)) => {
+            shared.contact.touch();
+            Ok(rows)
+        }
         Ok(Err(e)) => {
             if is_transient(&e) {
                 if let Some(c) = conn.take() {
@@ -582,7 +585,7 @@ async fn keep(
                         metrics::renewed(&shared.role, now - sent, left);
                         tracing::trace!(server_remaining = ?ms(remaining_ms), deadline_in = ?left, "renewed");
                         if resign {
-                            tracing::info!("resignation requested by another process (lease row)");
+                            tracing::info!("resignation requested for this term (lease row)");
                             keeper.stop_requested(LossReason::Resigned, now);
                         }
                     }
@@ -604,9 +607,12 @@ async fn keep(
             }
             n = notices.recv() => {
                 if let Ok(n) = n {
+                    // Only a hint: anyone who can connect may send it. The
+                    // renewal it brings forward reads `resign_requested`,
+                    // which only `request_resign` (a granted privilege) sets.
                     if n.channel == RESIGN_CHANNEL && n.payload == resign_payload {
-                        tracing::info!("resignation requested by another process (NOTIFY)");
-                        keeper.stop_requested(LossReason::Resigned, Instant::now());
+                        tracing::debug!("resign hint heard (NOTIFY); checking the lease row");
+                        keeper.check_requested(Instant::now());
                     }
                 }
             }

@@ -20,8 +20,12 @@ use super::Shared;
 /// payload is `<schema>:<event>:<role>`, with event `elected` or `released`.
 pub const LEADER_CHANNEL: &str = "pgelect_leader";
 
-/// The `NOTIFY` channel on which a leader listens for resign requests. The
-/// payload is `<schema>:<role>`.
+/// The `NOTIFY` channel on which a leader listens for resign hints. The
+/// payload is `<schema>:<role>`. Anyone who can connect may notify, so a
+/// hint only makes the leader read its lease row early (at most one early
+/// read per 100 ms); it steps down only if the row says that a resignation
+/// was requested for its term, which takes
+/// [`request_resign`](crate::request_resign) and the privilege to run it.
 pub const RESIGN_CHANNEL: &str = "pgelect_resign";
 
 /// A role's leader as the lease row shows it.
@@ -72,14 +76,19 @@ pub(crate) async fn read_leader<C: GenericClient + Sync>(
     let Some(row) = rows.first() else {
         return Ok(None);
     };
-    let holder: Option<String> = row.get(0);
-    let Some(holder) = holder else {
+    if row.get::<_, Option<String>>(0).is_none() {
         return Ok(None);
-    };
+    }
+    Ok(Some(leader_info(role, row)))
+}
+
+/// A row of `holder, holder_meta, term, backend, acquired_at, renewed_at,
+/// lease_until, lease_expired, holder_pid` whose holder is set.
+fn leader_info(role: &str, row: &tokio_postgres::Row) -> LeaderInfo {
     let epoch = SystemTime::UNIX_EPOCH;
-    Ok(Some(LeaderInfo {
+    LeaderInfo {
         role: role.to_owned(),
-        holder,
+        holder: row.get(0),
         holder_meta: row.get(1),
         term: super::Term::new(row.get(2)),
         backend: row.get(3),
@@ -88,7 +97,7 @@ pub(crate) async fn read_leader<C: GenericClient + Sync>(
         lease_until: row.get::<_, Option<SystemTime>>(6).unwrap_or(epoch),
         lease_expired: row.get(7),
         holder_pid: row.get(8),
-    }))
+    }
 }
 
 /// Reads the current leader of `role` once, on a short-lived connection.
@@ -107,25 +116,37 @@ pub async fn current_leader(options: &ConnectOptions, role: &str) -> Result<Opti
     result
 }
 
-/// Asks the current leader of `role`, wherever it runs, to resign, by both
-/// paths at once, in one statement:
+/// Asks the current leader of `role`, wherever it runs, to resign.
 ///
-/// * `NOTIFY pgelect_resign` with the role: session-backend leaders listen
-///   on their lock connection, lease-backend leaders on their
-///   [`listen_via`](crate::ElectorBuilder::listen_via) connection; they
-///   hear it at once;
-/// * `resign_requested = true` on the lease row of the term read: a
-///   lease-backend leader without a `LISTEN` connection (behind a
-///   transaction pooler) sees it in the answer to its next renewal, within
-///   `renew_every`. The next election clears it.
+/// Calls the schema's `request_resign(role)` function, which marks the lease
+/// row of the role's current term (`resign_requested`, cleared by every
+/// election) and sends a `NOTIFY pgelect_resign` hint, in one transaction.
+/// The database authenticates the request: the function may be executed
+/// only by users granted `EXECUTE` on it (and `USAGE` on the schema); the
+/// hint alone moves nothing, since anyone who can connect may send it.
+///
+/// * Session-backend leaders and lease-backend leaders with
+///   [`listen_via`](crate::ElectorBuilder::listen_via) hear the hint and
+///   renew at once; the renewal's answer carries the mark, and they step
+///   down within a round trip or two (a flood of hints from others is
+///   rate-limited to one early renewal per 100 ms, so a request made in a
+///   flood waits at most that long).
+/// * A lease-backend leader without a `LISTEN` connection (behind a
+///   transaction pooler) sees the mark in the answer to its next renewal,
+///   within `renew_every`.
 ///
 /// The leader cancels its leadership token; through
 /// [`Elector::run`](crate::Elector::run) it then releases cleanly as soon as
 /// its duties stopped, and a standby takes over at once (lease backend
 /// without `LISTEN`: within `retry_every`).
 ///
-/// Returns the leader that was asked, if the row named one (it may have
-/// changed meanwhile; the request is scoped to the term read).
+/// Returns the leader that was asked, as its row read when marked, or
+/// `None` when the role has no leader (nothing is marked or sent).
+///
+/// # Errors
+/// [`Error::Permission`] when the user may not execute `request_resign`
+/// (the message names the grant to ask for); [`Error::SchemaMissing`] when
+/// the schema, or this function (schema version 4), is not installed.
 ///
 /// # Cancel safety
 /// Cancel safe: the request is made by one statement or not at all.
@@ -134,29 +155,25 @@ pub async fn request_resign(options: &ConnectOptions, role: &str) -> Result<Opti
     let conn = options.connect("resign").await?;
     let schema = options.schema_name();
     let result = async {
-        let leader = read_leader(conn.client(), schema, role).await?;
-        let payload = format!("{schema}:{role}");
-        let term = leader.as_ref().map(|l| l.term.get());
-        conn.client()
+        let rows = conn
+            .client()
             .query_typed(
                 &format!(
-                    "WITH u AS (
-                         UPDATE {schema}.leaders SET resign_requested = true
-                          WHERE role = $3 AND holder IS NOT NULL AND term = $4
-                         RETURNING 1
-                     )
-                     SELECT (SELECT count(*) FROM u), pg_notify($1, $2)::text"
+                    "SELECT holder, holder_meta, term, backend, acquired_at, renewed_at,
+                            lease_until, lease_expired, holder_pid
+                       FROM {schema}.request_resign($1)"
                 ),
-                &[
-                    (&RESIGN_CHANNEL, Type::TEXT),
-                    (&payload, Type::TEXT),
-                    (&role, Type::TEXT),
-                    (&term, Type::INT8),
-                ],
+                &[(&role, Type::TEXT)],
             )
             .await
-            .map_err(|e| Error::db("request a resignation", schema.as_str(), e))?;
-        Ok(leader)
+            .map_err(|e| {
+                Error::db(
+                    "request a resignation; the user needs `GRANT USAGE ON SCHEMA <schema>` and `GRANT EXECUTE ON FUNCTION <schema>.request_resign(text)`",
+                    schema.as_str(),
+                    e,
+                )
+            })?;
+        Ok(rows.first().map(|row| leader_info(role, row)))
     }
     .await;
     conn.close().await;
@@ -342,6 +359,7 @@ impl Observer {
             let Some(shared) = self.shared.upgrade() else {
                 return Ok(());
             };
+            shared.contact.touch();
             shared.publish(info);
             drop(shared);
             if expired
