@@ -13,7 +13,7 @@ use support::{fast_session, migrated};
 async fn stays_recent(e: &Elector, what: &str, for_at_least: Duration) {
     let limit = Duration::from_secs(2);
     tokio::time::timeout(Duration::from_secs(10), async {
-        while !e.last_contact().is_some_and(|d| d < limit) {
+        while e.last_contact().is_none_or(|d| d >= limit) {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })

@@ -73,7 +73,11 @@ fn fast(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
 
 fn assert_denied(r: Result<impl std::fmt::Debug, tokio_postgres::Error>, what: &str) {
     let e = r.expect_err(what);
-    assert_eq!(e.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE), "{what}: {e:?}");
+    assert_eq!(
+        e.code(),
+        Some(&SqlState::INSUFFICIENT_PRIVILEGE),
+        "{what}: {e:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -155,7 +159,10 @@ async fn each_candidate_grant_is_needed() {
             .leadership()
             .await
             .expect_err(missing);
-        assert!(matches!(e, Error::Permission { .. }), "without {missing:?}: {e:?}");
+        assert!(
+            matches!(e, Error::Permission { .. }),
+            "without {missing:?}: {e:?}"
+        );
         println!("without {missing:?}: {e}");
     }
     // The table privileges one by one (the grant above gives all three).
@@ -289,7 +296,9 @@ async fn an_observer_needs_usage_select_and_execute_on_key() {
     assert_eq!(pgelect::LockKey::Single(k), leader.lock_key());
 
     let no_select = user(&db, "watcher2", &[OBSERVING[0], OBSERVING[2]]).await;
-    let e = pgelect::current_leader(&no_select, "jobs").await.unwrap_err();
+    let e = pgelect::current_leader(&no_select, "jobs")
+        .await
+        .unwrap_err();
     assert!(matches!(e, Error::Permission { .. }), "{e:?}");
     user(&db, "watcher3", &OBSERVING[..2]).await;
     let c = client_of(&db, "watcher3").await;

@@ -380,9 +380,7 @@ async fn a_notify_flood_costs_the_lease_leader_a_bounded_number_of_statements() 
     tokio::time::sleep(Duration::from_millis(300)).await;
     let extra = leader.lease_statements() as i64 - before as i64;
     let bound = flood_bound(took + Duration::from_millis(300));
-    println!(
-        "1000 hints in {took:?}: the lease leader sent {extra} statements (bound {bound})"
-    );
+    println!("1000 hints in {took:?}: the lease leader sent {extra} statements (bound {bound})");
     assert!(extra >= 1, "the hints were heard");
     assert!(extra <= bound, "{extra} statements for 1000 hints");
     assert!(!l.is_lost(), "{:?}", l.loss_reason());
