@@ -386,3 +386,58 @@ async fn a_notify_flood_costs_the_lease_leader_a_bounded_number_of_statements() 
     assert!(!l.is_lost(), "{:?}", l.loss_reason());
     l.resign().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_fake_release_notifications_costs_a_standby_a_bounded_number_of_statements() {
+    let (db, o) = migrated("sec_flood_standby").await;
+    let admin = db.connect().await;
+    let (attacker, _) = users(&db).await;
+    let leader = slow_renewing(&o, "busy", "leader")
+        .backend(Backend::Lease)
+        .build()
+        .unwrap();
+    let l = leader.leadership().await.unwrap();
+    // Left alone, the standby tries once every 10 s.
+    let standby = std::sync::Arc::new(
+        slow_renewing(&o, "busy", "standby")
+            .backend(Backend::Lease)
+            .listen_via(o.clone())
+            .retry_every(Duration::from_secs(10))
+            .build()
+            .unwrap(),
+    );
+    let s = standby.clone();
+    let waiting = tokio::spawn(async move { s.leadership().await });
+    wait_listening(&admin, "pgelect:listen:busy:standby").await;
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while standby.lease_statements() < 2 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the standby tried once");
+    let before = standby.lease_statements();
+    let sql = "NOTIFY pgelect_leader, 'pgelect:released:busy'";
+    let t0 = Instant::now();
+    for _ in 0..1000 {
+        attacker.batch_execute(sql).await.unwrap();
+    }
+    let took = t0.elapsed();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let extra = standby.lease_statements() as i64 - before as i64;
+    // A burst of six, then one per 100 ms, one more pending at the end.
+    let bound = 6 + flood_bound(took + Duration::from_millis(300));
+    println!("1000 fake releases in {took:?}: the standby sent {extra} statements (bound {bound})");
+    assert!(extra >= 1, "the notifications were heard");
+    assert!(extra <= bound, "{extra} statements for 1000 notifications");
+    assert!(!waiting.is_finished());
+    assert!(!l.is_lost());
+    // A real release still wakes it at once.
+    l.resign().await.unwrap();
+    let next = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("the standby takes over on the real release")
+        .unwrap()
+        .unwrap();
+    next.resign().await.unwrap();
+}

@@ -34,7 +34,7 @@ use super::config::random_u64;
 use super::core::{warn_if_late, Action, Keeper, Phase};
 use super::leadership::{Command, LeaderContext, LeaderState, Leadership, LossReason};
 use super::session::{backoff, is_transient};
-use super::watch::{parse_leader_event, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
+use super::watch::{parse_leader_event, LeaderInfo, WakeLimit, LEADER_CHANNEL, RESIGN_CHANNEL};
 use super::{Shared, Term};
 
 /// The largest jitter added to a standby's wake-up after the lease's
@@ -251,6 +251,8 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
         let mut unanswered: Vec<i64> = Vec::new();
         let ttl_ms = shared.timing.ttl.as_millis() as i64;
         let payload = format!("{s}:elected:{}", shared.role);
+        // Release notifications wake the standby early; anyone may send them.
+        let mut wakes = WakeLimit::default();
         loop {
             let token = random_u64() as i64;
             let mut pending = false;
@@ -376,6 +378,7 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
             }
             let sleep = tokio::time::sleep(wait);
             tokio::pin!(sleep);
+            let mut woken = false;
             loop {
                 tokio::select! {
                     _ = &mut sleep => break,
@@ -384,12 +387,21 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
                             && parse_leader_event(s, &n.payload)
                                 .is_some_and(|(e, r)| e == "released" && r == shared.role) =>
                         {
-                            // A few ms of jitter spread the standbys' attempts.
-                            tokio::time::sleep(jitter() / 10).await;
-                            break;
+                            if !woken {
+                                woken = true;
+                                // A few ms of jitter spread the standbys' attempts.
+                                let at = (wakes.reserve(Instant::now()) + jitter() / 10).min(sleep.deadline());
+                                sleep.as_mut().reset(at);
+                            }
                         }
                         Ok(_) => {}
-                        Err(broadcast::error::RecvError::Lagged(_)) => break,
+                        Err(broadcast::error::RecvError::Lagged(_)) => {
+                            if !woken {
+                                woken = true;
+                                let at = wakes.reserve(Instant::now()).min(sleep.deadline());
+                                sleep.as_mut().reset(at);
+                            }
+                        }
                         Err(broadcast::error::RecvError::Closed) => {
                             // Never: the sender lives in `shared`.
                             sleep.as_mut().await;

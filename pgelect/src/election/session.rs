@@ -26,7 +26,8 @@ use super::core::{warn_if_late, Action, Keeper, Phase, Probe};
 use super::leadership::{Command, LeaderContext, LeaderState, Leadership, LossReason};
 use super::shared_conn::SharedSession;
 use super::watch::{
-    parse_leader_event, preempt_zombie, read_leader, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
+    parse_leader_event, preempt_zombie, read_leader, LeaderInfo, WakeLimit, LEADER_CHANNEL,
+    RESIGN_CHANNEL,
 };
 use super::{Activity, Shared, StandbyMode, Term};
 
@@ -555,6 +556,8 @@ async fn poll_for_lock(
             .map_err(|e| Error::db("listen for leader changes", s, e))?;
     }
     let sql = format!("SELECT pg_try_advisory_lock({})", shared.key.sql_args(1));
+    // Release notifications wake the standby early; anyone may send them.
+    let mut wakes = WakeLimit::default();
     loop {
         let row = conn
             .client()
@@ -584,23 +587,29 @@ async fn poll_for_lock(
         shared.publish(info);
         let sleep = tokio::time::sleep(interval);
         tokio::pin!(sleep);
+        let mut woken = false;
         loop {
             tokio::select! {
                 _ = &mut sleep => break,
                 _ = conn.closed().cancelled() => {
                     return Err(Error::ConnectionLost { operation: "wait for the leader's lock" });
                 }
-                n = notices.recv() => match n {
-                    Ok(n) => {
-                        if n.channel == LEADER_CHANNEL
-                            && parse_leader_event(s, &n.payload)
-                                .is_some_and(|(e, r)| e == "released" && r == shared.role)
-                        {
-                            break;
+                n = notices.recv() => {
+                    let wake = match n {
+                        Ok(n) => {
+                            n.channel == LEADER_CHANNEL
+                                && parse_leader_event(s, &n.payload)
+                                    .is_some_and(|(e, r)| e == "released" && r == shared.role)
                         }
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => true,
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
+                    };
+                    if wake && !woken {
+                        woken = true;
+                        let at = wakes.reserve(Instant::now()).min(sleep.deadline());
+                        sleep.as_mut().reset(at);
                     }
-                    Err(_) => break,
-                },
+                }
             }
         }
     }

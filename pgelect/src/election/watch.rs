@@ -2,7 +2,9 @@
 //! requests and the preemption of zombie leaders.
 
 use std::sync::Weak;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
+
+use tokio::time::Instant;
 
 use tokio_postgres::types::Type;
 use tokio_postgres::GenericClient;
@@ -27,6 +29,39 @@ pub const LEADER_CHANNEL: &str = "pgelect_leader";
 /// was requested for its term, which takes
 /// [`request_resign`](crate::request_resign) and the privilege to run it.
 pub const RESIGN_CHANNEL: &str = "pgelect_resign";
+
+/// Wake-ups on a notification acted on at once, before [`WAKE_GAP`] applies.
+const WAKE_BURST: u32 = 5;
+
+/// The least spacing of notification wake-ups beyond the burst.
+const WAKE_GAP: Duration = Duration::from_millis(100);
+
+/// Limits the work notifications can cause a standby or an observer.
+///
+/// Anyone who can connect may `NOTIFY` on [`LEADER_CHANNEL`]: a standby that
+/// tried the lock (or the lease), or an observer that read the row, on every
+/// notification would let a flood of them drive its statements. Real
+/// wake-ups are rare, so a burst of [`WAKE_BURST`] is acted on at once and
+/// further ones are spaced [`WAKE_GAP`] apart (a generic cell rate
+/// algorithm): a flood costs at most ten wake-ups per second.
+#[derive(Debug, Default)]
+pub(crate) struct WakeLimit {
+    /// When the next wake-up would be due at the sustained rate.
+    due: Option<Instant>,
+}
+
+impl WakeLimit {
+    /// Reserves a wake-up asked for at `now` and returns when it may
+    /// happen: `now`, or later during a flood. Call once per wake-up acted
+    /// on (not again while one is reserved).
+    pub(crate) fn reserve(&mut self, now: Instant) -> Instant {
+        let burst = WAKE_GAP * WAKE_BURST;
+        let due = self.due.unwrap_or(now);
+        let at = if due > now + burst { due - burst } else { now };
+        self.due = Some(due.max(at) + WAKE_GAP);
+        at
+    }
+}
 
 /// A role's leader as the lease row shows it.
 #[derive(Clone, Debug, PartialEq)]
@@ -339,6 +374,7 @@ impl Observer {
         drop(shared);
         let mut notices = conn.notices();
         let mut listening = false;
+        let mut wakes = WakeLimit::default();
         loop {
             let now = *activity.borrow_and_update();
             if !now.wants_observer() {
@@ -372,6 +408,7 @@ impl Observer {
             }
             let sleep = tokio::time::sleep(check_every);
             tokio::pin!(sleep);
+            let mut woken = false;
             loop {
                 tokio::select! {
                     _ = self.stop.cancelled() => return Ok(()),
@@ -385,12 +422,20 @@ impl Observer {
                     }
                     n = notices.recv() => match n {
                         Ok(n) if n.channel == LEADER_CHANNEL => {
-                            if parse_leader_event(schema.as_str(), &n.payload).is_some_and(|(_, r)| r == role) {
-                                break;
+                            if !woken && parse_leader_event(schema.as_str(), &n.payload).is_some_and(|(_, r)| r == role) {
+                                woken = true;
+                                let at = wakes.reserve(Instant::now()).min(sleep.deadline());
+                                sleep.as_mut().reset(at);
                             }
                         }
                         Ok(_) => {}
-                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => break,
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                            if !woken {
+                                woken = true;
+                                let at = wakes.reserve(Instant::now()).min(sleep.deadline());
+                                sleep.as_mut().reset(at);
+                            }
+                        }
                         Err(tokio::sync::broadcast::error::RecvError::Closed) => {
                             return Err(Error::ConnectionLost { operation: "observe the leader" })
                         }
@@ -404,6 +449,30 @@ impl Observer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_flood_of_wake_ups_is_spaced_after_a_burst() {
+        let t0 = Instant::now();
+        let mut w = WakeLimit::default();
+        let at: Vec<Instant> = (0..1000).map(|_| w.reserve(t0)).collect();
+        assert!(at[..=WAKE_BURST as usize].iter().all(|a| *a == t0));
+        assert_eq!(at[WAKE_BURST as usize + 1], t0 + WAKE_GAP);
+        for pair in at[WAKE_BURST as usize..].windows(2) {
+            assert_eq!(pair[1] - pair[0], WAKE_GAP);
+        }
+        // Within one second of a flood: the burst and ten more at most.
+        let first_second = at
+            .iter()
+            .filter(|a| **a < t0 + Duration::from_secs(1))
+            .count();
+        assert!(
+            first_second <= WAKE_BURST as usize + 1 + 10,
+            "{first_second}"
+        );
+        // Quiet again: a lone wake-up is at once.
+        let later = t0 + Duration::from_secs(200);
+        assert_eq!(w.reserve(later), later);
+    }
 
     #[test]
     fn leader_events_are_parsed_per_schema() {
