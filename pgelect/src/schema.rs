@@ -204,7 +204,7 @@ $fn$;
 ALTER FUNCTION {s}.key(text) SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION {s}.lock_wait_slice(bigint, integer) SET search_path = pg_catalog, pg_temp;
 
-CREATE FUNCTION {s}.request_resign(p_role text)
+CREATE OR REPLACE FUNCTION {s}.request_resign(p_role text)
 RETURNS TABLE (holder text, holder_meta jsonb, term bigint, backend text,
                acquired_at timestamptz, renewed_at timestamptz, lease_until timestamptz,
                lease_expired boolean, holder_pid integer)
@@ -227,6 +227,30 @@ REVOKE ALL ON FUNCTION {s}.fence(text, bigint) FROM PUBLIC;
 REVOKE ALL ON FUNCTION {s}.key(text) FROM PUBLIC;
 REVOKE ALL ON FUNCTION {s}.lock_wait_slice(bigint, integer) FROM PUBLIC;
 REVOKE ALL ON FUNCTION {s}.request_resign(text) FROM PUBLIC;
+
+-- A rolling upgrade keeps working: candidates of the previous version were
+-- granted rights on the table and relied on PUBLIC for the functions, so
+-- whoever may update the table keeps lock_wait_slice (blocking standbys),
+-- and whoever may read it keeps key (`pgelect status`).
+DO $grants$
+DECLARE
+    g record;
+BEGIN
+    FOR g IN
+        SELECT DISTINCT a.grantee, a.privilege_type
+          FROM pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
+         WHERE c.oid = '{s}.leaders'::pg_catalog.regclass
+           AND a.privilege_type IN ('UPDATE', 'SELECT')
+           AND a.grantee <> c.relowner
+    LOOP
+        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION %s TO %s',
+            CASE g.privilege_type WHEN 'UPDATE' THEN '{s}.lock_wait_slice(bigint, integer)'
+                                  ELSE '{s}.key(text)' END,
+            CASE g.grantee WHEN 0 THEN 'PUBLIC'
+                           ELSE pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(g.grantee)) END);
+    END LOOP;
+END
+$grants$;
 "#,
 ];
 

@@ -361,3 +361,40 @@ async fn public_may_execute_no_pgelect_function_and_each_has_a_fixed_search_path
         .get(0);
     assert_eq!(granted, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migration_4_keeps_the_function_rights_of_earlier_candidates_and_observers() {
+    let (db, owner) = migrated("priv_upgrade").await;
+    // Granted as the README said before migration 4 (functions through
+    // PUBLIC), then migration 4 applied again as on an upgrade.
+    let old = user(&db, "old_cand", &CANDIDATE[..3]).await;
+    user(&db, "old_watch", &OBSERVING[..2]).await;
+    let admin = db.connect().await;
+    admin
+        .batch_execute("DELETE FROM pgelect.migrations WHERE version = 4")
+        .await
+        .unwrap();
+    assert_eq!(pgelect::migrate(&owner).await.unwrap(), 1);
+    let l = fast(&old, "r", "a")
+        .build()
+        .unwrap()
+        .leadership()
+        .await
+        .expect("a blocking candidate granted before migration 4 still stands");
+    let c = client_of(&db, "old_watch").await;
+    c.query_one("SELECT pgelect.key('x')", &[])
+        .await
+        .expect("an observer granted before migration 4 still computes keys");
+    // Nothing reached PUBLIC or a user with no rights on the table.
+    let public: bool = admin
+        .query_one(
+            "SELECT has_function_privilege('public', 'pgelect.lock_wait_slice(bigint, integer)', 'EXECUTE')
+                 OR has_function_privilege('public', 'pgelect.key(text)', 'EXECUTE')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!public);
+    l.resign().await.unwrap();
+}
