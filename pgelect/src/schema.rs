@@ -221,6 +221,7 @@ BEGIN
     END IF;
 END
 $fn$;
+COMMENT ON COLUMN {s}.leaders.resign_requested IS 'pgelect: set by request_resign (EXECUTE on it is the resign privilege) for the current term; every leader reads it at each renewal, at once on a pgelect_resign NOTIFY hint, and steps down; cleared by the next election';
 COMMENT ON FUNCTION {s}.request_resign(text) IS 'pgelect: asks the current leader of p_role to resign (marks its term, sends a NOTIFY hint); returns the leader asked, no row if none';
 
 REVOKE ALL ON FUNCTION {s}.fence(text, bigint) FROM PUBLIC;
