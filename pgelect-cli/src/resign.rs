@@ -28,7 +28,19 @@ pub async fn run(global: &Global, args: ResignArgs) -> Result<u8, Failure> {
         .await
         .map_err(|e| crate::db::classify(&schema, "listen for changes", e))?;
     let started = Instant::now();
-    let asked = pgelect::request_resign(&options, &args.role).await?;
+    // The database authenticates the request: only users granted EXECUTE
+    // on the schema's request_resign may make it.
+    let asked = match pgelect::request_resign(&options, &args.role).await {
+        Ok(asked) => asked,
+        Err(e @ pgelect::Error::Permission { .. }) => {
+            let mut failure = Failure::from(e);
+            failure.message.push_str(&format!(
+                "; ask the database owner for: GRANT USAGE ON SCHEMA {schema} TO <you>; GRANT EXECUTE ON FUNCTION {schema}.request_resign(text) TO <you>; GRANT SELECT ON {schema}.leaders TO <you> (to see the new term)"
+            ));
+            return Err(failure);
+        }
+        Err(e) => return Err(e.into()),
+    };
     let Some(asked) = asked else {
         println!("role {:?} has no leader; nothing to resign", args.role);
         return Ok(0);

@@ -174,6 +174,93 @@ END
 $$;
 COMMENT ON FUNCTION {s}.lock_wait_slice(bigint, integer) IS 'pgelect: waits up to p_slice_ms for the session advisory lock p_key; true when granted';
 "#,
+    // 4: least privilege. A resign request is authenticated by the
+    // database: only a user granted EXECUTE on request_resign may mark the
+    // row (the NOTIFY it sends is a hint anyone could send; leaders act on
+    // the mark only). fence runs as its owner, so an application that only
+    // fences needs USAGE on the schema and EXECUTE on fence, nothing on the
+    // table. Every function has a fixed search_path (objects a caller
+    // creates cannot hijack names) and nothing is executable by PUBLIC:
+    // grants are explicit (see the README's section on privileges).
+    r#"
+CREATE OR REPLACE FUNCTION {s}.fence(p_role text, p_term bigint) RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
+DECLARE
+    cur_term bigint;
+    cur_holder text;
+BEGIN
+    SELECT l.term, l.holder INTO cur_term, cur_holder
+      FROM {s}.leaders l WHERE l.role = p_role FOR SHARE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'PE002',
+            MESSAGE = pg_catalog.format('role "%s" has no leader row; term %s cannot be fenced', p_role, p_term),
+            HINT = 'stop acting as leader and roll back';
+    END IF;
+    IF cur_term IS DISTINCT FROM p_term THEN
+        RAISE EXCEPTION USING ERRCODE = 'PE001',
+            MESSAGE = pg_catalog.format('role "%s": term %s is stale, the current term is %s', p_role, p_term, cur_term),
+            HINT = 'this process is no longer the leader: roll back and stop acting as leader';
+    END IF;
+    IF cur_holder IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'PE002',
+            MESSAGE = pg_catalog.format('role "%s": term %s was released and has no holder now', p_role, p_term),
+            HINT = 'this process is no longer the leader: roll back and stop acting as leader';
+    END IF;
+END
+$fn$;
+
+ALTER FUNCTION {s}.key(text) SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {s}.lock_wait_slice(bigint, integer) SET search_path = pg_catalog, pg_temp;
+
+CREATE OR REPLACE FUNCTION {s}.request_resign(p_role text)
+RETURNS TABLE (holder text, holder_meta jsonb, term bigint, backend text,
+               acquired_at timestamptz, renewed_at timestamptz, lease_until timestamptz,
+               lease_expired boolean, holder_pid integer)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    UPDATE {s}.leaders AS l SET resign_requested = true
+     WHERE l.role = p_role AND l.holder IS NOT NULL
+    RETURNING l.holder, l.holder_meta, l.term, l.backend, l.acquired_at, l.renewed_at,
+              l.lease_until, coalesce(l.lease_until < pg_catalog.now(), true), l.holder_pid;
+    IF FOUND THEN
+        PERFORM pg_catalog.pg_notify('pgelect_resign', '{s}:' || p_role);
+    END IF;
+END
+$fn$;
+COMMENT ON COLUMN {s}.leaders.resign_requested IS 'pgelect: set by request_resign (EXECUTE on it is the resign privilege) for the current term; every leader reads it at each renewal, at once on a pgelect_resign NOTIFY hint, and steps down; cleared by the next election';
+COMMENT ON FUNCTION {s}.request_resign(text) IS 'pgelect: asks the current leader of p_role to resign (marks its term, sends a NOTIFY hint); returns the leader asked, no row if none';
+
+REVOKE ALL ON FUNCTION {s}.fence(text, bigint) FROM PUBLIC;
+REVOKE ALL ON FUNCTION {s}.key(text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION {s}.lock_wait_slice(bigint, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION {s}.request_resign(text) FROM PUBLIC;
+
+-- A rolling upgrade keeps working: candidates of the previous version were
+-- granted rights on the table and relied on PUBLIC for the functions, so
+-- whoever may update the table keeps lock_wait_slice (blocking standbys),
+-- and whoever may read it keeps key (`pgelect status`).
+DO $grants$
+DECLARE
+    g record;
+BEGIN
+    FOR g IN
+        SELECT DISTINCT a.grantee, a.privilege_type
+          FROM pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
+         WHERE c.oid = '{s}.leaders'::pg_catalog.regclass
+           AND a.privilege_type IN ('UPDATE', 'SELECT')
+           AND a.grantee <> c.relowner
+    LOOP
+        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION %s TO %s',
+            CASE g.privilege_type WHEN 'UPDATE' THEN '{s}.lock_wait_slice(bigint, integer)'
+                                  ELSE '{s}.key(text)' END,
+            CASE g.grantee WHEN 0 THEN 'PUBLIC'
+                           ELSE pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(g.grantee)) END);
+    END LOOP;
+END
+$grants$;
+"#,
 ];
 
 /// Installs or upgrades the pgelect schema on the database `options` point at.

@@ -28,6 +28,11 @@ pub(crate) fn warn_if_late(role: &str, reason: LossReason, now: Instant, deadlin
     }
 }
 
+/// The least time between two renewals when an early one is asked for by a
+/// hint (a resign `NOTIFY`, which anyone who can connect may send): a flood
+/// of hints costs a leader at most one statement per this interval.
+pub(crate) const EARLY_CHECK_GAP: Duration = Duration::from_millis(100);
+
 /// Slack added on top of the worst-case detection time when the handover
 /// delay is derived: covers scheduling delays of the old leader's runtime.
 pub(crate) const HANDOVER_SLACK: Duration = Duration::from_millis(500);
@@ -359,6 +364,10 @@ pub(crate) struct Keeper {
     lame_duck_until: Option<Instant>,
     reason: Option<LossReason>,
     pending_action: Option<Action>,
+    /// When the renewal asked for by [`Keeper::check_requested`] is due.
+    early_check: Option<Instant>,
+    /// When the last renewal was sent: early checks keep their distance.
+    last_renew_sent: Option<Instant>,
     /// Lease backend: no heartbeats (there is no session to keep alive), no
     /// in-flight timeout here (the driver bounds every statement and reports
     /// a failure), and a failed renewal is retried, not fatal.
@@ -390,6 +399,8 @@ impl Keeper {
             lame_duck_until: None,
             reason: None,
             pending_action: None,
+            early_check: None,
+            last_renew_sent: None,
             lease: false,
         }
     }
@@ -448,8 +459,12 @@ impl Keeper {
             self.phase = Phase::Active;
             return Some(Action::Activate);
         }
-        if now >= self.next_renew {
+        if now >= self.next_renew || self.early_check.is_some_and(|t| now >= t) {
+            // Any renewal sent from now on reads the row as the hint left
+            // it: it answers a pending early check too.
             self.in_flight = Some((Probe::Renew, now));
+            self.early_check = None;
+            self.last_renew_sent = Some(now);
             return Some(Action::Renew);
         }
         if !self.lease && now >= self.next_heartbeat {
@@ -470,6 +485,9 @@ impl Keeper {
             Some(_) => {}
             None if self.lease => t = t.min(self.next_renew),
             None => t = t.min(self.next_renew).min(self.next_heartbeat),
+        }
+        if let (None, Some(e)) = (self.in_flight, self.early_check) {
+            t = t.min(e);
         }
         if self.phase == Phase::Pending {
             t = t.min(self.active_at);
@@ -536,6 +554,25 @@ impl Keeper {
     pub(crate) fn connection_lost(&mut self) {
         self.in_flight = None;
         self.pending_action = Some(self.fail_connection());
+    }
+
+    /// A hint says the lease row may have changed (a resign `NOTIFY`): renew
+    /// early, because the renewal's answer says whether a resignation was
+    /// requested for this term. The hint itself proves nothing (anyone who
+    /// can connect may send it), so it only ever costs a statement, and few:
+    /// hints are coalesced (one check pending at most, none sent while a
+    /// statement is in flight) and the check is sent no sooner than
+    /// [`EARLY_CHECK_GAP`] after the last renewal was sent. A check whose
+    /// renewal was already in flight when the hint came still follows it:
+    /// that renewal may have read the row before the request committed.
+    pub(crate) fn check_requested(&mut self, now: Instant) {
+        if !matches!(self.phase, Phase::Pending | Phase::Active) || self.early_check.is_some() {
+            return;
+        }
+        let at = self
+            .last_renew_sent
+            .map_or(now, |sent| (sent + EARLY_CHECK_GAP).max(now));
+        self.early_check = Some(at);
     }
 
     /// A resignation was requested (remotely, or by shutdown): cancel the
@@ -857,6 +894,80 @@ mod tests {
         }
         assert_eq!(now, t0 + ms(10) + t.ttl);
         assert_eq!(k.finish(LossReason::Resigned), None);
+    }
+
+    #[test]
+    fn a_hint_renews_at_once_when_the_last_renewal_is_old() {
+        let t = timing();
+        let t0 = Instant::now();
+        let mut k = Keeper::new(t, t0, t0, false);
+        assert_eq!(k.poll(t0), Some(Action::Activate));
+        assert_eq!(k.poll(t0 + ms(50)), None);
+        k.check_requested(t0 + ms(50));
+        assert_eq!(k.next_wake(), Some(t0 + ms(50)));
+        assert_eq!(k.poll(t0 + ms(50)), Some(Action::Renew));
+        k.renewed(t0 + ms(50), t0 + ms(51));
+        // The regular schedule counts from the early renewal.
+        assert_eq!(k.next_renew, t0 + ms(1050));
+    }
+
+    #[test]
+    fn a_flood_of_hints_costs_one_renewal_per_gap() {
+        let t = timing();
+        let t0 = Instant::now();
+        let mut k = Keeper::new(t, t0, t0, false);
+        k.poll(t0);
+        let mut renewals = 0;
+        let mut in_flight: Option<Instant> = None;
+        // A hint every millisecond for 2 s; each statement answers in 1 ms.
+        for i in 0..2000u64 {
+            let now = t0 + ms(i);
+            k.check_requested(now);
+            if let Some(sent) = in_flight {
+                if now >= sent + ms(1) {
+                    k.renewed(sent, now);
+                    in_flight = None;
+                }
+            }
+            while let Some(a) = k.poll(now) {
+                match a {
+                    Action::Renew => {
+                        renewals += 1;
+                        in_flight = Some(now);
+                    }
+                    Action::Heartbeat => k.heartbeat_ok(now),
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+        // 2 s / 100 ms = 20, plus the first one at once.
+        assert!(renewals <= 21, "{renewals}");
+        assert!(renewals >= 19, "{renewals}");
+        assert_eq!(k.phase(), Phase::Active);
+    }
+
+    #[test]
+    fn a_hint_during_a_renewal_is_checked_after_its_answer() {
+        let t = timing();
+        let t0 = Instant::now();
+        let mut k = Keeper::new(t, t0, t0, false);
+        k.poll(t0);
+        assert_eq!(k.poll(t0 + ms(1000)), Some(Action::Renew));
+        // The request committed after the renewal was sent: it may not
+        // have seen it.
+        k.check_requested(t0 + ms(1001));
+        assert_eq!(k.poll(t0 + ms(1002)), None, "one statement at a time");
+        k.renewed(t0 + ms(1000), t0 + ms(1150));
+        // Answered after the gap: checked at once.
+        assert_eq!(k.poll(t0 + ms(1150)), Some(Action::Renew));
+        k.renewed(t0 + ms(1150), t0 + ms(1151));
+        // No hint pending: back to the schedule.
+        assert_eq!(k.poll(t0 + ms(1200)), None);
+        // A resigning leader needs no more checks.
+        k.stop_requested(LossReason::Resigned, t0 + ms(1200));
+        k.poll(t0 + ms(1200));
+        k.check_requested(t0 + ms(1300));
+        assert_eq!(k.early_check, None);
     }
 
     #[test]

@@ -34,7 +34,7 @@ use super::config::random_u64;
 use super::core::{warn_if_late, Action, Keeper, Phase};
 use super::leadership::{Command, LeaderContext, LeaderState, Leadership, LossReason};
 use super::session::{backoff, is_transient};
-use super::watch::{parse_leader_event, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
+use super::watch::{parse_leader_event, LeaderInfo, WakeLimit, LEADER_CHANNEL, RESIGN_CHANNEL};
 use super::{Shared, Term};
 
 /// The largest jitter added to a standby's wake-up after the lease's
@@ -203,7 +203,10 @@ async fn exec(
             .map_err(|e| Error::db(operation, schema, e))
     };
     match tokio::time::timeout(bound, run).await {
-        Ok(Ok(rows)) => Ok(rows),
+        Ok(Ok(rows)) => {
+            shared.contact.touch();
+            Ok(rows)
+        }
         Ok(Err(e)) => {
             if is_transient(&e) {
                 if let Some(c) = conn.take() {
@@ -248,6 +251,8 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
         let mut unanswered: Vec<i64> = Vec::new();
         let ttl_ms = shared.timing.ttl.as_millis() as i64;
         let payload = format!("{s}:elected:{}", shared.role);
+        // Release notifications wake the standby early; anyone may send them.
+        let mut wakes = WakeLimit::default();
         loop {
             let token = random_u64() as i64;
             let mut pending = false;
@@ -373,6 +378,7 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
             }
             let sleep = tokio::time::sleep(wait);
             tokio::pin!(sleep);
+            let mut woken = false;
             loop {
                 tokio::select! {
                     _ = &mut sleep => break,
@@ -381,12 +387,21 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
                             && parse_leader_event(s, &n.payload)
                                 .is_some_and(|(e, r)| e == "released" && r == shared.role) =>
                         {
-                            // A few ms of jitter spread the standbys' attempts.
-                            tokio::time::sleep(jitter() / 10).await;
-                            break;
+                            if !woken {
+                                woken = true;
+                                // A few ms of jitter spread the standbys' attempts.
+                                let at = (wakes.reserve(Instant::now()) + jitter() / 10).min(sleep.deadline());
+                                sleep.as_mut().reset(at);
+                            }
                         }
                         Ok(_) => {}
-                        Err(broadcast::error::RecvError::Lagged(_)) => break,
+                        Err(broadcast::error::RecvError::Lagged(_)) => {
+                            if !woken {
+                                woken = true;
+                                let at = wakes.reserve(Instant::now()).min(sleep.deadline());
+                                sleep.as_mut().reset(at);
+                            }
+                        }
                         Err(broadcast::error::RecvError::Closed) => {
                             // Never: the sender lives in `shared`.
                             sleep.as_mut().await;
@@ -582,7 +597,7 @@ async fn keep(
                         metrics::renewed(&shared.role, now - sent, left);
                         tracing::trace!(server_remaining = ?ms(remaining_ms), deadline_in = ?left, "renewed");
                         if resign {
-                            tracing::info!("resignation requested by another process (lease row)");
+                            tracing::info!("resignation requested for this term (lease row)");
                             keeper.stop_requested(LossReason::Resigned, now);
                         }
                     }
@@ -604,9 +619,12 @@ async fn keep(
             }
             n = notices.recv() => {
                 if let Ok(n) = n {
+                    // Only a hint: anyone who can connect may send it. The
+                    // renewal it brings forward reads `resign_requested`,
+                    // which only `request_resign` (a granted privilege) sets.
                     if n.channel == RESIGN_CHANNEL && n.payload == resign_payload {
-                        tracing::info!("resignation requested by another process (NOTIFY)");
-                        keeper.stop_requested(LossReason::Resigned, Instant::now());
+                        tracing::debug!("resign hint heard (NOTIFY); checking the lease row");
+                        keeper.check_requested(Instant::now());
                     }
                 }
             }

@@ -50,8 +50,10 @@
 //!    ([`LossReason::Deadline`]) whether or not the database answers.
 //! 4. Resigning clears the holder where holder and term are ours and sends
 //!    `NOTIFY`, in one statement. [`request_resign`] reaches a lease leader
-//!    through a `resign_requested` flag returned by its next renewal, or at
-//!    once by `NOTIFY` with a `listen_via` connection.
+//!    through a `resign_requested` flag returned by its next renewal; with
+//!    a `listen_via` connection its `NOTIFY` hint brings that renewal
+//!    forward, so the leader steps down at once (the hint alone, which
+//!    anyone may send, moves nothing).
 //!
 //! Safety: the old leader's local deadline ends before its lease expires on
 //! the server (the lease was set by the server after the renewal was sent,

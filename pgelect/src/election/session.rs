@@ -27,7 +27,8 @@ use super::core::{warn_if_late, Action, Keeper, Phase, Probe};
 use super::leadership::{Command, LeaderContext, LeaderState, Leadership, LossReason};
 use super::shared_conn::SharedSession;
 use super::watch::{
-    parse_leader_event, preempt_zombie, read_leader, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
+    parse_leader_event, preempt_zombie, read_leader, LeaderInfo, WakeLimit, LEADER_CHANNEL,
+    RESIGN_CHANNEL,
 };
 use super::{Activity, Shared, StandbyMode, Term};
 
@@ -225,7 +226,9 @@ async fn lock_connection(shared: &Shared, elect: &ElectStatement) -> Result<Dedi
         .await?;
         check_schema(conn.client(), schema).await?;
         check_not_transaction_pooled(&shared.options, &conn).await?;
-        elect.warm_up(shared, &conn).await
+        elect.warm_up(shared, &conn).await?;
+        shared.contact.touch();
+        Ok(())
     }
     .await;
     conn.kept_if(prepared)
@@ -272,6 +275,7 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
                         let granted: bool = r
                             .map_err(|e| Error::db("wait for the leader's lock", s, e))?
                             .get(0);
+                        shared.contact.touch();
                         if granted {
                             break;
                         }
@@ -326,6 +330,7 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
         }
     };
     let answered = Instant::now();
+    shared.contact.touch();
     let unclean = elected.previous_holder.is_some();
     if let Some(prev) = &elected.previous_holder {
         tracing::info!(term = elected.term.get(), previous = %prev, delay = ?shared.timing.handover_delay,
@@ -559,12 +564,15 @@ async fn poll_for_lock(
     }
     let sql = format!("SELECT pg_try_advisory_lock({})", shared.key.sql_args(1));
     let mut squat = SquatWatch::default();
+    // Release notifications wake the standby early; anyone may send them.
+    let mut wakes = WakeLimit::default();
     loop {
         let row = conn
             .client()
             .query_typed_one(&sql, args)
             .await
             .map_err(|e| Error::db("try the leader's lock", s, e))?;
+        shared.contact.touch();
         if row.get::<_, bool>(0) {
             if listen {
                 conn.client()
@@ -591,23 +599,29 @@ async fn poll_for_lock(
         shared.publish(info);
         let sleep = tokio::time::sleep(interval);
         tokio::pin!(sleep);
+        let mut woken = false;
         loop {
             tokio::select! {
                 _ = &mut sleep => break,
                 _ = conn.closed().cancelled() => {
                     return Err(Error::ConnectionLost { operation: "wait for the leader's lock" });
                 }
-                n = notices.recv() => match n {
-                    Ok(n) => {
-                        if n.channel == LEADER_CHANNEL
-                            && parse_leader_event(s, &n.payload)
-                                .is_some_and(|(e, r)| e == "released" && r == shared.role)
-                        {
-                            break;
+                n = notices.recv() => {
+                    let wake = match n {
+                        Ok(n) => {
+                            n.channel == LEADER_CHANNEL
+                                && parse_leader_event(s, &n.payload)
+                                    .is_some_and(|(e, r)| e == "released" && r == shared.role)
                         }
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => true,
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
+                    };
+                    if wake && !woken {
+                        woken = true;
+                        let at = wakes.reserve(Instant::now()).min(sleep.deadline());
+                        sleep.as_mut().reset(at);
                     }
-                    Err(_) => break,
-                },
+                }
             }
         }
     }
@@ -684,7 +698,7 @@ async fn keep(
         "UPDATE {s}.leaders
             SET renewed_at = now(), lease_until = now() + $4 * interval '1 millisecond'
           WHERE role = $1 AND holder = $2 AND term = $3 AND holder_pid = pg_backend_pid()
-         RETURNING renewed_at, lease_until"
+         RETURNING renewed_at, lease_until, resign_requested"
     );
     let ttl_ms = shared.timing.ttl.as_millis() as i64;
     let term = state.term.get();
@@ -804,6 +818,7 @@ async fn keep(
                 let now = Instant::now();
                 match (probe, result) {
                     (Probe::Renew, Ok(rows)) if rows.len() == 1 => {
+                        shared.contact.touch();
                         keeper.renewed(sent, now);
                         let remaining = keeper.deadline().saturating_duration_since(now);
                         metrics::renewed(&shared.role, now - sent, remaining);
@@ -821,12 +836,22 @@ async fn keep(
                             }
                             _ => false,
                         });
+                        // Set only by `request_resign` (a privilege) for
+                        // this term: every election clears it.
+                        if rows[0].get::<_, bool>(2) {
+                            tracing::info!("resignation requested for this term (lease row)");
+                            keeper.stop_requested(LossReason::Resigned, now);
+                        }
                     }
                     (Probe::Renew, Ok(_)) => {
+                        shared.contact.touch();
                         tracing::warn!("renewal found the lease row no longer ours: preempted");
                         keeper.preempted();
                     }
-                    (Probe::Heartbeat, Ok(_)) => keeper.heartbeat_ok(now),
+                    (Probe::Heartbeat, Ok(_)) => {
+                        shared.contact.touch();
+                        keeper.heartbeat_ok(now);
+                    }
                     (_, Err(e)) => {
                         let e = Error::db("renew the lease", &s, e);
                         if is_transient(&e) || conn.is_closed() {
@@ -841,9 +866,12 @@ async fn keep(
             }
             n = notices.recv() => {
                 if let Ok(n) = n {
+                    // Only a hint: anyone who can connect may send it. The
+                    // renewal it brings forward reads the row, which only
+                    // `request_resign` (a granted privilege) marks.
                     if n.channel == RESIGN_CHANNEL && n.payload == resign_payload {
-                        tracing::info!("resignation requested by another process");
-                        keeper.stop_requested(LossReason::Resigned, Instant::now());
+                        tracing::debug!("resign hint heard; checking the lease row");
+                        keeper.check_requested(Instant::now());
                     }
                 }
             }

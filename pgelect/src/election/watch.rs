@@ -2,7 +2,9 @@
 //! requests and the preemption of zombie leaders.
 
 use std::sync::Weak;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
+
+use tokio::time::Instant;
 
 use tokio_postgres::types::Type;
 use tokio_postgres::GenericClient;
@@ -20,9 +22,46 @@ use super::Shared;
 /// payload is `<schema>:<event>:<role>`, with event `elected` or `released`.
 pub const LEADER_CHANNEL: &str = "pgelect_leader";
 
-/// The `NOTIFY` channel on which a leader listens for resign requests. The
-/// payload is `<schema>:<role>`.
+/// The `NOTIFY` channel on which a leader listens for resign hints. The
+/// payload is `<schema>:<role>`. Anyone who can connect may notify, so a
+/// hint only makes the leader read its lease row early (at most one early
+/// read per 100 ms); it steps down only if the row says that a resignation
+/// was requested for its term, which takes
+/// [`request_resign`](crate::request_resign) and the privilege to run it.
 pub const RESIGN_CHANNEL: &str = "pgelect_resign";
+
+/// Wake-ups on a notification acted on at once, before [`WAKE_GAP`] applies.
+const WAKE_BURST: u32 = 5;
+
+/// The least spacing of notification wake-ups beyond the burst.
+const WAKE_GAP: Duration = Duration::from_millis(100);
+
+/// Limits the work notifications can cause a standby or an observer.
+///
+/// Anyone who can connect may `NOTIFY` on [`LEADER_CHANNEL`]: a standby that
+/// tried the lock (or the lease), or an observer that read the row, on every
+/// notification would let a flood of them drive its statements. Real
+/// wake-ups are rare, so a burst of [`WAKE_BURST`] is acted on at once and
+/// further ones are spaced [`WAKE_GAP`] apart (a generic cell rate
+/// algorithm): a flood costs at most ten wake-ups per second.
+#[derive(Debug, Default)]
+pub(crate) struct WakeLimit {
+    /// When the next wake-up would be due at the sustained rate.
+    due: Option<Instant>,
+}
+
+impl WakeLimit {
+    /// Reserves a wake-up asked for at `now` and returns when it may
+    /// happen: `now`, or later during a flood. Call once per wake-up acted
+    /// on (not again while one is reserved).
+    pub(crate) fn reserve(&mut self, now: Instant) -> Instant {
+        let burst = WAKE_GAP * WAKE_BURST;
+        let due = self.due.unwrap_or(now);
+        let at = if due > now + burst { due - burst } else { now };
+        self.due = Some(due.max(at) + WAKE_GAP);
+        at
+    }
+}
 
 /// A role's leader as the lease row shows it.
 #[derive(Clone, Debug, PartialEq)]
@@ -72,14 +111,19 @@ pub(crate) async fn read_leader<C: GenericClient + Sync>(
     let Some(row) = rows.first() else {
         return Ok(None);
     };
-    let holder: Option<String> = row.get(0);
-    let Some(holder) = holder else {
+    if row.get::<_, Option<String>>(0).is_none() {
         return Ok(None);
-    };
+    }
+    Ok(Some(leader_info(role, row)))
+}
+
+/// A row of `holder, holder_meta, term, backend, acquired_at, renewed_at,
+/// lease_until, lease_expired, holder_pid` whose holder is set.
+fn leader_info(role: &str, row: &tokio_postgres::Row) -> LeaderInfo {
     let epoch = SystemTime::UNIX_EPOCH;
-    Ok(Some(LeaderInfo {
+    LeaderInfo {
         role: role.to_owned(),
-        holder,
+        holder: row.get(0),
         holder_meta: row.get(1),
         term: super::Term::new(row.get(2)),
         backend: row.get(3),
@@ -88,7 +132,7 @@ pub(crate) async fn read_leader<C: GenericClient + Sync>(
         lease_until: row.get::<_, Option<SystemTime>>(6).unwrap_or(epoch),
         lease_expired: row.get(7),
         holder_pid: row.get(8),
-    }))
+    }
 }
 
 /// Reads the current leader of `role` once, on a short-lived connection.
@@ -107,25 +151,37 @@ pub async fn current_leader(options: &ConnectOptions, role: &str) -> Result<Opti
     result
 }
 
-/// Asks the current leader of `role`, wherever it runs, to resign, by both
-/// paths at once, in one statement:
+/// Asks the current leader of `role`, wherever it runs, to resign.
 ///
-/// * `NOTIFY pgelect_resign` with the role: session-backend leaders listen
-///   on their lock connection, lease-backend leaders on their
-///   [`listen_via`](crate::ElectorBuilder::listen_via) connection; they
-///   hear it at once;
-/// * `resign_requested = true` on the lease row of the term read: a
-///   lease-backend leader without a `LISTEN` connection (behind a
-///   transaction pooler) sees it in the answer to its next renewal, within
-///   `renew_every`. The next election clears it.
+/// Calls the schema's `request_resign(role)` function, which marks the lease
+/// row of the role's current term (`resign_requested`, cleared by every
+/// election) and sends a `NOTIFY pgelect_resign` hint, in one transaction.
+/// The database authenticates the request: the function may be executed
+/// only by users granted `EXECUTE` on it (and `USAGE` on the schema); the
+/// hint alone moves nothing, since anyone who can connect may send it.
+///
+/// * Session-backend leaders and lease-backend leaders with
+///   [`listen_via`](crate::ElectorBuilder::listen_via) hear the hint and
+///   renew at once; the renewal's answer carries the mark, and they step
+///   down within a round trip or two (a flood of hints from others is
+///   rate-limited to one early renewal per 100 ms, so a request made in a
+///   flood waits at most that long).
+/// * A lease-backend leader without a `LISTEN` connection (behind a
+///   transaction pooler) sees the mark in the answer to its next renewal,
+///   within `renew_every`.
 ///
 /// The leader cancels its leadership token; through
 /// [`Elector::run`](crate::Elector::run) it then releases cleanly as soon as
 /// its duties stopped, and a standby takes over at once (lease backend
 /// without `LISTEN`: within `retry_every`).
 ///
-/// Returns the leader that was asked, if the row named one (it may have
-/// changed meanwhile; the request is scoped to the term read).
+/// Returns the leader that was asked, as its row read when marked, or
+/// `None` when the role has no leader (nothing is marked or sent).
+///
+/// # Errors
+/// [`Error::Permission`] when the user may not execute `request_resign`
+/// (the message names the grant to ask for); [`Error::SchemaMissing`] when
+/// the schema, or this function (schema version 4), is not installed.
 ///
 /// # Cancel safety
 /// Cancel safe: the request is made by one statement or not at all.
@@ -134,29 +190,25 @@ pub async fn request_resign(options: &ConnectOptions, role: &str) -> Result<Opti
     let conn = options.connect("resign").await?;
     let schema = options.schema_name();
     let result = async {
-        let leader = read_leader(conn.client(), schema, role).await?;
-        let payload = format!("{schema}:{role}");
-        let term = leader.as_ref().map(|l| l.term.get());
-        conn.client()
+        let rows = conn
+            .client()
             .query_typed(
                 &format!(
-                    "WITH u AS (
-                         UPDATE {schema}.leaders SET resign_requested = true
-                          WHERE role = $3 AND holder IS NOT NULL AND term = $4
-                         RETURNING 1
-                     )
-                     SELECT (SELECT count(*) FROM u), pg_notify($1, $2)::text"
+                    "SELECT holder, holder_meta, term, backend, acquired_at, renewed_at,
+                            lease_until, lease_expired, holder_pid
+                       FROM {schema}.request_resign($1)"
                 ),
-                &[
-                    (&RESIGN_CHANNEL, Type::TEXT),
-                    (&payload, Type::TEXT),
-                    (&role, Type::TEXT),
-                    (&term, Type::INT8),
-                ],
+                &[(&role, Type::TEXT)],
             )
             .await
-            .map_err(|e| Error::db("request a resignation", schema.as_str(), e))?;
-        Ok(leader)
+            .map_err(|e| {
+                Error::db(
+                    "request a resignation; the user needs `GRANT USAGE ON SCHEMA <schema>` and `GRANT EXECUTE ON FUNCTION <schema>.request_resign(text)`",
+                    schema.as_str(),
+                    e,
+                )
+            })?;
+        Ok(rows.first().map(|row| leader_info(role, row)))
     }
     .await;
     conn.close().await;
@@ -322,6 +374,7 @@ impl Observer {
         drop(shared);
         let mut notices = conn.notices();
         let mut listening = false;
+        let mut wakes = WakeLimit::default();
         loop {
             let now = *activity.borrow_and_update();
             if !now.wants_observer() {
@@ -342,6 +395,7 @@ impl Observer {
             let Some(shared) = self.shared.upgrade() else {
                 return Ok(());
             };
+            shared.contact.touch();
             shared.publish(info);
             drop(shared);
             if expired
@@ -354,6 +408,7 @@ impl Observer {
             }
             let sleep = tokio::time::sleep(check_every);
             tokio::pin!(sleep);
+            let mut woken = false;
             loop {
                 tokio::select! {
                     _ = self.stop.cancelled() => return Ok(()),
@@ -367,12 +422,20 @@ impl Observer {
                     }
                     n = notices.recv() => match n {
                         Ok(n) if n.channel == LEADER_CHANNEL => {
-                            if parse_leader_event(schema.as_str(), &n.payload).is_some_and(|(_, r)| r == role) {
-                                break;
+                            if !woken && parse_leader_event(schema.as_str(), &n.payload).is_some_and(|(_, r)| r == role) {
+                                woken = true;
+                                let at = wakes.reserve(Instant::now()).min(sleep.deadline());
+                                sleep.as_mut().reset(at);
                             }
                         }
                         Ok(_) => {}
-                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => break,
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                            if !woken {
+                                woken = true;
+                                let at = wakes.reserve(Instant::now()).min(sleep.deadline());
+                                sleep.as_mut().reset(at);
+                            }
+                        }
                         Err(tokio::sync::broadcast::error::RecvError::Closed) => {
                             return Err(Error::ConnectionLost { operation: "observe the leader" })
                         }
@@ -386,6 +449,30 @@ impl Observer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_flood_of_wake_ups_is_spaced_after_a_burst() {
+        let t0 = Instant::now();
+        let mut w = WakeLimit::default();
+        let at: Vec<Instant> = (0..1000).map(|_| w.reserve(t0)).collect();
+        assert!(at[..=WAKE_BURST as usize].iter().all(|a| *a == t0));
+        assert_eq!(at[WAKE_BURST as usize + 1], t0 + WAKE_GAP);
+        for pair in at[WAKE_BURST as usize..].windows(2) {
+            assert_eq!(pair[1] - pair[0], WAKE_GAP);
+        }
+        // Within one second of a flood: the burst and ten more at most.
+        let first_second = at
+            .iter()
+            .filter(|a| **a < t0 + Duration::from_secs(1))
+            .count();
+        assert!(
+            first_second <= WAKE_BURST as usize + 1 + 10,
+            "{first_second}"
+        );
+        // Quiet again: a lone wake-up is at once.
+        let later = t0 + Duration::from_secs(200);
+        assert_eq!(w.reserve(later), later);
+    }
 
     #[test]
     fn leader_events_are_parsed_per_schema() {
