@@ -369,8 +369,8 @@ pub fn exit_code(status: ExitStatus) -> u8 {
 pub fn watch_main(args: &[OsString]) -> std::process::ExitCode {
     use std::process::ExitCode;
     // Block first: until the loop below waits for them, these signals must
-    // stay pending rather than kill the watcher. std resets the mask in the
-    // command it spawns.
+    // stay pending rather than kill the watcher. The mask is inherited
+    // across fork and exec: the command gets an empty one (`die_with_parent`).
     let mut mask = SigSet::empty();
     for s in [
         Signal::SIGCHLD,
@@ -524,14 +524,18 @@ fn spawn_failure(program: &OsStr, e: &io::Error) -> (u8, String) {
 }
 
 /// `PR_SET_PDEATHSIG(SIGKILL)` in the command: it dies with its watcher.
+/// Also gives it an empty signal mask: the watcher's blocked signals would
+/// otherwise be inherited, and a shell that saves its mask at start (dash)
+/// would never run its SIGTERM trap.
 #[allow(unsafe_code)]
 fn die_with_parent(cmd: &mut std::process::Command) {
     let parent = nix::unistd::getpid();
     // SAFETY: the closure runs in the forked child before exec and makes
-    // only async-signal-safe system calls (prctl, getppid, _exit); it
-    // allocates nothing.
+    // only async-signal-safe system calls (sigprocmask, prctl, getppid,
+    // _exit); it allocates nothing.
     unsafe {
         cmd.pre_exec(move || {
+            SigSet::empty().thread_set_mask().map_err(io::Error::from)?;
             nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(io::Error::from)?;
             // The watcher may have died between fork and prctl.
             if nix::unistd::getppid() != parent {

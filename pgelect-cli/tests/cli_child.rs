@@ -316,3 +316,38 @@ async fn a_wrong_password_exits_77_everywhere() {
         );
     }
 }
+
+#[tokio::test]
+async fn the_command_starts_with_no_blocked_signal_and_its_term_trap_runs() {
+    // The watcher blocks the signals it waits for; a command that inherited
+    // that mask would never see SIGTERM (dash saves its mask at start). The
+    // shell reads its own mask with builtins only: while it forks, dash
+    // blocks every signal for a moment.
+    let (db, dir) = setup("child_mask").await;
+    let script = r#"trap 'echo stop >> "$D/log"; exit 0' TERM
+while IFS= read -r l; do case $l in SigBlk*) echo "$l" > "$D/mask";; esac; done < /proc/$$/status
+: > "$D/ready"
+while :; do sleep 1 & wait $!; done"#;
+    for sub in ["lock", "run"] {
+        let _ = std::fs::remove_file(dir.join("ready"));
+        let _ = std::fs::remove_file(dir.join("log"));
+        let argv = ["sh", "-c", script];
+        let cmd = match sub {
+            "lock" => lock(&db, &dir, &[], &argv),
+            _ => run_cmd(&db, &dir, &[], &argv),
+        };
+        let mut sup = Background::spawn(sub, cmd);
+        wait_for_file(&dir.join("ready"), START).await;
+        let mask = std::fs::read_to_string(dir.join("mask")).expect("mask written");
+        assert_eq!(mask.trim(), "SigBlk:\t0000000000000000", "{sub}");
+        sup.signal("TERM");
+        assert_eq!(sup.wait(LIMIT).await, Some(0), "{}", sup.output());
+        let log = std::fs::read_to_string(dir.join("log")).unwrap_or_default();
+        assert_eq!(
+            log,
+            "stop\n",
+            "{sub}: the command's TERM trap did not run\n{}",
+            sup.output()
+        );
+    }
+}
