@@ -1,237 +1,576 @@
-//! The supervised child process: started in its own process group, killed
-//! with the supervisor (`PR_SET_PDEATHSIG`), stopped gracefully or at once.
+//! The supervised command, run under a watcher process.
+//!
+//! ```text
+//! pgelect (supervisor, child subreaper)
+//!   └─ pgelect __pgelect-watch (watcher: child subreaper, own process group)
+//!        └─ the command (its own process group, PR_SET_PDEATHSIG = SIGKILL)
+//!             └─ whatever it starts, `setsid` daemons included
+//! ```
+//!
+//! The watcher is the command's parent and a *child subreaper*
+//! (`PR_SET_CHILD_SUBREAPER`): anything the command starts that is orphaned,
+//! even after leaving the process group and the session with `setsid`, is
+//! re-parented to the watcher rather than to init, so the watcher can always
+//! find every descendant by walking the parent links in `/proc`. It kills
+//! all of them when
+//!
+//! * the command exits (leftovers must not outlive the lock or the
+//!   leadership the supervisor is about to release),
+//! * the supervisor asks (SIGUSR1: an unexpected loss, a grace period over),
+//! * the supervisor dies, even by SIGKILL (the watcher's own
+//!   `PR_SET_PDEATHSIG` is SIGUSR1).
+//!
+//! SIGTERM, SIGINT and SIGHUP sent to the watcher are forwarded to the
+//! command's process group (a graceful stop). The watcher exits with the
+//! command's code, or 128 + the signal that killed it, as shells report it.
+//!
+//! If the watcher itself dies (only SIGKILL can do that: it handles or blocks
+//! everything else), the command dies with it (its death signal) and the
+//! supervisor notices: the watcher's status is a signal, not a code. The
+//! supervisor logs a warning and kills what the command left, which was
+//! re-parented to the supervisor because it is a child subreaper as well.
+//! It does not restart a watcher for a command that is already dead; the
+//! command's exit is handled like any other exit of the command
+//! (`--on-exit`). A command is never left running unwatched: only a watcher
+//! guarantees that nothing of it outlives a SIGKILLed supervisor.
+//!
+//! Signals and `prctl` go through `nix` (safe wrappers); the one `unsafe`
+//! left is `pre_exec`, whose closure std cannot check.
 
+use std::ffi::{OsStr, OsString};
 use std::io;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::ExitStatus;
 use std::time::Duration;
 
+use nix::errno::Errno;
+use nix::sys::signal::{kill, killpg, SigSet, Signal};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
 use tokio::process::Command;
 
-use crate::exit::Failure;
+use crate::exit::{self, Failure};
 
 /// Exit code for a command that could not be found or executed (as shells do).
 pub const NOT_FOUND: u8 = 127;
 /// Exit code for a command that was found but could not be executed.
 pub const NOT_EXECUTABLE: u8 = 126;
 
-/// A running child in its own process group.
+/// The hidden first argument that makes `pgelect` the command's watcher:
+/// `pgelect __pgelect-watch <supervisor pid> -- CMD ARGS…`.
+pub const WATCH_ARG: &str = "__pgelect-watch";
+
+/// Environment variables that carry database credentials or connection
+/// settings (pgelect's own, and libpq's): the supervised command gets none
+/// of them unless asked for with `--pass-database-env`.
+pub const DATABASE_ENV: &[&str] = &[
+    "DATABASE_URL",
+    "PGELECT_DATABASE_URL_FILE",
+    "PGELECT_LISTEN_URL",
+    "PGELECT_LISTEN_URL_FILE",
+    // libpq's environment variables (PostgreSQL manual, "Environment
+    // Variables"), secrets or not: a command that should reach the
+    // database gets them all or none.
+    "PGHOST",
+    "PGHOSTADDR",
+    "PGPORT",
+    "PGDATABASE",
+    "PGUSER",
+    "PGPASSWORD",
+    "PGPASSFILE",
+    "PGREQUIREAUTH",
+    "PGCHANNELBINDING",
+    "PGSERVICE",
+    "PGSERVICEFILE",
+    "PGOPTIONS",
+    "PGAPPNAME",
+    "PGSSLMODE",
+    "PGREQUIRESSL",
+    "PGSSLNEGOTIATION",
+    "PGSSLCOMPRESSION",
+    "PGSSLCERT",
+    "PGSSLKEY",
+    "PGSSLCERTMODE",
+    "PGSSLROOTCERT",
+    "PGSSLCRL",
+    "PGSSLCRLDIR",
+    "PGSSLSNI",
+    "PGREQUIREPEER",
+    "PGSSLMINPROTOCOLVERSION",
+    "PGSSLMAXPROTOCOLVERSION",
+    "PGGSSENCMODE",
+    "PGKRBSRVNAME",
+    "PGGSSLIB",
+    "PGGSSDELEGATION",
+    "PGCONNECT_TIMEOUT",
+    "PGCLIENTENCODING",
+    "PGTARGETSESSIONATTRS",
+    "PGLOADBALANCEHOSTS",
+    "PGDATESTYLE",
+    "PGTZ",
+    "PGGEQO",
+    "PGSYSCONFDIR",
+    "PGLOCALEDIR",
+];
+
+/// What the supervised command is started with.
+#[derive(Debug)]
+pub struct Spec<'a> {
+    /// The command and its arguments, byte for byte as given.
+    pub argv: &'a [OsString],
+    /// Variables added to its environment (`PGELECT_*`).
+    pub env: &'a [(&'a str, String)],
+    /// Keep [`DATABASE_ENV`] in its environment (`--pass-database-env`).
+    pub pass_database_env: bool,
+}
+
+/// A running command, seen through its watcher.
 #[derive(Debug)]
 pub struct Child {
-    inner: tokio::process::Child,
-    pgid: i32,
-    /// The write end of the watcher's pipe: when it closes (this handle is
-    /// dropped, or the supervisor dies, even by SIGKILL) the watcher kills
-    /// the whole process group, grandchildren included.
-    _watch: Option<tokio::process::ChildStdin>,
+    watcher: tokio::process::Child,
+    pid: u32,
 }
 
-/// Starts `argv` with `env` added to the environment, in a new process group
-/// whose leader is the child, with `PR_SET_PDEATHSIG(SIGKILL)` on Linux so
-/// that the child dies with the supervisor even when the supervisor is killed
-/// with SIGKILL.
+/// Starts the command under a watcher (see the module docs).
 ///
-/// Must be called from a thread that lives as long as the child should: on
-/// Linux the death signal fires when the *thread* that forked exits. Tokio's
-/// worker threads live as long as the runtime; never call this from
-/// `spawn_blocking`, whose threads exit when idle.
-pub fn spawn(argv: &[String], env: &[(&str, String)]) -> Result<Child, Failure> {
-    let (program, args) = argv
-        .split_first()
-        .ok_or_else(|| Failure::new(crate::exit::USAGE, "no command given after `--`"))?;
-    let mut cmd = Command::new(program);
-    cmd.args(args).process_group(0).kill_on_drop(false);
-    for (k, v) in env {
+/// The watcher's death signal fires when the *thread* that forked it exits:
+/// call this from a thread that lives as long as the command should (tokio's
+/// worker threads live as long as the runtime; never from `spawn_blocking`).
+/// A command that cannot be executed shows as an exit with 127 or 126 and a
+/// message on standard error, as in a shell.
+pub fn spawn(spec: &Spec<'_>) -> Result<Child, Failure> {
+    if spec.argv.is_empty() {
+        return Err(Failure::new(exit::USAGE, "no command given after `--`"));
+    }
+    become_subreaper();
+    // `/proc/self/exe` is resolved in the forked child, so the watcher is
+    // this very binary even if the file was replaced or deleted since.
+    let mut cmd = Command::new("/proc/self/exe");
+    cmd.arg0("pgelect")
+        .arg(WATCH_ARG)
+        .arg(std::process::id().to_string())
+        .arg("--")
+        .args(spec.argv)
+        .process_group(0)
+        .kill_on_drop(false);
+    if !spec.pass_database_env {
+        for var in DATABASE_ENV {
+            cmd.env_remove(var);
+        }
+    }
+    for (k, v) in spec.env {
         cmd.env(k, v);
     }
-    die_with_parent(&mut cmd);
-    let inner = cmd.spawn().map_err(|e| spawn_failure(program, e))?;
-    let pid = inner.id().map(|p| p as i32).unwrap_or(0);
-    let watch = watch_group(pid);
-    Ok(Child {
-        inner,
-        pgid: pid,
-        _watch: watch,
-    })
+    let watcher = cmd.spawn().map_err(|e| {
+        Failure::new(
+            exit::SOFTWARE,
+            format!("cannot start the process watcher (this executable, from /proc/self/exe): {e}; the command was not started"),
+        )
+    })?;
+    let pid = watcher.id().expect("BUG: a just-spawned child has a pid");
+    Ok(Child { watcher, pid })
 }
 
-/// Starts a tiny watcher, outside the child's process group, that kills the
-/// group when its standard input closes. `PR_SET_PDEATHSIG` only reaches the
-/// direct child; the watcher also ends what the child started in the
-/// background, so nothing of the command outlives the supervisor's hold on
-/// the lock or the leadership. The watcher is this executable, started with
-/// [`WATCH_GROUP_ARG`]; if it cannot start, only the death signal protects.
-fn watch_group(pgid: i32) -> Option<tokio::process::ChildStdin> {
-    if pgid <= 0 {
-        return None;
+/// Makes this process a child subreaper, once: descendants of a watcher
+/// that dies are re-parented here and can still be killed.
+fn become_subreaper() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
+            tracing::warn!(error = %e, "cannot become a child subreaper; if the process watcher dies, what the command started in the background may survive");
+        }
+    });
+}
+
+impl Child {
+    /// The watcher's process id.
+    pub fn watcher_pid(&self) -> u32 {
+        self.pid
     }
-    let exe = match std::env::current_exe() {
-        Ok(exe) => exe,
+
+    /// Waits for the command to exit; by then the watcher has killed
+    /// everything the command left. If the watcher was killed instead, logs
+    /// a warning and kills what it left (re-parented to this process).
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn wait(&mut self) -> io::Result<ExitStatus> {
+        let status = self.watcher.wait().await?;
+        if let Some(signal) = status.signal() {
+            tracing::warn!(
+                watcher = self.pid,
+                signal,
+                "the process watcher was killed; the command died with it, and what it left in the background is killed now"
+            );
+            kill_orphans().await;
+        }
+        Ok(status)
+    }
+
+    /// Asks the command's process group to stop (SIGTERM, forwarded by the
+    /// watcher).
+    pub fn terminate(&self) {
+        self.tell(Signal::SIGTERM);
+    }
+
+    /// Kills the command and every descendant at once (after an unexpected
+    /// loss) and waits for the watcher to report.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: the kill is sent before the first await.
+    pub async fn kill_now(&mut self) -> io::Result<ExitStatus> {
+        self.tell(Signal::SIGUSR1);
+        self.wait().await
+    }
+
+    /// SIGTERM to the group, then everything killed after `grace` if the
+    /// command has not exited.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: cancelled during the grace period, the command keeps
+    /// running until the watcher is told otherwise.
+    pub async fn stop(&mut self, grace: Duration) -> io::Result<ExitStatus> {
+        if let Some(status) = self.watcher.try_wait()? {
+            return Ok(status);
+        }
+        self.terminate();
+        match tokio::time::timeout(grace, self.wait()).await {
+            Ok(status) => status,
+            Err(_) => {
+                tracing::warn!(
+                    pid = self.pid,
+                    ?grace,
+                    "the command ignored SIGTERM; killing it"
+                );
+                self.kill_now().await
+            }
+        }
+    }
+
+    /// Sends `signal` to the watcher, unless it has been reaped (its pid
+    /// could belong to another process by then).
+    fn tell(&self, signal: Signal) {
+        if self.watcher.id().is_none() {
+            return;
+        }
+        match kill(Pid::from_raw(self.pid as i32), signal) {
+            Ok(()) => {}
+            // Exited, not yet reaped: its status tells the rest.
+            Err(Errno::ESRCH) => {}
+            Err(e) => {
+                tracing::error!(watcher = self.pid, %signal, error = %e, "cannot signal the process watcher; the command may keep running")
+            }
+        }
+    }
+}
+
+/// Kills every descendant of this process that is not a child tokio is
+/// waiting for, and reaps those re-parented here, for at most a second.
+async fn kill_orphans() {
+    let me = std::process::id() as i32;
+    for _ in 0..100 {
+        let victims = descendants(me);
+        if victims.is_empty() {
+            return;
+        }
+        for &(pid, parent) in &victims {
+            signal_logged(Pid::from_raw(pid), Signal::SIGKILL);
+            if parent == me {
+                // Re-parented orphans are not tokio's; reap them here.
+                let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tracing::warn!("processes left by the command survived SIGKILL for 1s");
+}
+
+/// Live (not zombie) descendants of `root` as (pid, parent pid), from
+/// `/proc/*/stat`.
+fn descendants(root: i32) -> Vec<(i32, i32)> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut procs = Vec::new();
+    for entry in dir.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // "pid (comm) S ppid …": comm may hold anything, so parse after the
+        // last ')'.
+        let mut rest = stat
+            .rsplit_once(')')
+            .map(|(_, r)| r)
+            .unwrap_or("")
+            .split_whitespace();
+        let state = rest.next().unwrap_or("");
+        let Some(ppid) = rest.next().and_then(|p| p.parse::<i32>().ok()) else {
+            continue;
+        };
+        procs.push((pid, ppid, state == "Z" || state == "X"));
+    }
+    let mut found = vec![root];
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < found.len() {
+        let parent = found[i];
+        for &(pid, ppid, dead) in &procs {
+            if ppid == parent && !found.contains(&pid) {
+                found.push(pid);
+                if !dead {
+                    out.push((pid, ppid));
+                }
+            }
+        }
+        i += 1;
+    }
+    out
+}
+
+/// Sends `signal`; a process already gone is fine, anything else is logged.
+fn signal_logged(pid: Pid, signal: Signal) {
+    match kill(pid, signal) {
+        Ok(()) | Err(Errno::ESRCH) => {}
+        Err(e) => eprintln!("pgelect: cannot send {signal} to process {pid}: {e}"),
+    }
+}
+
+/// Sends `signal` (a libc number) to one process, if it still has a pid;
+/// a failure other than "no such process" is logged.
+pub fn signal_pid(pid: Option<u32>, signal: i32) {
+    let (Some(pid), Ok(signal)) = (pid, Signal::try_from(signal)) else {
+        return;
+    };
+    match kill(Pid::from_raw(pid as i32), signal) {
+        Ok(()) | Err(Errno::ESRCH) => {}
+        Err(e) => tracing::warn!(pid, %signal, error = %e, "cannot signal the process"),
+    }
+}
+
+/// The shell convention for a command's exit status: its code, or 128 +
+/// signal.
+pub fn exit_code(status: ExitStatus) -> u8 {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => code as u8,
+        (None, Some(sig)) => 128u8.wrapping_add(sig as u8),
+        _ => exit::SOFTWARE,
+    }
+}
+
+/// The watcher's whole life (see the module docs). `args` follow
+/// [`WATCH_ARG`]: the supervisor's pid, `--`, the command.
+pub fn watch_main(args: &[OsString]) -> std::process::ExitCode {
+    use std::process::ExitCode;
+    // Block first: until the loop below waits for them, these signals must
+    // stay pending rather than kill the watcher. The mask is inherited
+    // across fork and exec: the command gets an empty one (`die_with_parent`).
+    let mut mask = SigSet::empty();
+    for s in [
+        Signal::SIGCHLD,
+        Signal::SIGTERM,
+        Signal::SIGINT,
+        Signal::SIGHUP,
+        Signal::SIGUSR1,
+    ] {
+        mask.add(s);
+    }
+    if let Err(e) = mask.thread_block() {
+        eprintln!("pgelect: watcher: cannot block signals: {e}");
+        return ExitCode::from(exit::SOFTWARE);
+    }
+    let (Some(parent), Some(command)) = (
+        args.first()
+            .and_then(|p| p.to_str())
+            .and_then(|p| p.parse::<i32>().ok()),
+        args.get(1).filter(|a| *a == "--").and(args.get(2..)),
+    ) else {
+        eprintln!("pgelect: {WATCH_ARG} is internal to pgelect");
+        return ExitCode::from(exit::USAGE);
+    };
+    let Some((program, rest)) = command.split_first() else {
+        return ExitCode::from(exit::USAGE);
+    };
+    if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
+        eprintln!(
+            "pgelect: watcher: cannot become a child subreaper: {e}; the command was not started"
+        );
+        return ExitCode::from(exit::SOFTWARE);
+    }
+    if let Err(e) = nix::sys::prctl::set_pdeathsig(Signal::SIGUSR1) {
+        eprintln!(
+            "pgelect: watcher: cannot set a parent-death signal: {e}; the command was not started"
+        );
+        return ExitCode::from(exit::SOFTWARE);
+    }
+    // The supervisor may have died before the death signal was set.
+    if nix::unistd::getppid().as_raw() != parent {
+        return ExitCode::from(exit::SOFTWARE);
+    }
+    let mut cmd = std::process::Command::new(program);
+    cmd.args(rest).process_group(0);
+    die_with_parent(&mut cmd);
+    let command_pid = match cmd.spawn() {
+        Ok(child) => Pid::from_raw(child.id() as i32),
         Err(e) => {
-            tracing::warn!(error = %e, "cannot find our own executable to watch the command's process group");
-            return None;
+            let (code, message) = spawn_failure(program, &e);
+            eprintln!("pgelect: {message}");
+            return ExitCode::from(code);
         }
     };
-    let spawned = Command::new(exe)
-        .args([WATCH_GROUP_ARG, &pgid.to_string()])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .process_group(0)
-        .kill_on_drop(false)
-        .spawn();
-    match spawned {
-        Ok(mut watcher) => {
-            let stdin = watcher.stdin.take();
-            // Reap it in the background so it leaves no zombie.
-            tokio::spawn(async move {
-                let _ = watcher.wait().await;
-            });
-            stdin
+    let mut watch = Watch {
+        command: command_pid,
+        status: None,
+    };
+    loop {
+        watch.reap();
+        if let Some(code) = watch.status {
+            watch.kill_all();
+            return ExitCode::from(code);
         }
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot start the process-group watcher; background processes of the command may outlive a killed supervisor");
-            None
+        match mask.wait() {
+            Ok(Signal::SIGUSR1) => watch.kill_all(),
+            Ok(signal @ (Signal::SIGTERM | Signal::SIGINT | Signal::SIGHUP)) => {
+                match killpg(watch.command, signal) {
+                    Ok(()) | Err(Errno::ESRCH) => {}
+                    Err(e) => eprintln!("pgelect: watcher: cannot forward {signal}: {e}"),
+                }
+            }
+            _ => {}
         }
     }
 }
 
-fn spawn_failure(program: &str, e: io::Error) -> Failure {
+/// The watcher's state: the command's pid and, once reaped, its code.
+struct Watch {
+    command: Pid,
+    status: Option<u8>,
+}
+
+impl Watch {
+    /// Reaps every exited child without blocking, keeping the command's code.
+    fn reap(&mut self) {
+        self.reap_with(Some(WaitPidFlag::WNOHANG));
+    }
+
+    /// Reaps children, keeping the command's code, until none is left to
+    /// reap (`None`: until none is left at all).
+    fn reap_with(&mut self, flags: Option<WaitPidFlag>) {
+        loop {
+            match waitpid(None, flags) {
+                Ok(WaitStatus::Exited(pid, code)) if pid == self.command => {
+                    self.status = Some(code as u8)
+                }
+                Ok(WaitStatus::Signaled(pid, signal, _)) if pid == self.command => {
+                    self.status = Some(128u8.wrapping_add(signal as i32 as u8))
+                }
+                Ok(WaitStatus::StillAlive) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    }
+
+    /// SIGKILLs the command's group and every descendant of the watcher,
+    /// until none is left alive, and reaps them.
+    fn kill_all(&mut self) {
+        if self.status.is_none() {
+            // The group cannot have been reused: its leader is not reaped.
+            match killpg(self.command, Signal::SIGKILL) {
+                Ok(()) | Err(Errno::ESRCH) => {}
+                Err(e) => {
+                    eprintln!("pgelect: watcher: cannot kill the command's process group: {e}")
+                }
+            }
+        }
+        let me = std::process::id() as i32;
+        for _ in 0..500 {
+            let victims = descendants(me);
+            for &(pid, _) in &victims {
+                signal_logged(Pid::from_raw(pid), Signal::SIGKILL);
+            }
+            self.reap();
+            if victims.is_empty() {
+                // Reap the last round's zombies before exiting.
+                self.reap_with(None);
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        eprintln!("pgelect: watcher: processes left by the command survived SIGKILL for 5s");
+    }
+}
+
+fn spawn_failure(program: &OsStr, e: &io::Error) -> (u8, String) {
     match e.kind() {
-        io::ErrorKind::NotFound => Failure::new(
+        io::ErrorKind::NotFound => (
             NOT_FOUND,
             format!("command not found: {program:?}; check the name and PATH"),
         ),
-        io::ErrorKind::PermissionDenied => Failure::new(
+        io::ErrorKind::PermissionDenied => (
             NOT_EXECUTABLE,
             format!("command {program:?} cannot be executed: permission denied"),
         ),
-        _ => Failure::new(
+        _ => (
             NOT_EXECUTABLE,
             format!("command {program:?} could not be started: {e}"),
         ),
     }
 }
 
-#[cfg(target_os = "linux")]
+/// `PR_SET_PDEATHSIG(SIGKILL)` in the command: it dies with its watcher.
+/// Also gives it an empty signal mask: the watcher's blocked signals would
+/// otherwise be inherited, and a shell that saves its mask at start (dash)
+/// would never run its SIGTERM trap.
 #[allow(unsafe_code)]
-fn die_with_parent(cmd: &mut Command) {
-    let parent = std::process::id() as libc::pid_t;
-    // SAFETY: the closure runs in the forked child before exec and calls only
-    // async-signal-safe functions (prctl, getppid, _exit).
+fn die_with_parent(cmd: &mut std::process::Command) {
+    let parent = nix::unistd::getpid();
+    // SAFETY: the closure runs in the forked child before exec and makes
+    // only async-signal-safe system calls (sigprocmask, prctl, getppid,
+    // _exit); it allocates nothing.
     unsafe {
         cmd.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            // The parent may have died between fork and prctl.
-            if libc::getppid() != parent {
-                libc::_exit(1);
+            SigSet::empty().thread_set_mask().map_err(io::Error::from)?;
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(io::Error::from)?;
+            // The watcher may have died between fork and prctl.
+            if nix::unistd::getppid() != parent {
+                nix::libc::_exit(1);
             }
             Ok(())
         });
     }
 }
 
-#[cfg(not(target_os = "linux"))]
-fn die_with_parent(_cmd: &mut Command) {}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-impl Child {
-    /// The child's process id (also its process group id).
-    pub fn pid(&self) -> i32 {
-        self.pgid
+    #[test]
+    fn descendants_of_this_test_include_a_grandchild() {
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "sleep 30 & echo $!; wait"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn sh");
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let grandchild: i32 = line.trim().parse().unwrap();
+        let found = descendants(std::process::id() as i32);
+        let _ = kill(Pid::from_raw(grandchild), Signal::SIGKILL);
+        let _ = child.wait();
+        assert!(
+            found.iter().any(|&(p, _)| p == child.id() as i32),
+            "{found:?}"
+        );
+        assert!(found.iter().any(|&(p, _)| p == grandchild), "{found:?}");
     }
-
-    /// Waits for the child to exit.
-    ///
-    /// # Cancel safety
-    /// Cancel safe.
-    pub async fn wait(&mut self) -> io::Result<ExitStatus> {
-        self.inner.wait().await
-    }
-
-    /// Sends `signal` to the child's whole process group.
-    pub fn signal_group(&self, signal: i32) {
-        if self.pgid > 0 {
-            // SAFETY: kill(2) with a negative pid signals a process group;
-            // no memory is involved.
-            #[allow(unsafe_code)]
-            unsafe {
-                libc::kill(-self.pgid, signal);
-            }
-        }
-    }
-
-    /// Kills the process group at once (after an unexpected loss) and reaps
-    /// the child.
-    pub async fn kill_now(&mut self) -> io::Result<ExitStatus> {
-        self.signal_group(libc::SIGKILL);
-        self.inner.wait().await
-    }
-
-    /// SIGTERM to the group, then SIGKILL after `grace` if it has not exited.
-    pub async fn stop(&mut self, grace: Duration) -> io::Result<ExitStatus> {
-        if let Some(status) = self.inner.try_wait()? {
-            // Grandchildren may still be running in the group.
-            self.signal_group(libc::SIGKILL);
-            return Ok(status);
-        }
-        self.signal_group(libc::SIGTERM);
-        match tokio::time::timeout(grace, self.inner.wait()).await {
-            Ok(status) => {
-                self.signal_group(libc::SIGKILL);
-                status
-            }
-            Err(_) => {
-                tracing::warn!(pid = self.pgid, ?grace, "child ignored SIGTERM; killing it");
-                self.kill_now().await
-            }
-        }
-    }
-}
-
-/// The shell convention for a child's exit status: its code, or 128 + signal.
-pub fn exit_code(status: ExitStatus) -> u8 {
-    use std::os::unix::process::ExitStatusExt;
-    match (status.code(), status.signal()) {
-        (Some(code), _) => code as u8,
-        (None, Some(sig)) => 128u8.wrapping_add(sig as u8),
-        _ => crate::exit::SOFTWARE,
-    }
-}
-
-/// Sends `signal` to one process, if it still has a pid.
-pub fn signal_pid(pid: Option<u32>, signal: i32) {
-    if let Some(pid) = pid {
-        // SAFETY: kill(2) on a pid we started; no memory is involved.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::kill(pid as i32, signal);
-        }
-    }
-}
-
-/// The hidden first argument that makes `pgelect` a process-group watcher.
-pub const WATCH_GROUP_ARG: &str = "__pgelect-watch-group";
-
-/// The watcher's whole life: wait for standard input to close, then kill
-/// the process group. Ignores SIGINT and SIGTERM meant for the terminal's
-/// foreground group (it runs in a group of its own anyway).
-pub fn watch_group_main(pgid: &str) -> std::process::ExitCode {
-    use std::io::Read;
-    let Ok(pgid) = pgid.parse::<i32>() else {
-        return std::process::ExitCode::from(crate::exit::USAGE);
-    };
-    if pgid <= 1 {
-        return std::process::ExitCode::from(crate::exit::USAGE);
-    }
-    let mut sink = [0u8; 64];
-    let mut stdin = std::io::stdin();
-    while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
-    // SAFETY: kill(2) with a negative pid signals a process group; no memory
-    // is involved.
-    #[allow(unsafe_code)]
-    unsafe {
-        libc::kill(-pgid, libc::SIGKILL);
-    }
-    std::process::ExitCode::SUCCESS
 }

@@ -38,7 +38,7 @@ pub async fn connect(
         })?
         .map_err(|e| {
             let code = match e.code() {
-                Some(c) if c.code().starts_with("28") => exit::UNAVAILABLE,
+                Some(c) if c.code().starts_with("28") => exit::NOPERM,
                 _ => exit::UNAVAILABLE,
             };
             let hint = match e.code().map(|c| c.code()) {

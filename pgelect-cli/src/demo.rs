@@ -278,7 +278,7 @@ async fn scenario(
     show_status(options).await;
 
     for c in &mut candidates {
-        crate::child::signal_pid(c.process.id(), libc::SIGTERM);
+        crate::child::signal_pid(c.process.id(), nix::sys::signal::Signal::SIGTERM as i32);
     }
     for c in &mut candidates {
         let _ = tokio::time::timeout(Duration::from_secs(15), c.process.wait()).await;

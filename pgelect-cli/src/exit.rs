@@ -42,12 +42,13 @@ impl From<pgelect::Error> for Failure {
         let code = match &e {
             E::Config(_) | E::InvalidName { .. } => CONFIG,
             E::SchemaMissing { .. } | E::SchemaVersion { .. } | E::Pooler(_) => CONFIG,
-            E::Permission { .. } => NOPERM,
+            // A wrong password or a refused login (SQLSTATE class 28) is a
+            // permission problem, not an outage: retrying will not help.
+            E::Permission { .. } | E::Auth { .. } => NOPERM,
             E::LockTimeout { .. } | E::MigrationLockTimeout { .. } | E::AlreadyHeld { .. } => {
                 TEMPFAIL
             }
             _ if e.is_connection() => UNAVAILABLE,
-            E::Auth { .. } => UNAVAILABLE,
             _ => SOFTWARE,
         };
         // Errors name their cause chain's first link; add the rest.

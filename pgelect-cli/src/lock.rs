@@ -32,9 +32,15 @@ pub struct LockArgs {
     /// asked to stop.
     #[arg(long, value_parser = crate::duration::parse_positive, default_value = "10s", value_name = "DURATION", allow_hyphen_values = true)]
     pub grace: Duration,
-    /// The command to run while holding the lock, after `--`.
+    /// Give the command the database variables pgelect was started with
+    /// (DATABASE_URL, PGPASSWORD, PGPASSFILE, PGUSER, PGHOST and the rest of
+    /// libpq's set); without this flag they are removed from its environment.
+    #[arg(long)]
+    pub pass_database_env: bool,
+    /// The command to run while holding the lock, after `--` (passed byte
+    /// for byte).
     #[arg(last = true, required = true, value_name = "CMD")]
-    pub command: Vec<String>,
+    pub command: Vec<std::ffi::OsString>,
 }
 
 pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
@@ -83,8 +89,12 @@ pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
     };
     tracing::info!(key = %args.key, "lock acquired; starting the command");
     let env = [("PGELECT_LOCK", args.key.clone())];
-    let mut child = child::spawn(&args.command, &env)?;
-    tracing::debug!(pid = child.pid(), "command started");
+    let mut child = child::spawn(&child::Spec {
+        argv: &args.command,
+        env: &env,
+        pass_database_env: args.pass_database_env,
+    })?;
+    tracing::debug!(watcher = child.watcher_pid(), "command started");
     let outcome = tokio::select! {
         status = child.wait() => {
             let status = status.map_err(|e| Failure::new(exit::SOFTWARE, format!("waiting for the command failed: {e}")))?;
@@ -101,8 +111,8 @@ pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
         }
     };
     // What the command left running in the background must not outlive the
-    // lock: end the whole process group before releasing.
-    child.signal_group(libc::SIGKILL);
+    // lock: its watcher killed all of it before reporting the command's
+    // exit (and `kill_now` waited for that).
     drop(child);
     if outcome.is_ok() {
         match guard.release().await {

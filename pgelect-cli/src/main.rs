@@ -24,11 +24,13 @@ use crate::cli::{Cli, Command};
 use crate::exit::Failure;
 
 fn main() -> ExitCode {
-    let raw: Vec<String> = std::env::args().collect();
-    if raw.len() == 3 && raw[1] == child::WATCH_GROUP_ARG {
-        return child::watch_group_main(&raw[2]);
+    // args_os: the supervised command's arguments need not be UTF-8, and
+    // must reach it byte for byte.
+    let raw: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if raw.get(1).is_some_and(|a| a == child::WATCH_ARG) {
+        return child::watch_main(&raw[2..]);
     }
-    let cli = match Cli::try_parse() {
+    let cli = match Cli::try_parse_from(raw) {
         Ok(cli) => cli,
         Err(e) => return exit::usage(e),
     };

@@ -53,9 +53,14 @@ pub struct RunArgs {
     /// address, e.g. 127.0.0.1:9187.
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
-    /// The command to run while leader, after `--`.
+    /// Give the command the database variables pgelect was started with
+    /// (DATABASE_URL, PGPASSWORD, PGPASSFILE, PGUSER, PGHOST and the rest of
+    /// libpq's set); without this flag they are removed from its environment.
+    #[arg(long)]
+    pub pass_database_env: bool,
+    /// The command to run while leader, after `--` (passed byte for byte).
     #[arg(last = true, required = true, value_name = "CMD")]
-    pub command: Vec<String>,
+    pub command: Vec<std::ffi::OsString>,
 }
 
 /// The election backend, as typed.
@@ -119,7 +124,8 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
     if let Some(node) = &args.node {
         builder = builder.node_id(node);
     }
-    let elector = builder.build()?;
+    // Shared with the metrics listener, which reads its state.
+    let elector = std::sync::Arc::new(builder.build()?);
     let budget = elector.deadline_budget();
     let grace = match args.grace {
         Some(g) if g >= budget => {
@@ -144,9 +150,7 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
     let mut signals = Signals::install()?;
     let node = elector.node_id().to_owned();
     let http = match args.metrics_addr {
-        Some(addr) => {
-            Some(crate::http::serve(addr, &args.role, &node, options, elector.watch()).await?)
-        }
+        Some(addr) => Some(crate::http::serve(addr, elector.clone()).await?),
         None => None,
     };
     let set_phase = |phase: crate::http::Phase| {
@@ -171,7 +175,12 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
             ("PGELECT_NODE", node.clone()),
             ("PGELECT_TERM", term.to_string()),
         ];
-        let mut child = match child::spawn(&args.command, &env) {
+        let spec = child::Spec {
+            argv: &args.command,
+            env: &env,
+            pass_database_env: args.pass_database_env,
+        };
+        let mut child = match child::spawn(&spec) {
             Ok(child) => child,
             Err(failure) => {
                 // Hand over cleanly rather than leave standbys an unclean
@@ -184,16 +193,16 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
             tokio::select! {
                 status = child.wait() => {
                     let code = status.map(child::exit_code).unwrap_or(exit::SOFTWARE);
+                    // Its watcher has killed what it left: nothing of it
+                    // outlives leadership.
                     tracing::info!(code, "the command exited by itself");
-                    // Leftovers in its process group must not outlive leadership.
-                    child.signal_group(libc::SIGKILL);
                     match args.on_exit {
                         OnExit::Rerun if !leadership.is_lost() => {
                             tokio::select! {
                                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                                 _ = leadership.lost() => break,
                             }
-                            child = match child::spawn(&args.command, &env) {
+                            child = match child::spawn(&spec) {
                                 Ok(child) => child,
                                 Err(failure) => {
                                     release(leadership).await;
@@ -265,7 +274,7 @@ pub fn check_name(flag: &str, value: &str) -> Result<(), Failure> {
 /// Finds the command the way `execvp` will (a name with a `/` as a path,
 /// else on `PATH`), so that a typo fails with 127 (126 when not executable)
 /// before standing for election rather than after winning it.
-fn check_command(argv: &[String]) -> Result<(), Failure> {
+fn check_command(argv: &[std::ffi::OsString]) -> Result<(), Failure> {
     use std::os::unix::fs::PermissionsExt;
     use std::path::{Path, PathBuf};
     let program = argv
@@ -276,7 +285,7 @@ fn check_command(argv: &[String]) -> Result<(), Failure> {
             .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
             .ok()
     };
-    let candidates: Vec<PathBuf> = if program.contains('/') {
+    let candidates: Vec<PathBuf> = if program.as_encoded_bytes().contains(&b'/') {
         vec![PathBuf::from(program)]
     } else {
         let path = std::env::var_os("PATH")
@@ -332,11 +341,12 @@ async fn preflight(options: &pgelect::ConnectOptions) -> Result<(), Failure> {
 /// SIGTERM, then SIGKILL after `grace`; at once if leadership ends for a
 /// reason other than a resignation meanwhile.
 async fn stop_gracefully(child: &mut Child, grace: Duration, leadership: &pgelect::Leadership) {
-    child.signal_group(libc::SIGTERM);
+    child.terminate();
     let deadline = tokio::time::Instant::now() + grace;
     loop {
         tokio::select! {
-            _ = child.wait() => { child.signal_group(libc::SIGKILL); return; }
+            // The watcher killed what the command left before reporting.
+            _ = child.wait() => return,
             _ = tokio::time::sleep_until(deadline) => {
                 tracing::warn!(?grace, "the command outlived its grace period; killing it");
                 let _ = child.kill_now().await;

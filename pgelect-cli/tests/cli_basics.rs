@@ -182,7 +182,7 @@ async fn a_bad_schema_name_is_a_configuration_error() {
 }
 
 #[tokio::test]
-async fn a_wrong_password_exits_69_and_is_never_printed() {
+async fn a_wrong_password_exits_77_and_is_never_printed() {
     let db = TestDb::new("cli_wrong_password").await;
     let wrong = "wrong-Pa55word-x91";
     let out = run(
@@ -195,7 +195,7 @@ async fn a_wrong_password_exits_69_and_is_never_printed() {
         DB_RUN,
     )
     .await;
-    out.assert_code(69);
+    out.assert_code(77);
     assert!(out.stderr.contains("password"), "{}", out.stderr);
     let all = out.output();
     assert!(!all.contains(wrong), "password printed:\n{all}");
