@@ -49,6 +49,19 @@ fn environ(pid: u32) -> String {
 }
 
 /// The children of `pid` (from `/proc/*/stat`).
+/// Every process below `pid`.
+fn descendants(pid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    let mut next = vec![pid];
+    while let Some(p) = next.pop() {
+        for c in children(p) {
+            found.push(c);
+            next.push(c);
+        }
+    }
+    found
+}
+
 fn children(pid: u32) -> Vec<u32> {
     std::fs::read_dir("/proc")
         .expect("read /proc")
@@ -254,9 +267,18 @@ async fn run_given_its_urls_by_environment_or_file_shows_no_password() {
         .env("PGELECT_LISTEN_URL", &url);
     let mut by_file = leader("by-file", cmd, &dir.join("file.pid")).await;
 
+    // Only this test's supervisors and what they started: tests running in
+    // parallel may put the kit's password on their own command lines.
     let ours = [by_env.pid(), by_file.pid()];
+    let tree: Vec<u32> = ours
+        .iter()
+        .flat_map(|&pid| std::iter::once(pid).chain(descendants(pid)))
+        .collect();
     let mut seen = 0;
     for (pid, cmdline) in all_cmdlines() {
+        if !tree.contains(&pid) {
+            continue;
+        }
         if ours.contains(&pid) {
             seen += 1;
             assert!(cmdline.contains(" run "), "{cmdline}");
@@ -267,6 +289,8 @@ async fn run_given_its_urls_by_environment_or_file_shows_no_password() {
         );
     }
     assert_eq!(seen, 2, "both supervisors' command lines were read");
+    // Each tree: supervisor, watcher, the command's shell (or its sleep).
+    assert!(tree.len() >= 6, "the supervisors' process trees: {tree:?}");
     for sup in [&by_env, &by_file] {
         assert!(
             !sup.output().contains("holds a password"),
