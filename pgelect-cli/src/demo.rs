@@ -74,7 +74,9 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<u8, Failure> {
         sig = signals.recv() => Err(Failure::new(exit::TEMPFAIL, format!("interrupted by {sig}; cleaning up"))),
     };
     drop(secret);
-    drop(cluster);
+    if let Some(server) = cluster {
+        server.stop();
+    }
     if outcome.is_ok() {
         println!("• candidates stopped, throwaway PostgreSQL removed. Done.");
     }
@@ -391,7 +393,14 @@ mod throwaway {
     use crate::exit::{self, Failure};
 
     /// A running throwaway cluster; dropping it stops and removes it.
-    pub struct Server(#[allow(dead_code)] pgelect_testkit::Cluster);
+    pub struct Server(pgelect_testkit::Cluster);
+
+    impl Server {
+        /// Stops the server and removes its directory.
+        pub fn stop(self) {
+            drop(self.0);
+        }
+    }
 
     /// Starts a throwaway PostgreSQL with a random superuser password and
     /// returns its URL.
@@ -433,6 +442,12 @@ mod throwaway {
 
     /// Never built.
     pub enum Server {}
+
+    impl Server {
+        pub fn stop(self) {
+            match self {}
+        }
+    }
 
     pub async fn start() -> Result<(String, Server), Failure> {
         Err(Failure::new(
