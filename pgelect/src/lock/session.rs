@@ -347,9 +347,10 @@ impl LockSession {
         self.inner.lost.is_cancelled()
     }
 
-    /// Test hook, not API: runs `pg_advisory_unlock_all()` on the session
-    /// behind the guards' backs, so that tests can see
-    /// [`LockGuard::release`] report `false`.
+    /// Test hook, not API, built only with the `test-hooks` feature: runs
+    /// `pg_advisory_unlock_all()` on the session behind the guards' backs,
+    /// so that tests can see [`LockGuard::release`] report `false`.
+    #[cfg(feature = "test-hooks")]
     #[doc(hidden)]
     pub async fn unlock_all_behind_guards_for_tests(&self) -> Result<()> {
         let ops = self.inner.ops.clone().lock_owned().await;
