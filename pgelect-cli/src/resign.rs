@@ -59,8 +59,9 @@ pub async fn run(global: &Global, args: ResignArgs) -> Result<u8, Failure> {
             .await
             .map_err(|e| crate::db::classify(&schema, "read the leaders table", e))?;
         if let Some(row) = row {
-            let term: i64 = row.get(0);
-            let holder: Option<String> = row.get(1);
+            const READ: &str = "read the leaders table";
+            let term: i64 = crate::db::column(&row, 0, &schema, READ)?;
+            let holder: Option<String> = crate::db::column(&row, 1, &schema, READ)?;
             if term != old_term {
                 // Alone, a `pgelect run` leader stands again at once and wins:
                 // a new term, but leadership did not move. Say so.

@@ -265,3 +265,27 @@ async fn status_and_resign_print_the_real_cause_of_a_failure() {
         }
     }
 }
+
+/// A column whose type is not the one pgelect reads (a schema altered by
+/// hand) is an error naming the column, not a panic.
+#[tokio::test]
+async fn status_reports_a_column_of_the_wrong_type_without_panicking() {
+    let db = migrated("cli_squat_wrong_type").await;
+    let admin = db.connect().await;
+    admin
+        .batch_execute(
+            "ALTER TABLE pgelect.leaders ALTER COLUMN term TYPE int4;
+             INSERT INTO pgelect.leaders (role, holder, term, backend) VALUES ('r', 'a', 1, 'lease')",
+        )
+        .await
+        .unwrap();
+    let out = run(command(&db, &["status"]), QUICK).await;
+    println!("{:?} {}", out.code, out.stderr);
+    out.assert_code(70);
+    assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("error deserializing column 2"),
+        "{}",
+        out.stderr
+    );
+}
