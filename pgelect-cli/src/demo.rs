@@ -74,6 +74,9 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<u8, Failure> {
         sig = signals.recv() => Err(Failure::new(exit::TEMPFAIL, format!("interrupted by {sig}; cleaning up"))),
     };
     drop(secret);
+    // Stops the throwaway server (its Drop) with feature `throwaway`;
+    // without it, `Server` is an empty type and this drops nothing.
+    #[allow(clippy::drop_non_drop)]
     drop(cluster);
     if outcome.is_ok() {
         println!("• candidates stopped, throwaway PostgreSQL removed. Done.");

@@ -339,7 +339,7 @@ fn is_unsafe(c: char) -> bool {
 /// Text from the database as it may be shown on a terminal: every unsafe
 /// character written as `\u{1b}` (Rust's escape form), backslashes doubled
 /// so that an escape cannot be faked.
-fn escape(text: &str) -> String {
+pub(crate) fn escape(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         if c == '\\' {
