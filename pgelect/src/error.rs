@@ -571,6 +571,33 @@ mod tests {
         assert_eq!(rounded(Duration::from_millis(30_004)), "30s");
     }
 
+    /// A connect failure keeps its cause in the text (the driver alone says
+    /// only "error connecting to server"), and its hint fits the cause.
+    #[tokio::test]
+    async fn a_refused_connection_names_its_cause() {
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let config = format!("host=127.0.0.1 port={port} user=u connect_timeout=5");
+        let Err(e) = tokio_postgres::connect(&config, tokio_postgres::NoTls).await else {
+            panic!("connected to a closed port");
+        };
+        let text = driver_text(&e);
+        assert!(text.starts_with("error connecting to server: "), "{text}");
+        assert!(text.len() > "error connecting to server: ".len(), "{text}");
+        let e = Error::from_connect("127.0.0.1 user=u".into(), Duration::from_secs(5), e);
+        assert!(
+            matches!(e, Error::Connect { .. }) && e.is_connection(),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string()
+                .ends_with("check that PostgreSQL is running there and that the URL is right"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn shown_cuts_and_escapes() {
         assert_eq!(shown("a\0b"), "\"a\\0b\"");
