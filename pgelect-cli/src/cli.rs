@@ -202,8 +202,7 @@ pub fn resolve_url(
             format!("{flag} and {file_flag} both given; use one"),
         ));
     }
-    if value_on_line {
-        let url = value.expect("checked above");
+    if let Some(url) = value.filter(|_| value_on_line) {
         if holds_password(url) {
             warn_password_on_command_line(flag, file_flag);
         }

@@ -325,7 +325,8 @@ impl Observer {
                 .query_typed_one(&sql, &[(&ROLE, tokio_postgres::types::Type::TEXT)])
                 .await
                 .map_err(|e| crate::db::classify(schema, "read the leaders table", e))?;
-            if row.get::<_, i64>(0) > old {
+            let term: i64 = crate::db::column(&row, 0, schema, "read the leaders table")?;
+            if term > old {
                 return Ok(Instant::now());
             }
             tokio::time::sleep(Duration::from_millis(2)).await;

@@ -38,34 +38,65 @@ impl Failure {
 
 impl From<pgelect::Error> for Failure {
     fn from(e: pgelect::Error) -> Failure {
-        use pgelect::Error as E;
-        let code = match &e {
-            E::Config(_) | E::InvalidName { .. } => CONFIG,
-            E::SchemaMissing { .. } | E::SchemaVersion { .. } | E::Pooler(_) => CONFIG,
+        // The library's own classification decides; the order matters
+        // where predicates overlap (a connect timeout is a connection
+        // problem first).
+        let code = if e.is_config() || e.is_schema() {
+            CONFIG
+        } else if e.is_auth() || e.is_permission() {
             // A wrong password or a refused login (SQLSTATE class 28) is a
             // permission problem, not an outage: retrying will not help.
-            E::Permission { .. } | E::Auth { .. } => NOPERM,
-            E::LockTimeout { .. } | E::MigrationLockTimeout { .. } | E::AlreadyHeld { .. } => {
-                TEMPFAIL
-            }
-            _ if e.is_connection() => UNAVAILABLE,
-            _ => SOFTWARE,
+            NOPERM
+        } else if e.is_connection() {
+            UNAVAILABLE
+        } else if e.is_timeout() || matches!(e, pgelect::Error::AlreadyHeld { .. }) {
+            TEMPFAIL
+        } else {
+            SOFTWARE
         };
-        // Errors name their cause chain's first link; add the rest.
-        let mut message = e.to_string();
-        let mut source = std::error::Error::source(&e);
-        let mut seen = 0;
-        while let Some(s) = source {
-            let text = s.to_string();
-            if !message.contains(&text) && seen < 3 {
-                message.push_str(": ");
-                message.push_str(&text);
-            }
-            seen += 1;
-            source = s.source();
-        }
-        Failure::new(code, message)
+        Failure::new(code, escape_controls(&message(&e)))
     }
+}
+
+/// The error's message and the causes it does not already name. The
+/// library renders a tokio-postgres error itself (the server's severity,
+/// message, detail and hint, without the driver's bare "db error"), so the
+/// chain is followed only up to the first driver error.
+fn message(e: &pgelect::Error) -> String {
+    let mut message = e.to_string();
+    let mut source = std::error::Error::source(e);
+    let mut seen = 0;
+    while let Some(s) = source {
+        if s.is::<tokio_postgres::Error>() || s.is::<tokio_postgres::error::DbError>() {
+            break;
+        }
+        // A shared cause (`Arc<tokio_postgres::Error>`) shows as the error.
+        if s.is::<std::sync::Arc<tokio_postgres::Error>>() {
+            break;
+        }
+        let text = s.to_string();
+        if !message.contains(&text) && seen < 3 {
+            message.push_str(": ");
+            message.push_str(&text);
+        }
+        seen += 1;
+        source = s.source();
+    }
+    message
+}
+
+/// Server text may carry control characters (a role name, a message): they
+/// are written as `\u{1b}` so that they cannot reach the terminal raw.
+fn escape_controls(text: &str) -> String {
+    text.chars()
+        .map(|c| {
+            if c.is_control() && c != '\n' {
+                format!("\\u{{{:x}}}", c as u32)
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
 }
 
 /// Reports a command-line parse error: help and version go to standard output
@@ -85,5 +116,43 @@ pub fn usage(e: clap::Error) -> ExitCode {
             let _ = e.print();
             ExitCode::from(USAGE)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn exit_codes_follow_the_librarys_classification() {
+        let code = |e: pgelect::Error| Failure::from(e).code;
+        assert_eq!(code(pgelect::Error::Config("x".into())), CONFIG);
+        let missing = pgelect::Error::SchemaMissing {
+            schema: "pgelect".into(),
+        };
+        assert_eq!(code(missing), CONFIG);
+        let connect_timeout = pgelect::Error::ConnectTimeout {
+            target: "h:5432/d user=u".into(),
+            timeout: Duration::from_secs(1),
+            source: None,
+        };
+        assert_eq!(code(connect_timeout), UNAVAILABLE);
+        let lost = pgelect::Error::ConnectionLost {
+            operation: "read",
+            source: None,
+        };
+        assert_eq!(code(lost), UNAVAILABLE);
+        let lock_timeout = pgelect::Error::LockTimeout {
+            key: "k".into(),
+            waited: Duration::from_secs(1),
+            holders: Vec::new(),
+        };
+        assert_eq!(code(lock_timeout), TEMPFAIL);
+    }
+
+    #[test]
+    fn control_characters_are_escaped() {
+        assert_eq!(escape_controls("a\u{1b}[2Jb\nc"), "a\\u{1b}[2Jb\nc");
     }
 }

@@ -7,6 +7,13 @@ use tokio_postgres::types::Type;
 
 use crate::cli::Global;
 use crate::exit::{self, Failure};
+use crate::status::escape;
+
+/// A role name in double quotes, as `status` escapes it (checked names hold
+/// no control character, but the quotes and backslashes are escaped alike).
+fn quoted(role: &str) -> String {
+    format!("\"{}\"", escape(role).replace('"', "\\\""))
+}
 
 #[derive(Debug, Args)]
 pub struct ResignArgs {
@@ -42,13 +49,17 @@ pub async fn run(global: &Global, args: ResignArgs) -> Result<u8, Failure> {
         Err(e) => return Err(e.into()),
     };
     let Some(asked) = asked else {
-        println!("role {:?} has no leader; nothing to resign", args.role);
+        println!(
+            "role {} has no leader; nothing to resign",
+            quoted(&args.role)
+        );
         return Ok(0);
     };
     let old_term = asked.term.get();
     println!(
-        "asked {} (term {old_term}) to resign role {:?}; waiting for a change of term",
-        asked.holder, args.role
+        "asked {} (term {old_term}) to resign role {}; waiting for a change of term",
+        escape(&asked.holder),
+        quoted(&args.role)
     );
     let sql = format!("SELECT term, holder FROM {schema}.leaders WHERE role = $1");
     let deadline = tokio::time::Instant::now() + args.timeout;
@@ -59,16 +70,19 @@ pub async fn run(global: &Global, args: ResignArgs) -> Result<u8, Failure> {
             .await
             .map_err(|e| crate::db::classify(&schema, "read the leaders table", e))?;
         if let Some(row) = row {
-            let term: i64 = row.get(0);
-            let holder: Option<String> = row.get(1);
+            const READ: &str = "read the leaders table";
+            let term: i64 = crate::db::column(&row, 0, &schema, READ)?;
+            let holder: Option<String> = crate::db::column(&row, 1, &schema, READ)?;
             if term != old_term {
                 // Alone, a `pgelect run` leader stands again at once and wins:
                 // a new term, but leadership did not move. Say so.
                 let same = holder.as_deref() == Some(asked.holder.as_str());
                 println!(
-                    "role {:?} is now led by {} with term {term} ({} ms after the request){}",
-                    args.role,
-                    holder.as_deref().unwrap_or("(nobody yet)"),
+                    "role {} is now led by {} with term {term} ({} ms after the request){}",
+                    quoted(&args.role),
+                    holder
+                        .as_deref()
+                        .map_or_else(|| "(nobody yet)".to_owned(), escape),
                     started.elapsed().as_millis(),
                     if same {
                         "; the same node was re-elected: no other candidate was waiting"
@@ -81,8 +95,8 @@ pub async fn run(global: &Global, args: ResignArgs) -> Result<u8, Failure> {
             if holder.is_none() && !said_released {
                 said_released = true;
                 println!(
-                    "leader released role {:?} ({} ms after the request); no candidate has taken it yet",
-                    args.role,
+                    "leader released role {} ({} ms after the request); no candidate has taken it yet",
+                    quoted(&args.role),
                     started.elapsed().as_millis()
                 );
             }
@@ -95,8 +109,8 @@ pub async fn run(global: &Global, args: ResignArgs) -> Result<u8, Failure> {
             _ = tokio::time::sleep(Duration::from_millis(250)) => {}
             _ = tokio::time::sleep_until(deadline) => {
                 return Err(Failure::new(exit::TEMPFAIL, format!(
-                    "no new term for role {:?} within {}: the leader may not be listening (is it a pgelect leader?), or no standby is waiting",
-                    args.role, crate::duration::show(args.timeout))));
+                    "no new term for role {} within {}: the leader may not be listening (is it a pgelect leader?), or no standby is waiting",
+                    quoted(&args.role), crate::duration::show(args.timeout))));
             }
         }
     }

@@ -126,6 +126,8 @@ fn status_sql(schema: &str) -> String {
     )
 }
 
+const READ: &str = "read the leaders table";
+
 async fn read(
     client: &tokio_postgres::Client,
     schema: &str,
@@ -134,10 +136,10 @@ async fn read(
     let rows = client
         .query_typed(&status_sql(schema), &[(&role, Type::TEXT)])
         .await
-        .map_err(|e| Failure::from(crate::db::classify(schema, "read the leaders table", e)))?;
+        .map_err(|e| crate::db::classify(schema, READ, e))?;
     let mut out = Vec::with_capacity(rows.len());
     for row in rows {
-        let candidates: String = row.get(6);
+        let candidates: String = crate::db::column(&row, 6, schema, READ)?;
         let parsed: serde_json::Value = serde_json::from_str(&candidates).unwrap_or_default();
         let candidates: Vec<Candidate> = parsed
             .as_array()
@@ -151,7 +153,7 @@ async fn read(
                     .collect()
             })
             .unwrap_or_default();
-        let squatters: String = row.get(7);
+        let squatters: String = crate::db::column(&row, 7, schema, READ)?;
         let parsed: serde_json::Value = serde_json::from_str(&squatters).unwrap_or_default();
         let squatters: Vec<Squatter> = parsed
             .as_array()
@@ -169,19 +171,19 @@ async fn read(
                     .collect()
             })
             .unwrap_or_default();
-        let has_row: bool = row.get(8);
+        let has_row: bool = crate::db::column(&row, 8, schema, READ)?;
         // A role asked for by name that nobody stands for, holds or waits
         // for is not shown (as before: it has no row).
         if !has_row && candidates.is_empty() && squatters.is_empty() {
             continue;
         }
         out.push(RoleStatus {
-            role: row.get(0),
-            holder: row.get(1),
-            term: row.get(2),
-            backend: row.get(3),
-            acquired_at: row.get(4),
-            lease_remaining_ms: row.get(5),
+            role: crate::db::column(&row, 0, schema, READ)?,
+            holder: crate::db::column(&row, 1, schema, READ)?,
+            term: crate::db::column(&row, 2, schema, READ)?,
+            backend: crate::db::column(&row, 3, schema, READ)?,
+            acquired_at: crate::db::column(&row, 4, schema, READ)?,
+            lease_remaining_ms: crate::db::column(&row, 5, schema, READ)?,
             candidates,
             squatters,
         });
@@ -337,7 +339,7 @@ fn is_unsafe(c: char) -> bool {
 /// Text from the database as it may be shown on a terminal: every unsafe
 /// character written as `\u{1b}` (Rust's escape form), backslashes doubled
 /// so that an escape cannot be faked.
-fn escape(text: &str) -> String {
+pub(crate) fn escape(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         if c == '\\' {
@@ -414,7 +416,7 @@ pub async fn run(global: &Global, args: StatusArgs) -> Result<u8, Failure> {
     client
         .batch_execute(&format!("LISTEN {}", pgelect::LEADER_CHANNEL))
         .await
-        .map_err(|e| Failure::from(crate::db::classify(&schema, "listen for changes", e)))?;
+        .map_err(|e| crate::db::classify(&schema, "listen for changes", e))?;
     let tty = std::io::stdout().is_terminal() && !args.json;
     let mut signals = crate::signals::Signals::install()?;
     let mut last: Option<Vec<RoleStatus>> = None;

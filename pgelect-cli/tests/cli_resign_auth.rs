@@ -89,3 +89,33 @@ async fn resign_needs_execute_on_request_resign_and_exits_77_without_it() {
     shutdown.cancel();
     leader.await.unwrap().unwrap();
 }
+
+/// A statement refused by the server reads as the server said it, once:
+/// severity and message, without the driver's bare "db error".
+#[tokio::test]
+async fn status_without_select_shows_the_servers_refusal_once() {
+    let db = TestDb::new("cli_status_noperm").await;
+    let owner = ConnectOptions::from_url(&db.url()).unwrap();
+    pgelect::migrate(&owner).await.unwrap();
+    let usage_only = operator(&db, "op_blind", &["GRANT USAGE ON SCHEMA pgelect TO {r}"]).await;
+    let out = run(
+        pgelect(["status", "--database-url", &usage_only]),
+        Duration::from_secs(10),
+    )
+    .await;
+    println!("{}", out.stderr);
+    out.assert_code(77);
+    assert!(
+        out.stderr.contains(": ERROR: permission denied for "),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(
+        out.stderr.matches("permission denied for ").count(),
+        1,
+        "the server's words once: {}",
+        out.stderr
+    );
+    assert!(!out.stderr.contains("db error"), "{}", out.stderr);
+    assert!(!out.output().contains(PASSWORD), "{}", out.output());
+}

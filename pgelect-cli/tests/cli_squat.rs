@@ -265,3 +265,64 @@ async fn status_and_resign_print_the_real_cause_of_a_failure() {
         }
     }
 }
+
+#[tokio::test]
+async fn resign_escapes_the_holder_it_names() {
+    let db = migrated("cli_squat_resign_escape").await;
+    let admin = db.connect().await;
+    let holder = "node\u{1b}]0;pwned\u{7}\u{202e}";
+    admin
+        .execute(
+            "INSERT INTO pgelect.leaders (role, holder, term, backend, holder_pid, acquired_at, renewed_at, lease_until)
+             VALUES ('r', $1, 3, 'session', 0, now(), now(), now() + interval '1 minute')",
+            &[&holder],
+        )
+        .await
+        .unwrap();
+    // Nobody is listening: the request is made, no new term follows (75).
+    let out = run(
+        command(&db, &["resign", "--role", "r", "--timeout", "1s"]),
+        QUICK,
+    )
+    .await;
+    println!("{}", out.output().escape_debug());
+    out.assert_code(75);
+    // (Standard error carries the log, coloured when asked.)
+    for bad in ['\u{1b}', '\u{7}', '\u{202e}'] {
+        assert!(
+            !out.stdout.contains(bad),
+            "{bad:?} printed raw: {}",
+            out.stdout.escape_debug()
+        );
+    }
+    assert!(
+        out.stdout
+            .contains("asked node\\u{1b}]0;pwned\\u{7}\\u{202e} (term 3)"),
+        "{}",
+        out.stdout
+    );
+}
+
+/// A column whose type is not the one pgelect reads (a schema altered by
+/// hand) is an error naming the column, not a panic.
+#[tokio::test]
+async fn status_reports_a_column_of_the_wrong_type_without_panicking() {
+    let db = migrated("cli_squat_wrong_type").await;
+    let admin = db.connect().await;
+    admin
+        .batch_execute(
+            "ALTER TABLE pgelect.leaders ALTER COLUMN term TYPE int4;
+             INSERT INTO pgelect.leaders (role, holder, term, backend) VALUES ('r', 'a', 1, 'lease')",
+        )
+        .await
+        .unwrap();
+    let out = run(command(&db, &["status"]), QUICK).await;
+    println!("{:?} {}", out.code, out.stderr);
+    out.assert_code(70);
+    assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("error deserializing column 2"),
+        "{}",
+        out.stderr
+    );
+}

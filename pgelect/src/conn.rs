@@ -8,13 +8,15 @@
 
 use std::fmt;
 use std::path::Path;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use futures_util::future::poll_fn;
 use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
 use tokio_postgres::config::Host;
-use tokio_postgres::{AsyncMessage, Client, Config, NoTls};
+use tokio_postgres::tls::NoTlsStream;
+use tokio_postgres::{AsyncMessage, Client, Config, Connection, NoTls, Socket};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
@@ -257,6 +259,48 @@ impl ConnectOptions {
         Ok(conn)
     }
 
+    /// Opens a plain connection named `application_name`, bounded by the
+    /// connect timeout, for tools that observe pgelect's tables (the
+    /// `pgelect` command's `status` and `resign`). The caller drives the
+    /// returned [`Connection`] (spawn it, or poll its messages for `LISTEN`
+    /// notifications).
+    ///
+    /// Failures are classified as [`Error::from_connect`] does:
+    /// [`Error::Auth`], [`Error::ConnectTimeout`] (the driver's connect
+    /// timeout, or no finished startup within the timeout plus one second,
+    /// as from a server that accepts and never answers) or
+    /// [`Error::Connect`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future drops the half-open connection.
+    pub async fn connect_plain(
+        &self,
+        application_name: &str,
+    ) -> Result<(Client, Connection<Socket, NoTlsStream>)> {
+        let mut config = self.config.clone();
+        config.application_name(application_name);
+        self.open(config).await
+    }
+
+    /// Connects with `config`, bounding the whole attempt (TCP connect and
+    /// startup): the driver's `connect_timeout` covers the TCP connect
+    /// only, so a server that accepts and never answers is caught by the
+    /// outer bound.
+    async fn open(&self, mut config: Config) -> Result<(Client, Connection<Socket, NoTlsStream>)> {
+        config.connect_timeout(self.connect_timeout);
+        let connecting = config.connect(NoTls);
+        match tokio::time::timeout(self.connect_timeout + Duration::from_secs(1), connecting).await
+        {
+            Err(_) => Err(Error::ConnectTimeout {
+                target: self.target(),
+                timeout: self.connect_timeout,
+                source: None,
+            }),
+            Ok(Err(e)) => Err(Error::from_connect(self.target(), self.connect_timeout, e)),
+            Ok(Ok(pair)) => Ok(pair),
+        }
+    }
+
     async fn connect_with(
         &self,
         purpose: &str,
@@ -269,29 +313,17 @@ impl ConnectOptions {
         if config.get_application_name().is_none() {
             config.application_name(format!("pgelect:{purpose}"));
         }
-        config.connect_timeout(self.connect_timeout);
-        let target = self.target();
-        let connecting = config.connect(NoTls);
-        let (client, connection) =
-            match tokio::time::timeout(self.connect_timeout + Duration::from_secs(1), connecting)
-                .await
-            {
-                Err(_) => {
-                    return Err(Error::ConnectTimeout {
-                        target,
-                        timeout: self.connect_timeout,
-                    })
-                }
-                Ok(Err(e)) => return Err(classify_connect_error(target, e, self.connect_timeout)),
-                Ok(Ok(pair)) => pair,
-            };
+        let (client, connection) = self.open(config).await?;
         let mut conn = DedicatedConnection::drive(client, connection);
+        let schema = self.schema.as_str();
         let row = conn
             .client
             .query_typed_one("SELECT pg_backend_pid()", &[])
             .await
-            .map_err(|e| Error::db("start a session", self.schema.as_str(), e))?;
-        conn.pid = row.get(0);
+            .map_err(|e| Error::db("start a session", schema, e))?;
+        conn.pid = row
+            .try_get(0)
+            .map_err(|e| Error::db("start a session", schema, e))?;
         Ok(conn)
     }
 }
@@ -409,22 +441,6 @@ fn redact_url(url: &str) -> String {
     format!("{scheme}://{user}@{host}")
 }
 
-fn classify_connect_error(target: String, e: tokio_postgres::Error, timeout: Duration) -> Error {
-    use tokio_postgres::error::SqlState;
-    match e.code() {
-        Some(c)
-            if *c == SqlState::INVALID_PASSWORD
-                || *c == SqlState::INVALID_AUTHORIZATION_SPECIFICATION =>
-        {
-            Error::Auth { target, source: e }
-        }
-        _ if e.to_string().contains("timeout") || e.to_string().contains("timed out") => {
-            Error::ConnectTimeout { target, timeout }
-        }
-        _ => Error::Connect { target, source: e },
-    }
-}
-
 impl fmt::Debug for ConnectOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ConnectOptions")
@@ -453,6 +469,8 @@ pub(crate) struct Notice {
 pub(crate) struct DedicatedConnection {
     client: Client,
     closed: CancellationToken,
+    /// The error the connection ended with, set before `closed` fires.
+    ended_by: Arc<OnceLock<Arc<tokio_postgres::Error>>>,
     notices: broadcast::Sender<Notice>,
     task: JoinHandle<()>,
     pid: i32,
@@ -461,12 +479,11 @@ pub(crate) struct DedicatedConnection {
 impl DedicatedConnection {
     fn drive(
         client: Client,
-        mut connection: tokio_postgres::Connection<
-            tokio_postgres::Socket,
-            tokio_postgres::tls::NoTlsStream,
-        >,
+        mut connection: Connection<Socket, NoTlsStream>,
     ) -> DedicatedConnection {
         let closed = CancellationToken::new();
+        let ended_by = Arc::new(OnceLock::new());
+        let end = ended_by.clone();
         let (notices, _) = broadcast::channel(256);
         let tx = notices.clone();
         let done = closed.clone();
@@ -485,6 +502,7 @@ impl DedicatedConnection {
                     Some(Ok(_)) => {}
                     Some(Err(e)) => {
                         tracing::debug!(error = %e, "dedicated connection ended with an error");
+                        let _ = end.set(Arc::new(e));
                         break;
                     }
                     None => break,
@@ -495,6 +513,7 @@ impl DedicatedConnection {
         DedicatedConnection {
             client,
             closed,
+            ended_by,
             notices,
             task,
             pid: 0,
@@ -514,6 +533,19 @@ impl DedicatedConnection {
     /// Cancelled when the connection has ended.
     pub(crate) fn closed(&self) -> &CancellationToken {
         &self.closed
+    }
+
+    /// The error the connection ended with (the server's `FATAL`, an I/O
+    /// error), once it has ended with one; `None` while it is open, after a
+    /// clean end, or after [`kill`](DedicatedConnection::kill).
+    pub(crate) fn ended_by(&self) -> Option<Arc<tokio_postgres::Error>> {
+        self.ended_by.get().cloned()
+    }
+
+    /// [`Error::ConnectionLost`] for `operation`, with what ended the
+    /// connection where known.
+    pub(crate) fn lost(&self, operation: &'static str) -> Error {
+        Error::connection_lost_by(operation, self.ended_by())
     }
 
     /// True once the connection has ended.

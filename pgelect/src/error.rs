@@ -1,8 +1,9 @@
 //! The one error type of the crate.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio_postgres::error::SqlState;
+use tokio_postgres::error::{DbError, SqlState};
 
 /// SQLSTATE raised by `pgelect.fence` when the term is not the current one.
 pub const SQLSTATE_STALE_TERM: &str = "PE001";
@@ -34,7 +35,7 @@ pub enum Error {
     },
 
     /// The server could not be reached or refused the connection.
-    #[error("could not connect to {target}: {source}; check that PostgreSQL is running there and that the URL is right")]
+    #[error("could not connect to {target}: {}; {}", driver_text(.source), connect_hint(.source))]
     Connect {
         /// `host:port/database user=NAME`, never the password.
         target: String,
@@ -44,16 +45,21 @@ pub enum Error {
     },
 
     /// The connection attempt did not finish in time.
-    #[error("could not connect to {target} within {timeout:?}: the server does not answer; check the host, port and firewall")]
+    #[error("could not connect to {target} within {}: the server does not answer; check the host, port and firewall", rounded(*.timeout))]
     ConnectTimeout {
         /// `host:port/database user=NAME`, never the password.
         target: String,
         /// The bound that passed.
         timeout: Duration,
+        /// The driver's error when it gave up itself (its own connect
+        /// timeout); `None` when pgelect's bound around the whole attempt
+        /// (TCP connect and startup) ran out first.
+        #[source]
+        source: Option<tokio_postgres::Error>,
     },
 
     /// The server rejected the credentials.
-    #[error("authentication failed for {target}: {source}; check the user name and password")]
+    #[error("authentication failed for {target}: {}; check the user name and password", driver_text(.source))]
     Auth {
         /// `host:port/database user=NAME`, never the password.
         target: String,
@@ -85,7 +91,7 @@ pub enum Error {
     },
 
     /// The database user lacks a privilege the operation needs.
-    #[error("permission denied while trying to {operation}: {source}; grant the role the needed privileges (see the README's section on privileges)")]
+    #[error("permission denied while trying to {operation}: {}; grant the role the needed privileges (see the README's section on privileges)", driver_text(.source))]
     Permission {
         /// What pgelect was doing.
         operation: &'static str,
@@ -162,14 +168,23 @@ pub enum Error {
     },
 
     /// A dedicated connection was lost (terminated, reset, timed out).
-    #[error("connection lost while trying to {operation}")]
+    #[error("connection lost while trying to {operation}{}", cause_suffix(.source.as_deref()))]
     ConnectionLost {
         /// What pgelect was doing.
         operation: &'static str,
+        /// What ended the connection, where pgelect saw it: the driver's
+        /// error for the statement that found it closed, or the error the
+        /// connection itself ended with (the server's `FATAL`, an I/O
+        /// error). `None` when the end was noticed otherwise: a statement
+        /// that did not answer within its bound, or a runtime shutting down.
+        /// Shared (`Arc`) because every lock and handle on one connection
+        /// reports the same end.
+        #[source]
+        source: Option<Arc<tokio_postgres::Error>>,
     },
 
     /// A statement failed.
-    #[error("database error while trying to {operation}: {source}")]
+    #[error("database error while trying to {operation}: {}", driver_text(.source))]
     Database {
         /// What pgelect was doing.
         operation: &'static str,
@@ -216,9 +231,45 @@ impl Error {
             Error::Connect { .. } | Error::ConnectTimeout { .. } | Error::ConnectionLost { .. } => {
                 true
             }
-            Error::Database { source, .. } => source.is_closed() || source.as_db_error().is_none(),
+            // Closed, or an I/O failure underneath (reading, writing,
+            // parsing the stream). Not a row that does not decode, a bad
+            // column or parameter: those are bugs or schema drift, and a
+            // new connection would fail alike.
+            Error::Database { source, .. } => source.is_closed() || has_io_error(source),
             _ => false,
         }
+    }
+
+    /// True when the server refused the login (SQLSTATE class 28: wrong
+    /// password, no such user, no `pg_hba.conf` entry): retrying will not
+    /// help.
+    pub fn is_auth(&self) -> bool {
+        matches!(self, Error::Auth { .. })
+    }
+
+    /// True when the database user lacks a privilege
+    /// ([`Error::Permission`]).
+    pub fn is_permission(&self) -> bool {
+        matches!(self, Error::Permission { .. })
+    }
+
+    /// True when pgelect's schema is missing or at another version: run
+    /// `pgelect migrate` (or upgrade pgelect).
+    pub fn is_schema(&self) -> bool {
+        matches!(
+            self,
+            Error::SchemaMissing { .. } | Error::SchemaVersion { .. }
+        )
+    }
+
+    /// True for a refused configuration: a value out of range, a malformed
+    /// name or URL, a connection through a transaction-mode pooler where a
+    /// session is needed.
+    pub fn is_config(&self) -> bool {
+        matches!(
+            self,
+            Error::Config(_) | Error::InvalidName { .. } | Error::Pooler(_)
+        )
     }
 
     /// True when a fence refused a stale term.
@@ -244,22 +295,47 @@ impl Error {
             | Error::Permission { source, .. }
             | Error::Connect { source, .. }
             | Error::Database { source, .. } => source.code().map(SqlState::code),
+            Error::ConnectTimeout { source, .. } => source
+                .as_ref()
+                .and_then(tokio_postgres::Error::code)
+                .map(SqlState::code),
+            Error::ConnectionLost { source, .. } => source
+                .as_deref()
+                .and_then(tokio_postgres::Error::code)
+                .map(SqlState::code),
             Error::StaleTerm { .. } => Some(SQLSTATE_STALE_TERM),
             Error::NoLeader { .. } => Some(SQLSTATE_NO_LEADER),
             _ => None,
         }
     }
 
-    /// Classifies a driver error raised by a statement of `operation`, mapping
-    /// a missing schema, a missing privilege and a lost connection to their own
-    /// variants.
-    pub(crate) fn db(
+    /// Classifies a driver error raised by a statement of `operation` on
+    /// pgelect's tables in `schema`: a closed connection becomes
+    /// [`Error::ConnectionLost`] (the driver's error kept as its source), a
+    /// missing privilege [`Error::Permission`], a missing table or function
+    /// *of that schema* [`Error::SchemaMissing`], anything else
+    /// [`Error::Database`]. Decided by SQLSTATE and the driver's own
+    /// predicates, never by message text (the one exception: whether the
+    /// missing object is in `schema`, which the server names only in its
+    /// message; without that mention it stays a [`Error::Database`]).
+    ///
+    /// This is the classifier pgelect uses for its own statements; tools
+    /// that run statements on pgelect's tables themselves (the `pgelect`
+    /// command) use it too, so that both report alike.
+    ///
+    /// ```
+    /// // A row-type mismatch (`Row::try_get`) is a plain database error.
+    /// # fn f(e: tokio_postgres::Error) {
+    /// let e = pgelect::Error::from_driver("read the leaders table", "pgelect", e);
+    /// # }
+    /// ```
+    pub fn from_driver(
         operation: &'static str,
         schema: &str,
         source: tokio_postgres::Error,
     ) -> Error {
         if source.is_closed() {
-            return Error::ConnectionLost { operation };
+            return Error::connection_lost_by(operation, Some(Arc::new(source)));
         }
         match source.code() {
             Some(c) if *c == SqlState::INSUFFICIENT_PRIVILEGE => {
@@ -284,6 +360,52 @@ impl Error {
             }
             _ => Error::Database { operation, source },
         }
+    }
+
+    /// [`Error::from_driver`], under the name the crate's code uses.
+    pub(crate) fn db(
+        operation: &'static str,
+        schema: &str,
+        source: tokio_postgres::Error,
+    ) -> Error {
+        Error::from_driver(operation, schema, source)
+    }
+
+    /// Classifies the error of a connection attempt to `target` (from
+    /// [`ConnectOptions::target`](crate::ConnectOptions::target)) whose
+    /// bound was `timeout`: a refused login (SQLSTATE class 28) is
+    /// [`Error::Auth`], the driver's own connect timeout (an I/O error of
+    /// kind `TimedOut` in its source chain) [`Error::ConnectTimeout`],
+    /// anything else [`Error::Connect`].
+    pub fn from_connect(target: String, timeout: Duration, source: tokio_postgres::Error) -> Error {
+        if source.code().is_some_and(|c| c.code().starts_with("28")) {
+            return Error::Auth { target, source };
+        }
+        if io_kind_in_chain(&source, std::io::ErrorKind::TimedOut) {
+            return Error::ConnectTimeout {
+                target,
+                timeout,
+                source: Some(source),
+            };
+        }
+        Error::Connect { target, source }
+    }
+
+    /// A lost connection whose cause pgelect did not see.
+    pub(crate) fn connection_lost(operation: &'static str) -> Error {
+        Error::ConnectionLost {
+            operation,
+            source: None,
+        }
+    }
+
+    /// A lost connection, with what ended it where known (see
+    /// [`Error::ConnectionLost`]).
+    pub(crate) fn connection_lost_by(
+        operation: &'static str,
+        source: Option<Arc<tokio_postgres::Error>>,
+    ) -> Error {
+        Error::ConnectionLost { operation, source }
     }
 
     /// Classifies the error of a `fence(role, term)` statement: the fence's
@@ -329,6 +451,86 @@ impl Error {
     }
 }
 
+/// True when an I/O error is somewhere in `e`'s source chain.
+fn has_io_error(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut link = Some(e);
+    while let Some(l) = link {
+        if l.is::<std::io::Error>() {
+            return true;
+        }
+        link = l.source();
+    }
+    false
+}
+
+/// True when an I/O error of `kind` is somewhere in `e`'s source chain.
+fn io_kind_in_chain(e: &(dyn std::error::Error + 'static), kind: std::io::ErrorKind) -> bool {
+    let mut link = Some(e);
+    while let Some(l) = link {
+        if l.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == kind)
+        {
+            return true;
+        }
+        link = l.source();
+    }
+    false
+}
+
+/// The server's error as a person should read it: `ERROR: message`, then
+/// `DETAIL: …` and `HINT: …` where the server gave them, on one line.
+pub(crate) fn server_text(db: &DbError) -> String {
+    let mut out = format!("{}: {}", db.severity(), db.message());
+    if let Some(detail) = db.detail() {
+        out.push_str(&format!(" (DETAIL: {detail})"));
+    }
+    if let Some(hint) = db.hint() {
+        out.push_str(&format!(" (HINT: {hint})"));
+    }
+    out
+}
+
+/// A driver error as a person should read it: the server's words alone
+/// when the server answered (without the driver's bare "db error"),
+/// otherwise the driver's text followed by its causes ("error connecting
+/// to server: Connection refused (os error 111)").
+pub(crate) fn driver_text(e: &tokio_postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        return server_text(db);
+    }
+    let mut out = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        cause = c.source();
+    }
+    out
+}
+
+/// What to check after a failed connection, by what the failure was.
+fn connect_hint(e: &tokio_postgres::Error) -> &'static str {
+    match e.code().map(SqlState::code) {
+        Some("3D000") => "check the database name",
+        Some(c) if c.starts_with("28") => "check the user name and password",
+        Some(_) => "see the server's message",
+        None => "check that PostgreSQL is running there and that the URL is right",
+    }
+}
+
+fn cause_suffix(cause: Option<&tokio_postgres::Error>) -> String {
+    match cause {
+        // A statement on a closed connection says only "connection closed":
+        // nothing to add to "connection lost".
+        Some(e) if e.is_closed() => String::new(),
+        Some(e) => format!(": {}", driver_text(e)),
+        None => String::new(),
+    }
+}
+
 /// A duration for a message, rounded: `250ms`, `1.0s`, `30s`.
 pub(crate) fn rounded(d: Duration) -> String {
     let ms = d.as_millis();
@@ -367,6 +569,33 @@ mod tests {
         assert_eq!(rounded(Duration::from_micros(250_400)), "250ms");
         assert_eq!(rounded(Duration::from_nanos(1_003_140_012)), "1.0s");
         assert_eq!(rounded(Duration::from_millis(30_004)), "30s");
+    }
+
+    /// A connect failure keeps its cause in the text (the driver alone says
+    /// only "error connecting to server"), and its hint fits the cause.
+    #[tokio::test]
+    async fn a_refused_connection_names_its_cause() {
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let config = format!("host=127.0.0.1 port={port} user=u connect_timeout=5");
+        let Err(e) = tokio_postgres::connect(&config, tokio_postgres::NoTls).await else {
+            panic!("connected to a closed port");
+        };
+        let text = driver_text(&e);
+        assert!(text.starts_with("error connecting to server: "), "{text}");
+        assert!(text.len() > "error connecting to server: ".len(), "{text}");
+        let e = Error::from_connect("127.0.0.1 user=u".into(), Duration::from_secs(5), e);
+        assert!(
+            matches!(e, Error::Connect { .. }) && e.is_connection(),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string()
+                .ends_with("check that PostgreSQL is running there and that the URL is right"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -65,6 +65,8 @@ pub use election::{
     Leadership, LossReason, SharedConnection, StandbyMode, Term, LEADER_CHANNEL, MAX_ROLE_BYTES,
     RESIGN_CHANNEL,
 };
+/// Test hook, not API (feature `test-hooks`): the lease backend's statements.
+#[cfg(feature = "test-hooks")]
 #[doc(hidden)]
 pub use election::{lease_sql, LeaseSql};
 pub use error::{Error, Result, SQLSTATE_NO_LEADER, SQLSTATE_STALE_TERM};

@@ -348,7 +348,7 @@ async fn migrate_locked(
                 .await
                 .map_err(err("check the migration lock"))?;
             let granted = held.iter().any(|m| match m {
-                SimpleQueryMessage::Row(r) => r.get(0) == Some("t"),
+                SimpleQueryMessage::Row(r) => matches!(r.try_get(0), Ok(Some("t"))),
                 _ => false,
             });
             if !granted {
@@ -369,7 +369,9 @@ async fn migrate_locked(
         .query_typed_one("SELECT pg_advisory_unlock($1)", &[(&high, Type::INT8)])
         .await
         .map_err(err("release the migration lock"))?;
-    let unlocked: bool = unlocked.get(0);
+    let unlocked: bool = unlocked
+        .try_get(0)
+        .map_err(err("release the migration lock"))?;
     if !unlocked {
         return Err(Error::config(
             "the migration lock was not held at unlock time; the migration ran unserialised — check for a connection pooler in transaction mode between pgelect and PostgreSQL",
@@ -426,7 +428,8 @@ async fn installed_version<C: GenericClient>(client: &C, schema: &SchemaName) ->
         )
         .await
         .map_err(|e| Error::db("read the schema version", s, e))?;
-    Ok(row.get(0))
+    row.try_get(0)
+        .map_err(|e| Error::db("read the schema version", s, e))
 }
 
 /// Checks that the schema is installed at the version this library needs,

@@ -552,3 +552,65 @@ async fn zero_durations_are_refused() {
         .unwrap_err();
     assert!(matches!(err, Error::Config(_)), "{err}");
 }
+
+/// The error of a lock whose connection the server ended keeps the cause:
+/// its source chain reaches the driver's error and the server's `FATAL`.
+#[tokio::test]
+async fn a_lost_connection_keeps_the_servers_reason_as_its_source() {
+    let (_db, options, admin) = setup("lock_lost_cause").await;
+    let a = LockSession::connect(&options).await.unwrap();
+    let g = a.lock(LockKey::from_i64(19)).await.unwrap();
+    admin
+        .execute("SELECT pg_terminate_backend($1)", &[&a.backend_pid()])
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), a.lost())
+        .await
+        .expect("lost() fires after pg_terminate_backend");
+
+    let err = g.release().await.unwrap_err();
+    println!("{err}");
+    assert!(matches!(err, Error::ConnectionLost { .. }), "{err:?}");
+    assert!(err.is_connection(), "{err:?}");
+    let mut chain = Vec::new();
+    let mut link = std::error::Error::source(&err);
+    while let Some(l) = link {
+        chain.push(l);
+        link = l.source();
+    }
+    assert!(
+        chain.iter().any(|l| l
+            .downcast_ref::<std::sync::Arc<tokio_postgres::Error>>()
+            .is_some()),
+        "the driver's error is the source: {err:?}"
+    );
+    let server = chain
+        .iter()
+        .find_map(|l| l.downcast_ref::<tokio_postgres::error::DbError>())
+        .expect("the server's error is in the chain");
+    assert_eq!(
+        server.code(),
+        &tokio_postgres::error::SqlState::ADMIN_SHUTDOWN
+    );
+    assert_eq!(err.sqlstate(), Some("57P01"));
+    // Said once, in the server's words, without the driver's "db error".
+    let text = err.to_string();
+    assert!(
+        text.contains("FATAL: terminating connection due to administrator command"),
+        "{text}"
+    );
+    assert!(!text.contains("db error"), "{text}");
+
+    // The next operation says the same.
+    let err = a.try_lock(LockKey::from_i64(20)).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::ConnectionLost {
+                source: Some(_),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+}

@@ -243,3 +243,59 @@ async fn zero_connect_timeout_is_rejected() {
         Err(Error::Config(_))
     ));
 }
+
+/// A server that accepts the TCP connection and never answers the startup
+/// message is a connect timeout (decided by the bound, not by a message).
+#[tokio::test]
+async fn a_listener_that_never_answers_is_a_connect_timeout() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let o = ConnectOptions::from_url(&format!("postgres://u:pw@127.0.0.1:{port}/d"))
+        .unwrap()
+        .connect_timeout(Duration::from_millis(300))
+        .unwrap();
+    let started = Instant::now();
+    let Err(e) = o.connect_plain("pgelect:test").await else {
+        panic!("connected to a listener that never answers");
+    };
+    let took = started.elapsed();
+    println!("{e} after {took:?}");
+    assert!(matches!(e, Error::ConnectTimeout { .. }), "{e:?}");
+    assert!(e.is_timeout() && e.is_connection(), "{e:?}");
+    assert!(took < Duration::from_secs(3), "bounded: {took:?}");
+    let e = pgelect::migrate(&o).await.unwrap_err();
+    assert!(matches!(e, Error::ConnectTimeout { .. }), "{e:?}");
+    drop(listener);
+}
+
+/// Through a blackholed proxy: the same, a `ConnectTimeout`.
+#[tokio::test]
+async fn a_blackholed_server_is_a_connect_timeout() {
+    let db = TestDb::new("blackhole_connect_kind").await;
+    let proxy = FaultProxy::start(db.server_addr()).unwrap();
+    proxy.blackhole();
+    let o = ConnectOptions::from_config(db.config_via(proxy.port()))
+        .connect_timeout(Duration::from_millis(500))
+        .unwrap();
+    let e = pgelect::LockSession::connect(&o).await.unwrap_err();
+    assert!(matches!(e, Error::ConnectTimeout { .. }), "{e:?}");
+    assert!(e.is_timeout(), "{e:?}");
+}
+
+/// A wrong password is told apart by SQLSTATE (class 28) on the plain
+/// connection the command uses too.
+#[tokio::test]
+async fn connect_plain_classifies_a_refused_login() {
+    let db = TestDb::new("plain_bad_password").await;
+    let url = db.url().replace(TEST_PASSWORD, "not-the-Secret-9");
+    let Err(e) = ConnectOptions::from_url(&url)
+        .unwrap()
+        .connect_plain("pgelect:test")
+        .await
+    else {
+        panic!("a wrong password was accepted");
+    };
+    assert!(e.is_auth() && !e.is_connection(), "{e:?}");
+    assert_eq!(e.sqlstate(), Some("28P01"));
+    assert!(!e.to_string().contains("db error"), "{e}");
+}

@@ -192,7 +192,7 @@ async fn exec(
         let purpose = format!("lease:{}:{}", shared.role, shared.node);
         match tokio::time::timeout(patient, shared.options.connect(&purpose)).await {
             Ok(c) => *conn = Some(c?),
-            Err(_) => return Err(Error::ConnectionLost { operation }),
+            Err(_) => return Err(Error::connection_lost(operation)),
         }
     }
     let c = conn.as_ref().expect("BUG: connected above");
@@ -224,7 +224,7 @@ async fn exec(
                 });
                 c.kill();
             }
-            Err(Error::ConnectionLost { operation })
+            Err(Error::connection_lost(operation))
         }
     }
 }
@@ -277,9 +277,7 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
                             if let Some(c) = conn.take() {
                                 c.kill();
                             }
-                            return Err(Error::ConnectionLost {
-                                operation: "check the schema",
-                            });
+                            return Err(Error::connection_lost("check the schema"));
                         }
                     }
                     schema_checked = true;

@@ -157,6 +157,7 @@ use crate::key::LockKey;
 
 pub use config::{Backend, ElectorBuilder, StandbyMode, MAX_ROLE_BYTES};
 pub use leadership::{LeaderContext, Leadership, LossReason, Term};
+#[cfg(feature = "test-hooks")]
 #[doc(hidden)]
 pub use lease::{lease_sql, LeaseSql};
 pub use shared_conn::SharedConnection;

@@ -285,7 +285,7 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
                         check_squatters(shared, &conn, &mut squat, row_pid).await?;
                     }
                     _ = conn.closed().cancelled() => {
-                        return Err(Error::ConnectionLost { operation: "wait for the leader's lock" });
+                        return Err(Error::connection_lost("wait for the leader's lock"));
                     }
                 }
             }
@@ -604,7 +604,7 @@ async fn poll_for_lock(
             tokio::select! {
                 _ = &mut sleep => break,
                 _ = conn.closed().cancelled() => {
-                    return Err(Error::ConnectionLost { operation: "wait for the leader's lock" });
+                    return Err(Error::connection_lost("wait for the leader's lock"));
                 }
                 n = notices.recv() => {
                     let wake = match n {
@@ -893,9 +893,7 @@ async fn keep(
     let bound = shared.timing.heartbeat_timeout * 2;
     let result = match tokio::time::timeout(bound, release(&shared, &conn, term)).await {
         Ok(r) => r,
-        Err(_) => Err(Error::ConnectionLost {
-            operation: "release the leadership",
-        }),
+        Err(_) => Err(Error::connection_lost("release the leadership")),
     };
     match &result {
         Ok(()) => {

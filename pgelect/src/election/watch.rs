@@ -412,7 +412,7 @@ impl Observer {
             loop {
                 tokio::select! {
                     _ = self.stop.cancelled() => return Ok(()),
-                    _ = conn.closed().cancelled() => return Err(Error::ConnectionLost { operation: "observe the leader" }),
+                    _ = conn.closed().cancelled() => return Err(Error::connection_lost("observe the leader")),
                     _ = &mut sleep => break,
                     r = activity.changed() => {
                         if r.is_err() {
@@ -437,7 +437,7 @@ impl Observer {
                             }
                         }
                         Err(tokio::sync::broadcast::error::RecvError::Closed) => {
-                            return Err(Error::ConnectionLost { operation: "observe the leader" })
+                            return Err(Error::connection_lost("observe the leader"))
                         }
                     },
                 }

@@ -140,24 +140,25 @@ pub(crate) async fn query_holders<C: GenericClient + Sync>(
             ],
         )
         .await?;
-    Ok(rows
-        .iter()
-        .map(|r| LockHolder {
-            pid: r.get(0),
-            user: r.get(1),
-            application_name: r.get(2),
-            client_addr: r.get(3),
-            mode: if r.get::<_, &str>(4) == "ShareLock" {
-                LockMode::Shared
-            } else {
-                LockMode::Exclusive
-            },
-            state_age: r
-                .get::<_, Option<f64>>(5)
-                .filter(|s| s.is_finite() && *s >= 0.0)
-                .map(Duration::from_secs_f64),
+    rows.iter()
+        .map(|r| {
+            Ok(LockHolder {
+                pid: r.try_get(0)?,
+                user: r.try_get(1)?,
+                application_name: r.try_get(2)?,
+                client_addr: r.try_get(3)?,
+                mode: if r.try_get::<_, &str>(4)? == "ShareLock" {
+                    LockMode::Shared
+                } else {
+                    LockMode::Exclusive
+                },
+                state_age: r
+                    .try_get::<_, Option<f64>>(5)?
+                    .filter(|s| s.is_finite() && *s >= 0.0)
+                    .map(Duration::from_secs_f64),
+            })
         })
-        .collect())
+        .collect()
 }
 
 /// How long a backend must have held a key, as far as pgelect can tell,

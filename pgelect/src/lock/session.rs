@@ -347,9 +347,10 @@ impl LockSession {
         self.inner.lost.is_cancelled()
     }
 
-    /// Test hook, not API: runs `pg_advisory_unlock_all()` on the session
-    /// behind the guards' backs, so that tests can see
-    /// [`LockGuard::release`] report `false`.
+    /// Test hook, not API, built only with the `test-hooks` feature: runs
+    /// `pg_advisory_unlock_all()` on the session behind the guards' backs,
+    /// so that tests can see [`LockGuard::release`] report `false`.
+    #[cfg(feature = "test-hooks")]
     #[doc(hidden)]
     pub async fn unlock_all_behind_guards_for_tests(&self) -> Result<()> {
         let ops = self.inner.ops.clone().lock_owned().await;
@@ -384,9 +385,9 @@ impl LockSession {
                 inner.release_unwanted(&ops, guard).await;
             }
         });
-        rx.await.unwrap_or(Err(Error::ConnectionLost {
-            operation: "acquire a lock (the runtime is shutting down)",
-        }))
+        rx.await.unwrap_or(Err(Error::connection_lost(
+            "acquire a lock (the runtime is shutting down)",
+        )))
     }
 }
 
@@ -540,9 +541,7 @@ impl LockGuard {
         if inner.lost.is_cancelled() {
             inner.state().held.remove(&self.key);
             self.released = true;
-            return Err(Error::ConnectionLost {
-                operation: "release a lock",
-            });
+            return Err(inner.conn.lost("release a lock"));
         }
         match inner.unlock(&ops, self.key, self.mode).await {
             Ok(released) => {
@@ -596,6 +595,16 @@ impl Inner {
         self.conn.client()
     }
 
+    /// [`Error::ConnectionLost`] for a statement that found the connection
+    /// closed (`e`): its source is the error the connection ended with
+    /// (the server's `FATAL`, an I/O error), else the statement's own.
+    fn lost_by(&self, operation: &'static str, e: tokio_postgres::Error) -> Error {
+        Error::connection_lost_by(
+            operation,
+            self.conn.ended_by().or_else(|| Some(Arc::new(e))),
+        )
+    }
+
     /// Runs a short statement bounded by `statement_timeout`; one that does
     /// not answer in time means the connection is dead: it is closed (the
     /// server then releases the locks) and `lost` fires.
@@ -621,6 +630,7 @@ impl Inner {
         };
         match tokio::time::timeout(self.statement_timeout, bounded).await {
             Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) if e.is_closed() => Err(self.lost_by(operation, e)),
             Ok(Err(e)) => Err(Error::db(operation, &self.schema, e)),
             Err(_) => {
                 tracing::warn!(
@@ -630,7 +640,7 @@ impl Inner {
                     "lock connection did not answer in time; closing it"
                 );
                 self.conn.kill();
-                Err(Error::ConnectionLost { operation })
+                Err(Error::connection_lost(operation))
             }
         }
     }
@@ -645,9 +655,7 @@ impl Inner {
     ) -> Result<Option<LockGuard>> {
         self.flush_pending(ops).await;
         if self.lost.is_cancelled() {
-            return Err(Error::ConnectionLost {
-                operation: "acquire a lock",
-            });
+            return Err(self.conn.lost("acquire a lock"));
         }
         if self.state().held.contains_key(&key) {
             return Err(Error::AlreadyHeld {
@@ -666,7 +674,12 @@ impl Inner {
                 let row = self
                     .quick("try a lock", || self.client().query_typed_one(&sql, &args))
                     .await?;
-                Ok(row.get::<_, bool>(0).then(|| self.register(key, mode)))
+                // pg_try_advisory_lock returns boolean; a decoding failure
+                // would be a driver bug, reported rather than panicked on.
+                let granted: bool = row
+                    .try_get(0)
+                    .map_err(|e| Error::db("try a lock", &self.schema, e))?;
+                Ok(granted.then(|| self.register(key, mode)))
             }
             Wait::Forever => {
                 // In slices (see `LockSessionBuilder::wait_slice`): the
@@ -695,7 +708,7 @@ impl Inner {
                             r => r?,
                         };
                         let granted = messages.iter().any(|m| match m {
-                            SimpleQueryMessage::Row(r) => r.get(0) == Some("on"),
+                            SimpleQueryMessage::Row(r) => matches!(r.try_get(0), Ok(Some("on"))),
                             _ => false,
                         });
                         if granted {
@@ -774,9 +787,7 @@ impl Inner {
                 Ok(None)
             }
             Ok(()) => Ok(Some(self.register(key, mode))),
-            Err(e) if e.is_closed() => Err(Error::ConnectionLost {
-                operation: "wait for a lock",
-            }),
+            Err(e) if e.is_closed() => Err(self.lost_by("wait for a lock", e)),
             Err(e) => {
                 // PostgreSQL can grant the lock at the moment the wait
                 // fails (timeout, cancel) and still report the failure; a
@@ -837,7 +848,8 @@ impl Inner {
                 )
             })
             .await?;
-        Ok(row.get(0))
+        row.try_get(0)
+            .map_err(|e| Error::db("check pg_locks", &self.schema, e))
     }
 
     /// `pg_advisory_unlock[_shared]`: true when the server held and released.
@@ -854,7 +866,8 @@ impl Inner {
                 self.client().query_typed_one(&sql, &args)
             })
             .await?;
-        Ok(row.get(0))
+        row.try_get(0)
+            .map_err(|e| Error::db("release a lock", &self.schema, e))
     }
 
     /// Releases the locks of dropped guards.

@@ -269,7 +269,7 @@ where
         .query_typed_one(xact_sql(&key, mode, true), &args)
         .await
         .map_err(|e| db("try a transaction lock", e))?;
-    Ok(row.get(0))
+    row.try_get(0).map_err(|e| db("try a transaction lock", e))
 }
 
 async fn wait_xact<C>(client: &C, key: LockKey, mode: LockMode) -> Result<()>
