@@ -10,8 +10,10 @@
 //! by the server, so the candidates' clocks never need to agree.
 //!
 //! All decisions about the leader's deadline are taken by
-//! [`Keeper`](super::core::Keeper) in its lease mode; this module only does
-//! I/O and reports what happened, with the monotonic time.
+//! [`Keeper`](super::keeper::Keeper), with
+//! [`Liveness::statements`](super::keeper::Liveness::statements) (no
+//! heartbeats, each statement bounded here); this module only does I/O and
+//! reports what happened, with the monotonic time.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -31,10 +33,12 @@ use crate::metrics;
 use crate::schema::{check_schema, SchemaName};
 
 use super::config::random_u64;
-use super::core::{warn_if_late, Action, Keeper, Phase};
+use super::keeper::{Action, Keeper, Liveness, Phase};
 use super::leadership::{Command, LeaderContext, LeaderState, Leadership, LossReason};
-use super::session::{backoff, is_transient};
-use super::watch::{parse_leader_event, LeaderInfo, WakeLimit, LEADER_CHANNEL, RESIGN_CHANNEL};
+use super::report;
+use super::support::{backoff, is_transient, nap, NapEnd, Reconnect, WakeLimit, WakeOn};
+use super::timing::Timing;
+use super::watch::{LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 use super::{Shared, Term};
 
 /// The largest jitter added to a standby's wake-up after the lease's
@@ -144,47 +148,120 @@ fn ms(f: f64) -> Duration {
     }
 }
 
+/// The answer to the acquire statement.
+struct Acquired {
+    /// Won: the new term, `acquired_at` and `lease_until`.
+    won: Option<(i64, SystemTime, SystemTime)>,
+    /// The row as it was before: holder, backend, remaining ms.
+    prev_holder: Option<String>,
+    prev_backend: Option<String>,
+    prev_remaining: Option<f64>,
+}
+
+impl Acquired {
+    /// The statement returns exactly one row (a `LEFT JOIN` of a constant).
+    fn decode(rows: &[Row]) -> std::result::Result<Acquired, tokio_postgres::Error> {
+        let row = rows
+            .first()
+            .expect("BUG: the acquire statement returns one row");
+        let term: Option<i64> = row.try_get(0)?;
+        let won = match term {
+            Some(term) => Some((term, row.try_get(1)?, row.try_get(2)?)),
+            None => None,
+        };
+        Ok(Acquired {
+            won,
+            prev_holder: row.try_get(4)?,
+            prev_backend: row.try_get(5)?,
+            prev_remaining: row.try_get(6)?,
+        })
+    }
+}
+
 fn jitter() -> Duration {
     Duration::from_millis(random_u64() % (MAX_JITTER.as_millis() as u64 + 1))
 }
 
-/// Runs one statement on the lease connection, (re)connecting first if
-/// needed; the whole is bounded by the statement timeout
-/// (`heartbeat_timeout`). On a timeout or a connection failure the
-/// connection is dropped (the running statement cancelled), so the next
-/// attempt starts on a fresh one.
 /// The least time allowed for connecting and for a standby's attempt.
 const PATIENT_BOUND: Duration = Duration::from_secs(2);
 
+/// The statements the lease backend sends: each has its time bound and its
+/// metric label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LeaseOp {
+    /// A trivial statement that opens the connection before the schema
+    /// check.
+    Connect,
+    /// The `acquire` statement.
+    Acquire,
+    /// The `renew` statement.
+    Renew,
+    /// The `release` statement.
+    Release,
+}
+
+impl LeaseOp {
+    /// What pgelect was doing, for errors.
+    fn operation(self) -> &'static str {
+        match self {
+            LeaseOp::Connect => "connect",
+            LeaseOp::Acquire => "take the lease",
+            LeaseOp::Renew => "renew the lease",
+            LeaseOp::Release => "release the lease",
+        }
+    }
+
+    /// The `kind` label of [`LEASE_STATEMENTS`](crate::metrics::LEASE_STATEMENTS).
+    fn metric_kind(self) -> &'static str {
+        match self {
+            LeaseOp::Connect => "other",
+            LeaseOp::Acquire => "acquire",
+            LeaseOp::Renew => "renew",
+            LeaseOp::Release => "release",
+        }
+    }
+
+    /// How long the statement (with connecting, if needed) may take.
+    ///
+    /// Renewals and releases are bounded by `heartbeat_timeout`, so that a
+    /// leader retries within its deadline budget. Connecting, and a
+    /// standby's attempt, may take longer on a loaded machine (a connection
+    /// through PgBouncer with SCRAM took over 200 ms in CI) without risk:
+    /// a deadline counts from before the connection, and a standby holds
+    /// nothing while it waits.
+    fn bound(self, timing: &Timing) -> Duration {
+        match self {
+            LeaseOp::Connect | LeaseOp::Acquire => patient(timing),
+            LeaseOp::Renew | LeaseOp::Release => timing.heartbeat_timeout,
+        }
+    }
+}
+
+/// The bound of connecting and of a standby's attempt.
+fn patient(timing: &Timing) -> Duration {
+    timing.heartbeat_timeout.max(PATIENT_BOUND)
+}
+
+/// Runs one statement on the lease connection, (re)connecting first if
+/// needed; the whole is bounded by the operation's bound
+/// ([`LeaseOp::bound`]). On a timeout or a connection failure the
+/// connection is dropped (the running statement cancelled), so the next
+/// attempt starts on a fresh one.
 async fn exec(
     shared: &Shared,
     conn: &mut Option<DedicatedConnection>,
-    operation: &'static str,
+    op: LeaseOp,
     sql: &str,
     params: &[(&(dyn ToSql + Sync), Type)],
 ) -> Result<Vec<Row>> {
     let schema = shared.options.schema_name().as_str();
-    // Renewals and releases are bounded by `heartbeat_timeout`, so that a
-    // leader retries within its deadline budget. Connecting, and a
-    // standby's attempt, may take longer on a loaded machine (a connection
-    // through PgBouncer with SCRAM took over 200 ms in CI) without risk:
-    // a deadline counts from before the connection, and a standby holds
-    // nothing while it waits.
-    let patient = shared.timing.heartbeat_timeout.max(PATIENT_BOUND);
-    let bound = match operation {
-        "take the lease" | "connect" => patient,
-        _ => shared.timing.heartbeat_timeout,
-    };
+    let operation = op.operation();
+    let patient = patient(&shared.timing);
+    let bound = op.bound(&shared.timing);
     shared
         .lease_statements
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let kind = match operation {
-        "take the lease" => "acquire",
-        "renew the lease" => "renew",
-        "release the lease" => "release",
-        _ => "other",
-    };
-    metrics::lease_statement(&shared.role, kind);
+    metrics::lease_statement(&shared.role, op.metric_kind());
     if conn.as_ref().is_some_and(|c| c.is_closed()) {
         conn.take();
     }
@@ -261,13 +338,13 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
                     let c = conn.as_ref().filter(|c| !c.is_closed());
                     if c.is_none() {
                         // exec connects; a trivial statement does it here.
-                        exec(shared, &mut conn, "connect", "SELECT 1", &[]).await?;
+                        exec(shared, &mut conn, LeaseOp::Connect, "SELECT 1", &[]).await?;
                     }
                     let c = conn.as_ref().expect("BUG: connected above");
                     // Bounded like every statement: a pooler may queue it
                     // for a long time while the server is down.
                     let checked = tokio::time::timeout(
-                        shared.timing.heartbeat_timeout.max(PATIENT_BOUND),
+                        patient(&shared.timing),
                         check_schema(c.client(), &schema),
                     )
                     .await;
@@ -288,7 +365,7 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
                 let rows = exec(
                     shared,
                     &mut conn,
-                    "take the lease",
+                    LeaseOp::Acquire,
                     &sql.acquire,
                     &[
                         (&shared.role, Type::TEXT),
@@ -318,14 +395,16 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
             let wait = match outcome {
                 Ok((sent, rows)) => {
                     failures = 0;
-                    let row = rows.first().expect("BUG: the acquire statement returns one row");
-                    let won: Option<i64> = row.get(0);
-                    let prev_holder: Option<String> = row.get(4);
-                    let prev_backend: Option<String> = row.get(5);
-                    let prev_remaining: Option<f64> = row.get(6);
-                    if let Some(term) = won {
-                        let acquired_at: SystemTime = row.get(1);
-                        let lease_until: SystemTime = row.get(2);
+                    let Acquired { won, prev_holder, prev_backend, prev_remaining } = match Acquired::decode(&rows) {
+                        Ok(a) => a,
+                        Err(e) => {
+                            if let Some(c) = conn.take() {
+                                c.close().await;
+                            }
+                            return Err(Error::db(LeaseOp::Acquire.operation(), s, e));
+                        }
+                    };
+                    if let Some((term, acquired_at, lease_until)) = won {
                         if prev_holder.is_some() && prev_backend.as_deref() == Some("session") {
                             tracing::warn!(previous = ?prev_holder, "took over an expired lease of a session-backend leader: all candidates of a role should use one backend");
                         }
@@ -376,39 +455,16 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
             if wait.is_zero() {
                 continue;
             }
-            let sleep = tokio::time::sleep(wait);
-            tokio::pin!(sleep);
-            let mut woken = false;
-            loop {
-                tokio::select! {
-                    _ = &mut sleep => break,
-                    n = notices.recv() => match n {
-                        Ok(n) if n.channel == LEADER_CHANNEL
-                            && parse_leader_event(s, &n.payload)
-                                .is_some_and(|(e, r)| e == "released" && r == shared.role) =>
-                        {
-                            if !woken {
-                                woken = true;
-                                // A few ms of jitter spread the standbys' attempts.
-                                let at = (wakes.reserve(Instant::now()) + jitter() / 10).min(sleep.deadline());
-                                sleep.as_mut().reset(at);
-                            }
-                        }
-                        Ok(_) => {}
-                        Err(broadcast::error::RecvError::Lagged(_)) => {
-                            if !woken {
-                                woken = true;
-                                let at = wakes.reserve(Instant::now()).min(sleep.deadline());
-                                sleep.as_mut().reset(at);
-                            }
-                        }
-                        Err(broadcast::error::RecvError::Closed) => {
-                            // Never: the sender lives in `shared`.
-                            sleep.as_mut().await;
-                            break;
-                        }
-                    },
-                }
+            let until = Instant::now() + wait;
+            let released = WakeOn::Released {
+                schema: s,
+                role: &shared.role,
+            };
+            // A few ms of jitter spread the standbys' attempts.
+            let end = nap(until, &mut notices, released, &mut wakes, || jitter() / 10).await;
+            if end == NapEnd::ChannelClosed {
+                // Never: the sender lives in `shared`.
+                tokio::time::sleep_until(until).await;
             }
         }
     }
@@ -428,7 +484,9 @@ async fn elected(
     acquired_at: SystemTime,
     lease_until: SystemTime,
 ) -> Option<Leadership> {
-    let mut keeper = Keeper::new_lease(shared.timing, sent);
+    // Active at once: a lease is taken over only after it expired on the
+    // server or was released, so there is no handover delay to wait.
+    let mut keeper = Keeper::new(shared.timing, Liveness::statements(), sent, sent, false);
     let now = Instant::now();
     match keeper.poll(now) {
         Some(Action::Activate) => {}
@@ -503,7 +561,7 @@ fn renew(
         let r = exec(
             &shared,
             &mut conn,
-            "renew the lease",
+            LeaseOp::Renew,
             &sql.renew,
             &[
                 (&shared.role, Type::TEXT),
@@ -513,9 +571,22 @@ fn renew(
             ],
         )
         .await
-        .map(|rows| {
+        .and_then(|rows| {
             rows.first()
-                .map(|r| (r.get::<_, f64>(0), r.get::<_, bool>(1)))
+                .map(|r| {
+                    Ok::<_, tokio_postgres::Error>((
+                        r.try_get::<_, f64>(0)?,
+                        r.try_get::<_, bool>(1)?,
+                    ))
+                })
+                .transpose()
+                .map_err(|e| {
+                    Error::db(
+                        LeaseOp::Renew.operation(),
+                        shared.options.schema_name().as_str(),
+                        e,
+                    )
+                })
         });
         (conn, sent, r)
     })
@@ -552,7 +623,7 @@ async fn keep(
                 Action::Heartbeat => keeper.heartbeat_ok(now),
                 Action::Activate => {}
                 Action::Lose { reason, kill } => {
-                    warn_if_late(&shared.role, reason, now, keeper.deadline());
+                    report::loss_noticed(&shared.role, reason, now, keeper.deadline());
                     if state.end_counted(reason, true) {
                         tracing::warn!(%reason, "leadership lost");
                     }
@@ -700,7 +771,7 @@ async fn release(
         let r = exec(
             shared,
             conn,
-            "release the lease",
+            LeaseOp::Release,
             &sql.release,
             &[
                 (&shared.role, Type::TEXT),
@@ -712,7 +783,12 @@ async fn release(
         .await;
         match r {
             Ok(rows) => {
-                let cleared: i64 = rows.first().map(|r| r.get(0)).unwrap_or(0);
+                let cleared: i64 = rows
+                    .first()
+                    .map(|r| r.try_get(0))
+                    .transpose()
+                    .map_err(|e| Error::db(LeaseOp::Release.operation(), s, e))?
+                    .unwrap_or(0);
                 if cleared == 0 {
                     tracing::warn!(term, "the lease row no longer named this leader at release");
                 }
@@ -732,55 +808,50 @@ async fn release(
 /// [`LEADER_CHANNEL`] and [`RESIGN_CHANNEL`] to the elector's broadcast
 /// channel; reconnects with backoff; ends when the elector is dropped.
 pub(crate) async fn listen(shared: Weak<Shared>, options: ConnectOptions, stop: CancellationToken) {
-    let mut failures = 0u32;
+    let purpose = match shared.upgrade() {
+        Some(s) => format!("listen:{}:{}", s.role, s.node),
+        None => return,
+    };
+    let mut reconnect = Reconnect::default();
     loop {
-        let purpose = match shared.upgrade() {
-            Some(s) => format!("listen:{}:{}", s.role, s.node),
-            None => return,
+        let Some(conn) = reconnect
+            .connect(&options, &purpose, &stop, "LISTEN connection")
+            .await
+        else {
+            return;
         };
-        let conn = tokio::select! {
-            _ = stop.cancelled() => return,
-            c = options.connect(&purpose) => c,
-        };
-        match conn {
-            Ok(conn) => {
-                let mut rx = conn.notices();
-                let listened = conn
-                    .client()
-                    .batch_execute(&format!("LISTEN {LEADER_CHANNEL}; LISTEN {RESIGN_CHANNEL}"))
-                    .await;
-                match listened {
-                    Ok(()) => {
-                        failures = 0;
-                        loop {
-                            tokio::select! {
-                                _ = stop.cancelled() => {
-                                    conn.close().await;
-                                    return;
-                                }
-                                _ = conn.closed().cancelled() => break,
-                                n = rx.recv() => match n {
-                                    Ok(n) => match shared.upgrade() {
-                                        Some(s) => { let _ = s.lease_notices.send(n); }
-                                        None => return,
-                                    },
-                                    Err(broadcast::error::RecvError::Lagged(_)) => {}
-                                    Err(broadcast::error::RecvError::Closed) => break,
-                                },
-                            }
+        let mut rx = conn.notices();
+        let listened = conn
+            .client()
+            .batch_execute(&format!("LISTEN {LEADER_CHANNEL}; LISTEN {RESIGN_CHANNEL}"))
+            .await;
+        match listened {
+            Ok(()) => {
+                reconnect.succeeded();
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => {
+                            conn.close().await;
+                            return;
                         }
-                        tracing::debug!("LISTEN connection lost; reconnecting");
+                        _ = conn.closed().cancelled() => break,
+                        n = rx.recv() => match n {
+                            Ok(n) => match shared.upgrade() {
+                                Some(s) => { let _ = s.lease_notices.send(n); }
+                                None => return,
+                            },
+                            Err(broadcast::error::RecvError::Lagged(_)) => {}
+                            Err(broadcast::error::RecvError::Closed) => break,
+                        },
                     }
-                    Err(e) => tracing::debug!(error = %e, "LISTEN failed; retrying"),
                 }
-                conn.kill();
+                tracing::debug!("LISTEN connection lost; reconnecting");
             }
-            Err(e) => tracing::debug!(error = %e, "LISTEN connection cannot connect; retrying"),
+            Err(e) => tracing::debug!(error = %e, "LISTEN failed; retrying"),
         }
-        failures = failures.saturating_add(1);
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(backoff(failures)) => {}
+        conn.kill();
+        if !reconnect.back_off(&stop).await {
+            return;
         }
     }
 }

@@ -134,13 +134,16 @@
 //! ```
 
 mod config;
-mod core;
+mod keeper;
 mod leadership;
 mod lease;
+mod report;
 mod session;
 mod shared_conn;
 #[cfg(test)]
 mod sim;
+mod support;
+mod timing;
 mod watch;
 
 use std::fmt;
@@ -162,8 +165,8 @@ pub use lease::{lease_sql, LeaseSql};
 pub use shared_conn::SharedConnection;
 pub use watch::{current_leader, request_resign, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 
-use self::core::Timing;
 use self::shared_conn::RoleClaim;
+use self::timing::Timing;
 
 /// Stands for election of one role.
 ///

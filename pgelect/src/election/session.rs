@@ -1,7 +1,7 @@
 //! The session backend's driver: campaign (lock wait, term bump, handover)
 //! and the leader's keeper task (renewals, heartbeats, deadline, release).
 //!
-//! All decisions are taken by [`Keeper`](super::core::Keeper); this module
+//! All decisions are taken by [`Keeper`](super::keeper::Keeper); this module
 //! only does I/O and reports what happened, with the monotonic time.
 
 use std::future::Future;
@@ -15,49 +15,20 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Row;
 use tracing::Instrument;
 
-use crate::conn::{ConnectOptions, DedicatedConnection};
+use crate::conn::DedicatedConnection;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::lock::holders::{query_holders, SquatWatch};
 use crate::metrics;
 use crate::schema::check_schema;
 
-use super::config::random_u64;
-use super::core::{warn_if_late, Action, Keeper, Phase, Probe};
+use super::keeper::{Action, Keeper, Liveness, Phase};
 use super::leadership::{Command, LeaderContext, LeaderState, Leadership, LossReason};
+use super::report;
 use super::shared_conn::SharedSession;
-use super::watch::{
-    parse_leader_event, preempt_zombie, read_leader, LeaderInfo, WakeLimit, LEADER_CHANNEL,
-    RESIGN_CHANNEL,
-};
+use super::support::{backoff, check_not_transaction_pooled, is_transient, nap, WakeLimit, WakeOn};
+use super::watch::{preempt_zombie, read_leader, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 use super::{Activity, Shared, StandbyMode, Term};
-
-/// Exponential backoff with jitter: 100 ms doubling up to 5 s, each delay
-/// drawn from `[d/2, d]`.
-pub(crate) fn backoff(failures: u32) -> Duration {
-    let exp = failures.saturating_sub(1).min(6);
-    let d = Duration::from_millis(100 * (1u64 << exp)).min(Duration::from_secs(5));
-    let half = d / 2;
-    let jitter = random_u64() % (half.as_millis() as u64 + 1);
-    half + Duration::from_millis(jitter)
-}
-
-/// True for failures that a new connection may cure: the server went away,
-/// restarts, is overloaded, or our backend was terminated.
-pub(crate) fn is_transient(e: &Error) -> bool {
-    match e {
-        Error::Connect { .. } | Error::ConnectTimeout { .. } | Error::ConnectionLost { .. } => true,
-        Error::Database { source, .. } => {
-            source.is_closed()
-                || source.as_db_error().is_none()
-                || source.code().is_some_and(|c| {
-                    let class = &c.code()[..2];
-                    matches!(class, "08" | "57" | "53" | "40" | "58")
-                })
-        }
-        _ => false,
-    }
-}
 
 /// Campaigns until elected. Transient failures are retried with backoff;
 /// configuration, schema, permission and pooler errors are returned.
@@ -136,9 +107,14 @@ impl LockConn {
                     let params = key.params();
                     let args: Vec<(&(dyn ToSql + Sync), Type)> =
                         params.iter().map(|p| p.as_sql()).collect();
-                    match c.client().query_typed_one(&sql, &args).await {
-                        Ok(row) if row.get::<_, bool>(0) => {}
-                        Ok(_) => tracing::warn!(%key, "an abandoned role's lock was not held on the shared connection"),
+                    let unlocked = c
+                        .client()
+                        .query_typed_one(&sql, &args)
+                        .await
+                        .and_then(|row| row.try_get::<_, bool>(0));
+                    match unlocked {
+                        Ok(true) => {}
+                        Ok(false) => tracing::warn!(%key, "an abandoned role's lock was not held on the shared connection"),
                         Err(e) => {
                             // A lock that cannot be released must not stay
                             // with a session that no longer renews it.
@@ -273,8 +249,8 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
                 tokio::select! {
                     r = conn.client().query_typed_one(&sql, &slice_args) => {
                         let granted: bool = r
-                            .map_err(|e| Error::db("wait for the leader's lock", s, e))?
-                            .get(0);
+                            .and_then(|row| row.try_get(0))
+                            .map_err(|e| Error::db("wait for the leader's lock", s, e))?;
                         shared.contact.touch();
                         if granted {
                             break;
@@ -354,7 +330,13 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
         holder_pid: Some(conn.pid()),
     }));
 
-    let keeper = Keeper::new(shared.timing, sent_at, answered, unclean);
+    let keeper = Keeper::new(
+        shared.timing,
+        Liveness::session(&shared.timing),
+        sent_at,
+        answered,
+        unclean,
+    );
     let state = Arc::new(LeaderState {
         role: shared.role.clone(),
         schema: schema.clone(),
@@ -481,69 +463,16 @@ impl ElectStatement {
                 shared.role
             )));
         };
-        Ok(Elected {
-            term: Term::new(row.get(0)),
-            previous_holder: row.get(1),
-            acquired_at: row.get(2),
-            lease_until: row.get(3),
-        })
+        let decode = || {
+            Ok::<_, tokio_postgres::Error>(Elected {
+                term: Term::new(row.try_get(0)?),
+                previous_holder: row.try_get(1)?,
+                acquired_at: row.try_get(2)?,
+                lease_until: row.try_get(3)?,
+            })
+        };
+        decode().map_err(|e| Error::db("record the new term", s, e))
     }
-}
-
-/// Detects a pooler in transaction (or statement) mode between us and the
-/// server, where the advisory lock would stay on a pooled backend while our
-/// next statements run elsewhere.
-///
-/// A second client connection opens a transaction and keeps it open, which
-/// pins one server backend to it for as long as it lasts. Then:
-/// * directly or through a session pool, the lock connection owns its
-///   backend for good: the probe never gets that backend, and the lock
-///   connection's backend pid never changes;
-/// * through a transaction pool, the lock connection's backend is returned
-///   to the pool after every statement; the probe's `BEGIN` takes an idle
-///   server connection — PgBouncer hands out the most recently used one,
-///   which is the lock connection's — or, if it gets another one, the lock
-///   connection's next statement may land elsewhere. Either shows.
-///
-/// The check runs the lock connection's pid query three times around the
-/// probe's transaction, so both signs are looked at.
-pub(crate) async fn check_not_transaction_pooled(
-    options: &ConnectOptions,
-    conn: &DedicatedConnection,
-) -> Result<()> {
-    let s = options.schema_name().as_str();
-    let first = backend_pid(conn.client(), s).await?;
-    let probe = options.connect("pooler-probe").await?;
-    let result = async {
-        probe
-            .client()
-            .batch_execute("BEGIN")
-            .await
-            .map_err(|e| Error::db("check for a transaction pooler", s, e))?;
-        let probe_pid = backend_pid(probe.client(), s).await?;
-        let second = backend_pid(conn.client(), s).await?;
-        let third = backend_pid(conn.client(), s).await?;
-        let _ = probe.client().batch_execute("ROLLBACK").await;
-        Ok::<_, Error>((probe_pid, [conn.pid(), first, second, third]))
-    }
-    .await;
-    probe.close().await;
-    let (probe_pid, seen) = result?;
-    let moved = seen.iter().any(|p| *p != seen[0]);
-    if moved || seen.contains(&probe_pid) {
-        return Err(Error::Pooler(format!(
-            "the session backend needs one server session for its whole life, but {} is reached through a pooler in transaction or statement mode (server backend pids seen on one client connection: {seen:?}; a second client got {probe_pid}): advisory locks and LISTEN would stay on a pooled backend. Use the lease backend, which works through transaction pooling, or connect directly or through a session-mode pool",
-            options.target()
-        )));
-    }
-    Ok(())
-}
-
-async fn backend_pid(c: &tokio_postgres::Client, schema: &str) -> Result<i32> {
-    c.query_typed_one("SELECT pg_backend_pid()", &[])
-        .await
-        .map(|r| r.get::<_, i32>(0))
-        .map_err(|e| Error::db("check for a transaction pooler", schema, e))
 }
 
 async fn poll_for_lock(
@@ -567,13 +496,14 @@ async fn poll_for_lock(
     // Release notifications wake the standby early; anyone may send them.
     let mut wakes = WakeLimit::default();
     loop {
-        let row = conn
+        let granted: bool = conn
             .client()
             .query_typed_one(&sql, args)
             .await
+            .and_then(|row| row.try_get(0))
             .map_err(|e| Error::db("try the leader's lock", s, e))?;
         shared.contact.touch();
-        if row.get::<_, bool>(0) {
+        if granted {
             if listen {
                 conn.client()
                     .batch_execute(&format!("UNLISTEN {LEADER_CHANNEL}"))
@@ -597,32 +527,17 @@ async fn poll_for_lock(
             check_squatters(shared, conn, &mut squat, row_pid).await?;
         }
         shared.publish(info);
-        let sleep = tokio::time::sleep(interval);
-        tokio::pin!(sleep);
-        let mut woken = false;
-        loop {
-            tokio::select! {
-                _ = &mut sleep => break,
-                _ = conn.closed().cancelled() => {
-                    return Err(Error::ConnectionLost { operation: "wait for the leader's lock" });
-                }
-                n = notices.recv() => {
-                    let wake = match n {
-                        Ok(n) => {
-                            n.channel == LEADER_CHANNEL
-                                && parse_leader_event(s, &n.payload)
-                                    .is_some_and(|(e, r)| e == "released" && r == shared.role)
-                        }
-                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => true,
-                        Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
-                    };
-                    if wake && !woken {
-                        woken = true;
-                        let at = wakes.reserve(Instant::now()).min(sleep.deadline());
-                        sleep.as_mut().reset(at);
-                    }
-                }
+        let released = WakeOn::Released {
+            schema: s,
+            role: &shared.role,
+        };
+        let until = Instant::now() + interval;
+        tokio::select! {
+            _ = conn.closed().cancelled() => {
+                return Err(Error::ConnectionLost { operation: "wait for the leader's lock" });
             }
+            // A closed channel ends the nap: try the lock again.
+            _ = nap(until, &mut notices, released, &mut wakes, || Duration::ZERO) => {}
         }
     }
 }
@@ -676,9 +591,36 @@ async fn check_squatters(
     Ok(())
 }
 
-type StatementFuture<'a> = Pin<
-    Box<dyn Future<Output = (Probe, Instant, Result<Vec<Row>, tokio_postgres::Error>)> + Send + 'a>,
->;
+/// What a statement of the leader's keeper task found.
+enum Answer {
+    /// The renewal found the lease row still ours.
+    Renewed {
+        renewed_at: SystemTime,
+        lease_until: SystemTime,
+        resign_requested: bool,
+    },
+    /// The renewal found no row with our holder, term and backend pid.
+    NotOurs,
+    /// The heartbeat was answered.
+    Alive,
+}
+
+impl Answer {
+    /// The renewal's rows: one if the lease is still ours, none otherwise.
+    fn of_renewal(rows: &[Row]) -> Result<Answer, tokio_postgres::Error> {
+        match rows {
+            [row] => Ok(Answer::Renewed {
+                renewed_at: row.try_get(0)?,
+                lease_until: row.try_get(1)?,
+                resign_requested: row.try_get(2)?,
+            }),
+            _ => Ok(Answer::NotOurs),
+        }
+    }
+}
+
+type StatementFuture<'a> =
+    Pin<Box<dyn Future<Output = (Instant, Result<Answer, tokio_postgres::Error>)> + Send + 'a>>;
 
 /// The leader's task: carries out the keeper's actions until leadership ends.
 #[allow(clippy::too_many_arguments)] // one call site; a struct would only rename them
@@ -730,8 +672,9 @@ async fn keep(
                                     (&ttl_ms, Type::INT8),
                                 ],
                             )
-                            .await;
-                        (Probe::Renew, sent, r)
+                            .await
+                            .and_then(|rows| Answer::of_renewal(&rows));
+                        (sent, r)
                     }));
                 }
                 Action::Heartbeat => {
@@ -749,11 +692,11 @@ async fn keep(
                         // get the error to report.
                         if let Some(session) = session {
                             if session.beat(sent, share_wait).await {
-                                return (Probe::Heartbeat, sent, Ok(Vec::new()));
+                                return (sent, Ok(Answer::Alive));
                             }
                         }
-                        let r = c.simple_query("SELECT 1").await.map(|_| Vec::new());
-                        (Probe::Heartbeat, sent, r)
+                        let r = c.simple_query("SELECT 1").await.map(|_| Answer::Alive);
+                        (sent, r)
                     }));
                 }
                 Action::Activate => {
@@ -769,7 +712,7 @@ async fn keep(
                     }
                 }
                 Action::Lose { reason, kill } => {
-                    warn_if_late(&shared.role, reason, now, keeper.deadline());
+                    report::loss_noticed(&shared.role, reason, now, keeper.deadline());
                     let first = state.end_counted(reason, was_active);
                     if first && was_active {
                         tracing::warn!(%reason, "leadership lost");
@@ -813,11 +756,11 @@ async fn keep(
                     break;
                 }
             },
-            (probe, sent, result) = async { in_flight.as_mut().expect("BUG: guarded").await }, if in_flight.is_some() => {
+            (sent, result) = async { in_flight.as_mut().expect("BUG: guarded").await }, if in_flight.is_some() => {
                 in_flight = None;
                 let now = Instant::now();
-                match (probe, result) {
-                    (Probe::Renew, Ok(rows)) if rows.len() == 1 => {
+                match result {
+                    Ok(Answer::Renewed { renewed_at, lease_until, resign_requested }) => {
                         shared.contact.touch();
                         keeper.renewed(sent, now);
                         let remaining = keeper.deadline().saturating_duration_since(now);
@@ -825,8 +768,6 @@ async fn keep(
                         // Watchers see the renewal: while leading, this
                         // elector's observer is closed and the leader is
                         // the one that knows.
-                        let renewed_at: SystemTime = rows[0].get(0);
-                        let lease_until: SystemTime = rows[0].get(1);
                         shared.leader.send_if_modified(|cur| match cur {
                             Some(c) if c.holder == shared.node && c.term.get() == term => {
                                 c.renewed_at = renewed_at;
@@ -838,21 +779,21 @@ async fn keep(
                         });
                         // Set only by `request_resign` (a privilege) for
                         // this term: every election clears it.
-                        if rows[0].get::<_, bool>(2) {
+                        if resign_requested {
                             tracing::info!("resignation requested for this term (lease row)");
                             keeper.stop_requested(LossReason::Resigned, now);
                         }
                     }
-                    (Probe::Renew, Ok(_)) => {
+                    Ok(Answer::NotOurs) => {
                         shared.contact.touch();
                         tracing::warn!("renewal found the lease row no longer ours: preempted");
                         keeper.preempted();
                     }
-                    (Probe::Heartbeat, Ok(_)) => {
+                    Ok(Answer::Alive) => {
                         shared.contact.touch();
                         keeper.heartbeat_ok(now);
                     }
-                    (_, Err(e)) => {
+                    Err(e) => {
                         let e = Error::db("renew the lease", &s, e);
                         if is_transient(&e) || conn.is_closed() {
                             tracing::warn!(error = %e, "lock connection failed");
@@ -954,13 +895,15 @@ async fn release(shared: &Shared, conn: &LockConn, term: i64) -> Result<()> {
         conn.client().batch_execute(&unlisten),
     );
     let cleared: i64 = cleared
-        .map_err(|e| Error::db("release the leadership", s, e))?
-        .get(0);
+        .and_then(|row| row.try_get(0))
+        .map_err(|e| Error::db("release the leadership", s, e))?;
     if cleared == 0 {
         tracing::warn!(term, "the lease row no longer named this leader at release");
     }
-    let row = unlocked.map_err(|e| Error::db("unlock the leader's lock", s, e))?;
-    if !row.get::<_, bool>(0) {
+    let unlocked: bool = unlocked
+        .and_then(|row| row.try_get(0))
+        .map_err(|e| Error::db("unlock the leader's lock", s, e))?;
+    if !unlocked {
         return Err(Error::Pooler(format!(
             "the leader's advisory lock was not held by this session at release (role {:?}); is a pooler in transaction mode between pgelect and {}?",
             shared.role,
@@ -969,20 +912,4 @@ async fn release(shared: &Shared, conn: &LockConn, term: i64) -> Result<()> {
     }
     unlistened.map_err(|e| Error::db("stop listening for resign requests", s, e))?;
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_grows_with_jitter_and_a_cap() {
-        for n in 1..40 {
-            let d = backoff(n);
-            assert!(d <= Duration::from_secs(5), "{d:?}");
-            assert!(d >= Duration::from_millis(50), "{d:?}");
-        }
-        assert!(backoff(1) <= Duration::from_millis(100));
-        assert!(backoff(10) >= Duration::from_millis(2500));
-    }
 }

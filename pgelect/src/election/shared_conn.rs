@@ -128,7 +128,7 @@ impl SharedConnection {
         let conn = options.connect_for_locks("shared", &self.inner.tcp).await?;
         let prepared = async {
             check_schema(conn.client(), schema).await?;
-            super::session::check_not_transaction_pooled(options, &conn).await?;
+            super::support::check_not_transaction_pooled(options, &conn).await?;
             // Both channels for the connection's whole life: leaders hear
             // resign requests, standbys hear releases. The connection never
             // blocks in a wait, so it reads its notifications.
