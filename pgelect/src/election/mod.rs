@@ -117,6 +117,23 @@
 //!   (at once for a killed process, whose kernel closes the socket) plus the
 //!   handover delay (2.5 s by default); a resigning one at once.
 //!
+//! # Where the code is
+//!
+//! Read from the file names (all private modules):
+//!
+//! | file | what it holds |
+//! |---|---|
+//! | `mod.rs`, `config.rs`, `leadership.rs` | the public API: [`Elector`], [`ElectorBuilder`], [`Leadership`] |
+//! | `timing.rs` | pure rules: timing defaults and the safety inequalities ([`ElectorBuilder::build`] checks them) |
+//! | `keeper.rs` | pure rules: the leader's keep-alive state machine (when to renew, heartbeat, act, stop); no I/O, clock, logging or metrics |
+//! | `driver.rs` | the one loop that keeps a leadership for every backend: carries out and reports the keeper's decisions, commands, resign hints, release |
+//! | `backend/session.rs` | the session backend's SQL and behaviour: lock wait, term bump, renewal, heartbeat, release |
+//! | `backend/lease.rs` | the lease backend's SQL and behaviour: acquire, renew, release, the `LISTEN` connection |
+//! | `backend/shared.rs` | [`SharedConnection`]: one lock connection for many roles, one heartbeat for all its leaders |
+//! | `watch.rs` | observers: [`current_leader`], [`request_resign`], the background observer, zombie preemption |
+//! | `support.rs` | shared utilities: backoff, transient errors, the rate-limited wait for a release `NOTIFY`, reconnecting, pooler detection |
+//! | `sim.rs` | a simulation (tests only) that drives the real keeper in virtual time through crashes and partitions |
+//!
 //! ```no_run
 //! # async fn f() -> Result<(), pgelect::Error> {
 //! use std::time::Duration;
@@ -133,13 +150,11 @@
 //! # Ok(()) }
 //! ```
 
+mod backend;
 mod config;
+mod driver;
 mod keeper;
 mod leadership;
-mod lease;
-mod report;
-mod session;
-mod shared_conn;
 #[cfg(test)]
 mod sim;
 mod support;
@@ -158,14 +173,14 @@ use crate::conn::{ConnectOptions, DedicatedConnection, Notice};
 use crate::error::Result;
 use crate::key::LockKey;
 
+#[doc(hidden)]
+pub use backend::lease::{lease_sql, LeaseSql};
+pub use backend::shared::SharedConnection;
 pub use config::{Backend, ElectorBuilder, StandbyMode, MAX_ROLE_BYTES};
 pub use leadership::{LeaderContext, Leadership, LossReason, Term};
-#[doc(hidden)]
-pub use lease::{lease_sql, LeaseSql};
-pub use shared_conn::SharedConnection;
 pub use watch::{current_leader, request_resign, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 
-use self::shared_conn::RoleClaim;
+use self::backend::shared::RoleClaim;
 use self::timing::Timing;
 
 /// Stands for election of one role.
@@ -318,7 +333,7 @@ impl Shared {
         }
         let stop = CancellationToken::new();
         *slot = Some(stop.clone());
-        tokio::spawn(lease::listen(Arc::downgrade(self), options, stop));
+        tokio::spawn(backend::lease::listen(Arc::downgrade(self), options, stop));
     }
 
     /// Publishes the current leader to watchers, if it changed.
@@ -500,8 +515,8 @@ impl Elector {
     /// it, and it expires after `ttl`.
     pub async fn leadership(&self) -> Result<Leadership> {
         match self.shared.backend {
-            Backend::Session => session::campaign(&self.shared).await,
-            Backend::Lease => lease::campaign(&self.shared).await,
+            Backend::Session => backend::session::campaign(&self.shared).await,
+            Backend::Lease => backend::lease::campaign(&self.shared).await,
         }
     }
 

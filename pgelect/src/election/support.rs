@@ -17,6 +17,7 @@ use crate::error::{Error, Result};
 
 use super::config::random_u64;
 use super::watch::{parse_leader_event, LEADER_CHANNEL};
+use super::Activity;
 
 /// Exponential backoff with jitter: 100 ms doubling up to 5 s, each delay
 /// drawn from `[d/2, d]`.
@@ -196,6 +197,31 @@ impl Reconnect {
                 return None;
             }
         }
+    }
+}
+
+/// Counts itself in one of the elector's [`Activity`] counters (standing
+/// standbys, live leaderships) for as long as it lives.
+pub(crate) struct Counted<'a> {
+    activity: &'a tokio::sync::watch::Sender<Activity>,
+    field: fn(&mut Activity) -> &mut usize,
+}
+
+impl<'a> Counted<'a> {
+    pub(crate) fn new(
+        activity: &'a tokio::sync::watch::Sender<Activity>,
+        field: fn(&mut Activity) -> &mut usize,
+    ) -> Self {
+        activity.send_modify(|a| *field(a) += 1);
+        Counted { activity, field }
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        let field = self.field;
+        self.activity
+            .send_modify(|a| *field(a) = field(a).saturating_sub(1));
     }
 }
 

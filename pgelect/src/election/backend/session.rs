@@ -1,11 +1,13 @@
-//! The session backend's driver: campaign (lock wait, term bump, handover)
-//! and the leader's keeper task (renewals, heartbeats, deadline, release).
+//! The session backend: its campaign (lock wait, term bump, handover) and
+//! its statements and behaviour while leading ([`SessionKeep`]: renewal
+//! scoped to the backend pid, heartbeats, a dead connection ends
+//! leadership, release by clearing the row and unlocking).
 //!
-//! All decisions are taken by [`Keeper`](super::keeper::Keeper); this module
-//! only does I/O and reports what happened, with the monotonic time.
+//! The leader's loop is the shared [`driver`](crate::election::driver);
+//! all timing decisions are taken by the pure
+//! [`Keeper`](crate::election::keeper::Keeper).
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -22,13 +24,17 @@ use crate::lock::holders::{query_holders, SquatWatch};
 use crate::metrics;
 use crate::schema::check_schema;
 
-use super::keeper::{Action, Keeper, Liveness, Phase};
-use super::leadership::{Command, LeaderContext, LeaderState, Leadership, LossReason};
-use super::report;
-use super::shared_conn::SharedSession;
-use super::support::{backoff, check_not_transaction_pooled, is_transient, nap, WakeLimit, WakeOn};
-use super::watch::{preempt_zombie, read_leader, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
-use super::{Activity, Shared, StandbyMode, Term};
+use super::shared::SharedSession;
+use crate::election::driver::{Activation, Answer, Failed, Keep, KeepBackend, Statement};
+use crate::election::keeper::{Keeper, Liveness};
+use crate::election::leadership::{LeaderContext, LeaderState, Leadership, LossReason};
+use crate::election::support::{
+    backoff, check_not_transaction_pooled, is_transient, nap, Counted, WakeLimit, WakeOn,
+};
+use crate::election::watch::{
+    preempt_zombie, read_leader, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
+};
+use crate::election::{Shared, StandbyMode, Term};
 
 /// Campaigns until elected. Transient failures are retried with backoff;
 /// configuration, schema, permission and pooler errors are returned.
@@ -62,7 +68,7 @@ pub(crate) enum LockConn {
     /// Its own: dropped leadership kills it (the server releases the lock),
     /// a clean release keeps it for the next campaign.
     Own(DedicatedConnection),
-    /// A [`SharedConnection`](super::SharedConnection), also holding other
+    /// A [`SharedConnection`](crate::SharedConnection), also holding other
     /// roles' locks: dropped leadership unlocks this role's key only.
     Shared(Arc<SharedSession>),
 }
@@ -151,31 +157,6 @@ impl Drop for KillOnDrop<'_> {
             Some(shared @ LockConn::Shared(_)) => shared.abandon(self.key),
             None => {}
         }
-    }
-}
-
-/// Counts itself in one of the elector's [`Activity`] counters (standing
-/// standbys, live leaderships) for as long as it lives.
-struct Counted<'a> {
-    activity: &'a tokio::sync::watch::Sender<Activity>,
-    field: fn(&mut Activity) -> &mut usize,
-}
-
-impl<'a> Counted<'a> {
-    fn new(
-        activity: &'a tokio::sync::watch::Sender<Activity>,
-        field: fn(&mut Activity) -> &mut usize,
-    ) -> Self {
-        activity.send_modify(|a| *field(a) += 1);
-        Counted { activity, field }
-    }
-}
-
-impl Drop for Counted<'_> {
-    fn drop(&mut self) {
-        let field = self.field;
-        self.activity
-            .send_modify(|a| *field(a) = field(a).saturating_sub(1));
     }
 }
 
@@ -349,19 +330,20 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
     guard.conn = None;
     drop(guard);
     let span = tracing::info_span!("pgelect.leader", role = %shared.role, node = %shared.node, term = elected.term.get());
-    tokio::spawn(
-        keep(
-            shared.clone(),
-            conn,
-            notices,
-            keeper,
-            state.clone(),
-            rx,
-            activated_tx,
+    let keep = Keep {
+        shared: shared.clone(),
+        backend: SessionKeep::new(shared.clone(), conn, elected.term.get()),
+        keeper,
+        state: state.clone(),
+        commands: rx,
+        notices,
+        activation: Activation::Pending {
+            tx: activated_tx,
             granted_at,
-        )
-        .instrument(span),
-    );
+        },
+        count_leading: true,
+    };
+    tokio::spawn(keep.run().instrument(span));
     let leadership = Leadership {
         context: LeaderContext::new(state),
         commands,
@@ -591,271 +573,157 @@ async fn check_squatters(
     Ok(())
 }
 
-/// What a statement of the leader's keeper task found.
-enum Answer {
-    /// The renewal found the lease row still ours.
-    Renewed {
-        renewed_at: SystemTime,
-        lease_until: SystemTime,
-        resign_requested: bool,
-    },
-    /// The renewal found no row with our holder, term and backend pid.
-    NotOurs,
-    /// The heartbeat was answered.
-    Alive,
-}
-
-impl Answer {
-    /// The renewal's rows: one if the lease is still ours, none otherwise.
-    fn of_renewal(rows: &[Row]) -> Result<Answer, tokio_postgres::Error> {
-        match rows {
-            [row] => Ok(Answer::Renewed {
-                renewed_at: row.try_get(0)?,
-                lease_until: row.try_get(1)?,
-                resign_requested: row.try_get(2)?,
-            }),
-            _ => Ok(Answer::NotOurs),
-        }
-    }
-}
-
-type StatementFuture<'a> =
-    Pin<Box<dyn Future<Output = (Instant, Result<Answer, tokio_postgres::Error>)> + Send + 'a>>;
-
-/// The leader's task: carries out the keeper's actions until leadership ends.
-#[allow(clippy::too_many_arguments)] // one call site; a struct would only rename them
-async fn keep(
+/// How the session backend keeps a leadership: on the lock connection,
+/// renewing the lease row (scoped to holder, term and backend pid) and
+/// heartbeating; the connection's death ends leadership at once.
+struct SessionKeep {
     shared: Arc<Shared>,
     conn: LockConn,
-    mut notices: tokio::sync::broadcast::Receiver<crate::conn::Notice>,
-    mut keeper: Keeper,
-    state: Arc<LeaderState>,
-    mut commands: mpsc::UnboundedReceiver<Command>,
-    activated: oneshot::Sender<bool>,
-    granted_at: Instant,
-) {
-    let _leading = Counted::new(&shared.activity, |a| &mut a.leading);
-    let s = shared.options.schema_name().as_str().to_owned();
-    let renew_sql = format!(
-        "UPDATE {s}.leaders
-            SET renewed_at = now(), lease_until = now() + $4 * interval '1 millisecond'
-          WHERE role = $1 AND holder = $2 AND term = $3 AND holder_pid = pg_backend_pid()
-         RETURNING renewed_at, lease_until, resign_requested"
-    );
-    let ttl_ms = shared.timing.ttl.as_millis() as i64;
-    let term = state.term.get();
-    let client = conn.client();
-    let mut activated = Some(activated);
-    let mut was_active = false;
-    let mut in_flight: Option<StatementFuture<'_>> = None;
-    let resign_payload = format!("{s}:{}", shared.role);
-    let mut release_reply: Option<(LossReason, oneshot::Sender<Result<()>>)> = None;
+    renew_sql: String,
+    ttl_ms: i64,
+    term: i64,
+}
 
-    'outer: loop {
-        let now = Instant::now();
-        while let Some(action) = keeper.poll(now) {
-            match action {
-                Action::Renew => {
-                    let c = client;
-                    let sql = renew_sql.clone();
-                    let role = shared.role.clone();
-                    let node = shared.node.clone();
-                    in_flight = Some(Box::pin(async move {
-                        let sent = Instant::now();
-                        let r = c
-                            .query_typed(
-                                &sql,
-                                &[
-                                    (&role, Type::TEXT),
-                                    (&node, Type::TEXT),
-                                    (&term, Type::INT8),
-                                    (&ttl_ms, Type::INT8),
-                                ],
-                            )
-                            .await
-                            .and_then(|rows| Answer::of_renewal(&rows));
-                        (sent, r)
-                    }));
-                }
-                Action::Heartbeat => {
-                    let c = client;
-                    let share_wait =
-                        (shared.timing.heartbeat_timeout / 4).min(Duration::from_millis(100));
-                    let session = match &conn {
-                        LockConn::Shared(session) => Some(session.clone()),
-                        LockConn::Own(_) => None,
-                    };
-                    in_flight = Some(Box::pin(async move {
-                        let sent = Instant::now();
-                        // On a shared connection, one heartbeat answers all
-                        // its leaders; a failed one is run again here to
-                        // get the error to report.
-                        if let Some(session) = session {
-                            if session.beat(sent, share_wait).await {
-                                return (sent, Ok(Answer::Alive));
-                            }
-                        }
-                        let r = c.simple_query("SELECT 1").await.map(|_| Answer::Alive);
-                        (sent, r)
-                    }));
-                }
-                Action::Activate => {
-                    was_active = true;
-                    metrics::leader_on(&shared.role, term, granted_at.elapsed());
-                    tracing::info!(takeover = ?granted_at.elapsed(), "leadership begins");
-                    if activated.take().is_none_or(|tx| tx.send(true).is_err()) {
-                        // The campaign was dropped while waiting: nobody will
-                        // ever hold this leadership.
-                        state.end_counted(LossReason::Dropped, was_active);
-                        conn.abandon(shared.key);
-                        break 'outer;
-                    }
-                }
-                Action::Lose { reason, kill } => {
-                    report::loss_noticed(&shared.role, reason, now, keeper.deadline());
-                    let first = state.end_counted(reason, was_active);
-                    if first && was_active {
-                        tracing::warn!(%reason, "leadership lost");
-                    } else if first {
-                        tracing::warn!(%reason, "lost the lock before acting");
-                    }
-                    if kill {
-                        // A dead connection goes; otherwise only this
-                        // role's lock (on its own connection, the same).
-                        if reason == LossReason::ConnectionLost {
-                            conn.kill();
-                        } else {
-                            conn.abandon(shared.key);
-                        }
-                        if was_active {
-                            shared.publish_if_holder(&shared.node, term, None);
-                        }
-                        break 'outer;
-                    }
-                }
-            }
-        }
-        if keeper.phase() == Phase::Done {
-            break;
-        }
-        let wake = keeper
-            .next_wake()
-            .expect("BUG: a live keeper has a wake time");
-        tokio::select! {
-            biased;
-            _ = conn.closed().cancelled() => keeper.connection_lost(),
-            cmd = commands.recv() => match cmd {
-                None => {
-                    state.end_counted(LossReason::Dropped, was_active);
-                    conn.abandon(shared.key);
-                    break;
-                }
-                Some(Command::Stop { reason }) => keeper.stop_requested(reason, Instant::now()),
-                Some(Command::Release { reason, reply }) => {
-                    release_reply = Some((reason, reply));
-                    break;
-                }
-            },
-            (sent, result) = async { in_flight.as_mut().expect("BUG: guarded").await }, if in_flight.is_some() => {
-                in_flight = None;
-                let now = Instant::now();
-                match result {
-                    Ok(Answer::Renewed { renewed_at, lease_until, resign_requested }) => {
-                        shared.contact.touch();
-                        keeper.renewed(sent, now);
-                        let remaining = keeper.deadline().saturating_duration_since(now);
-                        metrics::renewed(&shared.role, now - sent, remaining);
-                        // Watchers see the renewal: while leading, this
-                        // elector's observer is closed and the leader is
-                        // the one that knows.
-                        shared.leader.send_if_modified(|cur| match cur {
-                            Some(c) if c.holder == shared.node && c.term.get() == term => {
-                                c.renewed_at = renewed_at;
-                                c.lease_until = lease_until;
-                                c.lease_expired = false;
-                                true
-                            }
-                            _ => false,
-                        });
-                        // Set only by `request_resign` (a privilege) for
-                        // this term: every election clears it.
-                        if resign_requested {
-                            tracing::info!("resignation requested for this term (lease row)");
-                            keeper.stop_requested(LossReason::Resigned, now);
-                        }
-                    }
-                    Ok(Answer::NotOurs) => {
-                        shared.contact.touch();
-                        tracing::warn!("renewal found the lease row no longer ours: preempted");
-                        keeper.preempted();
-                    }
-                    Ok(Answer::Alive) => {
-                        shared.contact.touch();
-                        keeper.heartbeat_ok(now);
-                    }
-                    Err(e) => {
-                        let e = Error::db("renew the lease", &s, e);
-                        if is_transient(&e) || conn.is_closed() {
-                            tracing::warn!(error = %e, "lock connection failed");
-                            keeper.connection_lost();
-                        } else {
-                            tracing::warn!(error = %e, "renewal failed; retrying until the deadline");
-                            keeper.renew_failed(now);
-                        }
-                    }
-                }
-            }
-            n = notices.recv() => {
-                if let Ok(n) = n {
-                    // Only a hint: anyone who can connect may send it. The
-                    // renewal it brings forward reads the row, which only
-                    // `request_resign` (a granted privilege) marks.
-                    if n.channel == RESIGN_CHANNEL && n.payload == resign_payload {
-                        tracing::debug!("resign hint heard; checking the lease row");
-                        keeper.check_requested(Instant::now());
-                    }
-                }
-            }
-            _ = tokio::time::sleep_until(wake) => {}
+impl SessionKeep {
+    fn new(shared: Arc<Shared>, conn: LockConn, term: i64) -> SessionKeep {
+        let s = shared.options.schema_name().as_str();
+        let renew_sql = format!(
+            "UPDATE {s}.leaders
+                SET renewed_at = now(), lease_until = now() + $4 * interval '1 millisecond'
+              WHERE role = $1 AND holder = $2 AND term = $3 AND holder_pid = pg_backend_pid()
+             RETURNING renewed_at, lease_until, resign_requested"
+        );
+        let ttl_ms = shared.timing.ttl.as_millis() as i64;
+        SessionKeep {
+            shared,
+            conn,
+            renew_sql,
+            ttl_ms,
+            term,
         }
     }
 
-    drop(in_flight);
-    if let Some(tx) = activated.take() {
-        let _ = tx.send(false);
+    fn schema(&self) -> &str {
+        self.shared.options.schema_name().as_str()
     }
-    let Some((reason, reply)) = release_reply else {
-        return;
-    };
-    // Duties have stopped (the caller says so by releasing): cancel first,
-    // then clear the holder and notify, then unlock.
-    state.end_counted(reason, was_active);
-    keeper.finish(reason);
-    let bound = shared.timing.heartbeat_timeout * 2;
-    let result = match tokio::time::timeout(bound, release(&shared, &conn, term)).await {
-        Ok(r) => r,
-        Err(_) => Err(Error::ConnectionLost {
-            operation: "release the leadership",
+}
+
+/// The renewal's rows: one if the lease is still ours, none otherwise.
+fn renewal(rows: &[Row]) -> std::result::Result<Answer, tokio_postgres::Error> {
+    match rows {
+        [row] => Ok(Answer::Renewed {
+            row: Some((row.try_get(0)?, row.try_get(1)?)),
+            resign_requested: row.try_get(2)?,
         }),
-    };
-    match &result {
-        Ok(()) => {
-            tracing::info!(%reason, "leadership released");
-            shared.publish_if_holder(&shared.node, term, None);
-            // Kept for this elector's next campaign rather than closed now:
-            // a backend ending on the server is work that would compete
-            // with the successor's election (measured in the failover
-            // benchmark); it is closed when the elector is dropped.
-            if let LockConn::Own(own) = conn {
-                shared.put_spare(own);
+        _ => Ok(Answer::NotOurs),
+    }
+}
+
+impl KeepBackend for SessionKeep {
+    const FINISH_IN_FLIGHT_BEFORE_RELEASE: bool = false;
+
+    fn renew(&self) -> Statement<'_> {
+        Box::pin(async move {
+            let sent = Instant::now();
+            let r = self
+                .conn
+                .client()
+                .query_typed(
+                    &self.renew_sql,
+                    &[
+                        (&self.shared.role, Type::TEXT),
+                        (&self.shared.node, Type::TEXT),
+                        (&self.term, Type::INT8),
+                        (&self.ttl_ms, Type::INT8),
+                    ],
+                )
+                .await
+                .and_then(|rows| renewal(&rows))
+                .map_err(|e| Error::db("renew the lease", self.schema(), e));
+            (sent, r)
+        })
+    }
+
+    fn heartbeat(&self) -> Statement<'_> {
+        let share_wait = (self.shared.timing.heartbeat_timeout / 4).min(Duration::from_millis(100));
+        Box::pin(async move {
+            let sent = Instant::now();
+            // On a shared connection, one heartbeat answers all its leaders;
+            // a failed one is run again here to get the error to report.
+            if let LockConn::Shared(session) = &self.conn {
+                if session.beat(sent, share_wait).await {
+                    return (sent, Ok(Answer::Alive));
+                }
             }
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "clean release failed; dropping the lock connection");
-            conn.kill();
+            let r = self
+                .conn
+                .client()
+                .simple_query("SELECT 1")
+                .await
+                .map(|_| Answer::Alive)
+                .map_err(|e| Error::db("renew the lease", self.schema(), e));
+            (sent, r)
+        })
+    }
+
+    fn closed(&self) -> impl Future<Output = ()> + Send + '_ {
+        self.conn.closed().cancelled()
+    }
+
+    fn failed(&self, error: &Error, _failures: u32) -> Failed {
+        if is_transient(error) || self.conn.is_closed() {
+            Failed::ConnectionLost
+        } else {
+            Failed::RetrySoon
         }
     }
-    let _ = reply.send(result);
+
+    fn let_go(&self, reason: Option<LossReason>) {
+        // A dead connection goes; otherwise only this role's lock (on its
+        // own connection, the same).
+        if reason == Some(LossReason::ConnectionLost) {
+            self.conn.kill();
+        } else {
+            self.conn.abandon(self.shared.key);
+        }
+    }
+
+    fn releasable_after(&self, _reason: LossReason) -> bool {
+        // The lock went with the connection (or was unlocked).
+        false
+    }
+
+    async fn release(self, _ended: Option<LossReason>) -> Result<()> {
+        let bound = self.shared.timing.heartbeat_timeout * 2;
+        let released = release(&self.shared, &self.conn, self.term);
+        let result = match tokio::time::timeout(bound, released).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::ConnectionLost {
+                operation: "release the leadership",
+            }),
+        };
+        match &result {
+            Ok(()) => {
+                // Kept for this elector's next campaign rather than
+                // closed now: a backend ending on the server is work
+                // that would compete with the successor's election
+                // (measured in the failover benchmark); it is closed
+                // when the elector is dropped.
+                if let LockConn::Own(own) = self.conn {
+                    self.shared.put_spare(own);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "clean release failed; dropping the lock connection");
+                self.conn.kill();
+            }
+        }
+        result
+    }
+
+    fn close(self) -> impl Future<Output = ()> + Send {
+        std::future::ready(())
+    }
 }
 
 async fn release(shared: &Shared, conn: &LockConn, term: i64) -> Result<()> {

@@ -1,6 +1,8 @@
-//! The lease backend's driver: campaign (take the lease when it is free or
-//! expired on the server's clock), the leader's keeper task (renewals,
-//! deadline, release) and the optional `LISTEN` connection.
+//! The lease backend: its statements ([`LeaseSql`]), its campaign (take the
+//! lease when it is free or expired on the server's clock), its behaviour
+//! while leading ([`LeaseKeep`]: renewals retried until the deadline on a
+//! connection reopened at will, release) and the optional `LISTEN`
+//! connection.
 //!
 //! Every step is one statement, hence one transaction, so the backend works
 //! through PgBouncer in transaction mode: no session state (no advisory
@@ -9,37 +11,36 @@
 //! comparison uses the server's `now()`, and the remaining lease is computed
 //! by the server, so the candidates' clocks never need to agree.
 //!
-//! All decisions about the leader's deadline are taken by
-//! [`Keeper`](super::keeper::Keeper), with
-//! [`Liveness::statements`](super::keeper::Liveness::statements) (no
-//! heartbeats, each statement bounded here); this module only does I/O and
-//! reports what happened, with the monotonic time.
+//! The leader's loop is the shared [`driver`](crate::election::driver); all
+//! decisions about the leader's deadline are taken by the pure
+//! [`Keeper`](crate::election::keeper::Keeper), with
+//! [`Liveness::statements`](crate::election::keeper::Liveness::statements)
+//! (no heartbeats, each statement bounded here).
 
 use std::future::Future;
-use std::pin::Pin;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, SystemTime};
 
-use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Row;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::conn::{ConnectOptions, DedicatedConnection, Notice};
+use crate::conn::{ConnectOptions, DedicatedConnection};
 use crate::error::{Error, Result};
 use crate::metrics;
 use crate::schema::{check_schema, SchemaName};
 
-use super::config::random_u64;
-use super::keeper::{Action, Keeper, Liveness, Phase};
-use super::leadership::{Command, LeaderContext, LeaderState, Leadership, LossReason};
-use super::report;
-use super::support::{backoff, is_transient, nap, NapEnd, Reconnect, WakeLimit, WakeOn};
-use super::timing::Timing;
-use super::watch::{LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
-use super::{Shared, Term};
+use crate::election::config::random_u64;
+use crate::election::driver::{Activation, Answer, Failed, Keep, KeepBackend, Statement};
+use crate::election::keeper::{Action, Keeper, Liveness};
+use crate::election::leadership::{LeaderContext, LeaderState, Leadership, LossReason};
+use crate::election::support::{backoff, is_transient, nap, NapEnd, Reconnect, WakeLimit, WakeOn};
+use crate::election::timing::Timing;
+use crate::election::watch::{LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
+use crate::election::{Shared, Term};
 
 /// The largest jitter added to a standby's wake-up after the lease's
 /// server-reported expiry, so that standbys do not all fire at once.
@@ -524,235 +525,151 @@ async fn elected(
     let (commands, rx) = mpsc::unbounded_channel();
     let notices = shared.lease_notices.subscribe();
     let span = tracing::info_span!("pgelect.leader", role = %shared.role, node = %shared.node, term = term.get(), backend = "lease");
-    tokio::spawn(
-        keep(
-            shared.clone(),
-            conn,
-            sql.clone(),
-            keeper,
-            state.clone(),
-            rx,
-            notices,
-        )
-        .instrument(span),
-    );
+    let keep = Keep {
+        shared: shared.clone(),
+        backend: LeaseKeep {
+            shared: shared.clone(),
+            conn: Mutex::new(conn),
+            sql: sql.clone(),
+            term: term.get(),
+        },
+        keeper,
+        state: state.clone(),
+        commands: rx,
+        notices,
+        activation: Activation::Done,
+        count_leading: false,
+    };
+    tokio::spawn(keep.run().instrument(span));
     Some(Leadership {
         context: LeaderContext::new(state),
         commands,
     })
 }
 
-type Renewal = (
-    Option<DedicatedConnection>,
-    Instant,
-    Result<Option<(f64, bool)>>,
-);
-type RenewFuture = Pin<Box<dyn Future<Output = Renewal> + Send>>;
-
-fn renew(
+/// How the lease backend keeps a leadership: one renewal statement per
+/// `renew_every` on a connection reopened at will, each bounded by the
+/// statement timeout; failures are retried until the deadline.
+struct LeaseKeep {
     shared: Arc<Shared>,
-    mut conn: Option<DedicatedConnection>,
+    /// The connection between two statements; a statement in flight holds
+    /// it, and gives it back when done.
+    conn: Mutex<Option<DedicatedConnection>>,
     sql: Arc<LeaseSql>,
     term: i64,
-) -> RenewFuture {
-    Box::pin(async move {
-        let ttl_ms = shared.timing.ttl.as_millis() as i64;
-        let sent = Instant::now();
-        let r = exec(
-            &shared,
-            &mut conn,
-            LeaseOp::Renew,
-            &sql.renew,
-            &[
-                (&shared.role, Type::TEXT),
-                (&shared.node, Type::TEXT),
-                (&term, Type::INT8),
-                (&ttl_ms, Type::INT8),
-            ],
-        )
-        .await
-        .and_then(|rows| {
-            rows.first()
-                .map(|r| {
-                    Ok::<_, tokio_postgres::Error>((
-                        r.try_get::<_, f64>(0)?,
-                        r.try_get::<_, bool>(1)?,
-                    ))
-                })
-                .transpose()
-                .map_err(|e| {
-                    Error::db(
-                        LeaseOp::Renew.operation(),
-                        shared.options.schema_name().as_str(),
-                        e,
-                    )
-                })
-        });
-        (conn, sent, r)
-    })
 }
 
-/// The leader's task: carries out the keeper's actions until leadership
-/// ends, then releases when asked to.
-async fn keep(
-    shared: Arc<Shared>,
-    mut conn: Option<DedicatedConnection>,
-    sql: Arc<LeaseSql>,
-    mut keeper: Keeper,
-    state: Arc<LeaderState>,
-    mut commands: mpsc::UnboundedReceiver<Command>,
-    mut notices: broadcast::Receiver<Notice>,
-) {
-    let s = shared.options.schema_name().as_str().to_owned();
-    let term = state.term.get();
-    let resign_payload = format!("{s}:{}", shared.role);
-    let mut in_flight: Option<RenewFuture> = None;
-    let mut failures = 0u32;
-    let mut release_reply: Option<(LossReason, oneshot::Sender<Result<()>>)> = None;
-    let mut ended: Option<LossReason> = None;
-
-    'outer: loop {
-        let now = Instant::now();
-        while let Some(action) = keeper.poll(now) {
-            match action {
-                Action::Renew => {
-                    in_flight = Some(renew(shared.clone(), conn.take(), sql.clone(), term));
-                }
-                // Lease mode sends no heartbeats; activation was reported
-                // by `elected` already.
-                Action::Heartbeat => keeper.heartbeat_ok(now),
-                Action::Activate => {}
-                Action::Lose { reason, kill } => {
-                    report::loss_noticed(&shared.role, reason, now, keeper.deadline());
-                    if state.end_counted(reason, true) {
-                        tracing::warn!(%reason, "leadership lost");
-                    }
-                    if kill {
-                        shared.publish_if_holder(&shared.node, term, None);
-                        ended = Some(reason);
-                        break 'outer;
-                    }
-                }
-            }
-        }
-        if keeper.phase() == Phase::Done {
-            break;
-        }
-        let wake = keeper
-            .next_wake()
-            .expect("BUG: a live keeper has a wake time");
-        tokio::select! {
-            biased;
-            cmd = commands.recv() => match cmd {
-                None => {
-                    state.end_counted(LossReason::Dropped, true);
-                    // Not released: the duties may still be stopping. The
-                    // lease expires on its own, after the local deadline.
-                    break;
-                }
-                Some(Command::Stop { reason }) => keeper.stop_requested(reason, Instant::now()),
-                Some(Command::Release { reason, reply }) => {
-                    release_reply = Some((reason, reply));
-                    break;
-                }
-            },
-            (c, sent, result) = async { in_flight.as_mut().expect("BUG: guarded").await }, if in_flight.is_some() => {
-                in_flight = None;
-                conn = c;
-                let now = Instant::now();
-                match result {
-                    Ok(Some((remaining_ms, resign))) => {
-                        failures = 0;
-                        keeper.renewed(sent, now);
-                        let left = keeper.deadline().saturating_duration_since(now);
-                        metrics::renewed(&shared.role, now - sent, left);
-                        tracing::trace!(server_remaining = ?ms(remaining_ms), deadline_in = ?left, "renewed");
-                        if resign {
-                            tracing::info!("resignation requested for this term (lease row)");
-                            keeper.stop_requested(LossReason::Resigned, now);
-                        }
-                    }
-                    Ok(None) => {
-                        tracing::warn!("renewal found the lease no longer ours: preempted");
-                        keeper.preempted();
-                    }
-                    Err(e) => {
-                        failures = failures.saturating_add(1);
-                        // Retries are cheap (one statement or a refused
-                        // connection): keep them frequent, so that a short
-                        // outage is ridden out.
-                        let cap = (shared.timing.renew_every / 4).max(Duration::from_millis(50));
-                        let wait = backoff(failures).min(cap);
-                        tracing::warn!(error = %e, retry_in = ?wait, deadline_in = ?keeper.deadline().saturating_duration_since(now), "renewal failed; retrying until the deadline");
-                        keeper.renew_retry(now, wait);
-                    }
-                }
-            }
-            n = notices.recv() => {
-                if let Ok(n) = n {
-                    // Only a hint: anyone who can connect may send it. The
-                    // renewal it brings forward reads `resign_requested`,
-                    // which only `request_resign` (a granted privilege) sets.
-                    if n.channel == RESIGN_CHANNEL && n.payload == resign_payload {
-                        tracing::debug!("resign hint heard (NOTIFY); checking the lease row");
-                        keeper.check_requested(Instant::now());
-                    }
-                }
-            }
-            _ = tokio::time::sleep_until(wake) => {}
-        }
+impl LeaseKeep {
+    fn take_conn(&self) -> Option<DedicatedConnection> {
+        self.conn
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
     }
 
-    // After a deadline loss the lease may still be ours on the server (the
-    // database was unreachable for a while); once the user's duties stopped
-    // (it calls `resign`, as `Elector::run` does) a release lets standbys
-    // take over without waiting for the expiry. After a preemption there is
-    // nothing left to release.
-    if release_reply.is_none() && ended == Some(LossReason::Deadline) {
-        drop(in_flight.take());
-        loop {
-            match commands.recv().await {
-                Some(Command::Release { reason, reply }) => {
-                    release_reply = Some((reason, reply));
-                    break;
-                }
-                Some(Command::Stop { .. }) => {}
-                None => break,
-            }
-        }
+    fn put_conn(&self, conn: Option<DedicatedConnection>) {
+        *self.conn.lock().unwrap_or_else(PoisonError::into_inner) = conn;
     }
-    let Some((reason, reply)) = release_reply else {
+}
+
+impl KeepBackend for LeaseKeep {
+    const FINISH_IN_FLIGHT_BEFORE_RELEASE: bool = true;
+
+    fn renew(&self) -> Statement<'_> {
+        Box::pin(async move {
+            let shared = &self.shared;
+            let mut conn = self.take_conn();
+            let ttl_ms = shared.timing.ttl.as_millis() as i64;
+            let sent = Instant::now();
+            let r = exec(
+                shared,
+                &mut conn,
+                LeaseOp::Renew,
+                &self.sql.renew,
+                &[
+                    (&shared.role, Type::TEXT),
+                    (&shared.node, Type::TEXT),
+                    (&self.term, Type::INT8),
+                    (&ttl_ms, Type::INT8),
+                ],
+            )
+            .await
+            .and_then(|rows| {
+                let s = shared.options.schema_name().as_str();
+                let Some(row) = rows.first() else {
+                    return Ok(Answer::NotOurs);
+                };
+                let decode = || {
+                    Ok::<_, tokio_postgres::Error>((
+                        row.try_get::<_, f64>(0)?,
+                        row.try_get::<_, bool>(1)?,
+                    ))
+                };
+                let (remaining_ms, resign_requested) =
+                    decode().map_err(|e| Error::db(LeaseOp::Renew.operation(), s, e))?;
+                tracing::trace!(server_remaining = ?ms(remaining_ms), "lease renewed");
+                Ok(Answer::Renewed {
+                    row: None,
+                    resign_requested,
+                })
+            });
+            self.put_conn(conn);
+            (sent, r)
+        })
+    }
+
+    fn heartbeat(&self) -> Statement<'_> {
+        // Never asked for: a lease has no session to keep alive.
+        Box::pin(std::future::ready((Instant::now(), Ok(Answer::Alive))))
+    }
+
+    fn closed(&self) -> impl Future<Output = ()> + Send + '_ {
+        // The connection is reopened at will: its end ends nothing.
+        std::future::pending()
+    }
+
+    fn failed(&self, _error: &Error, failures: u32) -> Failed {
+        // Retries are cheap (one statement or a refused connection): keep
+        // them frequent, so that a short outage is ridden out.
+        let cap = (self.shared.timing.renew_every / 4).max(Duration::from_millis(50));
+        Failed::RetryAfter(backoff(failures).min(cap))
+    }
+
+    fn let_go(&self, _reason: Option<LossReason>) {
+        // Nothing to drop: the lease expires on its own, after the local
+        // deadline, unless released.
+    }
+
+    fn releasable_after(&self, reason: LossReason) -> bool {
+        // After a deadline loss the lease may still be ours on the server
+        // (the database was unreachable for a while). After a preemption
+        // there is nothing left to release.
+        reason == LossReason::Deadline
+    }
+
+    async fn release(self, ended: Option<LossReason>) -> Result<()> {
+        let mut conn = self.take_conn();
+        let result = if ended == Some(LossReason::Preempted) {
+            Ok(())
+        } else {
+            release(&self.shared, &mut conn, &self.sql, self.term)
+                .await
+                .map(|_| ())
+        };
+        if let Err(e) = &result {
+            tracing::warn!(error = %e, "clean release failed; the lease will expire on its own");
+        }
         if let Some(c) = conn {
             c.close().await;
         }
-        return;
-    };
-    // A renewal in flight finishes first (bounded by the statement timeout):
-    // its connection is the one to release on.
-    if let Some(f) = in_flight.take() {
-        let (c, _, _) = f.await;
-        conn = c;
+        result
     }
-    state.end_counted(reason, true);
-    keeper.finish(reason);
-    let result = if ended == Some(LossReason::Preempted) {
-        Ok(())
-    } else {
-        release(&shared, &mut conn, &sql, term).await.map(|_| ())
-    };
-    match &result {
-        Ok(()) => {
-            tracing::info!(%reason, "leadership released");
-            shared.publish_if_holder(&shared.node, term, None);
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "clean release failed; the lease will expire on its own");
+
+    async fn close(self) {
+        if let Some(c) = self.take_conn() {
+            c.close().await;
         }
     }
-    if let Some(c) = conn {
-        c.close().await;
-    }
-    let _ = reply.send(result);
 }
 
 /// Clears the holder where holder and term are ours, with a NOTIFY in the

@@ -12,7 +12,7 @@ use crate::conn::{ConnectOptions, DedicatedConnection, TcpTimeouts};
 use crate::error::{Error, Result};
 use crate::schema::check_schema;
 
-use super::watch::{LEADER_CHANNEL, RESIGN_CHANNEL};
+use crate::election::watch::{LEADER_CHANNEL, RESIGN_CHANNEL};
 
 /// One server session shared by the session-backend candidates of many
 /// roles, so that a process standing for a hundred roles holds one
@@ -128,7 +128,7 @@ impl SharedConnection {
         let conn = options.connect_for_locks("shared", &self.inner.tcp).await?;
         let prepared = async {
             check_schema(conn.client(), schema).await?;
-            super::support::check_not_transaction_pooled(options, &conn).await?;
+            crate::election::support::check_not_transaction_pooled(options, &conn).await?;
             // Both channels for the connection's whole life: leaders hear
             // resign requests, standbys hear releases. The connection never
             // blocks in a wait, so it reads its notifications.
