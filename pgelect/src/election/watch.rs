@@ -298,10 +298,10 @@ impl Observer {
             // one through a transaction pooler, which the lease backend may
             // use. Without `listen_via` the lease backend's observer only
             // polls (every `check_every`).
-            let (options, listen) = match (shared.backend, &shared.listen_via) {
-                (super::Backend::Lease, Some(direct)) => (direct.clone(), true),
-                (super::Backend::Lease, None) => (shared.options.clone(), false),
-                _ => (shared.options.clone(), true),
+            let (options, listen) = match shared.lease().map(|l| &l.listen_via) {
+                Some(Some(direct)) => (direct.clone(), true),
+                Some(None) => (shared.options.clone(), false),
+                None => (shared.options.clone(), true),
             };
             let mut activity = shared.activity.subscribe();
             drop(shared);

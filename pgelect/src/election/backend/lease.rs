@@ -40,7 +40,7 @@ use crate::election::leadership::{LeaderContext, LeaderState, Leadership, LossRe
 use crate::election::support::{backoff, is_transient, nap, NapEnd, Reconnect, WakeLimit, WakeOn};
 use crate::election::timing::Timing;
 use crate::election::watch::{LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
-use crate::election::{Shared, Term};
+use crate::election::{LeaseState, Shared, Term};
 
 /// The largest jitter added to a standby's wake-up after the lease's
 /// server-reported expiry, so that standbys do not all fire at once.
@@ -161,10 +161,17 @@ struct Acquired {
 
 impl Acquired {
     /// The statement returns exactly one row (a `LEFT JOIN` of a constant).
+    /// No row (which the statement never returns) reads as "not won,
+    /// nobody seen": the standby tries again shortly.
     fn decode(rows: &[Row]) -> std::result::Result<Acquired, tokio_postgres::Error> {
-        let row = rows
-            .first()
-            .expect("BUG: the acquire statement returns one row");
+        let Some(row) = rows.first() else {
+            return Ok(Acquired {
+                won: None,
+                prev_holder: None,
+                prev_backend: None,
+                prev_remaining: None,
+            });
+        };
         let term: Option<i64> = row.try_get(0)?;
         let won = match term {
             Some(term) => Some((term, row.try_get(1)?, row.try_get(2)?)),
@@ -177,6 +184,13 @@ impl Acquired {
             prev_remaining: row.try_get(6)?,
         })
     }
+}
+
+/// The lease state of an elector that campaigns with the lease backend.
+fn lease_state(shared: &Shared) -> &LeaseState {
+    shared
+        .lease()
+        .expect("BUG: the lease backend campaigns for lease electors only")
 }
 
 fn jitter() -> Duration {
@@ -259,9 +273,11 @@ async fn exec(
     let operation = op.operation();
     let patient = patient(&shared.timing);
     let bound = op.bound(&shared.timing);
-    shared
-        .lease_statements
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    if let Some(lease) = shared.lease() {
+        lease
+            .statements
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
     metrics::lease_statement(&shared.role, op.metric_kind());
     if conn.as_ref().is_some_and(|c| c.is_closed()) {
         conn.take();
@@ -317,7 +333,7 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
         let schema = shared.options.schema_name().clone();
         let s = schema.as_str();
         let sql = Arc::new(lease_sql(&schema));
-        let mut notices = shared.lease_notices.subscribe();
+        let mut notices = lease_state(shared).notices.subscribe();
         shared.ensure_lease_listener();
         let mut conn: Option<DedicatedConnection> = None;
         let mut failures = 0u32;
@@ -523,7 +539,7 @@ async fn elected(
         reason: Mutex::new(None),
     });
     let (commands, rx) = mpsc::unbounded_channel();
-    let notices = shared.lease_notices.subscribe();
+    let notices = lease_state(shared).notices.subscribe();
     let span = tracing::info_span!("pgelect.leader", role = %shared.role, node = %shared.node, term = term.get(), backend = "lease");
     let keep = Keep {
         shared: shared.clone(),
@@ -754,7 +770,11 @@ pub(crate) async fn listen(shared: Weak<Shared>, options: ConnectOptions, stop: 
                         _ = conn.closed().cancelled() => break,
                         n = rx.recv() => match n {
                             Ok(n) => match shared.upgrade() {
-                                Some(s) => { let _ = s.lease_notices.send(n); }
+                                Some(s) => {
+                                    if let Some(lease) = s.lease() {
+                                        let _ = lease.notices.send(n);
+                                    }
+                                }
                                 None => return,
                             },
                             Err(broadcast::error::RecvError::Lagged(_)) => {}

@@ -195,11 +195,14 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
     let schema = shared.options.schema_name().clone();
     let s = schema.as_str();
     let elect = ElectStatement::new(shared);
-    let conn = match &shared.host {
+    let session = shared
+        .session()
+        .expect("BUG: the session backend campaigns for session electors only");
+    let conn = match &session.host {
         Some(host) => LockConn::Shared(host.connection().get().await?),
         // The connection of this elector's last clean release, if it is
         // still open: warmed up and checked already, no backend to start.
-        None => LockConn::Own(match shared.take_spare() {
+        None => LockConn::Own(match session.take_spare() {
             Some(conn) => conn,
             None => lock_connection(shared, &elect).await?,
         }),
@@ -213,7 +216,7 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
     let params = key.params();
     let args: Vec<(&(dyn ToSql + Sync), Type)> = params.iter().map(|p| p.as_sql()).collect();
     let wait_started = Instant::now();
-    match shared.standby {
+    match session.standby {
         StandbyMode::Blocking => {
             shared.ensure_observer();
             let _standing = Counted::new(&shared.activity, |a| &mut a.standing);
@@ -709,8 +712,8 @@ impl KeepBackend for SessionKeep {
                 // that would compete with the successor's election
                 // (measured in the failover benchmark); it is closed
                 // when the elector is dropped.
-                if let LockConn::Own(own) = self.conn {
-                    self.shared.put_spare(own);
+                if let (LockConn::Own(own), Some(session)) = (self.conn, self.shared.session()) {
+                    session.put_spare(own);
                 }
             }
             Err(e) => {

@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::{watch, Mutex as AsyncMutex};
@@ -98,7 +98,13 @@ impl SharedConnection {
 
     /// Claims `role` for one elector; refused while another holds it.
     pub(crate) fn claim(&self, role: &str) -> Result<RoleClaim> {
-        let mut roles = self.inner.roles.lock().expect("BUG: poisoned role set");
+        // The set is only inserted into and removed from: a panic elsewhere
+        // that poisoned the lock left it consistent.
+        let mut roles = self
+            .inner
+            .roles
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         if !roles.insert(role.to_owned()) {
             return Err(Error::config(format!(
                 "role {role:?} already has a candidate on this shared connection; advisory locks are re-entrant within a session, so a second one would win too"
