@@ -345,3 +345,173 @@ impl<B: KeepBackend> Keep<B> {
         let _ = reply.send(result);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::sync::Mutex;
+
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+    use crate::election::keeper::Liveness;
+    use crate::election::timing::TimingRequest;
+    use crate::election::{Backend, Elector, Term};
+    use crate::schema::SchemaName;
+    use crate::ConnectOptions;
+
+    /// A backend whose renewals answer from a script, and which logs what
+    /// the driver asks of it.
+    struct Scripted {
+        answers: Mutex<VecDeque<Answer>>,
+        log: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl Scripted {
+        fn note(&self, what: String) {
+            self.log.lock().unwrap().push(what);
+        }
+    }
+
+    impl KeepBackend for Scripted {
+        const FINISH_IN_FLIGHT_BEFORE_RELEASE: bool = true;
+
+        fn renew(&self) -> Statement<'_> {
+            Box::pin(async move {
+                let sent = Instant::now();
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                self.note("renew".into());
+                let answer = self.answers.lock().unwrap().pop_front();
+                let answer = answer.unwrap_or(Answer::Renewed {
+                    row: None,
+                    resign_requested: false,
+                });
+                (sent, Ok(answer))
+            })
+        }
+
+        fn heartbeat(&self) -> Statement<'_> {
+            Box::pin(async { (Instant::now(), Ok(Answer::Alive)) })
+        }
+
+        fn closed(&self) -> impl Future<Output = ()> + Send + '_ {
+            std::future::pending()
+        }
+
+        fn failed(&self, _error: &Error, _failures: u32) -> Failed {
+            Failed::RetrySoon
+        }
+
+        fn let_go(&self, reason: Option<LossReason>) {
+            self.note(format!("let go {reason:?}"));
+        }
+
+        fn releasable_after(&self, reason: LossReason) -> bool {
+            reason == LossReason::Deadline
+        }
+
+        async fn release(self, ended: Option<LossReason>) -> Result<()> {
+            self.note(format!("release after {ended:?}"));
+            Ok(())
+        }
+
+        async fn close(self) {
+            self.note("close".into());
+        }
+    }
+
+    struct Running {
+        state: Arc<LeaderState>,
+        commands: mpsc::UnboundedSender<Command>,
+        log: Arc<Mutex<Vec<String>>>,
+        _elector: Elector,
+        _notices: broadcast::Sender<Notice>,
+    }
+
+    fn start(answers: Vec<Answer>) -> Running {
+        let options = ConnectOptions::from_url("postgres://app@localhost/app").unwrap();
+        let elector = Elector::builder(options, "r")
+            .backend(Backend::Lease)
+            .build()
+            .unwrap();
+        let timing = TimingRequest {
+            ttl: Some(Duration::from_millis(2000)),
+            renew_every: Some(Duration::from_millis(500)),
+            heartbeat_timeout: Some(Duration::from_millis(300)),
+            ..Default::default()
+        }
+        .validate_lease()
+        .unwrap();
+        let now = Instant::now();
+        let keeper = Keeper::new(timing, Liveness::statements(), now, now, false);
+        let state = Arc::new(LeaderState {
+            role: "r".into(),
+            schema: SchemaName::default(),
+            term: Term::new(1),
+            token: CancellationToken::new(),
+            reason: Mutex::new(None),
+        });
+        let (commands, rx) = mpsc::unbounded_channel();
+        let (notices_tx, notices) = broadcast::channel(4);
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let keep = Keep {
+            shared: elector.shared.clone(),
+            backend: Scripted {
+                answers: Mutex::new(answers.into()),
+                log: log.clone(),
+            },
+            keeper,
+            state: state.clone(),
+            commands: rx,
+            notices,
+            activation: Activation::Done,
+            count_leading: false,
+        };
+        tokio::spawn(keep.run());
+        Running {
+            state,
+            commands,
+            log,
+            _elector: elector,
+            _notices: notices_tx,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_that_finds_the_row_taken_ends_leadership_and_lets_go() {
+        let r = start(vec![
+            Answer::Renewed {
+                row: None,
+                resign_requested: false,
+            },
+            Answer::NotOurs,
+        ]);
+        r.state.token.cancelled().await;
+        assert_eq!(r.state.reason(), Some(LossReason::Preempted));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let log = r.log.lock().unwrap().clone();
+        assert_eq!(log, ["renew", "renew", "let go Some(Preempted)", "close"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_resign_request_stops_the_duties_and_release_reports_its_outcome() {
+        let r = start(vec![Answer::Renewed {
+            row: None,
+            resign_requested: true,
+        }]);
+        // The lease row's mark cancels the token but keeps the lease.
+        r.state.token.cancelled().await;
+        assert_eq!(r.state.reason(), Some(LossReason::Resigned));
+        let (reply, answer) = oneshot::channel();
+        r.commands
+            .send(Command::Release {
+                reason: LossReason::Resigned,
+                reply,
+            })
+            .unwrap();
+        answer.await.unwrap().unwrap();
+        let log = r.log.lock().unwrap().clone();
+        assert_eq!(log.first().map(String::as_str), Some("renew"));
+        assert_eq!(log.last().map(String::as_str), Some("release after None"));
+    }
+}

@@ -320,4 +320,100 @@ mod tests {
         let later = t0 + Duration::from_secs(200);
         assert_eq!(w.reserve(later), later);
     }
+
+    fn notice(channel: &str, payload: &str) -> Notice {
+        Notice {
+            channel: channel.to_owned(),
+            payload: payload.to_owned(),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_release_of_the_role_cuts_a_nap_short_and_nothing_else_does() {
+        let (tx, mut rx) = broadcast::channel(16);
+        let mut limit = WakeLimit::default();
+        let t0 = Instant::now();
+        let until = t0 + Duration::from_secs(10);
+        let sender = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            // Other roles, other schemas, other events, other channels.
+            tx.send(notice(LEADER_CHANNEL, "pgelect:released:other"))
+                .unwrap();
+            tx.send(notice(LEADER_CHANNEL, "elsewhere:released:r"))
+                .unwrap();
+            tx.send(notice(LEADER_CHANNEL, "pgelect:elected:r"))
+                .unwrap();
+            tx.send(notice("pgelect_resign", "pgelect:r")).unwrap();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            tx.send(notice(LEADER_CHANNEL, "pgelect:released:r"))
+                .unwrap();
+            tx
+        });
+        let released = WakeOn::Released {
+            schema: "pgelect",
+            role: "r",
+        };
+        let end = nap(until, &mut rx, released, &mut limit, || {
+            Duration::from_millis(3)
+        })
+        .await;
+        assert_eq!(end, NapEnd::Awake);
+        assert_eq!(Instant::now() - t0, Duration::from_millis(2003));
+        // Any change wakes an observer; a closed channel ends the nap.
+        let tx = sender.await.unwrap();
+        let t1 = Instant::now();
+        tx.send(notice(LEADER_CHANNEL, "pgelect:elected:r"))
+            .unwrap();
+        let any = WakeOn::AnyChange {
+            schema: "pgelect",
+            role: "r",
+        };
+        let end = nap(
+            t1 + Duration::from_secs(10),
+            &mut rx,
+            any,
+            &mut limit,
+            || Duration::ZERO,
+        )
+        .await;
+        assert_eq!(end, NapEnd::Awake);
+        assert_eq!(Instant::now(), t1);
+        drop(tx);
+        let any = WakeOn::AnyChange {
+            schema: "pgelect",
+            role: "r",
+        };
+        let end = nap(
+            t1 + Duration::from_secs(10),
+            &mut rx,
+            any,
+            &mut limit,
+            || Duration::ZERO,
+        )
+        .await;
+        assert_eq!(end, NapEnd::ChannelClosed);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_flood_of_releases_wakes_standbys_at_the_limited_rate() {
+        let (tx, mut rx) = broadcast::channel(4096);
+        let mut limit = WakeLimit::default();
+        let t0 = Instant::now();
+        for _ in 0..1000 {
+            tx.send(notice(LEADER_CHANNEL, "pgelect:released:r"))
+                .unwrap();
+        }
+        let mut naps = 0;
+        while Instant::now() < t0 + Duration::from_secs(1) {
+            let released = WakeOn::Released {
+                schema: "pgelect",
+                role: "r",
+            };
+            let until = Instant::now() + Duration::from_secs(10);
+            nap(until, &mut rx, released, &mut limit, || Duration::ZERO).await;
+            naps += 1;
+        }
+        // The burst, then one per gap.
+        assert!(naps <= WAKE_BURST as usize + 1 + 10, "{naps}");
+    }
 }
