@@ -22,6 +22,23 @@
 //! * **Schema** ([`migrate`]): installs the `pgelect` schema (idempotent,
 //!   concurrency-safe).
 //!
+//! # Where the code is
+//!
+//! * `lock/`: advisory locks (session locks on a connection pgelect owns,
+//!   transaction locks on yours, who holds a key).
+//! * `election/`: the elector. Pure rules in `election/timing.rs` (the
+//!   safety inequalities) and `election/keeper.rs` (the leader's state
+//!   machine, no I/O); the one loop that keeps a leadership, for every
+//!   backend, in `election/driver.rs`; each backend's SQL and behaviour in
+//!   `election/backend/` (`session.rs`, `lease.rs`, `shared.rs` for
+//!   [`SharedConnection`]); observers in `election/watch.rs`; shared
+//!   utilities (backoff, transient errors, waiting for a release `NOTIFY`,
+//!   reconnecting, pooler detection) in `election/support.rs`. The
+//!   [`election`] module's docs have the full map.
+//! * `conn.rs`: connecting (options, TCP timeouts, the dedicated connection
+//!   type); `error.rs`: [`Error`]; `key.rs`: [`LockKey`]; `schema.rs`:
+//!   migrations; `metrics.rs`: metric names.
+//!
 //! # Guarantees, in short
 //!
 //! * At most one process holds a role's lock or lease at a time, on the

@@ -7,7 +7,7 @@ use crate::conn::{ConnectOptions, TcpTimeouts};
 use crate::error::{shown, Error, Result};
 use crate::key::LockKey;
 
-use super::core::{Timing, TimingRequest};
+use super::timing::{Timing, TimingRequest};
 use super::{Elector, SharedConnection};
 
 /// The longest role or node id accepted, in bytes.

@@ -1,7 +1,7 @@
 //! The `Leadership` handle, its `Term` and the reasons a leadership ends.
 
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::{mpsc, oneshot};
 use tokio_postgres::types::Type;
@@ -106,7 +106,7 @@ impl LeaderState {
     /// Records the first reason and cancels the token (in that order, so a
     /// woken waiter always finds the reason).
     pub(crate) fn end(&self, reason: LossReason) -> bool {
-        let mut r = self.reason.lock().expect("BUG: poisoned loss reason");
+        let mut r = self.reason.lock().unwrap_or_else(PoisonError::into_inner);
         let first = r.is_none();
         if first {
             *r = Some((reason, std::time::Instant::now()));
@@ -143,7 +143,7 @@ impl LeaderState {
     }
 
     pub(crate) fn ended(&self) -> Option<(LossReason, std::time::Instant)> {
-        *self.reason.lock().expect("BUG: poisoned loss reason")
+        *self.reason.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 

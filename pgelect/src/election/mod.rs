@@ -117,6 +117,23 @@
 //!   (at once for a killed process, whose kernel closes the socket) plus the
 //!   handover delay (2.5 s by default); a resigning one at once.
 //!
+//! # Where the code is
+//!
+//! Read from the file names (all private modules):
+//!
+//! | file | what it holds |
+//! |---|---|
+//! | `mod.rs`, `config.rs`, `leadership.rs` | the public API: [`Elector`], [`ElectorBuilder`], [`Leadership`] |
+//! | `timing.rs` | pure rules: timing defaults and the safety inequalities ([`ElectorBuilder::build`] checks them) |
+//! | `keeper.rs` | pure rules: the leader's keep-alive state machine (when to renew, heartbeat, act, stop); no I/O, clock, logging or metrics |
+//! | `driver.rs` | the one loop that keeps a leadership for every backend: carries out and reports the keeper's decisions, commands, resign hints, release |
+//! | `backend/session.rs` | the session backend's SQL and behaviour: lock wait, term bump, renewal, heartbeat, release |
+//! | `backend/lease.rs` | the lease backend's SQL and behaviour: acquire, renew, release, the `LISTEN` connection |
+//! | `backend/shared.rs` | [`SharedConnection`]: one lock connection for many roles, one heartbeat for all its leaders |
+//! | `watch.rs` | observers: [`current_leader`], [`request_resign`], the background observer, zombie preemption |
+//! | `support.rs` | shared utilities: backoff, transient errors, the rate-limited wait for a release `NOTIFY`, reconnecting, pooler detection |
+//! | `sim.rs` | a simulation (tests only) that drives the real keeper in virtual time through crashes and partitions |
+//!
 //! ```no_run
 //! # async fn f() -> Result<(), pgelect::Error> {
 //! use std::time::Duration;
@@ -133,14 +150,15 @@
 //! # Ok(()) }
 //! ```
 
+mod backend;
 mod config;
-mod core;
+mod driver;
+mod keeper;
 mod leadership;
-mod lease;
-mod session;
-mod shared_conn;
 #[cfg(test)]
 mod sim;
+mod support;
+mod timing;
 mod watch;
 
 use std::fmt;
@@ -155,16 +173,16 @@ use crate::conn::{ConnectOptions, DedicatedConnection, Notice};
 use crate::error::Result;
 use crate::key::LockKey;
 
+#[doc(hidden)]
+#[cfg(feature = "test-hooks")]
+pub use backend::lease::{lease_sql, LeaseSql};
+pub use backend::shared::SharedConnection;
 pub use config::{Backend, ElectorBuilder, StandbyMode, MAX_ROLE_BYTES};
 pub use leadership::{LeaderContext, Leadership, LossReason, Term};
-#[cfg(feature = "test-hooks")]
-#[doc(hidden)]
-pub use lease::{lease_sql, LeaseSql};
-pub use shared_conn::SharedConnection;
 pub use watch::{current_leader, request_resign, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 
-use self::core::Timing;
-use self::shared_conn::RoleClaim;
+use self::backend::shared::RoleClaim;
+use self::timing::Timing;
 
 /// Stands for election of one role.
 ///
@@ -183,29 +201,61 @@ pub(crate) struct Shared {
     pub(crate) node: String,
     pub(crate) key: LockKey,
     pub(crate) timing: Timing,
-    pub(crate) standby: StandbyMode,
     pub(crate) meta: Option<serde_json::Value>,
     pub(crate) leader: tokio::sync::watch::Sender<Option<LeaderInfo>>,
     /// What this elector is doing, which decides whether its observer
     /// connection is needed.
     pub(crate) activity: tokio::sync::watch::Sender<Activity>,
     observer: Mutex<Option<CancellationToken>>,
-    /// Session backend: the lock connection of the last clean release, for
-    /// the next campaign.
-    spare: Mutex<Option<DedicatedConnection>>,
-    /// Session backend: the shared connection this candidate stands on.
-    pub(crate) host: Option<RoleClaim>,
-    pub(crate) backend: Backend,
-    /// Lease backend: the direct connection for `LISTEN`, if any.
-    pub(crate) listen_via: Option<ConnectOptions>,
-    /// Lease backend: notifications received on the `LISTEN` connection.
-    pub(crate) lease_notices: tokio::sync::broadcast::Sender<Notice>,
-    listener: Mutex<Option<CancellationToken>>,
-    /// Lease backend: statements sent (acquire, renew, release, connect probe).
-    pub(crate) lease_statements: std::sync::atomic::AtomicU64,
+    /// What only this elector's backend keeps.
+    pub(crate) per_backend: PerBackend,
     /// When one of this elector's connections last got an answer from the
     /// server, for health checks that must not open connections of their own.
     pub(crate) contact: Contact,
+}
+
+/// The state only one backend keeps.
+pub(crate) enum PerBackend {
+    Session(SessionState),
+    Lease(LeaseState),
+}
+
+/// The session backend's state of an elector.
+pub(crate) struct SessionState {
+    /// How a standby waits for the lock.
+    pub(crate) standby: StandbyMode,
+    /// The lock connection of the last clean release, for the next campaign.
+    spare: Mutex<Option<DedicatedConnection>>,
+    /// The shared connection this candidate stands on.
+    pub(crate) host: Option<RoleClaim>,
+}
+
+impl SessionState {
+    /// Takes the spare lock connection, if it is still open.
+    pub(crate) fn take_spare(&self) -> Option<DedicatedConnection> {
+        let conn = self
+            .spare
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()?;
+        (!conn.is_closed()).then_some(conn)
+    }
+
+    /// Keeps a released lock connection for the next campaign.
+    pub(crate) fn put_spare(&self, conn: DedicatedConnection) {
+        *self.spare.lock().unwrap_or_else(PoisonError::into_inner) = Some(conn);
+    }
+}
+
+/// The lease backend's state of an elector.
+pub(crate) struct LeaseState {
+    /// The direct connection for `LISTEN`, if any.
+    pub(crate) listen_via: Option<ConnectOptions>,
+    /// Notifications received on the `LISTEN` connection.
+    pub(crate) notices: tokio::sync::broadcast::Sender<Notice>,
+    listener: Mutex<Option<CancellationToken>>,
+    /// Statements sent (acquire, renew, release, connect probe).
+    pub(crate) statements: std::sync::atomic::AtomicU64,
 }
 
 /// The moment a connection of an elector last got an answer from the
@@ -289,34 +339,49 @@ impl Shared {
         runtime.spawn(observer.run());
     }
 
-    /// Takes the spare lock connection, if it is still open.
-    pub(crate) fn take_spare(&self) -> Option<DedicatedConnection> {
-        let conn = self
-            .spare
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()?;
-        (!conn.is_closed()).then_some(conn)
+    /// The backend.
+    pub(crate) fn backend(&self) -> Backend {
+        match self.per_backend {
+            PerBackend::Session(_) => Backend::Session,
+            PerBackend::Lease(_) => Backend::Lease,
+        }
     }
 
-    /// Keeps a released lock connection for the next campaign.
-    pub(crate) fn put_spare(&self, conn: DedicatedConnection) {
-        *self.spare.lock().unwrap_or_else(PoisonError::into_inner) = Some(conn);
+    /// The session backend's state, if this elector uses it.
+    pub(crate) fn session(&self) -> Option<&SessionState> {
+        match &self.per_backend {
+            PerBackend::Session(s) => Some(s),
+            PerBackend::Lease(_) => None,
+        }
+    }
+
+    /// The lease backend's state, if this elector uses it.
+    pub(crate) fn lease(&self) -> Option<&LeaseState> {
+        match &self.per_backend {
+            PerBackend::Lease(l) => Some(l),
+            PerBackend::Session(_) => None,
+        }
     }
 
     /// Lease backend: starts the `LISTEN` task if a `listen_via` connection
     /// is configured and the task is not running.
     pub(crate) fn ensure_lease_listener(self: &Arc<Self>) {
-        let Some(options) = self.listen_via.clone() else {
+        let Some(lease) = self.lease() else {
             return;
         };
-        let mut slot = self.listener.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(options) = lease.listen_via.clone() else {
+            return;
+        };
+        let mut slot = lease
+            .listener
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         if slot.as_ref().is_some_and(|t| !t.is_cancelled()) {
             return;
         }
         let stop = CancellationToken::new();
         *slot = Some(stop.clone());
-        tokio::spawn(lease::listen(Arc::downgrade(self), options, stop));
+        tokio::spawn(backend::lease::listen(Arc::downgrade(self), options, stop));
     }
 
     /// Publishes the current leader to watchers, if it changed.
@@ -390,18 +455,23 @@ impl Elector {
                 node,
                 key,
                 timing,
-                standby,
                 meta,
                 leader: tokio::sync::watch::Sender::new(None),
                 activity: tokio::sync::watch::Sender::new(Activity::default()),
                 observer: Mutex::new(None),
-                spare: Mutex::new(None),
-                host,
-                backend,
-                listen_via,
-                lease_notices: tokio::sync::broadcast::Sender::new(64),
-                listener: Mutex::new(None),
-                lease_statements: std::sync::atomic::AtomicU64::new(0),
+                per_backend: match backend {
+                    Backend::Session => PerBackend::Session(SessionState {
+                        standby,
+                        spare: Mutex::new(None),
+                        host,
+                    }),
+                    Backend::Lease => PerBackend::Lease(LeaseState {
+                        listen_via,
+                        notices: tokio::sync::broadcast::Sender::new(64),
+                        listener: Mutex::new(None),
+                        statements: std::sync::atomic::AtomicU64::new(0),
+                    }),
+                },
                 contact: Contact::new(),
             }),
         }
@@ -424,7 +494,7 @@ impl Elector {
 
     /// The election backend.
     pub fn backend(&self) -> Backend {
-        self.shared.backend
+        self.shared.backend()
     }
 
     /// Lease backend: the number of statements this elector (and the
@@ -434,9 +504,9 @@ impl Elector {
     /// [`LEASE_STATEMENTS`](crate::metrics::LEASE_STATEMENTS)). Always 0
     /// for the session backend.
     pub fn lease_statements(&self) -> u64 {
-        self.shared
-            .lease_statements
-            .load(std::sync::atomic::Ordering::Relaxed)
+        self.shared.lease().map_or(0, |l| {
+            l.statements.load(std::sync::atomic::Ordering::Relaxed)
+        })
     }
 
     /// How long ago one of this elector's connections (lock or lease
@@ -497,9 +567,9 @@ impl Elector {
     /// (the statement is cancelled, but may have committed): nobody acts on
     /// it, and it expires after `ttl`.
     pub async fn leadership(&self) -> Result<Leadership> {
-        match self.shared.backend {
-            Backend::Session => session::campaign(&self.shared).await,
-            Backend::Lease => lease::campaign(&self.shared).await,
+        match self.shared.backend() {
+            Backend::Session => backend::session::campaign(&self.shared).await,
+            Backend::Lease => backend::lease::campaign(&self.shared).await,
         }
     }
 
@@ -589,14 +659,15 @@ impl Elector {
 
 impl Drop for Elector {
     fn drop(&mut self) {
-        if let Some(t) = self
-            .shared
-            .listener
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-        {
-            t.cancel();
+        if let Some(lease) = self.shared.lease() {
+            if let Some(t) = lease
+                .listener
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take()
+            {
+                t.cancel();
+            }
         }
         if let Some(t) = self
             .shared
@@ -617,8 +688,8 @@ impl fmt::Debug for Elector {
             .field("node", &self.shared.node)
             .field("target", &self.shared.options.target())
             .field("timing", &self.shared.timing)
-            .field("backend", &self.shared.backend)
-            .field("standby", &self.shared.standby)
+            .field("backend", &self.shared.backend())
+            .field("standby", &self.shared.session().map(|s| s.standby))
             .field("leader", &*self.shared.leader.borrow())
             .finish()
     }

@@ -18,7 +18,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::core::{Action, Keeper, Timing, TimingRequest};
+use super::keeper::{Action, Keeper, Liveness};
+use super::timing::{Timing, TimingRequest};
 use crate::conn::TcpTimeouts;
 
 /// xorshift64*: deterministic, no dependency.
@@ -97,7 +98,13 @@ fn simulate(t: Timing, fault: Fault, fault_at: Duration, rng: &mut Rng) -> Outco
     // The leader won cleanly at 0; the server ran the term statement at
     // `elected`, which set the lease.
     let elected = lat(rng);
-    let mut keeper = Keeper::new(t, at(Duration::ZERO), at(elected * 2), false);
+    let mut keeper = Keeper::new(
+        t,
+        Liveness::session(&t),
+        at(Duration::ZERO),
+        at(elected * 2),
+        false,
+    );
     let mut lease_until = elected + t.ttl;
     let mut last_rx = elected;
 

@@ -16,6 +16,7 @@ use crate::key::LockKey;
 use crate::schema::SchemaName;
 
 use super::config::validate_name;
+use super::support::{nap, NapEnd, Reconnect, WakeLimit, WakeOn};
 use super::Shared;
 
 /// The `NOTIFY` channel on which leadership changes are announced. The
@@ -29,39 +30,6 @@ pub const LEADER_CHANNEL: &str = "pgelect_leader";
 /// was requested for its term, which takes
 /// [`request_resign`](crate::request_resign) and the privilege to run it.
 pub const RESIGN_CHANNEL: &str = "pgelect_resign";
-
-/// Wake-ups on a notification acted on at once, before [`WAKE_GAP`] applies.
-const WAKE_BURST: u32 = 5;
-
-/// The least spacing of notification wake-ups beyond the burst.
-const WAKE_GAP: Duration = Duration::from_millis(100);
-
-/// Limits the work notifications can cause a standby or an observer.
-///
-/// Anyone who can connect may `NOTIFY` on [`LEADER_CHANNEL`]: a standby that
-/// tried the lock (or the lease), or an observer that read the row, on every
-/// notification would let a flood of them drive its statements. Real
-/// wake-ups are rare, so a burst of [`WAKE_BURST`] is acted on at once and
-/// further ones are spaced [`WAKE_GAP`] apart (a generic cell rate
-/// algorithm): a flood costs at most ten wake-ups per second.
-#[derive(Debug, Default)]
-pub(crate) struct WakeLimit {
-    /// When the next wake-up would be due at the sustained rate.
-    due: Option<Instant>,
-}
-
-impl WakeLimit {
-    /// Reserves a wake-up asked for at `now` and returns when it may
-    /// happen: `now`, or later during a flood. Call once per wake-up acted
-    /// on (not again while one is reserved).
-    pub(crate) fn reserve(&mut self, now: Instant) -> Instant {
-        let burst = WAKE_GAP * WAKE_BURST;
-        let due = self.due.unwrap_or(now);
-        let at = if due > now + burst { due - burst } else { now };
-        self.due = Some(due.max(at) + WAKE_GAP);
-        at
-    }
-}
 
 /// A role's leader as the lease row shows it.
 #[derive(Clone, Debug, PartialEq)]
@@ -111,28 +79,37 @@ pub(crate) async fn read_leader<C: GenericClient + Sync>(
     let Some(row) = rows.first() else {
         return Ok(None);
     };
-    if row.get::<_, Option<String>>(0).is_none() {
+    let what = "read the leader";
+    let holder: Option<String> = row
+        .try_get(0)
+        .map_err(|e| Error::db(what, schema.as_str(), e))?;
+    if holder.is_none() {
         return Ok(None);
     }
-    Ok(Some(leader_info(role, row)))
+    leader_info(role, row)
+        .map(Some)
+        .map_err(|e| Error::db(what, schema.as_str(), e))
 }
 
 /// A row of `holder, holder_meta, term, backend, acquired_at, renewed_at,
 /// lease_until, lease_expired, holder_pid` whose holder is set.
-fn leader_info(role: &str, row: &tokio_postgres::Row) -> LeaderInfo {
+fn leader_info(
+    role: &str,
+    row: &tokio_postgres::Row,
+) -> std::result::Result<LeaderInfo, tokio_postgres::Error> {
     let epoch = SystemTime::UNIX_EPOCH;
-    LeaderInfo {
+    Ok(LeaderInfo {
         role: role.to_owned(),
-        holder: row.get(0),
-        holder_meta: row.get(1),
-        term: super::Term::new(row.get(2)),
-        backend: row.get(3),
-        acquired_at: row.get::<_, Option<SystemTime>>(4).unwrap_or(epoch),
-        renewed_at: row.get::<_, Option<SystemTime>>(5).unwrap_or(epoch),
-        lease_until: row.get::<_, Option<SystemTime>>(6).unwrap_or(epoch),
-        lease_expired: row.get(7),
-        holder_pid: row.get(8),
-    }
+        holder: row.try_get(0)?,
+        holder_meta: row.try_get(1)?,
+        term: super::Term::new(row.try_get(2)?),
+        backend: row.try_get(3)?,
+        acquired_at: row.try_get::<_, Option<SystemTime>>(4)?.unwrap_or(epoch),
+        renewed_at: row.try_get::<_, Option<SystemTime>>(5)?.unwrap_or(epoch),
+        lease_until: row.try_get::<_, Option<SystemTime>>(6)?.unwrap_or(epoch),
+        lease_expired: row.try_get(7)?,
+        holder_pid: row.try_get(8)?,
+    })
 }
 
 /// Reads the current leader of `role` once, on a short-lived connection.
@@ -189,6 +166,7 @@ pub async fn request_resign(options: &ConnectOptions, role: &str) -> Result<Opti
     validate_name("role", role)?;
     let conn = options.connect("resign").await?;
     let schema = options.schema_name();
+    let what = "request a resignation; the user needs `GRANT USAGE ON SCHEMA <schema>` and `GRANT EXECUTE ON FUNCTION <schema>.request_resign(text)`";
     let result = async {
         let rows = conn
             .client()
@@ -201,14 +179,11 @@ pub async fn request_resign(options: &ConnectOptions, role: &str) -> Result<Opti
                 &[(&role, Type::TEXT)],
             )
             .await
-            .map_err(|e| {
-                Error::db(
-                    "request a resignation; the user needs `GRANT USAGE ON SCHEMA <schema>` and `GRANT EXECUTE ON FUNCTION <schema>.request_resign(text)`",
-                    schema.as_str(),
-                    e,
-                )
-            })?;
-        Ok(rows.first().map(|row| leader_info(role, row)))
+            .map_err(|e| Error::db(what, schema.as_str(), e))?;
+        rows.first()
+            .map(|row| leader_info(role, row))
+            .transpose()
+            .map_err(|e| Error::db(what, schema.as_str(), e))
     }
     .await;
     conn.close().await;
@@ -266,15 +241,24 @@ pub(crate) async fn preempt_zombie<C: GenericClient + Sync>(
             ],
         )
         .await;
-    match rows {
-        Ok(rows) => {
-            let Some(row) = rows.first() else {
+    let what = "preempt an expired leader";
+    let decoded = rows.and_then(|rows| {
+        rows.first()
+            .map(|row| {
+                Ok::<_, tokio_postgres::Error>((
+                    row.try_get::<_, i32>(0)?,
+                    row.try_get::<_, i64>(1)?,
+                    row.try_get::<_, String>(2)?,
+                    row.try_get::<_, bool>(3)?,
+                ))
+            })
+            .transpose()
+    });
+    match decoded {
+        Ok(found) => {
+            let Some((pid, term, holder, done)) = found else {
                 return Ok(None);
             };
-            let pid: i32 = row.get(0);
-            let term: i64 = row.get(1);
-            let holder: String = row.get(2);
-            let done: bool = row.get(3);
             if done {
                 tracing::warn!(role, pid, term, holder = %holder, "terminated the backend of a leader whose lease expired on the server");
                 Ok(Some(pid))
@@ -283,7 +267,7 @@ pub(crate) async fn preempt_zombie<C: GenericClient + Sync>(
                 Ok(None)
             }
         }
-        Err(e) => match Error::db("preempt an expired leader", schema.as_str(), e) {
+        Err(e) => match Error::db(what, schema.as_str(), e) {
             Error::Permission { source, .. } => {
                 tracing::warn!(role, error = %source, "not allowed to terminate the backend of a leader whose lease expired (needs pg_signal_backend or the same role); waiting for it to go away");
                 Ok(None)
@@ -304,7 +288,7 @@ pub(crate) struct Observer {
 
 impl Observer {
     pub(crate) async fn run(self) {
-        let mut failures = 0u32;
+        let mut reconnect = Reconnect::default();
         while !self.stop.is_cancelled() {
             let Some(shared) = self.shared.upgrade() else {
                 return;
@@ -314,10 +298,10 @@ impl Observer {
             // one through a transaction pooler, which the lease backend may
             // use. Without `listen_via` the lease backend's observer only
             // polls (every `check_every`).
-            let (options, listen) = match (shared.backend, &shared.listen_via) {
-                (super::Backend::Lease, Some(direct)) => (direct.clone(), true),
-                (super::Backend::Lease, None) => (shared.options.clone(), false),
-                _ => (shared.options.clone(), true),
+            let (options, listen) = match shared.lease().map(|l| &l.listen_via) {
+                Some(Some(direct)) => (direct.clone(), true),
+                Some(None) => (shared.options.clone(), false),
+                None => (shared.options.clone(), true),
             };
             let mut activity = shared.activity.subscribe();
             drop(shared);
@@ -326,32 +310,25 @@ impl Observer {
                 _ = self.stop.cancelled() => return,
                 r = activity.wait_for(|a| a.wants_observer()) => if r.is_err() { return },
             }
-            let conn = tokio::select! {
-                _ = self.stop.cancelled() => return,
-                c = options.connect(&purpose) => c,
+            let Some(conn) = reconnect
+                .connect(&options, &purpose, &self.stop, "observer")
+                .await
+            else {
+                return;
             };
-            match conn {
-                Ok(conn) => {
-                    failures = 0;
-                    match self.observe(&conn, listen, activity).await {
-                        Ok(()) => {
-                            conn.close().await;
-                            continue;
-                        }
-                        Err(e) => {
-                            tracing::debug!(error = %e, "observer connection failed; reconnecting");
-                            conn.kill();
-                        }
-                    }
+            reconnect.succeeded();
+            match self.observe(&conn, listen, activity).await {
+                Ok(()) => {
+                    conn.close().await;
+                    continue;
                 }
                 Err(e) => {
-                    tracing::debug!(error = %e, "observer cannot connect; retrying");
+                    tracing::debug!(error = %e, "observer connection failed; reconnecting");
+                    conn.kill();
                 }
             }
-            failures = failures.saturating_add(1);
-            tokio::select! {
-                _ = self.stop.cancelled() => return,
-                _ = tokio::time::sleep(super::session::backoff(failures)) => {}
+            if !reconnect.back_off(&self.stop).await {
+                return;
             }
         }
     }
@@ -406,40 +383,23 @@ impl Observer {
             {
                 crate::metrics::preempted_zombie(&role);
             }
-            let sleep = tokio::time::sleep(check_every);
-            tokio::pin!(sleep);
-            let mut woken = false;
-            loop {
-                tokio::select! {
-                    _ = self.stop.cancelled() => return Ok(()),
-                    _ = conn.closed().cancelled() => return Err(Error::connection_lost("observe the leader")),
-                    _ = &mut sleep => break,
-                    r = activity.changed() => {
-                        if r.is_err() {
-                            return Ok(());
-                        }
-                        break;
+            let until = Instant::now() + check_every;
+            let woken_by = WakeOn::AnyChange {
+                schema: schema.as_str(),
+                role: &role,
+            };
+            tokio::select! {
+                _ = self.stop.cancelled() => return Ok(()),
+                _ = conn.closed().cancelled() => return Err(Error::connection_lost("observe the leader")),
+                r = activity.changed() => {
+                    if r.is_err() {
+                        return Ok(());
                     }
-                    n = notices.recv() => match n {
-                        Ok(n) if n.channel == LEADER_CHANNEL => {
-                            if !woken && parse_leader_event(schema.as_str(), &n.payload).is_some_and(|(_, r)| r == role) {
-                                woken = true;
-                                let at = wakes.reserve(Instant::now()).min(sleep.deadline());
-                                sleep.as_mut().reset(at);
-                            }
-                        }
-                        Ok(_) => {}
-                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
-                            if !woken {
-                                woken = true;
-                                let at = wakes.reserve(Instant::now()).min(sleep.deadline());
-                                sleep.as_mut().reset(at);
-                            }
-                        }
-                        Err(tokio::sync::broadcast::error::RecvError::Closed) => {
-                            return Err(Error::connection_lost("observe the leader"))
-                        }
-                    },
+                }
+                end = nap(until, &mut notices, woken_by, &mut wakes, || Duration::ZERO) => {
+                    if end == NapEnd::ChannelClosed {
+                        return Err(Error::connection_lost("observe the leader"));
+                    }
                 }
             }
         }
@@ -449,30 +409,6 @@ impl Observer {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_flood_of_wake_ups_is_spaced_after_a_burst() {
-        let t0 = Instant::now();
-        let mut w = WakeLimit::default();
-        let at: Vec<Instant> = (0..1000).map(|_| w.reserve(t0)).collect();
-        assert!(at[..=WAKE_BURST as usize].iter().all(|a| *a == t0));
-        assert_eq!(at[WAKE_BURST as usize + 1], t0 + WAKE_GAP);
-        for pair in at[WAKE_BURST as usize..].windows(2) {
-            assert_eq!(pair[1] - pair[0], WAKE_GAP);
-        }
-        // Within one second of a flood: the burst and ten more at most.
-        let first_second = at
-            .iter()
-            .filter(|a| **a < t0 + Duration::from_secs(1))
-            .count();
-        assert!(
-            first_second <= WAKE_BURST as usize + 1 + 10,
-            "{first_second}"
-        );
-        // Quiet again: a lone wake-up is at once.
-        let later = t0 + Duration::from_secs(200);
-        assert_eq!(w.reserve(later), later);
-    }
 
     #[test]
     fn leader_events_are_parsed_per_schema() {

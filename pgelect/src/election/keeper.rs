@@ -1,312 +1,57 @@
-//! The pure core of both backends: timing validation, deadline arithmetic
-//! and the leader's keep-alive state machine.
+//! The leader's keep-alive rules: a sans-IO state machine that decides,
+//! from events and the monotonic time they happened at, when to renew, when
+//! to heartbeat, when to tell the user and when leadership ends.
 //!
-//! Nothing here does I/O or reads a clock. The drivers in `session.rs` and
-//! `lease.rs` feed events with the monotonic time they happened at, and
-//! carry out the actions the [`Keeper`] returns; unit tests feed simulated
-//! time.
+//! Nothing here does I/O, reads a clock, logs or records metrics. The
+//! drivers feed events and carry out (and report) the [`Action`]s the
+//! [`Keeper`] returns; unit tests and the simulation feed simulated time.
+//! What differs between backends comes in as data ([`Liveness`]), never as
+//! a backend flag.
 
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::conn::TcpTimeouts;
-
 use super::leadership::LossReason;
-
-/// The longest TTL accepted, so that deadline arithmetic cannot overflow.
-pub(crate) const MAX_TTL: Duration = Duration::from_secs(24 * 3600);
-
-/// Logs a local deadline noticed well after it passed: the process was
-/// paused or starved of CPU, and may have believed it led after its lease
-/// could be taken over; only fenced writes were safe meanwhile.
-pub(crate) fn warn_if_late(role: &str, reason: LossReason, now: Instant, deadline: Instant) {
-    let late = now.saturating_duration_since(deadline);
-    if reason == LossReason::Deadline && late > Duration::from_millis(100) {
-        tracing::warn!(role, late = ?late, "the local deadline was noticed late: this process was paused or starved of CPU; only fenced writes were safe in that time");
-        crate::metrics::deadline_late(role, late);
-    }
-}
+use super::timing::Timing;
 
 /// The least time between two renewals when an early one is asked for by a
 /// hint (a resign `NOTIFY`, which anyone who can connect may send): a flood
 /// of hints costs a leader at most one statement per this interval.
 pub(crate) const EARLY_CHECK_GAP: Duration = Duration::from_millis(100);
 
-/// Slack added on top of the worst-case detection time when the handover
-/// delay is derived: covers scheduling delays of the old leader's runtime.
-pub(crate) const HANDOVER_SLACK: Duration = Duration::from_millis(500);
-
-/// The validated timing of an elector. Built by [`Timing::validate`].
+/// How the keeper learns that the connection a leadership is kept on died.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Timing {
-    pub(crate) ttl: Duration,
-    pub(crate) safety_margin: Duration,
-    pub(crate) renew_every: Duration,
-    pub(crate) heartbeat: Duration,
-    pub(crate) heartbeat_timeout: Duration,
-    pub(crate) handover_delay: Duration,
-    pub(crate) check_every: Duration,
-    pub(crate) tcp: TcpTimeouts,
-    /// Lease backend: the longest a standby sleeps between two attempts.
-    pub(crate) retry_every: Duration,
-    /// Session backend: the length of one slice of a blocking standby's
-    /// lock wait.
-    pub(crate) wait_slice: Duration,
-}
-
-/// The timing as the user set it; `None` means "derive the default".
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct TimingRequest {
-    pub(crate) ttl: Option<Duration>,
-    pub(crate) safety_margin: Option<Duration>,
-    pub(crate) renew_every: Option<Duration>,
+pub(crate) struct Liveness {
+    /// Send a cheap heartbeat this long after the last answer, to learn of
+    /// a dead server session between two renewals; `None` when there is no
+    /// session to watch (every statement stands alone).
     pub(crate) heartbeat: Option<Duration>,
-    pub(crate) heartbeat_timeout: Option<Duration>,
-    pub(crate) handover_delay: Option<Duration>,
-    pub(crate) check_every: Option<Duration>,
-    pub(crate) tcp: Option<TcpTimeouts>,
-    pub(crate) retry_every: Option<Duration>,
-    pub(crate) wait_slice: Option<Duration>,
+    /// A statement unanswered for this long means the connection is dead:
+    /// the keeper ends leadership ([`LossReason::ConnectionLost`], kill).
+    /// `None` when the driver bounds every statement itself and reports a
+    /// failure, which is retried until the deadline.
+    pub(crate) answer_within: Option<Duration>,
 }
 
-/// Default TTL.
-pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(15);
-/// Default heartbeat interval.
-pub(crate) const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(1);
-/// Default heartbeat timeout (the lease backend's statement timeout).
-pub(crate) const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(1);
-/// Default cap on a lease-backend standby's sleep between two attempts.
-pub(crate) const DEFAULT_RETRY_EVERY: Duration = Duration::from_secs(1);
-/// Default slice of a blocking standby's lock wait.
-pub(crate) const DEFAULT_WAIT_SLICE: Duration = Duration::from_secs(10);
-
-/// The TCP timeouts used when none are given: derived from the TTL so that
-/// the server cannot declare a silent client gone (and release its lock)
-/// before `ttl` has passed, and not long after.
-///
-/// Server-side keepalive settings have whole-second granularity, so the
-/// keepalive path is computed in whole seconds and always ends after `ttl`;
-/// `TCP_USER_TIMEOUT` (milliseconds) is exactly `ttl`.
-pub(crate) fn default_tcp_for(ttl: Duration) -> TcpTimeouts {
-    let t = ttl.as_secs_f64().ceil().max(1.0) as u64;
-    let idle = (t / 3).max(1);
-    let interval = (t / 6).max(1);
-    // Probes needed so that idle + interval * count > t.
-    let count = ((t.saturating_sub(idle)) / interval + 1).max(1);
-    TcpTimeouts {
-        keepalive_idle: Duration::from_secs(idle),
-        keepalive_interval: Duration::from_secs(interval),
-        keepalive_count: count.min(u32::MAX as u64) as u32,
-        user_timeout: ttl,
-    }
-}
-
-/// The earliest time after the last packet it received from a client at
-/// which the *server* can declare that client gone and release its locks,
-/// with the settings `connect_for_locks` sends (whole seconds, at least 1,
-/// for the keepalive settings; `TCP_USER_TIMEOUT` in milliseconds, 0 = off).
-pub(crate) fn server_release_min(tcp: &TcpTimeouts) -> Duration {
-    let idle = tcp.keepalive_idle.as_secs().max(1);
-    let interval = tcp.keepalive_interval.as_secs().max(1);
-    let keepalive = Duration::from_secs(idle + interval * u64::from(tcp.keepalive_count));
-    let user = Duration::from_millis(tcp.user_timeout.as_millis() as u64);
-    if user.is_zero() {
-        keepalive
-    } else {
-        keepalive.min(user)
-    }
-}
-
-/// The longest time a live leader whose lock connection died silently (the
-/// server ended it, but no FIN/RST arrived) takes to notice: the next
-/// heartbeat goes out within `heartbeat` and fails within `heartbeat_timeout`;
-/// in any case the local deadline (at most `ttl - margin` after the last
-/// renewal was sent, which was before the server ended the connection) ends
-/// leadership.
-pub(crate) fn worst_detection(
-    heartbeat: Duration,
-    heartbeat_timeout: Duration,
-    ttl: Duration,
-    margin: Duration,
-) -> Duration {
-    (heartbeat + heartbeat_timeout).min(ttl.saturating_sub(margin))
-}
-
-impl TimingRequest {
-    /// Fills the defaults and checks the safety inequalities. The error text
-    /// names the offending values.
-    pub(crate) fn validate(&self) -> Result<Timing, String> {
-        let ttl = self.ttl.unwrap_or(DEFAULT_TTL);
-        positive("ttl", ttl)?;
-        if ttl > MAX_TTL {
-            return Err(format!(
-                "ttl {ttl:?} is longer than the maximum {MAX_TTL:?}"
-            ));
+impl Liveness {
+    /// A server session that holds the lock: heartbeats every
+    /// `timing.heartbeat`, each statement answered within
+    /// `timing.heartbeat_timeout` or the connection is given up.
+    pub(crate) fn session(timing: &Timing) -> Liveness {
+        Liveness {
+            heartbeat: Some(timing.heartbeat),
+            answer_within: Some(timing.heartbeat_timeout),
         }
-        let safety_margin = self.safety_margin.unwrap_or(ttl / 5);
-        positive("safety_margin", safety_margin)?;
-        if safety_margin >= ttl {
-            return Err(format!(
-                "safety_margin {safety_margin:?} must be shorter than ttl {ttl:?}"
-            ));
-        }
-        let budget = ttl - safety_margin;
-        let renew_every = self.renew_every.unwrap_or(ttl / 3);
-        positive("renew_every", renew_every)?;
-        if renew_every >= ttl {
-            return Err(format!(
-                "renew_every {renew_every:?} must be shorter than ttl {ttl:?}"
-            ));
-        }
-        if renew_every >= budget {
-            return Err(format!(
-                "renew_every {renew_every:?} must be shorter than the local deadline ttl - safety_margin = {budget:?} (ttl {ttl:?}, safety_margin {safety_margin:?}), or a healthy leader would lose leadership between two renewals"
-            ));
-        }
-        let heartbeat = self.heartbeat.unwrap_or(DEFAULT_HEARTBEAT);
-        positive("heartbeat", heartbeat)?;
-        let heartbeat_timeout = self.heartbeat_timeout.unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT);
-        positive("heartbeat_timeout", heartbeat_timeout)?;
-        if heartbeat_timeout >= budget {
-            return Err(format!(
-                "heartbeat_timeout {heartbeat_timeout:?} must be shorter than ttl - safety_margin = {budget:?}"
-            ));
-        }
-        let tcp = self.tcp.unwrap_or_else(|| default_tcp_for(ttl));
-        positive("tcp keepalive_idle", tcp.keepalive_idle)?;
-        positive("tcp keepalive_interval", tcp.keepalive_interval)?;
-        if tcp.keepalive_count == 0 {
-            return Err("tcp keepalive_count must be at least 1".into());
-        }
-        let release = server_release_min(&tcp);
-        if budget >= release {
-            return Err(format!(
-                "the local deadline ttl - safety_margin = {budget:?} (ttl {ttl:?}, safety_margin {safety_margin:?}) must end before the server can release a silent client's lock, min(tcp user_timeout {:?}, keepalive_idle {}s + keepalive_interval {}s x keepalive_count {}) = {release:?}; raise the TCP timeouts or lower the ttl",
-                tcp.user_timeout,
-                tcp.keepalive_idle.as_secs().max(1),
-                tcp.keepalive_interval.as_secs().max(1),
-                tcp.keepalive_count,
-            ));
-        }
-        let needed = worst_detection(heartbeat, heartbeat_timeout, ttl, safety_margin);
-        let handover_delay = self.handover_delay.unwrap_or(needed + HANDOVER_SLACK);
-        if handover_delay < needed {
-            return Err(format!(
-                "handover_delay {handover_delay:?} is shorter than the time a live leader may take to notice a dead lock connection, min(heartbeat {heartbeat:?} + heartbeat_timeout {heartbeat_timeout:?}, ttl - safety_margin {budget:?}) = {needed:?}"
-            ));
-        }
-        if handover_delay > MAX_TTL {
-            return Err(format!(
-                "handover_delay {handover_delay:?} is longer than the maximum {MAX_TTL:?}"
-            ));
-        }
-        let check_every = self.check_every.unwrap_or(renew_every);
-        positive("check_every", check_every)?;
-        let retry_every = self.retry_every.unwrap_or(DEFAULT_RETRY_EVERY);
-        positive("retry_every", retry_every)?;
-        let wait_slice = self.wait_slice.unwrap_or(DEFAULT_WAIT_SLICE);
-        positive("wait_slice", wait_slice)?;
-        if wait_slice > MAX_TTL {
-            return Err(format!(
-                "wait_slice {wait_slice:?} is longer than the maximum {MAX_TTL:?}"
-            ));
-        }
-        Ok(Timing {
-            ttl,
-            safety_margin,
-            renew_every,
-            heartbeat,
-            heartbeat_timeout,
-            handover_delay,
-            check_every,
-            tcp,
-            retry_every,
-            wait_slice,
-        })
     }
 
-    /// Fills the defaults and checks the lease backend's inequalities:
-    /// `ttl - safety_margin < ttl` (the local deadline ends before the
-    /// server-side lease), `renew_every < ttl - safety_margin` and the
-    /// statement timeout (`heartbeat_timeout`) `< ttl - safety_margin`.
-    ///
-    /// No TCP or handover constraint: a lease is taken over only once it
-    /// expired on the server's clock (after the old leader's local deadline)
-    /// or after a clean release, never because a connection ended. The
-    /// handover delay is zero.
-    pub(crate) fn validate_lease(&self) -> Result<Timing, String> {
-        let ttl = self.ttl.unwrap_or(DEFAULT_TTL);
-        positive("ttl", ttl)?;
-        if ttl > MAX_TTL {
-            return Err(format!(
-                "ttl {ttl:?} is longer than the maximum {MAX_TTL:?}"
-            ));
+    /// Statements only, each bounded by the driver: no heartbeats, and no
+    /// statement timeout kept here.
+    pub(crate) fn statements() -> Liveness {
+        Liveness {
+            heartbeat: None,
+            answer_within: None,
         }
-        let safety_margin = self.safety_margin.unwrap_or(ttl / 5);
-        positive("safety_margin", safety_margin)?;
-        if safety_margin >= ttl {
-            return Err(format!(
-                "safety_margin {safety_margin:?} must be shorter than ttl {ttl:?}"
-            ));
-        }
-        let budget = ttl - safety_margin;
-        let renew_every = self.renew_every.unwrap_or(ttl / 3);
-        positive("renew_every", renew_every)?;
-        if renew_every >= budget {
-            return Err(format!(
-                "renew_every {renew_every:?} must be shorter than the local deadline ttl - safety_margin = {budget:?} (ttl {ttl:?}, safety_margin {safety_margin:?}), or a healthy leader would lose leadership between two renewals"
-            ));
-        }
-        let heartbeat = self.heartbeat.unwrap_or(DEFAULT_HEARTBEAT);
-        positive("heartbeat", heartbeat)?;
-        let statement_timeout = self
-            .heartbeat_timeout
-            .unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT.min(budget / 4));
-        positive("heartbeat_timeout", statement_timeout)?;
-        if statement_timeout >= budget {
-            return Err(format!(
-                "heartbeat_timeout (the lease statement timeout) {statement_timeout:?} must be shorter than ttl - safety_margin = {budget:?}"
-            ));
-        }
-        let check_every = self.check_every.unwrap_or(renew_every);
-        positive("check_every", check_every)?;
-        let retry_every = self.retry_every.unwrap_or(DEFAULT_RETRY_EVERY);
-        positive("retry_every", retry_every)?;
-        let wait_slice = self.wait_slice.unwrap_or(DEFAULT_WAIT_SLICE);
-        positive("wait_slice", wait_slice)?;
-        if wait_slice > MAX_TTL {
-            return Err(format!(
-                "wait_slice {wait_slice:?} is longer than the maximum {MAX_TTL:?}"
-            ));
-        }
-        Ok(Timing {
-            ttl,
-            safety_margin,
-            renew_every,
-            heartbeat,
-            heartbeat_timeout: statement_timeout,
-            handover_delay: Duration::ZERO,
-            check_every,
-            tcp: self.tcp.unwrap_or_else(|| default_tcp_for(ttl)),
-            retry_every,
-            wait_slice,
-        })
-    }
-}
-
-fn positive(name: &str, d: Duration) -> Result<(), String> {
-    if d.is_zero() {
-        Err(format!("{name} must be positive, got {d:?}"))
-    } else {
-        Ok(())
-    }
-}
-
-impl Timing {
-    /// How long after a renewal was *sent* the leader may still act.
-    pub(crate) fn deadline_budget(&self) -> Duration {
-        self.ttl - self.safety_margin
     }
 }
 
@@ -368,21 +113,28 @@ pub(crate) struct Keeper {
     early_check: Option<Instant>,
     /// When the last renewal was sent: early checks keep their distance.
     last_renew_sent: Option<Instant>,
-    /// Lease backend: no heartbeats (there is no session to keep alive), no
-    /// in-flight timeout here (the driver bounds every statement and reports
-    /// a failure), and a failed renewal is retried, not fatal.
-    lease: bool,
+    /// How a dead connection shows (heartbeats, statement timeout).
+    liveness: Liveness,
 }
 
 impl Keeper {
-    /// A keeper for a leadership whose term-bumping statement was sent at
-    /// `sent_at` and answered at `now`. After an unclean takeover the user
-    /// is told only after the handover delay, counted from `sent_at`: the
-    /// old leader's connection had ended before the lock was granted, which
-    /// was before `sent_at`, so the delay is still counted from a moment
-    /// after the old leader's loss, and the term transaction's round trip
-    /// overlaps with it instead of adding to the failover.
-    pub(crate) fn new(timing: Timing, sent_at: Instant, now: Instant, unclean: bool) -> Keeper {
+    /// A keeper for a leadership whose electing statement was sent at
+    /// `sent_at` and answered at `now`, on a connection watched as
+    /// `liveness` says. After an unclean takeover (`unclean`: the previous
+    /// holder did not release) the user is told only after the handover
+    /// delay, counted from `sent_at`: the old leader's connection had ended
+    /// before the lock was granted, which was before `sent_at`, so the delay
+    /// is still counted from a moment after the old leader's loss, and the
+    /// term transaction's round trip overlaps with it instead of adding to
+    /// the failover. (A backend that never takes over before expiry or
+    /// release has a zero handover delay.)
+    pub(crate) fn new(
+        timing: Timing,
+        liveness: Liveness,
+        sent_at: Instant,
+        now: Instant,
+        unclean: bool,
+    ) -> Keeper {
         let delay = if unclean {
             timing.handover_delay
         } else {
@@ -394,25 +146,15 @@ impl Keeper {
             deadline: sent_at + timing.deadline_budget(),
             active_at: sent_at + delay,
             next_renew: sent_at + timing.renew_every,
-            next_heartbeat: now + timing.heartbeat,
+            next_heartbeat: now + liveness.heartbeat.unwrap_or(timing.heartbeat),
             in_flight: None,
             lame_duck_until: None,
             reason: None,
             pending_action: None,
             early_check: None,
             last_renew_sent: None,
-            lease: false,
+            liveness,
         }
-    }
-
-    /// A keeper for a lease-backend leadership whose acquiring statement was
-    /// sent at `sent_at`: active at once (a lease is taken over only after
-    /// it expired on the server or was released), no heartbeats, renewals
-    /// every `renew_every`, failures retried until the deadline.
-    pub(crate) fn new_lease(timing: Timing, sent_at: Instant) -> Keeper {
-        let mut k = Keeper::new(timing, sent_at, sent_at, false);
-        k.lease = true;
-        k
     }
 
     /// The current phase.
@@ -449,7 +191,11 @@ impl Keeper {
             }
         }
         if let Some((_, sent)) = self.in_flight {
-            if !self.lease && now >= sent + self.timing.heartbeat_timeout {
+            if self
+                .liveness
+                .answer_within
+                .is_some_and(|limit| now >= sent + limit)
+            {
                 self.in_flight = None;
                 return Some(self.fail_connection());
             }
@@ -467,7 +213,7 @@ impl Keeper {
             self.last_renew_sent = Some(now);
             return Some(Action::Renew);
         }
-        if !self.lease && now >= self.next_heartbeat {
+        if self.liveness.heartbeat.is_some() && now >= self.next_heartbeat {
             self.in_flight = Some((Probe::Heartbeat, now));
             return Some(Action::Heartbeat);
         }
@@ -480,11 +226,22 @@ impl Keeper {
             return None;
         }
         let mut t = self.deadline;
-        match self.in_flight {
-            Some((_, sent)) if !self.lease => t = t.min(sent + self.timing.heartbeat_timeout),
-            Some(_) => {}
-            None if self.lease => t = t.min(self.next_renew),
-            None => t = t.min(self.next_renew).min(self.next_heartbeat),
+        match (self.in_flight, self.liveness) {
+            (
+                Some((_, sent)),
+                Liveness {
+                    answer_within: Some(limit),
+                    ..
+                },
+            ) => t = t.min(sent + limit),
+            (Some(_), _) => {}
+            (
+                None,
+                Liveness {
+                    heartbeat: None, ..
+                },
+            ) => t = t.min(self.next_renew),
+            (None, _) => t = t.min(self.next_renew).min(self.next_heartbeat),
         }
         if let (None, Some(e)) = (self.in_flight, self.early_check) {
             t = t.min(e);
@@ -505,7 +262,7 @@ impl Keeper {
             return;
         }
         self.next_renew = sent_at + self.timing.renew_every;
-        self.next_heartbeat = now + self.timing.heartbeat;
+        self.next_heartbeat = now + self.heartbeat_every();
         // A late answer never revives a leadership whose deadline passed:
         // poll() has already ended it, and Done/LameDuck stay so.
         let candidate = sent_at + self.timing.deadline_budget();
@@ -547,7 +304,7 @@ impl Keeper {
     /// The heartbeat was answered.
     pub(crate) fn heartbeat_ok(&mut self, now: Instant) {
         self.in_flight = None;
-        self.next_heartbeat = now + self.timing.heartbeat;
+        self.next_heartbeat = now + self.heartbeat_every();
     }
 
     /// The connection ended (push detection, failed statement).
@@ -608,6 +365,10 @@ impl Keeper {
         }
     }
 
+    fn heartbeat_every(&self) -> Duration {
+        self.liveness.heartbeat.unwrap_or(self.timing.heartbeat)
+    }
+
     fn fail_connection(&mut self) -> Action {
         self.lose(LossReason::ConnectionLost, true)
     }
@@ -622,6 +383,7 @@ impl Keeper {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::election::timing::TimingRequest;
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
@@ -640,101 +402,12 @@ mod tests {
     }
 
     #[test]
-    fn defaults_satisfy_the_safety_inequality() {
-        let t = TimingRequest::default().validate().unwrap();
-        assert_eq!(t.ttl, ms(15_000));
-        assert_eq!(t.renew_every, ms(5_000));
-        assert_eq!(t.safety_margin, ms(3_000));
-        assert_eq!(t.handover_delay, ms(2_500));
-        assert!(t.deadline_budget() < server_release_min(&t.tcp));
-        assert!(t.deadline_budget() < t.ttl);
-        assert_eq!(t.tcp.user_timeout, ms(15_000));
-    }
-
-    #[test]
-    fn derived_tcp_outlasts_every_ttl() {
-        for ttl_ms in [
-            100, 999, 1000, 1001, 2000, 2500, 5000, 15_000, 60_000, 86_400_000,
-        ] {
-            let ttl = ms(ttl_ms);
-            let tcp = default_tcp_for(ttl);
-            assert!(server_release_min(&tcp) >= ttl, "ttl {ttl:?} tcp {tcp:?}");
-            let t = TimingRequest {
-                ttl: Some(ttl),
-                heartbeat: Some(ms(10)),
-                heartbeat_timeout: Some(ms(10)),
-                ..Default::default()
-            };
-            t.validate().unwrap();
-        }
-    }
-
-    #[test]
-    fn rejects_zero_and_inverted_values_naming_them() {
-        let cases: Vec<(TimingRequest, &str)> = vec![
-            (
-                TimingRequest {
-                    ttl: Some(Duration::ZERO),
-                    ..Default::default()
-                },
-                "ttl must be positive",
-            ),
-            (
-                TimingRequest {
-                    renew_every: Some(ms(15_000)),
-                    ..Default::default()
-                },
-                "renew_every 15s must be shorter than ttl 15s",
-            ),
-            (
-                TimingRequest {
-                    renew_every: Some(ms(12_000)),
-                    ..Default::default()
-                },
-                "renew_every 12s",
-            ),
-            (
-                TimingRequest {
-                    heartbeat: Some(Duration::ZERO),
-                    ..Default::default()
-                },
-                "heartbeat must be positive",
-            ),
-            (
-                TimingRequest {
-                    handover_delay: Some(ms(100)),
-                    ..Default::default()
-                },
-                "handover_delay 100ms",
-            ),
-            (
-                TimingRequest {
-                    safety_margin: Some(ms(20_000)),
-                    ..Default::default()
-                },
-                "safety_margin 20s",
-            ),
-            (
-                TimingRequest {
-                    tcp: Some(TcpTimeouts::default()),
-                    ..Default::default()
-                },
-                "user_timeout 10s",
-            ),
-        ];
-        for (req, needle) in cases {
-            let e = req.validate().unwrap_err();
-            assert!(e.contains(needle), "{e:?} lacks {needle:?}");
-        }
-    }
-
-    #[test]
     fn clean_takeover_activates_at_once_unclean_after_the_delay() {
         let t = timing();
         let t0 = Instant::now();
-        let mut k = Keeper::new(t, t0, t0, false);
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0, false);
         assert_eq!(k.poll(t0), Some(Action::Activate));
-        let mut k = Keeper::new(t, t0, t0, true);
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0, true);
         assert_eq!(k.poll(t0), None);
         assert_eq!(k.next_wake(), Some(t0 + ms(250)));
         // Heartbeats continue while waiting.
@@ -761,7 +434,7 @@ mod tests {
     fn deadline_counts_from_the_send_time_of_the_last_success() {
         let t = timing();
         let t0 = Instant::now();
-        let mut k = Keeper::new(t, t0, t0 + ms(5), false);
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0 + ms(5), false);
         assert_eq!(k.deadline(), t0 + ms(2400));
         assert_eq!(k.poll(t0 + ms(5)), Some(Action::Activate));
         assert_eq!(k.poll(t0 + ms(1000)), Some(Action::Renew));
@@ -787,7 +460,7 @@ mod tests {
     fn failed_renewals_end_in_the_deadline_even_with_no_answer() {
         let t = timing();
         let t0 = Instant::now();
-        let mut k = Keeper::new(t, t0, t0, false);
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0, false);
         assert_eq!(k.poll(t0), Some(Action::Activate));
         let mut now;
         let lost_at = loop {
@@ -815,7 +488,7 @@ mod tests {
     fn a_late_answer_after_the_deadline_does_not_extend_it() {
         let t = timing();
         let t0 = Instant::now();
-        let mut k = Keeper::new(t, t0, t0, false);
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0, false);
         k.poll(t0);
         // Sent at 2300, answered at 2450 (after the 2400 deadline).
         let sent = t0 + ms(2300);
@@ -827,7 +500,7 @@ mod tests {
     fn preemption_and_connection_loss_end_at_once() {
         let t = timing();
         let t0 = Instant::now();
-        let mut k = Keeper::new(t, t0, t0, false);
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0, false);
         k.poll(t0);
         assert_eq!(k.poll(t0 + ms(1000)), Some(Action::Renew));
         k.preempted();
@@ -838,7 +511,7 @@ mod tests {
                 kill: true
             })
         );
-        let mut k = Keeper::new(t, t0, t0, false);
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0, false);
         k.poll(t0);
         k.connection_lost();
         assert_eq!(
@@ -863,7 +536,7 @@ mod tests {
     fn resign_request_keeps_the_lock_until_released_or_one_ttl() {
         let t = timing();
         let t0 = Instant::now();
-        let mut k = Keeper::new(t, t0, t0, false);
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0, false);
         k.poll(t0);
         k.stop_requested(LossReason::Resigned, t0 + ms(10));
         assert_eq!(
@@ -900,7 +573,7 @@ mod tests {
     fn a_hint_renews_at_once_when_the_last_renewal_is_old() {
         let t = timing();
         let t0 = Instant::now();
-        let mut k = Keeper::new(t, t0, t0, false);
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0, false);
         assert_eq!(k.poll(t0), Some(Action::Activate));
         assert_eq!(k.poll(t0 + ms(50)), None);
         k.check_requested(t0 + ms(50));
@@ -915,7 +588,7 @@ mod tests {
     fn a_flood_of_hints_costs_one_renewal_per_gap() {
         let t = timing();
         let t0 = Instant::now();
-        let mut k = Keeper::new(t, t0, t0, false);
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0, false);
         k.poll(t0);
         let mut renewals = 0;
         let mut in_flight: Option<Instant> = None;
@@ -950,7 +623,7 @@ mod tests {
     fn a_hint_during_a_renewal_is_checked_after_its_answer() {
         let t = timing();
         let t0 = Instant::now();
-        let mut k = Keeper::new(t, t0, t0, false);
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0, false);
         k.poll(t0);
         assert_eq!(k.poll(t0 + ms(1000)), Some(Action::Renew));
         // The request committed after the renewal was sent: it may not
@@ -974,7 +647,7 @@ mod tests {
     fn a_healthy_leader_keeps_its_deadline_ahead_forever() {
         let t = timing();
         let t0 = Instant::now();
-        let mut k = Keeper::new(t, t0, t0, false);
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0, false);
         let mut now = t0;
         let rtt = ms(30);
         for _ in 0..10_000 {
@@ -1003,71 +676,10 @@ mod tests {
     }
 
     #[test]
-    fn lease_defaults_and_inequalities() {
-        let t = TimingRequest::default().validate_lease().unwrap();
-        assert_eq!(t.ttl, ms(15_000));
-        assert_eq!(t.deadline_budget(), ms(12_000));
-        assert_eq!(t.renew_every, ms(5_000));
-        assert_eq!(t.retry_every, ms(1_000));
-        assert_eq!(t.handover_delay, Duration::ZERO);
-        assert_eq!(t.heartbeat_timeout, ms(1_000));
-        // Short TTLs get a shorter default statement timeout.
-        let t = TimingRequest {
-            ttl: Some(ms(1_000)),
-            ..Default::default()
-        }
-        .validate_lease()
-        .unwrap();
-        assert_eq!(t.heartbeat_timeout, ms(200));
-        // No TCP constraint: TCP timeouts the session backend refuses are
-        // irrelevant to a lease.
-        TimingRequest {
-            tcp: Some(TcpTimeouts::default()),
-            ttl: Some(ms(60_000)),
-            ..Default::default()
-        }
-        .validate_lease()
-        .unwrap();
-        for (req, needle) in [
-            (
-                TimingRequest {
-                    renew_every: Some(ms(12_000)),
-                    ..Default::default()
-                },
-                "renew_every 12s",
-            ),
-            (
-                TimingRequest {
-                    heartbeat_timeout: Some(ms(12_000)),
-                    ..Default::default()
-                },
-                "statement timeout",
-            ),
-            (
-                TimingRequest {
-                    retry_every: Some(Duration::ZERO),
-                    ..Default::default()
-                },
-                "retry_every must be positive",
-            ),
-            (
-                TimingRequest {
-                    safety_margin: Some(ms(15_000)),
-                    ..Default::default()
-                },
-                "safety_margin 15s",
-            ),
-        ] {
-            let e = req.validate_lease().unwrap_err();
-            assert!(e.contains(needle), "{e:?} lacks {needle:?}");
-        }
-    }
-
-    #[test]
     fn lease_keeper_renews_without_heartbeats_and_counts_from_the_send() {
         let t = lease_timing();
         let t0 = Instant::now();
-        let mut k = Keeper::new_lease(t, t0);
+        let mut k = Keeper::new(t, Liveness::statements(), t0, t0, false);
         assert_eq!(k.poll(t0 + ms(3)), Some(Action::Activate));
         assert_eq!(k.deadline(), t0 + ms(1600));
         assert_eq!(k.next_wake(), Some(t0 + ms(500)));
@@ -1094,7 +706,7 @@ mod tests {
     fn lease_keeper_retries_failures_until_the_deadline_never_beyond() {
         let t = lease_timing();
         let t0 = Instant::now();
-        let mut k = Keeper::new_lease(t, t0);
+        let mut k = Keeper::new(t, Liveness::statements(), t0, t0, false);
         k.poll(t0);
         let mut attempts = Vec::new();
         let mut now;
@@ -1128,7 +740,7 @@ mod tests {
     fn lease_keeper_ends_at_once_when_the_row_is_no_longer_ours() {
         let t = lease_timing();
         let t0 = Instant::now();
-        let mut k = Keeper::new_lease(t, t0);
+        let mut k = Keeper::new(t, Liveness::statements(), t0, t0, false);
         k.poll(t0);
         assert_eq!(k.poll(t0 + ms(500)), Some(Action::Renew));
         k.preempted();

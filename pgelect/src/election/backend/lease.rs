@@ -1,6 +1,8 @@
-//! The lease backend's driver: campaign (take the lease when it is free or
-//! expired on the server's clock), the leader's keeper task (renewals,
-//! deadline, release) and the optional `LISTEN` connection.
+//! The lease backend: its statements ([`LeaseSql`]), its campaign (take the
+//! lease when it is free or expired on the server's clock), its behaviour
+//! while leading ([`LeaseKeep`]: renewals retried until the deadline on a
+//! connection reopened at will, release) and the optional `LISTEN`
+//! connection.
 //!
 //! Every step is one statement, hence one transaction, so the backend works
 //! through PgBouncer in transaction mode: no session state (no advisory
@@ -9,33 +11,36 @@
 //! comparison uses the server's `now()`, and the remaining lease is computed
 //! by the server, so the candidates' clocks never need to agree.
 //!
-//! All decisions about the leader's deadline are taken by
-//! [`Keeper`](super::core::Keeper) in its lease mode; this module only does
-//! I/O and reports what happened, with the monotonic time.
+//! The leader's loop is the shared [`driver`](crate::election::driver); all
+//! decisions about the leader's deadline are taken by the pure
+//! [`Keeper`](crate::election::keeper::Keeper), with
+//! [`Liveness::statements`](crate::election::keeper::Liveness::statements)
+//! (no heartbeats, each statement bounded here).
 
 use std::future::Future;
-use std::pin::Pin;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, SystemTime};
 
-use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Row;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::conn::{ConnectOptions, DedicatedConnection, Notice};
+use crate::conn::{ConnectOptions, DedicatedConnection};
 use crate::error::{Error, Result};
 use crate::metrics;
 use crate::schema::{check_schema, SchemaName};
 
-use super::config::random_u64;
-use super::core::{warn_if_late, Action, Keeper, Phase};
-use super::leadership::{Command, LeaderContext, LeaderState, Leadership, LossReason};
-use super::session::{backoff, is_transient};
-use super::watch::{parse_leader_event, LeaderInfo, WakeLimit, LEADER_CHANNEL, RESIGN_CHANNEL};
-use super::{Shared, Term};
+use crate::election::config::random_u64;
+use crate::election::driver::{Activation, Answer, Failed, Keep, KeepBackend, Statement};
+use crate::election::keeper::{Action, Keeper, Liveness};
+use crate::election::leadership::{LeaderContext, LeaderState, Leadership, LossReason};
+use crate::election::support::{backoff, is_transient, nap, NapEnd, Reconnect, WakeLimit, WakeOn};
+use crate::election::timing::Timing;
+use crate::election::watch::{LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
+use crate::election::{LeaseState, Shared, Term};
 
 /// The largest jitter added to a standby's wake-up after the lease's
 /// server-reported expiry, so that standbys do not all fire at once.
@@ -144,47 +149,136 @@ fn ms(f: f64) -> Duration {
     }
 }
 
+/// The answer to the acquire statement.
+struct Acquired {
+    /// Won: the new term, `acquired_at` and `lease_until`.
+    won: Option<(i64, SystemTime, SystemTime)>,
+    /// The row as it was before: holder, backend, remaining ms.
+    prev_holder: Option<String>,
+    prev_backend: Option<String>,
+    prev_remaining: Option<f64>,
+}
+
+impl Acquired {
+    /// The statement returns exactly one row (a `LEFT JOIN` of a constant).
+    /// No row (which the statement never returns) reads as "not won,
+    /// nobody seen": the standby tries again shortly.
+    fn decode(rows: &[Row]) -> std::result::Result<Acquired, tokio_postgres::Error> {
+        let Some(row) = rows.first() else {
+            return Ok(Acquired {
+                won: None,
+                prev_holder: None,
+                prev_backend: None,
+                prev_remaining: None,
+            });
+        };
+        let term: Option<i64> = row.try_get(0)?;
+        let won = match term {
+            Some(term) => Some((term, row.try_get(1)?, row.try_get(2)?)),
+            None => None,
+        };
+        Ok(Acquired {
+            won,
+            prev_holder: row.try_get(4)?,
+            prev_backend: row.try_get(5)?,
+            prev_remaining: row.try_get(6)?,
+        })
+    }
+}
+
+/// The lease state of an elector that campaigns with the lease backend.
+fn lease_state(shared: &Shared) -> &LeaseState {
+    shared
+        .lease()
+        .expect("BUG: the lease backend campaigns for lease electors only")
+}
+
 fn jitter() -> Duration {
     Duration::from_millis(random_u64() % (MAX_JITTER.as_millis() as u64 + 1))
 }
 
-/// Runs one statement on the lease connection, (re)connecting first if
-/// needed; the whole is bounded by the statement timeout
-/// (`heartbeat_timeout`). On a timeout or a connection failure the
-/// connection is dropped (the running statement cancelled), so the next
-/// attempt starts on a fresh one.
 /// The least time allowed for connecting and for a standby's attempt.
 const PATIENT_BOUND: Duration = Duration::from_secs(2);
 
+/// The statements the lease backend sends: each has its time bound and its
+/// metric label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LeaseOp {
+    /// A trivial statement that opens the connection before the schema
+    /// check.
+    Connect,
+    /// The `acquire` statement.
+    Acquire,
+    /// The `renew` statement.
+    Renew,
+    /// The `release` statement.
+    Release,
+}
+
+impl LeaseOp {
+    /// What pgelect was doing, for errors.
+    fn operation(self) -> &'static str {
+        match self {
+            LeaseOp::Connect => "connect",
+            LeaseOp::Acquire => "take the lease",
+            LeaseOp::Renew => "renew the lease",
+            LeaseOp::Release => "release the lease",
+        }
+    }
+
+    /// The `kind` label of [`LEASE_STATEMENTS`](crate::metrics::LEASE_STATEMENTS).
+    fn metric_kind(self) -> &'static str {
+        match self {
+            LeaseOp::Connect => "other",
+            LeaseOp::Acquire => "acquire",
+            LeaseOp::Renew => "renew",
+            LeaseOp::Release => "release",
+        }
+    }
+
+    /// How long the statement (with connecting, if needed) may take.
+    ///
+    /// Renewals and releases are bounded by `heartbeat_timeout`, so that a
+    /// leader retries within its deadline budget. Connecting, and a
+    /// standby's attempt, may take longer on a loaded machine (a connection
+    /// through PgBouncer with SCRAM took over 200 ms in CI) without risk:
+    /// a deadline counts from before the connection, and a standby holds
+    /// nothing while it waits.
+    fn bound(self, timing: &Timing) -> Duration {
+        match self {
+            LeaseOp::Connect | LeaseOp::Acquire => patient(timing),
+            LeaseOp::Renew | LeaseOp::Release => timing.heartbeat_timeout,
+        }
+    }
+}
+
+/// The bound of connecting and of a standby's attempt.
+fn patient(timing: &Timing) -> Duration {
+    timing.heartbeat_timeout.max(PATIENT_BOUND)
+}
+
+/// Runs one statement on the lease connection, (re)connecting first if
+/// needed; the whole is bounded by the operation's bound
+/// ([`LeaseOp::bound`]). On a timeout or a connection failure the
+/// connection is dropped (the running statement cancelled), so the next
+/// attempt starts on a fresh one.
 async fn exec(
     shared: &Shared,
     conn: &mut Option<DedicatedConnection>,
-    operation: &'static str,
+    op: LeaseOp,
     sql: &str,
     params: &[(&(dyn ToSql + Sync), Type)],
 ) -> Result<Vec<Row>> {
     let schema = shared.options.schema_name().as_str();
-    // Renewals and releases are bounded by `heartbeat_timeout`, so that a
-    // leader retries within its deadline budget. Connecting, and a
-    // standby's attempt, may take longer on a loaded machine (a connection
-    // through PgBouncer with SCRAM took over 200 ms in CI) without risk:
-    // a deadline counts from before the connection, and a standby holds
-    // nothing while it waits.
-    let patient = shared.timing.heartbeat_timeout.max(PATIENT_BOUND);
-    let bound = match operation {
-        "take the lease" | "connect" => patient,
-        _ => shared.timing.heartbeat_timeout,
-    };
-    shared
-        .lease_statements
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let kind = match operation {
-        "take the lease" => "acquire",
-        "renew the lease" => "renew",
-        "release the lease" => "release",
-        _ => "other",
-    };
-    metrics::lease_statement(&shared.role, kind);
+    let operation = op.operation();
+    let patient = patient(&shared.timing);
+    let bound = op.bound(&shared.timing);
+    if let Some(lease) = shared.lease() {
+        lease
+            .statements
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    metrics::lease_statement(&shared.role, op.metric_kind());
     if conn.as_ref().is_some_and(|c| c.is_closed()) {
         conn.take();
     }
@@ -239,7 +333,7 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
         let schema = shared.options.schema_name().clone();
         let s = schema.as_str();
         let sql = Arc::new(lease_sql(&schema));
-        let mut notices = shared.lease_notices.subscribe();
+        let mut notices = lease_state(shared).notices.subscribe();
         shared.ensure_lease_listener();
         let mut conn: Option<DedicatedConnection> = None;
         let mut failures = 0u32;
@@ -261,13 +355,13 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
                     let c = conn.as_ref().filter(|c| !c.is_closed());
                     if c.is_none() {
                         // exec connects; a trivial statement does it here.
-                        exec(shared, &mut conn, "connect", "SELECT 1", &[]).await?;
+                        exec(shared, &mut conn, LeaseOp::Connect, "SELECT 1", &[]).await?;
                     }
                     let c = conn.as_ref().expect("BUG: connected above");
                     // Bounded like every statement: a pooler may queue it
                     // for a long time while the server is down.
                     let checked = tokio::time::timeout(
-                        shared.timing.heartbeat_timeout.max(PATIENT_BOUND),
+                        patient(&shared.timing),
                         check_schema(c.client(), &schema),
                     )
                     .await;
@@ -286,7 +380,7 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
                 let rows = exec(
                     shared,
                     &mut conn,
-                    "take the lease",
+                    LeaseOp::Acquire,
                     &sql.acquire,
                     &[
                         (&shared.role, Type::TEXT),
@@ -316,14 +410,16 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
             let wait = match outcome {
                 Ok((sent, rows)) => {
                     failures = 0;
-                    let row = rows.first().expect("BUG: the acquire statement returns one row");
-                    let won: Option<i64> = row.get(0);
-                    let prev_holder: Option<String> = row.get(4);
-                    let prev_backend: Option<String> = row.get(5);
-                    let prev_remaining: Option<f64> = row.get(6);
-                    if let Some(term) = won {
-                        let acquired_at: SystemTime = row.get(1);
-                        let lease_until: SystemTime = row.get(2);
+                    let Acquired { won, prev_holder, prev_backend, prev_remaining } = match Acquired::decode(&rows) {
+                        Ok(a) => a,
+                        Err(e) => {
+                            if let Some(c) = conn.take() {
+                                c.close().await;
+                            }
+                            return Err(Error::db(LeaseOp::Acquire.operation(), s, e));
+                        }
+                    };
+                    if let Some((term, acquired_at, lease_until)) = won {
                         if prev_holder.is_some() && prev_backend.as_deref() == Some("session") {
                             tracing::warn!(previous = ?prev_holder, "took over an expired lease of a session-backend leader: all candidates of a role should use one backend");
                         }
@@ -374,39 +470,16 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
             if wait.is_zero() {
                 continue;
             }
-            let sleep = tokio::time::sleep(wait);
-            tokio::pin!(sleep);
-            let mut woken = false;
-            loop {
-                tokio::select! {
-                    _ = &mut sleep => break,
-                    n = notices.recv() => match n {
-                        Ok(n) if n.channel == LEADER_CHANNEL
-                            && parse_leader_event(s, &n.payload)
-                                .is_some_and(|(e, r)| e == "released" && r == shared.role) =>
-                        {
-                            if !woken {
-                                woken = true;
-                                // A few ms of jitter spread the standbys' attempts.
-                                let at = (wakes.reserve(Instant::now()) + jitter() / 10).min(sleep.deadline());
-                                sleep.as_mut().reset(at);
-                            }
-                        }
-                        Ok(_) => {}
-                        Err(broadcast::error::RecvError::Lagged(_)) => {
-                            if !woken {
-                                woken = true;
-                                let at = wakes.reserve(Instant::now()).min(sleep.deadline());
-                                sleep.as_mut().reset(at);
-                            }
-                        }
-                        Err(broadcast::error::RecvError::Closed) => {
-                            // Never: the sender lives in `shared`.
-                            sleep.as_mut().await;
-                            break;
-                        }
-                    },
-                }
+            let until = Instant::now() + wait;
+            let released = WakeOn::Released {
+                schema: s,
+                role: &shared.role,
+            };
+            // A few ms of jitter spread the standbys' attempts.
+            let end = nap(until, &mut notices, released, &mut wakes, || jitter() / 10).await;
+            if end == NapEnd::ChannelClosed {
+                // Never: the sender lives in `shared`.
+                tokio::time::sleep_until(until).await;
             }
         }
     }
@@ -426,7 +499,9 @@ async fn elected(
     acquired_at: SystemTime,
     lease_until: SystemTime,
 ) -> Option<Leadership> {
-    let mut keeper = Keeper::new_lease(shared.timing, sent);
+    // Active at once: a lease is taken over only after it expired on the
+    // server or was released, so there is no handover delay to wait.
+    let mut keeper = Keeper::new(shared.timing, Liveness::statements(), sent, sent, false);
     let now = Instant::now();
     match keeper.poll(now) {
         Some(Action::Activate) => {}
@@ -462,224 +537,153 @@ async fn elected(
         reason: Mutex::new(None),
     });
     let (commands, rx) = mpsc::unbounded_channel();
-    let notices = shared.lease_notices.subscribe();
+    let notices = lease_state(shared).notices.subscribe();
     let span = tracing::info_span!("pgelect.leader", role = %shared.role, node = %shared.node, term = term.get(), backend = "lease");
-    tokio::spawn(
-        keep(
-            shared.clone(),
-            conn,
-            sql.clone(),
-            keeper,
-            state.clone(),
-            rx,
-            notices,
-        )
-        .instrument(span),
-    );
+    let keep = Keep {
+        shared: shared.clone(),
+        backend: LeaseKeep {
+            shared: shared.clone(),
+            conn: Mutex::new(conn),
+            sql: sql.clone(),
+            term: term.get(),
+        },
+        keeper,
+        state: state.clone(),
+        commands: rx,
+        notices,
+        activation: Activation::Done,
+        count_leading: false,
+    };
+    tokio::spawn(keep.run().instrument(span));
     Some(Leadership {
         context: LeaderContext::new(state),
         commands,
     })
 }
 
-type Renewal = (
-    Option<DedicatedConnection>,
-    Instant,
-    Result<Option<(f64, bool)>>,
-);
-type RenewFuture = Pin<Box<dyn Future<Output = Renewal> + Send>>;
-
-fn renew(
+/// How the lease backend keeps a leadership: one renewal statement per
+/// `renew_every` on a connection reopened at will, each bounded by the
+/// statement timeout; failures are retried until the deadline.
+struct LeaseKeep {
     shared: Arc<Shared>,
-    mut conn: Option<DedicatedConnection>,
+    /// The connection between two statements; a statement in flight holds
+    /// it, and gives it back when done.
+    conn: Mutex<Option<DedicatedConnection>>,
     sql: Arc<LeaseSql>,
     term: i64,
-) -> RenewFuture {
-    Box::pin(async move {
-        let ttl_ms = shared.timing.ttl.as_millis() as i64;
-        let sent = Instant::now();
-        let r = exec(
-            &shared,
-            &mut conn,
-            "renew the lease",
-            &sql.renew,
-            &[
-                (&shared.role, Type::TEXT),
-                (&shared.node, Type::TEXT),
-                (&term, Type::INT8),
-                (&ttl_ms, Type::INT8),
-            ],
-        )
-        .await
-        .map(|rows| {
-            rows.first()
-                .map(|r| (r.get::<_, f64>(0), r.get::<_, bool>(1)))
-        });
-        (conn, sent, r)
-    })
 }
 
-/// The leader's task: carries out the keeper's actions until leadership
-/// ends, then releases when asked to.
-async fn keep(
-    shared: Arc<Shared>,
-    mut conn: Option<DedicatedConnection>,
-    sql: Arc<LeaseSql>,
-    mut keeper: Keeper,
-    state: Arc<LeaderState>,
-    mut commands: mpsc::UnboundedReceiver<Command>,
-    mut notices: broadcast::Receiver<Notice>,
-) {
-    let s = shared.options.schema_name().as_str().to_owned();
-    let term = state.term.get();
-    let resign_payload = format!("{s}:{}", shared.role);
-    let mut in_flight: Option<RenewFuture> = None;
-    let mut failures = 0u32;
-    let mut release_reply: Option<(LossReason, oneshot::Sender<Result<()>>)> = None;
-    let mut ended: Option<LossReason> = None;
-
-    'outer: loop {
-        let now = Instant::now();
-        while let Some(action) = keeper.poll(now) {
-            match action {
-                Action::Renew => {
-                    in_flight = Some(renew(shared.clone(), conn.take(), sql.clone(), term));
-                }
-                // Lease mode sends no heartbeats; activation was reported
-                // by `elected` already.
-                Action::Heartbeat => keeper.heartbeat_ok(now),
-                Action::Activate => {}
-                Action::Lose { reason, kill } => {
-                    warn_if_late(&shared.role, reason, now, keeper.deadline());
-                    if state.end_counted(reason, true) {
-                        tracing::warn!(%reason, "leadership lost");
-                    }
-                    if kill {
-                        shared.publish_if_holder(&shared.node, term, None);
-                        ended = Some(reason);
-                        break 'outer;
-                    }
-                }
-            }
-        }
-        if keeper.phase() == Phase::Done {
-            break;
-        }
-        let wake = keeper
-            .next_wake()
-            .expect("BUG: a live keeper has a wake time");
-        tokio::select! {
-            biased;
-            cmd = commands.recv() => match cmd {
-                None => {
-                    state.end_counted(LossReason::Dropped, true);
-                    // Not released: the duties may still be stopping. The
-                    // lease expires on its own, after the local deadline.
-                    break;
-                }
-                Some(Command::Stop { reason }) => keeper.stop_requested(reason, Instant::now()),
-                Some(Command::Release { reason, reply }) => {
-                    release_reply = Some((reason, reply));
-                    break;
-                }
-            },
-            (c, sent, result) = async { in_flight.as_mut().expect("BUG: guarded").await }, if in_flight.is_some() => {
-                in_flight = None;
-                conn = c;
-                let now = Instant::now();
-                match result {
-                    Ok(Some((remaining_ms, resign))) => {
-                        failures = 0;
-                        keeper.renewed(sent, now);
-                        let left = keeper.deadline().saturating_duration_since(now);
-                        metrics::renewed(&shared.role, now - sent, left);
-                        tracing::trace!(server_remaining = ?ms(remaining_ms), deadline_in = ?left, "renewed");
-                        if resign {
-                            tracing::info!("resignation requested for this term (lease row)");
-                            keeper.stop_requested(LossReason::Resigned, now);
-                        }
-                    }
-                    Ok(None) => {
-                        tracing::warn!("renewal found the lease no longer ours: preempted");
-                        keeper.preempted();
-                    }
-                    Err(e) => {
-                        failures = failures.saturating_add(1);
-                        // Retries are cheap (one statement or a refused
-                        // connection): keep them frequent, so that a short
-                        // outage is ridden out.
-                        let cap = (shared.timing.renew_every / 4).max(Duration::from_millis(50));
-                        let wait = backoff(failures).min(cap);
-                        tracing::warn!(error = %e, retry_in = ?wait, deadline_in = ?keeper.deadline().saturating_duration_since(now), "renewal failed; retrying until the deadline");
-                        keeper.renew_retry(now, wait);
-                    }
-                }
-            }
-            n = notices.recv() => {
-                if let Ok(n) = n {
-                    // Only a hint: anyone who can connect may send it. The
-                    // renewal it brings forward reads `resign_requested`,
-                    // which only `request_resign` (a granted privilege) sets.
-                    if n.channel == RESIGN_CHANNEL && n.payload == resign_payload {
-                        tracing::debug!("resign hint heard (NOTIFY); checking the lease row");
-                        keeper.check_requested(Instant::now());
-                    }
-                }
-            }
-            _ = tokio::time::sleep_until(wake) => {}
-        }
+impl LeaseKeep {
+    fn take_conn(&self) -> Option<DedicatedConnection> {
+        self.conn
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
     }
 
-    // After a deadline loss the lease may still be ours on the server (the
-    // database was unreachable for a while); once the user's duties stopped
-    // (it calls `resign`, as `Elector::run` does) a release lets standbys
-    // take over without waiting for the expiry. After a preemption there is
-    // nothing left to release.
-    if release_reply.is_none() && ended == Some(LossReason::Deadline) {
-        drop(in_flight.take());
-        loop {
-            match commands.recv().await {
-                Some(Command::Release { reason, reply }) => {
-                    release_reply = Some((reason, reply));
-                    break;
-                }
-                Some(Command::Stop { .. }) => {}
-                None => break,
-            }
-        }
+    fn put_conn(&self, conn: Option<DedicatedConnection>) {
+        *self.conn.lock().unwrap_or_else(PoisonError::into_inner) = conn;
     }
-    let Some((reason, reply)) = release_reply else {
+}
+
+impl KeepBackend for LeaseKeep {
+    const FINISH_IN_FLIGHT_BEFORE_RELEASE: bool = true;
+
+    fn renew(&self) -> Statement<'_> {
+        Box::pin(async move {
+            let shared = &self.shared;
+            let mut conn = self.take_conn();
+            let ttl_ms = shared.timing.ttl.as_millis() as i64;
+            let sent = Instant::now();
+            let r = exec(
+                shared,
+                &mut conn,
+                LeaseOp::Renew,
+                &self.sql.renew,
+                &[
+                    (&shared.role, Type::TEXT),
+                    (&shared.node, Type::TEXT),
+                    (&self.term, Type::INT8),
+                    (&ttl_ms, Type::INT8),
+                ],
+            )
+            .await
+            .and_then(|rows| {
+                let s = shared.options.schema_name().as_str();
+                let Some(row) = rows.first() else {
+                    return Ok(Answer::NotOurs);
+                };
+                let decode = || {
+                    Ok::<_, tokio_postgres::Error>((
+                        row.try_get::<_, f64>(0)?,
+                        row.try_get::<_, bool>(1)?,
+                    ))
+                };
+                let (remaining_ms, resign_requested) =
+                    decode().map_err(|e| Error::db(LeaseOp::Renew.operation(), s, e))?;
+                tracing::trace!(server_remaining = ?ms(remaining_ms), "lease renewed");
+                Ok(Answer::Renewed {
+                    row: None,
+                    resign_requested,
+                })
+            });
+            self.put_conn(conn);
+            (sent, r)
+        })
+    }
+
+    fn heartbeat(&self) -> Statement<'_> {
+        // Never asked for: a lease has no session to keep alive.
+        Box::pin(std::future::ready((Instant::now(), Ok(Answer::Alive))))
+    }
+
+    fn closed(&self) -> impl Future<Output = ()> + Send + '_ {
+        // The connection is reopened at will: its end ends nothing.
+        std::future::pending()
+    }
+
+    fn failed(&self, _error: &Error, failures: u32) -> Failed {
+        // Retries are cheap (one statement or a refused connection): keep
+        // them frequent, so that a short outage is ridden out.
+        let cap = (self.shared.timing.renew_every / 4).max(Duration::from_millis(50));
+        Failed::RetryAfter(backoff(failures).min(cap))
+    }
+
+    fn let_go(&self, _reason: Option<LossReason>) {
+        // Nothing to drop: the lease expires on its own, after the local
+        // deadline, unless released.
+    }
+
+    fn releasable_after(&self, reason: LossReason) -> bool {
+        // After a deadline loss the lease may still be ours on the server
+        // (the database was unreachable for a while). After a preemption
+        // there is nothing left to release.
+        reason == LossReason::Deadline
+    }
+
+    async fn release(self, ended: Option<LossReason>) -> Result<()> {
+        let mut conn = self.take_conn();
+        let result = if ended == Some(LossReason::Preempted) {
+            Ok(())
+        } else {
+            release(&self.shared, &mut conn, &self.sql, self.term)
+                .await
+                .map(|_| ())
+        };
+        if let Err(e) = &result {
+            tracing::warn!(error = %e, "clean release failed; the lease will expire on its own");
+        }
         if let Some(c) = conn {
             c.close().await;
         }
-        return;
-    };
-    // A renewal in flight finishes first (bounded by the statement timeout):
-    // its connection is the one to release on.
-    if let Some(f) = in_flight.take() {
-        let (c, _, _) = f.await;
-        conn = c;
+        result
     }
-    state.end_counted(reason, true);
-    keeper.finish(reason);
-    let result = if ended == Some(LossReason::Preempted) {
-        Ok(())
-    } else {
-        release(&shared, &mut conn, &sql, term).await.map(|_| ())
-    };
-    match &result {
-        Ok(()) => {
-            tracing::info!(%reason, "leadership released");
-            shared.publish_if_holder(&shared.node, term, None);
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "clean release failed; the lease will expire on its own");
+
+    async fn close(self) {
+        if let Some(c) = self.take_conn() {
+            c.close().await;
         }
     }
-    if let Some(c) = conn {
-        c.close().await;
-    }
-    let _ = reply.send(result);
 }
 
 /// Clears the holder where holder and term are ours, with a NOTIFY in the
@@ -698,7 +702,7 @@ async fn release(
         let r = exec(
             shared,
             conn,
-            "release the lease",
+            LeaseOp::Release,
             &sql.release,
             &[
                 (&shared.role, Type::TEXT),
@@ -710,7 +714,12 @@ async fn release(
         .await;
         match r {
             Ok(rows) => {
-                let cleared: i64 = rows.first().map(|r| r.get(0)).unwrap_or(0);
+                let cleared: i64 = rows
+                    .first()
+                    .map(|r| r.try_get(0))
+                    .transpose()
+                    .map_err(|e| Error::db(LeaseOp::Release.operation(), s, e))?
+                    .unwrap_or(0);
                 if cleared == 0 {
                     tracing::warn!(term, "the lease row no longer named this leader at release");
                 }
@@ -730,55 +739,54 @@ async fn release(
 /// [`LEADER_CHANNEL`] and [`RESIGN_CHANNEL`] to the elector's broadcast
 /// channel; reconnects with backoff; ends when the elector is dropped.
 pub(crate) async fn listen(shared: Weak<Shared>, options: ConnectOptions, stop: CancellationToken) {
-    let mut failures = 0u32;
+    let purpose = match shared.upgrade() {
+        Some(s) => format!("listen:{}:{}", s.role, s.node),
+        None => return,
+    };
+    let mut reconnect = Reconnect::default();
     loop {
-        let purpose = match shared.upgrade() {
-            Some(s) => format!("listen:{}:{}", s.role, s.node),
-            None => return,
+        let Some(conn) = reconnect
+            .connect(&options, &purpose, &stop, "LISTEN connection")
+            .await
+        else {
+            return;
         };
-        let conn = tokio::select! {
-            _ = stop.cancelled() => return,
-            c = options.connect(&purpose) => c,
-        };
-        match conn {
-            Ok(conn) => {
-                let mut rx = conn.notices();
-                let listened = conn
-                    .client()
-                    .batch_execute(&format!("LISTEN {LEADER_CHANNEL}; LISTEN {RESIGN_CHANNEL}"))
-                    .await;
-                match listened {
-                    Ok(()) => {
-                        failures = 0;
-                        loop {
-                            tokio::select! {
-                                _ = stop.cancelled() => {
-                                    conn.close().await;
-                                    return;
-                                }
-                                _ = conn.closed().cancelled() => break,
-                                n = rx.recv() => match n {
-                                    Ok(n) => match shared.upgrade() {
-                                        Some(s) => { let _ = s.lease_notices.send(n); }
-                                        None => return,
-                                    },
-                                    Err(broadcast::error::RecvError::Lagged(_)) => {}
-                                    Err(broadcast::error::RecvError::Closed) => break,
-                                },
-                            }
+        let mut rx = conn.notices();
+        let listened = conn
+            .client()
+            .batch_execute(&format!("LISTEN {LEADER_CHANNEL}; LISTEN {RESIGN_CHANNEL}"))
+            .await;
+        match listened {
+            Ok(()) => {
+                reconnect.succeeded();
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => {
+                            conn.close().await;
+                            return;
                         }
-                        tracing::debug!("LISTEN connection lost; reconnecting");
+                        _ = conn.closed().cancelled() => break,
+                        n = rx.recv() => match n {
+                            Ok(n) => match shared.upgrade() {
+                                Some(s) => {
+                                    if let Some(lease) = s.lease() {
+                                        let _ = lease.notices.send(n);
+                                    }
+                                }
+                                None => return,
+                            },
+                            Err(broadcast::error::RecvError::Lagged(_)) => {}
+                            Err(broadcast::error::RecvError::Closed) => break,
+                        },
                     }
-                    Err(e) => tracing::debug!(error = %e, "LISTEN failed; retrying"),
                 }
-                conn.kill();
+                tracing::debug!("LISTEN connection lost; reconnecting");
             }
-            Err(e) => tracing::debug!(error = %e, "LISTEN connection cannot connect; retrying"),
+            Err(e) => tracing::debug!(error = %e, "LISTEN failed; retrying"),
         }
-        failures = failures.saturating_add(1);
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(backoff(failures)) => {}
+        conn.kill();
+        if !reconnect.back_off(&stop).await {
+            return;
         }
     }
 }

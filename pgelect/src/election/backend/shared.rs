@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::{watch, Mutex as AsyncMutex};
@@ -12,7 +12,7 @@ use crate::conn::{ConnectOptions, DedicatedConnection, TcpTimeouts};
 use crate::error::{Error, Result};
 use crate::schema::check_schema;
 
-use super::watch::{LEADER_CHANNEL, RESIGN_CHANNEL};
+use crate::election::watch::{LEADER_CHANNEL, RESIGN_CHANNEL};
 
 /// One server session shared by the session-backend candidates of many
 /// roles, so that a process standing for a hundred roles holds one
@@ -98,7 +98,13 @@ impl SharedConnection {
 
     /// Claims `role` for one elector; refused while another holds it.
     pub(crate) fn claim(&self, role: &str) -> Result<RoleClaim> {
-        let mut roles = self.inner.roles.lock().expect("BUG: poisoned role set");
+        // The set is only inserted into and removed from: a panic elsewhere
+        // that poisoned the lock left it consistent.
+        let mut roles = self
+            .inner
+            .roles
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         if !roles.insert(role.to_owned()) {
             return Err(Error::config(format!(
                 "role {role:?} already has a candidate on this shared connection; advisory locks are re-entrant within a session, so a second one would win too"
@@ -128,7 +134,7 @@ impl SharedConnection {
         let conn = options.connect_for_locks("shared", &self.inner.tcp).await?;
         let prepared = async {
             check_schema(conn.client(), schema).await?;
-            super::session::check_not_transaction_pooled(options, &conn).await?;
+            crate::election::support::check_not_transaction_pooled(options, &conn).await?;
             // Both channels for the connection's whole life: leaders hear
             // resign requests, standbys hear releases. The connection never
             // blocks in a wait, so it reads its notifications.

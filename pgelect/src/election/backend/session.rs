@@ -1,11 +1,13 @@
-//! The session backend's driver: campaign (lock wait, term bump, handover)
-//! and the leader's keeper task (renewals, heartbeats, deadline, release).
+//! The session backend: its campaign (lock wait, term bump, handover) and
+//! its statements and behaviour while leading ([`SessionKeep`]: renewal
+//! scoped to the backend pid, heartbeats, a dead connection ends
+//! leadership, release by clearing the row and unlocking).
 //!
-//! All decisions are taken by [`Keeper`](super::core::Keeper); this module
-//! only does I/O and reports what happened, with the monotonic time.
+//! The leader's loop is the shared [`driver`](crate::election::driver);
+//! all timing decisions are taken by the pure
+//! [`Keeper`](crate::election::keeper::Keeper).
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -15,49 +17,24 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Row;
 use tracing::Instrument;
 
-use crate::conn::{ConnectOptions, DedicatedConnection};
+use crate::conn::DedicatedConnection;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::lock::holders::{query_holders, SquatWatch};
 use crate::metrics;
 use crate::schema::check_schema;
 
-use super::config::random_u64;
-use super::core::{warn_if_late, Action, Keeper, Phase, Probe};
-use super::leadership::{Command, LeaderContext, LeaderState, Leadership, LossReason};
-use super::shared_conn::SharedSession;
-use super::watch::{
-    parse_leader_event, preempt_zombie, read_leader, LeaderInfo, WakeLimit, LEADER_CHANNEL,
-    RESIGN_CHANNEL,
+use super::shared::SharedSession;
+use crate::election::driver::{Activation, Answer, Failed, Keep, KeepBackend, Statement};
+use crate::election::keeper::{Keeper, Liveness};
+use crate::election::leadership::{LeaderContext, LeaderState, Leadership, LossReason};
+use crate::election::support::{
+    backoff, check_not_transaction_pooled, is_transient, nap, Counted, WakeLimit, WakeOn,
 };
-use super::{Activity, Shared, StandbyMode, Term};
-
-/// Exponential backoff with jitter: 100 ms doubling up to 5 s, each delay
-/// drawn from `[d/2, d]`.
-pub(crate) fn backoff(failures: u32) -> Duration {
-    let exp = failures.saturating_sub(1).min(6);
-    let d = Duration::from_millis(100 * (1u64 << exp)).min(Duration::from_secs(5));
-    let half = d / 2;
-    let jitter = random_u64() % (half.as_millis() as u64 + 1);
-    half + Duration::from_millis(jitter)
-}
-
-/// True for failures that a new connection may cure: the server went away,
-/// restarts, is overloaded, or our backend was terminated.
-pub(crate) fn is_transient(e: &Error) -> bool {
-    match e {
-        Error::Connect { .. } | Error::ConnectTimeout { .. } | Error::ConnectionLost { .. } => true,
-        Error::Database { source, .. } => {
-            source.is_closed()
-                || source.as_db_error().is_none()
-                || source.code().is_some_and(|c| {
-                    let class = &c.code()[..2];
-                    matches!(class, "08" | "57" | "53" | "40" | "58")
-                })
-        }
-        _ => false,
-    }
-}
+use crate::election::watch::{
+    preempt_zombie, read_leader, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
+};
+use crate::election::{Shared, StandbyMode, Term};
 
 /// Campaigns until elected. Transient failures are retried with backoff;
 /// configuration, schema, permission and pooler errors are returned.
@@ -91,7 +68,7 @@ pub(crate) enum LockConn {
     /// Its own: dropped leadership kills it (the server releases the lock),
     /// a clean release keeps it for the next campaign.
     Own(DedicatedConnection),
-    /// A [`SharedConnection`](super::SharedConnection), also holding other
+    /// A [`SharedConnection`](crate::SharedConnection), also holding other
     /// roles' locks: dropped leadership unlocks this role's key only.
     Shared(Arc<SharedSession>),
 }
@@ -136,9 +113,14 @@ impl LockConn {
                     let params = key.params();
                     let args: Vec<(&(dyn ToSql + Sync), Type)> =
                         params.iter().map(|p| p.as_sql()).collect();
-                    match c.client().query_typed_one(&sql, &args).await {
-                        Ok(row) if row.get::<_, bool>(0) => {}
-                        Ok(_) => tracing::warn!(%key, "an abandoned role's lock was not held on the shared connection"),
+                    let unlocked = c
+                        .client()
+                        .query_typed_one(&sql, &args)
+                        .await
+                        .and_then(|row| row.try_get::<_, bool>(0));
+                    match unlocked {
+                        Ok(true) => {}
+                        Ok(false) => tracing::warn!(%key, "an abandoned role's lock was not held on the shared connection"),
                         Err(e) => {
                             // A lock that cannot be released must not stay
                             // with a session that no longer renews it.
@@ -178,31 +160,6 @@ impl Drop for KillOnDrop<'_> {
     }
 }
 
-/// Counts itself in one of the elector's [`Activity`] counters (standing
-/// standbys, live leaderships) for as long as it lives.
-struct Counted<'a> {
-    activity: &'a tokio::sync::watch::Sender<Activity>,
-    field: fn(&mut Activity) -> &mut usize,
-}
-
-impl<'a> Counted<'a> {
-    fn new(
-        activity: &'a tokio::sync::watch::Sender<Activity>,
-        field: fn(&mut Activity) -> &mut usize,
-    ) -> Self {
-        activity.send_modify(|a| *field(a) += 1);
-        Counted { activity, field }
-    }
-}
-
-impl Drop for Counted<'_> {
-    fn drop(&mut self) {
-        let field = self.field;
-        self.activity
-            .send_modify(|a| *field(a) = field(a).saturating_sub(1));
-    }
-}
-
 /// Opens and prepares a lock connection: session settings, schema and
 /// pooler checks, and the election statement planned once.
 async fn lock_connection(shared: &Shared, elect: &ElectStatement) -> Result<DedicatedConnection> {
@@ -238,11 +195,14 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
     let schema = shared.options.schema_name().clone();
     let s = schema.as_str();
     let elect = ElectStatement::new(shared);
-    let conn = match &shared.host {
+    let session = shared
+        .session()
+        .expect("BUG: the session backend campaigns for session electors only");
+    let conn = match &session.host {
         Some(host) => LockConn::Shared(host.connection().get().await?),
         // The connection of this elector's last clean release, if it is
         // still open: warmed up and checked already, no backend to start.
-        None => LockConn::Own(match shared.take_spare() {
+        None => LockConn::Own(match session.take_spare() {
             Some(conn) => conn,
             None => lock_connection(shared, &elect).await?,
         }),
@@ -256,7 +216,7 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
     let params = key.params();
     let args: Vec<(&(dyn ToSql + Sync), Type)> = params.iter().map(|p| p.as_sql()).collect();
     let wait_started = Instant::now();
-    match shared.standby {
+    match session.standby {
         StandbyMode::Blocking => {
             shared.ensure_observer();
             let _standing = Counted::new(&shared.activity, |a| &mut a.standing);
@@ -273,8 +233,8 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
                 tokio::select! {
                     r = conn.client().query_typed_one(&sql, &slice_args) => {
                         let granted: bool = r
-                            .map_err(|e| Error::db("wait for the leader's lock", s, e))?
-                            .get(0);
+                            .and_then(|row| row.try_get(0))
+                            .map_err(|e| Error::db("wait for the leader's lock", s, e))?;
                         shared.contact.touch();
                         if granted {
                             break;
@@ -354,7 +314,13 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
         holder_pid: Some(conn.pid()),
     }));
 
-    let keeper = Keeper::new(shared.timing, sent_at, answered, unclean);
+    let keeper = Keeper::new(
+        shared.timing,
+        Liveness::session(&shared.timing),
+        sent_at,
+        answered,
+        unclean,
+    );
     let state = Arc::new(LeaderState {
         role: shared.role.clone(),
         schema: schema.clone(),
@@ -367,19 +333,20 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
     guard.conn = None;
     drop(guard);
     let span = tracing::info_span!("pgelect.leader", role = %shared.role, node = %shared.node, term = elected.term.get());
-    tokio::spawn(
-        keep(
-            shared.clone(),
-            conn,
-            notices,
-            keeper,
-            state.clone(),
-            rx,
-            activated_tx,
+    let keep = Keep {
+        shared: shared.clone(),
+        backend: SessionKeep::new(shared.clone(), conn, elected.term.get()),
+        keeper,
+        state: state.clone(),
+        commands: rx,
+        notices,
+        activation: Activation::Pending {
+            tx: activated_tx,
             granted_at,
-        )
-        .instrument(span),
-    );
+        },
+        count_leading: true,
+    };
+    tokio::spawn(keep.run().instrument(span));
     let leadership = Leadership {
         context: LeaderContext::new(state),
         commands,
@@ -481,69 +448,16 @@ impl ElectStatement {
                 shared.role
             )));
         };
-        Ok(Elected {
-            term: Term::new(row.get(0)),
-            previous_holder: row.get(1),
-            acquired_at: row.get(2),
-            lease_until: row.get(3),
-        })
+        let decode = || {
+            Ok::<_, tokio_postgres::Error>(Elected {
+                term: Term::new(row.try_get(0)?),
+                previous_holder: row.try_get(1)?,
+                acquired_at: row.try_get(2)?,
+                lease_until: row.try_get(3)?,
+            })
+        };
+        decode().map_err(|e| Error::db("record the new term", s, e))
     }
-}
-
-/// Detects a pooler in transaction (or statement) mode between us and the
-/// server, where the advisory lock would stay on a pooled backend while our
-/// next statements run elsewhere.
-///
-/// A second client connection opens a transaction and keeps it open, which
-/// pins one server backend to it for as long as it lasts. Then:
-/// * directly or through a session pool, the lock connection owns its
-///   backend for good: the probe never gets that backend, and the lock
-///   connection's backend pid never changes;
-/// * through a transaction pool, the lock connection's backend is returned
-///   to the pool after every statement; the probe's `BEGIN` takes an idle
-///   server connection — PgBouncer hands out the most recently used one,
-///   which is the lock connection's — or, if it gets another one, the lock
-///   connection's next statement may land elsewhere. Either shows.
-///
-/// The check runs the lock connection's pid query three times around the
-/// probe's transaction, so both signs are looked at.
-pub(crate) async fn check_not_transaction_pooled(
-    options: &ConnectOptions,
-    conn: &DedicatedConnection,
-) -> Result<()> {
-    let s = options.schema_name().as_str();
-    let first = backend_pid(conn.client(), s).await?;
-    let probe = options.connect("pooler-probe").await?;
-    let result = async {
-        probe
-            .client()
-            .batch_execute("BEGIN")
-            .await
-            .map_err(|e| Error::db("check for a transaction pooler", s, e))?;
-        let probe_pid = backend_pid(probe.client(), s).await?;
-        let second = backend_pid(conn.client(), s).await?;
-        let third = backend_pid(conn.client(), s).await?;
-        let _ = probe.client().batch_execute("ROLLBACK").await;
-        Ok::<_, Error>((probe_pid, [conn.pid(), first, second, third]))
-    }
-    .await;
-    probe.close().await;
-    let (probe_pid, seen) = result?;
-    let moved = seen.iter().any(|p| *p != seen[0]);
-    if moved || seen.contains(&probe_pid) {
-        return Err(Error::Pooler(format!(
-            "the session backend needs one server session for its whole life, but {} is reached through a pooler in transaction or statement mode (server backend pids seen on one client connection: {seen:?}; a second client got {probe_pid}): advisory locks and LISTEN would stay on a pooled backend. Use the lease backend, which works through transaction pooling, or connect directly or through a session-mode pool",
-            options.target()
-        )));
-    }
-    Ok(())
-}
-
-async fn backend_pid(c: &tokio_postgres::Client, schema: &str) -> Result<i32> {
-    c.query_typed_one("SELECT pg_backend_pid()", &[])
-        .await
-        .map(|r| r.get::<_, i32>(0))
-        .map_err(|e| Error::db("check for a transaction pooler", schema, e))
 }
 
 async fn poll_for_lock(
@@ -567,13 +481,14 @@ async fn poll_for_lock(
     // Release notifications wake the standby early; anyone may send them.
     let mut wakes = WakeLimit::default();
     loop {
-        let row = conn
+        let granted: bool = conn
             .client()
             .query_typed_one(&sql, args)
             .await
+            .and_then(|row| row.try_get(0))
             .map_err(|e| Error::db("try the leader's lock", s, e))?;
         shared.contact.touch();
-        if row.get::<_, bool>(0) {
+        if granted {
             if listen {
                 conn.client()
                     .batch_execute(&format!("UNLISTEN {LEADER_CHANNEL}"))
@@ -597,32 +512,17 @@ async fn poll_for_lock(
             check_squatters(shared, conn, &mut squat, row_pid).await?;
         }
         shared.publish(info);
-        let sleep = tokio::time::sleep(interval);
-        tokio::pin!(sleep);
-        let mut woken = false;
-        loop {
-            tokio::select! {
-                _ = &mut sleep => break,
-                _ = conn.closed().cancelled() => {
-                    return Err(Error::connection_lost("wait for the leader's lock"));
-                }
-                n = notices.recv() => {
-                    let wake = match n {
-                        Ok(n) => {
-                            n.channel == LEADER_CHANNEL
-                                && parse_leader_event(s, &n.payload)
-                                    .is_some_and(|(e, r)| e == "released" && r == shared.role)
-                        }
-                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => true,
-                        Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
-                    };
-                    if wake && !woken {
-                        woken = true;
-                        let at = wakes.reserve(Instant::now()).min(sleep.deadline());
-                        sleep.as_mut().reset(at);
-                    }
-                }
+        let released = WakeOn::Released {
+            schema: s,
+            role: &shared.role,
+        };
+        let until = Instant::now() + interval;
+        tokio::select! {
+            _ = conn.closed().cancelled() => {
+                return Err(Error::connection_lost("wait for the leader's lock"));
             }
+            // A closed channel ends the nap: try the lock again.
+            _ = nap(until, &mut notices, released, &mut wakes, || Duration::ZERO) => {}
         }
     }
 }
@@ -676,243 +576,155 @@ async fn check_squatters(
     Ok(())
 }
 
-type StatementFuture<'a> = Pin<
-    Box<dyn Future<Output = (Probe, Instant, Result<Vec<Row>, tokio_postgres::Error>)> + Send + 'a>,
->;
-
-/// The leader's task: carries out the keeper's actions until leadership ends.
-#[allow(clippy::too_many_arguments)] // one call site; a struct would only rename them
-async fn keep(
+/// How the session backend keeps a leadership: on the lock connection,
+/// renewing the lease row (scoped to holder, term and backend pid) and
+/// heartbeating; the connection's death ends leadership at once.
+struct SessionKeep {
     shared: Arc<Shared>,
     conn: LockConn,
-    mut notices: tokio::sync::broadcast::Receiver<crate::conn::Notice>,
-    mut keeper: Keeper,
-    state: Arc<LeaderState>,
-    mut commands: mpsc::UnboundedReceiver<Command>,
-    activated: oneshot::Sender<bool>,
-    granted_at: Instant,
-) {
-    let _leading = Counted::new(&shared.activity, |a| &mut a.leading);
-    let s = shared.options.schema_name().as_str().to_owned();
-    let renew_sql = format!(
-        "UPDATE {s}.leaders
-            SET renewed_at = now(), lease_until = now() + $4 * interval '1 millisecond'
-          WHERE role = $1 AND holder = $2 AND term = $3 AND holder_pid = pg_backend_pid()
-         RETURNING renewed_at, lease_until, resign_requested"
-    );
-    let ttl_ms = shared.timing.ttl.as_millis() as i64;
-    let term = state.term.get();
-    let client = conn.client();
-    let mut activated = Some(activated);
-    let mut was_active = false;
-    let mut in_flight: Option<StatementFuture<'_>> = None;
-    let resign_payload = format!("{s}:{}", shared.role);
-    let mut release_reply: Option<(LossReason, oneshot::Sender<Result<()>>)> = None;
+    renew_sql: String,
+    ttl_ms: i64,
+    term: i64,
+}
 
-    'outer: loop {
-        let now = Instant::now();
-        while let Some(action) = keeper.poll(now) {
-            match action {
-                Action::Renew => {
-                    let c = client;
-                    let sql = renew_sql.clone();
-                    let role = shared.role.clone();
-                    let node = shared.node.clone();
-                    in_flight = Some(Box::pin(async move {
-                        let sent = Instant::now();
-                        let r = c
-                            .query_typed(
-                                &sql,
-                                &[
-                                    (&role, Type::TEXT),
-                                    (&node, Type::TEXT),
-                                    (&term, Type::INT8),
-                                    (&ttl_ms, Type::INT8),
-                                ],
-                            )
-                            .await;
-                        (Probe::Renew, sent, r)
-                    }));
-                }
-                Action::Heartbeat => {
-                    let c = client;
-                    let share_wait =
-                        (shared.timing.heartbeat_timeout / 4).min(Duration::from_millis(100));
-                    let session = match &conn {
-                        LockConn::Shared(session) => Some(session.clone()),
-                        LockConn::Own(_) => None,
-                    };
-                    in_flight = Some(Box::pin(async move {
-                        let sent = Instant::now();
-                        // On a shared connection, one heartbeat answers all
-                        // its leaders; a failed one is run again here to
-                        // get the error to report.
-                        if let Some(session) = session {
-                            if session.beat(sent, share_wait).await {
-                                return (Probe::Heartbeat, sent, Ok(Vec::new()));
-                            }
-                        }
-                        let r = c.simple_query("SELECT 1").await.map(|_| Vec::new());
-                        (Probe::Heartbeat, sent, r)
-                    }));
-                }
-                Action::Activate => {
-                    was_active = true;
-                    metrics::leader_on(&shared.role, term, granted_at.elapsed());
-                    tracing::info!(takeover = ?granted_at.elapsed(), "leadership begins");
-                    if activated.take().is_none_or(|tx| tx.send(true).is_err()) {
-                        // The campaign was dropped while waiting: nobody will
-                        // ever hold this leadership.
-                        state.end_counted(LossReason::Dropped, was_active);
-                        conn.abandon(shared.key);
-                        break 'outer;
-                    }
-                }
-                Action::Lose { reason, kill } => {
-                    warn_if_late(&shared.role, reason, now, keeper.deadline());
-                    let first = state.end_counted(reason, was_active);
-                    if first && was_active {
-                        tracing::warn!(%reason, "leadership lost");
-                    } else if first {
-                        tracing::warn!(%reason, "lost the lock before acting");
-                    }
-                    if kill {
-                        // A dead connection goes; otherwise only this
-                        // role's lock (on its own connection, the same).
-                        if reason == LossReason::ConnectionLost {
-                            conn.kill();
-                        } else {
-                            conn.abandon(shared.key);
-                        }
-                        if was_active {
-                            shared.publish_if_holder(&shared.node, term, None);
-                        }
-                        break 'outer;
-                    }
-                }
-            }
-        }
-        if keeper.phase() == Phase::Done {
-            break;
-        }
-        let wake = keeper
-            .next_wake()
-            .expect("BUG: a live keeper has a wake time");
-        tokio::select! {
-            biased;
-            _ = conn.closed().cancelled() => keeper.connection_lost(),
-            cmd = commands.recv() => match cmd {
-                None => {
-                    state.end_counted(LossReason::Dropped, was_active);
-                    conn.abandon(shared.key);
-                    break;
-                }
-                Some(Command::Stop { reason }) => keeper.stop_requested(reason, Instant::now()),
-                Some(Command::Release { reason, reply }) => {
-                    release_reply = Some((reason, reply));
-                    break;
-                }
-            },
-            (probe, sent, result) = async { in_flight.as_mut().expect("BUG: guarded").await }, if in_flight.is_some() => {
-                in_flight = None;
-                let now = Instant::now();
-                match (probe, result) {
-                    (Probe::Renew, Ok(rows)) if rows.len() == 1 => {
-                        shared.contact.touch();
-                        keeper.renewed(sent, now);
-                        let remaining = keeper.deadline().saturating_duration_since(now);
-                        metrics::renewed(&shared.role, now - sent, remaining);
-                        // Watchers see the renewal: while leading, this
-                        // elector's observer is closed and the leader is
-                        // the one that knows.
-                        let renewed_at: SystemTime = rows[0].get(0);
-                        let lease_until: SystemTime = rows[0].get(1);
-                        shared.leader.send_if_modified(|cur| match cur {
-                            Some(c) if c.holder == shared.node && c.term.get() == term => {
-                                c.renewed_at = renewed_at;
-                                c.lease_until = lease_until;
-                                c.lease_expired = false;
-                                true
-                            }
-                            _ => false,
-                        });
-                        // Set only by `request_resign` (a privilege) for
-                        // this term: every election clears it.
-                        if rows[0].get::<_, bool>(2) {
-                            tracing::info!("resignation requested for this term (lease row)");
-                            keeper.stop_requested(LossReason::Resigned, now);
-                        }
-                    }
-                    (Probe::Renew, Ok(_)) => {
-                        shared.contact.touch();
-                        tracing::warn!("renewal found the lease row no longer ours: preempted");
-                        keeper.preempted();
-                    }
-                    (Probe::Heartbeat, Ok(_)) => {
-                        shared.contact.touch();
-                        keeper.heartbeat_ok(now);
-                    }
-                    (_, Err(e)) => {
-                        let e = Error::db("renew the lease", &s, e);
-                        if is_transient(&e) || conn.is_closed() {
-                            tracing::warn!(error = %e, "lock connection failed");
-                            keeper.connection_lost();
-                        } else {
-                            tracing::warn!(error = %e, "renewal failed; retrying until the deadline");
-                            keeper.renew_failed(now);
-                        }
-                    }
-                }
-            }
-            n = notices.recv() => {
-                if let Ok(n) = n {
-                    // Only a hint: anyone who can connect may send it. The
-                    // renewal it brings forward reads the row, which only
-                    // `request_resign` (a granted privilege) marks.
-                    if n.channel == RESIGN_CHANNEL && n.payload == resign_payload {
-                        tracing::debug!("resign hint heard; checking the lease row");
-                        keeper.check_requested(Instant::now());
-                    }
-                }
-            }
-            _ = tokio::time::sleep_until(wake) => {}
+impl SessionKeep {
+    fn new(shared: Arc<Shared>, conn: LockConn, term: i64) -> SessionKeep {
+        let s = shared.options.schema_name().as_str();
+        let renew_sql = format!(
+            "UPDATE {s}.leaders
+                SET renewed_at = now(), lease_until = now() + $4 * interval '1 millisecond'
+              WHERE role = $1 AND holder = $2 AND term = $3 AND holder_pid = pg_backend_pid()
+             RETURNING renewed_at, lease_until, resign_requested"
+        );
+        let ttl_ms = shared.timing.ttl.as_millis() as i64;
+        SessionKeep {
+            shared,
+            conn,
+            renew_sql,
+            ttl_ms,
+            term,
         }
     }
 
-    drop(in_flight);
-    if let Some(tx) = activated.take() {
-        let _ = tx.send(false);
+    fn schema(&self) -> &str {
+        self.shared.options.schema_name().as_str()
     }
-    let Some((reason, reply)) = release_reply else {
-        return;
-    };
-    // Duties have stopped (the caller says so by releasing): cancel first,
-    // then clear the holder and notify, then unlock.
-    state.end_counted(reason, was_active);
-    keeper.finish(reason);
-    let bound = shared.timing.heartbeat_timeout * 2;
-    let result = match tokio::time::timeout(bound, release(&shared, &conn, term)).await {
-        Ok(r) => r,
-        Err(_) => Err(Error::connection_lost("release the leadership")),
-    };
-    match &result {
-        Ok(()) => {
-            tracing::info!(%reason, "leadership released");
-            shared.publish_if_holder(&shared.node, term, None);
-            // Kept for this elector's next campaign rather than closed now:
-            // a backend ending on the server is work that would compete
-            // with the successor's election (measured in the failover
-            // benchmark); it is closed when the elector is dropped.
-            if let LockConn::Own(own) = conn {
-                shared.put_spare(own);
+}
+
+/// The renewal's rows: one if the lease is still ours, none otherwise.
+fn renewal(rows: &[Row]) -> std::result::Result<Answer, tokio_postgres::Error> {
+    match rows {
+        [row] => Ok(Answer::Renewed {
+            row: Some((row.try_get(0)?, row.try_get(1)?)),
+            resign_requested: row.try_get(2)?,
+        }),
+        _ => Ok(Answer::NotOurs),
+    }
+}
+
+impl KeepBackend for SessionKeep {
+    const FINISH_IN_FLIGHT_BEFORE_RELEASE: bool = false;
+
+    fn renew(&self) -> Statement<'_> {
+        Box::pin(async move {
+            let sent = Instant::now();
+            let r = self
+                .conn
+                .client()
+                .query_typed(
+                    &self.renew_sql,
+                    &[
+                        (&self.shared.role, Type::TEXT),
+                        (&self.shared.node, Type::TEXT),
+                        (&self.term, Type::INT8),
+                        (&self.ttl_ms, Type::INT8),
+                    ],
+                )
+                .await
+                .and_then(|rows| renewal(&rows))
+                .map_err(|e| Error::db("renew the lease", self.schema(), e));
+            (sent, r)
+        })
+    }
+
+    fn heartbeat(&self) -> Statement<'_> {
+        let share_wait = (self.shared.timing.heartbeat_timeout / 4).min(Duration::from_millis(100));
+        Box::pin(async move {
+            let sent = Instant::now();
+            // On a shared connection, one heartbeat answers all its leaders;
+            // a failed one is run again here to get the error to report.
+            if let LockConn::Shared(session) = &self.conn {
+                if session.beat(sent, share_wait).await {
+                    return (sent, Ok(Answer::Alive));
+                }
+            }
+            let r = self
+                .conn
+                .client()
+                .simple_query("SELECT 1")
+                .await
+                .map(|_| Answer::Alive)
+                .map_err(|e| Error::db("renew the lease", self.schema(), e));
+            (sent, r)
+        })
+    }
+
+    fn closed(&self) -> impl Future<Output = ()> + Send + '_ {
+        self.conn.closed().cancelled()
+    }
+
+    fn failed(&self, error: &Error, _failures: u32) -> Failed {
+        if is_transient(error) || self.conn.is_closed() {
+            Failed::ConnectionLost
+        } else {
+            Failed::RetrySoon
+        }
+    }
+
+    fn let_go(&self, reason: Option<LossReason>) {
+        // A dead connection goes; otherwise only this role's lock (on its
+        // own connection, the same).
+        if reason == Some(LossReason::ConnectionLost) {
+            self.conn.kill();
+        } else {
+            self.conn.abandon(self.shared.key);
+        }
+    }
+
+    fn releasable_after(&self, _reason: LossReason) -> bool {
+        // The lock went with the connection (or was unlocked).
+        false
+    }
+
+    async fn release(self, _ended: Option<LossReason>) -> Result<()> {
+        let bound = self.shared.timing.heartbeat_timeout * 2;
+        let released = release(&self.shared, &self.conn, self.term);
+        let result = match tokio::time::timeout(bound, released).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::connection_lost("release the leadership")),
+        };
+        match &result {
+            Ok(()) => {
+                // Kept for this elector's next campaign rather than
+                // closed now: a backend ending on the server is work
+                // that would compete with the successor's election
+                // (measured in the failover benchmark); it is closed
+                // when the elector is dropped.
+                if let (LockConn::Own(own), Some(session)) = (self.conn, self.shared.session()) {
+                    session.put_spare(own);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "clean release failed; dropping the lock connection");
+                self.conn.kill();
             }
         }
-        Err(e) => {
-            tracing::warn!(error = %e, "clean release failed; dropping the lock connection");
-            conn.kill();
-        }
+        result
     }
-    let _ = reply.send(result);
+
+    fn close(self) -> impl Future<Output = ()> + Send {
+        std::future::ready(())
+    }
 }
 
 async fn release(shared: &Shared, conn: &LockConn, term: i64) -> Result<()> {
@@ -952,13 +764,15 @@ async fn release(shared: &Shared, conn: &LockConn, term: i64) -> Result<()> {
         conn.client().batch_execute(&unlisten),
     );
     let cleared: i64 = cleared
-        .map_err(|e| Error::db("release the leadership", s, e))?
-        .get(0);
+        .and_then(|row| row.try_get(0))
+        .map_err(|e| Error::db("release the leadership", s, e))?;
     if cleared == 0 {
         tracing::warn!(term, "the lease row no longer named this leader at release");
     }
-    let row = unlocked.map_err(|e| Error::db("unlock the leader's lock", s, e))?;
-    if !row.get::<_, bool>(0) {
+    let unlocked: bool = unlocked
+        .and_then(|row| row.try_get(0))
+        .map_err(|e| Error::db("unlock the leader's lock", s, e))?;
+    if !unlocked {
         return Err(Error::Pooler(format!(
             "the leader's advisory lock was not held by this session at release (role {:?}); is a pooler in transaction mode between pgelect and {}?",
             shared.role,
@@ -967,20 +781,4 @@ async fn release(shared: &Shared, conn: &LockConn, term: i64) -> Result<()> {
     }
     unlistened.map_err(|e| Error::db("stop listening for resign requests", s, e))?;
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_grows_with_jitter_and_a_cap() {
-        for n in 1..40 {
-            let d = backoff(n);
-            assert!(d <= Duration::from_secs(5), "{d:?}");
-            assert!(d >= Duration::from_millis(50), "{d:?}");
-        }
-        assert!(backoff(1) <= Duration::from_millis(100));
-        assert!(backoff(10) >= Duration::from_millis(2500));
-    }
 }

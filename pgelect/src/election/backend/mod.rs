@@ -1,0 +1,16 @@
+//! The election backends: each one's statements and behaviour — how a
+//! candidate campaigns, what its renewal is, what a loss looks like, how
+//! its lock is let go of and released. The loop that keeps a leadership is
+//! written once, in [`driver`](super::driver); each backend implements its
+//! [`KeepBackend`](super::driver::KeepBackend).
+//!
+//! * [`session`]: a session advisory lock on a dedicated connection (or on
+//!   a [`SharedConnection`](crate::SharedConnection)), plus the lease row.
+//! * [`lease`]: the lease row only, one statement per step (works through a
+//!   transaction pooler).
+//! * [`shared`]: one lock connection for the session-backend candidates of
+//!   many roles, and its shared heartbeat.
+
+pub(crate) mod lease;
+pub(crate) mod session;
+pub(crate) mod shared;

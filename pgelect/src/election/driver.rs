@@ -1,0 +1,517 @@
+//! The keep driver: the one loop that runs a leadership for every backend.
+//!
+//! It carries out what the pure [`Keeper`] decides (renew, heartbeat, tell
+//! the user, end), listens for the handle's commands (stop, release, drop),
+//! for resign hints and for the connection's death, reports the keeper's
+//! decisions (logs, metrics, watchers) and, at the end, releases cleanly
+//! when asked to. What differs between backends — the statements, what a
+//! failure means, how a lock is let go of and released — is behind
+//! [`KeepBackend`].
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::conn::Notice;
+use crate::error::{Error, Result};
+use crate::metrics;
+
+use super::keeper::{Action, Keeper, Phase};
+use super::leadership::{Command, LeaderState, LossReason};
+use super::support::Counted;
+use super::watch::RESIGN_CHANNEL;
+use super::Shared;
+
+/// What a renewal or a heartbeat found.
+pub(crate) enum Answer {
+    /// The renewal found the lease row still ours. `row` carries the
+    /// server's `renewed_at` and `lease_until` when the backend publishes
+    /// them to this elector's watchers; `resign_requested` is the row's
+    /// mark, set only by `request_resign` (a privilege) for this term.
+    Renewed {
+        row: Option<(SystemTime, SystemTime)>,
+        resign_requested: bool,
+    },
+    /// The renewal found no row with our holder and term: someone else
+    /// leads.
+    NotOurs,
+    /// The heartbeat was answered.
+    Alive,
+}
+
+/// A statement in flight: resolves with the moment it was sent and what it
+/// found.
+pub(crate) type Statement<'a> =
+    Pin<Box<dyn Future<Output = (Instant, Result<Answer>)> + Send + 'a>>;
+
+/// What the keeper is told about a failed statement.
+pub(crate) enum Failed {
+    /// The connection, and with it the lock, is gone: leadership ends.
+    ConnectionLost,
+    /// Not renewed; retry at the keeper's pace until the deadline.
+    RetrySoon,
+    /// Not renewed; retry after this wait, until the deadline.
+    RetryAfter(Duration),
+}
+
+/// The backend-specific part of keeping a leadership.
+pub(crate) trait KeepBackend: Send + Sync {
+    /// True when a renewal in flight at release must be awaited (its
+    /// connection is the one to release on) rather than dropped.
+    const FINISH_IN_FLIGHT_BEFORE_RELEASE: bool;
+
+    /// Sends the renewal.
+    fn renew(&self) -> Statement<'_>;
+
+    /// Sends a heartbeat; asked for only when the keeper's liveness has
+    /// heartbeats.
+    fn heartbeat(&self) -> Statement<'_>;
+
+    /// Completes when the connection is known to be closed (never, for a
+    /// backend that reconnects at will).
+    fn closed(&self) -> impl Future<Output = ()> + Send + '_;
+
+    /// Classifies a failed renewal or heartbeat; `failures` counts them in
+    /// a row, this one included.
+    fn failed(&self, error: &Error, failures: u32) -> Failed;
+
+    /// Leadership ended with the lock to be let go of at once (`reason`),
+    /// or the handle was dropped (`None`).
+    fn let_go(&self, reason: Option<LossReason>);
+
+    /// After a loss for `reason`, may the lock still be released cleanly
+    /// once the user's duties stopped (the handle waits for `release`)?
+    fn releasable_after(&self, reason: LossReason) -> bool;
+
+    /// Releases cleanly: clears the holder, notifies, unlocks; `ended` is
+    /// the loss that came first, if any. Cleans up its connection either
+    /// way.
+    fn release(self, ended: Option<LossReason>) -> impl Future<Output = Result<()>> + Send;
+
+    /// Leadership ended without a release: closes what is left.
+    fn close(self) -> impl Future<Output = ()> + Send;
+}
+
+/// How the user learns that leadership begins.
+pub(crate) enum Activation {
+    /// The keeper starts pending: on [`Action::Activate`] the campaign is
+    /// told through `tx` (false: lost before acting); `granted_at` is when
+    /// the lock was granted, for the takeover metric.
+    Pending {
+        tx: oneshot::Sender<bool>,
+        granted_at: Instant,
+    },
+    /// Already told (the keeper was polled to `Activate` by the campaign).
+    Done,
+}
+
+/// A leadership to keep.
+pub(crate) struct Keep<B> {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) backend: B,
+    pub(crate) keeper: Keeper,
+    pub(crate) state: Arc<LeaderState>,
+    pub(crate) commands: mpsc::UnboundedReceiver<Command>,
+    pub(crate) notices: broadcast::Receiver<Notice>,
+    pub(crate) activation: Activation,
+    /// Count this leadership in the elector's
+    /// [`Activity::leading`](super::Activity) while it runs (which keeps
+    /// the elector's observer connection closed).
+    pub(crate) count_leading: bool,
+}
+
+/// Reports a local deadline noticed well after it passed: the process was
+/// paused or starved of CPU, and may have believed it led after its lease
+/// could be taken over; only fenced writes were safe meanwhile.
+fn report_late(role: &str, reason: LossReason, now: Instant, deadline: Instant) {
+    let late = now.saturating_duration_since(deadline);
+    if reason == LossReason::Deadline && late > Duration::from_millis(100) {
+        tracing::warn!(role, late = ?late, "the local deadline was noticed late: this process was paused or starved of CPU; only fenced writes were safe in that time");
+        metrics::deadline_late(role, late);
+    }
+}
+
+impl<B: KeepBackend> Keep<B> {
+    /// The leader's task: carries out the keeper's actions until leadership
+    /// ends, then releases when asked to.
+    pub(crate) async fn run(self) {
+        let Keep {
+            shared,
+            backend,
+            mut keeper,
+            state,
+            mut commands,
+            mut notices,
+            activation,
+            count_leading,
+        } = self;
+        let _leading = count_leading.then(|| Counted::new(&shared.activity, |a| &mut a.leading));
+        let s = shared.options.schema_name().as_str().to_owned();
+        let term = state.term.get();
+        let resign_payload = format!("{s}:{}", shared.role);
+        let (mut activated, granted_at, mut was_active) = match activation {
+            Activation::Pending { tx, granted_at } => (Some(tx), Some(granted_at), false),
+            Activation::Done => (None, None, true),
+        };
+        let mut in_flight: Option<Statement<'_>> = None;
+        let mut failures = 0u32;
+        let mut release_reply: Option<(LossReason, oneshot::Sender<Result<()>>)> = None;
+        let mut ended: Option<LossReason> = None;
+
+        'outer: loop {
+            let now = Instant::now();
+            while let Some(action) = keeper.poll(now) {
+                match action {
+                    Action::Renew => in_flight = Some(backend.renew()),
+                    Action::Heartbeat => in_flight = Some(backend.heartbeat()),
+                    Action::Activate => {
+                        let Some(tx) = activated.take() else {
+                            continue;
+                        };
+                        was_active = true;
+                        let took = granted_at.map_or(Duration::ZERO, |g| g.elapsed());
+                        metrics::leader_on(&shared.role, term, took);
+                        tracing::info!(takeover = ?took, "leadership begins");
+                        if tx.send(true).is_err() {
+                            // The campaign was dropped while waiting: nobody
+                            // will ever hold this leadership.
+                            state.end_counted(LossReason::Dropped, was_active);
+                            backend.let_go(None);
+                            break 'outer;
+                        }
+                    }
+                    Action::Lose { reason, kill } => {
+                        report_late(&shared.role, reason, now, keeper.deadline());
+                        let first = state.end_counted(reason, was_active);
+                        if first && was_active {
+                            tracing::warn!(%reason, "leadership lost");
+                        } else if first {
+                            tracing::warn!(%reason, "lost the lock before acting");
+                        }
+                        if kill {
+                            backend.let_go(Some(reason));
+                            if was_active {
+                                shared.publish_if_holder(&shared.node, term, None);
+                            }
+                            ended = Some(reason);
+                            break 'outer;
+                        }
+                    }
+                }
+            }
+            if keeper.phase() == Phase::Done {
+                break;
+            }
+            let wake = keeper
+                .next_wake()
+                .expect("BUG: a live keeper has a wake time");
+            tokio::select! {
+                biased;
+                _ = backend.closed() => keeper.connection_lost(),
+                cmd = commands.recv() => match cmd {
+                    None => {
+                        state.end_counted(LossReason::Dropped, was_active);
+                        backend.let_go(None);
+                        break;
+                    }
+                    Some(Command::Stop { reason }) => keeper.stop_requested(reason, Instant::now()),
+                    Some(Command::Release { reason, reply }) => {
+                        release_reply = Some((reason, reply));
+                        break;
+                    }
+                },
+                (sent, result) = async { in_flight.as_mut().expect("BUG: guarded").await }, if in_flight.is_some() => {
+                    in_flight = None;
+                    let now = Instant::now();
+                    match result {
+                        Ok(Answer::Renewed { row, resign_requested }) => {
+                            failures = 0;
+                            shared.contact.touch();
+                            keeper.renewed(sent, now);
+                            let remaining = keeper.deadline().saturating_duration_since(now);
+                            metrics::renewed(&shared.role, now - sent, remaining);
+                            tracing::trace!(deadline_in = ?remaining, "renewed");
+                            // Watchers see the renewal: while leading, a
+                            // session elector's observer is closed and the
+                            // leader is the one that knows.
+                            if let Some((renewed_at, lease_until)) = row {
+                                shared.leader.send_if_modified(|cur| match cur {
+                                    Some(c) if c.holder == shared.node && c.term.get() == term => {
+                                        c.renewed_at = renewed_at;
+                                        c.lease_until = lease_until;
+                                        c.lease_expired = false;
+                                        true
+                                    }
+                                    _ => false,
+                                });
+                            }
+                            if resign_requested {
+                                tracing::info!("resignation requested for this term (lease row)");
+                                keeper.stop_requested(LossReason::Resigned, now);
+                            }
+                        }
+                        Ok(Answer::NotOurs) => {
+                            shared.contact.touch();
+                            tracing::warn!("renewal found the lease row no longer ours: preempted");
+                            keeper.preempted();
+                        }
+                        Ok(Answer::Alive) => {
+                            shared.contact.touch();
+                            keeper.heartbeat_ok(now);
+                        }
+                        Err(e) => {
+                            failures = failures.saturating_add(1);
+                            match backend.failed(&e, failures) {
+                                Failed::ConnectionLost => {
+                                    tracing::warn!(error = %e, "lock connection failed");
+                                    keeper.connection_lost();
+                                }
+                                Failed::RetrySoon => {
+                                    tracing::warn!(error = %e, "renewal failed; retrying until the deadline");
+                                    keeper.renew_failed(now);
+                                }
+                                Failed::RetryAfter(wait) => {
+                                    tracing::warn!(error = %e, retry_in = ?wait, deadline_in = ?keeper.deadline().saturating_duration_since(now), "renewal failed; retrying until the deadline");
+                                    keeper.renew_retry(now, wait);
+                                }
+                            }
+                        }
+                    }
+                }
+                n = notices.recv() => {
+                    if let Ok(n) = n {
+                        // Only a hint: anyone who can connect may send it.
+                        // The renewal it brings forward reads the row,
+                        // which only `request_resign` (a granted privilege)
+                        // marks.
+                        if n.channel == RESIGN_CHANNEL && n.payload == resign_payload {
+                            tracing::debug!("resign hint heard; checking the lease row");
+                            keeper.check_requested(Instant::now());
+                        }
+                    }
+                }
+                _ = tokio::time::sleep_until(wake) => {}
+            }
+        }
+
+        if !B::FINISH_IN_FLIGHT_BEFORE_RELEASE {
+            drop(in_flight.take());
+        }
+        if let Some(tx) = activated.take() {
+            let _ = tx.send(false);
+        }
+        // After some losses the lock may still be ours on the server (a
+        // lease after a deadline loss: the database was unreachable for a
+        // while); once the user's duties stopped (it calls `resign`, as
+        // `Elector::run` does) a release lets standbys take over without
+        // waiting for the expiry.
+        if release_reply.is_none() && ended.is_some_and(|r| backend.releasable_after(r)) {
+            drop(in_flight.take());
+            loop {
+                match commands.recv().await {
+                    Some(Command::Release { reason, reply }) => {
+                        release_reply = Some((reason, reply));
+                        break;
+                    }
+                    Some(Command::Stop { .. }) => {}
+                    None => break,
+                }
+            }
+        }
+        let Some((reason, reply)) = release_reply else {
+            drop(in_flight);
+            backend.close().await;
+            return;
+        };
+        // A statement in flight finishes first where its connection is the
+        // one to release on (bounded by the statement timeout).
+        if let Some(f) = in_flight.take() {
+            let _ = f.await;
+        }
+        drop(in_flight);
+        // Duties have stopped (the caller says so by releasing): cancel
+        // first, then clear the holder and notify, then unlock.
+        state.end_counted(reason, was_active);
+        keeper.finish(reason);
+        let result = backend.release(ended).await;
+        if result.is_ok() {
+            tracing::info!(%reason, "leadership released");
+            shared.publish_if_holder(&shared.node, term, None);
+        }
+        let _ = reply.send(result);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::sync::Mutex;
+
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+    use crate::election::keeper::Liveness;
+    use crate::election::timing::TimingRequest;
+    use crate::election::{Backend, Elector, Term};
+    use crate::schema::SchemaName;
+    use crate::ConnectOptions;
+
+    /// A backend whose renewals answer from a script, and which logs what
+    /// the driver asks of it.
+    struct Scripted {
+        answers: Mutex<VecDeque<Answer>>,
+        log: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl Scripted {
+        fn note(&self, what: String) {
+            self.log.lock().unwrap().push(what);
+        }
+    }
+
+    impl KeepBackend for Scripted {
+        const FINISH_IN_FLIGHT_BEFORE_RELEASE: bool = true;
+
+        fn renew(&self) -> Statement<'_> {
+            Box::pin(async move {
+                let sent = Instant::now();
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                self.note("renew".into());
+                let answer = self.answers.lock().unwrap().pop_front();
+                let answer = answer.unwrap_or(Answer::Renewed {
+                    row: None,
+                    resign_requested: false,
+                });
+                (sent, Ok(answer))
+            })
+        }
+
+        fn heartbeat(&self) -> Statement<'_> {
+            Box::pin(async { (Instant::now(), Ok(Answer::Alive)) })
+        }
+
+        fn closed(&self) -> impl Future<Output = ()> + Send + '_ {
+            std::future::pending()
+        }
+
+        fn failed(&self, _error: &Error, _failures: u32) -> Failed {
+            Failed::RetrySoon
+        }
+
+        fn let_go(&self, reason: Option<LossReason>) {
+            self.note(format!("let go {reason:?}"));
+        }
+
+        fn releasable_after(&self, reason: LossReason) -> bool {
+            reason == LossReason::Deadline
+        }
+
+        async fn release(self, ended: Option<LossReason>) -> Result<()> {
+            self.note(format!("release after {ended:?}"));
+            Ok(())
+        }
+
+        async fn close(self) {
+            self.note("close".into());
+        }
+    }
+
+    struct Running {
+        state: Arc<LeaderState>,
+        commands: mpsc::UnboundedSender<Command>,
+        log: Arc<Mutex<Vec<String>>>,
+        _elector: Elector,
+        _notices: broadcast::Sender<Notice>,
+    }
+
+    fn start(answers: Vec<Answer>) -> Running {
+        let options = ConnectOptions::from_url("postgres://app@localhost/app").unwrap();
+        let elector = Elector::builder(options, "r")
+            .backend(Backend::Lease)
+            .build()
+            .unwrap();
+        let timing = TimingRequest {
+            ttl: Some(Duration::from_millis(2000)),
+            renew_every: Some(Duration::from_millis(500)),
+            heartbeat_timeout: Some(Duration::from_millis(300)),
+            ..Default::default()
+        }
+        .validate_lease()
+        .unwrap();
+        let now = Instant::now();
+        let keeper = Keeper::new(timing, Liveness::statements(), now, now, false);
+        let state = Arc::new(LeaderState {
+            role: "r".into(),
+            schema: SchemaName::default(),
+            term: Term::new(1),
+            token: CancellationToken::new(),
+            reason: Mutex::new(None),
+        });
+        let (commands, rx) = mpsc::unbounded_channel();
+        let (notices_tx, notices) = broadcast::channel(4);
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let keep = Keep {
+            shared: elector.shared.clone(),
+            backend: Scripted {
+                answers: Mutex::new(answers.into()),
+                log: log.clone(),
+            },
+            keeper,
+            state: state.clone(),
+            commands: rx,
+            notices,
+            activation: Activation::Done,
+            count_leading: false,
+        };
+        tokio::spawn(keep.run());
+        Running {
+            state,
+            commands,
+            log,
+            _elector: elector,
+            _notices: notices_tx,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_that_finds_the_row_taken_ends_leadership_and_lets_go() {
+        let r = start(vec![
+            Answer::Renewed {
+                row: None,
+                resign_requested: false,
+            },
+            Answer::NotOurs,
+        ]);
+        r.state.token.cancelled().await;
+        assert_eq!(r.state.reason(), Some(LossReason::Preempted));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let log = r.log.lock().unwrap().clone();
+        assert_eq!(log, ["renew", "renew", "let go Some(Preempted)", "close"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_resign_request_stops_the_duties_and_release_reports_its_outcome() {
+        let r = start(vec![Answer::Renewed {
+            row: None,
+            resign_requested: true,
+        }]);
+        // The lease row's mark cancels the token but keeps the lease.
+        r.state.token.cancelled().await;
+        assert_eq!(r.state.reason(), Some(LossReason::Resigned));
+        let (reply, answer) = oneshot::channel();
+        r.commands
+            .send(Command::Release {
+                reason: LossReason::Resigned,
+                reply,
+            })
+            .unwrap();
+        answer.await.unwrap().unwrap();
+        let log = r.log.lock().unwrap().clone();
+        assert_eq!(log.first().map(String::as_str), Some("renew"));
+        assert_eq!(log.last().map(String::as_str), Some("release after None"));
+    }
+}

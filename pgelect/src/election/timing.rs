@@ -1,0 +1,450 @@
+//! Timing rules: defaults, the safety inequalities an elector's timing
+//! must satisfy, and the arithmetic they rest on (pure: no I/O, no clock).
+
+use std::time::Duration;
+
+use crate::conn::TcpTimeouts;
+
+/// The longest TTL accepted, so that deadline arithmetic cannot overflow.
+pub(crate) const MAX_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// Slack added on top of the worst-case detection time when the handover
+/// delay is derived: covers scheduling delays of the old leader's runtime.
+pub(crate) const HANDOVER_SLACK: Duration = Duration::from_millis(500);
+
+/// The validated timing of an elector. Built by [`Timing::validate`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Timing {
+    pub(crate) ttl: Duration,
+    pub(crate) safety_margin: Duration,
+    pub(crate) renew_every: Duration,
+    pub(crate) heartbeat: Duration,
+    pub(crate) heartbeat_timeout: Duration,
+    pub(crate) handover_delay: Duration,
+    pub(crate) check_every: Duration,
+    pub(crate) tcp: TcpTimeouts,
+    /// Lease backend: the longest a standby sleeps between two attempts.
+    pub(crate) retry_every: Duration,
+    /// Session backend: the length of one slice of a blocking standby's
+    /// lock wait.
+    pub(crate) wait_slice: Duration,
+}
+
+/// The timing as the user set it; `None` means "derive the default".
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct TimingRequest {
+    pub(crate) ttl: Option<Duration>,
+    pub(crate) safety_margin: Option<Duration>,
+    pub(crate) renew_every: Option<Duration>,
+    pub(crate) heartbeat: Option<Duration>,
+    pub(crate) heartbeat_timeout: Option<Duration>,
+    pub(crate) handover_delay: Option<Duration>,
+    pub(crate) check_every: Option<Duration>,
+    pub(crate) tcp: Option<TcpTimeouts>,
+    pub(crate) retry_every: Option<Duration>,
+    pub(crate) wait_slice: Option<Duration>,
+}
+
+/// Default TTL.
+pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(15);
+/// Default heartbeat interval.
+pub(crate) const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(1);
+/// Default heartbeat timeout (the lease backend's statement timeout).
+pub(crate) const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(1);
+/// Default cap on a lease-backend standby's sleep between two attempts.
+pub(crate) const DEFAULT_RETRY_EVERY: Duration = Duration::from_secs(1);
+/// Default slice of a blocking standby's lock wait.
+pub(crate) const DEFAULT_WAIT_SLICE: Duration = Duration::from_secs(10);
+
+/// The TCP timeouts used when none are given: derived from the TTL so that
+/// the server cannot declare a silent client gone (and release its lock)
+/// before `ttl` has passed, and not long after.
+///
+/// Server-side keepalive settings have whole-second granularity, so the
+/// keepalive path is computed in whole seconds and always ends after `ttl`;
+/// `TCP_USER_TIMEOUT` (milliseconds) is exactly `ttl`.
+pub(crate) fn default_tcp_for(ttl: Duration) -> TcpTimeouts {
+    let t = ttl.as_secs_f64().ceil().max(1.0) as u64;
+    let idle = (t / 3).max(1);
+    let interval = (t / 6).max(1);
+    // Probes needed so that idle + interval * count > t.
+    let count = ((t.saturating_sub(idle)) / interval + 1).max(1);
+    TcpTimeouts {
+        keepalive_idle: Duration::from_secs(idle),
+        keepalive_interval: Duration::from_secs(interval),
+        keepalive_count: count.min(u32::MAX as u64) as u32,
+        user_timeout: ttl,
+    }
+}
+
+/// The earliest time after the last packet it received from a client at
+/// which the *server* can declare that client gone and release its locks,
+/// with the settings `connect_for_locks` sends (whole seconds, at least 1,
+/// for the keepalive settings; `TCP_USER_TIMEOUT` in milliseconds, 0 = off).
+pub(crate) fn server_release_min(tcp: &TcpTimeouts) -> Duration {
+    let idle = tcp.keepalive_idle.as_secs().max(1);
+    let interval = tcp.keepalive_interval.as_secs().max(1);
+    let keepalive = Duration::from_secs(idle + interval * u64::from(tcp.keepalive_count));
+    let user = Duration::from_millis(tcp.user_timeout.as_millis() as u64);
+    if user.is_zero() {
+        keepalive
+    } else {
+        keepalive.min(user)
+    }
+}
+
+/// The longest time a live leader whose lock connection died silently (the
+/// server ended it, but no FIN/RST arrived) takes to notice: the next
+/// heartbeat goes out within `heartbeat` and fails within `heartbeat_timeout`;
+/// in any case the local deadline (at most `ttl - margin` after the last
+/// renewal was sent, which was before the server ended the connection) ends
+/// leadership.
+pub(crate) fn worst_detection(
+    heartbeat: Duration,
+    heartbeat_timeout: Duration,
+    ttl: Duration,
+    margin: Duration,
+) -> Duration {
+    (heartbeat + heartbeat_timeout).min(ttl.saturating_sub(margin))
+}
+
+impl TimingRequest {
+    /// Fills the defaults and checks the safety inequalities of a backend
+    /// whose lock the server releases when a connection ends (the session
+    /// backend). The error text names the offending values.
+    pub(crate) fn validate(&self) -> Result<Timing, String> {
+        self.validate_for(Takeover::OnDisconnect)
+    }
+
+    /// Fills the defaults and checks the inequalities of a backend whose
+    /// lease is taken over only once it expired or was released (the lease
+    /// backend): `ttl - safety_margin < ttl` (the local deadline ends
+    /// before the server-side lease), `renew_every < ttl - safety_margin`
+    /// and the statement timeout (`heartbeat_timeout`) `< ttl -
+    /// safety_margin`.
+    ///
+    /// No TCP or handover constraint: a lease is taken over only once it
+    /// expired on the server's clock (after the old leader's local deadline)
+    /// or after a clean release, never because a connection ended. The
+    /// handover delay is zero.
+    pub(crate) fn validate_lease(&self) -> Result<Timing, String> {
+        self.validate_for(Takeover::OnExpiry)
+    }
+
+    /// The one validation: the inequalities every backend needs, then those
+    /// of `takeover`.
+    pub(crate) fn validate_for(&self, takeover: Takeover) -> Result<Timing, String> {
+        let ttl = self.ttl.unwrap_or(DEFAULT_TTL);
+        positive("ttl", ttl)?;
+        if ttl > MAX_TTL {
+            return Err(format!(
+                "ttl {ttl:?} is longer than the maximum {MAX_TTL:?}"
+            ));
+        }
+        let safety_margin = self.safety_margin.unwrap_or(ttl / 5);
+        positive("safety_margin", safety_margin)?;
+        if safety_margin >= ttl {
+            return Err(format!(
+                "safety_margin {safety_margin:?} must be shorter than ttl {ttl:?}"
+            ));
+        }
+        let budget = ttl - safety_margin;
+        let renew_every = self.renew_every.unwrap_or(ttl / 3);
+        positive("renew_every", renew_every)?;
+        if takeover == Takeover::OnDisconnect && renew_every >= ttl {
+            return Err(format!(
+                "renew_every {renew_every:?} must be shorter than ttl {ttl:?}"
+            ));
+        }
+        if renew_every >= budget {
+            return Err(format!(
+                "renew_every {renew_every:?} must be shorter than the local deadline ttl - safety_margin = {budget:?} (ttl {ttl:?}, safety_margin {safety_margin:?}), or a healthy leader would lose leadership between two renewals"
+            ));
+        }
+        let heartbeat = self.heartbeat.unwrap_or(DEFAULT_HEARTBEAT);
+        positive("heartbeat", heartbeat)?;
+        let heartbeat_timeout = match takeover {
+            Takeover::OnDisconnect => self.heartbeat_timeout.unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT),
+            // The statement timeout of every lease statement: short TTLs
+            // get a shorter default, so that retries fit in the budget.
+            Takeover::OnExpiry => self
+                .heartbeat_timeout
+                .unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT.min(budget / 4)),
+        };
+        positive("heartbeat_timeout", heartbeat_timeout)?;
+        if heartbeat_timeout >= budget {
+            let what = match takeover {
+                Takeover::OnDisconnect => "heartbeat_timeout",
+                Takeover::OnExpiry => "heartbeat_timeout (the lease statement timeout)",
+            };
+            return Err(format!(
+                "{what} {heartbeat_timeout:?} must be shorter than ttl - safety_margin = {budget:?}"
+            ));
+        }
+        let tcp = self.tcp.unwrap_or_else(|| default_tcp_for(ttl));
+        let handover_delay = match takeover {
+            Takeover::OnDisconnect => check_disconnect_takeover(
+                self,
+                ttl,
+                safety_margin,
+                heartbeat,
+                heartbeat_timeout,
+                &tcp,
+            )?,
+            Takeover::OnExpiry => Duration::ZERO,
+        };
+        let check_every = self.check_every.unwrap_or(renew_every);
+        positive("check_every", check_every)?;
+        let retry_every = self.retry_every.unwrap_or(DEFAULT_RETRY_EVERY);
+        positive("retry_every", retry_every)?;
+        let wait_slice = self.wait_slice.unwrap_or(DEFAULT_WAIT_SLICE);
+        positive("wait_slice", wait_slice)?;
+        if wait_slice > MAX_TTL {
+            return Err(format!(
+                "wait_slice {wait_slice:?} is longer than the maximum {MAX_TTL:?}"
+            ));
+        }
+        Ok(Timing {
+            ttl,
+            safety_margin,
+            renew_every,
+            heartbeat,
+            heartbeat_timeout,
+            handover_delay,
+            check_every,
+            tcp,
+            retry_every,
+            wait_slice,
+        })
+    }
+}
+
+/// What a backend's safety rests on, which decides the inequalities checked
+/// beyond those every backend needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Takeover {
+    /// The lock is released by the server when the holder's connection
+    /// ends: the local deadline must end before the server can declare a
+    /// silent client gone (TCP timeouts), and a successor waits a handover
+    /// delay long enough for a live old leader to notice its dead
+    /// connection.
+    OnDisconnect,
+    /// The lease is taken over only once it expired on the server's clock
+    /// or was released: no TCP or handover constraint.
+    OnExpiry,
+}
+
+/// The TCP and handover inequalities of [`Takeover::OnDisconnect`]; returns
+/// the handover delay.
+fn check_disconnect_takeover(
+    req: &TimingRequest,
+    ttl: Duration,
+    safety_margin: Duration,
+    heartbeat: Duration,
+    heartbeat_timeout: Duration,
+    tcp: &TcpTimeouts,
+) -> Result<Duration, String> {
+    let budget = ttl - safety_margin;
+    positive("tcp keepalive_idle", tcp.keepalive_idle)?;
+    positive("tcp keepalive_interval", tcp.keepalive_interval)?;
+    if tcp.keepalive_count == 0 {
+        return Err("tcp keepalive_count must be at least 1".into());
+    }
+    let release = server_release_min(tcp);
+    if budget >= release {
+        return Err(format!(
+            "the local deadline ttl - safety_margin = {budget:?} (ttl {ttl:?}, safety_margin {safety_margin:?}) must end before the server can release a silent client's lock, min(tcp user_timeout {:?}, keepalive_idle {}s + keepalive_interval {}s x keepalive_count {}) = {release:?}; raise the TCP timeouts or lower the ttl",
+            tcp.user_timeout,
+            tcp.keepalive_idle.as_secs().max(1),
+            tcp.keepalive_interval.as_secs().max(1),
+            tcp.keepalive_count,
+        ));
+    }
+    let needed = worst_detection(heartbeat, heartbeat_timeout, ttl, safety_margin);
+    let handover_delay = req.handover_delay.unwrap_or(needed + HANDOVER_SLACK);
+    if handover_delay < needed {
+        return Err(format!(
+            "handover_delay {handover_delay:?} is shorter than the time a live leader may take to notice a dead lock connection, min(heartbeat {heartbeat:?} + heartbeat_timeout {heartbeat_timeout:?}, ttl - safety_margin {budget:?}) = {needed:?}"
+        ));
+    }
+    if handover_delay > MAX_TTL {
+        return Err(format!(
+            "handover_delay {handover_delay:?} is longer than the maximum {MAX_TTL:?}"
+        ));
+    }
+    Ok(handover_delay)
+}
+
+fn positive(name: &str, d: Duration) -> Result<(), String> {
+    if d.is_zero() {
+        Err(format!("{name} must be positive, got {d:?}"))
+    } else {
+        Ok(())
+    }
+}
+
+impl Timing {
+    /// How long after a renewal was *sent* the leader may still act.
+    pub(crate) fn deadline_budget(&self) -> Duration {
+        self.ttl - self.safety_margin
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn defaults_satisfy_the_safety_inequality() {
+        let t = TimingRequest::default().validate().unwrap();
+        assert_eq!(t.ttl, ms(15_000));
+        assert_eq!(t.renew_every, ms(5_000));
+        assert_eq!(t.safety_margin, ms(3_000));
+        assert_eq!(t.handover_delay, ms(2_500));
+        assert!(t.deadline_budget() < server_release_min(&t.tcp));
+        assert!(t.deadline_budget() < t.ttl);
+        assert_eq!(t.tcp.user_timeout, ms(15_000));
+    }
+
+    #[test]
+    fn derived_tcp_outlasts_every_ttl() {
+        for ttl_ms in [
+            100, 999, 1000, 1001, 2000, 2500, 5000, 15_000, 60_000, 86_400_000,
+        ] {
+            let ttl = ms(ttl_ms);
+            let tcp = default_tcp_for(ttl);
+            assert!(server_release_min(&tcp) >= ttl, "ttl {ttl:?} tcp {tcp:?}");
+            let t = TimingRequest {
+                ttl: Some(ttl),
+                heartbeat: Some(ms(10)),
+                heartbeat_timeout: Some(ms(10)),
+                ..Default::default()
+            };
+            t.validate().unwrap();
+        }
+    }
+
+    #[test]
+    fn rejects_zero_and_inverted_values_naming_them() {
+        let cases: Vec<(TimingRequest, &str)> = vec![
+            (
+                TimingRequest {
+                    ttl: Some(Duration::ZERO),
+                    ..Default::default()
+                },
+                "ttl must be positive",
+            ),
+            (
+                TimingRequest {
+                    renew_every: Some(ms(15_000)),
+                    ..Default::default()
+                },
+                "renew_every 15s must be shorter than ttl 15s",
+            ),
+            (
+                TimingRequest {
+                    renew_every: Some(ms(12_000)),
+                    ..Default::default()
+                },
+                "renew_every 12s",
+            ),
+            (
+                TimingRequest {
+                    heartbeat: Some(Duration::ZERO),
+                    ..Default::default()
+                },
+                "heartbeat must be positive",
+            ),
+            (
+                TimingRequest {
+                    handover_delay: Some(ms(100)),
+                    ..Default::default()
+                },
+                "handover_delay 100ms",
+            ),
+            (
+                TimingRequest {
+                    safety_margin: Some(ms(20_000)),
+                    ..Default::default()
+                },
+                "safety_margin 20s",
+            ),
+            (
+                TimingRequest {
+                    tcp: Some(TcpTimeouts::default()),
+                    ..Default::default()
+                },
+                "user_timeout 10s",
+            ),
+        ];
+        for (req, needle) in cases {
+            let e = req.validate().unwrap_err();
+            assert!(e.contains(needle), "{e:?} lacks {needle:?}");
+        }
+    }
+
+    #[test]
+    fn lease_defaults_and_inequalities() {
+        let t = TimingRequest::default().validate_lease().unwrap();
+        assert_eq!(t.ttl, ms(15_000));
+        assert_eq!(t.deadline_budget(), ms(12_000));
+        assert_eq!(t.renew_every, ms(5_000));
+        assert_eq!(t.retry_every, ms(1_000));
+        assert_eq!(t.handover_delay, Duration::ZERO);
+        assert_eq!(t.heartbeat_timeout, ms(1_000));
+        // Short TTLs get a shorter default statement timeout.
+        let t = TimingRequest {
+            ttl: Some(ms(1_000)),
+            ..Default::default()
+        }
+        .validate_lease()
+        .unwrap();
+        assert_eq!(t.heartbeat_timeout, ms(200));
+        // No TCP constraint: TCP timeouts the session backend refuses are
+        // irrelevant to a lease.
+        TimingRequest {
+            tcp: Some(TcpTimeouts::default()),
+            ttl: Some(ms(60_000)),
+            ..Default::default()
+        }
+        .validate_lease()
+        .unwrap();
+        for (req, needle) in [
+            (
+                TimingRequest {
+                    renew_every: Some(ms(12_000)),
+                    ..Default::default()
+                },
+                "renew_every 12s",
+            ),
+            (
+                TimingRequest {
+                    heartbeat_timeout: Some(ms(12_000)),
+                    ..Default::default()
+                },
+                "statement timeout",
+            ),
+            (
+                TimingRequest {
+                    retry_every: Some(Duration::ZERO),
+                    ..Default::default()
+                },
+                "retry_every must be positive",
+            ),
+            (
+                TimingRequest {
+                    safety_margin: Some(ms(15_000)),
+                    ..Default::default()
+                },
+                "safety_margin 15s",
+            ),
+        ] {
+            let e = req.validate_lease().unwrap_err();
+            assert!(e.contains(needle), "{e:?} lacks {needle:?}");
+        }
+    }
+}
