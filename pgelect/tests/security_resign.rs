@@ -143,6 +143,24 @@ async fn operator_resigns(
     t0.elapsed()
 }
 
+/// After a resign request: the leader stepped down for that reason, its
+/// release lets the waiting standby take over with a higher term.
+async fn hands_over(
+    l: pgelect::Leadership,
+    waiting: tokio::task::JoinHandle<pgelect::Result<pgelect::Leadership>>,
+) {
+    assert_eq!(l.loss_reason(), Some(LossReason::Resigned));
+    let old = l.term();
+    l.resign().await.unwrap();
+    let next = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the standby takes over")
+        .unwrap()
+        .unwrap();
+    assert!(next.term() > old);
+    next.resign().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_leader_ignores_an_unprivileged_notify_and_obeys_request_resign() {
     let (db, o) = migrated("sec_session").await;
@@ -160,16 +178,7 @@ async fn session_leader_ignores_an_unprivileged_notify_and_obeys_request_resign(
 
     let took = operator_resigns(&operator, "sched", l.lost()).await;
     println!("session leader stepped down {took:?} after request_resign");
-    assert_eq!(l.loss_reason(), Some(LossReason::Resigned));
-    let old = l.term();
-    l.resign().await.unwrap();
-    let next = tokio::time::timeout(Duration::from_secs(10), waiting)
-        .await
-        .expect("the standby takes over")
-        .unwrap()
-        .unwrap();
-    assert!(next.term() > old);
-    next.resign().await.unwrap();
+    hands_over(l, waiting).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -199,16 +208,7 @@ async fn lease_leader_with_listen_ignores_an_unprivileged_notify_and_obeys_reque
     println!("lease leader (listen_via) stepped down {took:?} after request_resign");
     // Renewals are 10 s apart: this came through the hint and the row.
     assert!(took < Duration::from_secs(5), "{took:?}");
-    assert_eq!(l.loss_reason(), Some(LossReason::Resigned));
-    let old = l.term();
-    l.resign().await.unwrap();
-    let next = tokio::time::timeout(Duration::from_secs(10), waiting)
-        .await
-        .expect("the standby takes over")
-        .unwrap()
-        .unwrap();
-    assert!(next.term() > old);
-    next.resign().await.unwrap();
+    hands_over(l, waiting).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -246,16 +246,7 @@ async fn shared_connection_leader_ignores_an_unprivileged_notify_and_obeys_reque
 
     let took = operator_resigns(&operator, "shard", l.lost()).await;
     println!("shared-connection leader stepped down {took:?} after request_resign");
-    assert_eq!(l.loss_reason(), Some(LossReason::Resigned));
-    let old = l.term();
-    l.resign().await.unwrap();
-    let next = tokio::time::timeout(Duration::from_secs(10), waiting)
-        .await
-        .expect("the standby takes over")
-        .unwrap()
-        .unwrap();
-    assert!(next.term() > old);
-    next.resign().await.unwrap();
+    hands_over(l, waiting).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
