@@ -240,14 +240,23 @@ fn to_table(roles: &[RoleStatus]) -> String {
         let candidates = if r.candidates.is_empty() {
             "none connected".to_owned()
         } else {
-            let names: Vec<String> = r
-                .candidates
-                .iter()
-                .map(|c| format!("{} ({})", escape(&c.node), c.state))
-                .collect();
-            match waiting {
-                0 => names.join(", "),
-                n => format!("{n} standing by: {}", names.join(", ")),
+            // The holder is not one of those standing by: name it apart.
+            let named = |holding: bool| -> Vec<String> {
+                r.candidates
+                    .iter()
+                    .filter(|c| (c.state == "holding") == holding)
+                    .map(|c| format!("{} ({})", escape(&c.node), c.state))
+                    .collect()
+            };
+            let (holders, standbys) = (named(true), named(false));
+            match (holders.is_empty(), waiting) {
+                (_, 0) => holders.join(", "),
+                (true, n) => format!("{n} standing by: {}", standbys.join(", ")),
+                (false, n) => format!(
+                    "{}; {n} standing by: {}",
+                    holders.join(", "),
+                    standbys.join(", ")
+                ),
             }
         };
         let candidates = match r.squatters.len() {

@@ -103,6 +103,12 @@ async fn status_shows_the_holder_and_the_waiting_candidate_as_a_table_and_as_jso
         "{}",
         lines[1]
     );
+    // The leader is not counted among those standing by.
+    assert!(
+        lines[1].contains("node-a (holding); 1 standing by: node-b (waiting)"),
+        "{}",
+        lines[1]
+    );
 
     let json = run(command(&db, &["status", "--json", "--role", ROLE]), QUICK).await;
     json.assert_code(0);
