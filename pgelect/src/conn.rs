@@ -15,14 +15,24 @@ use futures_util::future::poll_fn;
 use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
 use tokio_postgres::config::Host;
-use tokio_postgres::tls::NoTlsStream;
-use tokio_postgres::{AsyncMessage, Client, Config, Connection, NoTls, Socket};
+use tokio_postgres::config::SslMode as DriverSsl;
+use tokio_postgres::tls::MakeTlsConnect;
+use tokio_postgres::{AsyncMessage, Client, Config, Connection, Socket};
+use tokio_postgres_rustls::MakeRustlsConnect;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
 use crate::schema::SchemaName;
 
+mod params;
 mod passfile;
+mod tls;
+
+pub use tls::SslMode;
+use tls::TlsSettings;
+
+/// The driver's connection over pgelect's TLS connector.
+type TlsConnection = Connection<Socket, <MakeRustlsConnect as MakeTlsConnect<Socket>>::Stream>;
 
 /// Default bound on establishing a connection.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -46,6 +56,8 @@ pub struct ConnectOptions {
     config: Config,
     schema: SchemaName,
     connect_timeout: Duration,
+    /// Shared: clones of the options share one cached connector.
+    tls: Arc<TlsSettings>,
 }
 
 impl ConnectOptions {
@@ -73,8 +85,9 @@ impl ConnectOptions {
     /// assert_eq!(o.target(), "db:5433/app user=app");
     /// ```
     pub fn from_url(url: &str) -> Result<ConnectOptions> {
-        let config = parse_connection_string(url.trim())?;
-        let mut options = ConnectOptions::from_config(config);
+        let (config, tls_found) = parse_connection_string(url.trim())?;
+        let tls = TlsSettings::resolve(&tls_found, true, SslMode::Prefer)?;
+        let mut options = ConnectOptions::with_tls(config, tls);
         options.fill_password(passfile::default_path().as_deref());
         Ok(options)
     }
@@ -105,7 +118,8 @@ impl ConnectOptions {
         if let Some(app) = var("PGAPPNAME") {
             c.application_name(app);
         }
-        let mut options = ConnectOptions::from_config(c);
+        let tls = TlsSettings::resolve(&[], true, SslMode::Prefer)?;
+        let mut options = ConnectOptions::with_tls(c, tls);
         options.fill_password(passfile::default_path().as_deref());
         Ok(options)
     }
@@ -185,6 +199,21 @@ impl ConnectOptions {
     /// `connect_timeout=` parameter) is kept; otherwise it is
     /// [`DEFAULT_CONNECT_TIMEOUT`].
     pub fn from_config(config: Config) -> ConnectOptions {
+        let mode = match config.get_ssl_mode() {
+            DriverSsl::Disable => SslMode::Disable,
+            DriverSsl::Require => SslMode::Require,
+            _ => SslMode::Prefer,
+        };
+        // The default files under ~/.postgresql are consulted as libpq
+        // does; if they cannot be used, neither are they here.
+        let tls = TlsSettings::resolve(&[], false, mode).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "the default TLS files cannot be used; connecting without them");
+            TlsSettings::plain(mode)
+        });
+        ConnectOptions::with_tls(config, tls)
+    }
+
+    fn with_tls(config: Config, tls: TlsSettings) -> ConnectOptions {
         let connect_timeout = config
             .get_connect_timeout()
             .copied()
@@ -194,6 +223,7 @@ impl ConnectOptions {
             config,
             schema: SchemaName::default(),
             connect_timeout,
+            tls: Arc::new(tls),
         }
     }
 
@@ -210,6 +240,12 @@ impl ConnectOptions {
         }
         self.connect_timeout = timeout;
         Ok(self)
+    }
+
+    /// The TLS mode connections use (`sslmode`, else `PGSSLMODE`, else
+    /// `prefer`); see [`SslMode`] for what each protects against.
+    pub fn ssl_mode(&self) -> SslMode {
+        self.tls.mode()
     }
 
     /// The schema name.
@@ -273,32 +309,106 @@ impl ConnectOptions {
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future drops the half-open connection.
-    pub async fn connect_plain(
-        &self,
-        application_name: &str,
-    ) -> Result<(Client, Connection<Socket, NoTlsStream>)> {
+    pub async fn connect_plain(&self, application_name: &str) -> Result<(Client, PlainConnection)> {
         let mut config = self.config.clone();
         config.application_name(application_name);
-        self.open(config).await
+        let (client, connection) = self.open(config).await?;
+        Ok((client, PlainConnection { connection }))
     }
 
     /// Connects with `config`, bounding the whole attempt (TCP connect and
     /// startup): the driver's `connect_timeout` covers the TCP connect
     /// only, so a server that accepts and never answers is caught by the
     /// outer bound.
-    async fn open(&self, mut config: Config) -> Result<(Client, Connection<Socket, NoTlsStream>)> {
+    ///
+    /// TLS follows libpq: `allow` tries plain text and then TLS if the
+    /// server refused; `prefer` tries TLS and then plain text if the
+    /// handshake or the server refused; the other modes try once. Unix
+    /// sockets never use TLS (the server does not offer it there).
+    async fn open(&self, mut config: Config) -> Result<(Client, TlsConnection)> {
         config.connect_timeout(self.connect_timeout);
-        let connecting = config.connect(NoTls);
-        match tokio::time::timeout(self.connect_timeout + Duration::from_secs(1), connecting).await
-        {
-            Err(_) => Err(Error::ConnectTimeout {
-                target: self.target(),
-                timeout: self.connect_timeout,
-                source: None,
-            }),
-            Ok(Err(e)) => Err(Error::from_connect(self.target(), self.connect_timeout, e)),
-            Ok(Ok(pair)) => Ok(pair),
+        let unix_only = !config.get_hosts().is_empty()
+            && config.get_hostaddrs().is_empty()
+            && config
+                .get_hosts()
+                .iter()
+                .all(|h| !matches!(h, Host::Tcp(_)));
+        let mode = if unix_only {
+            SslMode::Disable
+        } else {
+            self.tls.mode()
+        };
+        let attempts: &[DriverSsl] = match mode {
+            SslMode::Disable => &[DriverSsl::Disable],
+            SslMode::Allow => &[DriverSsl::Disable, DriverSsl::Require],
+            SslMode::Prefer => &[DriverSsl::Prefer, DriverSsl::Disable],
+            _ => &[DriverSsl::Require],
+        };
+        let tls = self.tls.connector()?;
+        let mut last = None;
+        for (i, ssl) in attempts.iter().enumerate() {
+            config.ssl_mode(*ssl);
+            let connecting = config.connect(tls.clone());
+            let bound = self.connect_timeout + Duration::from_secs(1);
+            let e = match tokio::time::timeout(bound, connecting).await {
+                Err(_) => {
+                    return Err(Error::ConnectTimeout {
+                        target: self.target(),
+                        timeout: self.connect_timeout,
+                        source: None,
+                    })
+                }
+                Ok(Ok(pair)) => {
+                    if i > 0 {
+                        tracing::debug!(sslmode = %mode, target = %self.target(), "connected on the second try, {}", if *ssl == DriverSsl::Disable { "without TLS" } else { "with TLS" });
+                    }
+                    return Ok(pair);
+                }
+                Ok(Err(e)) => e,
+            };
+            // A second try only after the server (or the handshake) said
+            // no: a timeout or an unreachable host would fail again.
+            let refused = e.as_db_error().is_some() || tls::rustls_error_in(&e).is_some();
+            last = Some(e);
+            if !refused {
+                break;
+            }
         }
+        let e = last.expect("BUG: at least one connection attempt");
+        Err(self
+            .tls_error(&e, mode)
+            .unwrap_or_else(|| Error::from_connect(self.target(), self.connect_timeout, e)))
+    }
+
+    /// A failed connection explained in terms of TLS, when TLS is why.
+    fn tls_error(&self, e: &tokio_postgres::Error, mode: SslMode) -> Option<Error> {
+        let reason = if let Some(r) = tls::rustls_error_in(e) {
+            format!(
+                "{} (sslmode={mode} from {}, {})",
+                tls::tls_text(r),
+                self.tls.mode_from(),
+                self.tls.roots_shown()
+            )
+        } else if e
+            .as_db_error()
+            .is_some_and(|d| d.code().code() == "28000" && d.message().contains("no encryption"))
+            && !mode.requires_tls()
+        {
+            format!(
+                "the server accepts only TLS connections from here (its pg_hba.conf has hostssl lines only) and sslmode={mode} did not use TLS: use sslmode=require or, better, verify-full with sslrootcert"
+            )
+        } else if crate::error::driver_text(e).contains("server does not support TLS") {
+            format!(
+                "the server does not offer TLS and sslmode={mode} requires it: turn ssl on at the server, or (unprotected) use sslmode=prefer"
+            )
+        } else {
+            return None;
+        };
+        Some(Error::Tls {
+            target: self.target(),
+            reason,
+            source: None,
+        })
     }
 
     async fn connect_with(
@@ -314,7 +424,7 @@ impl ConnectOptions {
             config.application_name(format!("pgelect:{purpose}"));
         }
         let (client, connection) = self.open(config).await?;
-        let mut conn = DedicatedConnection::drive(client, connection);
+        let mut conn = DedicatedConnection::drive(client, connection, self.tls.connector()?);
         let schema = self.schema.as_str();
         let row = conn
             .client
@@ -330,8 +440,9 @@ impl ConnectOptions {
 
 /// Parses a URL or key/value string, refusing an ambiguous URL and keeping
 /// every fragment of the input out of the error (see
-/// [`ConnectOptions::from_url`]).
-fn parse_connection_string(text: &str) -> Result<Config> {
+/// [`ConnectOptions::from_url`]). The TLS settings, which the driver does
+/// not know, are returned apart.
+fn parse_connection_string(text: &str) -> Result<(Config, Vec<(String, String)>)> {
     let url_rest = ["postgres://", "postgresql://"]
         .iter()
         .find_map(|scheme| text.strip_prefix(scheme));
@@ -343,7 +454,9 @@ fn parse_connection_string(text: &str) -> Result<Config> {
             )));
         }
     }
-    text.parse::<Config>().map_err(|e| {
+    let keys: Vec<&str> = tls::TLS_KEYS.iter().map(|(k, _)| *k).collect();
+    let (driver_text, tls_found) = params::take(text, &keys);
+    let config = driver_text.parse::<Config>().map_err(|e| {
         let detail = parse_error_detail(&e)
             .map(|d| format!(" ({d})"))
             .unwrap_or_default();
@@ -356,22 +469,17 @@ fn parse_connection_string(text: &str) -> Result<Config> {
                 "the database connection string (key=value form, not shown) cannot be parsed{detail}; expected a postgres:// URL or pairs such as host=db user=app password='a b' dbname=app"
             )),
         }
-    })
+    })?;
+    Ok((config, tls_found))
 }
 
 /// libpq options the driver does not support: an unknown option with one
 /// of these names may be shown. Any other name may be a fragment of a
 /// password (`password=a b`), so it is not.
-const KNOWN_UNSUPPORTED_OPTIONS: [&str; 19] = [
+const KNOWN_UNSUPPORTED_OPTIONS: [&str; 13] = [
     "passfile",
     "service",
-    "sslcert",
-    "sslkey",
-    "sslrootcert",
-    "sslcrl",
-    "sslcrldir",
-    "sslpassword",
-    "sslsni",
+    "sslcertmode",
     "sslcompression",
     "requirepeer",
     "require_auth",
@@ -451,7 +559,44 @@ impl fmt::Debug for ConnectOptions {
             )
             .field("schema", &self.schema.as_str())
             .field("connect_timeout", &self.connect_timeout)
+            .field("tls", &self.tls)
             .finish()
+    }
+}
+
+/// The connection half of [`ConnectOptions::connect_plain`]: poll it (or
+/// spawn it as a future) for the client to make progress.
+#[must_use = "the client makes no progress unless the connection is polled"]
+pub struct PlainConnection {
+    connection: TlsConnection,
+}
+
+impl PlainConnection {
+    /// The next message from the server that is not a reply to a statement
+    /// (a `LISTEN` notification, a notice), or `None` when the connection
+    /// has ended; see [`tokio_postgres::Connection::poll_message`].
+    pub fn poll_message(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<std::result::Result<AsyncMessage, tokio_postgres::Error>>> {
+        self.connection.poll_message(cx)
+    }
+}
+
+impl std::future::Future for PlainConnection {
+    type Output = std::result::Result<(), tokio_postgres::Error>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.connection).poll(cx)
+    }
+}
+
+impl fmt::Debug for PlainConnection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PlainConnection").finish_non_exhaustive()
     }
 }
 
@@ -474,12 +619,27 @@ pub(crate) struct DedicatedConnection {
     notices: broadcast::Sender<Notice>,
     task: JoinHandle<()>,
     pid: i32,
+    tls: MakeRustlsConnect,
+}
+
+/// Cancels the statement running on a [`DedicatedConnection`].
+pub(crate) struct Canceller {
+    token: tokio_postgres::CancelToken,
+    tls: MakeRustlsConnect,
+}
+
+impl Canceller {
+    /// Sends the cancel request; the statement may still finish first.
+    pub(crate) async fn cancel(self) -> std::result::Result<(), tokio_postgres::Error> {
+        self.token.cancel_query(self.tls).await
+    }
 }
 
 impl DedicatedConnection {
     fn drive(
         client: Client,
-        mut connection: Connection<Socket, NoTlsStream>,
+        mut connection: TlsConnection,
+        tls: MakeRustlsConnect,
     ) -> DedicatedConnection {
         let closed = CancellationToken::new();
         let ended_by = Arc::new(OnceLock::new());
@@ -517,6 +677,7 @@ impl DedicatedConnection {
             notices,
             task,
             pid: 0,
+            tls,
         }
     }
 
@@ -565,9 +726,13 @@ impl DedicatedConnection {
         self.closed.cancel();
     }
 
-    /// A token for cancelling the statement in flight (a blocked lock wait).
-    pub(crate) fn cancel_token(&self) -> tokio_postgres::CancelToken {
-        self.client.cancel_token()
+    /// What it takes to cancel the statement running on this connection:
+    /// a cancel request over a new connection with the same TLS settings.
+    pub(crate) fn canceller(&self) -> Canceller {
+        Canceller {
+            token: self.client.cancel_token(),
+            tls: self.tls.clone(),
+        }
     }
 
     /// Sets server-side settings for this session only, skipping those the

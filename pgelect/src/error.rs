@@ -58,6 +58,20 @@ pub enum Error {
         source: Option<tokio_postgres::Error>,
     },
 
+    /// TLS could not be set up, or the server's certificate was refused,
+    /// or the server wants TLS the connection did not offer: `reason` says
+    /// which and what to change (`sslmode`, `sslrootcert`, the host name).
+    /// Not retried: it is configuration, on one side or the other.
+    #[error("TLS with {target} failed: {reason}")]
+    Tls {
+        /// `host:port/database user=NAME`.
+        target: String,
+        /// What went wrong and what to do.
+        reason: String,
+        /// The driver's error, where there is one.
+        #[source]
+        source: Option<tokio_postgres::Error>,
+    },
     /// The server rejected the credentials.
     #[error("authentication failed for {target}: {}; check the user name and password", driver_text(.source))]
     Auth {
@@ -264,11 +278,11 @@ impl Error {
 
     /// True for a refused configuration: a value out of range, a malformed
     /// name or URL, a connection through a transaction-mode pooler where a
-    /// session is needed.
+    /// session is needed, TLS that cannot be set up ([`Error::Tls`]).
     pub fn is_config(&self) -> bool {
         matches!(
             self,
-            Error::Config(_) | Error::InvalidName { .. } | Error::Pooler(_)
+            Error::Config(_) | Error::InvalidName { .. } | Error::Pooler(_) | Error::Tls { .. }
         )
     }
 

@@ -76,7 +76,7 @@ pub mod lock;
 pub mod metrics;
 mod schema;
 
-pub use conn::{ConnectOptions, TcpTimeouts, DEFAULT_CONNECT_TIMEOUT};
+pub use conn::{ConnectOptions, PlainConnection, SslMode, TcpTimeouts, DEFAULT_CONNECT_TIMEOUT};
 pub use election::{
     current_leader, request_resign, Backend, Elector, ElectorBuilder, LeaderContext, LeaderInfo,
     Leadership, LossReason, SharedConnection, StandbyMode, Term, LEADER_CHANNEL, MAX_ROLE_BYTES,

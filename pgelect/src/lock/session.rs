@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{oneshot, Mutex as AsyncMutex, OwnedMutexGuard};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
-use tokio_postgres::{NoTls, SimpleQueryMessage};
+use tokio_postgres::SimpleQueryMessage;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use super::holders::{describe, lock_holders, query_holders, LockHolder};
@@ -768,7 +768,7 @@ impl Inner {
             _ = caller.closed() => {
                 tracing::debug!(%key, pid = self.conn.pid(), "lock wait abandoned; cancelling it on the server");
                 self.state().cancelling = true;
-                if let Err(e) = self.conn.cancel_token().cancel_query(NoTls).await {
+                if let Err(e) = self.conn.canceller().cancel().await {
                     tracing::warn!(%key, error = %e, "could not cancel an abandoned lock wait; it ends when granted");
                 }
                 (statement.await, true)

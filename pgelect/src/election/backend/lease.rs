@@ -312,9 +312,9 @@ async fn exec(
         Err(_) => {
             if let Some(c) = conn.take() {
                 // The statement may still run on the server: ask it to stop.
-                let cancel = c.cancel_token();
+                let cancel = c.canceller();
                 tokio::spawn(async move {
-                    let _ = cancel.cancel_query(tokio_postgres::NoTls).await;
+                    let _ = cancel.cancel().await;
                 });
                 c.kill();
             }

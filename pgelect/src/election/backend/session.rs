@@ -146,10 +146,10 @@ impl Drop for KillOnDrop<'_> {
     fn drop(&mut self) {
         match self.conn.take() {
             Some(LockConn::Own(conn)) => {
-                let cancel = conn.cancel_token();
+                let cancel = conn.canceller();
                 if let Ok(rt) = tokio::runtime::Handle::try_current() {
                     rt.spawn(async move {
-                        let _ = cancel.cancel_query(tokio_postgres::NoTls).await;
+                        let _ = cancel.cancel().await;
                     });
                 }
                 conn.kill();
