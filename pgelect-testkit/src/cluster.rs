@@ -96,6 +96,13 @@ hostnossl all         all  0.0.0.0/0     reject
 hostnossl all         all  ::/0          reject
 ";
 
+/// Whether a server's dying words are about its TLS settings.
+fn is_tls_failure(msg: &str) -> bool {
+    ["SSL", "certificate", "private key"]
+        .iter()
+        .any(|needle| msg.contains(needle))
+}
+
 /// Quotes a value for `postgresql.conf`.
 fn conf_quote(value: &str) -> String {
     format!("'{}'", value.replace('\'', "''"))
@@ -334,6 +341,17 @@ impl Cluster {
                     return Ok(cluster);
                 }
                 Err(e) if e.is_port_clash() => clash = Some(e),
+                Err(ReadyError::Exited(msg)) if cluster.tls.is_some() && is_tls_failure(&msg) => {
+                    // Our TLS settings, not the template, are to blame: keep it.
+                    let hint = if msg.contains("SSL is not supported by this build") {
+                        "; these server binaries were built without OpenSSL, \
+                         which TLS clusters need (see PGELECT_PG_BIN)"
+                    } else {
+                        ""
+                    };
+                    let e = err(format!("postgres refused its TLS settings{hint}: {msg}"));
+                    return Err((e, false));
+                }
                 Err(ReadyError::Exited(msg)) if cluster.template.is_some() => {
                     // Probably a corrupt template, which would break every
                     // later cluster: discard it (the retry runs initdb).

@@ -208,9 +208,15 @@ impl TestCerts {
     }
 
     /// Issues another server certificate from the CA, for `names`, as
-    /// `<dir>/<stem>.crt` and `<dir>/<stem>.key`: e.g. one without the host
-    /// name a client connects to, for a wrong-host-name test (a running
-    /// PostgreSQL reloads its certificate files on `SELECT pg_reload_conf()`).
+    /// `<dir>/<stem>.crt` and `<dir>/<stem>.key` (replacing them if they
+    /// exist).
+    ///
+    /// E.g. for a wrong-host-name test on a running cluster: issue into
+    /// [`dir`](TestCerts::dir) with stem `server`, run `SELECT
+    /// pg_reload_conf()`, and new connections get the new certificate once
+    /// the server has reloaded (poll: the reload is asynchronous).
+    /// [`server_names`](TestCerts::server_names) keeps listing the first
+    /// certificate's names.
     ///
     /// # Errors
     ///
