@@ -220,6 +220,31 @@ async fn offered_accepts_both_and_checks_the_host_name() {
         .await
         .expect_err("a certificate without 127.0.0.1 must fail for 127.0.0.1");
     assert!(chain(&e).contains("not valid for name"), "{}", chain(&e));
+
+    // Swapping the certificate files and reloading changes the certificate
+    // new connections see: now only 127.0.0.1 is valid.
+    certs
+        .issue_server_cert(certs.dir(), "server", &["127.0.0.1"])
+        .unwrap();
+    scalar(&plain, "SELECT pg_reload_conf()").await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while connect_tls(
+        &cluster.tcp_config("postgres"),
+        connector(certs.ca_cert(), None),
+    )
+    .await
+    .is_ok()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the new certificate was not loaded"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let client = connect_tls(&by_ip_only, connector(certs.ca_cert(), None))
+        .await
+        .unwrap_or_else(|e| panic!("{}", chain(&e)));
+    assert_eq!(scalar(&client, SESSION_SSL).await, "t");
 }
 
 #[tokio::test]
