@@ -13,6 +13,54 @@
 //!   transaction pooling mode.
 //! * [`FaultProxy`]: a TCP proxy that can blackhole, cut or refuse
 //!   connections, to simulate network partitions.
+//! * [`TestCerts`]: a CA, server and client certificates, a wrong CA and a
+//!   mismatched key, generated in memory (rcgen, ECDSA P-256) for clusters
+//!   and PgBouncers that speak TLS ([`Cluster::start_with`] with a
+//!   [`TlsMode`], [`PgBouncer::start_with`] with a [`BouncerTls`]).
+//!
+//! # TLS servers
+//!
+//! ```no_run
+//! use pgelect_testkit::{BouncerTls, Cluster, ClusterOptions, PgBouncer, PoolMode, TlsMode};
+//!
+//! # async fn t() -> std::io::Result<()> {
+//! let cluster = Cluster::start_with(ClusterOptions::new().tls(TlsMode::Required))?;
+//! let db = pgelect_testkit::TestDb::on(&cluster, "tls").await; // works: see below
+//! let ca = cluster.certs().expect("TLS cluster").ca_cert();
+//! let url = format!(
+//!     "{}?sslmode=verify-full&sslrootcert={}",
+//!     cluster.tcp_url(db.name()), // postgres://postgres:…@localhost:PORT/<db>
+//!     ca.display()
+//! );
+//! let bouncer = PgBouncer::start_with(&cluster, PoolMode::Transaction, BouncerTls::Required)?;
+//! let through = format!("{}?sslmode=verify-full&sslrootcert={}", bouncer.tcp_url(db.name()), ca.display());
+//! # let _ = (url, through);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The kit's own connections (readiness probes, [`TestDb`] administration,
+//! [`Cluster::url`], [`Cluster::config`], [`TestDb::connect`]) use
+//! tokio-postgres with `NoTls`, and must work even on a cluster that
+//! rejects every plain TCP connection. Rather than giving the kit a TLS
+//! stack of its own, a TLS cluster (and a PgBouncer speaking TLS to its
+//! clients) also listens on a Unix socket in its private directory: mode
+//! 0700, owned by the server user, so only the test process's user (who is
+//! the server user when not root) and root can reach it, with SCRAM
+//! password authentication (`local all all scram-sha-256`). So TLS tests
+//! see exactly the `pg_hba.conf` they ask for on TCP, and the kit needs no
+//! certificates to administer its servers. Plain clusters keep no Unix
+//! socket (`unix_socket_directories = ''`, unchanged): the default
+//! directory, `/var/run/postgresql`, is shared by the machine and writable
+//! only by the `postgres` group, and their URLs stay TCP. A Unix socket path may not exceed 107 bytes: the servers'
+//! directories are short (`/dev/shm/pgelect-testkit-pg-<pid>-<n>-<nanos>`),
+//! and a TLS server refuses to start, naming `PGELECT_TEST_TMPDIR`, when
+//! they are not.
+//!
+//! Over TCP, tests connect to `localhost` ([`Cluster::tcp_url`],
+//! [`PgBouncer::tcp_url`]): the server certificates name `localhost` and
+//! `127.0.0.1` ([`DEFAULT_SERVER_NAMES`]), so `verify-full` passes with
+//! either; [`ClusterOptions::server_names`] makes one that does not.
 //!
 //! # Running as root
 //!
@@ -20,6 +68,10 @@
 //! the effective uid is 0 they are run as the `postgres` system user (or
 //! `nobody` if there is no such user), and their directories are chowned to
 //! that user. Otherwise they run as the current user.
+//!
+//! Private keys are mode 0600 and, like every file the servers read, owned
+//! by the server user: PostgreSQL refuses a key file it does not own (or
+//! that root owns with more than 0640) or that others can read.
 //!
 //! # Cleanup
 //!
@@ -61,6 +113,7 @@ mod cluster;
 mod pgbouncer;
 mod proxy;
 mod testdb;
+mod tls;
 mod util;
 
 use std::io;
@@ -68,10 +121,11 @@ use std::net::{Ipv4Addr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-pub use cluster::Cluster;
-pub use pgbouncer::{pgbouncer_available, PgBouncer, PoolMode};
+pub use cluster::{Cluster, ClusterOptions};
+pub use pgbouncer::{pgbouncer_available, BouncerTls, PgBouncer, PoolMode};
 pub use proxy::FaultProxy;
 pub use testdb::TestDb;
+pub use tls::{CertFiles, TestCerts, TlsMode, DEFAULT_SERVER_NAMES};
 
 /// Superuser password of every throwaway cluster (and of the pgbouncer
 /// `userlist.txt`).

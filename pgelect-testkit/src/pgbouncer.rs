@@ -3,11 +3,12 @@
 use std::fs;
 use std::io;
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use crate::tls::{CertFiles, DEFAULT_SERVER_NAMES};
 use crate::util::{
     self, as_server_user, block_on_fresh_runtime, ctx, err, make_temp_dir, open_log, wait_or_kill,
     write_private, ReadyError, Reaper,
@@ -38,6 +39,45 @@ impl PoolMode {
             PoolMode::Transaction => "transaction",
         }
     }
+}
+
+/// TLS between clients and PgBouncer ([`PgBouncer::start_with`]).
+///
+/// Whatever this says, PgBouncer talks to a TLS cluster over TLS
+/// (`server_tls_sslmode = verify-full` against the cluster's CA, or
+/// `verify-ca` when the cluster's certificate does not name `127.0.0.1`,
+/// the host PgBouncer connects to) and to a plain cluster in plain text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum BouncerTls {
+    /// `client_tls_sslmode = disable`: clients connect in plain text.
+    #[default]
+    Off,
+    /// `client_tls_sslmode = prefer`: TLS offered, plain accepted.
+    Offered,
+    /// `client_tls_sslmode = require`: plain client connections are refused.
+    Required,
+}
+
+impl BouncerTls {
+    fn sslmode(self) -> &'static str {
+        match self {
+            BouncerTls::Off => "disable",
+            BouncerTls::Offered => "prefer",
+            BouncerTls::Required => "require",
+        }
+    }
+}
+
+/// PgBouncer's TLS files, in its own directory.
+#[derive(Debug)]
+struct Tls {
+    /// Copy of the cluster's CA: verifies the server, and signed `own`.
+    ca: PathBuf,
+    /// PgBouncer's own certificate for its clients (if `client` is not `Off`).
+    own: Option<CertFiles>,
+    /// `server_tls_sslmode`.
+    server_sslmode: &'static str,
 }
 
 /// Whether a pgbouncer binary was found: `PGELECT_PGBOUNCER`, the usual
@@ -87,6 +127,8 @@ pub struct PgBouncer {
     port: u16,
     server_port: u16,
     mode: PoolMode,
+    client_tls: BouncerTls,
+    tls: Option<Tls>,
     state: Mutex<State>,
 }
 
@@ -105,6 +147,41 @@ impl PgBouncer {
     /// `NotFound` if pgbouncer is not installed; otherwise if it does not
     /// start (the message includes the log tail).
     pub fn start(cluster: &Cluster, mode: PoolMode) -> io::Result<PgBouncer> {
+        Self::start_with(cluster, mode, BouncerTls::Off)
+    }
+
+    /// Starts pgbouncer in `mode` in front of `cluster` with TLS to its
+    /// clients as `client_tls` says, and to the cluster if it speaks TLS
+    /// (see [`BouncerTls`]); waits (at most 10 s) until a `SELECT 1`
+    /// through it succeeds.
+    ///
+    /// For client TLS, PgBouncer gets its own certificate from the
+    /// cluster's CA ([`ca_cert`](PgBouncer::ca_cert)), for
+    /// [`DEFAULT_SERVER_NAMES`] (`localhost`, `127.0.0.1`): clients use
+    /// `verify-full` with [`tcp_url`](PgBouncer::tcp_url). PgBouncer then
+    /// also listens on a Unix socket in its private directory, which
+    /// [`url`](PgBouncer::url) and [`config`](PgBouncer::config) use, so the
+    /// kit's own plain connections keep working.
+    ///
+    /// # Errors
+    ///
+    /// `InvalidInput` if `client_tls` is not [`BouncerTls::Off`] and the
+    /// cluster has no TLS (its CA signs PgBouncer's certificate); otherwise
+    /// as [`start`](PgBouncer::start).
+    pub fn start_with(
+        cluster: &Cluster,
+        mode: PoolMode,
+        client_tls: BouncerTls,
+    ) -> io::Result<PgBouncer> {
+        if client_tls != BouncerTls::Off && cluster.certs().is_none() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "BouncerTls::{client_tls:?} needs a TLS cluster (ClusterOptions::tls): \
+                     its CA signs pgbouncer's certificate"
+                ),
+            ));
+        }
         let bin = pgbouncer_bin().ok_or_else(|| {
             io::Error::new(
                 io::ErrorKind::NotFound,
@@ -126,12 +203,17 @@ impl PgBouncer {
             port: 0,
             server_port: cluster.port(),
             mode,
+            client_tls,
+            tls: None,
             state: Mutex::new(State {
                 child: None,
                 reaper: Some(reaper),
             }),
         };
         // From here on, dropping `bouncer` cleans everything up.
+        if let Some(certs) = cluster.certs() {
+            bouncer.tls = Some(bouncer.make_tls(certs)?);
+        }
         let userlist = format!(
             "\"{}\" \"{}\"\n",
             SUPERUSER.replace('"', "\"\""),
@@ -161,10 +243,17 @@ impl PgBouncer {
     }
 
     /// `postgres://postgres:PASSWORD@127.0.0.1:PORT/<database>` through
-    /// pgbouncer (database `pgbouncer` is its admin console).
+    /// pgbouncer (database `pgbouncer` is its admin console), for plain
+    /// connections. With client TLS the host is instead pgbouncer's private
+    /// Unix socket directory, so that `NoTls` connections keep working; use
+    /// [`tcp_url`](PgBouncer::tcp_url) to go over TCP and TLS.
     pub fn url(&self, database: &str) -> String {
+        let host = match self.socket_dir() {
+            Some(dir) => percent_encode(&dir.to_string_lossy()),
+            None => HOST.to_owned(),
+        };
         format!(
-            "postgres://{}:{}@{HOST}:{}/{}",
+            "postgres://{}:{}@{host}:{}/{}",
             percent_encode(SUPERUSER),
             percent_encode(TEST_PASSWORD),
             self.port,
@@ -173,16 +262,81 @@ impl PgBouncer {
     }
 
     /// A superuser connection config for `database` through pgbouncer (no
-    /// connect timeout is set).
+    /// connect timeout is set); through its Unix socket with client TLS,
+    /// like [`url`](PgBouncer::url).
     pub fn config(&self, database: &str) -> tokio_postgres::Config {
         let mut config = tokio_postgres::Config::new();
+        match self.socket_dir() {
+            Some(dir) => config.host_path(dir),
+            None => config.host(HOST),
+        };
         config
-            .host(HOST)
             .port(self.port)
             .user(SUPERUSER)
             .password(TEST_PASSWORD)
             .dbname(database);
         config
+    }
+
+    /// `postgres://postgres:PASSWORD@HOST:PORT/<database>` through
+    /// pgbouncer over TCP, with no query string (append
+    /// `?sslmode=…&sslrootcert=…`). `HOST` is `localhost` with client TLS (a
+    /// DNS name of pgbouncer's certificate), `127.0.0.1` without.
+    pub fn tcp_url(&self, database: &str) -> String {
+        format!(
+            "postgres://{}:{}@{}:{}/{}",
+            percent_encode(SUPERUSER),
+            percent_encode(TEST_PASSWORD),
+            self.tcp_host(),
+            self.port,
+            percent_encode(database)
+        )
+    }
+
+    /// A superuser config for `database` through pgbouncer over TCP, to the
+    /// host of [`tcp_url`](PgBouncer::tcp_url) (no connect timeout is set).
+    pub fn tcp_config(&self, database: &str) -> tokio_postgres::Config {
+        let mut config = tokio_postgres::Config::new();
+        config
+            .host(self.tcp_host())
+            .port(self.port)
+            .user(SUPERUSER)
+            .password(TEST_PASSWORD)
+            .dbname(database);
+        config
+    }
+
+    fn tcp_host(&self) -> &'static str {
+        if self.client_tls == BouncerTls::Off {
+            HOST
+        } else {
+            "localhost"
+        }
+    }
+
+    /// TLS towards clients.
+    pub fn client_tls(&self) -> BouncerTls {
+        self.client_tls
+    }
+
+    /// `server_tls_sslmode` towards the cluster: `Some("verify-full")` (or
+    /// `"verify-ca"`) in front of a TLS cluster, `None` in front of a plain
+    /// one.
+    pub fn server_tls_sslmode(&self) -> Option<&'static str> {
+        self.tls.as_ref().map(|tls| tls.server_sslmode)
+    }
+
+    /// The CA that signed pgbouncer's certificate (the cluster's CA, copied
+    /// into pgbouncer's directory): `sslrootcert` for clients. `None` in
+    /// front of a plain cluster.
+    pub fn ca_cert(&self) -> Option<&Path> {
+        self.tls.as_ref().map(|tls| tls.ca.as_path())
+    }
+
+    /// The directory of pgbouncer's private Unix socket, when it speaks TLS
+    /// to clients (it has none otherwise).
+    pub fn socket_dir(&self) -> Option<&Path> {
+        (self.client_tls != BouncerTls::Off).then_some(self.dir.as_path())
     }
 
     /// Kills pgbouncer (`SIGKILL`: all client and server connections drop)
@@ -223,13 +377,49 @@ impl PgBouncer {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Copies the cluster's CA and, for client TLS, issues pgbouncer's own
+    /// certificate, into pgbouncer's directory.
+    fn make_tls(&self, certs: &crate::TestCerts) -> io::Result<Tls> {
+        let socket = self.dir.join(".s.PGSQL.65535");
+        if self.client_tls != BouncerTls::Off && socket.as_os_str().len() > 107 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "the Unix socket path {} of a TLS pgbouncer is longer than 107 bytes: \
+                     set PGELECT_TEST_TMPDIR to a shorter directory",
+                    socket.display()
+                ),
+            ));
+        }
+        let ca = self.dir.join("ca.crt");
+        let pem = fs::read_to_string(certs.ca_cert())
+            .map_err(|e| ctx(e, format!("read {}", certs.ca_cert().display())))?;
+        util::write_private(&ca, &pem)?;
+        let own = match self.client_tls {
+            BouncerTls::Off => None,
+            _ => Some(certs.issue_server_cert(&self.dir, "pgbouncer", &DEFAULT_SERVER_NAMES)?),
+        };
+        // pgbouncer connects to 127.0.0.1: verify-full only if the
+        // certificate names it.
+        let server_sslmode = if certs.server_names().iter().any(|n| n == HOST) {
+            "verify-full"
+        } else {
+            "verify-ca"
+        };
+        Ok(Tls {
+            ca,
+            own,
+            server_sslmode,
+        })
+    }
+
     fn write_ini(&self) -> io::Result<()> {
         let dir = self.dir.display();
         let reset = match self.mode {
             PoolMode::Session => "DISCARD ALL",
             PoolMode::Transaction => "",
         };
-        let ini = format!(
+        let mut ini = format!(
             "\
 [databases]
 * = host={HOST} port={server_port}
@@ -237,7 +427,7 @@ impl PgBouncer {
 [pgbouncer]
 listen_addr = {HOST}
 listen_port = {port}
-unix_socket_dir =
+unix_socket_dir = {socket_dir}
 pidfile = {dir}/pgbouncer.pid
 auth_type = scram-sha-256
 auth_file = {dir}/userlist.txt
@@ -255,7 +445,29 @@ server_login_retry = 1
             server_port = self.server_port,
             port = self.port,
             mode = self.mode.as_str(),
+            socket_dir = self
+                .socket_dir()
+                .map(Path::display)
+                .map(|d| d.to_string())
+                .unwrap_or_default(),
         );
+        if let Some(tls) = &self.tls {
+            ini.push_str(&format!(
+                "server_tls_sslmode = {}\nserver_tls_ca_file = {}\n",
+                tls.server_sslmode,
+                tls.ca.display()
+            ));
+            if let Some(own) = &tls.own {
+                ini.push_str(&format!(
+                    "client_tls_sslmode = {}\n\
+                     client_tls_cert_file = {}\n\
+                     client_tls_key_file = {}\n",
+                    self.client_tls.sslmode(),
+                    own.cert().display(),
+                    own.key().display()
+                ));
+            }
+        }
         write_private(&self.dir.join("pgbouncer.ini"), &ini)
     }
 
