@@ -73,7 +73,7 @@ pub enum Error {
         source: Option<tokio_postgres::Error>,
     },
     /// The server rejected the credentials.
-    #[error("authentication failed for {target}: {}; check the user name and password", driver_text(.source))]
+    #[error("authentication failed for {target}: {}; {}", driver_text(.source), auth_hint(.source))]
     Auth {
         /// `host:port/database user=NAME`, never the password.
         target: String,
@@ -523,6 +523,17 @@ pub(crate) fn driver_text(e: &tokio_postgres::Error) -> String {
         cause = c.source();
     }
     out
+}
+
+/// What to check after a refused login: the client certificate when the
+/// server asked for one, else the credentials.
+fn auth_hint(e: &tokio_postgres::Error) -> &'static str {
+    match e.as_db_error() {
+        Some(d) if d.message().contains("certificate") => {
+            "give the client certificate the server expects (sslcert and sslkey, with sslmode=require or stronger)"
+        }
+        _ => "check the user name and password",
+    }
 }
 
 /// What to check after a failed connection, by what the failure was.

@@ -708,8 +708,16 @@ pub(crate) fn tls_text(e: &rustls::Error) -> String {
             CertificateError::UnknownIssuer => {
                 "the server's certificate is not signed by a CA in the root certificates (wrong sslrootcert, or the server uses another CA)".into()
             }
-            CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. } => {
-                format!("the server's certificate does not name the host connected to ({c:?}); sslmode=verify-full checks the host name: connect by a name the certificate carries")
+            CertificateError::NotValidForNameContext { expected, presented } => {
+                let names: Vec<String> = presented.iter().map(|p| name_shown(p)).collect();
+                format!(
+                    "the server's certificate does not name the host connected to: it names {}, not {}; sslmode=verify-full checks the host name, so connect by a name the certificate carries",
+                    names.join(", "),
+                    name_shown(&format!("{expected:?}"))
+                )
+            }
+            CertificateError::NotValidForName => {
+                "the server's certificate does not name the host connected to; sslmode=verify-full checks the host name, so connect by a name the certificate carries".into()
             }
             CertificateError::Expired | CertificateError::ExpiredContext { .. } => {
                 "the server's certificate has expired".into()
@@ -726,6 +734,16 @@ pub(crate) fn tls_text(e: &rustls::Error) -> String {
         }
         other => other.to_string(),
     }
+}
+
+/// `DnsName("db")` or `IpAddress(10.0.0.1)` (rustls's debug forms) as `db`
+/// or `10.0.0.1`.
+fn name_shown(debug: &str) -> String {
+    let inner = debug
+        .split_once('(')
+        .and_then(|(_, rest)| rest.strip_suffix(')'))
+        .unwrap_or(debug);
+    inner.trim_matches('"').to_owned()
 }
 
 /// Finds a rustls error in an error's chain (handshake errors travel as
