@@ -74,7 +74,7 @@ impl BouncerTls {
 struct Tls {
     /// Copy of the cluster's CA: verifies the server, and signed `own`.
     ca: PathBuf,
-    /// PgBouncer's own certificate for its clients (if `client` is not `Off`).
+    /// PgBouncer's own certificate for its clients (unless `client_tls` is `Off`).
     own: Option<CertFiles>,
     /// `server_tls_sslmode`.
     server_sslmode: &'static str,
@@ -117,6 +117,10 @@ fn pgbouncer_bin() -> Option<PathBuf> {
 /// Settings: `max_client_conn = 500`, `default_pool_size = 20`,
 /// `ignore_startup_parameters = extra_float_digits`,
 /// `server_login_retry = 1`; log in `pgbouncer.log` next to its ini file.
+///
+/// In front of a TLS cluster it talks to the server over TLS, verifying the
+/// cluster's certificate; [`PgBouncer::start_with`] adds TLS towards
+/// clients ([`BouncerTls`]).
 ///
 /// Dropping it (or the test process exiting) kills pgbouncer and removes its
 /// directory.
