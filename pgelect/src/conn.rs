@@ -76,6 +76,24 @@ impl ConnectOptions {
     /// holding an unescaped `@` would turn its tail into a host name (shown
     /// in errors, sent to DNS). Percent-encode it as `%40`.
     ///
+    /// TLS settings are libpq's: `sslmode` (see [`SslMode`]; default
+    /// `prefer`), `sslrootcert` (a PEM file, or `system`), `sslcert` and
+    /// `sslkey`, `sslcrl`, `sslsni`, `ssl_min_protocol_version` and
+    /// `ssl_max_protocol_version`, from the string, else from `PGSSLMODE`,
+    /// `PGSSLROOTCERT`, `PGSSLCERT`, `PGSSLKEY`, `PGSSLCRL`, `PGSSLSNI`,
+    /// `PGSSLMINPROTOCOLVERSION`, `PGSSLMAXPROTOCOLVERSION`, else the
+    /// files under `~/.postgresql/` when they exist. Files are read and
+    /// checked here: a missing one, a key that is not the certificate's or
+    /// a key others may read is an [`Error::Config`] naming the setting.
+    ///
+    /// ```
+    /// use pgelect::{ConnectOptions, SslMode};
+    /// let o = ConnectOptions::from_url("postgres://app@db/app?sslmode=require").unwrap();
+    /// assert_eq!(o.ssl_mode(), SslMode::Require);
+    /// let e = ConnectOptions::from_url("postgres://app@db/app?sslmode=verify-full&sslrootcert=/nonexistent.crt").unwrap_err();
+    /// assert!(e.to_string().contains("sslrootcert"));
+    /// ```
+    ///
     /// ```
     /// use pgelect::ConnectOptions;
     /// let e = ConnectOptions::from_url("postgres://app:se@cret@db/app").unwrap_err();
