@@ -204,6 +204,11 @@ async fn each_kinds_grants_let_a_fresh_user_do_its_job_and_no_other() {
         let r = as_user(&conns[kind], &["run", "--role", "other", "--", "true"]).await;
         assert_eq!(r.code, Some(77), "{kind} may not stand: {}", r.output());
     }
+    // Advisory locks need no grant: every one of these users may `lock`.
+    for kind in ["candidate", "fencer", "operator", "watcher"] {
+        let r = as_user(&conns[kind], &["lock", "--key", "k", "--", "true"]).await;
+        assert_eq!(r.code, Some(0), "{kind} takes a lock: {}", r.output());
+    }
     a.kill().await;
     b.kill().await;
 }
