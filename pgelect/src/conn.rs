@@ -320,22 +320,37 @@ impl ConnectOptions {
         if config.get_application_name().is_none() {
             config.application_name(format!("pgelect:{purpose}"));
         }
-        let (client, connection) = self.open(config).await?;
-        let mut conn = DedicatedConnection::drive(client, connection);
         let schema = self.schema.as_str();
         let names: Vec<&str> = settings.iter().map(|(n, _)| *n).collect();
         let values: Vec<&str> = settings.iter().map(|(_, v)| v.as_str()).collect();
-        let row = conn
-            .client
-            .query_typed_one(
-                START_SESSION_SQL,
-                &[
-                    (&names, tokio_postgres::types::Type::TEXT_ARRAY),
-                    (&values, tokio_postgres::types::Type::TEXT_ARRAY),
-                ],
-            )
-            .await
-            .map_err(|e| Error::db("start a session", schema, e))?;
+        // The server's idle_session_timeout runs from the end of the
+        // startup until the settings arrive: a client slower than that (a
+        // loaded machine, a timeout of a few hundred milliseconds) finds
+        // its new connection ended before its first statement. That is
+        // worth another connection or two, not an error.
+        let mut attempts = 0;
+        let (mut conn, row) = loop {
+            attempts += 1;
+            let (client, connection) = self.open(config.clone()).await?;
+            let conn = DedicatedConnection::drive(client, connection);
+            let started = conn
+                .client
+                .query_typed_one(
+                    START_SESSION_SQL,
+                    &[
+                        (&names, tokio_postgres::types::Type::TEXT_ARRAY),
+                        (&values, tokio_postgres::types::Type::TEXT_ARRAY),
+                    ],
+                )
+                .await;
+            match started {
+                Ok(row) => break (conn, row),
+                Err(e) if e.is_closed() && attempts < 3 => {
+                    tracing::debug!(error = %e, attempts, "the server ended a new connection before its first statement (idle_session_timeout?); connecting again");
+                }
+                Err(e) => return Err(Error::db("start a session", schema, e)),
+            }
+        };
         conn.pid = row
             .try_get(0)
             .map_err(|e| Error::db("start a session", schema, e))?;

@@ -25,8 +25,6 @@ use pgelect::{
 use pgelect_testkit::{Cluster, PgBouncer, PoolMode, TestDb};
 use tokio_postgres::Client;
 
-mod support;
-
 /// Well under every interval the scenario uses (renewals every 500 ms,
 /// waits of seconds), so a timeout pgelect does not switch off fires many
 /// times over.
@@ -139,23 +137,33 @@ async fn set_up(hint: &str, settings: &[&str], level: Level) -> (TestDb, Users) 
     (db, users)
 }
 
-/// Session-backend timings: ttl 2 s, renewals every 500 ms, heartbeats
-/// every 200 ms, standbys' lock waits in 1 s slices (each far longer than
-/// the timeout).
+/// Session-backend timings: renewals every 500 ms and heartbeats every
+/// 500 ms (each longer than the timeouts, so the connection sits idle past
+/// them), standbys' lock waits in 1 s slices; a generous ttl (6 s) and
+/// heartbeat timeout (2 s), so that a loaded test machine does not cost a
+/// leader its lock.
 fn session(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
-    support::fast_session(o, role, node).wait_slice(Duration::from_secs(1))
+    Elector::builder(o.clone(), role)
+        .node_id(node)
+        .ttl(Duration::from_secs(6))
+        .renew_every(Duration::from_millis(500))
+        .heartbeat(Duration::from_millis(500))
+        .heartbeat_timeout(Duration::from_secs(2))
+        .check_every(Duration::from_millis(200))
+        .wait_slice(Duration::from_secs(1))
 }
 
-/// Lease-backend timings: ttl 2 s, renewals every 500 ms (idle in between
-/// for longer than the timeout), `LISTEN` on `listen`.
+/// Lease-backend timings: renewals every 500 ms (idle in between for
+/// longer than the timeout), `LISTEN` on `listen`; ttl 6 s and statements
+/// bounded by 2 s, generous for a loaded machine.
 fn lease(o: &ConnectOptions, listen: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
     Elector::builder(o.clone(), role)
         .backend(Backend::Lease)
         .listen_via(listen.clone())
         .node_id(node)
-        .ttl(Duration::from_secs(2))
+        .ttl(Duration::from_secs(6))
         .renew_every(Duration::from_millis(500))
-        .heartbeat_timeout(Duration::from_millis(600))
+        .heartbeat_timeout(Duration::from_secs(2))
         .retry_every(Duration::from_millis(200))
         .check_every(Duration::from_millis(200))
 }
@@ -279,7 +287,14 @@ async fn scenario(db: &TestDb, users: &Users, label: &str) {
         .unwrap();
     let g2b = sharer.lock_shared(k2).await.unwrap();
 
-    db.wait_for_advisory_waiters(3).await;
+    tokio::select! {
+        _ = db.wait_for_advisory_waiters(3) => {}
+        _ = la.lost() => {
+            logged(db, None, "FATAL");
+            panic!("{label}: the session leader was lost while its standbys lined up: {:?}", la.loss_reason())
+        }
+        _ = ll.lost() => panic!("{label}: the lease leader was lost while its standbys lined up: {:?}", ll.loss_reason()),
+    }
     within(
         "the blocking standby's observer reads the leader",
         Duration::from_secs(10),
@@ -307,7 +322,12 @@ async fn scenario(db: &TestDb, users: &Users, label: &str) {
         ended.is_empty(),
         "{label}: the server ended pgelect's connections {ended:?}"
     );
-    assert!(!la.is_lost() && !ll.is_lost(), "{label}: a leader was lost");
+    assert!(
+        !la.is_lost() && !ll.is_lost(),
+        "{label}: a leader was lost: session {:?}, lease {:?}",
+        la.loss_reason(),
+        ll.loss_reason()
+    );
     assert_eq!((la.term(), ll.term()), terms);
     assert!(!holder.is_lost() && !sharer.is_lost());
     assert!(!g1.is_lost() && !g2.is_lost() && !g2b.is_lost());
@@ -559,8 +579,9 @@ async fn the_lease_backend_through_pgbouncer_keeps_its_term() {
     assert_eq!(la.term(), term);
     assert!(!waiting_b.is_finished());
     let statements = a.lease_statements();
+    let ended = logged(&db, None, "idle-session timeout");
     println!(
-        "through PgBouncer: leader kept term {term} for {HOLD:?} ({statements} lease statements)"
+        "through PgBouncer: leader kept term {term} for {HOLD:?} ({statements} lease statements); pooled server connections the server ended for idle_session_timeout, replaced by PgBouncer: {ended}"
     );
 
     let t = Instant::now();
@@ -647,14 +668,20 @@ async fn lock_timeout_fails_no_renewal_that_waits_for_a_fencing_transaction() {
 /// `lock_timeout`, from the shared cluster's log (its line prefix names the
 /// pid and the database).
 fn lock_timeouts_logged(db: &TestDb, pid: i32) -> usize {
+    logged(db, Some(pid), "canceling statement due to lock timeout")
+}
+
+/// Lines of the shared cluster's log for `db` (and backend `pid`, if
+/// given) that contain `needle`; each is printed with the line after it.
+fn logged(db: &TestDb, pid: Option<i32>, needle: &str) -> usize {
     let log = Cluster::shared().data_dir().join("server.log");
     let text = std::fs::read_to_string(log).unwrap_or_default();
     let mut count = 0;
     let mut lines = text.lines().peekable();
     while let Some(line) = lines.next() {
-        if line.contains(&format!("[{pid}] "))
+        if pid.is_none_or(|pid| line.contains(&format!("[{pid}] ")))
             && line.contains(&format!("@{} ", db.name()))
-            && line.contains("canceling statement due to lock timeout")
+            && line.contains(needle)
         {
             count += 1;
             if let Some(next) = lines.peek() {
