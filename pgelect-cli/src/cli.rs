@@ -83,6 +83,29 @@ pub enum Command {
   pgelect migrate --database-url postgres://app@db/app
   pgelect migrate --schema my_locks")]
     Migrate(crate::migrate::MigrateArgs),
+    /// Print the GRANT statements a database user needs (no database connection).
+    #[command(after_help = "Examples:
+  pgelect grants --user app | psql -v ON_ERROR_STOP=1 \"$OWNER_URL\"
+  pgelect grants --user app --zombie-preemption
+  pgelect grants --user ops --role-kind operator --role-kind watcher
+  pgelect grants --user migrator --role-kind owner   # run this one as a superuser
+
+Kinds:
+  owner      runs pgelect migrate and owns the schema: CREATE on the database,
+             no superuser; fence and request_resign run with its rights
+  candidate  stands for election (pgelect run, Elector): both backends,
+             blocking and polling standbys, shared connections
+  fencer     calls pgelect.fence(role, term) in its own transactions; nothing
+             on the table
+  operator   asks leaders to resign (pgelect resign, request_resign)
+  watcher    observes (pgelect status, current_leader, Elector::watch)
+Advisory locks (pgelect lock, LockSession, transaction locks) need no grant.
+
+Run the output as the schema's owner (or a superuser); the owner's own grant
+and pg_signal_backend need a superuser (or, on PostgreSQL 16+, a CREATEROLE
+user with ADMIN on pg_signal_backend). The user is printed as a quoted
+identifier: upper case, spaces and quotes are kept exactly.")]
+    Grants(crate::grants::GrantsArgs),
     /// Run a command only while this process leads a role (a singleton).
     #[command(after_help = "Examples:
   pgelect run --role scheduler -- ./scheduler --config prod.toml

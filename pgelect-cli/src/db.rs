@@ -18,6 +18,7 @@ pub async fn connect(
 ) -> Result<(Client, mpsc::UnboundedReceiver<String>), Failure> {
     let (client, mut connection) = options.connect_plain(application_name).await?;
     let (tx, rx) = mpsc::unbounded_channel();
+    let schema = options.schema_name().as_str();
     tokio::spawn(async move {
         while let Some(message) = poll_fn(|cx| connection.poll_message(cx)).await {
             match message {
@@ -29,6 +30,17 @@ pub async fn connect(
             }
         }
     });
+    // `status --watch` and `resign` sit idle between notifications: a
+    // database's or role's idle timeouts would end them (and `status`
+    // would exit 69). Names the server does not know are skipped
+    // (PostgreSQL 13 has no idle_session_timeout).
+    client
+        .batch_execute(
+            "SELECT count(set_config(s.name, '0', false)) FROM pg_settings s
+              WHERE s.name IN ('idle_session_timeout', 'idle_in_transaction_session_timeout')",
+        )
+        .await
+        .map_err(|e| classify(schema, "configure the session", e))?;
     Ok((client, rx))
 }
 

@@ -8,6 +8,7 @@ mod db;
 mod demo;
 mod duration;
 mod exit;
+mod grants;
 mod http;
 mod lock;
 mod migrate;
@@ -35,6 +36,13 @@ fn main() -> ExitCode {
         Err(e) => return exit::usage(e),
     };
     cli::init_logging(&cli.global);
+    // No database, no runtime.
+    if let Command::Grants(args) = cli.command {
+        return match grants::run(&cli.global, args) {
+            Ok(code) => ExitCode::from(code),
+            Err(failure) => failure.report(),
+        };
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -54,6 +62,7 @@ fn main() -> ExitCode {
             Command::Run(args) => run::run(&cli.global, args).await,
             Command::Resign(args) => resign::run(&cli.global, args).await,
             Command::Demo(args) => demo::run(&cli.global, args).await,
+            Command::Grants(_) => unreachable!("BUG: handled before the runtime starts"),
         }
     });
     match result {

@@ -294,23 +294,26 @@ impl ConnectOptions {
     }
 
     /// Opens a connection that pgelect owns, names it `pgelect:<purpose>`
-    /// unless an application name was set, and starts its driver task.
+    /// unless an application name was set, starts its driver task, and
+    /// switches off the server's idle timeouts for it (see
+    /// [`OWNED_SESSION_SETTINGS`]).
     pub(crate) async fn connect(&self, purpose: &str) -> Result<DedicatedConnection> {
-        self.connect_with(purpose, None).await
+        self.connect_with(purpose, None, &owned_session_settings())
+            .await
     }
 
-    /// Like [`ConnectOptions::connect`], for a connection that will hold
-    /// locks: applies `tcp` on the client side and, through session settings,
-    /// on the server side (see [`lock_session_settings`]).
+    /// Like [`ConnectOptions::connect`], for a connection that will wait for
+    /// and hold locks: applies `tcp` on the client side and, through session
+    /// settings, on the server side, and switches off every server timeout
+    /// that would end a wait or a held lock (see [`lock_session_settings`]),
+    /// in the same round trip.
     pub(crate) async fn connect_for_locks(
         &self,
         purpose: &str,
         tcp: &TcpTimeouts,
     ) -> Result<DedicatedConnection> {
-        let conn = self.connect_with(purpose, Some(tcp)).await?;
-        conn.set_session(&lock_session_settings(tcp), self.schema.as_str())
-            .await?;
-        Ok(conn)
+        self.connect_with(purpose, Some(tcp), &lock_session_settings(tcp))
+            .await
     }
 
     /// Opens a plain connection named `application_name`, bounded by the
@@ -429,10 +432,14 @@ impl ConnectOptions {
         })
     }
 
+    /// Connects, then in one round trip reads the backend's pid and applies
+    /// `settings` for the session (those the server does not know are
+    /// skipped, as in [`DedicatedConnection::set_session`]).
     async fn connect_with(
         &self,
         purpose: &str,
         tcp: Option<&TcpTimeouts>,
+        settings: &[(&str, String)],
     ) -> Result<DedicatedConnection> {
         let mut config = self.config.clone();
         if let Some(tcp) = tcp {
@@ -441,14 +448,37 @@ impl ConnectOptions {
         if config.get_application_name().is_none() {
             config.application_name(format!("pgelect:{purpose}"));
         }
-        let (client, connection) = self.open(config).await?;
-        let mut conn = DedicatedConnection::drive(client, connection, self.tls.connector()?);
         let schema = self.schema.as_str();
-        let row = conn
-            .client
-            .query_typed_one("SELECT pg_backend_pid()", &[])
-            .await
-            .map_err(|e| Error::db("start a session", schema, e))?;
+        let names: Vec<&str> = settings.iter().map(|(n, _)| *n).collect();
+        let values: Vec<&str> = settings.iter().map(|(_, v)| v.as_str()).collect();
+        // The server's idle_session_timeout runs from the end of the
+        // startup until the settings arrive: a client slower than that (a
+        // loaded machine, a timeout of a few hundred milliseconds) finds
+        // its new connection ended before its first statement. That is
+        // worth another connection or two, not an error.
+        let mut attempts = 0;
+        let (mut conn, row) = loop {
+            attempts += 1;
+            let (client, connection) = self.open(config.clone()).await?;
+            let conn = DedicatedConnection::drive(client, connection, self.tls.connector()?);
+            let started = conn
+                .client
+                .query_typed_one(
+                    START_SESSION_SQL,
+                    &[
+                        (&names, tokio_postgres::types::Type::TEXT_ARRAY),
+                        (&values, tokio_postgres::types::Type::TEXT_ARRAY),
+                    ],
+                )
+                .await;
+            match started {
+                Ok(row) => break (conn, row),
+                Err(e) if e.is_closed() && attempts < 3 => {
+                    tracing::debug!(error = %e, attempts, "the server ended a new connection before its first statement (idle_session_timeout?); connecting again");
+                }
+                Err(e) => return Err(Error::db("start a session", schema, e)),
+            }
+        };
         conn.pid = row
             .try_get(0)
             .map_err(|e| Error::db("start a session", schema, e))?;
@@ -809,9 +839,50 @@ impl fmt::Debug for DedicatedConnection {
     }
 }
 
-/// Server-side settings for a connection that holds locks: TCP timeouts so
-/// that the server notices a vanished client and releases its locks, and no
-/// idle or statement timeouts that would end a long-held lock or a long wait.
+/// The first statement on every connection pgelect owns: the backend's pid,
+/// and `$1`/`$2` (names, values) applied with `set_config(.., false)` for
+/// the session, skipping names the server does not know (PostgreSQL 13 has
+/// no `idle_session_timeout`, 14 added `client_connection_check_interval`).
+/// One round trip, however many settings.
+const START_SESSION_SQL: &str = "\
+SELECT pg_backend_pid(),
+       (SELECT count(set_config(s.name, v.value, false))
+          FROM unnest($1::text[], $2::text[]) AS v(name, value)
+          JOIN pg_settings s ON s.name = v.name)";
+
+/// Server-side settings for every connection pgelect owns: no idle
+/// timeouts. A database or role may set `idle_session_timeout` or
+/// `idle_in_transaction_session_timeout` (managed services often do); the
+/// server would then end pgelect's connections between two statements: a
+/// `LISTEN` connection would miss notifications while it reconnects, an
+/// observer or lease connection would reconnect before nearly every
+/// statement. pgelect's connections are idle by design and end when their
+/// owner does.
+///
+/// `statement_timeout` and `lock_timeout` are left as the server sets them
+/// on these connections: their statements are short (a lease renewal, an
+/// observer's read), bounded on the client side, and through a pooler in
+/// transaction mode a session setting lands on a pooled server connection
+/// that other clients use next, so pgelect changes only the idle timeouts
+/// there (which the pooler, not the server, should manage anyway).
+pub(crate) const OWNED_SESSION_SETTINGS: [(&str, &str); 2] = [
+    ("idle_session_timeout", "0"),
+    ("idle_in_transaction_session_timeout", "0"),
+];
+
+fn owned_session_settings() -> Vec<(&'static str, String)> {
+    OWNED_SESSION_SETTINGS
+        .iter()
+        .map(|(n, v)| (*n, (*v).to_owned()))
+        .collect()
+}
+
+/// Server-side settings for a connection that waits for or holds locks:
+/// TCP timeouts so that the server notices a vanished client and releases
+/// its locks, and no idle, statement or lock timeouts that would end a
+/// long-held lock or a long wait (a blocking standby's slice and
+/// `LockSession`'s bounded waits set `lock_timeout` for one statement
+/// themselves).
 pub(crate) fn lock_session_settings(tcp: &TcpTimeouts) -> Vec<(&'static str, String)> {
     vec![
         (

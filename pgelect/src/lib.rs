@@ -71,6 +71,7 @@
 mod conn;
 pub mod election;
 mod error;
+mod grants;
 mod key;
 pub mod lock;
 pub mod metrics;
@@ -87,6 +88,7 @@ pub use election::{
 #[doc(hidden)]
 pub use election::{lease_sql, LeaseSql};
 pub use error::{Error, Result, SQLSTATE_NO_LEADER, SQLSTATE_STALE_TERM};
+pub use grants::{grant_statements, preemption_grant, Grant, UserKind, MAX_USER_NAME_BYTES};
 pub use key::{LockKey, MAX_KEY_NAME_BYTES};
 pub use lock::{
     lock_holders, try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared,

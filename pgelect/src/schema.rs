@@ -301,7 +301,12 @@ pub async fn migrate(options: &ConnectOptions) -> Result<u32> {
 /// As for [`migrate`].
 pub async fn migrate_timeout(options: &ConnectOptions, lock_timeout: Duration) -> Result<u32> {
     let ms = crate::lock::timeout_millis("the migration lock timeout", lock_timeout)?;
-    let conn = options.connect("migrate").await?;
+    // A lock connection: the wait for the migration lock is bounded by
+    // `lock_timeout` alone, so a database's or role's `statement_timeout`
+    // must not cut it (or the DDL) short.
+    let conn = options
+        .connect_for_locks("migrate", &crate::conn::TcpTimeouts::default())
+        .await?;
     let schema = options.schema_name().clone();
     let result = migrate_locked(conn.client(), &schema, ms).await;
     conn.close().await;

@@ -212,6 +212,9 @@ pub(crate) struct Shared {
     /// When one of this elector's connections last got an answer from the
     /// server, for health checks that must not open connections of their own.
     pub(crate) contact: Contact,
+    /// Set once zombie preemption was refused for want of
+    /// `pg_signal_backend`: the warning is written once per elector.
+    pub(crate) preemption_refused: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The state only one backend keeps.
@@ -473,6 +476,7 @@ impl Elector {
                     }),
                 },
                 contact: Contact::new(),
+                preemption_refused: Arc::default(),
             }),
         }
     }

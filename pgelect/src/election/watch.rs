@@ -1,6 +1,7 @@
 //! Observing a role: the current leader, change notifications, resign
 //! requests and the preemption of zombie leaders.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Weak;
 use std::time::{Duration, SystemTime};
 
@@ -210,13 +211,18 @@ pub(crate) fn parse_leader_event<'a>(schema: &str, payload: &'a str) -> Option<(
 /// pid and signalling happen in one statement, and only the pid recorded in
 /// the lease row that also holds the lock is signalled.
 ///
-/// Returns the terminated pid. A refusal (no `pg_signal_backend`, superuser
-/// backend) is logged and reported as `Ok(None)`: the standby keeps waiting.
+/// Returns the terminated pid. A refusal (no `pg_signal_backend` and
+/// another database user's backend, or a superuser's) is reported as
+/// `Ok(None)`: the standby keeps waiting, safely, until the zombie's
+/// connection dies. The first refusal is logged as a warning that
+/// preemption is unavailable (degraded) and sets `refused`; later ones only
+/// at debug level, as a standby retries every check.
 pub(crate) async fn preempt_zombie<C: GenericClient + Sync>(
     client: &C,
     schema: &SchemaName,
     role: &str,
     key: LockKey,
+    refused: &AtomicBool,
 ) -> Result<Option<i32>> {
     let (classid, objid, objsubid) = key.pg_locks_ids();
     let sql = format!(
@@ -269,7 +275,11 @@ pub(crate) async fn preempt_zombie<C: GenericClient + Sync>(
         }
         Err(e) => match Error::db(what, schema.as_str(), e) {
             Error::Permission { source, .. } => {
-                tracing::warn!(role, error = %source, "not allowed to terminate the backend of a leader whose lease expired (needs pg_signal_backend or the same role); waiting for it to go away");
+                if refused.swap(true, Ordering::Relaxed) {
+                    tracing::debug!(role, error = %source, "still not allowed to preempt the expired leader; waiting for its connection to die");
+                } else {
+                    tracing::warn!(role, error = %source, "zombie preemption unavailable (degraded): not allowed to terminate the backend of a leader whose lease expired, as it belongs to another database user; GRANT pg_signal_backend to this user to preempt frozen leaders. Until then such a leader keeps its lock, and nobody else leads, until its connection dies (TCP keepalives, the server's tcp_user_timeout, a restart)");
+                }
                 Ok(None)
             }
             other => Err(other),
@@ -348,6 +358,7 @@ impl Observer {
         let role = shared.role.clone();
         let key = shared.key;
         let check_every = shared.timing.check_every;
+        let refused = shared.preemption_refused.clone();
         drop(shared);
         let mut notices = conn.notices();
         let mut listening = false;
@@ -377,7 +388,7 @@ impl Observer {
             drop(shared);
             if expired
                 && now.standing > 0
-                && preempt_zombie(conn.client(), &schema, &role, key)
+                && preempt_zombie(conn.client(), &schema, &role, key, &refused)
                     .await?
                     .is_some()
             {

@@ -200,6 +200,14 @@ where
 /// never longer than the caller asked for, and statements after this one run
 /// under the caller's own `lock_timeout` again.
 ///
+/// This runs in the caller's transaction, so pgelect changes no other
+/// setting there: the caller's `statement_timeout` (its own, its role's or
+/// its database's, as managed services often set) still bounds the whole
+/// statement, wait included. Under a 300 ms `statement_timeout` a 5 s bound
+/// ends after about 300 ms with [`Error::LockTimeout`]. To wait longer, lift
+/// it for the transaction first (`SET LOCAL statement_timeout = '10s'`;
+/// `pgelect/tests/server_timeouts.rs` shows both).
+///
 /// When the wait ends with SQLSTATE `55P03` (lock timeout) or `57014`
 /// (statement timeout or a cancel) the error is [`Error::LockTimeout`]. The
 /// transaction is then aborted, as after any error: roll it back (the

@@ -499,8 +499,14 @@ async fn poll_for_lock(
         }
         let info = read_leader(conn.client(), schema, &shared.role).await?;
         if info.as_ref().is_some_and(|i| i.lease_expired) {
-            if let Some(pid) =
-                preempt_zombie(conn.client(), schema, &shared.role, shared.key).await?
+            if let Some(pid) = preempt_zombie(
+                conn.client(),
+                schema,
+                &shared.role,
+                shared.key,
+                &shared.preemption_refused,
+            )
+            .await?
             {
                 metrics::preempted_zombie(&shared.role);
                 tracing::debug!(pid, "preempted; trying the lock again");
