@@ -275,8 +275,13 @@ fn warn_password_on_command_line(flag: &'static str, file_flag: &'static str) {
 }
 
 /// Sets up `tracing` on standard error per `-v`, `-q` and `--log-format`;
-/// `RUST_LOG` overrides the level.
-pub fn init_logging(global: &Global) {
+/// `RUST_LOG` overrides the level. `narrates`: the command's own steps are
+/// shown at the default level (`pgelect run`: standing, elected, child
+/// started and exited, handed over), the library's stay at warnings.
+/// Colour only when standard error is a terminal and `NO_COLOR` is unset
+/// or empty (no-color.org).
+pub fn init_logging(global: &Global, narrates: bool) {
+    use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
     let level = if global.quiet {
         "error"
@@ -288,10 +293,18 @@ pub fn init_logging(global: &Global) {
             _ => "trace",
         }
     };
+    let own = if narrates && !global.quiet && global.verbose == 0 {
+        ",pgelect::run=info"
+    } else {
+        ""
+    };
     let filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new(format!("{level},tokio_postgres=warn")));
+        .unwrap_or_else(|_| EnvFilter::new(format!("{level},tokio_postgres=warn{own}")));
+    let colour = std::io::stderr().is_terminal()
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(colour)
         .with_writer(std::io::stderr);
     match global.log_format {
         LogFormat::Text => builder.init(),

@@ -34,7 +34,7 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return exit::usage(e),
     };
-    cli::init_logging(&cli.global);
+    cli::init_logging(&cli.global, matches!(cli.command, Command::Run(_)));
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
