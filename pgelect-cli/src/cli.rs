@@ -162,6 +162,36 @@ impl Global {
         Ok(options.schema(&self.schema)?)
     }
 
+    /// When no database was named (no `--database-url`, `--database-url-file`
+    /// or `DATABASE_URL`): a hint that says so, which libpq variables were
+    /// used (names only, never values) and how to name one; `None` otherwise.
+    pub fn no_url_hint(&self) -> Option<String> {
+        let named = self.database_url.as_deref().is_some_and(|u| !u.is_empty())
+            || self.database_url_file.is_some();
+        if named {
+            return None;
+        }
+        let used: Vec<&str> = [
+            "PGHOST",
+            "PGPORT",
+            "PGUSER",
+            "PGDATABASE",
+            "PGPASSWORD",
+            "PGSERVICE",
+        ]
+        .into_iter()
+        .filter(|v| std::env::var_os(v).is_some_and(|x| !x.is_empty()))
+        .collect();
+        let from = if used.is_empty() {
+            "libpq's defaults (localhost:5432, your login name as user and database)".to_owned()
+        } else {
+            format!("{} and libpq's defaults for the rest", used.join(", "))
+        };
+        Some(format!(
+            "no database was named (no --database-url, --database-url-file or DATABASE_URL), so pgelect used {from}; name the database with --database-url URL or DATABASE_URL=URL, or set PGHOST, PGPORT, PGUSER and PGDATABASE"
+        ))
+    }
+
     /// The database URL only if named on the command line itself
     /// (`--database-url` or `--database-url-file`), ignoring `DATABASE_URL`
     /// and the other variables: for `pgelect demo`, which must not run

@@ -30,6 +30,18 @@ impl Failure {
         }
     }
 
+    /// Adds `hint` to a failure that may come from the database being the
+    /// wrong one or unreachable (exit 69, 77 or 78).
+    pub fn with_hint(mut self, hint: Option<&str>) -> Failure {
+        if let Some(hint) = hint {
+            if matches!(self.code, UNAVAILABLE | NOPERM | CONFIG) {
+                self.message.push_str("; ");
+                self.message.push_str(hint);
+            }
+        }
+        self
+    }
+
     pub fn report(self) -> ExitCode {
         eprintln!("pgelect: {}", self.message);
         ExitCode::from(self.code)
@@ -41,7 +53,9 @@ impl From<pgelect::Error> for Failure {
         // The library's own classification decides; the order matters
         // where predicates overlap (a connect timeout is a connection
         // problem first).
-        let code = if e.is_config() || e.is_schema() {
+        // A database that does not exist (SQLSTATE 3D000) is a wrong name in
+        // the configuration, not an outage: retrying will not help.
+        let code = if e.is_config() || e.is_schema() || e.sqlstate() == Some("3D000") {
             CONFIG
         } else if e.is_auth() || e.is_permission() {
             // A wrong password or a refused login (SQLSTATE class 28) is a

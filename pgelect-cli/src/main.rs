@@ -46,6 +46,12 @@ fn main() -> ExitCode {
             return ExitCode::from(exit::SOFTWARE);
         }
     };
+    // `demo` never uses the environment's database; the others say when
+    // they fell back on libpq's defaults.
+    let hint = match cli.command {
+        Command::Demo(_) => None,
+        _ => cli.global.no_url_hint(),
+    };
     let result: Result<u8, Failure> = runtime.block_on(async move {
         match cli.command {
             Command::Migrate(args) => migrate::run(&cli.global, args).await,
@@ -58,6 +64,6 @@ fn main() -> ExitCode {
     });
     match result {
         Ok(code) => ExitCode::from(code),
-        Err(failure) => failure.report(),
+        Err(failure) => failure.with_hint(hint.as_deref()).report(),
     }
 }

@@ -125,7 +125,13 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
         builder = builder.node_id(node);
     }
     // Shared with the metrics listener, which reads its state.
-    let elector = std::sync::Arc::new(builder.build()?);
+    let elector = match builder.build() {
+        Ok(elector) => std::sync::Arc::new(elector),
+        Err(e) if e.is_config() => {
+            return Err(ttl_refused(&options, &args).unwrap_or_else(|| e.into()))
+        }
+        Err(e) => return Err(e.into()),
+    };
     let budget = elector.deadline_budget();
     let grace = match args.grace {
         Some(g) if g >= budget => {
@@ -276,6 +282,42 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
             }
         }
     }
+}
+
+/// When the library refuses the timing that `--ttl` implies (its safety
+/// margin, renewal and statement timeout are derived from the TTL, and the
+/// command has no options for them), a message in the command's own terms:
+/// the shortest `--ttl` accepted. `None` if the TTL is not the problem.
+fn ttl_refused(options: &pgelect::ConnectOptions, args: &RunArgs) -> Option<Failure> {
+    let backend = match args.backend {
+        BackendArg::Session => pgelect::Backend::Session,
+        BackendArg::Lease => pgelect::Backend::Lease,
+    };
+    let accepted = |ttl: Duration| {
+        Elector::builder(options.clone(), &args.role)
+            .node_id("ttl-check")
+            .backend(backend)
+            .ttl(ttl)
+            .build()
+            .is_ok()
+    };
+    if accepted(args.ttl) {
+        return None;
+    }
+    // 100 ms steps up to 10 s, then seconds up to 10 min: the first accepted.
+    let shortest = (1..=100u64)
+        .map(|n| Duration::from_millis(100 * n))
+        .chain((11..=600u64).map(Duration::from_secs))
+        .find(|&ttl| ttl > args.ttl && accepted(ttl))?;
+    Some(Failure::new(
+        exit::USAGE,
+        format!(
+            "--ttl {} is too short: the shortest --ttl accepted is {} (the leader stops acting at 4/5 of the TTL and needs room before that for a renewal, whose statements may take up to 1s); give --ttl {} or more (default 15s)",
+            crate::duration::show(args.ttl),
+            crate::duration::show(shortest),
+            crate::duration::show(shortest),
+        ),
+    ))
 }
 
 /// Refuses a role or node id that is empty or holds control characters:

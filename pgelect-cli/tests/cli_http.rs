@@ -537,6 +537,9 @@ while :; do sleep 1 & wait $!; done"#;
         TcpStream::connect(("127.0.0.1", port_b)).await.is_ok()
     })
     .await;
+    // node-b queues for the role's lock before the resign, or node-a,
+    // standing again at once, could win once more.
+    support::await_advisory_locks(&db.connect().await, 1, 1).await;
     let a = get(port_a).await;
     assert_eq!(code(&a), 200, "{a}");
     assert!(body(&a).contains("leader of \"r\" with term 1"), "{a}");

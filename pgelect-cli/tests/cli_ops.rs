@@ -52,6 +52,9 @@ async fn run_narrates_at_the_default_level_without_colour_on_a_pipe() {
     support::wait_for_file(&dir.join("leading-node-a"), START).await;
     let mut b = candidate(&db, &dir, "r", "node-b", &["--log-format", "json"]);
     stderr_has(&b, "\"event\":\"standing\"").await;
+    // node-b waits for the role's lock before the resign, or node-a, standing
+    // again at once, could win once more.
+    support::await_advisory_locks(&db.connect().await, 1, 1).await;
     stderr_has(&a, "command started (watcher pid").await;
     let resign = run(
         pgelect(["resign", "--role", "r", "--database-url", &db.url()]),
@@ -99,5 +102,165 @@ async fn run_narrates_at_the_default_level_without_colour_on_a_pipe() {
     assert!(json.contains("\"term\":2"), "{json}");
     for out in [&text, &json] {
         assert!(!out.contains('\u{1b}'), "colour codes on a pipe\n{out}");
+    }
+}
+
+/// Each command that reaches the database, with its own arguments.
+fn commands() -> Vec<Vec<&'static str>> {
+    vec![
+        vec!["migrate"],
+        vec!["status"],
+        vec!["resign", "--role", "r"],
+        vec!["lock", "--key", "k", "--", "true"],
+        vec!["run", "--role", "r", "--", "true"],
+    ]
+}
+
+/// Runs every command against `env` (name, value pairs) and checks that
+/// each says all of `said` and exits `code`.
+async fn each_command_says(what: &str, env: &[(&str, String)], said: &[&str], code: i32) {
+    for c in commands() {
+        let mut cmd = pgelect(&c);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let r = run(cmd, QUICK).await;
+        for s in said {
+            assert!(
+                r.stderr.contains(s),
+                "{what}: {c:?} does not say {s:?}\n{}",
+                r.stderr
+            );
+        }
+        assert!(
+            !r.stderr.contains("db error"),
+            "{what}: {c:?}\n{}",
+            r.stderr
+        );
+        assert_eq!(r.code, Some(code), "{what}: {c:?}\n{}", r.stderr);
+    }
+}
+
+#[tokio::test]
+async fn a_missing_database_is_named_by_every_command_and_exits_78() {
+    let db = migrated("ops_no_db").await;
+    let url = format!(
+        "postgres://postgres:{}@{}/no_such_db",
+        pgelect_testkit::TEST_PASSWORD,
+        db.server_addr()
+    );
+    let said = [
+        "database \"no_such_db\" does not exist",
+        "check the database name",
+    ];
+    each_command_says("missing database", &[("DATABASE_URL", url)], &said, 78).await;
+}
+
+#[tokio::test]
+async fn an_unknown_user_and_a_wrong_password_get_the_servers_words_and_exit_77() {
+    let db = migrated("ops_auth").await;
+    let (addr, name) = (db.server_addr(), db.name().to_owned());
+    let pw = pgelect_testkit::TEST_PASSWORD;
+    let unknown = format!("postgres://no_such_user:{pw}@{addr}/{name}");
+    // With password authentication the server does not tell an unknown user
+    // from a wrong password (so as not to reveal which users exist).
+    let said = [
+        "authentication failed for user \"no_such_user\"",
+        "check the user name and password",
+    ];
+    each_command_says("unknown user", &[("DATABASE_URL", unknown)], &said, 77).await;
+    let wrong = format!("postgres://postgres:wrong@{addr}/{name}");
+    let said = [
+        "password authentication failed for user \"postgres\"",
+        "check the user name and password",
+    ];
+    each_command_says("wrong password", &[("DATABASE_URL", wrong)], &said, 77).await;
+}
+
+#[tokio::test]
+async fn a_refused_connection_names_host_and_port_and_exits_69() {
+    let free = pgelect_testkit::free_port();
+    let url = format!("postgres://postgres:x@127.0.0.1:{free}/x");
+    let at = format!("127.0.0.1:{free}");
+    let said = [
+        at.as_str(),
+        "Connection refused",
+        "check that PostgreSQL is running there",
+    ];
+    each_command_says("refused", &[("DATABASE_URL", url)], &said, 69).await;
+}
+
+#[tokio::test]
+async fn without_a_url_the_error_says_what_was_tried_and_how_to_name_a_database() {
+    let free = pgelect_testkit::free_port();
+    let env = [
+        ("PGHOST", "127.0.0.1".to_owned()),
+        ("PGPORT", free.to_string()),
+    ];
+    let at = format!("127.0.0.1:{free}");
+    let said = [
+        at.as_str(),
+        "no database was named (no --database-url, --database-url-file or DATABASE_URL)",
+        "pgelect used PGHOST, PGPORT and libpq's defaults for the rest",
+        "name the database with --database-url URL or DATABASE_URL=URL",
+    ];
+    each_command_says("no URL", &env, &said, 69).await;
+    // A URL given: no such hint.
+    let mut cmd = pgelect(["status"]);
+    cmd.env("DATABASE_URL", format!("postgres://u:p@{at}/x"));
+    let r = run(cmd, QUICK).await;
+    r.assert_code(69);
+    assert!(!r.stderr.contains("no database was named"), "{}", r.stderr);
+}
+
+#[tokio::test]
+async fn a_ttl_too_short_says_the_shortest_accepted_in_the_commands_terms() {
+    let db = migrated("ops_ttl").await;
+    // The lease backend's statements have no heartbeat to fit in: it accepts
+    // shorter TTLs, so the session backend (the default) is the case here.
+    for backend in ["session"] {
+        let mut cmd = pgelect([
+            "run",
+            "--role",
+            "r",
+            "--ttl",
+            "1s",
+            "--backend",
+            backend,
+            "--",
+            "true",
+        ]);
+        cmd.env("DATABASE_URL", db.url());
+        let r = run(cmd, QUICK).await;
+        r.assert_code(64);
+        assert!(
+            r.stderr
+                .contains("--ttl 1s is too short: the shortest --ttl accepted is"),
+            "{}",
+            r.stderr
+        );
+        for internal in ["heartbeat_timeout", "safety_margin"] {
+            assert!(!r.stderr.contains(internal), "{}", r.stderr);
+        }
+        // The value it names is accepted (the command then runs and exits 0).
+        let shortest = r
+            .stderr
+            .split("accepted is ")
+            .nth(1)
+            .and_then(|t| t.split_whitespace().next())
+            .expect("a value");
+        let mut cmd = pgelect([
+            "run",
+            "--role",
+            "r",
+            "--ttl",
+            shortest,
+            "--backend",
+            backend,
+            "--",
+            "true",
+        ]);
+        cmd.env("DATABASE_URL", db.url());
+        run(cmd, START).await.assert_code(0);
     }
 }
