@@ -264,3 +264,52 @@ async fn a_ttl_too_short_says_the_shortest_accepted_in_the_commands_terms() {
         run(cmd, START).await.assert_code(0);
     }
 }
+
+/// `pgelect lock --key NAME --id NODE` holding until `$D/release` exists.
+fn holding_lock(db: &TestDb, dir: &TempDir, key: &str, node: &str) -> Background {
+    let mut cmd = pgelect(["lock", "--key", key, "--id", node, "--", "sh", "-c"]);
+    cmd.arg(r#": > "$D/held-$N"; while [ ! -e "$D/release" ]; do sleep 0.05; done"#)
+        .env("DATABASE_URL", db.url())
+        .env("D", dir.path())
+        .env("N", node);
+    Background::spawn(node, cmd)
+}
+
+#[tokio::test]
+async fn lock_has_flocks_habits_and_names_the_holder() {
+    let db = migrated("ops_flock").await;
+    let dir = TempDir::new("ops_flock");
+    let mut holder = holding_lock(&db, &dir, "deploy", "node-a");
+    support::wait_for_file(&dir.join("held-node-a"), START).await;
+    let try_lock = |extra: &[&str]| {
+        let mut cmd = pgelect(["lock", "--key", "deploy"]);
+        cmd.args(extra)
+            .args(["--", "true"])
+            .env("DATABASE_URL", db.url());
+        cmd
+    };
+    // -w takes plain seconds as flock does; -E picks the conflict code.
+    let r = run(try_lock(&["-w", "0.5", "-E", "3"]), QUICK).await;
+    r.assert_code(3);
+    assert!(
+        r.stderr.contains("timed out after 0.5s waiting for lock \"deploy\" (not acquired); it is held by \"node-a\" (host 127.0.0.1, pid "),
+        "{}",
+        r.stderr
+    );
+    assert!(r.stderr.contains(", for "), "how long: {}", r.stderr);
+    assert!(!r.stderr.contains("0.50"), "human units: {}", r.stderr);
+    // --no-wait: the default code 75, the holder named.
+    let r = run(try_lock(&["--no-wait"]), QUICK).await;
+    r.assert_code(75);
+    assert!(
+        r.stderr
+            .contains("lock \"deploy\" is held by \"node-a\" (host 127.0.0.1, pid "),
+        "{}",
+        r.stderr
+    );
+    let r = run(try_lock(&["--no-wait", "--conflict-exit-code", "1"]), QUICK).await;
+    r.assert_code(1);
+    std::fs::write(dir.join("release"), "").expect("release");
+    assert_eq!(holder.wait(QUICK).await, Some(0));
+    run(try_lock(&["-w", "1"]), QUICK).await.assert_code(0);
+}
