@@ -144,6 +144,18 @@ Lease times come from the server's clock. Candidates are the connections
 whose application_name is pgelect:<role>:<node>: 'holding' holds the
 role's lock, 'waiting' waits for it, 'standing' polls for it.")]
     Status(crate::status::StatusArgs),
+    /// Remove a stale role (its row in the leaders table) that nobody holds
+    /// or stands for; refuses while any candidate does.
+    #[command(after_help = "Examples:
+  pgelect forget --role old-scheduler
+
+Refuses (exit 75) while the role's lock is held or waited for, a candidate
+connected as pgelect:<role>:<node> stands for it, or its lease is live; exit
+66 when there is no such role. The role's term history goes with its row: a
+candidate that stands for it again starts at term 1, so forget only roles
+you have retired (no process of that role may still be paused somewhere
+with an old term).")]
+    Forget(crate::forget::ForgetArgs),
 }
 
 impl Global {

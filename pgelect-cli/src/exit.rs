@@ -6,6 +6,9 @@ use std::process::ExitCode;
 pub const USAGE: u8 = 64;
 /// The database is unavailable.
 pub const UNAVAILABLE: u8 = 69;
+/// No such role: `status --role`, `resign --role` or `forget --role`
+/// named a role nobody holds, stands for or has led (EX_NOINPUT).
+pub const NO_SUCH_ROLE: u8 = 66;
 /// Internal software error.
 pub const SOFTWARE: u8 = 70;
 /// Temporary failure: the lock was not acquired.

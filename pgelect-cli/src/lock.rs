@@ -92,7 +92,7 @@ pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
             }
             Err(pgelect::Error::LockTimeout { waited, holders, .. }) => {
                 return Err(Failure::new(conflict, format!(
-                    "timed out after {:.1}s waiting for lock {:?} (not acquired); it is {}",
+                    "timed out after {:.1}s waiting for lock {:?} (not acquired), {}",
                     waited.as_secs_f64(), args.key, describe(&holders)
                 )));
             }

@@ -8,6 +8,7 @@ mod db;
 mod demo;
 mod duration;
 mod exit;
+mod forget;
 mod http;
 mod lock;
 mod migrate;
@@ -60,6 +61,7 @@ fn main() -> ExitCode {
             Command::Run(args) => run::run(&cli.global, args).await,
             Command::Resign(args) => resign::run(&cli.global, args).await,
             Command::Demo(args) => demo::run(&cli.global, args).await,
+            Command::Forget(args) => forget::run(&cli.global, args).await,
         }
     });
     match result {

@@ -292,7 +292,7 @@ async fn lock_has_flocks_habits_and_names_the_holder() {
     let r = run(try_lock(&["-w", "0.5", "-E", "3"]), QUICK).await;
     r.assert_code(3);
     assert!(
-        r.stderr.contains("timed out after 0.5s waiting for lock \"deploy\" (not acquired); it is held by \"node-a\" (host 127.0.0.1, pid "),
+        r.stderr.contains("timed out after 0.5s waiting for lock \"deploy\" (not acquired), held by \"node-a\" (host 127.0.0.1, pid "),
         "{}",
         r.stderr
     );
@@ -312,4 +312,125 @@ async fn lock_has_flocks_habits_and_names_the_holder() {
     std::fs::write(dir.join("release"), "").expect("release");
     assert_eq!(holder.wait(QUICK).await, Some(0));
     run(try_lock(&["-w", "1"]), QUICK).await.assert_code(0);
+}
+
+fn cmd(db: &TestDb, args: &[&str]) -> tokio::process::Command {
+    let mut cmd = pgelect(args);
+    cmd.env("DATABASE_URL", db.url());
+    cmd
+}
+
+#[tokio::test]
+async fn status_resign_and_forget_cannot_mislead() {
+    let db = migrated("ops_status").await;
+    let dir = TempDir::new("ops_status");
+    let admin = db.connect().await;
+    let mut a = candidate(&db, &dir, "r", "node-a", &[]);
+    support::wait_for_file(&dir.join("leading-node-a"), START).await;
+    let mut b = candidate(&db, &dir, "r", "node-b", &[]);
+    support::await_advisory_locks(&admin, 1, 1).await;
+    let mut locker = holding_lock(&db, &dir, "deploy", "node-c");
+    support::wait_for_file(&dir.join("held-node-c"), START).await;
+
+    // The table: the leader apart, the standby waiting, the lock and its holder.
+    let r = run(cmd(&db, &["status"]), QUICK).await;
+    r.assert_code(0);
+    assert!(
+        r.stdout
+            .contains("node-a (holding); 1 standing by: node-b (waiting)"),
+        "{}",
+        r.stdout
+    );
+    assert!(
+        r.stdout
+            .contains("\"deploy\": held by node-c (host 127.0.0.1, backend pid "),
+        "{}",
+        r.stdout
+    );
+    assert!(r.stdout.contains("exclusive, since 20"), "{}", r.stdout);
+    // JSON says which pid it is and where from.
+    let r = run(cmd(&db, &["status", "--json"]), QUICK).await;
+    r.assert_code(0);
+    let v: serde_json::Value = serde_json::from_str(&r.stdout).expect("JSON");
+    let c = &v["roles"][0]["candidates"][0];
+    assert!(
+        c["backend_pid"].as_i64().is_some() && c.get("pid").is_none(),
+        "{v}"
+    );
+    assert_eq!(c["client_addr"], "127.0.0.1", "{v}");
+    let l = &v["locks"][0];
+    assert_eq!(
+        (l["name"].as_str(), l["node"].as_str(), l["state"].as_str()),
+        (Some("deploy"), Some("node-c"), Some("holding")),
+        "{v}"
+    );
+    assert!(
+        l["since"].as_str().is_some() && l["backend_pid"].as_i64().is_some(),
+        "{v}"
+    );
+
+    // Unknown roles are errors that name the known ones.
+    for args in [
+        &["status", "--role", "nope"][..],
+        &["resign", "--role", "nope"],
+        &["forget", "--role", "nope"],
+    ] {
+        let r = run(cmd(&db, args), QUICK).await;
+        r.assert_code(66);
+        assert!(
+            r.stderr.contains("no role \"nope\" in schema pgelect")
+                && r.stderr.contains("known roles: \"r\""),
+            "{args:?}: {}",
+            r.stderr
+        );
+    }
+    // A live role cannot be forgotten.
+    let r = run(cmd(&db, &["forget", "--role", "r"]), QUICK).await;
+    r.assert_code(75);
+    assert!(
+        r.stderr
+            .contains("role \"r\" not removed: node-a leads it with term 1"),
+        "{}",
+        r.stderr
+    );
+    // node-a gone: node-b takes over; still refused (it leads, node-a stands no more).
+    a.signal("TERM");
+    assert_eq!(a.wait(QUICK).await, Some(0));
+    support::wait_for_file(&dir.join("leading-node-b"), START).await;
+    let r = run(cmd(&db, &["forget", "--role", "r"]), QUICK).await;
+    r.assert_code(75);
+    assert!(
+        r.stderr.contains("node-b leads it with term 2"),
+        "{}",
+        r.stderr
+    );
+    b.signal("TERM");
+    assert_eq!(b.wait(QUICK).await, Some(0));
+    // No leader now: resign fails clearly.
+    let r = run(cmd(&db, &["resign", "--role", "r"]), QUICK).await;
+    r.assert_code(75);
+    assert!(
+        r.stderr
+            .contains("role \"r\" has no leader (last term 2); nothing to resign"),
+        "{}",
+        r.stderr
+    );
+    // One more term, then nobody.
+    let mut p = candidate(&db, &dir, "r", "node-p", &[]);
+    support::wait_for_file(&dir.join("leading-node-p"), START).await;
+    p.signal("TERM");
+    assert_eq!(p.wait(QUICK).await, Some(0));
+    // Nobody left: forgotten, and then unknown.
+    let r = run(cmd(&db, &["forget", "--role", "r"]), QUICK).await;
+    r.assert_code(0);
+    assert!(
+        r.stdout.contains("removed role \"r\" (last term 3)"),
+        "{}",
+        r.stdout
+    );
+    let r = run(cmd(&db, &["status", "--role", "r"]), QUICK).await;
+    r.assert_code(66);
+    assert!(r.stderr.contains("there are no roles yet"), "{}", r.stderr);
+    std::fs::write(dir.join("release"), "").expect("release");
+    assert_eq!(locker.wait(QUICK).await, Some(0));
 }
