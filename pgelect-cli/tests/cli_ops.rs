@@ -434,3 +434,68 @@ async fn status_resign_and_forget_cannot_mislead() {
     std::fs::write(dir.join("release"), "").expect("release");
     assert_eq!(locker.wait(QUICK).await, Some(0));
 }
+
+/// `demo --keep` keeps its own server for trying things by hand, says how to
+/// reach it and how to stop it, never uses DATABASE_URL, and leaves nothing
+/// behind: not its data, not the test kit's initdb template (nothing in
+/// `/dev/shm`).
+#[cfg(feature = "throwaway")]
+#[tokio::test]
+async fn demo_keep_keeps_its_server_until_sigterm_and_leaves_nothing_behind() {
+    let mut cmd = pgelect(["demo", "--keep", "--ttl", "2s"]);
+    cmd.env("DATABASE_URL", "postgres://prod:secret@192.0.2.1:5432/prod");
+    let mut demo = Background::spawn("demo", cmd);
+    let data = demo
+        .next_line("the throwaway server", START, |l| l.contains("(data in "))
+        .await;
+    let data = std::path::PathBuf::from(
+        data.split_once("(data in ")
+            .and_then(|(_, r)| r.split_once(')'))
+            .map(|(p, _)| p)
+            .expect("a data directory"),
+    );
+    assert!(!data.starts_with("/dev/shm"), "{}", data.display());
+    let base = data
+        .ancestors()
+        .find(|a| {
+            a.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("pgelect-demo-server-"))
+        })
+        .unwrap_or_else(|| panic!("{} is not in the demo's own directory", data.display()))
+        .to_owned();
+    demo.next_line("the kept server", Duration::from_secs(120), |l| {
+        l.contains("keeps running on 127.0.0.1:")
+    })
+    .await;
+    let status_line = demo
+        .next_line("how to reach it", QUICK, |l| {
+            l.trim_end().ends_with(" status")
+        })
+        .await;
+    let file = status_line
+        .split_once("--database-url-file ")
+        .and_then(|(_, r)| r.split_whitespace().next())
+        .expect("the URL file")
+        .to_owned();
+    let r = run(
+        pgelect(["--database-url-file", &file, "status", "--role", "demo"]),
+        QUICK,
+    )
+    .await;
+    r.assert_code(0);
+    assert!(r.stdout.contains("demo"), "{}", r.stdout);
+    demo.signal("TERM");
+    assert_eq!(
+        demo.wait(Duration::from_secs(30)).await,
+        Some(0),
+        "{}",
+        demo.output()
+    );
+    assert!(
+        demo.output().contains("throwaway PostgreSQL removed"),
+        "{}",
+        demo.output()
+    );
+    assert!(!base.exists(), "{} left behind", base.display());
+    assert!(!std::path::Path::new(&file).exists(), "{file} left behind");
+}

@@ -188,7 +188,11 @@ async fn status_shows_the_holder_and_the_waiting_candidate_as_a_table_and_as_jso
     // exit 0 with an empty list).
     other.assert_code(66);
     assert!(other.stdout.is_empty(), "{}", other.stdout);
-    assert!(other.stderr.contains("known roles: \"r\""), "{}", other.stderr);
+    assert!(
+        other.stderr.contains("known roles: \"r\""),
+        "{}",
+        other.stderr
+    );
     stop(&mut sups).await;
 }
 
