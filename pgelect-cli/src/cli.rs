@@ -21,8 +21,9 @@ URL, PGPASSWORD, else the password file (PGPASSFILE, else ~/.pgpass) is used.
 A password on the command line is visible to every local user (ps,
 /proc/PID/cmdline): prefer the environment or a file (mode 0600).
 
-Exit codes: 0 success, 64 usage error, 69 database unavailable,
-75 lock not acquired, 77 permission denied, 78 configuration error.")]
+Exit codes: 0 success, 64 usage error, 66 no such role, 69 database
+unavailable, 75 lock not acquired (or nothing to do now), 77 permission
+denied, 78 configuration error (a missing database or schema included).")]
 pub struct Cli {
     #[command(flatten)]
     pub global: Global,
@@ -104,9 +105,10 @@ after SIGTERM/SIGINT pgelect exits 0.")]
   pgelect lock --key nightly-report -- ./report.sh
   pgelect lock --key db-backup --no-wait -- pg_dump app
   pgelect lock --key deploy --timeout 30s -- ./deploy.sh
+  pgelect lock --key deploy -w 5 -E 1 -- ./deploy.sh   # as flock -w 5 -E 1
 
-Exit codes: the command's own code; 75 when the lock was not acquired
-(--no-wait, --timeout); 69 when the lock's connection was lost (the command
+Exit codes: the command's own code; 75 (or --conflict-exit-code) when the
+lock was not acquired (--no-wait, --timeout); 69 when the lock's connection was lost (the command
 is killed at once); 127 when the command does not exist.
 
 While the command runs it has PGELECT_LOCK=NAME in its environment.
@@ -118,8 +120,9 @@ the lock.")]
   pgelect resign --role scheduler
   pgelect resign --role scheduler --timeout 5s
 
-Exit codes: 0 when a new term was seen (or the role had no leader),
-75 when no new term was seen within --timeout.")]
+Exit codes: 0 when a new term was seen; 66 when there is no such role
+(the known ones are named); 75 when the role has no leader (nothing to
+resign) or no new term was seen within --timeout.")]
     Resign(crate::resign::ResignArgs),
     /// Watch a failover: a throwaway PostgreSQL, three candidates, the leader
     /// killed, the failover timed, then a planned resign.
@@ -142,7 +145,10 @@ read the URL from a private file (mode 0600), never from their command line.")]
 
 Lease times come from the server's clock. Candidates are the connections
 whose application_name is pgelect:<role>:<node>: 'holding' holds the
-role's lock, 'waiting' waits for it, 'standing' polls for it.")]
+role's lock, 'waiting' waits for it, 'standing' polls for it. Locks taken
+with `pgelect lock` are listed after the roles (name, node, host, backend
+pid, since). --role of a role nobody holds, stands for or has led exits 66
+and names the known roles.")]
     Status(crate::status::StatusArgs),
     /// Remove a stale role (its row in the leaders table) that nobody holds
     /// or stands for; refuses while any candidate does.

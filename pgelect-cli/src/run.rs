@@ -49,8 +49,9 @@ pub struct RunArgs {
     /// What to do when the command exits by itself while leading.
     #[arg(long, value_enum, default_value_t = OnExit::Exit)]
     pub on_exit: OnExit,
-    /// Serve /metrics (Prometheus), /healthz and /leader (JSON) on this
-    /// address, e.g. 127.0.0.1:9187.
+    /// Serve /metrics (Prometheus), /healthz, /leader (JSON) and /is-leader
+    /// (200 only while this process leads, else 503: for readiness probes)
+    /// on this address, e.g. 127.0.0.1:9187.
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// Give the command the database variables pgelect was started with
