@@ -21,8 +21,9 @@ URL, PGPASSWORD, else the password file (PGPASSFILE, else ~/.pgpass) is used.
 A password on the command line is visible to every local user (ps,
 /proc/PID/cmdline): prefer the environment or a file (mode 0600).
 
-Exit codes: 0 success, 64 usage error, 69 database unavailable,
-75 lock not acquired, 77 permission denied, 78 configuration error.")]
+Exit codes: 0 success, 64 usage error, 66 no such role, 69 database
+unavailable, 75 lock not acquired (or nothing to do now), 77 permission
+denied, 78 configuration error (a missing database or schema included).")]
 pub struct Cli {
     #[command(flatten)]
     pub global: Global,
@@ -127,9 +128,10 @@ after SIGTERM/SIGINT pgelect exits 0.")]
   pgelect lock --key nightly-report -- ./report.sh
   pgelect lock --key db-backup --no-wait -- pg_dump app
   pgelect lock --key deploy --timeout 30s -- ./deploy.sh
+  pgelect lock --key deploy -w 5 -E 1 -- ./deploy.sh   # as flock -w 5 -E 1
 
-Exit codes: the command's own code; 75 when the lock was not acquired
-(--no-wait, --timeout); 69 when the lock's connection was lost (the command
+Exit codes: the command's own code; 75 (or --conflict-exit-code) when the
+lock was not acquired (--no-wait, --timeout); 69 when the lock's connection was lost (the command
 is killed at once); 127 when the command does not exist.
 
 While the command runs it has PGELECT_LOCK=NAME in its environment.
@@ -141,8 +143,9 @@ the lock.")]
   pgelect resign --role scheduler
   pgelect resign --role scheduler --timeout 5s
 
-Exit codes: 0 when a new term was seen (or the role had no leader),
-75 when no new term was seen within --timeout.")]
+Exit codes: 0 when a new term was seen; 66 when there is no such role
+(the known ones are named); 75 when the role has no leader (nothing to
+resign) or no new term was seen within --timeout.")]
     Resign(crate::resign::ResignArgs),
     /// Watch a failover: a throwaway PostgreSQL, three candidates, the leader
     /// killed, the failover timed, then a planned resign.
@@ -165,8 +168,23 @@ read the URL from a private file (mode 0600), never from their command line.")]
 
 Lease times come from the server's clock. Candidates are the connections
 whose application_name is pgelect:<role>:<node>: 'holding' holds the
-role's lock, 'waiting' waits for it, 'standing' polls for it.")]
+role's lock, 'waiting' waits for it, 'standing' polls for it. Locks taken
+with `pgelect lock` are listed after the roles (name, node, host, backend
+pid, since). --role of a role nobody holds, stands for or has led exits 66
+and names the known roles.")]
     Status(crate::status::StatusArgs),
+    /// Remove a stale role (its row in the leaders table) that nobody holds
+    /// or stands for; refuses while any candidate does.
+    #[command(after_help = "Examples:
+  pgelect forget --role old-scheduler
+
+Refuses (exit 75) while the role's lock is held or waited for, a candidate
+connected as pgelect:<role>:<node> stands for it, or its lease is live; exit
+66 when there is no such role. The role's term history goes with its row: a
+candidate that stands for it again starts at term 1, so forget only roles
+you have retired (no process of that role may still be paused somewhere
+with an old term).")]
+    Forget(crate::forget::ForgetArgs),
 }
 
 impl Global {
@@ -183,6 +201,36 @@ impl Global {
             None => pgelect::ConnectOptions::from_env()?,
         };
         Ok(options.schema(&self.schema)?)
+    }
+
+    /// When no database was named (no `--database-url`, `--database-url-file`
+    /// or `DATABASE_URL`): a hint that says so, which libpq variables were
+    /// used (names only, never values) and how to name one; `None` otherwise.
+    pub fn no_url_hint(&self) -> Option<String> {
+        let named = self.database_url.as_deref().is_some_and(|u| !u.is_empty())
+            || self.database_url_file.is_some();
+        if named {
+            return None;
+        }
+        let used: Vec<&str> = [
+            "PGHOST",
+            "PGPORT",
+            "PGUSER",
+            "PGDATABASE",
+            "PGPASSWORD",
+            "PGSERVICE",
+        ]
+        .into_iter()
+        .filter(|v| std::env::var_os(v).is_some_and(|x| !x.is_empty()))
+        .collect();
+        let from = if used.is_empty() {
+            "libpq's defaults (localhost:5432, your login name as user and database)".to_owned()
+        } else {
+            format!("{} and libpq's defaults for the rest", used.join(", "))
+        };
+        Some(format!(
+            "no database was named (no --database-url, --database-url-file or DATABASE_URL), so pgelect used {from}; name the database with --database-url URL or DATABASE_URL=URL, or set PGHOST, PGPORT, PGUSER and PGDATABASE"
+        ))
     }
 
     /// The database URL only if named on the command line itself
@@ -298,8 +346,13 @@ fn warn_password_on_command_line(flag: &'static str, file_flag: &'static str) {
 }
 
 /// Sets up `tracing` on standard error per `-v`, `-q` and `--log-format`;
-/// `RUST_LOG` overrides the level.
-pub fn init_logging(global: &Global) {
+/// `RUST_LOG` overrides the level. `narrates`: the command's own steps are
+/// shown at the default level (`pgelect run`: standing, elected, child
+/// started and exited, handed over), the library's stay at warnings.
+/// Colour only when standard error is a terminal and `NO_COLOR` is unset
+/// or empty (no-color.org).
+pub fn init_logging(global: &Global, narrates: bool) {
+    use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
     let level = if global.quiet {
         "error"
@@ -311,10 +364,18 @@ pub fn init_logging(global: &Global) {
             _ => "trace",
         }
     };
+    let own = if narrates && !global.quiet && global.verbose == 0 {
+        ",pgelect::run=info"
+    } else {
+        ""
+    };
     let filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new(format!("{level},tokio_postgres=warn")));
+        .unwrap_or_else(|_| EnvFilter::new(format!("{level},tokio_postgres=warn{own}")));
+    let colour = std::io::stderr().is_terminal()
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(colour)
         .with_writer(std::io::stderr);
     match global.log_format {
         LogFormat::Text => builder.init(),

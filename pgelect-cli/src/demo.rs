@@ -20,6 +20,12 @@ pub struct DemoArgs {
     /// The candidates' lease TTL.
     #[arg(long, value_parser = crate::duration::parse_positive, default_value = "5s", value_name = "DURATION")]
     pub ttl: Duration,
+    /// After the demo, keep the throwaway PostgreSQL running for trying
+    /// things by hand: prints how to reach it (its URL is in a private file,
+    /// for --database-url-file) and waits; Ctrl-C or SIGTERM stops and
+    /// removes it.
+    #[arg(long)]
+    pub keep: bool,
 }
 
 const ROLE: &str = "demo";
@@ -73,6 +79,16 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<u8, Failure> {
         r = scenario(secret.path(), &options, &args) => r,
         sig = signals.recv() => Err(Failure::new(exit::TEMPFAIL, format!("interrupted by {sig}; cleaning up"))),
     };
+    if let (Ok(_), true, Some(server)) = (&outcome, args.keep, &cluster) {
+        println!("• candidates stopped; the throwaway PostgreSQL keeps running on 127.0.0.1:{} until you press Ctrl-C here (or send SIGTERM to pid {}), then it is removed. Try, from another shell:", server.port(), std::process::id());
+        let file = secret.path().display();
+        println!("    pgelect --database-url-file {file} status");
+        println!("    pgelect --database-url-file {file} run --role mine -- sleep 1000");
+        println!("    pgelect --database-url-file {file} lock --key deploy -- sleep 30");
+        println!("  (the URL, with this run's random superuser password, is in {file}, mode 0600)");
+        let sig = signals.recv().await;
+        println!("• {sig} received: stopping the throwaway PostgreSQL");
+    }
     drop(secret);
     if let Some(server) = cluster {
         server.stop();
@@ -394,13 +410,53 @@ mod throwaway {
     use crate::exit::{self, Failure};
 
     /// A running throwaway cluster; dropping it stops and removes it.
-    pub struct Server(pgelect_testkit::Cluster);
+    pub struct Server(pgelect_testkit::Cluster, Option<std::path::PathBuf>);
 
     impl Server {
-        /// Stops the server and removes its directory.
+        /// Stops the server and removes its directory, and the demo's own
+        /// directory for the test kit (its initdb template included).
         pub fn stop(self) {
             drop(self.0);
+            if let Some(dir) = self.1 {
+                let _ = std::fs::remove_dir_all(dir);
+            }
         }
+
+        pub fn port(&self) -> u16 {
+            self.0.port()
+        }
+    }
+
+    /// A directory of the demo's own for the test kit's server and its
+    /// cached initdb template (28 MB), removed at the end, unless
+    /// `PGELECT_TEST_TMPDIR` names one: left alone, the kit would put both
+    /// in `/dev/shm` (fast for the test suite, which reuses the template)
+    /// and the template would outlive the demo there.
+    fn private_base_dir() -> Result<Option<std::path::PathBuf>, Failure> {
+        use std::os::unix::fs::DirBuilderExt;
+        if std::env::var_os("PGELECT_TEST_TMPDIR").is_some_and(|v| !v.is_empty()) {
+            return Ok(None);
+        }
+        let dir = std::env::temp_dir().join(format!(
+            "pgelect-demo-server-{}-{}",
+            std::process::id(),
+            random_password()?.get(..8).unwrap_or_default()
+        ));
+        // 0711: the server runs as the postgres user when we are root and
+        // must traverse it; what the kit creates inside is private.
+        std::fs::DirBuilder::new()
+            .mode(0o711)
+            .create(&dir)
+            .map_err(|e| {
+                Failure::new(
+                    exit::SOFTWARE,
+                    format!("cannot create {}: {e}", dir.display()),
+                )
+            })?;
+        // The kit reads it once, at its first server; nothing else in this
+        // process reads the environment concurrently at this point.
+        std::env::set_var("PGELECT_TEST_TMPDIR", &dir);
+        Ok(Some(dir))
     }
 
     /// Starts a throwaway PostgreSQL with a random superuser password and
@@ -408,6 +464,7 @@ mod throwaway {
     pub async fn start() -> Result<(String, Server), Failure> {
         println!("• starting a throwaway PostgreSQL from the system's binaries …");
         let started = Instant::now();
+        let base = private_base_dir()?;
         let cluster = tokio::task::spawn_blocking(pgelect_testkit::Cluster::start)
             .await
             .map_err(|e| Failure::new(exit::SOFTWARE, format!("the cluster start task failed: {e}")))?
@@ -432,7 +489,7 @@ mod throwaway {
             cluster.data_dir().display(),
             started.elapsed().as_millis()
         );
-        Ok((cluster.url("postgres"), Server(cluster)))
+        Ok((cluster.url("postgres"), Server(cluster, base)))
     }
 }
 
@@ -447,6 +504,10 @@ mod throwaway {
     impl Server {
         pub fn stop(self) {
             match self {}
+        }
+
+        pub fn port(&self) -> u16 {
+            match *self {}
         }
     }
 

@@ -6,6 +6,9 @@ use std::process::ExitCode;
 pub const USAGE: u8 = 64;
 /// The database is unavailable.
 pub const UNAVAILABLE: u8 = 69;
+/// No such role: `status --role`, `resign --role` or `forget --role`
+/// named a role nobody holds, stands for or has led (EX_NOINPUT).
+pub const NO_SUCH_ROLE: u8 = 66;
 /// Internal software error.
 pub const SOFTWARE: u8 = 70;
 /// Temporary failure: the lock was not acquired.
@@ -30,6 +33,18 @@ impl Failure {
         }
     }
 
+    /// Adds `hint` to a failure that may come from the database being the
+    /// wrong one or unreachable (exit 69, 77 or 78).
+    pub fn with_hint(mut self, hint: Option<&str>) -> Failure {
+        if let Some(hint) = hint {
+            if matches!(self.code, UNAVAILABLE | NOPERM | CONFIG) {
+                self.message.push_str("; ");
+                self.message.push_str(hint);
+            }
+        }
+        self
+    }
+
     pub fn report(self) -> ExitCode {
         eprintln!("pgelect: {}", self.message);
         ExitCode::from(self.code)
@@ -41,7 +56,9 @@ impl From<pgelect::Error> for Failure {
         // The library's own classification decides; the order matters
         // where predicates overlap (a connect timeout is a connection
         // problem first).
-        let code = if e.is_config() || e.is_schema() {
+        // A database that does not exist (SQLSTATE 3D000) is a wrong name in
+        // the configuration, not an outage: retrying will not help.
+        let code = if e.is_config() || e.is_schema() || e.sqlstate() == Some("3D000") {
             CONFIG
         } else if e.is_auth() || e.is_permission() {
             // A wrong password or a refused login (SQLSTATE class 28) is a

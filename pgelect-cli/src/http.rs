@@ -356,10 +356,14 @@ fn route(request: &Request, handle: &PrometheusHandle, status: &Status) -> Vec<u
             (code, "text/plain", body)
         }
         "/leader" => (200, "application/json", leader_json(status)),
+        "/is-leader" => {
+            let (code, body) = is_leader(status);
+            (code, "text/plain", body)
+        }
         _ => (
             404,
             "text/plain",
-            "not found; try /metrics, /healthz or /leader\n".to_owned(),
+            "not found; try /metrics, /healthz, /leader or /is-leader\n".to_owned(),
         ),
     };
     response(code, content_type, &body, request.body)
@@ -399,6 +403,20 @@ fn health(status: &Status) -> (u16, String) {
             503,
             "standing by, but no answer from the database yet\n".into(),
         ),
+    }
+}
+
+/// 200 only while this process leads (its command runs with the current
+/// term), 503 otherwise: for a readiness probe or a load balancer that must
+/// send traffic to the leader alone. Read from the supervisor's own state
+/// (set when elected, cleared the moment leadership is lost or handed
+/// over); no query.
+fn is_leader(status: &Status) -> (u16, String) {
+    let role = status.elector.role();
+    match status.phase() {
+        Phase::Leading(term) => (200, format!("leader of {role:?} with term {term}\n")),
+        Phase::Stopping => (503, format!("not leader of {role:?}: handing over\n")),
+        Phase::Standing => (503, format!("not leader of {role:?}: standing by\n")),
     }
 }
 

@@ -19,15 +19,26 @@ pub struct LockArgs {
     /// Take the lock in shared mode (many shared holders, no exclusive one).
     #[arg(long)]
     pub shared: bool,
-    /// Give up after waiting this long (500ms, 10s, 2m); exit 75.
+    /// Give up after waiting this long: seconds as flock(1) takes them
+    /// (`-w 5`, `-w 0.5`) or with a unit (500ms, 10s, 2m); then exit with
+    /// --conflict-exit-code.
     // allow_hyphen_values: `--timeout -1s` reaches the parser and gets its
     // "is negative" message instead of clap's advice to write `-- -1`, which
     // would make `-1` the command.
-    #[arg(long, value_parser = crate::duration::parse_positive, conflicts_with = "no_wait", value_name = "DURATION", allow_hyphen_values = true)]
+    #[arg(long, short = 'w', alias = "wait", value_parser = crate::duration::parse_positive, conflicts_with = "no_wait", value_name = "DURATION", allow_hyphen_values = true)]
     pub timeout: Option<Duration>,
-    /// Do not wait: exit 75 at once if the lock is held elsewhere.
+    /// Do not wait: exit with --conflict-exit-code at once if the lock is
+    /// held elsewhere, naming the holder.
     #[arg(long, short = 'n')]
     pub no_wait: bool,
+    /// Exit code when the lock was not acquired (--no-wait, --timeout), as
+    /// flock -E. Default: 75 (EX_TEMPFAIL).
+    #[arg(long, short = 'E', default_value_t = exit::TEMPFAIL, value_name = "N")]
+    pub conflict_exit_code: u8,
+    /// This machine's name as other commands show the holder (`status`,
+    /// a waiting `pgelect lock`). Default: the host name.
+    #[arg(long = "id", value_name = "NODE")]
+    pub node: Option<String>,
     /// Time the command gets between SIGTERM and SIGKILL when pgelect is
     /// asked to stop.
     #[arg(long, value_parser = crate::duration::parse_positive, default_value = "10s", value_name = "DURATION", allow_hyphen_values = true)]
@@ -45,12 +56,20 @@ pub struct LockArgs {
 
 pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
     let key = LockKey::from_name(&args.key)?;
+    let node = match &args.node {
+        Some(node) => {
+            crate::run::check_name("--id", node)?;
+            node.clone()
+        }
+        None => host_name(),
+    };
     let options = global.connect_options()?;
     let mut signals = Signals::install()?;
     let session = LockSession::builder(&options)
-        .name(format!("lock:{}", short(&args.key)))
+        .name(application_name(&args.key, &node))
         .connect()
         .await?;
+    let conflict = args.conflict_exit_code;
     let acquiring = async {
         match (args.no_wait, args.timeout, args.shared) {
             (true, _, false) => session.try_lock(key).await,
@@ -66,19 +85,19 @@ pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
             Ok(Some(guard)) => guard,
             Ok(None) => {
                 let holders = session.holders(key).await.unwrap_or_default();
-                return Err(Failure::new(exit::TEMPFAIL, format!(
+                return Err(Failure::new(conflict, format!(
                     "lock {:?} is {}; not waiting (--no-wait)",
                     args.key, describe(&holders)
                 )));
             }
             Err(pgelect::Error::LockTimeout { waited, holders, .. }) => {
-                return Err(Failure::new(exit::TEMPFAIL, format!(
-                    "lock {:?} not acquired within {:.1}s: {}",
-                    args.key, waited.as_secs_f64(), describe(&holders)
+                return Err(Failure::new(conflict, format!(
+                    "timed out after {:.1}s waiting for lock {:?} (not acquired), {}",
+                    waited.as_secs_f64(), args.key, describe(&holders)
                 )));
             }
             Err(e) if e.is_timeout() => {
-                return Err(Failure::new(exit::TEMPFAIL, format!("lock {:?} not acquired: {e}", args.key)));
+                return Err(Failure::new(conflict, format!("lock {:?} not acquired: {e}", args.key)));
             }
             Err(e) => return Err(e.into()),
         },
@@ -155,18 +174,92 @@ async fn withdraw_wait(session: &LockSession, key: LockKey, shared: bool) {
     }
 }
 
-/// Who holds a lock, for a message: `held by pid 4242 (user "mallory",
-/// application "psql")`. The text the client chose is escaped by
-/// `LockHolder`'s `Display`.
+/// Who holds a lock, for a message: `held by node-a (host 10.0.0.7, pid
+/// 4242, for 3.2s)` for another `pgelect lock`, `held by pid 4242 (user
+/// "mallory", application "psql", for 3.2s)` for anything else. The text the
+/// client chose is escaped (`{:?}` or `LockHolder`'s `Display`).
 fn describe(holders: &[pgelect::LockHolder]) -> String {
     if holders.is_empty() {
         return "held elsewhere (its holder let go or could not be seen)".to_owned();
     }
-    let list: Vec<String> = holders.iter().map(ToString::to_string).collect();
+    let list: Vec<String> = holders
+        .iter()
+        .map(|h| {
+            // An idle holder's state last changed when it took the lock.
+            let held = h
+                .state_age
+                .map(|d| format!(", for {:.1}s", d.as_secs_f64()))
+                .unwrap_or_default();
+            match parse_application_name(&h.application_name) {
+                Some((_, node)) => {
+                    let host = h.client_addr.as_deref().unwrap_or("local socket");
+                    format!("{node:?} (host {host}, pid {}{held})", h.pid)
+                }
+                None => {
+                    let shown = h.to_string();
+                    format!("{}{held})", shown.strip_suffix(')').unwrap_or(&shown))
+                }
+            }
+        })
+        .collect();
     format!("held by {}", list.join(", "))
 }
 
-/// A name cut to fit `application_name` (63 bytes) with room for a prefix.
-fn short(name: &str) -> String {
-    name.chars().take(40).collect()
+/// Prefix of the `application_name` of a `pgelect lock` session.
+pub const APPLICATION_PREFIX: &str = "pgelect:lock:";
+
+/// `lock:<name>@<node>` (the library prefixes `pgelect:`), cut to fit
+/// `application_name` (63 bytes): the lock's name first (at most 40
+/// characters), the node after the last `@`. How `status` and other waiters
+/// learn a holder's lock name and node; a claim, like any application name.
+fn application_name(name: &str, node: &str) -> String {
+    let name: String = name
+        .chars()
+        .filter(|c| c.is_ascii() && !c.is_ascii_control())
+        .take(40)
+        .collect();
+    let mut out = format!("lock:{name}@");
+    for c in node
+        .chars()
+        .filter(|c| c.is_ascii() && !c.is_ascii_control())
+    {
+        if out.len() + "pgelect:".len() + c.len_utf8() > 63 {
+            break;
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The lock name and node a `pgelect lock` session claims by its
+/// `application_name`, if it is one.
+pub fn parse_application_name(application_name: &str) -> Option<(&str, &str)> {
+    application_name
+        .strip_prefix(APPLICATION_PREFIX)?
+        .rsplit_once('@')
+}
+
+/// This machine's host name (`/proc/sys/kernel/hostname`), else `unknown`.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn application_name_fits_and_parses_back() {
+        let a = application_name("deploy", "node-a");
+        assert_eq!(a, "lock:deploy@node-a");
+        let full = format!("pgelect:{a}");
+        assert_eq!(parse_application_name(&full), Some(("deploy", "node-a")));
+        let long = application_name(&"n".repeat(100), &"h".repeat(100));
+        assert!(long.len() + "pgelect:".len() <= 63, "{long}");
+        assert!(long.contains(&format!("{}@h", "n".repeat(40))), "{long}");
+    }
 }

@@ -8,6 +8,7 @@ mod db;
 mod demo;
 mod duration;
 mod exit;
+mod forget;
 mod grants;
 mod http;
 mod lock;
@@ -35,7 +36,7 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return exit::usage(e),
     };
-    cli::init_logging(&cli.global);
+    cli::init_logging(&cli.global, matches!(cli.command, Command::Run(_)));
     // No database, no runtime.
     if let Command::Grants(args) = cli.command {
         return match grants::run(&cli.global, args) {
@@ -54,6 +55,12 @@ fn main() -> ExitCode {
             return ExitCode::from(exit::SOFTWARE);
         }
     };
+    // `demo` never uses the environment's database; the others say when
+    // they fell back on libpq's defaults.
+    let hint = match cli.command {
+        Command::Demo(_) => None,
+        _ => cli.global.no_url_hint(),
+    };
     let result: Result<u8, Failure> = runtime.block_on(async move {
         match cli.command {
             Command::Migrate(args) => migrate::run(&cli.global, args).await,
@@ -62,11 +69,12 @@ fn main() -> ExitCode {
             Command::Run(args) => run::run(&cli.global, args).await,
             Command::Resign(args) => resign::run(&cli.global, args).await,
             Command::Demo(args) => demo::run(&cli.global, args).await,
+            Command::Forget(args) => forget::run(&cli.global, args).await,
             Command::Grants(_) => unreachable!("BUG: handled before the runtime starts"),
         }
     });
     match result {
         Ok(code) => ExitCode::from(code),
-        Err(failure) => failure.report(),
+        Err(failure) => failure.with_hint(hint.as_deref()).report(),
     }
 }

@@ -49,11 +49,27 @@ pub async fn run(global: &Global, args: ResignArgs) -> Result<u8, Failure> {
         Err(e) => return Err(e.into()),
     };
     let Some(asked) = asked else {
-        println!(
-            "role {} has no leader; nothing to resign",
-            quoted(&args.role)
-        );
-        return Ok(0);
+        let known: Option<i64> = client
+            .query_typed_opt(
+                &format!("SELECT term FROM {schema}.leaders WHERE role = $1"),
+                &[(&args.role, Type::TEXT)],
+            )
+            .await
+            .map_err(|e| crate::db::classify(&schema, "read the leaders table", e))?
+            .map(|row| crate::db::column(&row, 0, &schema, "read the leaders table"))
+            .transpose()?;
+        let Some(term) = known else {
+            return Err(crate::status::unknown_role(&client, &schema, &args.role).await);
+        };
+        // Nothing was asked: a script must not take this for a hand-over.
+        return Err(Failure::new(
+            exit::TEMPFAIL,
+            format!(
+                "role {} has no leader (last term {term}); nothing to resign: see `pgelect status --role {}`",
+                quoted(&args.role),
+                escape(&args.role)
+            ),
+        ));
     };
     let old_term = asked.term.get();
     println!(

@@ -49,8 +49,9 @@ pub struct RunArgs {
     /// What to do when the command exits by itself while leading.
     #[arg(long, value_enum, default_value_t = OnExit::Exit)]
     pub on_exit: OnExit,
-    /// Serve /metrics (Prometheus), /healthz and /leader (JSON) on this
-    /// address, e.g. 127.0.0.1:9187.
+    /// Serve /metrics (Prometheus), /healthz, /leader (JSON) and /is-leader
+    /// (200 only while this process leads, else 503: for readiness probes)
+    /// on this address, e.g. 127.0.0.1:9187.
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// Give the command the database variables pgelect was started with
@@ -125,7 +126,13 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
         builder = builder.node_id(node);
     }
     // Shared with the metrics listener, which reads its state.
-    let elector = std::sync::Arc::new(builder.build()?);
+    let elector = match builder.build() {
+        Ok(elector) => std::sync::Arc::new(elector),
+        Err(e) if e.is_config() => {
+            return Err(ttl_refused(&options, &args).unwrap_or_else(|| e.into()))
+        }
+        Err(e) => return Err(e.into()),
+    };
     let budget = elector.deadline_budget();
     let grace = match args.grace {
         Some(g) if g >= budget => {
@@ -158,7 +165,16 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
             h.set(phase);
         }
     };
-    tracing::info!(role = %args.role, %node, ttl = ?args.ttl, ?grace, "standing for election");
+    let backend = match args.backend {
+        BackendArg::Session => "session",
+        BackendArg::Lease => "lease",
+    };
+    // What an operator reads at the default level (info): one line per
+    // step, the same events as fields in `--log-format json`.
+    tracing::info!(event = "standing", role = %args.role, %node, backend, ttl = ?args.ttl, ?grace,
+        "standing for role {:?} as node {node:?} ({backend} backend, ttl {})",
+        args.role, crate::duration::show(args.ttl));
+    let mut standing_since = Instant::now();
     loop {
         let leadership = tokio::select! {
             l = elector.leadership() => l?,
@@ -169,7 +185,10 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
         };
         let term = leadership.term();
         set_phase(crate::http::Phase::Leading(term.get()));
-        tracing::info!(role = %args.role, %node, %term, "elected; starting the command");
+        let waited = standing_since.elapsed();
+        tracing::info!(event = "elected", role = %args.role, %node, term = term.get(), after_ms = waited.as_millis() as u64,
+            "elected leader of role {:?} with term {term} after {:.1}s; starting the command",
+            args.role, waited.as_secs_f64());
         let env = [
             ("PGELECT_ROLE", args.role.clone()),
             ("PGELECT_NODE", node.clone()),
@@ -189,13 +208,11 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
                 return Err(failure);
             }
         };
+        started(&child, term);
         loop {
             tokio::select! {
                 status = child.wait() => {
-                    let code = status.map(child::exit_code).unwrap_or(exit::SOFTWARE);
-                    // Its watcher has killed what it left: nothing of it
-                    // outlives leadership.
-                    tracing::info!(code, "the command exited by itself");
+                    let code = exited(status, term);
                     match args.on_exit {
                         OnExit::Rerun if !leadership.is_lost() => {
                             tokio::select! {
@@ -209,6 +226,7 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
                                     return Err(failure);
                                 }
                             };
+                            started(&child, term);
                             continue;
                         }
                         OnExit::Exit => {
@@ -218,6 +236,8 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
                         _ => {
                             release(leadership).await;
                             set_phase(crate::http::Phase::Standing);
+                            standing_again(&args.role, &node);
+                            standing_since = Instant::now();
                             break;
                         }
                     }
@@ -226,26 +246,79 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
                     set_phase(crate::http::Phase::Stopping);
                     let reason = leadership.loss_reason();
                     if reason == Some(LossReason::Resigned) {
-                        tracing::info!(%term, "asked to resign; stopping the command");
-                        stop_gracefully(&mut child, grace, &leadership).await;
+                        // Planned: `pgelect resign` (or the library's
+                        // request_resign) asked; not a warning.
+                        tracing::info!(event = "resign_requested", role = %args.role, term = term.get(),
+                            "resign requested for role {:?} (term {term}); stopping the command (SIGTERM, SIGKILL after {})",
+                            args.role, crate::duration::show(grace));
+                        let status = stop_gracefully(&mut child, grace, &leadership).await;
+                        if let Some(status) = status {
+                            exited(Ok(status), term);
+                        }
                         release(leadership).await;
                     } else {
                         let started = Instant::now();
-                        let _ = child.kill_now().await;
-                        tracing::warn!(%term, reason = ?reason, killed_in = ?started.elapsed(), "leadership lost; the command was killed");
+                        let status = child.kill_now().await;
+                        let why = reason.map_or("unknown", LossReason::as_str);
+                        tracing::warn!(event = "lost", role = %args.role, term = term.get(), reason = why,
+                            killed_in_ms = started.elapsed().as_millis() as u64,
+                            "lost leadership of role {:?} (term {term}): {}; the command was killed",
+                            args.role, reason.map_or_else(|| "unknown reason".to_owned(), |r| r.to_string()));
+                        exited(status, term);
                     }
                     set_phase(crate::http::Phase::Standing);
+                    standing_again(&args.role, &node);
+                    standing_since = Instant::now();
                     break;
                 }
                 sig = signals.recv() => {
-                    tracing::info!(%sig, %term, "stopping the command, then releasing leadership");
-                    stop_gracefully(&mut child, grace, &leadership).await;
+                    tracing::info!(event = "stopping", signal = %sig, term = term.get(),
+                        "{sig} received; stopping the command, then handing over role {:?}", args.role);
+                    if let Some(status) = stop_gracefully(&mut child, grace, &leadership).await {
+                        exited(Ok(status), term);
+                    }
                     release(leadership).await;
                     return Ok(0);
                 }
             }
         }
     }
+}
+
+/// When the library refuses the timing that `--ttl` implies (its safety
+/// margin, renewal and statement timeout are derived from the TTL, and the
+/// command has no options for them), a message in the command's own terms:
+/// the shortest `--ttl` accepted. `None` if the TTL is not the problem.
+fn ttl_refused(options: &pgelect::ConnectOptions, args: &RunArgs) -> Option<Failure> {
+    let backend = match args.backend {
+        BackendArg::Session => pgelect::Backend::Session,
+        BackendArg::Lease => pgelect::Backend::Lease,
+    };
+    let accepted = |ttl: Duration| {
+        Elector::builder(options.clone(), &args.role)
+            .node_id("ttl-check")
+            .backend(backend)
+            .ttl(ttl)
+            .build()
+            .is_ok()
+    };
+    if accepted(args.ttl) {
+        return None;
+    }
+    // 100 ms steps up to 10 s, then seconds up to 10 min: the first accepted.
+    let shortest = (1..=100u64)
+        .map(|n| Duration::from_millis(100 * n))
+        .chain((11..=600u64).map(Duration::from_secs))
+        .find(|&ttl| ttl > args.ttl && accepted(ttl))?;
+    Some(Failure::new(
+        exit::USAGE,
+        format!(
+            "--ttl {} is too short: the shortest --ttl accepted is {} (the leader stops acting at 4/5 of the TTL and needs room before that for a renewal, whose statements may take up to 1s); give --ttl {} or more (default 15s)",
+            crate::duration::show(args.ttl),
+            crate::duration::show(shortest),
+            crate::duration::show(shortest),
+        ),
+    ))
 }
 
 /// Refuses a role or node id that is empty or holds control characters:
@@ -339,18 +412,22 @@ async fn preflight(options: &pgelect::ConnectOptions) -> Result<(), Failure> {
 }
 
 /// SIGTERM, then SIGKILL after `grace`; at once if leadership ends for a
-/// reason other than a resignation meanwhile.
-async fn stop_gracefully(child: &mut Child, grace: Duration, leadership: &pgelect::Leadership) {
+/// reason other than a resignation meanwhile. Returns how the command ended
+/// (`None` if that could not be learned).
+async fn stop_gracefully(
+    child: &mut Child,
+    grace: Duration,
+    leadership: &pgelect::Leadership,
+) -> Option<std::process::ExitStatus> {
     child.terminate();
     let deadline = tokio::time::Instant::now() + grace;
     loop {
         tokio::select! {
             // The watcher killed what the command left before reporting.
-            _ = child.wait() => return,
+            status = child.wait() => return status.ok(),
             _ = tokio::time::sleep_until(deadline) => {
                 tracing::warn!(?grace, "the command outlived its grace period; killing it");
-                let _ = child.kill_now().await;
-                return;
+                return child.kill_now().await.ok();
             }
             _ = leadership.lost(), if !leadership.is_lost() => {}
         }
@@ -358,19 +435,68 @@ async fn stop_gracefully(child: &mut Child, grace: Duration, leadership: &pgelec
             leadership.loss_reason(),
             None | Some(LossReason::Resigned) | Some(LossReason::Shutdown)
         ) {
-            let _ = child.kill_now().await;
-            return;
+            return child.kill_now().await.ok();
         }
     }
+}
+
+/// Logs that the command started (under its watcher, whose pid is given:
+/// the command's own pid is the watcher's child).
+fn started(child: &Child, term: pgelect::Term) {
+    tracing::info!(
+        event = "child_started",
+        watcher_pid = child.watcher_pid(),
+        term = term.get(),
+        "command started (watcher pid {})",
+        child.watcher_pid()
+    );
+}
+
+/// Logs how the command ended (its code, or the signal that killed it)
+/// and returns the shell's exit code for it.
+fn exited(status: std::io::Result<std::process::ExitStatus>, term: pgelect::Term) -> u8 {
+    use std::os::unix::process::ExitStatusExt;
+    let Ok(status) = status else {
+        return exit::SOFTWARE;
+    };
+    let code = child::exit_code(status);
+    // Its watcher has killed what it left: nothing of it outlives this.
+    match (status.code(), status.signal()) {
+        (Some(c), _) => tracing::info!(
+            event = "child_exited",
+            code = c,
+            term = term.get(),
+            "command exited with code {c}"
+        ),
+        (None, Some(sig)) => {
+            let name = nix::sys::signal::Signal::try_from(sig)
+                .map_or_else(|_| format!("signal {sig}"), |s| s.as_str().to_owned());
+            tracing::info!(event = "child_exited", signal = %name, code, term = term.get(),
+                "command killed by {name}")
+        }
+        _ => {}
+    }
+    code
+}
+
+fn standing_again(role: &str, node: &str) {
+    tracing::info!(
+        event = "standing",
+        role,
+        node,
+        "standing for role {role:?} again as node {node:?}"
+    );
 }
 
 async fn release(leadership: pgelect::Leadership) {
     // The command's process group is already gone or killed by the caller
     // (`Child::stop` / `kill_now` end the group, not just the child).
     let term = leadership.term();
+    let role = leadership.role().to_owned();
     if let Err(e) = leadership.resign().await {
         tracing::warn!(%term, error = %e, "releasing leadership failed; standbys take over when the lease ends");
     } else {
-        tracing::info!(%term, "leadership released");
+        tracing::info!(event = "handed_over", role = %role, term = term.get(),
+            "handed over role {role:?} (term {term}): released for the standbys");
     }
 }

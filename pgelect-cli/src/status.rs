@@ -49,8 +49,105 @@ struct Squatter {
 #[derive(Debug, Clone, PartialEq)]
 struct Candidate {
     node: String,
-    pid: i32,
+    /// The server process serving its connection (`pg_stat_activity.pid`),
+    /// not the candidate's own process id.
+    backend_pid: i32,
+    /// The candidate's address as the server sees it; `None` over a Unix
+    /// socket or when this user may not see it.
+    client_addr: Option<String>,
     state: String,
+}
+
+/// An advisory lock taken by `pgelect lock` (or a library `LockSession`
+/// with its default name), held or waited for.
+#[derive(Debug, Clone, PartialEq)]
+struct HeldLock {
+    /// The lock's name as `pgelect lock` recorded it (cut at 40
+    /// characters); `None` for a library session, which records no name.
+    name: Option<String>,
+    /// The key, `pgelect.key(name)`.
+    key: i64,
+    node: Option<String>,
+    client_addr: Option<String>,
+    backend_pid: i32,
+    mode: String,
+    granted: bool,
+    /// When the holder took it (its session went idle then), UTC.
+    since: Option<String>,
+}
+
+fn locks_sql() -> &'static str {
+    "SELECT a.application_name, ((l.classid::bigint << 32) | l.objid::bigint) AS key,
+            host(a.client_addr), l.pid, l.mode, l.granted,
+            CASE WHEN l.granted AND a.state = 'idle'
+                 THEN to_char(a.state_change AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') END
+       FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+      WHERE l.locktype = 'advisory' AND l.objsubid = 1
+        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+        AND (starts_with(a.application_name, 'pgelect:lock:') OR a.application_name = 'pgelect:locks')
+      ORDER BY 2, l.granted DESC, a.backend_start"
+}
+
+async fn read_locks(
+    client: &tokio_postgres::Client,
+    schema: &str,
+) -> Result<Vec<HeldLock>, Failure> {
+    const LOCKS: &str = "read pg_locks";
+    let rows = client
+        .query(locks_sql(), &[])
+        .await
+        .map_err(|e| crate::db::classify(schema, LOCKS, e))?;
+    let mut out = Vec::with_capacity(rows.len());
+    for row in rows {
+        let app: String = crate::db::column(&row, 0, schema, LOCKS)?;
+        let (name, node) = match crate::lock::parse_application_name(&app) {
+            Some((name, node)) => (Some(name.to_owned()), Some(node.to_owned())),
+            None => (None, None),
+        };
+        let mode: String = crate::db::column(&row, 4, schema, LOCKS)?;
+        out.push(HeldLock {
+            name,
+            key: crate::db::column(&row, 1, schema, LOCKS)?,
+            node,
+            client_addr: crate::db::column(&row, 2, schema, LOCKS)?,
+            backend_pid: crate::db::column(&row, 3, schema, LOCKS)?,
+            mode: if mode == "ShareLock" {
+                "shared"
+            } else {
+                "exclusive"
+            }
+            .to_owned(),
+            granted: crate::db::column(&row, 5, schema, LOCKS)?,
+            since: crate::db::column(&row, 6, schema, LOCKS)?,
+        });
+    }
+    Ok(out)
+}
+
+/// The failure for a role nobody holds, stands for or has led (exit
+/// [`exit::NO_SUCH_ROLE`]), naming the roles that exist.
+pub(crate) async fn unknown_role(
+    client: &tokio_postgres::Client,
+    schema: &str,
+    role: &str,
+) -> Failure {
+    let known = match read(client, schema, None).await {
+        Ok(roles) => roles.into_iter().map(|r| r.role).collect::<Vec<_>>(),
+        Err(f) => return f,
+    };
+    let known = if known.is_empty() {
+        "there are no roles yet (a role appears when a candidate first stands for it)".to_owned()
+    } else {
+        let list: Vec<String> = known.iter().map(|r| format!("\"{}\"", escape(r))).collect();
+        format!("known roles: {}", list.join(", "))
+    };
+    Failure::new(
+        exit::NO_SUCH_ROLE,
+        format!(
+            "no role \"{}\" in schema {schema}: nobody leads, stands for or has led it; {known}",
+            escape(role)
+        ),
+    )
 }
 
 fn status_sql(schema: &str) -> String {
@@ -92,7 +189,7 @@ fn status_sql(schema: &str) -> String {
                           'node', CASE WHEN starts_with(a.application_name, 'pgelect:' || r.role || ':')
                                        THEN substr(a.application_name, length('pgelect:' || r.role || ':') + 1)
                                        ELSE a.application_name END,
-                          'pid', a.pid,
+                          'backend_pid', a.pid, 'client_addr', host(a.client_addr),
                           'state', CASE WHEN lk.granted THEN 'holding'
                                         WHEN lk.pid IS NOT NULL THEN 'waiting'
                                         ELSE 'standing' END)
@@ -147,7 +244,8 @@ async fn read(
                 a.iter()
                     .map(|c| Candidate {
                         node: c["node"].as_str().unwrap_or_default().to_owned(),
-                        pid: c["pid"].as_i64().unwrap_or_default() as i32,
+                        backend_pid: c["backend_pid"].as_i64().unwrap_or_default() as i32,
+                        client_addr: c["client_addr"].as_str().map(str::to_owned),
                         state: c["state"].as_str().unwrap_or_default().to_owned(),
                     })
                     .collect()
@@ -191,7 +289,7 @@ async fn read(
     Ok(out)
 }
 
-fn to_json(roles: &[RoleStatus]) -> serde_json::Value {
+fn to_json(roles: &[RoleStatus], locks: &[HeldLock]) -> serde_json::Value {
     let roles: Vec<serde_json::Value> = roles
         .iter()
         .map(|r| {
@@ -204,22 +302,71 @@ fn to_json(roles: &[RoleStatus]) -> serde_json::Value {
                 "lease_remaining_ms": r.lease_remaining_ms,
                 "lease_expired": r.lease_remaining_ms.map(|ms| ms < 0),
                 "candidates": r.candidates.iter().map(|c| serde_json::json!({
-                    "node": c.node, "pid": c.pid, "state": c.state,
+                    "node": c.node, "backend_pid": c.backend_pid,
+                    "client_addr": c.client_addr, "state": c.state,
                 })).collect::<Vec<_>>(),
                 "squatters": r.squatters.iter().map(|q| serde_json::json!({
-                    "pid": q.pid, "user": q.user, "application_name": q.application_name,
+                    "backend_pid": q.pid, "user": q.user, "application_name": q.application_name,
                     "client_addr": q.client_addr,
                     "claims_pgelect": q.application_name.starts_with("pgelect:"),
                 })).collect::<Vec<_>>(),
             })
         })
         .collect();
-    serde_json::json!({ "roles": roles })
+    let locks: Vec<serde_json::Value> = locks
+        .iter()
+        .map(|l| {
+            serde_json::json!({
+                "name": l.name, "key": l.key, "node": l.node,
+                "client_addr": l.client_addr, "backend_pid": l.backend_pid,
+                "mode": l.mode, "state": if l.granted { "holding" } else { "waiting" },
+                "since": l.since,
+            })
+        })
+        .collect();
+    serde_json::json!({ "roles": roles, "locks": locks })
 }
 
-fn to_table(roles: &[RoleStatus]) -> String {
+/// The locks section of the table: one line per holder or waiter.
+fn locks_table(locks: &[HeldLock]) -> String {
+    if locks.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from("\nLOCKS (pgelect lock)\n");
+    for l in locks {
+        let name = l.name.as_deref().map_or_else(
+            || format!("key {}", l.key),
+            |n| format!("\"{}\"", escape(n)),
+        );
+        let node = l
+            .node
+            .as_deref()
+            .map_or_else(|| "a library LockSession".to_owned(), escape);
+        let host = l
+            .client_addr
+            .as_deref()
+            .map_or_else(|| "local socket".to_owned(), escape);
+        let since = l
+            .since
+            .as_deref()
+            .map(|s| format!(", since {s}"))
+            .unwrap_or_default();
+        out.push_str(&format!(
+            "{name}: {} by {node} (host {host}, backend pid {}, {}{since})\n",
+            if l.granted { "held" } else { "waited for" },
+            l.backend_pid,
+            l.mode
+        ));
+    }
+    out
+}
+
+fn to_table(roles: &[RoleStatus], locks: &[HeldLock]) -> String {
     if roles.is_empty() {
-        return "no roles yet: nothing has stood for election in this schema\n".to_owned();
+        return format!(
+            "no roles yet: nothing has stood for election in this schema\n{}",
+            locks_table(locks)
+        );
     }
     let header = [
         "ROLE",
@@ -316,6 +463,7 @@ fn to_table(roles: &[RoleStatus]) -> String {
             ));
         }
     }
+    out.push_str(&locks_table(locks));
     out
 }
 
@@ -391,11 +539,11 @@ fn without_countdown(roles: &[RoleStatus]) -> Vec<RoleStatus> {
         .collect()
 }
 
-fn render(roles: &[RoleStatus], json: bool) -> String {
+fn render(roles: &[RoleStatus], locks: &[HeldLock], json: bool) -> String {
     if json {
-        format!("{}\n", json_text(&to_json(roles)))
+        format!("{}\n", json_text(&to_json(roles, locks)))
     } else {
-        to_table(roles)
+        to_table(roles, locks)
     }
 }
 
@@ -406,7 +554,7 @@ pub async fn snapshot(
 ) -> Result<String, Failure> {
     let (client, _) = crate::db::connect(options, "pgelect:status").await?;
     let roles = read(&client, options.schema_name().as_str(), role).await?;
-    Ok(to_table(&roles))
+    Ok(to_table(&roles, &[]))
 }
 
 pub async fn run(global: &Global, args: StatusArgs) -> Result<u8, Failure> {
@@ -419,7 +567,15 @@ pub async fn run(global: &Global, args: StatusArgs) -> Result<u8, Failure> {
     let role = args.role.as_deref();
     if !args.watch {
         let roles = read(&client, &schema, role).await?;
-        print!("{}", render(&roles, args.json));
+        if let (Some(role), true) = (role, roles.is_empty()) {
+            return Err(unknown_role(&client, &schema, role).await);
+        }
+        // Locks belong to no role: shown with the whole picture only.
+        let locks = match role {
+            None => read_locks(&client, &schema).await?,
+            Some(_) => Vec::new(),
+        };
+        print!("{}", render(&roles, &locks, args.json));
         return Ok(0);
     }
     client
@@ -428,21 +584,25 @@ pub async fn run(global: &Global, args: StatusArgs) -> Result<u8, Failure> {
         .map_err(|e| crate::db::classify(&schema, "listen for changes", e))?;
     let tty = std::io::stdout().is_terminal() && !args.json;
     let mut signals = crate::signals::Signals::install()?;
-    let mut last: Option<Vec<RoleStatus>> = None;
+    let mut last: Option<(Vec<RoleStatus>, Vec<HeldLock>)> = None;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         let roles = read(&client, &schema, role).await?;
+        let locks = match role {
+            None => read_locks(&client, &schema).await?,
+            Some(_) => Vec::new(),
+        };
         let mut stdout = std::io::stdout().lock();
         if tty {
             // Home, draw, clear what is left: no blank frame, no flicker.
-            let text = render(&roles, args.json);
+            let text = render(&roles, &locks, args.json);
             let _ = write!(stdout, "\x1b[H{}\x1b[J", text.replace('\n', "\x1b[K\n"));
         } else {
             // A pipe gets a snapshot per change, not per tick: the lease
             // countdown alone would print one every second.
-            let seen = Some(without_countdown(&roles));
+            let seen = Some((without_countdown(&roles), locks.clone()));
             if seen != last {
-                let _ = write!(stdout, "{}", render(&roles, args.json));
+                let _ = write!(stdout, "{}", render(&roles, &locks, args.json));
                 last = seen;
             }
         }
@@ -474,12 +634,14 @@ mod tests {
             candidates: vec![
                 Candidate {
                     node: "node-a".into(),
-                    pid: 10,
+                    backend_pid: 10,
+                    client_addr: None,
                     state: "holding".into(),
                 },
                 Candidate {
                     node: "node-b".into(),
-                    pid: 11,
+                    backend_pid: 11,
+                    client_addr: None,
                     state: "waiting".into(),
                 },
             ],
@@ -488,7 +650,7 @@ mod tests {
 
     #[test]
     fn table_lines_up_and_names_everyone() {
-        let t = to_table(&sample());
+        let t = to_table(&sample(), &[]);
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(lines.len(), 2);
         assert_eq!(lines[0].find("LEADER"), lines[1].find("node-a"));
@@ -510,25 +672,25 @@ mod tests {
             application_name: "\u{1b}[31m".into(),
             client_addr: None,
         });
-        for text in [render(&roles, false), render(&roles, true)] {
+        for text in [render(&roles, &[], false), render(&roles, &[], true)] {
             for bad in ['\u{1b}', '\u{7}', '\u{7f}', '\u{9b}', '\u{202e}'] {
                 assert!(!text.contains(bad), "{bad:?} in {text}");
             }
         }
-        let t = to_table(&roles);
+        let t = to_table(&roles, &[]);
         assert!(t.contains("r\\u{1b}[2J"), "{t}");
         // A literal backslash-u in the data cannot pass for an escape.
         assert!(t.contains("b\\\\u{1b}\\u{a}"), "{t}");
         assert!(t.contains("WARNING: role") && t.contains("pid 9"), "{t}");
         // JSON still parses back to the exact value.
-        let v: serde_json::Value = serde_json::from_str(&render(&roles, true)).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&render(&roles, &[], true)).unwrap();
         assert_eq!(v["roles"][0]["role"], "r\u{1b}[2J\u{7f}\u{9b}\u{202e}");
-        assert_eq!(v["roles"][0]["squatters"][0]["pid"], 9);
+        assert_eq!(v["roles"][0]["squatters"][0]["backend_pid"], 9);
     }
 
     #[test]
     fn json_is_stable() {
-        let j = to_json(&sample());
+        let j = to_json(&sample(), &[]);
         assert_eq!(j["roles"][0]["term"], 7);
         assert_eq!(j["roles"][0]["lease_expired"], false);
         assert_eq!(j["roles"][0]["candidates"][1]["state"], "waiting");

@@ -501,3 +501,62 @@ async fn a_non_loopback_metrics_addr_logs_what_it_exposes_and_a_standby_reports_
         b.output()
     );
 }
+
+/// `/is-leader` answers 200 only on the leader (503 on the standby), so a
+/// readiness probe routes traffic to the leader alone; after a resign the
+/// two swap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn is_leader_answers_200_on_the_leader_alone_and_follows_a_resign() {
+    let db = TestDb::new("http_is_leader").await;
+    let options = pgelect::ConnectOptions::from_url(&db.url()).expect("test URL parses");
+    pgelect::migrate(&options).await.expect("migrate");
+    let dir = TempDir::new("http_is_leader");
+    // Each leader's command writes its marker, and removes it on SIGTERM.
+    let script = r#"trap 'rm -f "$D/leading-$N"; exit 0' TERM
+: > "$D/leading-$N"
+while :; do sleep 1 & wait $!; done"#;
+    let spawn = |node: &str, port: u16| {
+        let mut cmd = pgelect(["run", "--role", ROLE, "--id", node, "--ttl", "3s"]);
+        cmd.args(["--metrics-addr", &format!("127.0.0.1:{port}")])
+            .args(["--database-url", &db.url(), "--", "sh", "-c", script])
+            .env("D", dir.path())
+            .env("N", node);
+        Background::spawn(node, cmd)
+    };
+    let get = |port: u16| async move {
+        exchange(port, b"GET /is-leader HTTP/1.1\r\nHost: x\r\n\r\n", AT_ONCE)
+            .await
+            .0
+    };
+    let (port_a, port_b) = (pgelect_testkit::free_port(), pgelect_testkit::free_port());
+    let _a = spawn("node-a", port_a);
+    wait_for_file(&dir.join("leading-node-a"), START).await;
+    let _b = spawn("node-b", port_b);
+    // node-b's listener is up once it answers at all.
+    wait_until("node-b's listener", START, || async {
+        TcpStream::connect(("127.0.0.1", port_b)).await.is_ok()
+    })
+    .await;
+    // node-b queues for the role's lock before the resign, or node-a,
+    // standing again at once, could win once more.
+    support::await_advisory_locks(&db.connect().await, 1, 1).await;
+    let a = get(port_a).await;
+    assert_eq!(code(&a), 200, "{a}");
+    assert!(body(&a).contains("leader of \"r\" with term 1"), "{a}");
+    let b = get(port_b).await;
+    assert_eq!(code(&b), 503, "{b}");
+    assert!(body(&b).contains("not leader"), "{b}");
+
+    let resign = support::run(
+        pgelect(["resign", "--role", ROLE, "--database-url", &db.url()]),
+        START,
+    )
+    .await;
+    resign.assert_code(0);
+    wait_for_file(&dir.join("leading-node-b"), START).await;
+    let b = get(port_b).await;
+    assert_eq!(code(&b), 200, "{b}");
+    assert!(body(&b).contains("with term 2"), "{b}");
+    let a = get(port_a).await;
+    assert_eq!(code(&a), 503, "{a}");
+}

@@ -693,9 +693,22 @@ async fn bad_input_fails_fast_with_a_clear_message() {
         "permission denied",
     )
     .await;
-    // None of these stood for election.
-    let status = status_json(&db.url()).await;
-    assert_eq!(status["roles"], serde_json::json!([]), "{status}");
+    // None of these stood for election: the role is unknown (issue 12:
+    // `status --role` of an unknown role exits 66; it was 0 and an empty list).
+    let out = run(
+        pgelect([
+            "status",
+            "--json",
+            "--role",
+            ROLE,
+            "--database-url",
+            &db.url(),
+        ]),
+        QUICK,
+    )
+    .await;
+    out.assert_code(66);
+    assert!(out.stdout.is_empty(), "{}", out.stdout);
 
     // The schema is missing: say how to install it.
     let bare = TestDb::new("run_no_schema").await;

@@ -108,7 +108,7 @@ async fn run_warns_about_a_squatter_and_status_shows_it_in_text_and_json() {
     let role = &v["roles"][0];
     assert_eq!(role["role"], "squatted", "{v}");
     assert_eq!(role["holder"], serde_json::Value::Null);
-    assert_eq!(role["squatters"][0]["pid"], pid, "{v}");
+    assert_eq!(role["squatters"][0]["backend_pid"], pid, "{v}");
     assert_eq!(role["squatters"][0]["user"], user.as_str());
     assert_eq!(role["squatters"][0]["application_name"], "psql");
     assert_eq!(role["squatters"][0]["claims_pgelect"], false);
@@ -117,7 +117,7 @@ async fn run_warns_about_a_squatter_and_status_shows_it_in_text_and_json() {
     let candidates = role["candidates"].as_array().unwrap();
     assert_eq!(candidates.len(), 1, "{v}");
     assert_eq!(candidates[0]["node"], "node-a", "{v}");
-    assert_ne!(candidates[0]["pid"], pid, "{v}");
+    assert_ne!(candidates[0]["backend_pid"], pid, "{v}");
 
     // Without the candidate, asking for the role still shows the squatter.
     candidate.kill().await;
@@ -128,7 +128,7 @@ async fn run_warns_about_a_squatter_and_status_shows_it_in_text_and_json() {
     .await;
     alone.assert_code(0);
     let v: serde_json::Value = serde_json::from_str(&alone.stdout).expect("JSON");
-    assert_eq!(v["roles"][0]["squatters"][0]["pid"], pid, "{v}");
+    assert_eq!(v["roles"][0]["squatters"][0]["backend_pid"], pid, "{v}");
 }
 
 #[tokio::test]
@@ -182,7 +182,8 @@ async fn lock_no_wait_and_timeout_name_the_holder() {
     println!("{}", out.stderr);
     assert!(
         out.stderr
-            .contains("lock \"nightly\" not acquired within 0.5s: "),
+            // Issue 12 (item 4) changed the wording, as flock users expect.
+            .contains("timed out after 0.5s waiting for lock \"nightly\" (not acquired), held by "),
         "a rounded duration and the lock's name: {}",
         out.stderr
     );
