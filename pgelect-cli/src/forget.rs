@@ -53,14 +53,17 @@ pub async fn run(global: &Global, args: ForgetArgs) -> Result<u8, Failure> {
         .query_typed_opt(
             &format!(
                 "SELECT holder, term, lease_until > now(), \
-                 to_char(lease_until AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') \
+                 to_char(lease_until AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'), \
+                 holder IS NULL AND coalesce(holder_meta ? 'pgelect_forgotten', false) \
                  FROM {schema}.leaders WHERE role = $1 FOR UPDATE"
             ),
             &[(&role, Type::TEXT)],
         )
         .await
         .map_err(db("read the leaders table"))?;
-    let Some(row) = row else {
+    let forgotten =
+        |row: &tokio_postgres::Row| row.try_get::<_, Option<bool>>(4).ok().flatten() == Some(true);
+    let Some(row) = row.filter(|r| !forgotten(r)) else {
         drop(tx);
         return Err(crate::status::unknown_role(&client, &schema, role).await);
     };
@@ -112,15 +115,25 @@ pub async fn run(global: &Global, args: ForgetArgs) -> Result<u8, Failure> {
             escape(&standing)
         )));
     }
+    // The row stays, marked and emptied, so that its term does: a term is
+    // a fencing token and must never be handed out twice, and a process
+    // paused since long ago may still hold an old one. Every election
+    // overwrites holder_meta, so the mark goes when someone stands again.
     tx.execute(
-        &format!("DELETE FROM {schema}.leaders WHERE role = $1"),
+        &format!(
+            "UPDATE {schema}.leaders
+                SET holder = NULL, holder_pid = NULL, backend = NULL, lease_token = NULL,
+                    acquired_at = NULL, renewed_at = NULL, lease_until = NULL,
+                    holder_meta = jsonb_build_object('pgelect_forgotten', now())
+              WHERE role = $1"
+        ),
         &[&role],
     )
     .await
-    .map_err(db("delete the role's row"))?;
+    .map_err(db("forget the role's row"))?;
     tx.commit().await.map_err(db("commit"))?;
     println!(
-        "removed role {quoted} (last term {term}); a candidate that stands for it again starts at term 1"
+        "forgot role {quoted}: it is no longer listed; its last term {term} is kept, so a candidate that stands for it again continues above it (fencing terms never repeat)"
     );
     Ok(0)
 }

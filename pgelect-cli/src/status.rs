@@ -169,7 +169,9 @@ fn status_sql(schema: &str) -> String {
                AND split_part(a.application_name, ':', 2) <> ''
                AND split_part(a.application_name, ':', 3) <> ''
         ), names AS (
-            SELECT l.role FROM {schema}.leaders l WHERE $1::text IS NULL OR l.role = $1
+            SELECT l.role FROM {schema}.leaders l
+             WHERE ($1::text IS NULL OR l.role = $1)
+               AND NOT (l.holder IS NULL AND coalesce(l.holder_meta ? 'pgelect_forgotten', false))
             UNION SELECT $1::text WHERE $1::text IS NOT NULL AND $1::text <> ''
             UNION SELECT c.role FROM claimed c
              CROSS JOIN LATERAL (SELECT {schema}.key('election:{schema}:' || c.role) AS k) ck
@@ -180,7 +182,8 @@ fn status_sql(schema: &str) -> String {
                    CASE WHEN l.holder IS NULL THEN NULL
                         ELSE (extract(epoch FROM (l.lease_until - now())) * 1000)::bigint END AS lease_ms,
                    {schema}.key('election:{schema}:' || n.role) AS k,
-                   l.role IS NOT NULL AS has_row
+                   l.role IS NOT NULL
+                     AND NOT (l.holder IS NULL AND coalesce(l.holder_meta ? 'pgelect_forgotten', false)) AS has_row
               FROM names n LEFT JOIN {schema}.leaders l ON l.role = n.role
         )
         SELECT r.role, r.holder, r.term, r.backend, r.acquired_at, r.lease_ms,

@@ -424,13 +424,27 @@ async fn status_resign_and_forget_cannot_mislead() {
     let r = run(cmd(&db, &["forget", "--role", "r"]), QUICK).await;
     r.assert_code(0);
     assert!(
-        r.stdout.contains("removed role \"r\" (last term 3)"),
+        r.stdout.contains("forgot role \"r\"") && r.stdout.contains("last term 3 is kept"),
         "{}",
         r.stdout
     );
     let r = run(cmd(&db, &["status", "--role", "r"]), QUICK).await;
     r.assert_code(66);
     assert!(r.stderr.contains("there are no roles yet"), "{}", r.stderr);
+    let r = run(cmd(&db, &["forget", "--role", "r"]), QUICK).await;
+    r.assert_code(66);
+    // A forgotten role's terms never repeat: the next leader continues.
+    let mut q = candidate(&db, &dir, "r", "node-q", &[]);
+    support::wait_for_file(&dir.join("leading-node-q"), START).await;
+    let admin = db.connect().await;
+    let term: i64 = admin
+        .query_one("SELECT term FROM pgelect.leaders WHERE role = 'r'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(term > 3, "term {term} after forgetting a role at term 3");
+    q.signal("TERM");
+    assert_eq!(q.wait(QUICK).await, Some(0));
     std::fs::write(dir.join("release"), "").expect("release");
     assert_eq!(locker.wait(QUICK).await, Some(0));
 }

@@ -187,7 +187,11 @@ impl<B: KeepBackend> Keep<B> {
                     Action::Lose { reason, kill } => {
                         report_late(&shared.role, reason, now, keeper.deadline());
                         let first = state.end_counted(reason, was_active);
-                        if first && was_active {
+                        if first && was_active && reason == LossReason::Resigned {
+                            // Asked for (by an operator's request_resign):
+                            // news, not trouble.
+                            tracing::info!(%reason, "leadership handed back on request");
+                        } else if first && was_active {
                             tracing::warn!(%reason, "leadership lost");
                         } else if first {
                             tracing::warn!(%reason, "lost the lock before acting");
