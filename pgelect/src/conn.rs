@@ -481,6 +481,7 @@ impl DedicatedConnection {
         client: Client,
         mut connection: Connection<Socket, NoTlsStream>,
     ) -> DedicatedConnection {
+        crate::server::note_version(connection.parameter("server_version"));
         let closed = CancellationToken::new();
         let ended_by = Arc::new(OnceLock::new());
         let end = ended_by.clone();
