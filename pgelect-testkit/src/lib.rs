@@ -363,7 +363,11 @@ mod tests {
     fn finds_binaries() {
         let dir = pg_bin_dir().unwrap();
         for program in PG_PROGRAMS {
-            assert!(dir.join(program).is_file(), "{program} in {}", dir.display());
+            assert!(
+                dir.join(program).is_file(),
+                "{program} in {}",
+                dir.display()
+            );
         }
     }
 }
