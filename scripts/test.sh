@@ -41,8 +41,9 @@ filter=()
 case "$subset" in
   "") ;;
   # Election (both backends, shared connection, processes), locks (session
-  # and transaction), the schema's migrations and the command.
-  core) filter=(-E 'binary(/^election_/) | binary(locks) | binary(xact_locks) | binary(schema) | package(pgelect-cli)') ;;
+  # and transaction), the schema's migrations, what older servers lack, and
+  # the command.
+  core) filter=(-E 'binary(/^election_/) | binary(locks) | binary(xact_locks) | binary(schema) | binary(server_versions) | package(pgelect-cli)') ;;
   *) echo "scripts/test.sh: unknown subset '$subset' (known: core)" >&2; exit 64 ;;
 esac
 
@@ -122,6 +123,7 @@ run() { # label, then the environment for this run
 
 rows=()
 any_failed=0
+total_passed=0 total_failed=0 total_skipped=0
 if [ ${#versions[@]} -eq 0 ]; then
   run system
 else
@@ -139,6 +141,10 @@ if [ ${#rows[@]} -gt 1 ] || [ ${#versions[@]} -gt 0 ]; then
       label="PostgreSQL $("${bins[${label#pg}]}/postgres" -V | grep -oE '[0-9]+\.[0-9]+$' || echo "${label#pg}")"
     fi
     printf '%-16s %7s %7s %7s %7s\n' "$label" "$passed" "$failed" "$skipped" "$secs"
+    total_passed=$((total_passed + passed))
+    total_skipped=$((total_skipped + skipped))
+    if [ "$failed" = "?" ]; then total_failed="?"; elif [ "$total_failed" != "?" ]; then total_failed=$((total_failed + failed)); fi
   done
+  echo "total: $total_passed passed, $total_failed failed, $total_skipped skipped"
 fi
 exit "$any_failed"
