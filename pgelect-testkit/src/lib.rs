@@ -99,7 +99,9 @@
 //! # Environment variables
 //!
 //! * `PGELECT_TEST_DATABASE_URL`: use this server for [`TestDb::new`].
-//! * `PGELECT_PG_BIN`: directory holding `initdb`, `postgres`, `pg_ctl`.
+//! * `PGELECT_PG_BIN`: directory holding `initdb`, `postgres`, `pg_ctl`, of
+//!   any PostgreSQL from 13 on (see [`pg_bin_dir`]; `scripts/fetch-pg.sh`
+//!   fetches 13 to 18).
 //! * `PGELECT_PGBOUNCER`: path of the pgbouncer binary.
 //! * `PGELECT_TEST_TMPDIR`: parent directory of the servers' directories and
 //!   of the template (default: `/dev/shm` if a roomy tmpfs, else
@@ -173,29 +175,48 @@ pub fn skip_without_own_server(test: &str) -> bool {
     false
 }
 
-/// Directory holding the PostgreSQL server binaries (`initdb`, `postgres`,
-/// `pg_ctl`).
+/// The server programs the kit runs, all from one directory: whatever
+/// [`pg_bin_dir`] returns must hold each of them.
+pub const PG_PROGRAMS: [&str; 3] = ["initdb", "postgres", "pg_ctl"];
+
+/// Directory holding the PostgreSQL server binaries ([`PG_PROGRAMS`]:
+/// `initdb`, `postgres`, `pg_ctl`). PgBouncer is looked up apart (see
+/// [`pgbouncer_available`]).
 ///
 /// Looks at, in order: the `PGELECT_PG_BIN` environment variable,
 /// `pg_config --bindir` (if that directory contains `initdb`), and the
 /// highest-versioned `/usr/lib/postgresql/*/bin` (Debian/Ubuntu layout).
 ///
+/// Any PostgreSQL from 13 on works: `PGELECT_PG_BIN` may name the system's
+/// binaries of another version, or relocatable ones such as those
+/// `scripts/fetch-pg.sh 13` (… `18`) fetches into `target/pg/<major>/native/bin`
+/// (`scripts/test.sh --pg 13` sets it). Every cluster of a process uses the
+/// same directory; the initdb template cache is keyed by the binaries'
+/// version and directory, so versions never share a template.
+///
 /// # Errors
 ///
 /// `NotFound` with instructions (run `scripts/setup.sh` or
 /// `apt-get install postgresql`) when nothing is found, or when
-/// `PGELECT_PG_BIN` is set but does not contain `initdb`.
+/// `PGELECT_PG_BIN` is set but lacks one of [`PG_PROGRAMS`] (all are named).
 pub fn pg_bin_dir() -> io::Result<PathBuf> {
     if let Some(dir) = std::env::var_os("PGELECT_PG_BIN").filter(|v| !v.is_empty()) {
         let dir = PathBuf::from(dir);
-        if has_initdb(&dir) {
+        let missing: Vec<&str> = PG_PROGRAMS
+            .into_iter()
+            .filter(|p| !dir.join(p).is_file())
+            .collect();
+        if missing.is_empty() {
             return Ok(dir);
         }
         return Err(io::Error::new(
             io::ErrorKind::NotFound,
             format!(
-                "PGELECT_PG_BIN={} does not contain an `initdb` executable",
-                dir.display()
+                "PGELECT_PG_BIN={} lacks {} (it must hold {}; scripts/fetch-pg.sh MAJOR \
+                 prints such a directory)",
+                dir.display(),
+                missing.join(", "),
+                PG_PROGRAMS.join(", ")
             ),
         ));
     }
@@ -395,6 +416,12 @@ mod tests {
     #[test]
     fn finds_binaries() {
         let dir = pg_bin_dir().unwrap();
-        assert!(dir.join("postgres").is_file());
+        for program in PG_PROGRAMS {
+            assert!(
+                dir.join(program).is_file(),
+                "{program} in {}",
+                dir.display()
+            );
+        }
     }
 }

@@ -689,6 +689,7 @@ impl DedicatedConnection {
         mut connection: TlsConnection,
         tls: MakeRustlsConnect,
     ) -> DedicatedConnection {
+        crate::server::note_version(connection.parameter("server_version"));
         let closed = CancellationToken::new();
         let ended_by = Arc::new(OnceLock::new());
         let end = ended_by.clone();

@@ -37,7 +37,8 @@
 //!   [`election`] module's docs have the full map.
 //! * `conn.rs`: connecting (options, TCP timeouts, the dedicated connection
 //!   type); `error.rs`: [`Error`]; `key.rs`: [`LockKey`]; `schema.rs`:
-//!   migrations; `metrics.rs`: metric names.
+//!   migrations; `server.rs`: what older PostgreSQL versions lack (logged
+//!   once, never fatal); `metrics.rs`: metric names.
 //!
 //! # Guarantees, in short
 //!
@@ -76,6 +77,7 @@ mod key;
 pub mod lock;
 pub mod metrics;
 mod schema;
+mod server;
 
 pub use conn::{ConnectOptions, PlainConnection, SslMode, TcpTimeouts, DEFAULT_CONNECT_TIMEOUT};
 pub use election::{
