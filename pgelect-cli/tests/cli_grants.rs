@@ -63,9 +63,7 @@ async fn grants(args: &[&str]) -> String {
 
 /// Pipes `sql` into `psql -v ON_ERROR_STOP=1` connected with `conn`.
 async fn psql(conn: &str, sql: &str) {
-    let psql = pgelect_testkit::pg_bin_dir()
-        .expect("PostgreSQL binaries")
-        .join("psql");
+    let psql = psql_path();
     let mut child = tokio::process::Command::new(psql)
         .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", conn])
         .env_remove("PGPASSWORD")
@@ -326,4 +324,25 @@ async fn zombie_preemption_is_a_comment_unless_asked_for() {
         with.contains("\nGRANT pg_signal_backend TO \"app\";"),
         "{with}"
     );
+}
+
+/// `psql` beside the server binaries, else the system's (the npm server
+/// packages used for other versions carry none; any psql from 13 on speaks
+/// to any server from 13 on), else from `PATH`.
+fn psql_path() -> std::path::PathBuf {
+    let beside = pgelect_testkit::pg_bin_dir()
+        .expect("PostgreSQL binaries")
+        .join("psql");
+    if beside.is_file() {
+        return beside;
+    }
+    let mut system: Vec<std::path::PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("bin/psql"))
+        .filter(|p| p.is_file())
+        .collect();
+    system.sort();
+    system.pop().unwrap_or_else(|| "psql".into())
 }

@@ -410,10 +410,11 @@ impl ConnectOptions {
                 self.tls.mode_from(),
                 self.tls.roots_shown()
             )
-        } else if e
-            .as_db_error()
-            .is_some_and(|d| d.code().code() == "28000" && d.message().contains("no encryption"))
-            && !mode.requires_tls()
+        } else if e.as_db_error().is_some_and(|d| {
+            // "no encryption" from PostgreSQL 14 on, "SSL off" before.
+            d.code().code() == "28000"
+                && (d.message().contains("no encryption") || d.message().contains("SSL off"))
+        }) && !mode.requires_tls()
         {
             format!(
                 "the server accepts only TLS connections from here (its pg_hba.conf has hostssl lines only) and sslmode={mode} did not use TLS: use sslmode=require or, better, verify-full with sslrootcert"
