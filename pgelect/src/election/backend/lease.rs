@@ -38,6 +38,7 @@ use crate::election::driver::{Activation, Answer, Failed, Keep, KeepBackend, Sta
 use crate::election::keeper::{Action, Keeper, Liveness};
 use crate::election::leadership::{LeaderContext, LeaderState, Leadership, LossReason};
 use crate::election::support::{backoff, is_transient, nap, NapEnd, Reconnect, WakeLimit, WakeOn};
+use crate::election::term::next_term_sql;
 use crate::election::timing::Timing;
 use crate::election::watch::{LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 use crate::election::{LeaseState, Shared, Term};
@@ -83,6 +84,7 @@ pub fn lease_sql(schema: &SchemaName) -> LeaseSql {
     // `cur` reads the row as of the statement's snapshot; the upsert locks
     // the latest version and re-checks its WHERE on it (READ COMMITTED), so
     // of concurrent candidates exactly one wins, whatever `cur` showed.
+    let (first, next) = (next_term_sql("0"), next_term_sql("l.term"));
     let acquire = format!(
         "WITH cur AS (
              SELECT holder, backend, lease_until FROM {s}.leaders WHERE role = $1
@@ -90,11 +92,11 @@ pub fn lease_sql(schema: &SchemaName) -> LeaseSql {
              INSERT INTO {s}.leaders AS l
                     (role, holder, holder_meta, term, backend, holder_pid,
                      acquired_at, renewed_at, lease_until, resign_requested, lease_token)
-             VALUES ($1, $2, $3, 1, 'lease', NULL, now(), now(),
+             VALUES ($1, $2, $3, {first}, 'lease', NULL, now(), now(),
                      now() + $4 * interval '1 millisecond', false, $6)
              ON CONFLICT (role) DO UPDATE
                 SET holder = EXCLUDED.holder, holder_meta = EXCLUDED.holder_meta,
-                    term = l.term + 1, backend = 'lease', holder_pid = NULL,
+                    term = {next}, backend = 'lease', holder_pid = NULL,
                     acquired_at = EXCLUDED.acquired_at, renewed_at = EXCLUDED.renewed_at,
                     lease_until = EXCLUDED.lease_until, resign_requested = false,
                     lease_token = EXCLUDED.lease_token

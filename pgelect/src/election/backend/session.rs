@@ -31,6 +31,7 @@ use crate::election::leadership::{LeaderContext, LeaderState, Leadership, LossRe
 use crate::election::support::{
     backoff, check_not_transaction_pooled, is_transient, nap, Counted, WakeLimit, WakeOn,
 };
+use crate::election::term::next_term_sql;
 use crate::election::watch::{
     preempt_zombie, read_leader, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
 };
@@ -380,17 +381,18 @@ impl ElectStatement {
         // same statement is skipped, which hid the previous holder (and with
         // it the handover delay). The advisory lock already serialises
         // electors, and `up` locks the row itself.
+        let (first, next) = (next_term_sql("0"), next_term_sql("l.term"));
         let sql = format!(
             "WITH old AS (
                  SELECT holder FROM {s}.leaders WHERE role = $1
              ), up AS (
                  INSERT INTO {s}.leaders AS l
                         (role, holder, holder_meta, term, backend, holder_pid, acquired_at, renewed_at, lease_until)
-                 VALUES ($1, $2, $3, 1, 'session', pg_backend_pid(), now(), now(),
+                 VALUES ($1, $2, $3, {first}, 'session', pg_backend_pid(), now(), now(),
                          now() + $4 * interval '1 millisecond')
                  ON CONFLICT (role) DO UPDATE
                     SET holder = EXCLUDED.holder, holder_meta = EXCLUDED.holder_meta,
-                        term = l.term + 1, backend = EXCLUDED.backend,
+                        term = {next}, backend = EXCLUDED.backend,
                         holder_pid = EXCLUDED.holder_pid, acquired_at = EXCLUDED.acquired_at,
                         renewed_at = EXCLUDED.renewed_at, lease_until = EXCLUDED.lease_until,
                         resign_requested = false, lease_token = NULL
