@@ -1,0 +1,152 @@
+//! Elections across a PostgreSQL primary failover: a primary and an
+//! asynchronous streaming replica from the test kit, the primary killed,
+//! the replica promoted.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use pgelect::{ConnectOptions, Elector, Leadership, Term};
+use pgelect_testkit::{Cluster, ReplicaSet, Replication, TestDb, SUPERUSER, TEST_PASSWORD};
+use tokio::time::timeout;
+use tokio_postgres::{Client, NoTls};
+
+use support::fast_session;
+
+/// `postgres://…@127.0.0.1:P1,127.0.0.1:P2/db?target_session_attrs=read-write`:
+/// every connection reaches whichever of the two accepts writes.
+fn both_hosts(a: &Cluster, b: &Cluster, db: &str) -> ConnectOptions {
+    let url = format!(
+        "postgres://{SUPERUSER}:{TEST_PASSWORD}@127.0.0.1:{},127.0.0.1:{}/{db}\
+         ?target_session_attrs=read-write&connect_timeout=2",
+        a.port(),
+        b.port()
+    );
+    ConnectOptions::from_url(&url).expect("a multi-host URL parses")
+}
+
+async fn connect(cluster: &Cluster, db: &str) -> Client {
+    let (client, connection) = timeout(Duration::from_secs(10), cluster.config(db).connect(NoTls))
+        .await
+        .expect("connect timed out")
+        .expect("connect");
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    client
+}
+
+async fn row_term(client: &Client, role: &str) -> i64 {
+    client
+        .query_one("SELECT term FROM pgelect.leaders WHERE role = $1", &[&role])
+        .await
+        .expect("read the leaders row")
+        .get(0)
+}
+
+async fn elected(elector: &Elector, within: Duration) -> Leadership {
+    timeout(within, elector.leadership())
+        .await
+        .expect("elected in time")
+        .expect("elected")
+}
+
+/// The lost-bump scenario of issue 14: a term committed on the old primary
+/// and never replicated must not be handed out again by the new primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_term_lost_by_async_replication_is_never_handed_out_again() {
+    let set = tokio::task::block_in_place(|| ReplicaSet::start(Replication::Async))
+        .expect("primary and async replica");
+    let db = TestDb::on(set.primary(), "ha_lost_bump").await;
+    let o = both_hosts(set.primary(), set.replica(), db.name());
+    pgelect::migrate(&o).await.expect("migrate");
+    let role = "scheduler";
+    let mut given: Vec<Term> = Vec::new();
+
+    let a = fast_session(&o, role, "node-a").build().unwrap();
+    let b = fast_session(&o, role, "node-b").build().unwrap();
+    let first = elected(&a, Duration::from_secs(10)).await;
+    given.push(first.term());
+    tokio::task::block_in_place(|| set.wait_replayed()).expect("replica caught up");
+    let replica = connect(set.replica(), db.name()).await;
+    assert_eq!(row_term(&replica, role).await, given[0].get());
+
+    // The next bump reaches the old primary only.
+    set.hold_replication();
+    let standing = tokio::spawn(async move {
+        let l = b.leadership().await;
+        (b, l)
+    });
+    first.resign().await.expect("resign");
+    let (b, second) = timeout(Duration::from_secs(10), standing)
+        .await
+        .expect("b elected in time")
+        .unwrap();
+    let second = second.expect("b elected");
+    given.push(second.term());
+    let primary = connect(set.primary(), db.name()).await;
+    assert_eq!(row_term(&primary, role).await, second.term().get());
+    assert_eq!(
+        row_term(&replica, role).await,
+        given[0].get(),
+        "the replica must not have received the second term"
+    );
+    // What the old rule (`term + 1`) would hand out on the new primary:
+    // the lost term itself.
+    assert_eq!(given[0].get() + 1, second.term().get());
+
+    // Candidate a stands again, on whichever host is primary.
+    let standing = tokio::spawn(async move {
+        let l = a.leadership().await;
+        (a, l, Instant::now())
+    });
+    db.wait_for_advisory_waiters(1).await; // a waits on the old primary
+    let died = Instant::now();
+    let promoted = tokio::task::block_in_place(|| set.promote()).expect("promote");
+    timeout(Duration::from_secs(5), second.lost())
+        .await
+        .expect("the old primary's leader loses leadership when it dies");
+    drop(second);
+    let (_a, third, at) = timeout(Duration::from_secs(20), standing)
+        .await
+        .expect("a new leader after the promotion")
+        .unwrap();
+    let third = third.expect("a elected on the new primary");
+    eprintln!(
+        "promotion took {promoted:?}; new leader {:?} after the primary's death; \
+         terms given {:?}, then {}",
+        at - died,
+        given.iter().map(|t| t.get()).collect::<Vec<_>>(),
+        third.term().get()
+    );
+    for t in &given {
+        assert!(
+            third.term() > *t,
+            "term {} after the failover is not larger than {} handed out before",
+            third.term().get(),
+            t.get()
+        );
+    }
+    assert!(third.term().get() >= 1 << 32, "timeline 2 starts at 2^32");
+
+    // fence: the lost term is refused on the new primary, the new one works.
+    let new = connect(set.replica(), db.name()).await;
+    let stale = new
+        .query_one(
+            "SELECT pgelect.fence($1, $2)::text",
+            &[&role, &second_term(&given)],
+        )
+        .await
+        .expect_err("the lost term must be refused");
+    assert_eq!(stale.code().map(|c| c.code()), Some("PE001"), "{stale}");
+    let mut new = new;
+    let tx = new.transaction().await.unwrap();
+    third.fence(&tx).await.expect("the new term fences");
+    tx.commit().await.unwrap();
+    drop(b);
+    third.resign().await.expect("resign on the new primary");
+}
+
+fn second_term(given: &[Term]) -> i64 {
+    given[1].get()
+}
