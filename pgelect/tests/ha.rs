@@ -6,7 +6,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use pgelect::{ConnectOptions, Elector, Leadership, Term};
+use pgelect::{Backend, ConnectOptions, Elector, Leadership, LossReason, Term};
 use pgelect_testkit::{Cluster, ReplicaSet, Replication, TestDb, SUPERUSER, TEST_PASSWORD};
 use tokio::time::timeout;
 use tokio_postgres::{Client, NoTls};
@@ -149,4 +149,104 @@ async fn a_term_lost_by_async_replication_is_never_handed_out_again() {
 
 fn second_term(given: &[Term]) -> i64 {
     given[1].get()
+}
+
+/// Fences `cluster` read-only the cheap way an operator (or a failover
+/// manager) may: `default_transaction_read_only = on`, reloaded, so that
+/// every new transaction, in existing sessions too, refuses writes with
+/// SQLSTATE 25006 while connections stay up. `on = false` lifts it.
+async fn fence_read_only(cluster: &Cluster, on: bool) {
+    let c = connect(cluster, "postgres").await;
+    let set = if on {
+        "ALTER SYSTEM SET default_transaction_read_only = on"
+    } else {
+        "ALTER SYSTEM RESET default_transaction_read_only"
+    };
+    c.simple_query(set).await.expect("alter system");
+    c.simple_query("SELECT pg_reload_conf()")
+        .await
+        .expect("reload");
+}
+
+/// A leader on a server that turns read-only ends at once as
+/// `ServerReadOnly` (not at its deadline); a standby on it does not take
+/// over there (every elect fails with 25006 and it reconnects), and takes
+/// over once the server accepts writes again.
+async fn leader_on_a_fenced_server_steps_down(backend: Backend, hint: &str) {
+    let cluster = tokio::task::block_in_place(Cluster::start).expect("cluster");
+    let db = TestDb::on(&cluster, hint).await;
+    let o = ConnectOptions::from_url(&cluster.url(db.name())).unwrap();
+    pgelect::migrate(&o).await.expect("migrate");
+    let role = "fenced";
+    let build = |node: &str| match backend {
+        Backend::Session => fast_session(&o, role, node).build().unwrap(),
+        _ => fast_session(&o, role, node)
+            .backend(Backend::Lease)
+            .heartbeat_timeout(Duration::from_millis(600))
+            .retry_every(Duration::from_millis(200))
+            .build()
+            .unwrap(),
+    };
+    let a = build("node-a");
+    let b = build("node-b");
+    let leader = elected(&a, Duration::from_secs(10)).await;
+    let standing = tokio::spawn(async move {
+        let l = b.leadership().await;
+        (b, l)
+    });
+    if backend == Backend::Session {
+        db.wait_for_advisory_waiters(1).await;
+    }
+
+    let fenced = Instant::now();
+    fence_read_only(&cluster, true).await;
+    timeout(Duration::from_secs(5), leader.lost())
+        .await
+        .expect("the leader steps down on a read-only server");
+    let noticed = fenced.elapsed();
+    eprintln!("{backend:?}: leader on the fenced server stepped down after {noticed:?}");
+    assert_eq!(leader.loss_reason(), Some(LossReason::ServerReadOnly));
+    // Well before the local deadline (ttl 2 s - margin 0.4 s = 1.6 s):
+    // within a heartbeat (session, 200 ms) or a renewal (lease, 500 ms),
+    // plus the reload reaching the session.
+    let bound = match backend {
+        Backend::Session => Duration::from_millis(200 + 500 + 300),
+        _ => Duration::from_millis(500 + 600 + 300),
+    };
+    assert!(
+        noticed < bound,
+        "noticed after {noticed:?}, bound {bound:?}"
+    );
+    drop(leader);
+
+    // Nobody leads on a read-only server.
+    tokio::time::sleep(Duration::from_secs(2)).await; // a negative check
+    assert!(
+        !standing.is_finished(),
+        "a standby was elected on a read-only server"
+    );
+
+    fence_read_only(&cluster, false).await;
+    let (_b, next) = timeout(Duration::from_secs(20), standing)
+        .await
+        .expect("elected once the server accepts writes")
+        .unwrap();
+    let next = next.expect("elected");
+    assert!(next.term() > Term::new(1));
+    let mut c = connect(&cluster, db.name()).await;
+    let tx = c.transaction().await.unwrap();
+    next.fence(&tx).await.expect("the new term fences");
+    tx.commit().await.unwrap();
+    next.resign().await.unwrap();
+    drop(a);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_leader_on_a_fenced_server_steps_down_at_once() {
+    leader_on_a_fenced_server_steps_down(Backend::Session, "ha_fenced_session").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_leader_on_a_fenced_server_steps_down_at_once() {
+    leader_on_a_fenced_server_steps_down(Backend::Lease, "ha_fenced_lease").await;
 }

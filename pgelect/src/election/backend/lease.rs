@@ -37,7 +37,9 @@ use crate::election::config::random_u64;
 use crate::election::driver::{Activation, Answer, Failed, Keep, KeepBackend, Statement};
 use crate::election::keeper::{Action, Keeper, Liveness};
 use crate::election::leadership::{LeaderContext, LeaderState, Leadership, LossReason};
-use crate::election::support::{backoff, is_transient, nap, NapEnd, Reconnect, WakeLimit, WakeOn};
+use crate::election::support::{
+    backoff, is_read_only, is_transient, nap, NapEnd, Reconnect, WakeLimit, WakeOn,
+};
 use crate::election::term::next_term_sql;
 use crate::election::timing::Timing;
 use crate::election::watch::{LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
@@ -644,7 +646,14 @@ impl KeepBackend for LeaseKeep {
         std::future::pending()
     }
 
-    fn failed(&self, _error: &Error, failures: u32) -> Failed {
+    fn failed(&self, error: &Error, failures: u32) -> Failed {
+        if is_read_only(error) {
+            // Not an outage to ride out: the lease is on a server that
+            // cannot renew it (demoted or fenced); the next campaign opens
+            // a new connection.
+            self.put_conn(None);
+            return Failed::ServerReadOnly;
+        }
         // Retries are cheap (one statement or a refused connection): keep
         // them frequent, so that a short outage is ridden out.
         let cap = (self.shared.timing.renew_every / 4).max(Duration::from_millis(50));

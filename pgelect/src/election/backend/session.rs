@@ -29,7 +29,8 @@ use crate::election::driver::{Activation, Answer, Failed, Keep, KeepBackend, Sta
 use crate::election::keeper::{Keeper, Liveness};
 use crate::election::leadership::{LeaderContext, LeaderState, Leadership, LossReason};
 use crate::election::support::{
-    backoff, check_not_transaction_pooled, is_transient, nap, Counted, WakeLimit, WakeOn,
+    backoff, check_not_transaction_pooled, is_read_only, is_transient, nap, Counted, WakeLimit,
+    WakeOn,
 };
 use crate::election::term::next_term_sql;
 use crate::election::watch::{
@@ -613,6 +614,14 @@ impl SessionKeep {
     }
 }
 
+/// Whether `SHOW transaction_read_only` said `on`.
+fn read_only_answer(msgs: &[tokio_postgres::SimpleQueryMessage]) -> bool {
+    msgs.iter().any(|m| match m {
+        tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0) == Some("on"),
+        _ => false,
+    })
+}
+
 /// The renewal's rows: one if the lease is still ours, none otherwise.
 fn renewal(rows: &[Row]) -> std::result::Result<Answer, tokio_postgres::Error> {
     match rows {
@@ -660,12 +669,18 @@ impl KeepBackend for SessionKeep {
                     return (sent, Ok(Answer::Alive));
                 }
             }
+            // `transaction_read_only` is on in a standby and on a primary
+            // fenced with `default_transaction_read_only`: a lock there
+            // protects nothing.
             let r = self
                 .conn
                 .client()
-                .simple_query("SELECT 1")
+                .simple_query("SHOW transaction_read_only")
                 .await
-                .map(|_| Answer::Alive)
+                .map(|msgs| match read_only_answer(&msgs) {
+                    true => Answer::ReadOnly,
+                    false => Answer::Alive,
+                })
                 .map_err(|e| Error::db("renew the lease", self.schema(), e));
             (sent, r)
         })
@@ -676,7 +691,9 @@ impl KeepBackend for SessionKeep {
     }
 
     fn failed(&self, error: &Error, _failures: u32) -> Failed {
-        if is_transient(error) || self.conn.is_closed() {
+        if is_read_only(error) {
+            Failed::ServerReadOnly
+        } else if is_transient(error) || self.conn.is_closed() {
             Failed::ConnectionLost
         } else {
             Failed::RetrySoon
@@ -686,7 +703,10 @@ impl KeepBackend for SessionKeep {
     fn let_go(&self, reason: Option<LossReason>) {
         // A dead connection goes; otherwise only this role's lock (on its
         // own connection, the same).
-        if reason == Some(LossReason::ConnectionLost) {
+        if matches!(
+            reason,
+            Some(LossReason::ConnectionLost | LossReason::ServerReadOnly)
+        ) {
             self.conn.kill();
         } else {
             self.conn.abandon(self.shared.key);
