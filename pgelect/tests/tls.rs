@@ -351,7 +351,7 @@ fn bad_tls_input_names_the_setting() {
             "verify-full",
         ),
         (
-            format!("host=db.invalid user=app password=hunter2 sslmode=nope"),
+            "host=db.invalid user=app password=hunter2 sslmode=nope".to_string(),
             "sslmode",
         ),
     ];
