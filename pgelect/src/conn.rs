@@ -444,14 +444,28 @@ impl ConnectOptions {
         let (client, connection) = self.open(config).await?;
         let mut conn = DedicatedConnection::drive(client, connection, self.tls.connector()?);
         let schema = self.schema.as_str();
+        // In the same round trip: which server answered, logged when the
+        // options name several hosts (a failover picks one of them).
         let row = conn
             .client
-            .query_typed_one("SELECT pg_backend_pid()", &[])
+            .query_typed_one(
+                "SELECT pg_backend_pid(), host(inet_server_addr()), inet_server_port()",
+                &[],
+            )
             .await
             .map_err(|e| Error::db("start a session", schema, e))?;
         conn.pid = row
             .try_get(0)
             .map_err(|e| Error::db("start a session", schema, e))?;
+        if self.config.get_hosts().len() + self.config.get_hostaddrs().len() > 1 {
+            let addr: Option<String> = row.try_get(1).unwrap_or(None);
+            let port: Option<i32> = row.try_get(2).unwrap_or(None);
+            tracing::info!(
+                purpose,
+                server = %format!("{}:{}", addr.as_deref().unwrap_or("local socket"), port.unwrap_or(0)),
+                "connected to one of several hosts"
+            );
+        }
         Ok(conn)
     }
 }

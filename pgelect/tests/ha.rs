@@ -4,6 +4,8 @@
 
 mod support;
 
+use std::io::Write;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pgelect::{Backend, ConnectOptions, Elector, Leadership, LossReason, Term};
@@ -44,6 +46,40 @@ async fn row_term(client: &Client, role: &str) -> i64 {
         .get(0)
 }
 
+/// Log lines of this test process (each test runs in its own process
+/// under nextest, so the global subscriber is this test's).
+#[derive(Clone, Default)]
+struct Log(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Log {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Log {
+    fn install() -> Option<Log> {
+        let log = Log::default();
+        let writer = log.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::INFO)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::set_global_default(subscriber)
+            .ok()
+            .map(|()| log)
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
 async fn elected(elector: &Elector, within: Duration) -> Leadership {
     timeout(within, elector.leadership())
         .await
@@ -81,6 +117,7 @@ async fn a_lease_term_lost_by_async_replication_is_never_handed_out_again() {
 }
 
 async fn lost_bump(backend: Backend, hint: &str) {
+    let log = Log::install();
     let set = tokio::task::block_in_place(|| ReplicaSet::start(Replication::Async))
         .expect("primary and async replica");
     let db = TestDb::on(set.primary(), hint).await;
@@ -156,6 +193,16 @@ async fn lost_bump(backend: Backend, hint: &str) {
         );
     }
     assert!(third.term().get() >= 1 << 32, "timeline 2 starts at 2^32");
+    // Candidates log which of the hosts they reached.
+    if let Some(log) = log {
+        let reached = format!("server=127.0.0.1:{}", set.replica().port());
+        let text = log.text();
+        assert!(
+            text.lines()
+                .any(|l| l.contains("connected to one of several hosts") && l.contains(&reached)),
+            "no log line says {reached}:\n{text}"
+        );
+    }
 
     // fence: the lost term is refused on the new primary, the new one works.
     let new = connect(set.replica(), db.name()).await;
