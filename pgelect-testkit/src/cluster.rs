@@ -185,6 +185,9 @@ impl ClusterOptions {
     }
 }
 
+/// Creates a cluster's data directory: `(cluster dir, data dir)`.
+pub(crate) type MakeData<'a> = dyn Fn(&Path, &Path) -> io::Result<()> + 'a;
+
 /// The TLS side of a cluster.
 #[derive(Debug)]
 struct Tls {
@@ -270,19 +273,27 @@ impl Cluster {
     /// [`Cluster::start`].
     pub fn start_with(options: ClusterOptions) -> io::Result<Cluster> {
         options.validate()?;
-        match Self::start_once(&options, true) {
+        match Self::start_once(&options, true, None) {
             Err((e, true)) => {
                 eprintln!("pgelect-testkit: retrying without the initdb template: {e}");
-                Self::start_once(&options, false).map_err(|(e, _)| e)
+                Self::start_once(&options, false, None).map_err(|(e, _)| e)
             }
             other => other.map_err(|(e, _)| e),
         }
+    }
+
+    /// A plain cluster whose data directory `make_data(dir, data)` creates
+    /// (a base backup, for [`ReplicaSet`](crate::ReplicaSet)), configured
+    /// by it too; started like any other.
+    pub(crate) fn start_from(make_data: &MakeData<'_>) -> io::Result<Cluster> {
+        Self::start_once(&ClusterOptions::default(), false, Some(make_data)).map_err(|(e, _)| e)
     }
 
     /// One attempt; the flag in the error says the template was to blame.
     fn start_once(
         options: &ClusterOptions,
         use_template: bool,
+        make_data: Option<&MakeData<'_>>,
     ) -> Result<Cluster, (io::Error, bool)> {
         let t0 = std::time::Instant::now();
         let bin = pg_bin_dir().map_err(|e| (e, false))?;
@@ -311,8 +322,13 @@ impl Cluster {
         if let Some(mode) = &options.tls {
             cluster.tls = Some(cluster.make_tls(mode, options).map_err(|e| (e, false))?);
         }
-        cluster.init(use_template).map_err(|e| (e, false))?;
-        cluster.configure().map_err(|e| (e, false))?;
+        match make_data {
+            Some(make) => make(&cluster.dir, &cluster.data).map_err(|e| (e, false))?,
+            None => {
+                cluster.init(use_template).map_err(|e| (e, false))?;
+                cluster.configure().map_err(|e| (e, false))?;
+            }
+        }
         let t_init = t0.elapsed();
         let mut clash = None;
         for _ in 0..10 {
@@ -332,6 +348,8 @@ impl Cluster {
                             t_init,
                             if cluster.template.is_some() {
                                 "template copy"
+                            } else if make_data.is_some() {
+                                "base backup"
                             } else {
                                 "initdb"
                             },

@@ -13,6 +13,10 @@
 //!   transaction pooling mode.
 //! * [`FaultProxy`]: a TCP proxy that can blackhole, cut or refuse
 //!   connections, to simulate network partitions.
+//! * [`ReplicaSet`]: a primary and a streaming replica of it (asynchronous
+//!   or synchronous, [`Replication`]), with the `promote` fault (the
+//!   primary killed, the replica promoted) and a way to make the replica
+//!   miss commits on purpose.
 //! * [`TestCerts`]: a CA, server and client certificates, a wrong CA and a
 //!   mismatched key, generated in memory (rcgen, ECDSA P-256) for clusters
 //!   and PgBouncers that speak TLS ([`Cluster::start_with`] with a
@@ -114,6 +118,7 @@
 mod cluster;
 mod pgbouncer;
 mod proxy;
+mod replica;
 mod testdb;
 mod tls;
 mod util;
@@ -126,6 +131,7 @@ use std::process::Command;
 pub use cluster::{Cluster, ClusterOptions};
 pub use pgbouncer::{pgbouncer_available, BouncerTls, PgBouncer, PoolMode};
 pub use proxy::FaultProxy;
+pub use replica::{ReplicaSet, Replication, REPLICA_NAME};
 pub use testdb::TestDb;
 pub use tls::{CertFiles, TestCerts, TlsMode, DEFAULT_SERVER_NAMES};
 

@@ -483,6 +483,15 @@ impl ConnectOptions {
         conn.pid = row
             .try_get(0)
             .map_err(|e| Error::db("start a session", schema, e))?;
+        if self.config.get_hosts().len() + self.config.get_hostaddrs().len() > 1 {
+            let addr: Option<String> = row.try_get(1).unwrap_or(None);
+            let port: Option<i32> = row.try_get(2).unwrap_or(None);
+            tracing::info!(
+                purpose,
+                server = %format!("{}:{}", addr.as_deref().unwrap_or("local socket"), port.unwrap_or(0)),
+                "connected to one of several hosts"
+            );
+        }
         Ok(conn)
     }
 }
@@ -847,7 +856,7 @@ impl fmt::Debug for DedicatedConnection {
 /// no `idle_session_timeout`, 14 added `client_connection_check_interval`).
 /// One round trip, however many settings.
 const START_SESSION_SQL: &str = "\
-SELECT pg_backend_pid(),
+SELECT pg_backend_pid(), host(inet_server_addr()), inet_server_port(),
        (SELECT count(set_config(s.name, v.value, false))
           FROM unnest($1::text[], $2::text[]) AS v(name, value)
           JOIN pg_settings s ON s.name = v.name)";

@@ -41,6 +41,9 @@ pub(crate) enum Answer {
     NotOurs,
     /// The heartbeat was answered.
     Alive,
+    /// The heartbeat was answered by a server that accepts no writes
+    /// (`transaction_read_only` is on: a standby, or a fenced primary).
+    ReadOnly,
 }
 
 /// A statement in flight: resolves with the moment it was sent and what it
@@ -52,6 +55,8 @@ pub(crate) type Statement<'a> =
 pub(crate) enum Failed {
     /// The connection, and with it the lock, is gone: leadership ends.
     ConnectionLost,
+    /// The server accepts no writes (SQLSTATE 25006): leadership ends.
+    ServerReadOnly,
     /// Not renewed; retry at the keeper's pace until the deadline.
     RetrySoon,
     /// Not renewed; retry after this wait, until the deadline.
@@ -267,12 +272,21 @@ impl<B: KeepBackend> Keep<B> {
                             shared.contact.touch();
                             keeper.heartbeat_ok(now);
                         }
+                        Ok(Answer::ReadOnly) => {
+                            shared.contact.touch();
+                            tracing::warn!("the server accepts no writes (transaction_read_only is on): demoted or fenced");
+                            keeper.server_read_only();
+                        }
                         Err(e) => {
                             failures = failures.saturating_add(1);
                             match backend.failed(&e, failures) {
                                 Failed::ConnectionLost => {
                                     tracing::warn!(error = %e, "lock connection failed");
                                     keeper.connection_lost();
+                                }
+                                Failed::ServerReadOnly => {
+                                    tracing::warn!(error = %e, "the server accepts no writes: demoted or fenced");
+                                    keeper.server_read_only();
                                 }
                                 Failed::RetrySoon => {
                                     tracing::warn!(error = %e, "renewal failed; retrying until the deadline");

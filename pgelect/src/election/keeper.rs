@@ -313,6 +313,13 @@ impl Keeper {
         self.pending_action = Some(self.fail_connection());
     }
 
+    /// The server accepts no writes (demoted or fenced): leadership ends at
+    /// once, and the lock connection goes.
+    pub(crate) fn server_read_only(&mut self) {
+        self.in_flight = None;
+        self.pending_action = Some(self.lose(LossReason::ServerReadOnly, true));
+    }
+
     /// A hint says the lease row may have changed (a resign `NOTIFY`): renew
     /// early, because the renewal's answer says whether a resignation was
     /// requested for this term. The hint itself proves nothing (anyone who

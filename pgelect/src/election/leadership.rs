@@ -64,6 +64,14 @@ pub enum LossReason {
     /// Resigned: [`Leadership::resign`] was called, or another process asked
     /// with [`request_resign`](crate::request_resign).
     Resigned,
+    /// The server accepts no writes any more: it was demoted to a standby
+    /// (in recovery) or fenced read-only (`default_transaction_read_only`),
+    /// found by a renewal failing with SQLSTATE 25006
+    /// (`read_only_sql_transaction`) or, session backend, a heartbeat
+    /// finding `transaction_read_only` on. A lock or lease there protects
+    /// nothing: leadership ends at once and the candidate reconnects (with
+    /// several hosts and `target_session_attrs=read-write`, to the primary).
+    ServerReadOnly,
     /// Every [`Leadership`] handle was dropped without `resign`: the lock
     /// connection was dropped, and standbys treat it as an unclean loss
     /// (lease backend: the lease is not released and expires after `ttl`).
@@ -72,7 +80,8 @@ pub enum LossReason {
 
 impl LossReason {
     /// A short label, used in metrics and logs: `shutdown`,
-    /// `connection_lost`, `deadline`, `preempted`, `resigned`, `dropped`.
+    /// `connection_lost`, `deadline`, `preempted`, `resigned`, `dropped`,
+    /// `server_read_only`.
     pub fn as_str(self) -> &'static str {
         match self {
             LossReason::Shutdown => "shutdown",
@@ -81,6 +90,7 @@ impl LossReason {
             LossReason::Preempted => "preempted",
             LossReason::Resigned => "resigned",
             LossReason::Dropped => "dropped",
+            LossReason::ServerReadOnly => "server_read_only",
         }
     }
 }

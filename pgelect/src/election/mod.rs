@@ -158,6 +158,7 @@ mod leadership;
 #[cfg(test)]
 mod sim;
 mod support;
+mod term;
 mod timing;
 mod watch;
 

@@ -29,9 +29,27 @@ pub(crate) fn backoff(failures: u32) -> Duration {
     half + Duration::from_millis(jitter)
 }
 
+/// True when the server refused a write because it accepts none (SQLSTATE
+/// 25006, `read_only_sql_transaction`): a standby, a demoted primary, or one
+/// fenced with `default_transaction_read_only`.
+pub(crate) fn is_read_only(e: &Error) -> bool {
+    match e {
+        Error::Database { source, .. } => {
+            source.code() == Some(&tokio_postgres::error::SqlState::READ_ONLY_SQL_TRANSACTION)
+        }
+        _ => false,
+    }
+}
+
 /// True for failures that a new connection may cure: the server went away,
-/// restarts, is overloaded, or our backend was terminated.
+/// restarts, is overloaded, or our backend was terminated; or it accepts
+/// no writes ([`is_read_only`]: after a failover, a new connection with
+/// several hosts and `target_session_attrs=read-write` reaches the new
+/// primary).
 pub(crate) fn is_transient(e: &Error) -> bool {
+    if is_read_only(e) {
+        return true;
+    }
     match e {
         Error::Connect { .. } | Error::ConnectTimeout { .. } | Error::ConnectionLost { .. } => true,
         Error::Database { source, .. } => {

@@ -37,7 +37,10 @@ use crate::election::config::random_u64;
 use crate::election::driver::{Activation, Answer, Failed, Keep, KeepBackend, Statement};
 use crate::election::keeper::{Action, Keeper, Liveness};
 use crate::election::leadership::{LeaderContext, LeaderState, Leadership, LossReason};
-use crate::election::support::{backoff, is_transient, nap, NapEnd, Reconnect, WakeLimit, WakeOn};
+use crate::election::support::{
+    backoff, is_read_only, is_transient, nap, NapEnd, Reconnect, WakeLimit, WakeOn,
+};
+use crate::election::term::next_term_sql;
 use crate::election::timing::Timing;
 use crate::election::watch::{LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 use crate::election::{LeaseState, Shared, Term};
@@ -83,6 +86,7 @@ pub fn lease_sql(schema: &SchemaName) -> LeaseSql {
     // `cur` reads the row as of the statement's snapshot; the upsert locks
     // the latest version and re-checks its WHERE on it (READ COMMITTED), so
     // of concurrent candidates exactly one wins, whatever `cur` showed.
+    let (first, next) = (next_term_sql("0"), next_term_sql("l.term"));
     let acquire = format!(
         "WITH cur AS (
              SELECT holder, backend, lease_until FROM {s}.leaders WHERE role = $1
@@ -90,11 +94,11 @@ pub fn lease_sql(schema: &SchemaName) -> LeaseSql {
              INSERT INTO {s}.leaders AS l
                     (role, holder, holder_meta, term, backend, holder_pid,
                      acquired_at, renewed_at, lease_until, resign_requested, lease_token)
-             VALUES ($1, $2, $3, 1, 'lease', NULL, now(), now(),
+             VALUES ($1, $2, $3, {first}, 'lease', NULL, now(), now(),
                      now() + $4 * interval '1 millisecond', false, $6)
              ON CONFLICT (role) DO UPDATE
                 SET holder = EXCLUDED.holder, holder_meta = EXCLUDED.holder_meta,
-                    term = l.term + 1, backend = 'lease', holder_pid = NULL,
+                    term = {next}, backend = 'lease', holder_pid = NULL,
                     acquired_at = EXCLUDED.acquired_at, renewed_at = EXCLUDED.renewed_at,
                     lease_until = EXCLUDED.lease_until, resign_requested = false,
                     lease_token = EXCLUDED.lease_token
@@ -642,7 +646,14 @@ impl KeepBackend for LeaseKeep {
         std::future::pending()
     }
 
-    fn failed(&self, _error: &Error, failures: u32) -> Failed {
+    fn failed(&self, error: &Error, failures: u32) -> Failed {
+        if is_read_only(error) {
+            // Not an outage to ride out: the lease is on a server that
+            // cannot renew it (demoted or fenced); the next campaign opens
+            // a new connection.
+            self.put_conn(None);
+            return Failed::ServerReadOnly;
+        }
         // Retries are cheap (one statement or a refused connection): keep
         // them frequent, so that a short outage is ridden out.
         let cap = (self.shared.timing.renew_every / 4).max(Duration::from_millis(50));

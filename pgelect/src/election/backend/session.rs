@@ -29,8 +29,10 @@ use crate::election::driver::{Activation, Answer, Failed, Keep, KeepBackend, Sta
 use crate::election::keeper::{Keeper, Liveness};
 use crate::election::leadership::{LeaderContext, LeaderState, Leadership, LossReason};
 use crate::election::support::{
-    backoff, check_not_transaction_pooled, is_transient, nap, Counted, WakeLimit, WakeOn,
+    backoff, check_not_transaction_pooled, is_read_only, is_transient, nap, Counted, WakeLimit,
+    WakeOn,
 };
+use crate::election::term::next_term_sql;
 use crate::election::watch::{
     preempt_zombie, read_leader, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
 };
@@ -380,17 +382,18 @@ impl ElectStatement {
         // same statement is skipped, which hid the previous holder (and with
         // it the handover delay). The advisory lock already serialises
         // electors, and `up` locks the row itself.
+        let (first, next) = (next_term_sql("0"), next_term_sql("l.term"));
         let sql = format!(
             "WITH old AS (
                  SELECT holder FROM {s}.leaders WHERE role = $1
              ), up AS (
                  INSERT INTO {s}.leaders AS l
                         (role, holder, holder_meta, term, backend, holder_pid, acquired_at, renewed_at, lease_until)
-                 VALUES ($1, $2, $3, 1, 'session', pg_backend_pid(), now(), now(),
+                 VALUES ($1, $2, $3, {first}, 'session', pg_backend_pid(), now(), now(),
                          now() + $4 * interval '1 millisecond')
                  ON CONFLICT (role) DO UPDATE
                     SET holder = EXCLUDED.holder, holder_meta = EXCLUDED.holder_meta,
-                        term = l.term + 1, backend = EXCLUDED.backend,
+                        term = {next}, backend = EXCLUDED.backend,
                         holder_pid = EXCLUDED.holder_pid, acquired_at = EXCLUDED.acquired_at,
                         renewed_at = EXCLUDED.renewed_at, lease_until = EXCLUDED.lease_until,
                         resign_requested = false, lease_token = NULL
@@ -617,6 +620,14 @@ impl SessionKeep {
     }
 }
 
+/// Whether `SHOW transaction_read_only` said `on`.
+fn read_only_answer(msgs: &[tokio_postgres::SimpleQueryMessage]) -> bool {
+    msgs.iter().any(|m| match m {
+        tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0) == Some("on"),
+        _ => false,
+    })
+}
+
 /// The renewal's rows: one if the lease is still ours, none otherwise.
 fn renewal(rows: &[Row]) -> std::result::Result<Answer, tokio_postgres::Error> {
     match rows {
@@ -664,12 +675,18 @@ impl KeepBackend for SessionKeep {
                     return (sent, Ok(Answer::Alive));
                 }
             }
+            // `transaction_read_only` is on in a standby and on a primary
+            // fenced with `default_transaction_read_only`: a lock there
+            // protects nothing.
             let r = self
                 .conn
                 .client()
-                .simple_query("SELECT 1")
+                .simple_query("SHOW transaction_read_only")
                 .await
-                .map(|_| Answer::Alive)
+                .map(|msgs| match read_only_answer(&msgs) {
+                    true => Answer::ReadOnly,
+                    false => Answer::Alive,
+                })
                 .map_err(|e| Error::db("renew the lease", self.schema(), e));
             (sent, r)
         })
@@ -680,7 +697,9 @@ impl KeepBackend for SessionKeep {
     }
 
     fn failed(&self, error: &Error, _failures: u32) -> Failed {
-        if is_transient(error) || self.conn.is_closed() {
+        if is_read_only(error) {
+            Failed::ServerReadOnly
+        } else if is_transient(error) || self.conn.is_closed() {
             Failed::ConnectionLost
         } else {
             Failed::RetrySoon
@@ -690,7 +709,10 @@ impl KeepBackend for SessionKeep {
     fn let_go(&self, reason: Option<LossReason>) {
         // A dead connection goes; otherwise only this role's lock (on its
         // own connection, the same).
-        if reason == Some(LossReason::ConnectionLost) {
+        if matches!(
+            reason,
+            Some(LossReason::ConnectionLost | LossReason::ServerReadOnly)
+        ) {
             self.conn.kill();
         } else {
             self.conn.abandon(self.shared.key);

@@ -1,0 +1,318 @@
+//! Elections across a PostgreSQL primary failover: a primary and an
+//! asynchronous streaming replica from the test kit, the primary killed,
+//! the replica promoted.
+
+mod support;
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pgelect::{Backend, ConnectOptions, Elector, Leadership, LossReason, Term};
+use pgelect_testkit::{Cluster, ReplicaSet, Replication, TestDb, SUPERUSER, TEST_PASSWORD};
+use tokio::time::timeout;
+use tokio_postgres::{Client, NoTls};
+
+use support::fast_session;
+
+/// `postgres://…@127.0.0.1:P1,127.0.0.1:P2/db?target_session_attrs=read-write`:
+/// every connection reaches whichever of the two accepts writes.
+fn both_hosts(a: &Cluster, b: &Cluster, db: &str) -> ConnectOptions {
+    let url = format!(
+        "postgres://{SUPERUSER}:{TEST_PASSWORD}@127.0.0.1:{},127.0.0.1:{}/{db}\
+         ?target_session_attrs=read-write&connect_timeout=2",
+        a.port(),
+        b.port()
+    );
+    ConnectOptions::from_url(&url).expect("a multi-host URL parses")
+}
+
+async fn connect(cluster: &Cluster, db: &str) -> Client {
+    let (client, connection) = timeout(Duration::from_secs(10), cluster.config(db).connect(NoTls))
+        .await
+        .expect("connect timed out")
+        .expect("connect");
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    client
+}
+
+async fn row_term(client: &Client, role: &str) -> i64 {
+    client
+        .query_one("SELECT term FROM pgelect.leaders WHERE role = $1", &[&role])
+        .await
+        .expect("read the leaders row")
+        .get(0)
+}
+
+/// Log lines of this test process (each test runs in its own process
+/// under nextest, so the global subscriber is this test's).
+#[derive(Clone, Default)]
+struct Log(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Log {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Log {
+    fn install() -> Option<Log> {
+        let log = Log::default();
+        let writer = log.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::INFO)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::set_global_default(subscriber)
+            .ok()
+            .map(|()| log)
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+async fn elected(elector: &Elector, within: Duration) -> Leadership {
+    timeout(within, elector.leadership())
+        .await
+        .expect("elected in time")
+        .expect("elected")
+}
+
+/// Short timings for `backend` (see `support::fast_session`; the lease
+/// backend's standbys retry every 200 ms).
+fn fast(o: &ConnectOptions, role: &str, node: &str, backend: Backend) -> Elector {
+    let b = fast_session(o, role, node);
+    match backend {
+        Backend::Session => b.build().unwrap(),
+        _ => b
+            .backend(Backend::Lease)
+            .heartbeat_timeout(Duration::from_millis(600))
+            .retry_every(Duration::from_millis(200))
+            .build()
+            .unwrap(),
+    }
+}
+
+/// The lost-bump scenario of issue 14, session backend: a term committed
+/// on the old primary and never replicated must not be handed out again by
+/// the new primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_term_lost_by_async_replication_is_never_handed_out_again() {
+    lost_bump(Backend::Session, "ha_lost_bump").await;
+}
+
+/// The same with the lease backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_term_lost_by_async_replication_is_never_handed_out_again() {
+    lost_bump(Backend::Lease, "ha_lost_bump_lease").await;
+}
+
+async fn lost_bump(backend: Backend, hint: &str) {
+    let log = Log::install();
+    let set = tokio::task::block_in_place(|| ReplicaSet::start(Replication::Async))
+        .expect("primary and async replica");
+    let db = TestDb::on(set.primary(), hint).await;
+    let o = both_hosts(set.primary(), set.replica(), db.name());
+    pgelect::migrate(&o).await.expect("migrate");
+    let role = "scheduler";
+    let mut given: Vec<Term> = Vec::new();
+
+    let a = fast(&o, role, "node-a", backend);
+    let b = fast(&o, role, "node-b", backend);
+    let first = elected(&a, Duration::from_secs(10)).await;
+    given.push(first.term());
+    tokio::task::block_in_place(|| set.wait_replayed()).expect("replica caught up");
+    let replica = connect(set.replica(), db.name()).await;
+    assert_eq!(row_term(&replica, role).await, given[0].get());
+
+    // The next bump reaches the old primary only.
+    set.hold_replication();
+    let standing = tokio::spawn(async move {
+        let l = b.leadership().await;
+        (b, l)
+    });
+    first.resign().await.expect("resign");
+    let (b, second) = timeout(Duration::from_secs(10), standing)
+        .await
+        .expect("b elected in time")
+        .unwrap();
+    let second = second.expect("b elected");
+    given.push(second.term());
+    let primary = connect(set.primary(), db.name()).await;
+    assert_eq!(row_term(&primary, role).await, second.term().get());
+    assert_eq!(
+        row_term(&replica, role).await,
+        given[0].get(),
+        "the replica must not have received the second term"
+    );
+    // What the old rule (`term + 1`) would hand out on the new primary:
+    // the lost term itself.
+    assert_eq!(given[0].get() + 1, second.term().get());
+
+    // Candidate a stands again, on whichever host is primary.
+    let standing = tokio::spawn(async move {
+        let l = a.leadership().await;
+        (a, l, Instant::now())
+    });
+    if backend == Backend::Session {
+        db.wait_for_advisory_waiters(1).await; // a waits on the old primary
+    }
+    let died = Instant::now();
+    let promoted = tokio::task::block_in_place(|| set.promote()).expect("promote");
+    timeout(Duration::from_secs(5), second.lost())
+        .await
+        .expect("the old primary's leader loses leadership when it dies");
+    drop(second);
+    let (_a, third, at) = timeout(Duration::from_secs(20), standing)
+        .await
+        .expect("a new leader after the promotion")
+        .unwrap();
+    let third = third.expect("a elected on the new primary");
+    eprintln!(
+        "{backend:?}: promotion took {promoted:?}; new leader {:?} after the primary's death; \
+         terms given {:?}, then {}",
+        at - died,
+        given.iter().map(|t| t.get()).collect::<Vec<_>>(),
+        third.term().get()
+    );
+    for t in &given {
+        assert!(
+            third.term() > *t,
+            "term {} after the failover is not larger than {} handed out before",
+            third.term().get(),
+            t.get()
+        );
+    }
+    assert!(third.term().get() >= 1 << 32, "timeline 2 starts at 2^32");
+    // Candidates log which of the hosts they reached.
+    if let Some(log) = log {
+        let reached = format!("server=127.0.0.1:{}", set.replica().port());
+        let text = log.text();
+        assert!(
+            text.lines()
+                .any(|l| l.contains("connected to one of several hosts") && l.contains(&reached)),
+            "no log line says {reached}:\n{text}"
+        );
+    }
+
+    // fence: the lost term is refused on the new primary, the new one works.
+    let new = connect(set.replica(), db.name()).await;
+    let stale = new
+        .query_one(
+            "SELECT pgelect.fence($1, $2)::text",
+            &[&role, &second_term(&given)],
+        )
+        .await
+        .expect_err("the lost term must be refused");
+    assert_eq!(stale.code().map(|c| c.code()), Some("PE001"), "{stale}");
+    let mut new = new;
+    let tx = new.transaction().await.unwrap();
+    third.fence(&tx).await.expect("the new term fences");
+    tx.commit().await.unwrap();
+    drop(b);
+    third.resign().await.expect("resign on the new primary");
+}
+
+fn second_term(given: &[Term]) -> i64 {
+    given[1].get()
+}
+
+/// Fences `cluster` read-only the cheap way an operator (or a failover
+/// manager) may: `default_transaction_read_only = on`, reloaded, so that
+/// every new transaction, in existing sessions too, refuses writes with
+/// SQLSTATE 25006 while connections stay up. `on = false` lifts it.
+async fn fence_read_only(cluster: &Cluster, on: bool) {
+    let c = connect(cluster, "postgres").await;
+    let set = if on {
+        "ALTER SYSTEM SET default_transaction_read_only = on"
+    } else {
+        "ALTER SYSTEM RESET default_transaction_read_only"
+    };
+    c.simple_query(set).await.expect("alter system");
+    c.simple_query("SELECT pg_reload_conf()")
+        .await
+        .expect("reload");
+}
+
+/// A leader on a server that turns read-only ends at once as
+/// `ServerReadOnly` (not at its deadline); a standby on it does not take
+/// over there (every elect fails with 25006 and it reconnects), and takes
+/// over once the server accepts writes again.
+async fn leader_on_a_fenced_server_steps_down(backend: Backend, hint: &str) {
+    let cluster = tokio::task::block_in_place(Cluster::start).expect("cluster");
+    let db = TestDb::on(&cluster, hint).await;
+    let o = ConnectOptions::from_url(&cluster.url(db.name())).unwrap();
+    pgelect::migrate(&o).await.expect("migrate");
+    let role = "fenced";
+    let a = fast(&o, role, "node-a", backend);
+    let b = fast(&o, role, "node-b", backend);
+    let leader = elected(&a, Duration::from_secs(10)).await;
+    let standing = tokio::spawn(async move {
+        let l = b.leadership().await;
+        (b, l)
+    });
+    if backend == Backend::Session {
+        db.wait_for_advisory_waiters(1).await;
+    }
+
+    let fenced = Instant::now();
+    fence_read_only(&cluster, true).await;
+    timeout(Duration::from_secs(5), leader.lost())
+        .await
+        .expect("the leader steps down on a read-only server");
+    let noticed = fenced.elapsed();
+    eprintln!("{backend:?}: leader on the fenced server stepped down after {noticed:?}");
+    assert_eq!(leader.loss_reason(), Some(LossReason::ServerReadOnly));
+    // Well before the local deadline (ttl 2 s - margin 0.4 s = 1.6 s):
+    // within a heartbeat (session, 200 ms) or a renewal (lease, 500 ms),
+    // plus the reload reaching the session.
+    let bound = match backend {
+        Backend::Session => Duration::from_millis(200 + 500 + 300),
+        _ => Duration::from_millis(500 + 600 + 300),
+    };
+    assert!(
+        noticed < bound,
+        "noticed after {noticed:?}, bound {bound:?}"
+    );
+    drop(leader);
+
+    // Nobody leads on a read-only server.
+    tokio::time::sleep(Duration::from_secs(2)).await; // a negative check
+    assert!(
+        !standing.is_finished(),
+        "a standby was elected on a read-only server"
+    );
+
+    fence_read_only(&cluster, false).await;
+    let (_b, next) = timeout(Duration::from_secs(20), standing)
+        .await
+        .expect("elected once the server accepts writes")
+        .unwrap();
+    let next = next.expect("elected");
+    assert!(next.term() > Term::new(1));
+    let mut c = connect(&cluster, db.name()).await;
+    let tx = c.transaction().await.unwrap();
+    next.fence(&tx).await.expect("the new term fences");
+    tx.commit().await.unwrap();
+    next.resign().await.unwrap();
+    drop(a);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_leader_on_a_fenced_server_steps_down_at_once() {
+    leader_on_a_fenced_server_steps_down(Backend::Session, "ha_fenced_session").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_leader_on_a_fenced_server_steps_down_at_once() {
+    leader_on_a_fenced_server_steps_down(Backend::Lease, "ha_fenced_lease").await;
+}
