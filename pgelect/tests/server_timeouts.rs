@@ -58,12 +58,6 @@ struct Users {
     owner: ConnectOptions,
 }
 
-/// A migrated database whose sessions get each of `settings` = [`TIMEOUT`]
-/// at `level`, and its users, all subject to the settings. At the database
-/// level both are the superuser; at the role level the candidate has the
-/// README's grants only, and the owner is a non-superuser with `CREATE` on
-/// the database that migrated it and gave those grants. The settings are
-
 /// Whether the server has the setting `s` (PostgreSQL 13 has no
 /// `idle_session_timeout`: there is nothing to switch off, so nothing to test).
 async fn has_setting(c: &tokio_postgres::Client, s: &str) -> bool {
@@ -81,7 +75,12 @@ async fn has_setting(c: &tokio_postgres::Client, s: &str) -> bool {
     known
 }
 
-/// shown to be in effect for both.
+/// A migrated database whose sessions get each of `settings` = [`TIMEOUT`]
+/// at `level`, and its users, all subject to the settings. At the database
+/// level both are the superuser; at the role level the candidate has the
+/// README's grants only, and the owner is a non-superuser with `CREATE` on
+/// the database that migrated it and gave those grants. The settings are
+/// shown to be in effect for both (where the server has them).
 async fn set_up(hint: &str, settings: &[&str], level: Level) -> (TestDb, Users) {
     let db = TestDb::new(hint).await;
     let admin = db.connect().await;
