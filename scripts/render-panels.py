@@ -158,6 +158,12 @@ def record(args):
         (40, lambda: freeze("scheduler")),
         (50, thaw),
     ]
+    if args.targets_file:
+        # Prometheus file_sd: a real Prometheus can scrape the same run.
+        with open(args.targets_file + ".tmp", "w") as f:
+            json.dump([{"targets": [f"127.0.0.1:{c.port}"],
+                        "labels": {"node": c.node, "job": "pgelect"}} for c in cands], f)
+        os.replace(args.targets_file + ".tmp", args.targets_file)
     for c in cands:
         c.start()
     event("5 candidates started (scheduler: session backend, sweeper: lease backend; ttl 6s)")
@@ -453,6 +459,8 @@ def main():
     r.add_argument("--database-url-file", required=True)
     r.add_argument("--samples", required=True)
     r.add_argument("--seconds", type=float, default=62)
+    r.add_argument("--targets-file", help="also write the candidates' addresses here, as "
+                   "Prometheus file_sd JSON, before starting them")
     d = sub.add_parser("render", help="draw the panels from a samples file")
     d.add_argument("--samples", required=True)
     d.add_argument("--out", default="deploy/grafana/panels.svg")
