@@ -16,7 +16,10 @@ kills leaders with SIGKILL and starts them again, asks for a resign, and
 freezes a leader with SIGSTOP past its deadline, while it scrapes every
 candidate's /metrics every 250 ms (a target that does not answer within
 200 ms counts as down, as for Prometheus). Each line of the samples file is
-one scrape or one event. `render` draws, per role, what the dashboard's
+one scrape or one event. With `--targets-file FILE` it also writes the
+candidates' addresses as Prometheus file_sd JSON before starting them, so
+that a real Prometheus (file_sd_configs on FILE) can scrape the same run and
+evaluate the dashboard's queries and the alerts. `render` draws, per role, what the dashboard's
 panels show: which node leads, the term, the time without a leader, the
 renewal latency (the exporter's summary: p99 over its 60 s window, and the
 mean between scrapes), and the losses by reason.
