@@ -3,7 +3,18 @@
 # PostgreSQL server binaries and PgBouncer (from the system's packages) and a
 # Rust toolchain. Installs what is missing where it can (as root, with apt-get)
 # and otherwise says exactly what to install. Safe to run again.
+#
+# `scripts/setup.sh --promtool` instead makes sure of `promtool` alone (for
+# scripts/check-deploy.sh), from Debian's `prometheus` package: the demo and
+# the tests do not need it.
 set -euo pipefail
+
+only_promtool=false
+case "${1:-}" in
+  --promtool) only_promtool=true ;;
+  "") ;;
+  *) echo "usage: scripts/setup.sh [--promtool]" >&2; exit 64 ;;
+esac
 
 have_pg() {
   if [ -n "${PGELECT_PG_BIN:-}" ] && [ -x "$PGELECT_PG_BIN/initdb" ]; then return 0; fi
@@ -13,16 +24,22 @@ have_pg() {
 have_pgbouncer() { command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ]; }
 
 missing=()
-have_pg || missing+=(postgresql)
-have_pgbouncer || missing+=(pgbouncer)
+if $only_promtool; then
+  # Debian and Ubuntu have no smaller package with promtool than the server's.
+  command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+else
+  have_pg || missing+=(postgresql)
+  have_pgbouncer || missing+=(pgbouncer)
+fi
 
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "setup: installing ${missing[*]} from the system's packages" >&2
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -q >/dev/null
-    # policy-rc.d keeps the package from starting a system-wide server: the
-    # tests and the demo start their own throwaway clusters.
+    # policy-rc.d keeps the packages from starting a system-wide server: the
+    # tests and the demo start their own throwaway clusters, and only
+    # promtool is wanted from prometheus.
     if [ ! -e /usr/sbin/policy-rc.d ]; then
       printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
       trap 'rm -f /usr/sbin/policy-rc.d' EXIT
@@ -31,10 +48,16 @@ if [ ${#missing[@]} -gt 0 ]; then
   else
     echo "setup: missing ${missing[*]}. Install them with:" >&2
     echo "  sudo apt-get install ${missing[*]}        # Debian/Ubuntu" >&2
-    echo "or point PGELECT_PG_BIN at a directory holding initdb and postgres." >&2
+    if $only_promtool; then
+      echo "(the package's server is not needed: promtool alone, from any Prometheus 2.x release, on PATH is enough)" >&2
+    else
+      echo "or point PGELECT_PG_BIN at a directory holding initdb and postgres." >&2
+    fi
     exit 69
   fi
 fi
+
+$only_promtool && exit 0
 
 if ! command -v cargo >/dev/null 2>&1; then
   echo "setup: cargo is missing; install a Rust toolchain (https://rustup.rs) and run this again" >&2
