@@ -546,6 +546,12 @@ while :; do sleep 1 & wait $!; done"#;
     let b = get(port_b).await;
     assert_eq!(code(&b), 503, "{b}");
     assert!(body(&b).contains("not leader"), "{b}");
+    // A standby that never led exports is_leader 0, so dashboards and the
+    // no-leader alert see it.
+    let m = exchange(port_b, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", AT_ONCE)
+        .await
+        .0;
+    assert!(body(&m).contains("pgelect_is_leader{role=\"r\"} 0"), "{m}");
 
     let resign = support::run(
         pgelect(["resign", "--role", ROLE, "--database-url", &db.url()]),

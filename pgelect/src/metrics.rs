@@ -43,6 +43,14 @@ pub(crate) fn leader_on(role: &str, term: i64, takeover: std::time::Duration) {
     metrics::histogram!(TAKEOVER_SECONDS, "role" => role).record(takeover.as_secs_f64());
 }
 
+/// A candidate starts standing: `is_leader` 0 unless it already leads the
+/// role through another elector of this process (then left as it is).
+pub(crate) fn standing(role: &str) {
+    let gauge = metrics::gauge!(IS_LEADER, "role" => role.to_owned());
+    // Incrementing by zero registers the series without overwriting a 1.
+    gauge.increment(0.0);
+}
+
 pub(crate) fn leader_off(role: &str, reason: &'static str) {
     let role = role.to_owned();
     metrics::gauge!(IS_LEADER, "role" => role.clone()).set(0.0);

@@ -572,6 +572,9 @@ impl Elector {
     /// (the statement is cancelled, but may have committed): nobody acts on
     /// it, and it expires after `ttl`.
     pub async fn leadership(&self) -> Result<Leadership> {
+        // A standby exports is_leader = 0 from the start, so that dashboards
+        // and alerts see every candidate, not only those that have led.
+        crate::metrics::standing(&self.shared.role);
         match self.shared.backend() {
             Backend::Session => backend::session::campaign(&self.shared).await,
             Backend::Lease => backend::lease::campaign(&self.shared).await,
