@@ -312,6 +312,9 @@ pub struct Background {
     stdout: std::sync::Arc<std::sync::Mutex<String>>,
     stderr: std::sync::Arc<std::sync::Mutex<String>>,
     lines: tokio::sync::mpsc::UnboundedReceiver<String>,
+    /// The tasks draining stdout and stderr: awaited after an exit, so that
+    /// the last lines are in `output()` when `wait` returns.
+    readers: Vec<tokio::task::JoinHandle<()>>,
     started: Instant,
 }
 
@@ -325,7 +328,7 @@ impl Background {
         let (tx, lines) = tokio::sync::mpsc::unbounded_channel();
         let out = child.stdout.take().expect("piped stdout");
         let sink = stdout.clone();
-        tokio::spawn(async move {
+        let out_reader = tokio::spawn(async move {
             let mut reader = tokio::io::BufReader::new(out).lines();
             while let Ok(Some(line)) = reader.next_line().await {
                 sink.lock().unwrap().push_str(&format!("{line}\n"));
@@ -334,7 +337,7 @@ impl Background {
         });
         let err = child.stderr.take().expect("piped stderr");
         let sink = stderr.clone();
-        tokio::spawn(async move {
+        let err_reader = tokio::spawn(async move {
             let mut reader = tokio::io::BufReader::new(err).lines();
             while let Ok(Some(line)) = reader.next_line().await {
                 sink.lock().unwrap().push_str(&format!("{line}\n"));
@@ -346,6 +349,7 @@ impl Background {
             stdout,
             stderr,
             lines,
+            readers: vec![out_reader, err_reader],
             started: Instant::now(),
         }
     }
@@ -400,7 +404,14 @@ impl Background {
     /// after a signal). On timeout kills it and panics with its output.
     pub async fn wait(&mut self, limit: Duration) -> Option<i32> {
         match tokio::time::timeout(limit, self.child.wait()).await {
-            Ok(status) => status.expect("wait for pgelect").code(),
+            Ok(status) => {
+                // The pipes end with the process (or soon after, if a
+                // child of it held them): read them to the end.
+                for reader in self.readers.drain(..) {
+                    let _ = tokio::time::timeout(Duration::from_secs(2), reader).await;
+                }
+                status.expect("wait for pgelect").code()
+            }
             Err(_) => {
                 let _ = self.child.start_kill();
                 let _ = self.child.wait().await;
