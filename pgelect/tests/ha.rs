@@ -4,8 +4,6 @@
 
 mod support;
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pgelect::{Backend, ConnectOptions, Elector, Leadership, LossReason, Term};
@@ -13,7 +11,7 @@ use pgelect_testkit::{Cluster, ReplicaSet, Replication, TestDb, SUPERUSER, TEST_
 use tokio::time::timeout;
 use tokio_postgres::{Client, NoTls};
 
-use support::fast_session;
+use support::{fast_session, Log};
 
 /// `postgres://…@127.0.0.1:P1,127.0.0.1:P2/db?target_session_attrs=read-write`:
 /// every connection reaches whichever of the two accepts writes.
@@ -44,40 +42,6 @@ async fn row_term(client: &Client, role: &str) -> i64 {
         .await
         .expect("read the leaders row")
         .get(0)
-}
-
-/// Log lines of this test process (each test runs in its own process
-/// under nextest, so the global subscriber is this test's).
-#[derive(Clone, Default)]
-struct Log(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Log {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Log {
-    fn install() -> Option<Log> {
-        let log = Log::default();
-        let writer = log.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::INFO)
-            .with_ansi(false)
-            .with_writer(move || writer.clone())
-            .finish();
-        tracing::subscriber::set_global_default(subscriber)
-            .ok()
-            .map(|()| log)
-    }
-
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
 }
 
 async fn elected(elector: &Elector, within: Duration) -> Leadership {
@@ -117,7 +81,7 @@ async fn a_lease_term_lost_by_async_replication_is_never_handed_out_again() {
 }
 
 async fn lost_bump(backend: Backend, hint: &str) {
-    let log = Log::install();
+    let log = Log::install_global(tracing::Level::INFO);
     let set = tokio::task::block_in_place(|| ReplicaSet::start(Replication::Async))
         .expect("primary and async replica");
     let db = TestDb::on(set.primary(), hint).await;

@@ -9,8 +9,6 @@
 //! (each runs on its own current-thread runtime, so the capture sees only
 //! its own tasks).
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pgelect::{
@@ -21,7 +19,7 @@ use pgelect_testkit::TestDb;
 use tokio_postgres::{Client, NoTls};
 
 mod support;
-use support::{fast_session, term_of, Candidate};
+use support::{fast_session, term_of, Candidate, Log};
 
 const PASSWORD: &str = "least-privilege-2";
 
@@ -370,41 +368,6 @@ async fn the_election_and_lock_behaviour_as_a_least_privilege_candidate() {
     t2.commit().await.unwrap();
 }
 
-/// The log written while the guard lives, warnings and up.
-#[derive(Clone, Default)]
-struct Log(Arc<Mutex<Vec<u8>>>);
-
-impl Log {
-    fn capture(&self) -> tracing::subscriber::DefaultGuard {
-        let log = self.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::WARN)
-            .with_ansi(false)
-            .with_writer(move || log.clone())
-            .finish();
-        tracing::subscriber::set_default(subscriber)
-    }
-
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-
-    fn count(&self, needle: &str) -> usize {
-        self.text().lines().filter(|l| l.contains(needle)).count()
-    }
-}
-
-impl Write for Log {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 const DEGRADED: &str = "zombie preemption unavailable (degraded)";
 
 /// A leader process (the `candidate` example, ttl 1 s) as `leader_url`'s
@@ -446,7 +409,7 @@ async fn frozen_leader(
 #[tokio::test]
 async fn without_pg_signal_backend_preemption_is_degraded_logged_once_and_safe() {
     let log = Log::default();
-    let _guard = log.capture();
+    let _guard = log.capture(tracing::Level::WARN);
     let s = owned("lp_zombie_off").await;
     s.user("leader", &[UserKind::Candidate]).await;
     let leader_url = s.db.create_role("leader", PASSWORD, false).await;
@@ -498,7 +461,7 @@ async fn without_pg_signal_backend_preemption_is_degraded_logged_once_and_safe()
 #[tokio::test]
 async fn with_pg_signal_backend_a_frozen_leader_of_another_user_is_preempted() {
     let log = Log::default();
-    let _guard = log.capture();
+    let _guard = log.capture(tracing::Level::WARN);
     let s = owned("lp_zombie_on").await;
     s.user("leader", &[UserKind::Candidate]).await;
     let leader_url = s.db.create_role("leader", PASSWORD, false).await;
@@ -539,7 +502,7 @@ async fn with_pg_signal_backend_a_frozen_leader_of_another_user_is_preempted() {
 #[tokio::test]
 async fn candidates_of_one_user_preempt_each_other_without_pg_signal_backend() {
     let log = Log::default();
-    let _guard = log.capture();
+    let _guard = log.capture(tracing::Level::WARN);
     let s = owned("lp_zombie_same").await;
     let o = s.user("cand", &[UserKind::Candidate]).await;
     let url = s.db.create_role("cand", PASSWORD, false).await;

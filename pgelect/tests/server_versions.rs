@@ -2,25 +2,11 @@
 //! is logged once, and the connection works all the same. Run on every
 //! supported version with `scripts/test.sh --pg all`.
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
-
 use pgelect::{ConnectOptions, LockKey, LockSession};
 use pgelect_testkit::TestDb;
 
-/// The library's log, captured for this test's thread.
-#[derive(Clone, Default)]
-struct Log(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Log {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
+mod support;
+use support::Log;
 
 #[tokio::test]
 async fn an_older_server_is_used_and_what_it_lacks_is_logged_once() {
@@ -43,13 +29,7 @@ async fn an_older_server_is_used_and_what_it_lacks_is_logged_once() {
     assert_eq!(has_check_interval, major >= 14, "server {version_num}");
 
     let log = Log::default();
-    let writer = log.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::INFO)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let _guard = log.capture(tracing::Level::INFO);
 
     let options = ConnectOptions::from_url(&db.url()).unwrap();
     pgelect::migrate(&options).await.unwrap();
@@ -63,7 +43,7 @@ async fn an_older_server_is_used_and_what_it_lacks_is_logged_once() {
     assert!(held.release().await.unwrap());
     assert!(b.try_lock(key).await.unwrap().is_some());
 
-    let text = String::from_utf8_lossy(&log.0.lock().unwrap()).into_owned();
+    let text = log.text();
     let degraded: Vec<&str> = text
         .lines()
         .filter(|l| l.contains("pgelect degraded"))

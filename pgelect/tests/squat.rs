@@ -7,8 +7,6 @@
 //! runs on its own current-thread runtime, so the capture sees only its own
 //! tasks).
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pgelect::{ConnectOptions, Error, LockKey, LockSession, StandbyMode};
@@ -16,54 +14,7 @@ use pgelect_testkit::TestDb;
 use tokio_postgres::{Client, NoTls};
 
 mod support;
-use support::{fast_session as fast, migrated};
-
-/// The log written while the guard lives, warnings and up.
-#[derive(Clone, Default)]
-struct Log(Arc<Mutex<Vec<u8>>>);
-
-impl Log {
-    fn capture(&self) -> tracing::subscriber::DefaultGuard {
-        let log = self.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::WARN)
-            .with_ansi(false)
-            .with_writer(move || log.clone())
-            .finish();
-        tracing::subscriber::set_default(subscriber)
-    }
-
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-
-    /// Waits (bounded) until the log has a line containing every needle.
-    async fn wait_for_line(&self, needles: &[&str], within: Duration) -> String {
-        let deadline = Instant::now() + within;
-        loop {
-            let text = self.text();
-            if let Some(line) = text.lines().find(|l| needles.iter().all(|n| l.contains(n))) {
-                return line.to_owned();
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no log line with {needles:?} within {within:?}; the log:\n{text}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-}
-
-impl Write for Log {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
+use support::{fast_session as fast, migrated, Log};
 
 /// A login role with CONNECT only, connected on its own: the squatter.
 /// Returns its client, its backend pid and its role name.
@@ -104,7 +55,7 @@ async fn let_go(client: &Client, key: LockKey) {
 
 async fn standby_warns_about_a_squatter(mode: StandbyMode, hint: &str) {
     let log = Log::default();
-    let _capture = log.capture();
+    let _capture = log.capture(tracing::Level::WARN);
     let (db, o) = migrated(hint).await;
     let elector = fast(&o, "squatted", "node-a")
         .standby(mode)
@@ -186,7 +137,7 @@ async fn a_polling_standby_warns_once_with_the_squatters_pid_user_and_applicatio
 #[tokio::test]
 async fn a_standby_behind_a_live_pgelect_leader_does_not_warn() {
     let log = Log::default();
-    let _capture = log.capture();
+    let _capture = log.capture(tracing::Level::WARN);
     let (_db, o) = migrated("squat_none").await;
     let a = fast(&o, "busy", "node-a").build().unwrap();
     let leader = a.leadership().await.unwrap();
@@ -260,7 +211,7 @@ async fn migrate_fails_within_its_bound_naming_whoever_holds_the_migration_lock(
 #[tokio::test]
 async fn a_lock_session_wait_names_the_holder_in_its_timeout_and_its_log() {
     let log = Log::default();
-    let _capture = log.capture();
+    let _capture = log.capture(tracing::Level::WARN);
     let db = TestDb::new("squat_lock").await;
     let o = ConnectOptions::from_url(&db.url()).unwrap();
     let (sq, pid, user) = squatter(&db, "lock-squatter").await;

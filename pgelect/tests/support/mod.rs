@@ -165,3 +165,69 @@ pub fn fast_session(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilde
         .heartbeat_timeout(Duration::from_millis(500))
         .check_every(Duration::from_millis(200))
 }
+
+/// The library's log, captured as text (no colour) for assertions.
+#[derive(Clone, Default)]
+pub struct Log(Arc<Mutex<Vec<u8>>>);
+
+impl Log {
+    /// Captures `level` and up on this thread while the guard lives.
+    pub fn capture(&self, level: tracing::Level) -> tracing::subscriber::DefaultGuard {
+        tracing::subscriber::set_default(self.subscriber(level))
+    }
+
+    /// Captures `level` and up in the whole process (for a multi-threaded
+    /// runtime; each test has its own process under nextest). `None` if a
+    /// global subscriber was already set.
+    pub fn install_global(level: tracing::Level) -> Option<Log> {
+        let log = Log::default();
+        tracing::subscriber::set_global_default(log.subscriber(level))
+            .ok()
+            .map(|()| log)
+    }
+
+    fn subscriber(&self, level: tracing::Level) -> impl tracing::Subscriber + Send + Sync {
+        let log = self.clone();
+        tracing_subscriber::fmt()
+            .with_max_level(level)
+            .with_ansi(false)
+            .with_writer(move || log.clone())
+            .finish()
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+
+    /// Lines containing `needle`.
+    pub fn count(&self, needle: &str) -> usize {
+        self.text().lines().filter(|l| l.contains(needle)).count()
+    }
+
+    /// Waits (bounded) until the log has a line containing every needle.
+    pub async fn wait_for_line(&self, needles: &[&str], within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let text = self.text();
+            if let Some(line) = text.lines().find(|l| needles.iter().all(|n| l.contains(n))) {
+                return line.to_owned();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no log line with {needles:?} within {within:?}; the log:\n{text}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl std::io::Write for Log {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
