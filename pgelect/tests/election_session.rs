@@ -619,6 +619,15 @@ async fn run_demotes_after_duties_stop_and_resign_can_be_requested() {
     println!("requested resign -> standby elected in {took:?} (duties take 100 ms to stop)");
     // Clean release: no handover delay (1.2 s); duties took 100 ms.
     assert!(took < Duration::from_millis(1000), "{took:?}");
+    // `run` releases the lock before it calls `on_demoted`, so the standby
+    // may be elected a moment before "demoted" is recorded: wait for it.
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while events.lock().unwrap().len() < 3 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("on_demoted runs after the release");
     {
         let ev = events.lock().unwrap();
         assert_eq!(ev[1], "duties stopped Some(Resigned)");
