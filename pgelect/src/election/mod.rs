@@ -180,6 +180,7 @@ pub use backend::lease::{lease_sql, LeaseSql};
 pub use backend::shared::SharedConnection;
 pub use config::{Backend, ElectorBuilder, StandbyMode, MAX_ROLE_BYTES};
 pub use leadership::{LeaderContext, Leadership, LossReason, Term};
+pub use timing::Profile;
 pub use watch::{current_leader, request_resign, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 
 use self::backend::shared::RoleClaim;
@@ -532,6 +533,21 @@ impl Elector {
         self.shared.timing.handover_delay
     }
 
+    /// The timing this elector runs with, every default filled in (for
+    /// logs, `pgelect status` and dashboards).
+    pub fn timing(&self) -> TimingReport {
+        let t = &self.shared.timing;
+        TimingReport {
+            profile: t.profile,
+            ttl: t.ttl,
+            safety_margin: t.safety_margin,
+            renew_every: t.renew_every,
+            heartbeat: t.heartbeat,
+            heartbeat_timeout: t.heartbeat_timeout,
+            handover_delay: t.handover_delay,
+        }
+    }
+
     /// How long after sending its last successful renewal a leader may act:
     /// `ttl - safety_margin`.
     pub fn deadline_budget(&self) -> Duration {
@@ -662,6 +678,47 @@ impl Elector {
                 return Ok(());
             }
         }
+    }
+}
+
+/// The timing an [`Elector`] runs with, as validated by
+/// [`ElectorBuilder::build`]; see [`Elector::timing`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TimingReport {
+    /// The profile the unset values were derived from.
+    pub profile: Profile,
+    /// Lease time to live.
+    pub ttl: Duration,
+    /// How much earlier than the lease the local deadline ends.
+    pub safety_margin: Duration,
+    /// Time between renewals.
+    pub renew_every: Duration,
+    /// Time between heartbeats on the lock connection while leading
+    /// (session backend).
+    pub heartbeat: Duration,
+    /// How long a heartbeat or renewal may take (session backend); the
+    /// statement timeout (lease backend).
+    pub heartbeat_timeout: Duration,
+    /// Wait after an unclean takeover before acting (zero for the lease
+    /// backend).
+    pub handover_delay: Duration,
+}
+
+impl TimingReport {
+    /// The timing as JSON, durations in milliseconds (what `pgelect status
+    /// --json` shows).
+    pub fn to_json(&self) -> serde_json::Value {
+        let ms = |d: Duration| d.as_millis() as u64;
+        serde_json::json!({
+            "profile": self.profile.as_str(),
+            "ttl_ms": ms(self.ttl),
+            "safety_margin_ms": ms(self.safety_margin),
+            "renew_every_ms": ms(self.renew_every),
+            "heartbeat_ms": ms(self.heartbeat),
+            "heartbeat_timeout_ms": ms(self.heartbeat_timeout),
+            "handover_delay_ms": ms(self.handover_delay),
+        })
     }
 }
 

@@ -10,7 +10,8 @@
 //! A paused process is outside it (the fence covers that case).
 //!
 //! Not a model checker: scenarios are drawn at random (fixed seeds, so a
-//! failure reproduces), and message latencies are bounded by 100 ms. The
+//! failure reproduces), and one-way message latencies are bounded by 100 ms
+//! and by half the heartbeat timeout (the network the timing assumes). The
 //! last two tests break an inequality on purpose and expect violations, so
 //! the simulation is shown to be able to fail.
 
@@ -85,14 +86,27 @@ struct Outcome {
     /// When the old leader stopped believing it leads (loss reported, or
     /// its process died).
     leader_end: Option<Duration>,
+    /// The leader had already lost before the fault (a heartbeat or renewal
+    /// not answered in time): the run tested nothing.
+    lost_before_fault: bool,
     /// When the standby began to act.
     standby_acts: Option<Duration>,
+}
+
+/// The longest one-way message latency drawn for timing `t`: 100 ms, or
+/// less than half the heartbeat timeout, the network the timing assumes (a
+/// healthy connection answers a heartbeat within `heartbeat_timeout`).
+fn max_latency(t: &Timing) -> u64 {
+    (t.heartbeat_timeout.as_millis() as u64 / 2)
+        .saturating_sub(1)
+        .min(100)
 }
 
 fn simulate(t: Timing, fault: Fault, fault_at: Duration, rng: &mut Rng) -> Outcome {
     let base = Instant::now();
     let at = |d: Duration| base + d;
-    let lat = |rng: &mut Rng| rng.ms(0, 100);
+    let max_lat = max_latency(&t);
+    let lat = |rng: &mut Rng| rng.ms(0, max_lat);
     let horizon = fault_at + t.ttl * 10 + t.tcp.detection_bound() * 2;
 
     // The leader won cleanly at 0; the server ran the term statement at
@@ -149,6 +163,7 @@ fn simulate(t: Timing, fault: Fault, fault_at: Duration, rng: &mut Rng) -> Outco
                 // The standby acts while the old leader still believes.
                 return Outcome {
                     leader_end: None,
+                    lost_before_fault: false,
                     standby_acts,
                 };
             }
@@ -267,6 +282,7 @@ fn simulate(t: Timing, fault: Fault, fault_at: Duration, rng: &mut Rng) -> Outco
     }
     Outcome {
         leader_end: if dead { Some(fault_at) } else { lost },
+        lost_before_fault: lost.is_some_and(|l| l < fault_at),
         standby_acts,
     }
 }
@@ -299,6 +315,8 @@ struct Summary {
     runs: usize,
     /// Runs in which the standby took over.
     takeovers: usize,
+    /// Runs in which the leader lost before the fault.
+    idle: usize,
     /// The smallest time between the old leader's end and the standby's
     /// first act, over the takeovers without violation.
     closest: Duration,
@@ -308,13 +326,25 @@ struct Summary {
 /// Runs `runs` random scenarios with random valid timings, changed by
 /// `tweak`.
 fn run_many(seed: u64, runs: usize, tweak: impl Fn(Timing) -> Timing) -> Summary {
+    run_many_with(seed, runs, random_timing, tweak)
+}
+
+/// Runs `runs` random scenarios with timings drawn by `draw`, changed by
+/// `tweak`.
+fn run_many_with(
+    seed: u64,
+    runs: usize,
+    draw: impl Fn(&mut Rng) -> Option<Timing>,
+    tweak: impl Fn(Timing) -> Timing,
+) -> Summary {
     let mut rng = Rng(seed);
     let mut done = 0;
     let mut takeovers = 0;
+    let mut idle = 0;
     let mut closest = Duration::MAX;
     let mut violations = Vec::new();
     while done < runs {
-        let Some(t) = random_timing(&mut rng) else {
+        let Some(t) = draw(&mut rng) else {
             continue;
         };
         let t = tweak(t);
@@ -322,6 +352,7 @@ fn run_many(seed: u64, runs: usize, tweak: impl Fn(Timing) -> Timing) -> Summary
         let fault_at = rng.ms(0, t.ttl.as_millis() as u64 * 3);
         let out = simulate(t, fault, fault_at, &mut rng);
         done += 1;
+        idle += usize::from(out.lost_before_fault);
         if let Some(acts) = out.standby_acts {
             takeovers += 1;
             match out.leader_end {
@@ -336,6 +367,7 @@ fn run_many(seed: u64, runs: usize, tweak: impl Fn(Timing) -> Timing) -> Summary
     Summary {
         runs: done,
         takeovers,
+        idle,
         closest,
         violations,
     }
@@ -360,6 +392,59 @@ fn the_standby_never_acts_while_the_old_leader_believes() {
         s.takeovers * 10 >= s.runs * 9,
         "{} of {}",
         s.takeovers,
+        s.runs
+    );
+}
+
+/// The fast profile at a random TTL (its heartbeat timing does not depend
+/// on the TTL; partitions do).
+fn fast_timing(rng: &mut Rng) -> Option<Timing> {
+    TimingRequest {
+        profile: super::timing::Profile::Fast,
+        ttl: Some(rng.ms(1_000, 15_000)),
+        check_every: Some(rng.ms(100, 5_000)),
+        ..Default::default()
+    }
+    .validate()
+    .ok()
+}
+
+#[test]
+fn the_fast_profile_never_lets_the_standby_act_while_the_old_leader_believes() {
+    let s = run_many_with(0x5eed_0004, 3_000, fast_timing, |t| t);
+    println!(
+        "fast profile: {} runs, {} takeovers, {} lost before the fault, closest: standby acted {:?} after the old leader stopped",
+        s.runs, s.takeovers, s.idle, s.closest
+    );
+    assert!(
+        s.violations.is_empty(),
+        "{} of {} runs violated the property, e.g. {}",
+        s.violations.len(),
+        s.runs,
+        s.violations[0]
+    );
+    // Not vacuous: the leader was alive at the fault, and a standby took
+    // over, in nearly every run.
+    assert!(s.idle * 100 <= s.runs, "{} of {} idle", s.idle, s.runs);
+    assert!(
+        s.takeovers * 10 >= s.runs * 9,
+        "{} of {}",
+        s.takeovers,
+        s.runs
+    );
+}
+
+#[test]
+fn the_fast_profile_with_a_handover_delay_below_detection_is_caught() {
+    // 20 ms < heartbeat 20 ms + heartbeat timeout 25 ms: a terminated
+    // backend whose goodbye was lost is noticed too late.
+    let s = run_many_with(0x5eed_0005, 2_000, fast_timing, |mut t| {
+        t.handover_delay = Duration::from_millis(20);
+        t
+    });
+    assert!(
+        !s.violations.is_empty(),
+        "no violation in {} runs with a 20 ms handover delay",
         s.runs
     );
 }

@@ -8,13 +8,87 @@ use crate::conn::TcpTimeouts;
 /// The longest TTL accepted, so that deadline arithmetic cannot overflow.
 pub(crate) const MAX_TTL: Duration = Duration::from_secs(24 * 3600);
 
-/// Slack added on top of the worst-case detection time when the handover
-/// delay is derived: covers scheduling delays of the old leader's runtime.
+/// The most slack added on top of the worst-case detection time when the
+/// handover delay is derived (the slack is `heartbeat_timeout`, capped
+/// here): it covers the old leader's last answer being longer in flight
+/// than the successor's grant, and scheduling delays of its runtime.
 pub(crate) const HANDOVER_SLACK: Duration = Duration::from_millis(500);
+
+/// How the timing settings left unset are derived.
+///
+/// Whatever the profile, `build()` checks the same inequalities, and any
+/// setting given explicitly wins over the profile's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Profile {
+    /// Follows the TTL: `heartbeat = heartbeat_timeout = ttl / 15` (at
+    /// least 20 ms, at most 1 s) and `handover_delay = heartbeat +
+    /// heartbeat_timeout + min(heartbeat_timeout, 500 ms)`: 2.5 s at the
+    /// default TTL of 15 s, 400 ms at a TTL of 2 s. The lock connection
+    /// carries about `1 / heartbeat` statements per second while leading
+    /// (1 at the default TTL).
+    #[default]
+    Standard,
+    /// The shortest crash failover the session backend offers: heartbeats
+    /// every 20 ms on the lock connection, each answered within 25 ms, so
+    /// a successor waits only 70 ms after an unclean takeover. Costs about
+    /// 50 statements per second per leader, and a heartbeat answered later
+    /// than 25 ms (a stalled server, a congested network) ends leadership —
+    /// safely, but often, where such stalls are common. The TTL (partition
+    /// detection) is not changed. Session backend only.
+    Fast,
+}
+
+impl Profile {
+    /// The name used in logs, `pgelect status` and the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Profile::Standard => "standard",
+            Profile::Fast => "fast",
+        }
+    }
+
+    /// The profile's heartbeat interval and heartbeat timeout for `ttl`.
+    fn heartbeat(self, ttl: Duration) -> (Duration, Duration) {
+        match self {
+            Profile::Standard => {
+                let every = (ttl / 15).clamp(Duration::from_millis(20), DEFAULT_HEARTBEAT);
+                (every, every)
+            }
+            Profile::Fast => (FAST_HEARTBEAT, FAST_HEARTBEAT_TIMEOUT),
+        }
+    }
+}
+
+impl std::fmt::Display for Profile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Profile {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Profile, String> {
+        match s {
+            "standard" => Ok(Profile::Standard),
+            "fast" => Ok(Profile::Fast),
+            other => Err(format!(
+                "unknown timing profile {other:?}: expected `standard` or `fast`"
+            )),
+        }
+    }
+}
+
+/// The fast profile's heartbeat interval.
+pub(crate) const FAST_HEARTBEAT: Duration = Duration::from_millis(20);
+/// The fast profile's heartbeat timeout.
+pub(crate) const FAST_HEARTBEAT_TIMEOUT: Duration = Duration::from_millis(25);
 
 /// The validated timing of an elector. Built by [`Timing::validate`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Timing {
+    pub(crate) profile: Profile,
     pub(crate) ttl: Duration,
     pub(crate) safety_margin: Duration,
     pub(crate) renew_every: Duration,
@@ -33,6 +107,7 @@ pub(crate) struct Timing {
 /// The timing as the user set it; `None` means "derive the default".
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct TimingRequest {
+    pub(crate) profile: Profile,
     pub(crate) ttl: Option<Duration>,
     pub(crate) safety_margin: Option<Duration>,
     pub(crate) renew_every: Option<Duration>,
@@ -47,7 +122,8 @@ pub(crate) struct TimingRequest {
 
 /// Default TTL.
 pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(15);
-/// Default heartbeat interval.
+/// Default heartbeat interval at the default TTL, and the longest the
+/// standard profile derives.
 pub(crate) const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(1);
 /// Default heartbeat timeout (the lease backend's statement timeout).
 pub(crate) const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(1);
@@ -161,10 +237,14 @@ impl TimingRequest {
                 "renew_every {renew_every:?} must be shorter than the local deadline ttl - safety_margin = {budget:?} (ttl {ttl:?}, safety_margin {safety_margin:?}), or a healthy leader would lose leadership between two renewals"
             ));
         }
-        let heartbeat = self.heartbeat.unwrap_or(DEFAULT_HEARTBEAT);
+        if takeover == Takeover::OnExpiry && self.profile == Profile::Fast {
+            return Err("the fast profile is for the session backend: it shortens the wait after an unclean takeover, which the lease backend does not have (its failover follows the ttl); lower the ttl instead".into());
+        }
+        let (profile_heartbeat, profile_timeout) = self.profile.heartbeat(ttl);
+        let heartbeat = self.heartbeat.unwrap_or(profile_heartbeat);
         positive("heartbeat", heartbeat)?;
         let heartbeat_timeout = match takeover {
-            Takeover::OnDisconnect => self.heartbeat_timeout.unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT),
+            Takeover::OnDisconnect => self.heartbeat_timeout.unwrap_or(profile_timeout),
             // The statement timeout of every lease statement: short TTLs
             // get a shorter default, so that retries fit in the budget.
             Takeover::OnExpiry => self
@@ -205,6 +285,7 @@ impl TimingRequest {
             ));
         }
         Ok(Timing {
+            profile: self.profile,
             ttl,
             safety_margin,
             renew_every,
@@ -261,10 +342,12 @@ fn check_disconnect_takeover(
         ));
     }
     let needed = worst_detection(heartbeat, heartbeat_timeout, ttl, safety_margin);
-    let handover_delay = req.handover_delay.unwrap_or(needed + HANDOVER_SLACK);
+    let handover_delay = req
+        .handover_delay
+        .unwrap_or(needed + heartbeat_timeout.min(HANDOVER_SLACK));
     if handover_delay < needed {
         return Err(format!(
-            "handover_delay {handover_delay:?} is shorter than the time a live leader may take to notice a dead lock connection, min(heartbeat {heartbeat:?} + heartbeat_timeout {heartbeat_timeout:?}, ttl - safety_margin {budget:?}) = {needed:?}"
+            "handover_delay {handover_delay:?} must be at least the time a live leader may take to notice a dead lock connection, min(heartbeat {heartbeat:?} + heartbeat_timeout {heartbeat_timeout:?}, ttl - safety_margin {budget:?}) = {needed:?}"
         ));
     }
     if handover_delay > MAX_TTL {
@@ -308,6 +391,74 @@ mod tests {
         assert!(t.deadline_budget() < server_release_min(&t.tcp));
         assert!(t.deadline_budget() < t.ttl);
         assert_eq!(t.tcp.user_timeout, ms(15_000));
+    }
+
+    #[test]
+    fn the_standard_profile_follows_the_ttl() {
+        // (ttl, heartbeat = heartbeat_timeout, handover delay)
+        for (ttl, beat, delay) in [
+            (15_000, 1_000, 2_500),
+            (60_000, 1_000, 2_500),
+            (5_000, 333, 999),
+            (2_000, 133, 399),
+            (1_000, 66, 199),
+            (200, 20, 60),
+        ] {
+            let t = TimingRequest {
+                ttl: Some(ms(ttl)),
+                ..Default::default()
+            }
+            .validate()
+            .unwrap();
+            assert_eq!(t.profile, Profile::Standard);
+            assert_eq!(t.heartbeat.as_millis(), beat, "ttl {ttl}");
+            assert_eq!(t.heartbeat_timeout.as_millis(), beat, "ttl {ttl}");
+            assert_eq!(t.handover_delay.as_millis(), delay, "ttl {ttl}");
+            // Never slower than the fixed 1 s / 1 s / +500 ms of before.
+            assert!(t.handover_delay <= ms(2_500));
+        }
+    }
+
+    #[test]
+    fn the_fast_profile_waits_70ms_and_explicit_values_win() {
+        let fast = |req: TimingRequest| {
+            TimingRequest {
+                profile: Profile::Fast,
+                ..req
+            }
+            .validate()
+        };
+        let t = fast(TimingRequest::default()).unwrap();
+        assert_eq!(
+            (t.heartbeat, t.heartbeat_timeout, t.handover_delay),
+            (ms(20), ms(25), ms(70))
+        );
+        assert_eq!(t.ttl, ms(15_000));
+        // The same inequalities: a handover delay below detection is refused.
+        let e = fast(TimingRequest {
+            handover_delay: Some(ms(44)),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(
+            e.contains("handover_delay 44ms") && e.contains("= 45ms"),
+            "{e}"
+        );
+        let t = fast(TimingRequest {
+            heartbeat: Some(ms(50)),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(t.handover_delay, ms(100));
+        let e = TimingRequest {
+            profile: Profile::Fast,
+            ..Default::default()
+        }
+        .validate_lease()
+        .unwrap_err();
+        assert!(e.contains("fast profile is for the session backend"), "{e}");
+        assert_eq!("fast".parse::<Profile>(), Ok(Profile::Fast));
+        assert!("quick".parse::<Profile>().unwrap_err().contains("standard"));
     }
 
     #[test]
