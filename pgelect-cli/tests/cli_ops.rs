@@ -224,7 +224,7 @@ async fn a_ttl_too_short_says_the_shortest_accepted_in_the_commands_terms() {
             "--role",
             "r",
             "--ttl",
-            "1s",
+            "20ms",
             "--backend",
             backend,
             "--",
@@ -235,7 +235,7 @@ async fn a_ttl_too_short_says_the_shortest_accepted_in_the_commands_terms() {
         r.assert_code(64);
         assert!(
             r.stderr
-                .contains("--ttl 1s is too short: the shortest --ttl accepted is"),
+                .contains("--ttl 20ms is too short: the shortest --ttl accepted is 30ms"),
             "{}",
             r.stderr
         );
@@ -262,6 +262,77 @@ async fn a_ttl_too_short_says_the_shortest_accepted_in_the_commands_terms() {
         ]);
         cmd.env("DATABASE_URL", db.url());
         run(cmd, START).await.assert_code(0);
+    }
+}
+
+#[tokio::test]
+async fn timing_options_are_checked_in_the_commands_terms_and_logged() {
+    let db = migrated("ops_timing").await;
+    let refused = |args: &[&str]| {
+        let mut cmd = pgelect(["run", "--role", "r"]);
+        cmd.args(args)
+            .args(["--", "true"])
+            .env("DATABASE_URL", db.url());
+        cmd
+    };
+    // A handover delay below detection: the inequality and the values.
+    let r = run(
+        refused(&[
+            "--heartbeat",
+            "500ms",
+            "--heartbeat-timeout",
+            "300ms",
+            "--handover-delay",
+            "100ms",
+        ]),
+        QUICK,
+    )
+    .await;
+    r.assert_code(64);
+    for needle in [
+        "--handover-delay 100ms must be at least",
+        "--heartbeat 500ms + --heartbeat-timeout 300ms",
+        "= 800ms",
+    ] {
+        assert!(r.stderr.contains(needle), "{needle:?} in {}", r.stderr);
+    }
+    assert!(!r.stderr.contains("heartbeat_timeout"), "{}", r.stderr);
+    // A renewal interval past the deadline.
+    let r = run(refused(&["--ttl", "2s", "--renew-every", "1800ms"]), QUICK).await;
+    r.assert_code(64);
+    assert!(
+        r.stderr
+            .contains("--renew-every 1.800s must be shorter than --ttl 2s")
+            || r.stderr.contains("--renew-every 1.8s"),
+        "{}",
+        r.stderr
+    );
+    // The fast profile is the session backend's.
+    let r = run(refused(&["--profile", "fast", "--backend", "lease"]), QUICK).await;
+    r.assert_code(64);
+    assert!(
+        r.stderr.contains("fast profile is for the session backend"),
+        "{}",
+        r.stderr
+    );
+    // Accepted timing is logged when standing: the profile's derived values.
+    for (args, needle) in [
+        (
+            &["--profile", "fast"][..],
+            "fast timing: ttl 15s, heartbeat 20ms answered within 25ms, handover delay 70ms",
+        ),
+        (
+            &["--ttl", "2s"][..],
+            "standard timing: ttl 2s, heartbeat 133ms answered within 133ms, handover delay 399ms",
+        ),
+        (
+            &[][..],
+            "standard timing: ttl 15s, heartbeat 1s answered within 1s, handover delay 2.500s",
+        ),
+    ] {
+        let r = run(refused(args), START).await;
+        r.assert_code(0);
+        assert!(r.stderr.contains(needle), "{needle:?} in {}", r.stderr);
     }
 }
 

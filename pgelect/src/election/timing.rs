@@ -52,7 +52,9 @@ impl Profile {
     fn heartbeat(self, ttl: Duration) -> (Duration, Duration) {
         match self {
             Profile::Standard => {
-                let every = (ttl / 15).clamp(Duration::from_millis(20), DEFAULT_HEARTBEAT);
+                // Whole milliseconds: shown in logs and status.
+                let every = Duration::from_millis((ttl / 15).as_millis() as u64)
+                    .clamp(Duration::from_millis(20), DEFAULT_HEARTBEAT);
                 (every, every)
             }
             Profile::Fast => (FAST_HEARTBEAT, FAST_HEARTBEAT_TIMEOUT),
@@ -401,7 +403,7 @@ mod tests {
             (60_000, 1_000, 2_500),
             (5_000, 333, 999),
             (2_000, 133, 399),
-            (1_000, 66, 199),
+            (1_000, 66, 198),
             (200, 20, 60),
         ] {
             let t = TimingRequest {
