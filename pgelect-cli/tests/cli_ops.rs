@@ -71,7 +71,7 @@ async fn run_narrates_at_the_default_level_without_colour_on_a_pipe() {
     assert_eq!(b.wait(QUICK).await, Some(0));
     let text = a.output();
     for line in [
-        "standing for role \"r\" as node \"node-a\" (session backend, ttl 3s)",
+        "standing for role \"r\" as node \"node-a\" (session backend, standard timing: ttl 3s, heartbeat 200ms answered within 200ms, handover delay 600ms)",
         "elected leader of role \"r\" with term 1 after",
         "command started (watcher pid",
         "resign requested for role \"r\" (term 1)",
