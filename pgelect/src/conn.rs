@@ -16,6 +16,7 @@ use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
 use tokio_postgres::config::Host;
 use tokio_postgres::config::SslMode as DriverSsl;
+use tokio_postgres::config::TargetSessionAttrs;
 use tokio_postgres::tls::MakeTlsConnect;
 use tokio_postgres::{AsyncMessage, Client, Config, Connection, Socket};
 use tokio_postgres_rustls::MakeRustlsConnect;
@@ -111,9 +112,10 @@ impl ConnectOptions {
     }
 
     /// Uses `DATABASE_URL` if set (as [`ConnectOptions::from_url`]), else
-    /// the libpq variables `PGHOST`, `PGPORT`, `PGUSER`, `PGPASSWORD`,
-    /// `PGDATABASE`, `PGAPPNAME` (defaults: localhost, 5432, the OS user, no
-    /// password, the user name). Without `PGPASSWORD` the password comes
+    /// the libpq variables `PGHOST`, `PGPORT` (comma-separated lists for
+    /// several hosts), `PGUSER`, `PGPASSWORD`, `PGDATABASE`, `PGAPPNAME`,
+    /// `PGTARGETSESSIONATTRS` (defaults: localhost, 5432, the OS user, no
+    /// password, the user name, any). Without `PGPASSWORD` the password comes
     /// from the password file (`PGPASSFILE`, else `~/.pgpass`), as in libpq.
     pub fn from_env() -> Result<ConnectOptions> {
         if let Some(url) = std::env::var("DATABASE_URL").ok().filter(|s| !s.is_empty()) {
@@ -121,12 +123,27 @@ impl ConnectOptions {
         }
         let var = |k: &str| std::env::var(k).ok().filter(|s| !s.is_empty());
         let mut c = Config::new();
-        c.host(var("PGHOST").as_deref().unwrap_or("localhost"));
+        // Comma-separated lists, as in libpq: several hosts are tried in
+        // turn, with one port for all or one per host (empty: 5432).
+        for host in var("PGHOST").as_deref().unwrap_or("localhost").split(',') {
+            c.host(if host.is_empty() { "localhost" } else { host });
+        }
         if let Some(p) = var("PGPORT") {
-            let port: u16 = p
-                .parse()
-                .map_err(|_| Error::config(format!("PGPORT={p:?} is not a port number")))?;
-            c.port(port);
+            for part in p.split(',') {
+                let port: u16 = if part.is_empty() {
+                    5432
+                } else {
+                    part.parse().map_err(|_| {
+                        Error::config(format!(
+                            "PGPORT={p:?} is not a port number or a list of them"
+                        ))
+                    })?
+                };
+                c.port(port);
+            }
+        }
+        if let Some(v) = var("PGTARGETSESSIONATTRS") {
+            c.target_session_attrs(target_session_attrs(&v, "PGTARGETSESSIONATTRS")?);
         }
         let user = var("PGUSER")
             .or_else(|| var("USER"))
@@ -512,9 +529,21 @@ fn parse_connection_string(text: &str) -> Result<(Config, Vec<(String, String)>)
             )));
         }
     }
-    let keys: Vec<&str> = tls::TLS_KEYS.iter().map(|(k, _)| *k).collect();
-    let (driver_text, tls_found) = params::take(text, &keys);
-    let config = driver_text.parse::<Config>().map_err(|e| {
+    let mut keys: Vec<&str> = tls::TLS_KEYS.iter().map(|(k, _)| *k).collect();
+    keys.push("target_session_attrs");
+    let (driver_text, mut tls_found) = params::take(text, &keys);
+    let attrs = match tls_found
+        .iter()
+        .rposition(|(k, _)| k == "target_session_attrs")
+    {
+        Some(i) => Some((tls_found.remove(i).1, "target_session_attrs")),
+        None => std::env::var("PGTARGETSESSIONATTRS")
+            .ok()
+            .filter(|v| !v.is_empty())
+            .map(|v| (v, "PGTARGETSESSIONATTRS")),
+    };
+    tls_found.retain(|(k, _)| k != "target_session_attrs");
+    let mut config = driver_text.parse::<Config>().map_err(|e| {
         let detail = parse_error_detail(&e)
             .map(|d| format!(" ({d})"))
             .unwrap_or_default();
@@ -528,7 +557,28 @@ fn parse_connection_string(text: &str) -> Result<(Config, Vec<(String, String)>)
             )),
         }
     })?;
+    if let Some((value, from)) = attrs {
+        config.target_session_attrs(target_session_attrs(&value, from)?);
+    }
     Ok((config, tls_found))
+}
+
+/// libpq's `target_session_attrs` for a candidate, which must write: `any`
+/// takes the first server that answers; `read-write` and `primary` skip a
+/// server that is read-only or in recovery (pgelect cannot lead on either,
+/// so `primary` is checked as `read-write`); the read-only choices are
+/// refused, since pgelect writes its lease row and terms.
+fn target_session_attrs(value: &str, from: &str) -> Result<TargetSessionAttrs> {
+    match value {
+        "any" => Ok(TargetSessionAttrs::Any),
+        "read-write" | "primary" => Ok(TargetSessionAttrs::ReadWrite),
+        "read-only" | "standby" | "prefer-standby" => Err(Error::config(format!(
+            "{from}={value}: pgelect writes its lease row and fencing terms, so it must reach the primary; use read-write or primary (with several hosts), or any"
+        ))),
+        other => Err(Error::config(format!(
+            "{from}={other:?} is not a target_session_attrs value; use any, read-write or primary"
+        ))),
+    }
 }
 
 /// libpq options the driver does not support: an unknown option with one

@@ -280,3 +280,65 @@ async fn session_leader_on_a_fenced_server_steps_down_at_once() {
 async fn lease_leader_on_a_fenced_server_steps_down_at_once() {
     leader_on_a_fenced_server_steps_down(Backend::Lease, "ha_fenced_lease").await;
 }
+
+/// libpq's `target_session_attrs`: `primary` (like `read-write`) skips a
+/// standby listed first; the read-only choices are refused for a candidate,
+/// which must write; `PGTARGETSESSIONATTRS` is read as libpq reads it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn target_session_attrs_primary_skips_a_standby_listed_first() {
+    let set = tokio::task::block_in_place(|| ReplicaSet::start(Replication::Async))
+        .expect("primary and async replica");
+    let db = TestDb::on(set.primary(), "tsa_primary").await;
+    let url = |attrs: &str| {
+        format!(
+            "postgres://{SUPERUSER}:{TEST_PASSWORD}@127.0.0.1:{},127.0.0.1:{}/{}\
+             ?connect_timeout=2{attrs}",
+            set.replica().port(),
+            set.primary().port(),
+            db.name()
+        )
+    };
+    let o = ConnectOptions::from_url(&url("&target_session_attrs=primary")).unwrap();
+    pgelect::migrate(&o)
+        .await
+        .expect("migrate reaches the primary");
+    tokio::task::block_in_place(|| set.wait_replayed()).expect("replica caught up");
+    let a = fast(&o, "tsa", "node-a", Backend::Session);
+    let l = elected(&a, Duration::from_secs(10)).await;
+    let primary = connect(set.primary(), db.name()).await;
+    assert_eq!(row_term(&primary, "tsa").await, l.term().get());
+    l.resign().await.unwrap();
+
+    for attrs in ["standby", "read-only", "prefer-standby"] {
+        let e = ConnectOptions::from_url(&url(&format!("&target_session_attrs={attrs}")))
+            .expect_err(attrs)
+            .to_string();
+        assert!(
+            e.contains(&format!("target_session_attrs={attrs}"))
+                && e.contains("must reach the primary"),
+            "{e}"
+        );
+        assert!(!e.contains(TEST_PASSWORD), "{e}");
+    }
+    let e = ConnectOptions::from_url(&url("&target_session_attrs=leader"))
+        .expect_err("unknown value")
+        .to_string();
+    assert!(e.contains("any, read-write or primary"), "{e}");
+
+    // Without the setting, the standby listed first is reached and nothing
+    // can lead there; PGTARGETSESSIONATTRS=primary fixes that. (nextest
+    // runs each test in a process of its own: the variable stays here.)
+    std::env::set_var("PGTARGETSESSIONATTRS", "primary");
+    let o = ConnectOptions::from_url(&url("")).unwrap();
+    let b = fast(&o, "tsa", "node-b", Backend::Session);
+    let l = elected(&b, Duration::from_secs(10)).await;
+    assert_eq!(row_term(&primary, "tsa").await, l.term().get());
+    std::env::set_var("PGTARGETSESSIONATTRS", "standby");
+    let e = ConnectOptions::from_url(&url("")).expect_err("standby from the environment");
+    assert!(
+        e.to_string().contains("PGTARGETSESSIONATTRS=standby"),
+        "{e}"
+    );
+    std::env::remove_var("PGTARGETSESSIONATTRS");
+    l.resign().await.unwrap();
+}
