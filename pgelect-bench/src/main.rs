@@ -14,6 +14,7 @@ use std::process::ExitCode;
 mod common;
 mod failover;
 mod lease;
+mod promote;
 mod xact_lock;
 
 const USAGE: &str = "\
@@ -29,15 +30,26 @@ benchmarks:
               SIGKILLed) and statements per second per candidate, through PgBouncer
               in transaction mode when installed (options: --ttls 1,2,10,
               --trials N (30), --window SECONDS (10), --direct, --json)
+  promote     a PostgreSQL primary failover (primary stopped hard, streaming replica
+              promoted): time until the replica accepts writes and until a candidate
+              leads on it, both backends (options: --trials N (10),
+              --backends session,lease, --sync, --json)
 
 environment:
   PGELECT_BENCH_DATABASE_URL   use this database instead of a throwaway cluster";
 
 fn main() -> ExitCode {
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("xact-lock") => xact_lock::run(&args[1..]),
         Some("failover") => failover::run(&args[1..]),
+        Some("promote") => promote::run(&args[1..]),
         Some("lease-failover") => lease::run(&args[1..]),
         Some("-h" | "--help" | "help") => {
             println!("{USAGE}");
