@@ -342,3 +342,65 @@ async fn target_session_attrs_primary_skips_a_standby_listed_first() {
     std::env::remove_var("PGTARGETSESSIONATTRS");
     l.resign().await.unwrap();
 }
+
+/// A blocking standby waiting on a server that turns read-only (a demoted
+/// or fenced primary) stops waiting there within its observer's check and
+/// reconnects to the host that accepts writes, instead of waiting out its
+/// wait slice (10 s) behind a lock nobody will release: here the lock on
+/// the old server is held by a plain session that never lets go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocking_standby_leaves_a_server_that_turned_read_only() {
+    let (old, new) = tokio::task::block_in_place(|| (Cluster::start(), Cluster::start()));
+    let (old, new) = (old.expect("cluster"), new.expect("cluster"));
+    let db_old = TestDb::on(&old, "ro_standby").await;
+    // The same database name on the other server (a throwaway cluster of
+    // this test's own: dropped with it).
+    connect(&new, "postgres")
+        .await
+        .simple_query(&format!("CREATE DATABASE \"{}\"", db_old.name()))
+        .await
+        .expect("create the database on the other server");
+    for c in [&old, &new] {
+        let o = ConnectOptions::from_url(&c.url(db_old.name())).unwrap();
+        pgelect::migrate(&o).await.expect("migrate");
+    }
+    let url = format!(
+        "postgres://{SUPERUSER}:{TEST_PASSWORD}@127.0.0.1:{},127.0.0.1:{}/{}\
+         ?target_session_attrs=read-write&connect_timeout=2",
+        old.port(),
+        new.port(),
+        db_old.name()
+    );
+    let o = ConnectOptions::from_url(&url).unwrap();
+    let role = "ro-standby";
+    let b = fast(&o, role, "node-b", Backend::Session);
+    // A session on the old server holds the role's lock for good.
+    let squatter = connect(&old, db_old.name()).await;
+    let pgelect::LockKey::Single(key) = b.lock_key() else {
+        panic!("role keys are single keys")
+    };
+    squatter
+        .execute("SELECT pg_advisory_lock($1)", &[&key])
+        .await
+        .unwrap();
+    let standing = tokio::spawn(async move {
+        let l = b.leadership().await;
+        (b, l, Instant::now())
+    });
+    db_old.wait_for_advisory_waiters(1).await;
+    let fenced = Instant::now();
+    fence_read_only(&old, true).await;
+    let (_b, l, at) = timeout(Duration::from_secs(8), standing)
+        .await
+        .expect("the standby leaves the read-only server before its 10 s wait slice ends")
+        .unwrap();
+    let l = l.expect("elected on the server that accepts writes");
+    eprintln!(
+        "standby on a server fenced read-only: elected on the other host {:?} after the fence",
+        at - fenced
+    );
+    let on_new = connect(&new, db_old.name()).await;
+    assert_eq!(row_term(&on_new, role).await, l.term().get());
+    l.resign().await.unwrap();
+    fence_read_only(&old, false).await;
+}

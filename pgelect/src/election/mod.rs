@@ -217,6 +217,11 @@ pub(crate) struct Shared {
     /// Set once zombie preemption was refused for want of
     /// `pg_signal_backend`: the warning is written once per elector.
     pub(crate) preemption_refused: Arc<std::sync::atomic::AtomicBool>,
+    /// Woken by the observer when it finds the server read-only (a demoted
+    /// or fenced primary) while a blocking standby waits there: the wait
+    /// is abandoned and the campaign reconnects (to the new primary, with
+    /// several hosts and `target_session_attrs`).
+    pub(crate) server_read_only: tokio::sync::Notify,
 }
 
 /// The state only one backend keeps.
@@ -479,6 +484,7 @@ impl Elector {
                 },
                 contact: Contact::new(),
                 preemption_refused: Arc::default(),
+                server_read_only: tokio::sync::Notify::new(),
             }),
         }
     }

@@ -59,11 +59,14 @@ pub struct LeaderInfo {
     pub holder_pid: Option<i32>,
 }
 
+/// One row, whether or not the role has one: its leader's columns (null
+/// without a row), then whether the server accepts writes.
 fn leader_sql(schema: &SchemaName) -> String {
     format!(
-        "SELECT holder, holder_meta, term, backend, acquired_at, renewed_at, lease_until,
-                coalesce(lease_until < now(), true), holder_pid
-           FROM {schema}.leaders WHERE role = $1"
+        "SELECT l.holder, l.holder_meta, l.term, l.backend, l.acquired_at, l.renewed_at,
+                l.lease_until, coalesce(l.lease_until < now(), true), l.holder_pid,
+                pg_is_in_recovery() OR current_setting('transaction_read_only')::bool
+           FROM (SELECT 1) AS one LEFT JOIN {schema}.leaders AS l ON l.role = $1"
     )
 }
 
@@ -73,22 +76,35 @@ pub(crate) async fn read_leader<C: GenericClient + Sync>(
     schema: &SchemaName,
     role: &str,
 ) -> Result<Option<LeaderInfo>> {
+    Ok(read_leader_and_mode(client, schema, role).await?.0)
+}
+
+/// [`read_leader`], and whether the server is read-only (in recovery, or a
+/// primary fenced with `default_transaction_read_only`), in one statement.
+pub(crate) async fn read_leader_and_mode<C: GenericClient + Sync>(
+    client: &C,
+    schema: &SchemaName,
+    role: &str,
+) -> Result<(Option<LeaderInfo>, bool)> {
+    let what = "read the leader";
     let rows = client
         .query_typed(&leader_sql(schema), &[(&role, Type::TEXT)])
         .await
-        .map_err(|e| Error::db("read the leader", schema.as_str(), e))?;
+        .map_err(|e| Error::db(what, schema.as_str(), e))?;
     let Some(row) = rows.first() else {
-        return Ok(None);
+        return Ok((None, false));
     };
-    let what = "read the leader";
+    let read_only: bool = row
+        .try_get(9)
+        .map_err(|e| Error::db(what, schema.as_str(), e))?;
     let holder: Option<String> = row
         .try_get(0)
         .map_err(|e| Error::db(what, schema.as_str(), e))?;
     if holder.is_none() {
-        return Ok(None);
+        return Ok((None, read_only));
     }
     leader_info(role, row)
-        .map(Some)
+        .map(|i| (Some(i), read_only))
         .map_err(|e| Error::db(what, schema.as_str(), e))
 }
 
@@ -378,13 +394,23 @@ impl Observer {
                     .map_err(|e| Error::db("listen for leader changes", schema.as_str(), e))?;
                 listening = true;
             }
-            let info = read_leader(conn.client(), &schema, &role).await?;
+            let (info, read_only) = read_leader_and_mode(conn.client(), &schema, &role).await?;
             let expired = info.as_ref().is_some_and(|i| i.lease_expired);
             let Some(shared) = self.shared.upgrade() else {
                 return Ok(());
             };
             shared.contact.touch();
             shared.publish(info);
+            if read_only && now.standing > 0 {
+                // A demoted or fenced primary: nothing can be elected here.
+                // A blocking standby waiting on it gives up its wait and
+                // reconnects; so does this observer.
+                tracing::warn!(role = %role, "the server became read-only (a demoted or fenced primary) while a standby waits on it; reconnecting");
+                shared.server_read_only.notify_waiters();
+                return Err(Error::connection_lost(
+                    "observe the leader: the server is read-only",
+                ));
+            }
             drop(shared);
             if expired
                 && now.standing > 0

@@ -249,6 +249,11 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
                     _ = conn.closed().cancelled() => {
                         return Err(Error::connection_lost("wait for the leader's lock"));
                     }
+                    _ = shared.server_read_only.notified() => {
+                        return Err(Error::connection_lost(
+                            "wait for the leader's lock: the server became read-only",
+                        ));
+                    }
                 }
             }
         }
