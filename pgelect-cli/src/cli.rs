@@ -185,6 +185,27 @@ candidate that stands for it again starts at term 1, so forget only roles
 you have retired (no process of that role may still be paused somewhere
 with an old term).")]
     Forget(crate::forget::ForgetArgs),
+    /// Check the promise on your own database: real `pgelect run`
+    /// supervisors, faults on a seeded schedule, an independent check.
+    #[command(after_help = "Examples:
+  pgelect chaos                                   # a throwaway PostgreSQL, both backends, 60s each
+  pgelect chaos --duration 5m --seed 42 --json chaos.json
+  pgelect chaos --database-url-file staging.url --backends session --faults kill,stop,term
+
+Faults: kill (SIGKILL the leader's supervisor), stop (SIGSTOP it and its
+command for 1.5 x the TTL, then SIGCONT), term (SIGTERM: a planned
+handover), terminate (pg_terminate_backend on the leader's backends; needs
+pg_signal_backend or superuser, skipped and reported otherwise).
+Without --database-url or --database-url-file it starts a throwaway
+PostgreSQL. Against your database it uses roles named chaos-<seed>-<backend>
+(refused if one already has a leader) and a table pgelect_chaos_<seed>,
+dropped at the end.
+Exit codes: 0 when no violation was found, 70 when one was (each printed
+with the events that prove it).")]
+    Chaos(crate::chaos::ChaosArgs),
+    /// The worker `pgelect chaos` supervises (not for direct use).
+    #[command(hide = true)]
+    ChaosWorker(crate::chaos::WorkerArgs),
 }
 
 impl Global {

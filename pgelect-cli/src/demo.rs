@@ -111,19 +111,19 @@ fn random_password() -> Result<String, Failure> {
 
 /// The database URL in a file only this user can read (mode 0600, in a
 /// directory of mode 0700), removed on drop: how the candidates get it.
-struct UrlFile {
+pub(crate) struct UrlFile {
     dir: std::path::PathBuf,
     path: std::path::PathBuf,
 }
 
 impl UrlFile {
-    fn write(url: &str) -> Result<UrlFile, Failure> {
+    pub(crate) fn write(url: &str) -> Result<UrlFile, Failure> {
         use std::io::Write;
         use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
         let fail = |e: std::io::Error| {
             Failure::new(
                 exit::SOFTWARE,
-                format!("cannot write the demo's private URL file: {e}"),
+                format!("cannot write the private URL file: {e}"),
             )
         };
         let dir = std::env::temp_dir().join(format!(
@@ -149,8 +149,13 @@ impl UrlFile {
         Ok(file)
     }
 
-    fn path(&self) -> &std::path::Path {
+    pub(crate) fn path(&self) -> &std::path::Path {
         &self.path
+    }
+
+    /// The private directory (mode 0700) the file is in, removed with it.
+    pub(crate) fn dir(&self) -> &std::path::Path {
+        &self.dir
     }
 }
 
@@ -403,7 +408,7 @@ fn handover_delay(options: &pgelect::ConnectOptions, ttl: Duration) -> Duration 
 
 /// The throwaway server, when this build has one (feature `throwaway`).
 #[cfg(feature = "throwaway")]
-mod throwaway {
+pub(crate) mod throwaway {
     use std::time::Instant;
 
     use super::random_password;
@@ -495,7 +500,7 @@ mod throwaway {
 
 /// Without the feature `throwaway`: say how to get one.
 #[cfg(not(feature = "throwaway"))]
-mod throwaway {
+pub(crate) mod throwaway {
     use crate::exit::{self, Failure};
 
     /// Never built.

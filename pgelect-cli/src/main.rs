@@ -2,6 +2,7 @@
 
 #![deny(unsafe_code)]
 
+mod chaos;
 mod child;
 mod cli;
 mod db;
@@ -58,7 +59,7 @@ fn main() -> ExitCode {
     // `demo` never uses the environment's database; the others say when
     // they fell back on libpq's defaults.
     let hint = match cli.command {
-        Command::Demo(_) => None,
+        Command::Demo(_) | Command::Chaos(_) => None,
         _ => cli.global.no_url_hint(),
     };
     let result: Result<u8, Failure> = runtime.block_on(async move {
@@ -70,6 +71,8 @@ fn main() -> ExitCode {
             Command::Resign(args) => resign::run(&cli.global, args).await,
             Command::Demo(args) => demo::run(&cli.global, args).await,
             Command::Forget(args) => forget::run(&cli.global, args).await,
+            Command::Chaos(args) => chaos::run(&cli.global, args).await,
+            Command::ChaosWorker(args) => chaos::worker(&cli.global, args).await,
             Command::Grants(_) => unreachable!("BUG: handled before the runtime starts"),
         }
     });
