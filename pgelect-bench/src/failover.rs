@@ -259,6 +259,8 @@ async fn measure(
                     Series::Baseline => Some(baseline_trial(url, &observer).await?),
                     Series::Crash(t) => crash_trial(url, &options, &observer, *t).await?,
                     Series::Voluntary => Some(voluntary_trial(&options, &observer).await?),
+                    // ---- PLACE FOR `preferred`: its trial goes here (see
+                    // `Series`).
                     Series::Statements => unreachable!("BUG: not a timed series"),
                 };
                 match r {
