@@ -70,6 +70,19 @@ impl ChildProc {
             .kill()
             .map_err(|e| format!("cannot SIGKILL the child: {e}"))
     }
+
+    /// Waits for the child to exit (after [`kill9`](Self::kill9)) and
+    /// returns the lines it printed that no `expect` consumed. Blocks the
+    /// thread briefly (a killed child exits at once).
+    pub(crate) fn wait_lines(&mut self) -> Result<Vec<String>, String> {
+        tokio::task::block_in_place(|| {
+            self.child
+                .wait()
+                .map_err(|e| format!("cannot wait for the child: {e}"))?;
+            // The reader drops its sender at end of file.
+            Ok(self.lines.iter().collect())
+        })
+    }
 }
 
 impl Drop for ChildProc {

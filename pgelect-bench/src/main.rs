@@ -23,8 +23,12 @@ usage: pgelect-bench <benchmark> [options]
 benchmarks:
   xact-lock   transaction-lock acquire + commit throughput, pgelect next to a bare
               tokio-postgres loop (options: --seconds N, --rounds N, --json)
-  failover    crash failover and voluntary handoff of the session backend, next to a
-              bare pg_advisory_lock baseline (options: --trials N, --json)
+  failover    crash failover of the session backend per timing (library defaults,
+              standard profile at ttl 2 s, fast profile), voluntary handoff, and the
+              leader's statements per second per timing, next to a bare
+              pg_advisory_lock baseline (options: --trials N (50), --series LIST
+              (baseline,crash-default,crash-standard-2s,crash-fast,voluntary,
+              statements; default all), --window SECONDS (15), --json)
   lease-failover
               crash failover of the lease backend against the TTL (leader process
               SIGKILLed) and statements per second per candidate, through PgBouncer

@@ -2,7 +2,7 @@
 //! leader: stands for a role until killed, and reports on stdout.
 //!
 //! ```text
-//! candidate [--backend session|lease] [--listen <direct-url>] <database-url> <role> [ttl-ms] [node-id]
+//! candidate [--backend session|lease] [--profile standard|fast] [--listen <direct-url>] <database-url> <role> [ttl-ms] [node-id]
 //! ```
 //!
 //! `--backend lease` elects with the lease backend (the database URL may
@@ -34,24 +34,29 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args: Vec<String> = Vec::new();
     let mut backend = pgelect::Backend::Session;
     let mut listen = None;
+    let mut profile = None;
     let mut it = std::env::args();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--backend" => backend = it.next().unwrap_or_default().parse()?,
             "--listen" => listen = it.next(),
+            "--profile" => profile = Some(it.next().unwrap_or_default().parse()?),
             _ => args.push(a),
         }
     }
     if args.len() < 3 {
-        eprintln!("usage: candidate [--backend session|lease] [--listen <direct-url>] <database-url> <role> [ttl-ms] [node-id]");
+        eprintln!("usage: candidate [--backend session|lease] [--profile standard|fast] [--listen <direct-url>] <database-url> <role> [ttl-ms] [node-id]");
         std::process::exit(2);
     }
     let options = pgelect::ConnectOptions::from_url(&args[1])?;
-    let mut builder = pgelect::Elector::builder(options, &args[2])
-        .backend(backend)
-        .heartbeat(Duration::from_millis(200))
-        .heartbeat_timeout(Duration::from_millis(500))
-        .check_every(Duration::from_millis(200));
+    let mut builder = pgelect::Elector::builder(options, &args[2]).backend(backend);
+    builder = match profile {
+        Some(p) => builder.profile(p),
+        None => builder
+            .heartbeat(Duration::from_millis(200))
+            .heartbeat_timeout(Duration::from_millis(500))
+            .check_every(Duration::from_millis(200)),
+    };
     if let Some(ttl) = args.get(3) {
         let ttl = Duration::from_millis(ttl.parse()?);
         builder = builder.ttl(ttl);

@@ -21,8 +21,14 @@ pub struct Intervals(pub Arc<Mutex<Vec<Interval>>>);
 
 impl Intervals {
     pub fn start(&self, node: &str, term: Term) -> usize {
+        self.start_at(node, term, Instant::now())
+    }
+
+    /// Starts an interval at `at`: for a leader in another process, the
+    /// moment it reported.
+    pub fn start_at(&self, node: &str, term: Term, at: Instant) -> usize {
         let mut v = self.0.lock().unwrap();
-        v.push((node.to_owned(), term, Instant::now(), None));
+        v.push((node.to_owned(), term, at, None));
         v.len() - 1
     }
 
@@ -93,6 +99,13 @@ pub struct Candidate {
 impl Candidate {
     /// Starts `candidate ARGS…` (see pgelect/examples/candidate.rs).
     pub fn spawn(args: &[&str]) -> Candidate {
+        Candidate::spawn_with(args, |_| {})
+    }
+
+    /// Starts `candidate ARGS…` and also hands every line, as it is read,
+    /// to `on_line` (on the reader thread): for a log that must follow
+    /// the process without the test polling it.
+    pub fn spawn_with(args: &[&str], mut on_line: impl FnMut(&str) + Send + 'static) -> Candidate {
         let mut child = Command::new(candidate_exe())
             .args(args)
             .stdin(Stdio::piped())
@@ -103,12 +116,18 @@ impl Candidate {
         let (tx, lines) = mpsc::channel();
         std::thread::spawn(move || {
             for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
+                on_line(&l);
+                // Nobody may wait for lines any more; keep reading for
+                // `on_line`.
+                let _ = tx.send(l);
             }
         });
         Candidate { child, lines }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// Waits for a line starting with `prefix`.
@@ -122,6 +141,15 @@ impl Candidate {
                 Err(e) => panic!("no {prefix:?} line within {within:?}: {e}"),
             }
         }
+    }
+
+    /// Waits for the process to exit (after a signal that ends it) and
+    /// for its reader to pass on every line it printed.
+    pub fn wait_exit(&mut self) {
+        let _ = self.child.wait();
+        // The reader hands a line to `on_line` before it sends it, and
+        // drops the sender at end of file.
+        while self.lines.recv().is_ok() {}
     }
 
     pub fn signal(&self, sig: &str) {
