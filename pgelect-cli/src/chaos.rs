@@ -48,7 +48,7 @@ pub struct ChaosArgs {
     #[arg(long, value_enum, value_delimiter = ',', default_values = ["session", "lease"])]
     pub backends: Vec<BackendArg>,
     /// Faults to draw from.
-    #[arg(long, value_enum, value_delimiter = ',', default_values = ["kill", "stop", "term", "terminate"])]
+    #[arg(long, value_enum, value_delimiter = ',', default_values = ["kill", "stop", "term", "terminate", "blackhole", "latency"])]
     pub faults: Vec<Fault>,
     /// Write one JSON object per fault and backend to this file.
     #[arg(long, value_name = "FILE")]
@@ -67,6 +67,12 @@ pub enum Fault {
     Term,
     /// `pg_terminate_backend` on the leader's server backends.
     Terminate,
+    /// The leader's traffic stops in both directions (its proxy stops
+    /// forwarding, both TCP connections stay up) for 1.5 × the TTL.
+    Blackhole,
+    /// The leader's traffic is delayed (from a quarter of its heartbeat
+    /// timeout to twice it, each way) for 1.5 × the TTL.
+    Latency,
 }
 
 impl Fault {
@@ -76,7 +82,14 @@ impl Fault {
             Fault::Stop => "stop",
             Fault::Term => "term",
             Fault::Terminate => "terminate",
+            Fault::Blackhole => "blackhole",
+            Fault::Latency => "latency",
         }
+    }
+
+    /// Whether the fault must end in a new term (a delay may not).
+    fn must_fail_over(self) -> bool {
+        self != Fault::Latency
     }
 }
 
@@ -284,11 +297,143 @@ struct Injected {
 struct Supervisor {
     node: String,
     child: Child,
+    /// The proxy its connections go through, when the URL allows one.
+    proxy: Option<proxy::Proxy>,
+}
+
+/// A TCP proxy per supervisor, for the network faults: it can stop
+/// forwarding (both TCP connections stay up: the kernels keep acknowledging)
+/// or delay every chunk.
+mod proxy {
+    use std::net::SocketAddr;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    #[derive(Default)]
+    struct State {
+        blackhole: AtomicBool,
+        delay_ms: AtomicU64,
+    }
+
+    pub struct Proxy {
+        pub port: u16,
+        state: Arc<State>,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    impl Proxy {
+        pub async fn start(upstream: SocketAddr) -> std::io::Result<Proxy> {
+            let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
+            let port = listener.local_addr()?.port();
+            let state = Arc::new(State::default());
+            let s = state.clone();
+            let task = tokio::spawn(async move {
+                let mut pipes = tokio::task::JoinSet::new();
+                while let Ok((client, _)) = listener.accept().await {
+                    let s = s.clone();
+                    pipes.spawn(async move {
+                        let Ok(server) = TcpStream::connect(upstream).await else {
+                            return;
+                        };
+                        let (cr, cw) = client.into_split();
+                        let (sr, sw) = server.into_split();
+                        tokio::join!(pipe(cr, sw, &s), pipe(sr, cw, &s));
+                    });
+                }
+            });
+            Ok(Proxy { port, state, task })
+        }
+
+        pub fn blackhole(&self, on: bool) {
+            self.state.blackhole.store(on, Ordering::SeqCst);
+        }
+
+        pub fn delay(&self, d: Duration) {
+            self.state
+                .delay_ms
+                .store(d.as_millis() as u64, Ordering::SeqCst);
+        }
+    }
+
+    impl Drop for Proxy {
+        fn drop(&mut self) {
+            self.task.abort();
+        }
+    }
+
+    async fn pipe(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        s: &State,
+    ) {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            // Blackholed: read nothing, so nothing is forwarded, not even
+            // an end of stream, and both connections stay up.
+            while s.blackhole.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let delay = s.delay_ms.load(Ordering::SeqCst);
+            if delay > 0 {
+                tokio::time::sleep(Duration::from_millis(delay)).await;
+            }
+            while s.blackhole.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            if to.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown().await;
+    }
+}
+
+/// The URL through a proxy on a given port: `url` with its host and port
+/// replaced by `127.0.0.1:port`.
+type ProxiedUrl = Box<dyn Fn(u16) -> String + Send + Sync>;
+
+/// The address `url` names and how to reach it through a proxy; `None`
+/// unless it is a `postgres://` URL naming one TCP host (network faults
+/// are then skipped).
+async fn through_proxy(url: &str) -> Option<(std::net::SocketAddr, ProxiedUrl)> {
+    let scheme = ["postgresql://", "postgres://"]
+        .into_iter()
+        .find(|p| url.starts_with(p))?;
+    let rest = &url[scheme.len()..];
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    let (userinfo, hostport) = match authority.rsplit_once('@') {
+        Some((u, h)) => (format!("{u}@"), h),
+        None => (String::new(), authority),
+    };
+    if hostport.contains(',') || hostport.is_empty() || hostport.starts_with('[') {
+        return None;
+    }
+    let (host, port) = match hostport.rsplit_once(':') {
+        Some((h, p)) => (h, p.parse::<u16>().ok()?),
+        None => (hostport, 5432),
+    };
+    let addr = tokio::net::lookup_host((host, port)).await.ok()?.next()?;
+    let (scheme, tail) = (scheme.to_owned(), tail.to_owned());
+    Some((
+        addr,
+        Box::new(move |p: u16| format!("{scheme}{userinfo}127.0.0.1:{p}{tail}")),
+    ))
 }
 
 struct Run<'a> {
     exe: PathBuf,
     url_file: &'a Path,
+    /// The database's address and the URL through a proxy.
+    proxied: Option<&'a (std::net::SocketAddr, ProxiedUrl)>,
     schema: String,
     role: String,
     backend: BackendArg,
@@ -299,9 +444,20 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
-    fn spawn(&mut self) -> Result<Supervisor, Failure> {
+    async fn spawn(&mut self) -> Result<Supervisor, Failure> {
         self.next_id += 1;
         let node = format!("c{}", self.next_id);
+        let (proxy, url_file) = match self.proxied {
+            Some((upstream, url_for)) => {
+                let proxy = proxy::Proxy::start(*upstream)
+                    .await
+                    .map_err(|e| fail(format!("cannot start a proxy: {e}")))?;
+                let path = self.dir.join(format!("{node}.url"));
+                write_private(&path, &url_for(proxy.port))?;
+                (Some(proxy), path)
+            }
+            None => (None, self.url_file.to_owned()),
+        };
         let mut cmd = Command::new(&self.exe);
         let backend = match self.backend {
             BackendArg::Session => "session",
@@ -334,7 +490,7 @@ impl Run<'_> {
             "--log",
         ])
         .arg(self.dir.join(format!("{node}.log")))
-        .env("PGELECT_DATABASE_URL_FILE", self.url_file)
+        .env("PGELECT_DATABASE_URL_FILE", &url_file)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -353,7 +509,7 @@ impl Run<'_> {
         let child = cmd
             .spawn()
             .map_err(|e| fail(format!("cannot start a supervisor: {e}")))?;
-        Ok(Supervisor { node, child })
+        Ok(Supervisor { node, child, proxy })
     }
 
     /// Waits for a start of a term above `above` after `after`; returns it.
@@ -370,6 +526,19 @@ impl Run<'_> {
         }
         None
     }
+}
+
+/// Writes `text` to a new file only this user can read (mode 0600).
+fn write_private(path: &Path, text: &str) -> Result<(), Failure> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .and_then(|mut f| f.write_all(text.as_bytes()))
+        .map_err(|e| fail(format!("cannot write {}: {e}", path.display())))
 }
 
 fn signal(pid: Option<u32>, sig: nix::sys::signal::Signal) {
@@ -398,6 +567,27 @@ async fn terminate_backends(
     Ok(row.get(0))
 }
 
+/// The heartbeat timeout the candidates run with (what `pgelect run`
+/// derives from --ttl and --profile).
+fn heartbeat_timeout(run: &Run<'_>) -> Duration {
+    let profile = match run.args.profile {
+        ProfileArg::Standard => pgelect::Profile::Standard,
+        ProfileArg::Fast => pgelect::Profile::Fast,
+    };
+    pgelect::ConnectOptions::from_url("postgres://chaos@127.0.0.1/chaos")
+        .ok()
+        .and_then(|o| {
+            let b = pgelect::Elector::builder(o, "chaos").ttl(run.args.ttl);
+            let b = match run.backend {
+                BackendArg::Session => b.profile(profile),
+                BackendArg::Lease => b.backend(pgelect::Backend::Lease),
+            };
+            b.build().ok()
+        })
+        .map(|e| e.timing().heartbeat_timeout)
+        .unwrap_or(Duration::from_millis(200))
+}
+
 /// Runs one backend's schedule; returns the faults injected.
 async fn schedule(
     run: &mut Run<'_>,
@@ -407,7 +597,7 @@ async fn schedule(
     let args = run.args;
     let mut sups: Vec<Supervisor> = Vec::new();
     for _ in 0..args.candidates {
-        sups.push(run.spawn()?);
+        sups.push(run.spawn().await?);
     }
     let mut injected = Vec::new();
     let mut leader = run
@@ -433,7 +623,7 @@ async fn schedule(
                 let mut s = sups.remove(i);
                 let _ = s.child.start_kill();
                 let _ = s.child.wait().await;
-                sups.push(run.spawn()?);
+                sups.push(run.spawn().await?);
             }
             Fault::Term => {
                 let mut s = sups.remove(i);
@@ -444,7 +634,7 @@ async fn schedule(
                 {
                     let _ = s.child.start_kill();
                 }
-                sups.push(run.spawn()?);
+                sups.push(run.spawn().await?);
             }
             Fault::Stop => {
                 let sup = sups[i].child.id();
@@ -455,6 +645,25 @@ async fn schedule(
                 signal(Some(leader.pid), nix::sys::signal::Signal::SIGCONT);
                 paused = Some((leader.pid, now_ns()));
             }
+            Fault::Blackhole | Fault::Latency => match &sups[i].proxy {
+                None => {
+                    skipped =
+                        Some("the URL is not a single-host postgres:// URL: no proxy".to_owned())
+                }
+                Some(p) => {
+                    if fault == Fault::Blackhole {
+                        p.blackhole(true);
+                    } else {
+                        let t = heartbeat_timeout(run);
+                        let lo = (t / 4).as_millis() as u64;
+                        let hi = (t * 2).as_millis() as u64;
+                        p.delay(Duration::from_millis(lo + rng.below(hi - lo + 1)));
+                    }
+                    tokio::time::sleep(args.ttl * 3 / 2).await;
+                    p.blackhole(false);
+                    p.delay(Duration::ZERO);
+                }
+            },
             Fault::Terminate => match terminate_backends(admin, &run.role, &leader.node).await {
                 Ok(0) => skipped = Some("no backend of the leader found".to_owned()),
                 Ok(_) => {}
@@ -463,8 +672,13 @@ async fn schedule(
         }
         let next = if skipped.is_some() {
             None
-        } else {
+        } else if fault.must_fail_over() {
             run.next_start(leader.term, at, Duration::from_secs(60))
+                .await
+        } else {
+            // A delay may leave the leader in place: a new term counts only
+            // if it began while the delay was on or right after.
+            run.next_start(leader.term, at, Duration::from_millis(500))
                 .await
         };
         injected.push(Injected {
@@ -495,7 +709,9 @@ async fn schedule(
         }
         match next {
             Some(e) => leader = e,
-            None if injected.last().is_some_and(|f| f.skipped.is_some()) => {}
+            None if injected
+                .last()
+                .is_some_and(|f| f.skipped.is_some() || !f.fault.must_fail_over()) => {}
             None => return Err(fail(format!("no new leader within 60 s of {fault:?}"))),
         }
     }
@@ -693,6 +909,10 @@ pub async fn run(global: &Global, args: ChaosArgs) -> Result<u8, Failure> {
         crate::duration::show(args.duration)
     );
     let exe = std::env::current_exe().map_err(fail)?;
+    let proxied = through_proxy(&url).await;
+    if proxied.is_none() {
+        println!("  (the URL is not a single-host postgres:// URL: blackhole and latency faults are skipped)");
+    }
     let mut rng = Rng(seed);
     let mut rows = Vec::new();
     let mut all_violations = Vec::new();
@@ -717,6 +937,7 @@ pub async fn run(global: &Global, args: ChaosArgs) -> Result<u8, Failure> {
             let mut run = Run {
                 exe: exe.clone(),
                 url_file: url_file.path(),
+                proxied: proxied.as_ref(),
                 schema: schema.clone(),
                 role: role.clone(),
                 backend,

@@ -190,12 +190,17 @@ with an old term).")]
     #[command(after_help = "Examples:
   pgelect chaos                                   # a throwaway PostgreSQL, both backends, 60s each
   pgelect chaos --duration 5m --seed 42 --json chaos.json
-  pgelect chaos --database-url-file staging.url --backends session --faults kill,stop,term
+  pgelect chaos --database-url-file staging.url --backends session --faults kill,stop,term,blackhole
 
 Faults: kill (SIGKILL the leader's supervisor), stop (SIGSTOP it and its
 command for 1.5 x the TTL, then SIGCONT), term (SIGTERM: a planned
 handover), terminate (pg_terminate_backend on the leader's backends; needs
-pg_signal_backend or superuser, skipped and reported otherwise).
+pg_signal_backend or superuser, skipped and reported otherwise), blackhole
+(the leader's traffic stops for 1.5 x the TTL: each supervisor connects
+through a proxy of its own that stops forwarding while both TCP connections
+stay up), latency (the leader's traffic delayed by a quarter to twice its
+heartbeat timeout for 1.5 x the TTL). The network faults need a single-host
+postgres:// URL and are skipped otherwise.
 Without --database-url or --database-url-file it starts a throwaway
 PostgreSQL. Against your database it uses roles named chaos-<seed>-<backend>
 (refused if one already has a leader) and a table pgelect_chaos_<seed>,

@@ -37,11 +37,9 @@ async fn chaos_finds_no_violation_writes_json_and_cleans_up() {
             &db,
             &[
                 "--duration",
-                "6s",
+                "8s",
                 "--seed",
                 "11",
-                "--faults",
-                "kill,term,terminate,stop",
                 "--json",
                 json.to_str().unwrap(),
             ],
@@ -101,16 +99,7 @@ async fn chaos_finds_no_violation_writes_json_and_cleans_up() {
     let again = run(
         chaos(
             &db,
-            &[
-                "--duration",
-                "4s",
-                "--seed",
-                "11",
-                "--backends",
-                "session",
-                "--faults",
-                "kill,term,terminate,stop",
-            ],
+            &["--duration", "4s", "--seed", "11", "--backends", "session"],
         ),
         CHAOS,
     )
