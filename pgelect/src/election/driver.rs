@@ -35,6 +35,8 @@ pub(crate) enum Answer {
     Renewed {
         row: Option<(SystemTime, SystemTime)>,
         resign_requested: bool,
+        /// What the renewal found in the candidate registry.
+        preferred: Preferred,
     },
     /// The renewal found no row with our holder and term: someone else
     /// leads.
@@ -45,6 +47,24 @@ pub(crate) enum Answer {
     /// (`transaction_read_only` is on: a standby, or a fenced primary).
     ReadOnly,
 }
+
+/// What a renewal found about candidates of strictly higher priority
+/// than the leader's (see [`registry`](super::registry)).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Preferred {
+    /// The node of the best such candidate that is ready to take the lock
+    /// now: the leader hands over.
+    pub(crate) ready: Option<String>,
+    /// Such a candidate lives but does not wait yet (a blocking standby
+    /// about to wait, or between two wait slices): worth checking again
+    /// soon after a hint.
+    pub(crate) pending: bool,
+}
+
+/// After a hint, how many more early checks a leader makes while a
+/// preferred candidate lives but does not wait yet (one per
+/// [`EARLY_CHECK_GAP`](super::keeper::EARLY_CHECK_GAP): a second at most).
+const PENDING_RECHECKS: u8 = 10;
 
 /// A statement in flight: resolves with the moment it was sent and what it
 /// found.
@@ -166,6 +186,7 @@ impl<B: KeepBackend> Keep<B> {
         let mut failures = 0u32;
         let mut release_reply: Option<(LossReason, oneshot::Sender<Result<()>>)> = None;
         let mut ended: Option<LossReason> = None;
+        let mut rechecks = 0u8;
 
         'outer: loop {
             let now = Instant::now();
@@ -196,6 +217,8 @@ impl<B: KeepBackend> Keep<B> {
                             // Asked for (by an operator's request_resign):
                             // news, not trouble.
                             tracing::info!(%reason, "leadership handed back on request");
+                        } else if first && reason == LossReason::HandedOver {
+                            tracing::info!(%reason, "handing leadership over to a candidate of higher priority");
                         } else if first && was_active {
                             tracing::warn!(%reason, "leadership lost");
                         } else if first {
@@ -237,7 +260,7 @@ impl<B: KeepBackend> Keep<B> {
                     in_flight = None;
                     let now = Instant::now();
                     match result {
-                        Ok(Answer::Renewed { row, resign_requested }) => {
+                        Ok(Answer::Renewed { row, resign_requested, preferred }) => {
                             failures = 0;
                             shared.contact.touch();
                             keeper.renewed(sent, now);
@@ -261,6 +284,12 @@ impl<B: KeepBackend> Keep<B> {
                             if resign_requested {
                                 tracing::info!("resignation requested for this term (lease row)");
                                 keeper.stop_requested(LossReason::Resigned, now);
+                            } else if let Some(to) = preferred.ready {
+                                tracing::info!(to = %to, "a ready candidate of higher priority stands");
+                                keeper.stop_requested(LossReason::HandedOver, now);
+                            } else if preferred.pending && rechecks > 0 {
+                                rechecks -= 1;
+                                keeper.check_requested(now);
                             }
                         }
                         Ok(Answer::NotOurs) => {
@@ -306,8 +335,12 @@ impl<B: KeepBackend> Keep<B> {
                         // The renewal it brings forward reads the row,
                         // which only `request_resign` (a granted privilege)
                         // marks.
+                        // The same hint is sent by a registering candidate
+                        // of higher priority: the renewal also reads the
+                        // candidate registry against pg_locks.
                         if n.channel == RESIGN_CHANNEL && n.payload == resign_payload {
-                            tracing::debug!("resign hint heard; checking the lease row");
+                            tracing::debug!("resign hint heard; checking the lease row and the candidates");
+                            rechecks = PENDING_RECHECKS;
                             keeper.check_requested(Instant::now());
                         }
                     }
@@ -403,6 +436,7 @@ mod tests {
                 let answer = answer.unwrap_or(Answer::Renewed {
                     row: None,
                     resign_requested: false,
+                    preferred: Preferred::default(),
                 });
                 (sent, Ok(answer))
             })
@@ -501,6 +535,7 @@ mod tests {
             Answer::Renewed {
                 row: None,
                 resign_requested: false,
+                preferred: Preferred::default(),
             },
             Answer::NotOurs,
         ]);
@@ -516,6 +551,7 @@ mod tests {
         let r = start(vec![Answer::Renewed {
             row: None,
             resign_requested: true,
+            preferred: Preferred::default(),
         }]);
         // The lease row's mark cancels the token but keeps the lease.
         r.state.token.cancelled().await;

@@ -155,6 +155,7 @@ mod config;
 mod driver;
 mod keeper;
 mod leadership;
+mod registry;
 #[cfg(test)]
 mod sim;
 mod support;
@@ -203,6 +204,8 @@ pub(crate) struct Shared {
     pub(crate) key: LockKey,
     pub(crate) timing: Timing,
     pub(crate) meta: Option<serde_json::Value>,
+    /// A leader hands over to a ready candidate of strictly higher priority.
+    pub(crate) priority: i32,
     pub(crate) leader: tokio::sync::watch::Sender<Option<LeaderInfo>>,
     /// What this elector is doing, which decides whether its observer
     /// connection is needed.
@@ -441,6 +444,7 @@ impl Elector {
 
     #[allow(clippy::too_many_arguments)] // one call site, in build()
     pub(crate) fn from_parts(
+        priority: i32,
         options: ConnectOptions,
         role: String,
         node: String,
@@ -460,6 +464,7 @@ impl Elector {
                 key,
                 timing,
                 meta,
+                priority,
                 leader: tokio::sync::watch::Sender::new(None),
                 activity: tokio::sync::watch::Sender::new(Activity::default()),
                 observer: Mutex::new(None),
@@ -490,6 +495,28 @@ impl Elector {
     /// This candidate's node id (the `holder` written while leading).
     pub fn node_id(&self) -> &str {
         &self.shared.node
+    }
+
+    /// This candidate's priority (see [`ElectorBuilder::priority`]).
+    pub fn priority(&self) -> i32 {
+        self.shared.priority
+    }
+
+    /// Removes this candidate's row from the candidate registry
+    /// (`<schema>.candidates`), on a connection of its own (or the one kept
+    /// from the last clean release), for a candidate that stops standing
+    /// for good. [`Elector::run`] calls it when shut down.
+    ///
+    /// Not calling it is safe: a row of a candidate that no longer waits is
+    /// never ready (readiness is read from `pg_locks` and
+    /// `pg_stat_activity`, or a lease candidate's refresh time), and the
+    /// next registration of the role deletes rows of dead backends. A
+    /// campaign still running registers again on its next attempt.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: one statement; dropped, the row is left (see above).
+    pub async fn withdraw(&self) -> Result<()> {
+        registry_withdraw(&self.shared).await
     }
 
     /// The lease TTL.
@@ -639,7 +666,12 @@ impl Elector {
     {
         loop {
             let leadership = tokio::select! {
-                _ = shutdown.cancelled() => return Ok(()),
+                _ = shutdown.cancelled() => {
+                    if let Err(e) = self.withdraw().await {
+                        tracing::debug!(role = %self.shared.role, error = %e, "could not withdraw from the candidate registry; the row is left stale (never ready)");
+                    }
+                    return Ok(());
+                }
                 l = self.leadership() => l?,
             };
             let ctx = leadership.context();
@@ -659,10 +691,45 @@ impl Elector {
             }
             on_demoted().await;
             if shutdown.is_cancelled() {
+                if let Err(e) = self.withdraw().await {
+                    tracing::debug!(role = %self.shared.role, error = %e, "could not withdraw from the candidate registry; the row is left stale (never ready)");
+                }
                 return Ok(());
             }
         }
     }
+}
+
+/// Deletes `shared`'s registry row (see [`Elector::withdraw`]), bounded by
+/// the connect timeout plus twice the statement timeout.
+async fn registry_withdraw(shared: &Shared) -> Result<()> {
+    let s = shared.options.schema_name().as_str();
+    let spare = shared.session().and_then(SessionState::take_spare);
+    let conn = match spare {
+        Some(c) => c,
+        None => {
+            shared
+                .options
+                .connect(&format!("withdraw:{}:{}", shared.role, shared.node))
+                .await?
+        }
+    };
+    let sql = registry::withdraw_sql(s);
+    let args: [(&(dyn tokio_postgres::types::ToSql + Sync), _); 2] = [
+        (&shared.role, tokio_postgres::types::Type::TEXT),
+        (&shared.node, tokio_postgres::types::Type::TEXT),
+    ];
+    let run = conn.client().query_typed(&sql, &args);
+    let result = match tokio::time::timeout(shared.timing.heartbeat_timeout * 2, run).await {
+        Ok(r) => r
+            .map(|_| ())
+            .map_err(|e| crate::Error::db("withdraw from the candidate registry", s, e)),
+        Err(_) => Err(crate::Error::connection_lost(
+            "withdraw from the candidate registry",
+        )),
+    };
+    conn.close().await;
+    result
 }
 
 impl Drop for Elector {
@@ -697,6 +764,7 @@ impl fmt::Debug for Elector {
             .field("target", &self.shared.options.target())
             .field("timing", &self.shared.timing)
             .field("backend", &self.shared.backend())
+            .field("priority", &self.shared.priority)
             .field("standby", &self.shared.session().map(|s| s.standby))
             .field("leader", &*self.shared.leader.borrow())
             .finish()

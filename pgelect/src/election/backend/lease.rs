@@ -34,7 +34,9 @@ use crate::metrics;
 use crate::schema::{check_schema, SchemaName};
 
 use crate::election::config::random_u64;
-use crate::election::driver::{Activation, Answer, Failed, Keep, KeepBackend, Statement};
+use crate::election::driver::{
+    Activation, Answer, Failed, Keep, KeepBackend, Preferred, Statement,
+};
 use crate::election::keeper::{Action, Keeper, Liveness};
 use crate::election::leadership::{LeaderContext, LeaderState, Leadership, LossReason};
 use crate::election::support::{
@@ -629,6 +631,7 @@ impl KeepBackend for LeaseKeep {
                 Ok(Answer::Renewed {
                     row: None,
                     resign_requested,
+                    preferred: Preferred::default(),
                 })
             });
             self.put_conn(conn);

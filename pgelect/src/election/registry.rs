@@ -1,0 +1,244 @@
+//! The candidate registry (`<schema>.candidates`, schema version 5): who
+//! stands for a role, with which priority and timing; and the readiness
+//! rules that decide whether a leader hands over to a *preferred*
+//! candidate (one of strictly higher priority).
+//!
+//! Only pgelect's candidates may write the table (the grants of
+//! `leaders`): another database user cannot register, so it cannot make a
+//! leader hand over. A row alone never proves anything either: readiness
+//! is read from what the server itself sets.
+//!
+//! * Session backend, blocking standby: ready while its registered backend
+//!   pid (`pg_backend_pid()` of its lock connection, written by the server)
+//!   waits, not granted, on the role's advisory lock in `pg_locks`.
+//! * Session backend, polling standby: ready while that backend lives
+//!   (`pg_stat_activity`); it tries the lock within its polling interval,
+//!   and at once on the leader's release `NOTIFY`.
+//! * Either way the backend must belong to the database user that wrote the
+//!   row and, where the checking user may see it, have started before the
+//!   row was written: a pid recycled by another session (possibly of a
+//!   hostile user) after the candidate died is not taken for it.
+//! * Lease backend: ready while `seen_at` (the server's `now()`, refreshed
+//!   by the standby at least every `ttl / 2`) is within the candidate's own
+//!   `ttl` of `now()`.
+//!
+//! Rows of candidates that died are harmless (never ready) and are deleted
+//! opportunistically by the next registration of the role.
+
+use std::time::Duration;
+
+use crate::key::LockKey;
+
+use super::timing::Timing;
+use super::watch::RESIGN_CHANNEL;
+
+/// A lease-backend row not refreshed for this many of its TTLs is deleted by
+/// the next registration of the role.
+const LEASE_ROW_STALE_TTLS: i64 = 10;
+
+/// The timing an elector runs with, as stored in the registry (`timing`,
+/// milliseconds) for `pgelect status --json`.
+pub(crate) fn timing_json(t: &Timing) -> serde_json::Value {
+    let ms = |d: Duration| d.as_millis() as u64;
+    serde_json::json!({
+        "ttl_ms": ms(t.ttl),
+        "safety_margin_ms": ms(t.safety_margin),
+        "renew_every_ms": ms(t.renew_every),
+        "heartbeat_ms": ms(t.heartbeat),
+        "heartbeat_timeout_ms": ms(t.heartbeat_timeout),
+        "handover_delay_ms": ms(t.handover_delay),
+    })
+}
+
+/// How a candidate waits, as stored in `candidates.standby`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Waits {
+    /// Session backend, in the lock queue (`lock_wait_slice`).
+    Blocking,
+    /// Session backend, `pg_try_advisory_lock` every interval.
+    Polling,
+    /// Lease backend: no server session to check.
+    Lease,
+}
+
+impl Waits {
+    fn backend(self) -> &'static str {
+        match self {
+            Waits::Blocking | Waits::Polling => "session",
+            Waits::Lease => "lease",
+        }
+    }
+
+    pub(crate) fn standby(self) -> Option<&'static str> {
+        match self {
+            Waits::Blocking => Some("blocking"),
+            Waits::Polling => Some("polling"),
+            Waits::Lease => None,
+        }
+    }
+}
+
+/// The registration statement: upserts this candidate's row (server-set
+/// `backend_pid` for the session backend), deletes the role's rows of dead
+/// candidates, and, when the current leader is registered with a lower
+/// priority (or not at all, which counts as 0), sends it a hint on
+/// [`RESIGN_CHANNEL`] (a hint only brings its next check forward).
+///
+/// Parameters: `$1` role, `$2` node, `$3` priority (int4), `$4` standby
+/// (text, NULL for the lease backend), `$5` timing (jsonb), `$6` meta
+/// (jsonb), `$7` hint payload (text). One row: rows deleted (int8).
+pub(crate) fn register_sql(s: &str, waits: Waits) -> String {
+    let backend = waits.backend();
+    let pid = match waits {
+        Waits::Lease => "NULL::int4",
+        Waits::Blocking | Waits::Polling => "pg_catalog.pg_backend_pid()",
+    };
+    format!(
+        "WITH me AS (
+             INSERT INTO {s}.candidates AS c
+                    (role, node, backend_pid, priority, backend, standby, timing, meta,
+                     db_user, registered_at, seen_at)
+             VALUES ($1, $2, {pid}, $3, '{backend}', $4, $5, $6, session_user, now(), now())
+             ON CONFLICT (role, node) DO UPDATE
+                SET backend_pid = EXCLUDED.backend_pid, priority = EXCLUDED.priority,
+                    backend = EXCLUDED.backend, standby = EXCLUDED.standby,
+                    timing = EXCLUDED.timing, meta = EXCLUDED.meta, db_user = session_user,
+                    registered_at = CASE WHEN c.backend_pid IS NOT DISTINCT FROM EXCLUDED.backend_pid
+                                         THEN c.registered_at ELSE now() END,
+                    seen_at = now()
+             RETURNING 1
+         ), stale AS (
+             DELETE FROM {s}.candidates c
+              WHERE c.role = $1 AND c.node <> $2
+                AND CASE WHEN c.backend = 'session'
+                         THEN NOT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_activity a
+                                           WHERE a.pid = c.backend_pid)
+                         ELSE c.seen_at + {LEASE_ROW_STALE_TTLS}
+                                * coalesce((c.timing->>'ttl_ms')::int8, 15000)
+                                * interval '1 millisecond' < now() END
+             RETURNING 1
+         )
+         SELECT (SELECT count(*) FROM stale),
+                (SELECT count(*) FROM me),
+                CASE WHEN EXISTS (
+                    SELECT 1 FROM {s}.leaders l
+                      LEFT JOIN {s}.candidates lc ON lc.role = l.role AND lc.node = l.holder
+                     WHERE l.role = $1 AND l.holder IS NOT NULL AND l.holder <> $2
+                       AND coalesce(lc.priority, 0) < $3)
+                THEN pg_catalog.pg_notify('{RESIGN_CHANNEL}', $7)::text END"
+    )
+}
+
+/// Deletes this candidate's row: `$1` role, `$2` node.
+pub(crate) fn withdraw_sql(s: &str) -> String {
+    format!("DELETE FROM {s}.candidates WHERE role = $1 AND node = $2")
+}
+
+/// Session backend: an SQL scalar subquery, the node of the best ready
+/// candidate of `role` whose priority is strictly higher than `priority`
+/// (both SQL expressions, as is `node`, the asking candidate's, which is
+/// left out), or NULL. With `ready` false: any such candidate whose backend
+/// lives, waiting or not (a blocking standby between two wait slices, or
+/// one that registered and is about to wait).
+pub(crate) fn preferred_session_sql(
+    s: &str,
+    key: LockKey,
+    role: &str,
+    node: &str,
+    priority: &str,
+    ready: bool,
+) -> String {
+    let (classid, objid, objsubid) = key.pg_locks_ids();
+    let waiting = if ready {
+        format!(
+            "AND (c.standby = 'polling' OR EXISTS (
+                   SELECT 1 FROM pg_catalog.pg_locks l
+                    WHERE l.pid = c.backend_pid AND l.locktype = 'advisory' AND NOT l.granted
+                      AND l.database = a.datid AND l.classid = {classid}
+                      AND l.objid = {objid} AND l.objsubid = {objsubid}))"
+        )
+    } else {
+        String::new()
+    };
+    format!(
+        "(SELECT c.node FROM {s}.candidates c
+           JOIN pg_catalog.pg_stat_activity a ON a.pid = c.backend_pid
+          WHERE c.role = {role} AND c.node <> {node} AND c.priority > {priority}
+            AND c.backend = 'session'
+            AND a.datid = (SELECT d.oid FROM pg_catalog.pg_database d
+                            WHERE d.datname = pg_catalog.current_database())
+            AND a.usename = c.db_user
+            AND (a.backend_start IS NULL OR a.backend_start <= c.seen_at)
+            {waiting}
+          ORDER BY c.priority DESC, c.node LIMIT 1)"
+    )
+}
+
+/// Lease backend: an SQL scalar subquery, the node of the best ready
+/// candidate (seen within its own TTL) of `role` whose priority is strictly
+/// higher than `priority`, other than `node`, or NULL.
+pub(crate) fn preferred_lease_sql(s: &str, role: &str, node: &str, priority: &str) -> String {
+    format!(
+        "(SELECT c.node FROM {s}.candidates c
+          WHERE c.role = {role} AND c.node <> {node} AND c.priority > {priority}
+            AND c.backend = 'lease'
+            AND c.seen_at + coalesce((c.timing->>'ttl_ms')::int8, 15000)
+                            * interval '1 millisecond' >= now()
+          ORDER BY c.priority DESC, c.node LIMIT 1)"
+    )
+}
+
+/// The hint payload a registration sends on [`RESIGN_CHANNEL`]: the one a
+/// leader of `role` listens for.
+pub(crate) fn hint_payload(s: &str, role: &str) -> String {
+    format!("{s}:{role}")
+}
+
+/// The longest a blocking or polling candidate that gave the lock back to a
+/// preferred one waits before it stands in the queue again, after its
+/// `yields`-th yield in a row: 20 ms doubling to 1 s. A blocking preferred
+/// candidate is granted the lock at once (it waits in the queue); a polling
+/// one needs time to try; and a preferred candidate that vanished costs at
+/// most this much.
+pub(crate) fn yield_pause(yields: u32) -> Duration {
+    let ms = 20u64.saturating_mul(1 << yields.saturating_sub(1).min(6));
+    Duration::from_millis(ms.min(1000))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::election::timing::TimingRequest;
+
+    #[test]
+    fn timing_is_stored_in_milliseconds() {
+        let t = TimingRequest::default().validate().unwrap();
+        let j = timing_json(&t);
+        assert_eq!(j["ttl_ms"], 15000);
+        assert_eq!(j["safety_margin_ms"], 3000);
+        assert_eq!(j["renew_every_ms"], 5000);
+        assert_eq!(j["heartbeat_ms"], 1000);
+        assert_eq!(j["heartbeat_timeout_ms"], 1000);
+        assert_eq!(j["handover_delay_ms"], 2500);
+    }
+
+    #[test]
+    fn yield_pauses_double_to_a_second() {
+        assert_eq!(yield_pause(1), Duration::from_millis(20));
+        assert_eq!(yield_pause(2), Duration::from_millis(40));
+        assert_eq!(yield_pause(7), Duration::from_millis(1000));
+        assert_eq!(yield_pause(u32::MAX), Duration::from_millis(1000));
+    }
+
+    #[test]
+    fn readiness_is_strictly_higher_and_checked_against_the_server() {
+        let key = LockKey::from_name("election:pgelect:r").unwrap();
+        let ready = preferred_session_sql("pgelect", key, "$1", "$2", "$5", true);
+        assert!(ready.contains("c.priority > $5"), "{ready}");
+        assert!(ready.contains("NOT l.granted"), "{ready}");
+        assert!(ready.contains("a.usename = c.db_user"), "{ready}");
+        let alive = preferred_session_sql("pgelect", key, "$1", "$2", "$5", false);
+        assert!(!alive.contains("pg_locks"), "{alive}");
+        assert!(preferred_lease_sql("pgelect", "$1", "$2", "$8").contains("c.priority > $8"));
+    }
+}
