@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use pgelect::{ConnectOptions, Elector, ElectorBuilder, LossReason, StandbyMode};
+use pgelect::{Backend, ConnectOptions, Elector, ElectorBuilder, LossReason, StandbyMode};
 use tokio_postgres::types::Type;
 use tokio_postgres::Client;
 
@@ -458,4 +458,67 @@ async fn holder_pid(admin: &Client, role: &str) -> i32 {
         .await
         .unwrap()
         .get(0)
+}
+
+/// Lease backend, with a `LISTEN` connection: a standby of higher priority
+/// registers and hints; the leader hands over at once, a lower standby
+/// leaves the released lease to it, and it leads with the next term.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_backend_hands_over_to_a_higher_priority_standby() {
+    let (db, o) = migrated("prio_lease").await;
+    let admin = db.connect().await;
+    let role = "lease-deploy";
+    let lease = |node: &str, priority: i32| {
+        slow(&o, role, node, priority)
+            .backend(Backend::Lease)
+            .listen_via(o.clone())
+    };
+    let a = lease("old-a", 0).build().unwrap();
+    let la = a.leadership().await.unwrap();
+    let term = la.term();
+    let a_task = tokio::spawn(async move {
+        la.lost().await;
+        let reason = la.loss_reason();
+        la.resign().await.unwrap();
+        reason
+    });
+    let b = lease("old-b", 0).build().unwrap();
+    let b_task = tokio::spawn(async move { (b.leadership().await.unwrap(), b) });
+    // old-b is registered (and so seen) before new-c stands.
+    let t0 = Instant::now();
+    loop {
+        let n: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM pgelect.candidates WHERE node = 'old-b'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if n == 1 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let t0 = Instant::now();
+    let c = lease("new-c", 10).build().unwrap();
+    let lc = tokio::time::timeout(Duration::from_secs(8), c.leadership())
+        .await
+        .expect("the preferred candidate leads long before the next renewal (10 s)")
+        .unwrap();
+    let took = t0.elapsed();
+    println!("lease handover: new-c leads {took:?} after it began standing");
+    assert_eq!(a_task.await.unwrap(), Some(LossReason::HandedOver));
+    assert_eq!(lc.term().get(), term.get() + 1);
+    assert!(!b_task.is_finished(), "old-b left the lease to new-c");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    // Equal or lower priorities leave the new leader alone.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!lc.is_lost());
+    assert_eq!(
+        term_of_row(&admin, role).await,
+        (Some("new-c".to_owned()), term.get() + 1)
+    );
+    lc.resign().await.unwrap();
 }

@@ -27,10 +27,15 @@
 
 use std::time::Duration;
 
+use tokio_postgres::types::{ToSql, Type};
+
+use crate::conn::DedicatedConnection;
+use crate::error::{Error, Result};
 use crate::key::LockKey;
 
 use super::timing::Timing;
 use super::watch::RESIGN_CHANNEL;
+use super::Shared;
 
 /// A lease-backend row not refreshed for this many of its TTLs is deleted by
 /// the next registration of the role.
@@ -203,6 +208,64 @@ pub(crate) fn hint_payload(s: &str, role: &str) -> String {
 pub(crate) fn yield_pause(yields: u32) -> Duration {
     let ms = 20u64.saturating_mul(1 << yields.saturating_sub(1).min(6));
     Duration::from_millis(ms.min(1000))
+}
+
+/// A candidate's registration in the registry (see
+/// [`registry`](crate::election::registry)).
+pub(crate) struct Register {
+    sql: String,
+    standby: Option<&'static str>,
+    timing: serde_json::Value,
+    payload: String,
+}
+
+impl Register {
+    pub(crate) fn new(shared: &Shared, waits: Waits) -> Register {
+        let s = shared.options.schema_name().as_str();
+        Register {
+            sql: register_sql(s, waits),
+            standby: waits.standby(),
+            timing: timing_json(&shared.timing),
+            payload: hint_payload(s, &shared.role),
+        }
+    }
+
+    /// The statement and its parameters.
+    pub(crate) fn statement<'a>(
+        &'a self,
+        shared: &'a Shared,
+    ) -> (&'a str, [(&'a (dyn ToSql + Sync), Type); 7]) {
+        (
+            &self.sql,
+            [
+                (&shared.role, Type::TEXT),
+                (&shared.node, Type::TEXT),
+                (&shared.priority, Type::INT4),
+                (&self.standby, Type::TEXT),
+                (&self.timing, Type::JSONB),
+                (&shared.meta, Type::JSONB),
+                (&self.payload, Type::TEXT),
+            ],
+        )
+    }
+
+    /// Registers (upsert) on `conn`; the backend pid is the server's.
+    pub(crate) async fn run(&self, shared: &Shared, conn: &DedicatedConnection) -> Result<()> {
+        let s = shared.options.schema_name().as_str();
+        let (sql, args) = self.statement(shared);
+        let row = conn
+            .client()
+            .query_typed_one(sql, &args)
+            .await
+            .map_err(|e| Error::db("register as a candidate", s, e))?;
+        let stale: i64 = row
+            .try_get(0)
+            .map_err(|e| Error::db("register as a candidate", s, e))?;
+        if stale > 0 {
+            tracing::debug!(stale, "deleted registry rows of candidates that died");
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

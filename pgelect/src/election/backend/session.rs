@@ -30,7 +30,7 @@ use crate::election::driver::{
 };
 use crate::election::keeper::{Keeper, Liveness};
 use crate::election::leadership::{LeaderContext, LeaderState, Leadership, LossReason};
-use crate::election::registry::{self, yield_pause, Waits};
+use crate::election::registry::{self, yield_pause, Register, Waits};
 use crate::election::support::{
     backoff, check_not_transaction_pooled, is_read_only, is_transient, nap, Counted, WakeLimit,
     WakeOn,
@@ -441,64 +441,6 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
     match activated_rx.await {
         Ok(true) => Ok(Attempt::Elected(leadership)),
         _ => Ok(Attempt::Again),
-    }
-}
-
-/// A candidate's registration in the registry (see
-/// [`registry`](crate::election::registry)).
-pub(crate) struct Register {
-    sql: String,
-    standby: Option<&'static str>,
-    timing: serde_json::Value,
-    payload: String,
-}
-
-impl Register {
-    pub(crate) fn new(shared: &Shared, waits: Waits) -> Register {
-        let s = shared.options.schema_name().as_str();
-        Register {
-            sql: registry::register_sql(s, waits),
-            standby: waits.standby(),
-            timing: registry::timing_json(&shared.timing),
-            payload: registry::hint_payload(s, &shared.role),
-        }
-    }
-
-    /// The statement and its parameters.
-    pub(crate) fn statement<'a>(
-        &'a self,
-        shared: &'a Shared,
-    ) -> (&'a str, [(&'a (dyn ToSql + Sync), Type); 7]) {
-        (
-            &self.sql,
-            [
-                (&shared.role, Type::TEXT),
-                (&shared.node, Type::TEXT),
-                (&shared.priority, Type::INT4),
-                (&self.standby, Type::TEXT),
-                (&self.timing, Type::JSONB),
-                (&shared.meta, Type::JSONB),
-                (&self.payload, Type::TEXT),
-            ],
-        )
-    }
-
-    /// Registers (upsert) on `conn`; the backend pid is the server's.
-    async fn run(&self, shared: &Shared, conn: &DedicatedConnection) -> Result<()> {
-        let s = shared.options.schema_name().as_str();
-        let (sql, args) = self.statement(shared);
-        let row = conn
-            .client()
-            .query_typed_one(sql, &args)
-            .await
-            .map_err(|e| Error::db("register as a candidate", s, e))?;
-        let stale: i64 = row
-            .try_get(0)
-            .map_err(|e| Error::db("register as a candidate", s, e))?;
-        if stale > 0 {
-            tracing::debug!(stale, "deleted registry rows of candidates that died");
-        }
-        Ok(())
     }
 }
 
