@@ -547,6 +547,75 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_ready_preferred_candidate_makes_the_leader_hand_over_then_release() {
+        let r = start(vec![Answer::Renewed {
+            row: None,
+            resign_requested: false,
+            preferred: Preferred {
+                ready: Some("b".into()),
+                pending: false,
+            },
+        }]);
+        // Like a resign request: the duties stop, the lock is kept for a
+        // clean release.
+        r.state.token.cancelled().await;
+        assert_eq!(r.state.reason(), Some(LossReason::HandedOver));
+        let (reply, answer) = oneshot::channel();
+        r.commands
+            .send(Command::Release {
+                reason: LossReason::Resigned,
+                reply,
+            })
+            .unwrap();
+        answer.await.unwrap().unwrap();
+        let log = r.log.lock().unwrap().clone();
+        assert_eq!(log, ["renew", "release after None"]);
+        assert_eq!(r.state.reason(), Some(LossReason::HandedOver));
+    }
+
+    fn renewals(r: &Running) -> usize {
+        r.log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| *l == "renew")
+            .count()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn after_a_hint_a_preferred_candidate_not_yet_waiting_is_checked_again_a_bounded_number_of_times(
+    ) {
+        let pending = || Answer::Renewed {
+            row: None,
+            resign_requested: false,
+            preferred: Preferred {
+                ready: None,
+                pending: true,
+            },
+        };
+        let r = start((0..200).map(|_| pending()).collect());
+        // Renewals every 500 ms on their own.
+        tokio::time::sleep(Duration::from_millis(1250)).await;
+        let regular = renewals(&r);
+        assert_eq!(regular, 2, "{:?}", r.log.lock().unwrap());
+        r._notices
+            .send(Notice {
+                channel: RESIGN_CHANNEL.into(),
+                payload: "pgelect:r".into(),
+            })
+            .unwrap();
+        // One check at once, then one per 100 ms while the candidate does
+        // not wait yet, ten at most.
+        tokio::time::sleep(Duration::from_millis(1240)).await;
+        let after_hint = renewals(&r) - regular;
+        assert_eq!(after_hint, 11, "{:?}", r.log.lock().unwrap());
+        // Then back to the schedule (every 500 ms).
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        assert_eq!(renewals(&r) - regular - after_hint, 2);
+        assert!(!r.state.token.is_cancelled());
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_resign_request_stops_the_duties_and_release_reports_its_outcome() {
         let r = start(vec![Answer::Renewed {
             row: None,

@@ -165,8 +165,16 @@ pub(crate) fn preferred_session_sql(
     } else {
         String::new()
     };
+    // The usual case (nobody of higher priority registered) costs an index
+    // probe: a sub-select in a CASE branch not taken is never run, so
+    // pg_stat_activity and pg_locks (which takes every lock-manager
+    // partition lock) are read only when there is someone to check.
     format!(
-        "(SELECT c.node FROM {s}.candidates c
+        "(CASE WHEN EXISTS (
+             SELECT 1 FROM {s}.candidates c
+              WHERE c.role = {role} AND c.node <> {node} AND c.priority > {priority}
+                AND c.backend = 'session')
+         THEN (SELECT c.node FROM {s}.candidates c
            JOIN pg_catalog.pg_stat_activity a ON a.pid = c.backend_pid
           WHERE c.role = {role} AND c.node <> {node} AND c.priority > {priority}
             AND c.backend = 'session'
@@ -175,7 +183,7 @@ pub(crate) fn preferred_session_sql(
             AND a.usename = c.db_user
             AND (a.backend_start IS NULL OR a.backend_start <= c.seen_at)
             {waiting}
-          ORDER BY c.priority DESC, c.node LIMIT 1)"
+          ORDER BY c.priority DESC, c.node LIMIT 1) END)"
     )
 }
 
