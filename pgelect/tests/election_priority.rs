@@ -256,8 +256,8 @@ async fn a_registered_candidate_that_does_not_wait_moves_nothing() {
         .await
         .unwrap()
         .unwrap();
-    // `gone`'s row stays; and a row of priority 30 on a live backend that
-    // waits for nothing.
+    // `gone`'s row stays; and rows of priorities 30 and 40 on a live
+    // backend that neither waits nor polls.
     let idle = db.connect().await;
     let idle_pid: i32 = idle
         .query_one("SELECT pg_backend_pid()", &[])
@@ -266,8 +266,12 @@ async fn a_registered_candidate_that_does_not_wait_moves_nothing() {
         .get(0);
     admin
         .execute(
-            "INSERT INTO pgelect.candidates (role, node, backend_pid, priority, backend, standby)
-             VALUES ('idle', 'alive-not-waiting', $1, 30, 'session', 'blocking')",
+            "INSERT INTO pgelect.candidates (role, node, backend_pid, priority, backend, standby, seen_at)
+             VALUES ('idle', 'alive-not-waiting', $1, 30, 'session', 'blocking', now()),
+                    -- a polling candidate whose backend lives on (a shared
+                    -- connection) but that stopped polling a minute ago
+                    ('idle', 'alive-not-polling', $1, 40, 'session', 'polling',
+                     now() - interval '1 minute')",
             &[&idle_pid],
         )
         .await

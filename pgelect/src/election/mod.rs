@@ -505,7 +505,8 @@ impl Elector {
     /// Removes this candidate's row from the candidate registry
     /// (`<schema>.candidates`), on a connection of its own (or the one kept
     /// from the last clean release), for a candidate that stops standing
-    /// for good. [`Elector::run`] calls it when shut down.
+    /// for good. [`Elector::run`] calls it when shut down. Bounded by twice
+    /// the `heartbeat_timeout`, connecting included.
     ///
     /// Not calling it is safe: a row of a candidate that no longer waits is
     /// never ready (readiness is read from `pg_locks` and
@@ -700,36 +701,41 @@ impl Elector {
     }
 }
 
-/// Deletes `shared`'s registry row (see [`Elector::withdraw`]), bounded by
-/// the connect timeout plus twice the statement timeout.
+/// Deletes `shared`'s registry row (see [`Elector::withdraw`]): connecting
+/// and the statement together are bounded by twice the statement timeout,
+/// so that a process that stops is not held up by an unreachable database.
 async fn registry_withdraw(shared: &Shared) -> Result<()> {
+    const WHAT: &str = "withdraw from the candidate registry";
     let s = shared.options.schema_name().as_str();
     let spare = shared.session().and_then(SessionState::take_spare);
-    let conn = match spare {
-        Some(c) => c,
-        None => {
-            shared
-                .options
-                .connect(&format!("withdraw:{}:{}", shared.role, shared.node))
-                .await?
-        }
-    };
-    let sql = registry::withdraw_sql(s);
-    let args: [(&(dyn tokio_postgres::types::ToSql + Sync), _); 2] = [
-        (&shared.role, tokio_postgres::types::Type::TEXT),
-        (&shared.node, tokio_postgres::types::Type::TEXT),
-    ];
-    let run = conn.client().query_typed(&sql, &args);
-    let result = match tokio::time::timeout(shared.timing.heartbeat_timeout * 2, run).await {
-        Ok(r) => r
+    let withdraw = async {
+        let conn = match spare {
+            Some(c) => c,
+            None => {
+                shared
+                    .options
+                    .connect(&format!("withdraw:{}:{}", shared.role, shared.node))
+                    .await?
+            }
+        };
+        let sql = registry::withdraw_sql(s);
+        let args: [(&(dyn tokio_postgres::types::ToSql + Sync), _); 2] = [
+            (&shared.role, tokio_postgres::types::Type::TEXT),
+            (&shared.node, tokio_postgres::types::Type::TEXT),
+        ];
+        let result = conn
+            .client()
+            .query_typed(&sql, &args)
+            .await
             .map(|_| ())
-            .map_err(|e| crate::Error::db("withdraw from the candidate registry", s, e)),
-        Err(_) => Err(crate::Error::connection_lost(
-            "withdraw from the candidate registry",
-        )),
+            .map_err(|e| crate::Error::db(WHAT, s, e));
+        conn.close().await;
+        result
     };
-    conn.close().await;
-    result
+    match tokio::time::timeout(shared.timing.heartbeat_timeout * 2, withdraw).await {
+        Ok(r) => r,
+        Err(_) => Err(crate::Error::connection_lost(WHAT)),
+    }
 }
 
 impl Drop for Elector {

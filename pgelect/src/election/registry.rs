@@ -12,8 +12,12 @@
 //!   pid (`pg_backend_pid()` of its lock connection, written by the server)
 //!   waits, not granted, on the role's advisory lock in `pg_locks`.
 //! * Session backend, polling standby: ready while that backend lives
-//!   (`pg_stat_activity`); it tries the lock within its polling interval,
-//!   and at once on the leader's release `NOTIFY`.
+//!   (`pg_stat_activity`) *and* still polls: its polls refresh `seen_at`
+//!   (a write at most every [`polling_refresh`]), and a row not refreshed
+//!   within [`polling_refresh`] + 2 polling intervals + 1 s is not ready
+//!   (a candidate dropped from a shared connection that lives on for other
+//!   roles, or a paused process). It tries the lock within its polling
+//!   interval, and at once on the leader's release `NOTIFY`.
 //! * Either way the backend must belong to the database user that wrote the
 //!   row and, where the checking user may see it, have started before the
 //!   row was written: a pid recycled by another session (possibly of a
@@ -35,7 +39,7 @@ use crate::key::LockKey;
 
 use super::timing::Timing;
 use super::watch::RESIGN_CHANNEL;
-use super::Shared;
+use super::{Shared, StandbyMode};
 
 /// A lease-backend row not refreshed for this many of its TTLs is deleted by
 /// the next registration of the role.
@@ -53,6 +57,36 @@ pub(crate) fn timing_json(t: &Timing) -> serde_json::Value {
         "heartbeat_timeout_ms": ms(t.heartbeat_timeout),
         "handover_delay_ms": ms(t.handover_delay),
     })
+}
+
+/// How often at most a polling standby's poll also refreshes its row's
+/// `seen_at`: twice its interval, at least 5 s (a write per role every few
+/// seconds, not one per poll).
+pub(crate) fn polling_refresh(interval: Duration) -> Duration {
+    (interval * 2).max(Duration::from_secs(5))
+}
+
+/// The SQL condition (on registry row `c`) that a polling standby still
+/// polls: `seen_at` within [`polling_refresh`] + 2 intervals + 1 s, from
+/// the interval it registered with (`timing.poll_interval_ms`).
+fn polling_fresh_sql() -> &'static str {
+    "c.seen_at >= now() - (greatest(2 * p.ms, 5000) + 2 * p.ms + 1000) * interval '1 millisecond'"
+}
+
+/// A poll of a polling standby: tries the lock (`key_arg`, `$1` or `$1,
+/// $2`) and, when its row's `seen_at` is older than `$4` ms, refreshes it
+/// (`$2` role, `$3` node; only the row this backend registered). One row:
+/// granted (bool).
+pub(crate) fn poll_sql(s: &str, key_arg: &str) -> String {
+    format!(
+        "WITH seen AS (
+             UPDATE {s}.candidates SET seen_at = now()
+              WHERE role = $2 AND node = $3 AND backend_pid = pg_catalog.pg_backend_pid()
+                AND seen_at < now() - $4 * interval '1 millisecond'
+             RETURNING 1
+         )
+         SELECT pg_catalog.pg_try_advisory_lock({key_arg}), (SELECT count(*) FROM seen)"
+    )
 }
 
 /// How a candidate waits, as stored in `candidates.standby`.
@@ -155,8 +189,9 @@ pub(crate) fn preferred_session_sql(
 ) -> String {
     let (classid, objid, objsubid) = key.pg_locks_ids();
     let waiting = if ready {
+        let fresh = polling_fresh_sql();
         format!(
-            "AND (c.standby = 'polling' OR EXISTS (
+            "AND ((c.standby = 'polling' AND {fresh}) OR EXISTS (
                    SELECT 1 FROM pg_catalog.pg_locks l
                     WHERE l.pid = c.backend_pid AND l.locktype = 'advisory' AND NOT l.granted
                       AND l.database = a.datid AND l.classid = {classid}
@@ -176,6 +211,7 @@ pub(crate) fn preferred_session_sql(
                 AND c.backend = 'session')
          THEN (SELECT c.node FROM {s}.candidates c
            JOIN pg_catalog.pg_stat_activity a ON a.pid = c.backend_pid
+           CROSS JOIN LATERAL (SELECT coalesce((c.timing->>'poll_interval_ms')::int8, 1000) AS ms) p
           WHERE c.role = {role} AND c.node <> {node} AND c.priority > {priority}
             AND c.backend = 'session'
             AND a.datid = (SELECT d.oid FROM pg_catalog.pg_database d
@@ -233,7 +269,14 @@ impl Register {
         Register {
             sql: register_sql(s, waits),
             standby: waits.standby(),
-            timing: timing_json(&shared.timing),
+            timing: {
+                let mut t = timing_json(&shared.timing);
+                if let Some(StandbyMode::Polling { interval }) = shared.session().map(|x| x.standby)
+                {
+                    t["poll_interval_ms"] = serde_json::json!(interval.as_millis() as u64);
+                }
+                t
+            },
             payload: hint_payload(s, &shared.role),
         }
     }
@@ -294,6 +337,18 @@ mod tests {
     }
 
     #[test]
+    fn polling_standbys_refresh_every_few_seconds_not_every_poll() {
+        assert_eq!(
+            polling_refresh(Duration::from_secs(1)),
+            Duration::from_secs(5)
+        );
+        assert_eq!(
+            polling_refresh(Duration::from_secs(4)),
+            Duration::from_secs(8)
+        );
+    }
+
+    #[test]
     fn yield_pauses_double_to_a_second() {
         assert_eq!(yield_pause(1), Duration::from_millis(20));
         assert_eq!(yield_pause(2), Duration::from_millis(40));
@@ -308,6 +363,10 @@ mod tests {
         assert!(ready.contains("c.priority > $5"), "{ready}");
         assert!(ready.contains("NOT l.granted"), "{ready}");
         assert!(ready.contains("a.usename = c.db_user"), "{ready}");
+        assert!(
+            ready.contains("c.standby = 'polling' AND c.seen_at >="),
+            "{ready}"
+        );
         let alive = preferred_session_sql("pgelect", key, "$1", "$2", "$5", false);
         assert!(!alive.contains("pg_locks"), "{alive}");
         assert!(preferred_lease_sql("pgelect", "$1", "$2", "$8").contains("c.priority > $8"));

@@ -592,14 +592,22 @@ async fn poll_for_lock(
             .await
             .map_err(|e| Error::db("listen for leader changes", s, e))?;
     }
-    let sql = format!("SELECT pg_try_advisory_lock({})", shared.key.sql_args(1));
+    // Each poll also proves, every few seconds, that this standby still
+    // polls (see the registry): a row that stops being refreshed is not
+    // ready, so nobody hands over or yields to a candidate that is gone.
+    let sql = registry::poll_sql(s, &shared.key.sql_args(1));
+    let refresh_ms = registry::polling_refresh(interval).as_millis() as i64;
+    let mut poll_args: Vec<(&(dyn ToSql + Sync), Type)> = args.to_vec();
+    poll_args.push((&shared.role, Type::TEXT));
+    poll_args.push((&shared.node, Type::TEXT));
+    poll_args.push((&refresh_ms, Type::INT8));
     let mut squat = SquatWatch::default();
     // Release notifications wake the standby early; anyone may send them.
     let mut wakes = WakeLimit::default();
     loop {
         let granted: bool = conn
             .client()
-            .query_typed_one(&sql, args)
+            .query_typed_one(&sql, &poll_args)
             .await
             .and_then(|row| row.try_get(0))
             .map_err(|e| Error::db("try the leader's lock", s, e))?;
