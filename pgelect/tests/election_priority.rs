@@ -526,3 +526,74 @@ async fn lease_backend_hands_over_to_a_higher_priority_standby() {
     );
     lc.resign().await.unwrap();
 }
+
+/// No livelock when the preferred candidate is gone: a polling candidate of
+/// priority 10 is ready (its backend lives and its row is fresh), so the
+/// leader hands over to it and the standby granted the lock gives it back,
+/// again and again while it stays ready but never takes the lock. The
+/// moment its backend ends, readiness (read at each grant) fails and the
+/// standby leads, with the very next term: yielding bumps no term.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_yields_only_while_the_preferred_candidate_is_ready() {
+    let captured = support::Log::install_global(tracing::Level::INFO);
+    let (db, o) = migrated("prio_gone").await;
+    let admin = db.connect().await;
+    let role = "gone";
+    let a = fast_session(&o, role, "a").build().unwrap();
+    let la = a.leadership().await.unwrap();
+    let term = la.term();
+    let a_task = tokio::spawn(async move {
+        la.lost().await;
+        let reason = la.loss_reason();
+        la.resign().await.unwrap();
+        reason
+    });
+    let b = fast_session(&o, role, "b").build().unwrap();
+    let b_task = tokio::spawn(async move { (b.leadership().await.unwrap(), b) });
+    await_waiters(&admin, role, 1).await;
+    // The preferred candidate: a registered polling standby (a live
+    // backend, a fresh row) that never tries the lock.
+    let idle = db.connect().await;
+    let idle_pid: i32 = idle
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    admin
+        .execute(
+            "INSERT INTO pgelect.candidates (role, node, backend_pid, priority, backend, standby, timing)
+             VALUES ('gone', 'vanishing', $1, 10, 'session', 'polling', '{\"poll_interval_ms\": 100}')",
+            &[&idle_pid],
+        )
+        .await
+        .unwrap();
+    // At its next renewal (500 ms) the leader hands over.
+    let reason = tokio::time::timeout(Duration::from_secs(5), a_task)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(reason, Some(LossReason::HandedOver));
+    if let Some(log) = &captured {
+        log.wait_for_line(&["giving it back", "vanishing"], Duration::from_secs(5))
+            .await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!b_task.is_finished(), "b yields while `vanishing` is ready");
+    // `vanishing` goes away.
+    let t0 = Instant::now();
+    admin
+        .execute("SELECT pg_terminate_backend($1)", &[&idle_pid])
+        .await
+        .unwrap();
+    let (lb, _b) = tokio::time::timeout(Duration::from_secs(5), b_task)
+        .await
+        .expect("b leads once the preferred candidate is gone")
+        .unwrap();
+    let took = t0.elapsed();
+    let yields = captured.as_ref().map(|l| l.count("giving it back"));
+    println!("b leads {took:?} after the preferred candidate's backend ended; it gave the lock back {yields:?} times before");
+    assert_eq!(lb.term().get(), term.get() + 1, "yields bump no term");
+    // The pause between two yields is at most 1 s.
+    assert!(took < Duration::from_millis(2500), "{took:?}");
+    lb.resign().await.unwrap();
+}
