@@ -284,6 +284,60 @@ async fn a_higher_priority_candidate_takes_over_and_status_shows_priorities() {
     assert_eq!(left, 0);
 }
 
+/// Lease-backend candidates hold no connection: status lists those
+/// registered within their TTL, with priority and timing (and no backend
+/// pid); a negative --priority is accepted.
+#[tokio::test]
+async fn status_lists_lease_candidates_from_the_registry() {
+    let (db, dir) = setup("status_lease_prio").await;
+    let lease = ["--backend", "lease", "--priority", "-1"];
+    let mut sups = vec![candidate(&db, &dir, "lease-a", &lease, ANNOUNCE)];
+    assert_eq!(leader_of_term(&dir, 1).await, "lease-a");
+    sups.push(candidate(&db, &dir, "lease-b", &lease, ANNOUNCE));
+    let t0 = Instant::now();
+    let v = loop {
+        let json = run(command(&db, &["status", "--json", "--role", ROLE]), QUICK).await;
+        json.assert_code(0);
+        let v: serde_json::Value = serde_json::from_str(&json.stdout).expect("JSON");
+        if v["roles"][0]["candidates"].as_array().map(Vec::len) == Some(2) {
+            break v;
+        }
+        assert!(t0.elapsed() < QUICK, "{v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let mut seen: Vec<(String, String, i64, i64)> = v["roles"][0]["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            assert!(c["backend_pid"].is_null(), "{c}");
+            (
+                c["node"].as_str().unwrap().to_owned(),
+                c["state"].as_str().unwrap().to_owned(),
+                c["priority"].as_i64().unwrap(),
+                c["timing"]["ttl_ms"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            ("lease-a".into(), "holding".into(), -1, 3000),
+            ("lease-b".into(), "standing".into(), -1, 3000)
+        ]
+    );
+    let table = run(command(&db, &["status"]), QUICK).await;
+    assert!(
+        table.stdout.contains(
+            "lease-a (holding, priority -1); 1 standing by: lease-b (standing, priority -1)"
+        ),
+        "{}",
+        table.stdout
+    );
+    stop(&mut sups).await;
+}
+
 #[tokio::test]
 async fn status_watch_prints_a_snapshot_per_change_and_shows_the_new_leader_after_a_resign() {
     let (db, dir) = setup("status_watch").await;
