@@ -113,6 +113,7 @@ identifier: upper case, spaces and quotes are kept exactly.")]
   pgelect run --role reconciler --id $(hostname) --ttl 10s -- ./reconcile
   pgelect run --role nightly --on-exit exit -- ./nightly-job.sh
   pgelect run --role sweeper --backend lease --database-url postgres://app@pgbouncer:6432/app -- ./sweep
+  pgelect run --role scheduler --priority 10 -- ./scheduler   # leads as soon as it is ready
 
 The command gets PGELECT_ROLE, PGELECT_NODE and PGELECT_TERM (the fencing
 term: pass it to pgelect.fence(role, term) in your transactions).
@@ -121,7 +122,8 @@ On an unexpected loss of leadership (connection lost, lease deadline,
 preemption) the process group is killed at once, and pgelect stands again.
 On a resign request (pgelect resign) or SIGTERM/SIGINT: SIGTERM, then SIGKILL
 after --grace, then a clean release (standbys take over in milliseconds);
-after SIGTERM/SIGINT pgelect exits 0.")]
+after SIGTERM/SIGINT pgelect exits 0. The same graceful handover happens when
+a candidate of strictly higher --priority stands and is ready to take over.")]
     Run(crate::run::RunArgs),
     /// Run a command while holding a fleet-wide advisory lock, like flock(1).
     #[command(after_help = "Examples:
@@ -168,7 +170,9 @@ read the URL from a private file (mode 0600), never from their command line.")]
 
 Lease times come from the server's clock. Candidates are the connections
 whose application_name is pgelect:<role>:<node>: 'holding' holds the
-role's lock, 'waiting' waits for it, 'standing' polls for it. Locks taken
+role's lock, 'waiting' waits for it, 'standing' polls for it (lease-backend
+candidates: registered within their TTL); a priority other than 0 is shown,
+and --json gives each candidate's priority and timing. Locks taken
 with `pgelect lock` are listed after the roles (name, node, host, backend
 pid, since). --role of a role nobody holds, stands for or has led exits 66
 and names the known roles.")]

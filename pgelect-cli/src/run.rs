@@ -87,6 +87,17 @@ pub struct RunArgs {
     /// libpq's set); without this flag they are removed from its environment.
     #[arg(long)]
     pub pass_database_env: bool,
+    /// This candidate's priority: the leader hands over (SIGTERM to its
+    /// command, then a clean release) to a standing candidate of strictly
+    /// higher priority that is ready to take over; equal priorities never
+    /// take over from each other. Negative values are allowed.
+    #[arg(
+        long,
+        default_value_t = 0,
+        allow_negative_numbers = true,
+        value_name = "N"
+    )]
+    pub priority: i32,
     /// The command to run while leader, after `--` (passed byte for byte).
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<std::ffi::OsString>,
@@ -242,6 +253,7 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
     if let Some(node) = &args.node {
         builder = builder.node_id(node);
     }
+    builder = builder.priority(args.priority);
     // Shared with the metrics listener, which reads its state.
     let elector = match builder.build() {
         Ok(elector) => std::sync::Arc::new(elector),
@@ -318,6 +330,7 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
             l = elector.leadership() => l?,
             sig = signals.recv() => {
                 tracing::info!(%sig, "stopping while standing by");
+                withdraw(&elector).await;
                 return Ok(0);
             }
         };
@@ -369,6 +382,7 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
                         }
                         OnExit::Exit => {
                             release(leadership).await;
+                            withdraw(&elector).await;
                             return Ok(code);
                         }
                         _ => {
@@ -383,12 +397,19 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
                 _ = leadership.lost() => {
                     set_phase(crate::http::Phase::Stopping);
                     let reason = leadership.loss_reason();
-                    if reason == Some(LossReason::Resigned) {
+                    if matches!(reason, Some(LossReason::Resigned | LossReason::HandedOver)) {
                         // Planned: `pgelect resign` (or the library's
-                        // request_resign) asked; not a warning.
-                        tracing::info!(event = "resign_requested", role = %args.role, term = term.get(),
-                            "resign requested for role {:?} (term {term}); stopping the command (SIGTERM, SIGKILL after {})",
-                            args.role, crate::duration::show(grace));
+                        // request_resign) asked, or a candidate of higher
+                        // priority is ready; not a warning.
+                        if reason == Some(LossReason::HandedOver) {
+                            tracing::info!(event = "handing_over", role = %args.role, term = term.get(),
+                                "a candidate of higher priority is ready to lead role {:?} (term {term}); stopping the command (SIGTERM, SIGKILL after {})",
+                                args.role, crate::duration::show(grace));
+                        } else {
+                            tracing::info!(event = "resign_requested", role = %args.role, term = term.get(),
+                                "resign requested for role {:?} (term {term}); stopping the command (SIGTERM, SIGKILL after {})",
+                                args.role, crate::duration::show(grace));
+                        }
                         let status = stop_gracefully(&mut child, grace, &leadership).await;
                         if let Some(status) = status {
                             exited(Ok(status), term);
@@ -416,10 +437,19 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
                         exited(Ok(status), term);
                     }
                     release(leadership).await;
+                    withdraw(&elector).await;
                     return Ok(0);
                 }
             }
         }
+    }
+}
+
+/// Leaves the candidate registry when stopping for good (best effort: a
+/// row left behind is never taken for a ready candidate).
+async fn withdraw(elector: &Elector) {
+    if let Err(e) = elector.withdraw().await {
+        tracing::debug!(error = %e, "could not withdraw from the candidate registry");
     }
 }
 
@@ -573,7 +603,9 @@ async fn stop_gracefully(
         }
         if !matches!(
             leadership.loss_reason(),
-            None | Some(LossReason::Resigned) | Some(LossReason::Shutdown)
+            None | Some(LossReason::Resigned)
+                | Some(LossReason::HandedOver)
+                | Some(LossReason::Shutdown)
         ) {
             return child.kill_now().await.ok();
         }

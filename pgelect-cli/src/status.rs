@@ -50,12 +50,18 @@ struct Squatter {
 struct Candidate {
     node: String,
     /// The server process serving its connection (`pg_stat_activity.pid`),
-    /// not the candidate's own process id.
-    backend_pid: i32,
+    /// not the candidate's own process id; `None` for a lease-backend
+    /// candidate, which holds no connection.
+    backend_pid: Option<i32>,
     /// The candidate's address as the server sees it; `None` over a Unix
     /// socket or when this user may not see it.
     client_addr: Option<String>,
     state: String,
+    /// Its priority, from the candidate registry; `None` if it did not
+    /// register (a pgelect older than schema 5).
+    priority: Option<i32>,
+    /// The timing it runs with (milliseconds), from the registry.
+    timing: Option<serde_json::Value>,
 }
 
 /// An advisory lock taken by `pgelect lock` (or a library `LockSession`
@@ -188,18 +194,25 @@ fn status_sql(schema: &str) -> String {
         )
         SELECT r.role, r.holder, r.term, r.backend, r.acquired_at, r.lease_ms,
                coalesce((
-                 SELECT json_agg(json_build_object(
-                          'node', CASE WHEN starts_with(a.application_name, 'pgelect:' || r.role || ':')
+                 SELECT json_agg(x.j ORDER BY x.holding DESC NULLS LAST, x.since) FROM (
+                 SELECT json_build_object(
+                          'node', coalesce(rc.node,
+                                  CASE WHEN starts_with(a.application_name, 'pgelect:' || r.role || ':')
                                        THEN substr(a.application_name, length('pgelect:' || r.role || ':') + 1)
-                                       ELSE a.application_name END,
+                                       ELSE a.application_name END),
                           'backend_pid', a.pid, 'client_addr', host(a.client_addr),
                           'state', CASE WHEN lk.granted THEN 'holding'
                                         WHEN lk.pid IS NOT NULL THEN 'waiting'
-                                        ELSE 'standing' END)
-                          ORDER BY lk.granted DESC NULLS LAST, a.backend_start)
+                                        ELSE 'standing' END,
+                          'priority', rc.priority, 'timing', rc.timing) AS j,
+                        lk.granted AS holding, a.backend_start AS since
                    FROM pg_stat_activity a
                    LEFT JOIN locks lk ON lk.pid = a.pid
                     AND lk.classid = ((r.k >> 32) & 4294967295)::oid AND lk.objid = (r.k & 4294967295)::oid
+                   -- The registry (schema 5): priority and timing, matched
+                   -- by the backend pid the server wrote at registration.
+                   LEFT JOIN {schema}.candidates rc ON rc.role = r.role AND rc.backend = 'session'
+                    AND rc.backend_pid = a.pid
                   WHERE a.datname = current_database()
                     -- Holders and waiters are found by the role's lock key,
                     -- whatever their application_name (PostgreSQL cuts it at
@@ -210,6 +223,19 @@ fn status_sql(schema: &str) -> String {
                          OR starts_with(a.application_name, 'pgelect:' || r.role || ':'))
                     AND NOT (coalesce(lk.granted, false)
                              AND a.pid IS DISTINCT FROM r.holder_pid)
+                 UNION ALL
+                 -- Lease-backend candidates hold no connection: those seen
+                 -- within their TTL, and the holder.
+                 SELECT json_build_object('node', c.node, 'backend_pid', NULL, 'client_addr', NULL,
+                          'state', CASE WHEN c.node = r.holder THEN 'holding' ELSE 'standing' END,
+                          'priority', c.priority, 'timing', c.timing),
+                        c.node = r.holder, c.registered_at
+                   FROM {schema}.candidates c
+                  WHERE c.role = r.role AND c.backend = 'lease'
+                    AND (c.node = r.holder
+                         OR c.seen_at + coalesce((c.timing->>'ttl_ms')::int8, 15000)
+                                        * interval '1 millisecond' >= now())
+                 ) x
                ), '[]'::json)::text AS candidates,
                coalesce((
                  SELECT json_agg(json_build_object(
@@ -247,9 +273,11 @@ async fn read(
                 a.iter()
                     .map(|c| Candidate {
                         node: c["node"].as_str().unwrap_or_default().to_owned(),
-                        backend_pid: c["backend_pid"].as_i64().unwrap_or_default() as i32,
+                        backend_pid: c["backend_pid"].as_i64().map(|p| p as i32),
                         client_addr: c["client_addr"].as_str().map(str::to_owned),
                         state: c["state"].as_str().unwrap_or_default().to_owned(),
+                        priority: c["priority"].as_i64().map(|p| p as i32),
+                        timing: Some(c["timing"].clone()).filter(|t| t.is_object()),
                     })
                     .collect()
             })
@@ -307,6 +335,7 @@ fn to_json(roles: &[RoleStatus], locks: &[HeldLock]) -> serde_json::Value {
                 "candidates": r.candidates.iter().map(|c| serde_json::json!({
                     "node": c.node, "backend_pid": c.backend_pid,
                     "client_addr": c.client_addr, "state": c.state,
+                    "priority": c.priority, "timing": c.timing,
                 })).collect::<Vec<_>>(),
                 "squatters": r.squatters.iter().map(|q| serde_json::json!({
                     "backend_pid": q.pid, "user": q.user, "application_name": q.application_name,
@@ -395,7 +424,12 @@ fn to_table(roles: &[RoleStatus], locks: &[HeldLock]) -> String {
                 r.candidates
                     .iter()
                     .filter(|c| (c.state == "holding") == holding)
-                    .map(|c| format!("{} ({})", escape(&c.node), c.state))
+                    .map(|c| match c.priority {
+                        Some(p) if p != 0 => {
+                            format!("{} ({}, priority {p})", escape(&c.node), c.state)
+                        }
+                        _ => format!("{} ({})", escape(&c.node), c.state),
+                    })
                     .collect()
             };
             let (holders, standbys) = (named(true), named(false));
@@ -637,15 +671,19 @@ mod tests {
             candidates: vec![
                 Candidate {
                     node: "node-a".into(),
-                    backend_pid: 10,
+                    backend_pid: Some(10),
                     client_addr: None,
                     state: "holding".into(),
+                    priority: Some(0),
+                    timing: None,
                 },
                 Candidate {
                     node: "node-b".into(),
-                    backend_pid: 11,
+                    backend_pid: Some(11),
                     client_addr: None,
                     state: "waiting".into(),
+                    priority: Some(10),
+                    timing: Some(serde_json::json!({"ttl_ms": 15000})),
                 },
             ],
         }]
@@ -658,9 +696,11 @@ mod tests {
         assert_eq!(lines.len(), 2);
         assert_eq!(lines[0].find("LEADER"), lines[1].find("node-a"));
         assert!(
-            lines[1].contains("4.2s") && lines[1].contains("node-b (waiting)"),
+            lines[1].contains("4.2s") && lines[1].contains("node-b (waiting, priority 10)"),
             "{t}"
         );
+        // A priority of 0 (the default) is not shown.
+        assert!(lines[1].contains("node-a (holding);"), "{t}");
     }
 
     #[test]

@@ -196,6 +196,148 @@ async fn status_shows_the_holder_and_the_waiting_candidate_as_a_table_and_as_jso
     stop(&mut sups).await;
 }
 
+/// `pgelect run --priority`: a candidate of higher priority that starts
+/// standing takes over (the leader's command is stopped gracefully, then it
+/// releases); `pgelect status` shows each candidate's priority, and
+/// `--json` its priority and timing.
+#[tokio::test]
+async fn a_higher_priority_candidate_takes_over_and_status_shows_priorities() {
+    let (db, dir) = setup("status_priority").await;
+    let admin = db.connect().await;
+    let mut sups = vec![candidate(&db, &dir, "node-a", &[], ANNOUNCE)];
+    assert_eq!(leader_of_term(&dir, 1).await, "node-a");
+    let t0 = Instant::now();
+    sups.push(candidate(
+        &db,
+        &dir,
+        "node-b",
+        &["--priority", "5"],
+        ANNOUNCE,
+    ));
+    assert_eq!(leader_of_term(&dir, 2).await, "node-b");
+    println!(
+        "node-b (priority 5) runs its command {:?} after it was started",
+        t0.elapsed()
+    );
+    // node-a stands again, waiting behind the new leader.
+    await_advisory_locks(&admin, 1, 1).await;
+
+    let table = run(command(&db, &["status"]), QUICK).await;
+    table.assert_code(0);
+    println!("{}", table.stdout);
+    assert!(
+        table
+            .stdout
+            .contains("node-b (holding, priority 5); 1 standing by: node-a (waiting)"),
+        "{}",
+        table.stdout
+    );
+    let json = run(command(&db, &["status", "--json", "--role", ROLE]), QUICK).await;
+    json.assert_code(0);
+    let v: serde_json::Value = serde_json::from_str(&json.stdout).expect("JSON");
+    let candidates = v["roles"][0]["candidates"].as_array().expect("candidates");
+    let mut seen: Vec<(String, i64, i64)> = candidates
+        .iter()
+        .map(|c| {
+            (
+                c["node"].as_str().unwrap().to_owned(),
+                c["priority"].as_i64().expect("priority"),
+                c["timing"]["ttl_ms"].as_i64().expect("timing.ttl_ms"),
+            )
+        })
+        .collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [("node-a".into(), 0, 3000), ("node-b".into(), 5, 3000)],
+        "{}",
+        json.stdout
+    );
+    for c in candidates {
+        let t = &c["timing"];
+        for key in [
+            "safety_margin_ms",
+            "renew_every_ms",
+            "heartbeat_ms",
+            "heartbeat_timeout_ms",
+            "handover_delay_ms",
+        ] {
+            assert!(t[key].as_i64().is_some(), "{key} in {t}");
+        }
+    }
+    stop(&mut sups).await;
+    let a = sups[0].output();
+    assert!(
+        a.contains("a candidate of higher priority is ready"),
+        "node-a says why it stopped its command:\n{a}"
+    );
+    assert!(
+        !a.contains("lost leadership"),
+        "a planned handover, not a loss:\n{a}"
+    );
+    // Both withdrew from the registry when stopped.
+    let left: i64 = admin
+        .query_one("SELECT count(*) FROM pgelect.candidates", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0);
+}
+
+/// Lease-backend candidates hold no connection: status lists those
+/// registered within their TTL, with priority and timing (and no backend
+/// pid); a negative --priority is accepted.
+#[tokio::test]
+async fn status_lists_lease_candidates_from_the_registry() {
+    let (db, dir) = setup("status_lease_prio").await;
+    let lease = ["--backend", "lease", "--priority", "-1"];
+    let mut sups = vec![candidate(&db, &dir, "lease-a", &lease, ANNOUNCE)];
+    assert_eq!(leader_of_term(&dir, 1).await, "lease-a");
+    sups.push(candidate(&db, &dir, "lease-b", &lease, ANNOUNCE));
+    let t0 = Instant::now();
+    let v = loop {
+        let json = run(command(&db, &["status", "--json", "--role", ROLE]), QUICK).await;
+        json.assert_code(0);
+        let v: serde_json::Value = serde_json::from_str(&json.stdout).expect("JSON");
+        if v["roles"][0]["candidates"].as_array().map(Vec::len) == Some(2) {
+            break v;
+        }
+        assert!(t0.elapsed() < QUICK, "{v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let mut seen: Vec<(String, String, i64, i64)> = v["roles"][0]["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            assert!(c["backend_pid"].is_null(), "{c}");
+            (
+                c["node"].as_str().unwrap().to_owned(),
+                c["state"].as_str().unwrap().to_owned(),
+                c["priority"].as_i64().unwrap(),
+                c["timing"]["ttl_ms"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            ("lease-a".into(), "holding".into(), -1, 3000),
+            ("lease-b".into(), "standing".into(), -1, 3000)
+        ]
+    );
+    let table = run(command(&db, &["status"]), QUICK).await;
+    assert!(
+        table.stdout.contains(
+            "lease-a (holding, priority -1); 1 standing by: lease-b (standing, priority -1)"
+        ),
+        "{}",
+        table.stdout
+    );
+    stop(&mut sups).await;
+}
+
 #[tokio::test]
 async fn status_watch_prints_a_snapshot_per_change_and_shows_the_new_leader_after_a_resign() {
     let (db, dir) = setup("status_watch").await;

@@ -130,6 +130,9 @@ pub fn grant_statements(kind: UserKind, user: &str, schema: &SchemaName) -> Resu
             grant(format!(
                 "GRANT SELECT, INSERT, UPDATE ON {s}.leaders TO {u}"
             )),
+            grant(format!(
+                "GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.candidates TO {u}"
+            )),
             Grant {
                 sql: format!(
                     "GRANT EXECUTE ON FUNCTION {s}.lock_wait_slice(bigint, integer) TO {u}"
@@ -159,6 +162,10 @@ pub fn grant_statements(kind: UserKind, user: &str, schema: &SchemaName) -> Resu
             Grant {
                 sql: format!("GRANT EXECUTE ON FUNCTION {s}.key(text) TO {u}"),
                 needed_for: Some("pgelect status"),
+            },
+            Grant {
+                sql: format!("GRANT SELECT ON {s}.candidates TO {u}"),
+                needed_for: Some("pgelect status (priorities and timing)"),
             },
         ],
         UserKind::Owner => {

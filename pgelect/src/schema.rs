@@ -261,6 +261,57 @@ BEGIN
 END
 $grants$;
 "#,
+    // 5: the candidate registry, for preferred leaders (priorities) and for
+    // observers to see each candidate's timing. Written only by pgelect's
+    // candidates (the users that may write `leaders`): a user without those
+    // grants cannot register, so cannot move leadership. Readiness is never
+    // taken from a row alone: the leader checks the registered backend pid
+    // against pg_locks / pg_stat_activity (server-set facts), and the user
+    // the row was written by against the backend's user (a recycled pid).
+    r#"
+CREATE TABLE {s}.candidates (
+    role          text NOT NULL CHECK (role <> ''),
+    node          text NOT NULL CHECK (node <> ''),
+    backend_pid   integer,
+    priority      integer NOT NULL DEFAULT 0,
+    backend       text,
+    standby       text,
+    timing        jsonb,
+    meta          jsonb,
+    db_user       name NOT NULL DEFAULT session_user,
+    registered_at timestamptz NOT NULL DEFAULT now(),
+    seen_at       timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (role, node)
+);
+COMMENT ON TABLE {s}.candidates IS 'pgelect: one row per standing candidate (role, node): its priority and timing; a leader hands over to a ready candidate of strictly higher priority';
+COMMENT ON COLUMN {s}.candidates.backend_pid IS 'pgelect: session backend: pg_backend_pid() of the lock connection, set by the server at registration';
+COMMENT ON COLUMN {s}.candidates.standby IS 'pgelect: session backend: blocking (ready while waiting on the role lock in pg_locks) or polling (ready while its backend lives)';
+COMMENT ON COLUMN {s}.candidates.seen_at IS 'pgelect: lease backend: refreshed by the standby at least every ttl/2; ready while within ttl of now()';
+REVOKE ALL ON {s}.candidates FROM PUBLIC;
+
+-- A rolling upgrade keeps working: whoever may update `leaders` (a
+-- candidate) may register, and whoever may read it (an observer) may read
+-- the registry.
+DO $grants$
+DECLARE
+    g record;
+BEGIN
+    FOR g IN
+        SELECT DISTINCT a.grantee, a.privilege_type
+          FROM pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
+         WHERE c.oid = '{s}.leaders'::pg_catalog.regclass
+           AND a.privilege_type IN ('UPDATE', 'SELECT')
+           AND a.grantee <> c.relowner
+    LOOP
+        EXECUTE pg_catalog.format('GRANT %s ON {s}.candidates TO %s',
+            CASE g.privilege_type WHEN 'UPDATE' THEN 'SELECT, INSERT, UPDATE, DELETE'
+                                  ELSE 'SELECT' END,
+            CASE g.grantee WHEN 0 THEN 'PUBLIC'
+                           ELSE pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(g.grantee)) END);
+    END LOOP;
+END
+$grants$;
+"#,
 ];
 
 /// Installs or upgrades the pgelect schema on the database `options` point at.

@@ -204,6 +204,7 @@ async fn statements_scope_to_holder_and_term_and_terms_rise() {
                         (&"pgelect:elected:sql", Type::TEXT),
                         (&token, Type::INT8),
                         (&unanswered, Type::INT8_ARRAY),
+                        (&0i32, Type::INT4),
                     ],
                 )
                 .await
@@ -225,6 +226,7 @@ async fn statements_scope_to_holder_and_term_and_terms_rise() {
                     (&node, Type::TEXT),
                     (&term, Type::INT8),
                     (&ttl, Type::INT8),
+                    (&0i32, Type::INT4),
                 ],
             )
             .await

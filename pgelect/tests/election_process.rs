@@ -138,6 +138,7 @@ async fn unprivileged_standby_logs_the_refusal_and_keeps_waiting() {
     c.batch_execute(&format!(
         "GRANT USAGE ON SCHEMA pgelect TO {role};
          GRANT SELECT, INSERT, UPDATE ON pgelect.leaders TO {role};
+         GRANT SELECT, INSERT, UPDATE, DELETE ON pgelect.candidates TO {role};
          GRANT SELECT ON pgelect.migrations TO {role};
          GRANT EXECUTE ON FUNCTION pgelect.lock_wait_slice(bigint, integer) TO {role};"
     ))

@@ -520,3 +520,32 @@ async fn candidates_of_one_user_preempt_each_other_without_pg_signal_backend() {
     drop(leader);
     l.resign().await.unwrap();
 }
+
+/// Preferred leaders between two least-privilege candidates of *different*
+/// database users (neither may read the other's `pg_stat_activity`
+/// details): the one of higher priority registers, is seen waiting, and
+/// the leader hands over to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_least_privilege_candidate_of_higher_priority_takes_over_from_another_user() {
+    let s = owned("lp_priority").await;
+    let one = s.user("cand1", &[UserKind::Candidate]).await;
+    let two = s.user("cand2", &[UserKind::Candidate]).await;
+    let a = fast_session(&one, "prio", "a").build().unwrap();
+    let la = a.leadership().await.unwrap();
+    let term = la.term();
+    let a_task = tokio::spawn(async move {
+        la.lost().await;
+        let reason = la.loss_reason();
+        la.resign().await.unwrap();
+        reason
+    });
+    let b = fast_session(&two, "prio", "b").priority(1).build().unwrap();
+    let lb = tokio::time::timeout(Duration::from_secs(10), b.leadership())
+        .await
+        .expect("the preferred candidate of another user leads")
+        .unwrap();
+    assert_eq!(a_task.await.unwrap(), Some(pgelect::LossReason::HandedOver));
+    assert_eq!(lb.term().get(), term.get() + 1);
+    lb.resign().await.unwrap();
+    b.withdraw().await.unwrap();
+}

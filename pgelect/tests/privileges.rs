@@ -25,6 +25,7 @@ const CANDIDATE: &[&str] = &[
     "GRANT USAGE ON SCHEMA pgelect TO {r}",
     "GRANT SELECT ON pgelect.migrations TO {r}",
     "GRANT SELECT, INSERT, UPDATE ON pgelect.leaders TO {r}",
+    "GRANT SELECT, INSERT, UPDATE, DELETE ON pgelect.candidates TO {r}",
     "GRANT EXECUTE ON FUNCTION pgelect.lock_wait_slice(bigint, integer) TO {r}",
 ];
 
@@ -46,6 +47,7 @@ const OBSERVING: &[&str] = &[
     "GRANT USAGE ON SCHEMA pgelect TO {r}",
     "GRANT SELECT ON pgelect.leaders TO {r}",
     "GRANT EXECUTE ON FUNCTION pgelect.key(text) TO {r}",
+    "GRANT SELECT ON pgelect.candidates TO {r}",
 ];
 
 /// A login role with CONNECT and exactly `grants`; its options.
@@ -363,18 +365,21 @@ async fn public_may_execute_no_pgelect_function_and_each_has_a_fixed_search_path
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn migration_4_keeps_the_function_rights_of_earlier_candidates_and_observers() {
+async fn migrations_4_and_5_keep_the_rights_of_earlier_candidates_and_observers() {
     let (db, owner) = migrated("priv_upgrade").await;
     // Granted as the README said before migration 4 (functions through
-    // PUBLIC), then migration 4 applied again as on an upgrade.
+    // PUBLIC), then migrations 4 and 5 applied again as on an upgrade.
     let old = user(&db, "old_cand", &CANDIDATE[..3]).await;
     user(&db, "old_watch", &OBSERVING[..2]).await;
     let admin = db.connect().await;
     admin
-        .batch_execute("DELETE FROM pgelect.migrations WHERE version = 4")
+        .batch_execute(
+            "DROP TABLE pgelect.candidates;
+             DELETE FROM pgelect.migrations WHERE version >= 4",
+        )
         .await
         .unwrap();
-    assert_eq!(pgelect::migrate(&owner).await.unwrap(), 1);
+    assert_eq!(pgelect::migrate(&owner).await.unwrap(), 2);
     let l = fast(&old, "r", "a")
         .build()
         .unwrap()
@@ -385,6 +390,9 @@ async fn migration_4_keeps_the_function_rights_of_earlier_candidates_and_observe
     c.query_one("SELECT pgelect.key('x')", &[])
         .await
         .expect("an observer granted before migration 4 still computes keys");
+    c.query("SELECT * FROM pgelect.candidates", &[])
+        .await
+        .expect("an observer granted before migration 5 reads the registry");
     // Nothing reached PUBLIC or a user with no rights on the table.
     let public: bool = admin
         .query_one(
@@ -396,5 +404,14 @@ async fn migration_4_keeps_the_function_rights_of_earlier_candidates_and_observe
         .unwrap()
         .get(0);
     assert!(!public);
+    let public: bool = admin
+        .query_one(
+            "SELECT has_table_privilege('public', 'pgelect.candidates', 'SELECT')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!public, "the registry is not readable by PUBLIC");
     l.resign().await.unwrap();
 }

@@ -40,6 +40,7 @@ const CANDIDATE: &[&str] = &[
     "GRANT USAGE ON SCHEMA pgelect TO {r}",
     "GRANT SELECT ON pgelect.migrations TO {r}",
     "GRANT SELECT, INSERT, UPDATE ON pgelect.leaders TO {r}",
+    "GRANT SELECT, INSERT, UPDATE, DELETE ON pgelect.candidates TO {r}",
     "GRANT EXECUTE ON FUNCTION pgelect.lock_wait_slice(bigint, integer) TO {r}",
 ];
 

@@ -187,6 +187,7 @@ pub struct ElectorBuilder {
     backend: Backend,
     listen_via: Option<ConnectOptions>,
     shared_connection: Option<SharedConnection>,
+    priority: i32,
 }
 
 impl ElectorBuilder {
@@ -201,7 +202,41 @@ impl ElectorBuilder {
             backend: Backend::default(),
             listen_via: None,
             shared_connection: None,
+            priority: 0,
         }
+    }
+
+    /// This candidate's priority: a leader hands over to a *ready*
+    /// candidate of **strictly** higher priority (equal priorities never
+    /// take over from each other). Default: `0`.
+    ///
+    /// Ready means, as the server sees it (never from what a candidate
+    /// says of itself): a blocking standby's lock connection waits on the
+    /// role's lock in `pg_locks`; a polling standby's connection is alive;
+    /// a lease-backend standby refreshed its registration within its TTL.
+    /// Candidates register in `<schema>.candidates` (schema version 5),
+    /// which only users with candidate grants may write.
+    ///
+    /// The leader checks at every renewal, and at once (at most one check
+    /// per 100 ms) when a preferred candidate registers and sends it a hint;
+    /// it then ends its leadership with
+    /// [`LossReason::HandedOver`](crate::LossReason::HandedOver): the
+    /// duties stop, and releasing (as [`Elector::run`] does, or
+    /// [`Leadership::resign`](crate::Leadership::resign)) hands the lock to
+    /// the preferred candidate with a new term and no overlap. A lower
+    /// candidate granted the lock while a preferred one waits gives it back
+    /// before bumping the term. Use cases: a rolling deploy whose new
+    /// version should lead as soon as it is up; a leader kept in the same
+    /// zone as the primary.
+    ///
+    /// ```
+    /// let options = pgelect::ConnectOptions::from_url("postgres://app@db/app").unwrap();
+    /// let elector = pgelect::Elector::builder(options, "scheduler").priority(10).build().unwrap();
+    /// assert_eq!(elector.priority(), 10);
+    /// ```
+    pub fn priority(mut self, priority: i32) -> Self {
+        self.priority = priority;
+        self
     }
 
     /// The election mechanism. Default: [`Backend::Session`]. All
@@ -459,6 +494,7 @@ impl ElectorBuilder {
         };
         let key = role_key(self.options.schema_name().as_str(), &self.role);
         Ok(Elector::from_parts(
+            self.priority,
             self.options,
             self.role,
             node,

@@ -35,6 +35,8 @@ pub(crate) enum Answer {
     Renewed {
         row: Option<(SystemTime, SystemTime)>,
         resign_requested: bool,
+        /// What the renewal found in the candidate registry.
+        preferred: Preferred,
     },
     /// The renewal found no row with our holder and term: someone else
     /// leads.
@@ -45,6 +47,24 @@ pub(crate) enum Answer {
     /// (`transaction_read_only` is on: a standby, or a fenced primary).
     ReadOnly,
 }
+
+/// What a renewal found about candidates of strictly higher priority
+/// than the leader's (see [`registry`](super::registry)).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Preferred {
+    /// The node of the best such candidate that is ready to take the lock
+    /// now: the leader hands over.
+    pub(crate) ready: Option<String>,
+    /// Such a candidate lives but does not wait yet (a blocking standby
+    /// about to wait, or between two wait slices): worth checking again
+    /// soon after a hint.
+    pub(crate) pending: bool,
+}
+
+/// After a hint, how many more early checks a leader makes while a
+/// preferred candidate lives but does not wait yet (one per
+/// [`EARLY_CHECK_GAP`](super::keeper::EARLY_CHECK_GAP): a second at most).
+const PENDING_RECHECKS: u8 = 10;
 
 /// A statement in flight: resolves with the moment it was sent and what it
 /// found.
@@ -166,6 +186,7 @@ impl<B: KeepBackend> Keep<B> {
         let mut failures = 0u32;
         let mut release_reply: Option<(LossReason, oneshot::Sender<Result<()>>)> = None;
         let mut ended: Option<LossReason> = None;
+        let mut rechecks = 0u8;
 
         'outer: loop {
             let now = Instant::now();
@@ -196,6 +217,8 @@ impl<B: KeepBackend> Keep<B> {
                             // Asked for (by an operator's request_resign):
                             // news, not trouble.
                             tracing::info!(%reason, "leadership handed back on request");
+                        } else if first && reason == LossReason::HandedOver {
+                            tracing::info!(%reason, "handing leadership over to a candidate of higher priority");
                         } else if first && was_active {
                             tracing::warn!(%reason, "leadership lost");
                         } else if first {
@@ -237,7 +260,7 @@ impl<B: KeepBackend> Keep<B> {
                     in_flight = None;
                     let now = Instant::now();
                     match result {
-                        Ok(Answer::Renewed { row, resign_requested }) => {
+                        Ok(Answer::Renewed { row, resign_requested, preferred }) => {
                             failures = 0;
                             shared.contact.touch();
                             keeper.renewed(sent, now);
@@ -261,6 +284,12 @@ impl<B: KeepBackend> Keep<B> {
                             if resign_requested {
                                 tracing::info!("resignation requested for this term (lease row)");
                                 keeper.stop_requested(LossReason::Resigned, now);
+                            } else if let Some(to) = preferred.ready {
+                                tracing::info!(to = %to, "a ready candidate of higher priority stands");
+                                keeper.stop_requested(LossReason::HandedOver, now);
+                            } else if preferred.pending && rechecks > 0 {
+                                rechecks -= 1;
+                                keeper.check_requested(now);
                             }
                         }
                         Ok(Answer::NotOurs) => {
@@ -306,8 +335,12 @@ impl<B: KeepBackend> Keep<B> {
                         // The renewal it brings forward reads the row,
                         // which only `request_resign` (a granted privilege)
                         // marks.
+                        // The same hint is sent by a registering candidate
+                        // of higher priority: the renewal also reads the
+                        // candidate registry against pg_locks.
                         if n.channel == RESIGN_CHANNEL && n.payload == resign_payload {
-                            tracing::debug!("resign hint heard; checking the lease row");
+                            tracing::debug!("resign hint heard; checking the lease row and the candidates");
+                            rechecks = PENDING_RECHECKS;
                             keeper.check_requested(Instant::now());
                         }
                     }
@@ -403,6 +436,7 @@ mod tests {
                 let answer = answer.unwrap_or(Answer::Renewed {
                     row: None,
                     resign_requested: false,
+                    preferred: Preferred::default(),
                 });
                 (sent, Ok(answer))
             })
@@ -501,6 +535,7 @@ mod tests {
             Answer::Renewed {
                 row: None,
                 resign_requested: false,
+                preferred: Preferred::default(),
             },
             Answer::NotOurs,
         ]);
@@ -512,10 +547,80 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_ready_preferred_candidate_makes_the_leader_hand_over_then_release() {
+        let r = start(vec![Answer::Renewed {
+            row: None,
+            resign_requested: false,
+            preferred: Preferred {
+                ready: Some("b".into()),
+                pending: false,
+            },
+        }]);
+        // Like a resign request: the duties stop, the lock is kept for a
+        // clean release.
+        r.state.token.cancelled().await;
+        assert_eq!(r.state.reason(), Some(LossReason::HandedOver));
+        let (reply, answer) = oneshot::channel();
+        r.commands
+            .send(Command::Release {
+                reason: LossReason::Resigned,
+                reply,
+            })
+            .unwrap();
+        answer.await.unwrap().unwrap();
+        let log = r.log.lock().unwrap().clone();
+        assert_eq!(log, ["renew", "release after None"]);
+        assert_eq!(r.state.reason(), Some(LossReason::HandedOver));
+    }
+
+    fn renewals(r: &Running) -> usize {
+        r.log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| *l == "renew")
+            .count()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn after_a_hint_a_preferred_candidate_not_yet_waiting_is_checked_again_a_bounded_number_of_times(
+    ) {
+        let pending = || Answer::Renewed {
+            row: None,
+            resign_requested: false,
+            preferred: Preferred {
+                ready: None,
+                pending: true,
+            },
+        };
+        let r = start((0..200).map(|_| pending()).collect());
+        // Renewals every 500 ms on their own.
+        tokio::time::sleep(Duration::from_millis(1250)).await;
+        let regular = renewals(&r);
+        assert_eq!(regular, 2, "{:?}", r.log.lock().unwrap());
+        r._notices
+            .send(Notice {
+                channel: RESIGN_CHANNEL.into(),
+                payload: "pgelect:r".into(),
+            })
+            .unwrap();
+        // One check at once, then one per 100 ms while the candidate does
+        // not wait yet, ten at most.
+        tokio::time::sleep(Duration::from_millis(1240)).await;
+        let after_hint = renewals(&r) - regular;
+        assert_eq!(after_hint, 11, "{:?}", r.log.lock().unwrap());
+        // Then back to the schedule (every 500 ms).
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        assert_eq!(renewals(&r) - regular - after_hint, 2);
+        assert!(!r.state.token.is_cancelled());
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_resign_request_stops_the_duties_and_release_reports_its_outcome() {
         let r = start(vec![Answer::Renewed {
             row: None,
             resign_requested: true,
+            preferred: Preferred::default(),
         }]);
         // The lease row's mark cancels the token but keeps the lease.
         r.state.token.cancelled().await;

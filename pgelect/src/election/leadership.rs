@@ -72,6 +72,14 @@ pub enum LossReason {
     /// nothing: leadership ends at once and the candidate reconnects (with
     /// several hosts and `target_session_attrs=read-write`, to the primary).
     ServerReadOnly,
+    /// Handed over to a preferred candidate: one of strictly higher
+    /// [priority](crate::ElectorBuilder::priority) stands and is ready to
+    /// take the lock. Like [`LossReason::Resigned`], the lock is kept for a
+    /// clean release: stop the duties, then release
+    /// ([`Leadership::resign`]; [`Elector::run`](crate::Elector::run) does
+    /// both), and the preferred candidate takes over at once with a new
+    /// term. Unreleased, the lock is abandoned after one `ttl`.
+    HandedOver,
     /// Every [`Leadership`] handle was dropped without `resign`: the lock
     /// connection was dropped, and standbys treat it as an unclean loss
     /// (lease backend: the lease is not released and expires after `ttl`).
@@ -81,7 +89,7 @@ pub enum LossReason {
 impl LossReason {
     /// A short label, used in metrics and logs: `shutdown`,
     /// `connection_lost`, `deadline`, `preempted`, `resigned`, `dropped`,
-    /// `server_read_only`.
+    /// `server_read_only`, `handed_over`.
     pub fn as_str(self) -> &'static str {
         match self {
             LossReason::Shutdown => "shutdown",
@@ -91,6 +99,7 @@ impl LossReason {
             LossReason::Resigned => "resigned",
             LossReason::Dropped => "dropped",
             LossReason::ServerReadOnly => "server_read_only",
+            LossReason::HandedOver => "handed_over",
         }
     }
 }

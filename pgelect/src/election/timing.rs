@@ -369,6 +369,19 @@ fn positive(name: &str, d: Duration) -> Result<(), String> {
 }
 
 impl Timing {
+    /// The public view of this timing.
+    pub(crate) fn report(&self) -> super::TimingReport {
+        super::TimingReport {
+            profile: self.profile,
+            ttl: self.ttl,
+            safety_margin: self.safety_margin,
+            renew_every: self.renew_every,
+            heartbeat: self.heartbeat,
+            heartbeat_timeout: self.heartbeat_timeout,
+            handover_delay: self.handover_delay,
+        }
+    }
+
     /// How long after a renewal was *sent* the leader may still act.
     pub(crate) fn deadline_budget(&self) -> Duration {
         self.ttl - self.safety_margin

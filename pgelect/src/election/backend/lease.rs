@@ -34,9 +34,12 @@ use crate::metrics;
 use crate::schema::{check_schema, SchemaName};
 
 use crate::election::config::random_u64;
-use crate::election::driver::{Activation, Answer, Failed, Keep, KeepBackend, Statement};
+use crate::election::driver::{
+    Activation, Answer, Failed, Keep, KeepBackend, Preferred, Statement,
+};
 use crate::election::keeper::{Action, Keeper, Liveness};
 use crate::election::leadership::{LeaderContext, LeaderState, Leadership, LossReason};
+use crate::election::registry::{self, Register, Waits};
 use crate::election::support::{
     backoff, is_read_only, is_transient, nap, NapEnd, Reconnect, WakeLimit, WakeOn,
 };
@@ -58,13 +61,17 @@ pub(crate) const MAX_JITTER: Duration = Duration::from_millis(50);
 ///   (jsonb), `$4` ttl in ms (int8), `$5` NOTIFY payload (text), `$6` a
 ///   random token for this attempt (int8), `$7` the tokens of this
 ///   campaign's earlier attempts that got no answer (int8[]): a lease one of
-///   them took is taken again. One row:
+///   them took is taken again; `$8` this candidate's priority (int4): a free
+///   or expired lease is not taken while a ready candidate of strictly
+///   higher priority is registered. One row:
 ///   won term (int8, NULL if not won), acquired_at, lease_until, remaining
 ///   ms of our new lease (float8), then the row as it was before: holder,
-///   backend, remaining ms (float8, negative if expired).
-/// * `renew`: `$1` role, `$2` node, `$3` term (int8), `$4` ttl ms. A row
-///   (remaining ms, resign_requested) if the lease is still ours; none
-///   otherwise.
+///   backend, remaining ms (float8, negative if expired); then the NOTIFY
+///   (text) and the preferred candidate it deferred to (text, NULL if none).
+/// * `renew`: `$1` role, `$2` node, `$3` term (int8), `$4` ttl ms, `$5`
+///   priority (int4). A row (remaining ms, resign_requested, the node of a
+///   ready candidate of strictly higher priority or NULL) if the lease is
+///   still ours; none otherwise.
 /// * `release`: `$1` role, `$2` node, `$3` term, `$4` NOTIFY payload. One
 ///   row: the number of rows cleared (int8, 0 or 1).
 #[doc(hidden)]
@@ -87,8 +94,11 @@ pub fn lease_sql(schema: &SchemaName) -> LeaseSql {
     // the latest version and re-checks its WHERE on it (READ COMMITTED), so
     // of concurrent candidates exactly one wins, whatever `cur` showed.
     let (first, next) = (next_term_sql("0"), next_term_sql("l.term"));
+    let pref = registry::preferred_lease_sql(s, "$1", "$2", "$8");
     let acquire = format!(
-        "WITH cur AS (
+        "WITH pref AS (
+             SELECT {pref} AS node
+         ), cur AS (
              SELECT holder, backend, lease_until FROM {s}.leaders WHERE role = $1
          ), up AS (
              INSERT INTO {s}.leaders AS l
@@ -102,7 +112,9 @@ pub fn lease_sql(schema: &SchemaName) -> LeaseSql {
                     acquired_at = EXCLUDED.acquired_at, renewed_at = EXCLUDED.renewed_at,
                     lease_until = EXCLUDED.lease_until, resign_requested = false,
                     lease_token = EXCLUDED.lease_token
-              WHERE l.holder IS NULL OR l.lease_until IS NULL OR l.lease_until < now()
+              WHERE ((l.holder IS NULL OR l.lease_until IS NULL OR l.lease_until < now())
+                     -- a preferred candidate stands: leave the lease to it
+                     AND (SELECT node FROM pref) IS NULL)
                  -- a lease taken by one of our own unanswered attempts:
                  -- nobody acts on it, take it again with a new term
                  OR (l.holder = $2 AND l.lease_token = ANY($7::int8[]))
@@ -112,7 +124,8 @@ pub fn lease_sql(schema: &SchemaName) -> LeaseSql {
                 (extract(epoch FROM up.lease_until - now()) * 1000)::float8,
                 cur.holder, cur.backend,
                 (extract(epoch FROM cur.lease_until - now()) * 1000)::float8,
-                CASE WHEN up.term IS NOT NULL THEN pg_notify('{LEADER_CHANNEL}', $5)::text END
+                CASE WHEN up.term IS NOT NULL THEN pg_notify('{LEADER_CHANNEL}', $5)::text END,
+                CASE WHEN up.term IS NULL THEN (SELECT node FROM pref) END
            FROM (SELECT 1) AS one
            LEFT JOIN up ON true
            LEFT JOIN cur ON true"
@@ -125,7 +138,9 @@ pub fn lease_sql(schema: &SchemaName) -> LeaseSql {
             SET renewed_at = greatest(renewed_at, now()),
                 lease_until = greatest(lease_until, now() + $4 * interval '1 millisecond')
           WHERE role = $1 AND holder = $2 AND term = $3
-         RETURNING (extract(epoch FROM lease_until - now()) * 1000)::float8, resign_requested"
+         RETURNING (extract(epoch FROM lease_until - now()) * 1000)::float8, resign_requested,
+                   {}",
+        registry::preferred_lease_sql(s, "$1", "$2", "$5")
     );
     let release = format!(
         "WITH c AS (
@@ -161,6 +176,8 @@ struct Acquired {
     prev_holder: Option<String>,
     prev_backend: Option<String>,
     prev_remaining: Option<f64>,
+    /// Not won because this ready candidate of higher priority stands.
+    deferred_to: Option<String>,
 }
 
 impl Acquired {
@@ -174,6 +191,7 @@ impl Acquired {
                 prev_holder: None,
                 prev_backend: None,
                 prev_remaining: None,
+                deferred_to: None,
             });
         };
         let term: Option<i64> = row.try_get(0)?;
@@ -186,6 +204,7 @@ impl Acquired {
             prev_holder: row.try_get(4)?,
             prev_backend: row.try_get(5)?,
             prev_remaining: row.try_get(6)?,
+            deferred_to: row.try_get(8)?,
         })
     }
 }
@@ -217,6 +236,8 @@ enum LeaseOp {
     Renew,
     /// The `release` statement.
     Release,
+    /// The candidate registry's upsert.
+    Register,
 }
 
 impl LeaseOp {
@@ -227,6 +248,7 @@ impl LeaseOp {
             LeaseOp::Acquire => "take the lease",
             LeaseOp::Renew => "renew the lease",
             LeaseOp::Release => "release the lease",
+            LeaseOp::Register => "register as a candidate",
         }
     }
 
@@ -237,6 +259,7 @@ impl LeaseOp {
             LeaseOp::Acquire => "acquire",
             LeaseOp::Renew => "renew",
             LeaseOp::Release => "release",
+            LeaseOp::Register => "other",
         }
     }
 
@@ -250,7 +273,7 @@ impl LeaseOp {
     /// nothing while it waits.
     fn bound(self, timing: &Timing) -> Duration {
         match self {
-            LeaseOp::Connect | LeaseOp::Acquire => patient(timing),
+            LeaseOp::Connect | LeaseOp::Acquire | LeaseOp::Register => patient(timing),
             LeaseOp::Renew | LeaseOp::Release => timing.heartbeat_timeout,
         }
     }
@@ -351,6 +374,10 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
         let payload = format!("{s}:elected:{}", shared.role);
         // Release notifications wake the standby early; anyone may send them.
         let mut wakes = WakeLimit::default();
+        // The registry row is refreshed at most every ttl/2: readiness is
+        // "seen within ttl" on the server's clock.
+        let register = Register::new(shared, Waits::Lease);
+        let mut registered_at: Option<Instant> = None;
         loop {
             let token = random_u64() as i64;
             let mut pending = false;
@@ -380,6 +407,11 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
                     }
                     schema_checked = true;
                 }
+                if registered_at.is_none_or(|t| t.elapsed() >= shared.timing.ttl / 2) {
+                    let (sql, args) = register.statement(shared);
+                    exec(shared, &mut conn, LeaseOp::Register, sql, &args).await?;
+                    registered_at = Some(Instant::now());
+                }
                 let sent = Instant::now();
                 let rows = exec(
                     shared,
@@ -394,6 +426,7 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
                         (&payload, Type::TEXT),
                         (&token, Type::INT8),
                         (&unanswered, Type::INT8_ARRAY),
+                        (&shared.priority, Type::INT4),
                     ],
                 )
                 .await
@@ -414,7 +447,7 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
             let wait = match outcome {
                 Ok((sent, rows)) => {
                     failures = 0;
-                    let Acquired { won, prev_holder, prev_backend, prev_remaining } = match Acquired::decode(&rows) {
+                    let Acquired { won, prev_holder, prev_backend, prev_remaining, deferred_to } = match Acquired::decode(&rows) {
                         Ok(a) => a,
                         Err(e) => {
                             if let Some(c) = conn.take() {
@@ -441,6 +474,12 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
                             return Ok(l);
                         }
                         Duration::ZERO
+                    } else if let Some(preferred) = deferred_to {
+                        // Free or expired, but left to a candidate of higher
+                        // priority seen within its TTL; if it never takes
+                        // it, its registration goes stale within a TTL.
+                        tracing::debug!(%preferred, "lease free, left to a ready candidate of higher priority");
+                        shared.timing.retry_every
                     } else {
                         let remaining = prev_remaining.unwrap_or(0.0);
                         if prev_holder.is_some()
@@ -609,6 +648,7 @@ impl KeepBackend for LeaseKeep {
                     (&shared.node, Type::TEXT),
                     (&self.term, Type::INT8),
                     (&ttl_ms, Type::INT8),
+                    (&shared.priority, Type::INT4),
                 ],
             )
             .await
@@ -621,14 +661,19 @@ impl KeepBackend for LeaseKeep {
                     Ok::<_, tokio_postgres::Error>((
                         row.try_get::<_, f64>(0)?,
                         row.try_get::<_, bool>(1)?,
+                        row.try_get::<_, Option<String>>(2)?,
                     ))
                 };
-                let (remaining_ms, resign_requested) =
+                let (remaining_ms, resign_requested, ready) =
                     decode().map_err(|e| Error::db(LeaseOp::Renew.operation(), s, e))?;
                 tracing::trace!(server_remaining = ?ms(remaining_ms), "lease renewed");
                 Ok(Answer::Renewed {
                     row: None,
                     resign_requested,
+                    preferred: Preferred {
+                        ready,
+                        pending: false,
+                    },
                 })
             });
             self.put_conn(conn);

@@ -25,9 +25,12 @@ use crate::metrics;
 use crate::schema::check_schema;
 
 use super::shared::SharedSession;
-use crate::election::driver::{Activation, Answer, Failed, Keep, KeepBackend, Statement};
+use crate::election::driver::{
+    Activation, Answer, Failed, Keep, KeepBackend, Preferred, Statement,
+};
 use crate::election::keeper::{Keeper, Liveness};
 use crate::election::leadership::{LeaderContext, LeaderState, Leadership, LossReason};
+use crate::election::registry::{self, yield_pause, Register, Waits};
 use crate::election::support::{
     backoff, check_not_transaction_pooled, is_read_only, is_transient, nap, Counted, WakeLimit,
     WakeOn,
@@ -44,12 +47,21 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
     let span = tracing::info_span!("pgelect.campaign", role = %shared.role, node = %shared.node);
     async {
         let mut failures = 0u32;
+        let mut yields = 0u32;
         loop {
             match attempt(shared).await {
-                Ok(Some(l)) => return Ok(l),
-                Ok(None) => {
+                Ok(Attempt::Elected(l)) => return Ok(l),
+                Ok(Attempt::Again) => {
                     // Lost during the handover delay: stand again at once.
                     failures = 0;
+                }
+                Ok(Attempt::Yielded) => {
+                    // Gave the lock to a preferred candidate: let it take
+                    // it before queueing again (a polling one needs time
+                    // to try; a vanished one costs at most this pause).
+                    failures = 0;
+                    yields = yields.saturating_add(1);
+                    tokio::time::sleep(yield_pause(yields)).await;
                 }
                 Err(e) if is_transient(&e) => {
                     failures = failures.saturating_add(1);
@@ -63,6 +75,17 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
     }
     .instrument(span)
     .await
+}
+
+/// How one attempt at the lock ended, short of an error.
+enum Attempt {
+    /// Elected, and the handover delay (if any) has passed.
+    Elected(Leadership),
+    /// Lost during the handover delay: stand again.
+    Again,
+    /// Granted the lock while a ready candidate of higher priority waited:
+    /// gave it back without a new term.
+    Yielded,
 }
 
 /// The connection a candidate stands on.
@@ -193,13 +216,20 @@ async fn lock_connection(shared: &Shared, elect: &ElectStatement) -> Result<Dedi
     conn.kept_if(prepared)
 }
 
-async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
+async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
     let schema = shared.options.schema_name().clone();
     let s = schema.as_str();
     let elect = ElectStatement::new(shared);
     let session = shared
         .session()
         .expect("BUG: the session backend campaigns for session electors only");
+    let register = Register::new(
+        shared,
+        match session.standby {
+            StandbyMode::Blocking => Waits::Blocking,
+            StandbyMode::Polling { .. } => Waits::Polling,
+        },
+    );
     let conn = match &session.host {
         Some(host) => LockConn::Shared(host.connection().get().await?),
         // The connection of this elector's last clean release, if it is
@@ -231,10 +261,26 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
             let slice_args: [(&(dyn ToSql + Sync), Type); 2] =
                 [(&k, Type::INT8), (&slice_ms, Type::INT4)];
             let mut squat = SquatWatch::default();
+            // The registration is pipelined with the first wait slice: the
+            // server runs the slice right after the registration commits, so
+            // a leader woken by its hint finds this candidate already waiting
+            // in pg_locks (or, losing that race, checks again shortly).
+            let mut registration = Some(register.run(shared, &conn));
             loop {
+                let slice = conn.client().query_typed_one(&sql, &slice_args);
+                let first = registration.take();
+                let waited = async {
+                    match first {
+                        Some(registered) => {
+                            let (registered, r) = tokio::join!(registered, slice);
+                            registered.map(|()| r)
+                        }
+                        None => Ok(slice.await),
+                    }
+                };
                 tokio::select! {
-                    r = conn.client().query_typed_one(&sql, &slice_args) => {
-                        let granted: bool = r
+                    r = waited => {
+                        let granted: bool = r?
                             .and_then(|row| row.try_get(0))
                             .map_err(|e| Error::db("wait for the leader's lock", s, e))?;
                         shared.contact.touch();
@@ -258,6 +304,7 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
             }
         }
         StandbyMode::Polling { interval } => {
+            register.run(shared, &conn).await?;
             let listen = matches!(conn, LockConn::Own(_));
             poll_for_lock(shared, &conn, interval, &args, listen).await?;
         }
@@ -284,6 +331,13 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
             begun.map_err(|e| Error::db("record the new term", s, e))?;
             let elected = elected?;
             committed.map_err(|e| Error::db("record the new term", s, e))?;
+            if let ElectOutcome::Yield(_) = &elected {
+                // The LISTEN committed with the (empty) transaction.
+                own.client()
+                    .batch_execute(&format!("UNLISTEN {RESIGN_CHANNEL}"))
+                    .await
+                    .map_err(|e| Error::db("stop listening", s, e))?;
+            }
             (elected, notices)
         }
         LockConn::Shared(c) => {
@@ -298,6 +352,37 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
     };
     let answered = Instant::now();
     shared.contact.touch();
+    let elected = match elected {
+        ElectOutcome::Elected(e) => e,
+        ElectOutcome::Yield(preferred) => {
+            // Nobody was told and the term did not move: give the lock back
+            // to the preferred candidate (FIFO queues hand it to whoever
+            // waited longest, not to the best). Readiness was read from
+            // pg_locks just now, so a vanished candidate is never yielded
+            // to: whoever is granted next checks again.
+            tracing::info!(%preferred, "granted the lock while a ready candidate of higher priority waits; giving it back");
+            let unlock = format!("SELECT pg_advisory_unlock({})", key.sql_args(1));
+            let unlocked: bool = conn
+                .client()
+                .query_typed_one(&unlock, &args)
+                .await
+                .and_then(|row| row.try_get(0))
+                .map_err(|e| Error::db("unlock the leader's lock", s, e))?;
+            if !unlocked {
+                return Err(Error::Pooler(format!(
+                    "the role's advisory lock was not held by this session (role {:?}); is a pooler in transaction mode between pgelect and {}?",
+                    shared.role,
+                    shared.options.target()
+                )));
+            }
+            guard.conn = None;
+            drop(guard);
+            if let LockConn::Own(own) = conn {
+                session.put_spare(own);
+            }
+            return Ok(Attempt::Yielded);
+        }
+    };
     let unclean = elected.previous_holder.is_some();
     if let Some(prev) = &elected.previous_holder {
         tracing::info!(term = elected.term.get(), previous = %prev, delay = ?shared.timing.handover_delay,
@@ -359,9 +444,17 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Option<Leadership>> {
         commands,
     };
     match activated_rx.await {
-        Ok(true) => Ok(Some(leadership)),
-        _ => Ok(None),
+        Ok(true) => Ok(Attempt::Elected(leadership)),
+        _ => Ok(Attempt::Again),
     }
+}
+
+/// What the election statement did.
+enum ElectOutcome {
+    /// Recorded a new term.
+    Elected(Elected),
+    /// Wrote nothing: this ready candidate of higher priority waits.
+    Yield(String),
 }
 
 struct Elected {
@@ -388,14 +481,21 @@ impl ElectStatement {
         // it the handover delay). The advisory lock already serialises
         // electors, and `up` locks the row itself.
         let (first, next) = (next_term_sql("0"), next_term_sql("l.term"));
+        // `pref`: a ready candidate of strictly higher priority, read from
+        // pg_locks in this very statement; if there is one, nothing is
+        // written and the lock is given back.
+        let pref = registry::preferred_session_sql(s, shared.key, "$1", "$2", "$6", true);
         let sql = format!(
-            "WITH old AS (
+            "WITH pref AS (
+                 SELECT {pref} AS node
+             ), old AS (
                  SELECT holder FROM {s}.leaders WHERE role = $1
              ), up AS (
                  INSERT INTO {s}.leaders AS l
                         (role, holder, holder_meta, term, backend, holder_pid, acquired_at, renewed_at, lease_until)
-                 VALUES ($1, $2, $3, {first}, 'session', pg_backend_pid(), now(), now(),
-                         now() + $4 * interval '1 millisecond')
+                 SELECT $1, $2, $3, {first}, 'session', pg_backend_pid(), now(), now(),
+                        now() + $4 * interval '1 millisecond'
+                  WHERE (SELECT node FROM pref) IS NULL
                  ON CONFLICT (role) DO UPDATE
                     SET holder = EXCLUDED.holder, holder_meta = EXCLUDED.holder_meta,
                         term = {next}, backend = EXCLUDED.backend,
@@ -409,8 +509,9 @@ impl ElectStatement {
                  RETURNING l.term, l.acquired_at, l.lease_until
              )
              SELECT up.term, (SELECT holder FROM old), up.acquired_at, up.lease_until,
-                    pg_notify('{LEADER_CHANNEL}', $5)::text
-               FROM up"
+                    CASE WHEN up.term IS NOT NULL THEN pg_notify('{LEADER_CHANNEL}', $5)::text END,
+                    (SELECT node FROM pref)
+               FROM (SELECT 1) AS one LEFT JOIN up ON true"
         );
         ElectStatement {
             sql,
@@ -419,13 +520,14 @@ impl ElectStatement {
         }
     }
 
-    fn args<'a>(&'a self, shared: &'a Shared) -> [(&'a (dyn ToSql + Sync), Type); 5] {
+    fn args<'a>(&'a self, shared: &'a Shared) -> [(&'a (dyn ToSql + Sync), Type); 6] {
         [
             (&shared.role, Type::TEXT),
             (&shared.node, Type::TEXT),
             (&shared.meta, Type::JSONB),
             (&self.ttl_ms, Type::INT8),
             (&self.payload, Type::TEXT),
+            (&shared.priority, Type::INT4),
         ]
     }
 
@@ -443,14 +545,23 @@ impl ElectStatement {
         Ok(())
     }
 
-    async fn run(&self, shared: &Shared, conn: &DedicatedConnection) -> Result<Elected> {
+    async fn run(&self, shared: &Shared, conn: &DedicatedConnection) -> Result<ElectOutcome> {
         let s = shared.options.schema_name().as_str();
         let row = conn
             .client()
-            .query_typed_opt(&self.sql, &self.args(shared))
+            .query_typed_one(&self.sql, &self.args(shared))
             .await
             .map_err(|e| Error::db("record the new term", s, e))?;
-        let Some(row) = row else {
+        let preferred: Option<String> = row
+            .try_get(5)
+            .map_err(|e| Error::db("record the new term", s, e))?;
+        if let Some(node) = preferred {
+            return Ok(ElectOutcome::Yield(node));
+        }
+        let term: Option<i64> = row
+            .try_get(0)
+            .map_err(|e| Error::db("record the new term", s, e))?;
+        let Some(term) = term else {
             return Err(Error::config(format!(
                 "role {:?} is held by a live leader using the lease backend, but this candidate uses the session backend: all candidates of a role must use the same backend",
                 shared.role
@@ -458,13 +569,15 @@ impl ElectStatement {
         };
         let decode = || {
             Ok::<_, tokio_postgres::Error>(Elected {
-                term: Term::new(row.try_get(0)?),
+                term: Term::new(term),
                 previous_holder: row.try_get(1)?,
                 acquired_at: row.try_get(2)?,
                 lease_until: row.try_get(3)?,
             })
         };
-        decode().map_err(|e| Error::db("record the new term", s, e))
+        decode()
+            .map(ElectOutcome::Elected)
+            .map_err(|e| Error::db("record the new term", s, e))
     }
 }
 
@@ -484,14 +597,22 @@ async fn poll_for_lock(
             .await
             .map_err(|e| Error::db("listen for leader changes", s, e))?;
     }
-    let sql = format!("SELECT pg_try_advisory_lock({})", shared.key.sql_args(1));
+    // Each poll also proves, every few seconds, that this standby still
+    // polls (see the registry): a row that stops being refreshed is not
+    // ready, so nobody hands over or yields to a candidate that is gone.
+    let sql = registry::poll_sql(s, &shared.key.sql_args(1));
+    let refresh_ms = registry::polling_refresh(interval).as_millis() as i64;
+    let mut poll_args: Vec<(&(dyn ToSql + Sync), Type)> = args.to_vec();
+    poll_args.push((&shared.role, Type::TEXT));
+    poll_args.push((&shared.node, Type::TEXT));
+    poll_args.push((&refresh_ms, Type::INT8));
     let mut squat = SquatWatch::default();
     // Release notifications wake the standby early; anyone may send them.
     let mut wakes = WakeLimit::default();
     loop {
         let granted: bool = conn
             .client()
-            .query_typed_one(&sql, args)
+            .query_typed_one(&sql, &poll_args)
             .await
             .and_then(|row| row.try_get(0))
             .map_err(|e| Error::db("try the leader's lock", s, e))?;
@@ -604,11 +725,15 @@ struct SessionKeep {
 impl SessionKeep {
     fn new(shared: Arc<Shared>, conn: LockConn, term: i64) -> SessionKeep {
         let s = shared.options.schema_name().as_str();
+        // Every renewal also reads the candidate registry: a ready
+        // candidate of strictly higher priority makes the leader hand over.
+        let ready = registry::preferred_session_sql(s, shared.key, "$1", "$2", "$5", true);
+        let alive = registry::preferred_session_sql(s, shared.key, "$1", "$2", "$5", false);
         let renew_sql = format!(
             "UPDATE {s}.leaders
                 SET renewed_at = now(), lease_until = now() + $4 * interval '1 millisecond'
               WHERE role = $1 AND holder = $2 AND term = $3 AND holder_pid = pg_backend_pid()
-             RETURNING renewed_at, lease_until, resign_requested"
+             RETURNING renewed_at, lease_until, resign_requested, {ready}, {alive} IS NOT NULL"
         );
         let ttl_ms = shared.timing.ttl.as_millis() as i64;
         SessionKeep {
@@ -639,6 +764,10 @@ fn renewal(rows: &[Row]) -> std::result::Result<Answer, tokio_postgres::Error> {
         [row] => Ok(Answer::Renewed {
             row: Some((row.try_get(0)?, row.try_get(1)?)),
             resign_requested: row.try_get(2)?,
+            preferred: Preferred {
+                ready: row.try_get(3)?,
+                pending: row.try_get(4)?,
+            },
         }),
         _ => Ok(Answer::NotOurs),
     }
@@ -660,6 +789,7 @@ impl KeepBackend for SessionKeep {
                         (&self.shared.node, Type::TEXT),
                         (&self.term, Type::INT8),
                         (&self.ttl_ms, Type::INT8),
+                        (&self.shared.priority, Type::INT4),
                     ],
                 )
                 .await
