@@ -103,24 +103,21 @@ enum Series {
     Baseline,
     Crash(Timing),
     Voluntary,
+    /// A candidate of higher priority starts standing while a leader acts;
+    /// the leader hands over to it: time from its first `leadership()`
+    /// call (its connection set-up included) until it is told it leads.
+    Preferred,
     Statements,
-    // ---- PLACE FOR `preferred` (not implemented: priorities do not exist
-    // yet). A higher-priority candidate joins while a leader acts, and the
-    // leader hands over to it: time from the join until the preferred
-    // candidate is told it leads. To add it: a variant here, its name in
-    // `ALL` and `name`, a `preferred_trial` beside `voluntary_trial`, a
-    // `Vec` in `measure`'s trial loop, a table row and a JSON key
-    // (`preferred_ms`), and its target (≤ 2 × baseline p99 + the time a
-    // joining candidate needs to be noticed).
 }
 
 impl Series {
-    const ALL: [Series; 6] = [
+    const ALL: [Series; 7] = [
         Series::Baseline,
         Series::Crash(Timing::Default),
         Series::Crash(Timing::Standard2s),
         Series::Crash(Timing::Fast),
         Series::Voluntary,
+        Series::Preferred,
         Series::Statements,
     ];
 
@@ -131,6 +128,7 @@ impl Series {
             Series::Crash(Timing::Standard2s) => "crash-standard-2s",
             Series::Crash(Timing::Fast) => "crash-fast",
             Series::Voluntary => "voluntary",
+            Series::Preferred => "preferred",
             Series::Statements => "statements",
         }
     }
@@ -259,8 +257,7 @@ async fn measure(
                     Series::Baseline => Some(baseline_trial(url, &observer).await?),
                     Series::Crash(t) => crash_trial(url, &options, &observer, *t).await?,
                     Series::Voluntary => Some(voluntary_trial(&options, &observer).await?),
-                    // ---- PLACE FOR `preferred`: its trial goes here (see
-                    // `Series`).
+                    Series::Preferred => Some(preferred_trial(&options).await?),
                     Series::Statements => unreachable!("BUG: not a timed series"),
                 };
                 match r {
@@ -335,6 +332,9 @@ async fn measure(
     if !crash.is_empty() {
         line["crash"] = crash.into();
     }
+    if let Some(s) = by(Series::Preferred) {
+        line["preferred_ms"] = s.json();
+    }
     if let Some(s) = by(Series::Voluntary) {
         line["voluntary_ms"] = s.json();
         if let Some(b) = &baseline {
@@ -377,6 +377,7 @@ async fn measure(
                     ),
                 ),
                 Series::Voluntary => ("voluntary (resign, default)".to_owned(), "-".to_owned()),
+                Series::Preferred => ("preferred (priority 1 joins)".to_owned(), "-".to_owned()),
                 Series::Statements => unreachable!("BUG: not a timed series"),
             };
             println!(
@@ -580,6 +581,43 @@ async fn voluntary_trial(
     let l = l.map_err(|e| e.to_string())?;
     let ms = (elected - t0).as_secs_f64() * 1000.0;
     l.resign().await.map_err(|e| e.to_string())?;
+    Ok(ms)
+}
+
+/// A leader of priority 0 acts (and hands over cleanly when told, as
+/// `Elector::run` does); a candidate of priority 1 starts standing. Time
+/// from its `leadership()` call until it is told it leads.
+async fn preferred_trial(options: &ConnectOptions) -> Result<f64, String> {
+    let a = Timing::Default
+        .builder(options.clone())
+        .node_id("bench-a")
+        .build()
+        .map_err(|e| e.to_string())?;
+    let b = Timing::Default
+        .builder(options.clone())
+        .node_id("bench-preferred")
+        .priority(1)
+        .build()
+        .map_err(|e| e.to_string())?;
+    let la = a.leadership().await.map_err(|e| e.to_string())?;
+    let hand_over = tokio::spawn(async move {
+        la.lost().await;
+        let reason = la.loss_reason();
+        let _ = la.resign().await;
+        (a, reason)
+    });
+    let t0 = Instant::now();
+    let lb = b.leadership().await.map_err(|e| e.to_string())?;
+    let ms = t0.elapsed().as_secs_f64() * 1000.0;
+    let (a, reason) = hand_over.await.map_err(|e| e.to_string())?;
+    if reason != Some(pgelect::LossReason::HandedOver) {
+        return Err(format!(
+            "the leader lost leadership as {reason:?}, not HandedOver"
+        ));
+    }
+    lb.resign().await.map_err(|e| e.to_string())?;
+    b.withdraw().await.map_err(|e| e.to_string())?;
+    a.withdraw().await.map_err(|e| e.to_string())?;
     Ok(ms)
 }
 
