@@ -576,6 +576,81 @@ fn without_countdown(roles: &[RoleStatus]) -> Vec<RoleStatus> {
         .collect()
 }
 
+/// The server `status` read: with several hosts in the URL, the one it
+/// reached, which is where the candidates it lists are connected.
+#[derive(Clone, Debug, PartialEq)]
+struct Server {
+    addr: String,
+    read_only: bool,
+    in_recovery: bool,
+    /// The WAL timeline (raised by every promotion); none on a standby.
+    timeline: Option<i64>,
+    version: String,
+}
+
+impl Server {
+    const SQL: &'static str = "SELECT coalesce(host(inet_server_addr()) || ':' || inet_server_port(), 'local socket'),
+            current_setting('transaction_read_only')::bool, pg_is_in_recovery(),
+            CASE WHEN pg_is_in_recovery() THEN NULL
+                 ELSE ('x' || substr(pg_walfile_name(pg_current_wal_insert_lsn()), 1, 8))::bit(32)::int8 END,
+            current_setting('server_version')";
+
+    async fn read(client: &tokio_postgres::Client, schema: &str) -> Result<Server, Failure> {
+        const WHAT: &str = "read which server this is";
+        let row = client
+            .query_one(Self::SQL, &[])
+            .await
+            .map_err(|e| crate::db::classify(schema, WHAT, e))?;
+        Ok(Server {
+            addr: crate::db::column(&row, 0, schema, WHAT)?,
+            read_only: crate::db::column(&row, 1, schema, WHAT)?,
+            in_recovery: crate::db::column(&row, 2, schema, WHAT)?,
+            timeline: crate::db::column(&row, 3, schema, WHAT)?,
+            version: crate::db::column(&row, 4, schema, WHAT)?,
+        })
+    }
+
+    fn kind(&self) -> &'static str {
+        match (self.in_recovery, self.read_only) {
+            (true, _) => "standby",
+            (false, true) => "primary, read-only",
+            (false, false) => "primary",
+        }
+    }
+
+    fn line(&self) -> String {
+        let timeline = self
+            .timeline
+            .map(|t| format!(", timeline {t}"))
+            .unwrap_or_default();
+        format!(
+            "server {} ({}{timeline}, PostgreSQL {})\n",
+            escape(&self.addr),
+            self.kind(),
+            escape(&self.version)
+        )
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "addr": self.addr, "kind": self.kind(), "in_recovery": self.in_recovery,
+            "read_only": self.read_only, "timeline": self.timeline, "version": self.version,
+        })
+    }
+}
+
+/// [`render`], headed by the server it was read from.
+fn render_from(server: &Server, roles: &[RoleStatus], locks: &[HeldLock], json: bool) -> String {
+    if json {
+        let mut v = to_json(roles, locks);
+        v["server"] = server.json();
+        format!("{}\n", json_text(&v))
+    } else {
+        format!("{}{}", server.line(), to_table(roles, locks))
+    }
+}
+
+#[cfg(test)]
 fn render(roles: &[RoleStatus], locks: &[HeldLock], json: bool) -> String {
     if json {
         format!("{}\n", json_text(&to_json(roles, locks)))
@@ -612,7 +687,8 @@ pub async fn run(global: &Global, args: StatusArgs) -> Result<u8, Failure> {
             None => read_locks(&client, &schema).await?,
             Some(_) => Vec::new(),
         };
-        print!("{}", render(&roles, &locks, args.json));
+        let server = Server::read(&client, &schema).await?;
+        print!("{}", render_from(&server, &roles, &locks, args.json));
         return Ok(0);
     }
     client
@@ -629,17 +705,18 @@ pub async fn run(global: &Global, args: StatusArgs) -> Result<u8, Failure> {
             None => read_locks(&client, &schema).await?,
             Some(_) => Vec::new(),
         };
+        let server = Server::read(&client, &schema).await?;
         let mut stdout = std::io::stdout().lock();
         if tty {
             // Home, draw, clear what is left: no blank frame, no flicker.
-            let text = render(&roles, &locks, args.json);
+            let text = render_from(&server, &roles, &locks, args.json);
             let _ = write!(stdout, "\x1b[H{}\x1b[J", text.replace('\n', "\x1b[K\n"));
         } else {
             // A pipe gets a snapshot per change, not per tick: the lease
             // countdown alone would print one every second.
             let seen = Some((without_countdown(&roles), locks.clone()));
             if seen != last {
-                let _ = write!(stdout, "{}", render(&roles, &locks, args.json));
+                let _ = write!(stdout, "{}", render_from(&server, &roles, &locks, args.json));
                 last = seen;
             }
         }

@@ -76,7 +76,9 @@ async fn status_shows_the_holder_and_the_waiting_candidate_as_a_table_and_as_jso
     table.assert_code(0);
     println!("{}", table.stdout);
     let lines: Vec<&str> = table.stdout.lines().collect();
-    assert_eq!(lines.len(), 2, "{}", table.stdout);
+    assert_eq!(lines.len(), 3, "{}", table.stdout);
+    assert!(lines[0].starts_with("server 127.0.0.1:"), "{}", lines[0]);
+    let lines = &lines[1..];
     for column in [
         "ROLE",
         "LEADER",
@@ -621,4 +623,59 @@ async fn metrics_addr_serves_metrics_health_and_the_leader() {
     .await;
     assert_eq!(http_get(pa, "/nope").await.0, 404);
     stop(&mut sups).await;
+}
+
+/// With several hosts, `status` says which server it read (the one the
+/// candidates it lists are connected to): its address, primary or standby,
+/// the WAL timeline; after a promotion, the new primary on timeline 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_names_the_server_it_read_and_follows_a_promotion() {
+    use pgelect_testkit::{ReplicaSet, Replication, SUPERUSER, TEST_PASSWORD};
+    let set = tokio::task::block_in_place(|| ReplicaSet::start(Replication::Async))
+        .expect("primary and replica");
+    let url = format!(
+        "postgres://{SUPERUSER}:{TEST_PASSWORD}@127.0.0.1:{},127.0.0.1:{}/postgres\
+         ?target_session_attrs=read-write&connect_timeout=2",
+        set.replica().port(),
+        set.primary().port()
+    );
+    let o = pgelect::ConnectOptions::from_url(&url).unwrap();
+    pgelect::migrate(&o).await.unwrap();
+    let status = |json: bool| {
+        let mut cmd = pgelect(["status", "--database-url", &url]);
+        if json {
+            cmd.arg("--json");
+        }
+        cmd
+    };
+    let r = run(status(true), QUICK).await;
+    r.assert_code(0);
+    let v: serde_json::Value = serde_json::from_str(&r.stdout).expect("json");
+    assert_eq!(
+        v["server"]["addr"],
+        format!("127.0.0.1:{}", set.primary().port()),
+        "{v}"
+    );
+    assert_eq!(v["server"]["kind"], "primary");
+    assert_eq!(v["server"]["timeline"], 1);
+    let r = run(status(false), QUICK).await;
+    r.assert_code(0);
+    let first = r.stdout.lines().next().unwrap_or_default().to_owned();
+    assert!(
+        first.starts_with(&format!(
+            "server 127.0.0.1:{} (primary, timeline 1, PostgreSQL ",
+            set.primary().port()
+        )),
+        "{first}"
+    );
+    tokio::task::block_in_place(|| set.promote()).expect("promote");
+    let r = run(status(true), QUICK).await;
+    r.assert_code(0);
+    let v: serde_json::Value = serde_json::from_str(&r.stdout).expect("json");
+    assert_eq!(
+        v["server"]["addr"],
+        format!("127.0.0.1:{}", set.replica().port()),
+        "{v}"
+    );
+    assert_eq!(v["server"]["timeline"], 2, "{v}");
 }

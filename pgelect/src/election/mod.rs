@@ -823,7 +823,11 @@ async fn registry_withdraw(shared: &Shared) -> Result<()> {
         conn.close().await;
         result
     };
-    match tokio::time::timeout(shared.timing.heartbeat_timeout * 2, withdraw).await {
+    // At least 2 s: with short TTLs the statement timeout is a few hundred
+    // milliseconds, too little to connect on a busy machine, and a row left
+    // behind is only stale (never ready), not harmful.
+    let bound = (shared.timing.heartbeat_timeout * 2).max(Duration::from_secs(2));
+    match tokio::time::timeout(bound, withdraw).await {
         Ok(r) => r,
         Err(_) => Err(crate::Error::connection_lost(WHAT)),
     }
