@@ -11,6 +11,7 @@
 
 use std::process::ExitCode;
 
+mod cli_handoff;
 mod common;
 mod failover;
 mod lease;
@@ -29,6 +30,12 @@ benchmarks:
               SIGKILLed) and statements per second per candidate, through PgBouncer
               in transaction mode when installed (options: --ttls 1,2,10,
               --trials N (30), --window SECONDS (10), --direct, --json)
+  cli-handoff planned handoff through `pgelect run` (SIGTERM to the leader's process
+              until the successor's command has started), session and lease
+              (PgBouncer in transaction mode + a direct LISTEN connection), next to
+              the library's resign() handoff (options: --trials N (30),
+              --backends session,lease, --settle-ms MS (500), --keep-logs, --json; needs the pgelect binary next to
+              this one, or PGELECT_BIN)
 
 environment:
   PGELECT_BENCH_DATABASE_URL   use this database instead of a throwaway cluster";
@@ -39,6 +46,7 @@ fn main() -> ExitCode {
         Some("xact-lock") => xact_lock::run(&args[1..]),
         Some("failover") => failover::run(&args[1..]),
         Some("lease-failover") => lease::run(&args[1..]),
+        Some("cli-handoff") => cli_handoff::run(&args[1..]),
         Some("-h" | "--help" | "help") => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;
