@@ -724,6 +724,62 @@ async fn sigkilled_leader_process_is_replaced_within_the_ttl() {
     println!("SIGKILL failover (ttl 1 s): {took_all:?}");
 }
 
+/// A release `NOTIFY` sent while a standby's LISTEN connection is not up
+/// yet (or reconnecting) is not heard; once LISTEN is in place the standby
+/// looks at the row again instead of sleeping out `retry_every`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_sent_before_the_standbys_listen_is_up_is_not_slept_through() {
+    let (db, pooled, _direct, _bouncer) = setup("lease_listen_late").await;
+    let cluster = tokio::task::spawn_blocking(Cluster::shared).await.unwrap();
+    let proxy = FaultProxy::start(cluster.addr()).unwrap();
+    let listen = options(&format!(
+        "postgres://postgres:{}@127.0.0.1:{}/{}",
+        pgelect_testkit::TEST_PASSWORD,
+        proxy.port(),
+        db.name()
+    ))
+    .connect_timeout(Duration::from_secs(10))
+    .unwrap();
+    // A long lease and a long retry: only a wake-up brings b in early.
+    let slow = |node: &str| {
+        Elector::builder(pooled.clone(), "late")
+            .backend(Backend::Lease)
+            .ttl(Duration::from_secs(60))
+            .retry_every(Duration::from_secs(30))
+            .node_id(node)
+    };
+    let a = slow("a").build().unwrap();
+    let la = a.leadership().await.unwrap();
+    // b's LISTEN connection hangs in the proxy.
+    proxy.blackhole();
+    let b = Arc::new(slow("b").listen_via(listen).build().unwrap());
+    let task = {
+        let b = b.clone();
+        tokio::spawn(async move { (b.leadership().await.unwrap(), Instant::now()) })
+    };
+    // b's first attempt (connect, then acquire) has been sent...
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while b.lease_statements() < 2 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("b campaigns");
+    // ...and answered (lease held: b sleeps up to 30 s). Should the answer
+    // come after the release instead, b simply wins at once: the test then
+    // proves less, but does not fail.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    la.resign().await.unwrap();
+    let t0 = Instant::now();
+    proxy.heal();
+    let (lb, at) = tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("b takes over well before its 30 s retry")
+        .unwrap();
+    println!("release missed by a standby without LISTEN yet: taken over {:?} after LISTEN could connect", at - t0);
+    lb.resign().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frozen_leader_process_is_taken_over_and_finds_its_lease_gone() {
     let (db, pooled, _direct, bouncer) = setup("lease_frozen").await;

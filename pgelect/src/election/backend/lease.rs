@@ -28,7 +28,7 @@ use tokio_postgres::Row;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::conn::{ConnectOptions, DedicatedConnection};
+use crate::conn::{ConnectOptions, DedicatedConnection, Notice};
 use crate::error::{Error, Result};
 use crate::metrics;
 use crate::schema::{check_schema, SchemaName};
@@ -770,6 +770,26 @@ pub(crate) async fn listen(shared: Weak<Shared>, options: ConnectOptions, stop: 
         match listened {
             Ok(()) => {
                 reconnect.succeeded();
+                // A release sent before this LISTEN took effect (the first
+                // one, or after a reconnection) was not heard: a standby
+                // that found the lease held would sleep until its next
+                // retry. Wake it as if it had been heard; it reads the row
+                // again (a hint like any other, within the wake-up limit).
+                match shared.upgrade() {
+                    Some(s) => {
+                        if let Some(lease) = s.lease() {
+                            let _ = lease.notices.send(Notice {
+                                channel: LEADER_CHANNEL.to_owned(),
+                                payload: format!(
+                                    "{}:released:{}",
+                                    s.options.schema_name().as_str(),
+                                    s.role
+                                ),
+                            });
+                        }
+                    }
+                    None => return,
+                }
                 loop {
                     tokio::select! {
                         _ = stop.cancelled() => {
