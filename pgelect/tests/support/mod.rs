@@ -124,6 +124,16 @@ impl Candidate {
         }
     }
 
+    /// The next line printed so far, if any (without waiting).
+    pub fn try_line(&self) -> Option<String> {
+        self.lines.try_recv().ok()
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn signal(&self, sig: &str) {
         let st = Command::new("kill")
             .args([sig, &self.child.id().to_string()])
