@@ -28,7 +28,7 @@ benchmarks:
   lease-failover
               crash failover of the lease backend against the TTL (leader process
               SIGKILLed) and statements per second per candidate, through PgBouncer
-              in transaction mode when installed (options: --ttls 1,2,10,
+              in transaction mode when installed (options: --ttls 1,2,10 (seconds, 0.5 allowed),
               --trials N (30), --window SECONDS (10), --direct, --json)
   cli-handoff planned handoff through `pgelect run` (SIGTERM to the leader's process
               until the successor's command has started), session and lease
