@@ -43,7 +43,7 @@ const SETTLE: Duration = Duration::from_millis(500);
 /// Bound on any one step (a process starting, a handoff, an exit).
 const STEP: Duration = Duration::from_secs(30);
 
-/// Entry point: `cli-handoff [--trials N] [--backends session,lease] [--settle-ms MS] [--keep-logs] [--json]`.
+/// Entry point: `cli-handoff [--trials N] [--backends session,lease] [--settle-ms MS] [--ttl D] [--keep-logs] [--json]`.
 pub fn run(args: &[String]) -> Result<(), String> {
     if args.first().map(String::as_str) == Some("--child") {
         return child(&args[1..]);
@@ -52,6 +52,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let mut json = false;
     let mut keep_logs = false;
     let mut settle = SETTLE;
+    let mut ttl: Option<(String, Duration)> = None;
     let mut backends = vec![Backend::Session, Backend::Lease];
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -77,6 +78,12 @@ pub fn run(args: &[String]) -> Result<(), String> {
             }
             "--json" => json = true,
             "--keep-logs" => keep_logs = true,
+            "--ttl" => {
+                let v = it
+                    .next()
+                    .ok_or("--ttl needs a duration, e.g. 500ms or 2s")?;
+                ttl = Some((v.clone(), parse_duration(v)?));
+            }
             "--settle-ms" => {
                 settle = it
                     .next()
@@ -118,6 +125,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
         lease_url,
         dir: dir.clone(),
         settle,
+        ttl,
     };
     let result = rt.block_on(measure(&setup, &backends, lease_path, trials, json));
     if result.is_ok() && !keep_logs {
@@ -126,6 +134,20 @@ pub fn run(args: &[String]) -> Result<(), String> {
         eprintln!("cli-handoff: the supervisors' logs (-vv) are in {dir:?}");
     }
     result
+}
+
+/// `500ms`, `2s` or `1.5s`.
+fn parse_duration(v: &str) -> Result<Duration, String> {
+    let bad = || format!("--ttl {v:?}: give milliseconds (500ms) or seconds (2s)");
+    let (number, scale) = match v.strip_suffix("ms") {
+        Some(n) => (n, 1e-3),
+        None => (v.strip_suffix('s').ok_or_else(bad)?, 1.0),
+    };
+    let x: f64 = number.parse().map_err(|_| bad())?;
+    Duration::try_from_secs_f64(x * scale)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(bad)
 }
 
 /// The `pgelect` binary to run.
@@ -154,6 +176,9 @@ struct Setup {
     dir: PathBuf,
     /// How long a standby stands before the leader is stopped.
     settle: Duration,
+    /// `--ttl` as given (for `pgelect run`) and parsed (for the library);
+    /// both use their default if `None`.
+    ttl: Option<(String, Duration)>,
 }
 
 struct Series {
@@ -218,6 +243,7 @@ async fn measure(
         "trials": trials,
         "lease_path": lease_path,
         "settle_ms": setup.settle.as_millis() as u64,
+        "ttl_ms": setup.ttl.as_ref().map(|(_, d)| d.as_millis() as u64),
         "series": series.iter().map(|s| serde_json::json!({
             "backend": name(s.backend),
             "command_sigterm_to_successor_started_ms": Stats::of(&s.command).json(),
@@ -226,8 +252,9 @@ async fn measure(
     });
     if !json {
         println!(
-            "cli-handoff, {trials} trials per series (lease backend through {lease_path}; standbys settled {} ms)\n",
-            setup.settle.as_millis()
+            "cli-handoff, {trials} trials per series (lease backend through {lease_path}; standbys settled {} ms; ttl {})\n",
+            setup.settle.as_millis(),
+            setup.ttl.as_ref().map_or("default", |(t, _)| t.as_str())
         );
         println!(
             "{:<48} {:>9} {:>9} {:>9} {:>9}",
@@ -280,6 +307,9 @@ impl Supervisor {
             .map_err(|e| format!("cannot create a log file: {e}"))?;
         let mut cmd = Command::new(&setup.bin);
         cmd.args(["-vv", "run", "--role", role, "--id", node]);
+        if let Some((ttl, _)) = &setup.ttl {
+            cmd.args(["--ttl", ttl]);
+        }
         match backend {
             Backend::Session => {
                 cmd.args(["--database-url", &setup.url]);
@@ -455,6 +485,10 @@ async fn library_trial(
             )
             .backend(Backend::Lease)
             .listen_via(direct.clone()),
+        };
+        let b = match setup.ttl {
+            Some((_, ttl)) => b.ttl(ttl),
+            None => b,
         };
         b.node_id(node).build().map_err(|e| e.to_string())
     };

@@ -34,8 +34,8 @@ benchmarks:
               until the successor's command has started), session and lease
               (PgBouncer in transaction mode + a direct LISTEN connection), next to
               the library's resign() handoff (options: --trials N (30),
-              --backends session,lease, --settle-ms MS (500), --keep-logs, --json; needs the pgelect binary next to
-              this one, or PGELECT_BIN)
+              --backends session,lease, --settle-ms MS (500), --ttl D, --keep-logs,
+              --json; needs the pgelect binary next to this one, or PGELECT_BIN)
 
 environment:
   PGELECT_BENCH_DATABASE_URL   use this database instead of a throwaway cluster";
