@@ -11,6 +11,7 @@
 
 use std::process::ExitCode;
 
+mod cli_handoff;
 mod common;
 mod failover;
 mod lease;
@@ -32,12 +33,18 @@ benchmarks:
   lease-failover
               crash failover of the lease backend against the TTL (leader process
               SIGKILLed) and statements per second per candidate, through PgBouncer
-              in transaction mode when installed (options: --ttls 1,2,10,
+              in transaction mode when installed (options: --ttls 1,2,10 (seconds, 0.5 allowed),
               --trials N (30), --window SECONDS (10), --direct, --json)
   promote     a PostgreSQL primary failover (primary stopped hard, streaming replica
               promoted): time until the replica accepts writes and until a candidate
               leads on it, both backends (options: --trials N (10),
               --backends session,lease, --sync, --json)
+  cli-handoff planned handoff through `pgelect run` (SIGTERM to the leader's process
+              until the successor's command has started), session and lease
+              (PgBouncer in transaction mode + a direct LISTEN connection), next to
+              the library's resign() handoff (options: --trials N (30),
+              --backends session,lease, --settle-ms MS (500), --ttl D, --keep-logs,
+              --json; needs the pgelect binary next to this one, or PGELECT_BIN)
 
 environment:
   PGELECT_BENCH_DATABASE_URL   use this database instead of a throwaway cluster";
@@ -55,6 +62,7 @@ fn main() -> ExitCode {
         Some("failover") => failover::run(&args[1..]),
         Some("promote") => promote::run(&args[1..]),
         Some("lease-failover") => lease::run(&args[1..]),
+        Some("cli-handoff") => cli_handoff::run(&args[1..]),
         Some("-h" | "--help" | "help") => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;

@@ -429,7 +429,7 @@ pub fn watch_main(args: &[OsString]) -> std::process::ExitCode {
         status: None,
     };
     loop {
-        watch.reap();
+        let _ = watch.reap();
         if let Some(code) = watch.status {
             watch.kill_all();
             return ExitCode::from(code);
@@ -454,14 +454,16 @@ struct Watch {
 }
 
 impl Watch {
-    /// Reaps every exited child without blocking, keeping the command's code.
-    fn reap(&mut self) {
-        self.reap_with(Some(WaitPidFlag::WNOHANG));
+    /// Reaps every exited child without blocking, keeping the command's
+    /// code; true if the watcher has no child at all any more.
+    fn reap(&mut self) -> bool {
+        self.reap_with(Some(WaitPidFlag::WNOHANG))
     }
 
     /// Reaps children, keeping the command's code, until none is left to
-    /// reap (`None`: until none is left at all).
-    fn reap_with(&mut self, flags: Option<WaitPidFlag>) {
+    /// reap (`None`: until none is left at all); true if the watcher has no
+    /// child at all any more (`ECHILD`).
+    fn reap_with(&mut self, flags: Option<WaitPidFlag>) -> bool {
         loop {
             match waitpid(None, flags) {
                 Ok(WaitStatus::Exited(pid, code)) if pid == self.command => {
@@ -470,7 +472,8 @@ impl Watch {
                 Ok(WaitStatus::Signaled(pid, signal, _)) if pid == self.command => {
                     self.status = Some(128u8.wrapping_add(signal as i32 as u8))
                 }
-                Ok(WaitStatus::StillAlive) | Err(_) => return,
+                Err(Errno::ECHILD) => return true,
+                Ok(WaitStatus::StillAlive) | Err(_) => return false,
                 Ok(_) => {}
             }
         }
@@ -488,16 +491,25 @@ impl Watch {
                 }
             }
         }
+        // Every descendant is a child of the watcher or below one (orphans
+        // are re-parented to it, a subreaper): with the command reaped and
+        // no child left at all, there is nothing to look for in /proc. The
+        // common case (the command exited with everything it started), and
+        // it keeps a planned handoff from waiting for a scan of every
+        // process on the host.
+        if self.status.is_some() && self.reap() {
+            return;
+        }
         let me = std::process::id() as i32;
         for _ in 0..500 {
             let victims = descendants(me);
             for &(pid, _) in &victims {
                 signal_logged(Pid::from_raw(pid), Signal::SIGKILL);
             }
-            self.reap();
+            let _ = self.reap();
             if victims.is_empty() {
                 // Reap the last round's zombies before exiting.
-                self.reap_with(None);
+                let _ = self.reap_with(None);
                 return;
             }
             std::thread::sleep(Duration::from_millis(10));

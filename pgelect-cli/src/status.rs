@@ -716,7 +716,11 @@ pub async fn run(global: &Global, args: StatusArgs) -> Result<u8, Failure> {
             // countdown alone would print one every second.
             let seen = Some((without_countdown(&roles), locks.clone()));
             if seen != last {
-                let _ = write!(stdout, "{}", render_from(&server, &roles, &locks, args.json));
+                let _ = write!(
+                    stdout,
+                    "{}",
+                    render_from(&server, &roles, &locks, args.json)
+                );
                 last = seen;
             }
         }

@@ -726,6 +726,287 @@ async fn sigkilled_leader_process_is_replaced_within_the_ttl() {
     println!("SIGKILL failover (ttl 1 s): {took_all:?}");
 }
 
+/// A release `NOTIFY` sent while a standby's LISTEN connection is not up
+/// yet (or reconnecting) is not heard; once LISTEN is in place the standby
+/// looks at the row again instead of sleeping out `retry_every`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_sent_before_the_standbys_listen_is_up_is_not_slept_through() {
+    let (db, pooled, _direct, _bouncer) = setup("lease_listen_late").await;
+    let cluster = tokio::task::spawn_blocking(Cluster::shared).await.unwrap();
+    let proxy = FaultProxy::start(cluster.addr()).unwrap();
+    let listen = options(&format!(
+        "postgres://postgres:{}@127.0.0.1:{}/{}",
+        pgelect_testkit::TEST_PASSWORD,
+        proxy.port(),
+        db.name()
+    ))
+    .connect_timeout(Duration::from_secs(10))
+    .unwrap();
+    // A long lease and a long retry: only a wake-up brings b in early.
+    let slow = |node: &str| {
+        Elector::builder(pooled.clone(), "late")
+            .backend(Backend::Lease)
+            .ttl(Duration::from_secs(60))
+            .retry_every(Duration::from_secs(30))
+            .node_id(node)
+    };
+    let a = slow("a").build().unwrap();
+    let la = a.leadership().await.unwrap();
+    // b's LISTEN connection hangs in the proxy.
+    proxy.blackhole();
+    let b = Arc::new(slow("b").listen_via(listen).build().unwrap());
+    let task = {
+        let b = b.clone();
+        tokio::spawn(async move { (b.leadership().await.unwrap(), Instant::now()) })
+    };
+    // b's first attempt (connect, then acquire) has been sent...
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while b.lease_statements() < 2 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("b campaigns");
+    // ...and answered (lease held: b sleeps up to 30 s). Should the answer
+    // come after the release instead, b simply wins at once: the test then
+    // proves less, but does not fail.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    la.resign().await.unwrap();
+    let t0 = Instant::now();
+    proxy.heal();
+    let (lb, at) = tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("b takes over well before its 30 s retry")
+        .unwrap();
+    println!("release missed by a standby without LISTEN yet: taken over {:?} after LISTEN could connect", at - t0);
+    lb.resign().await.unwrap();
+}
+
+fn unix_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+}
+
+/// A candidate process (the `candidate` example), what it said and whether
+/// it leads now.
+struct Proc {
+    node: String,
+    c: Candidate,
+    /// Term and wall-clock start (ms) of its current leadership.
+    leading: Option<(i64, u128)>,
+}
+
+/// Wall-clock acting intervals (node, term, start ms, end ms) of processes,
+/// from their `ELECTED`/`LOST` lines and the moment a SIGKILL was sent.
+type WallSpans = Vec<(String, i64, u128, u128)>;
+
+/// Reads what the processes printed so far.
+fn pump(procs: &mut [Proc], spans: &mut WallSpans, elected: &mut Vec<(String, Instant)>) {
+    for p in procs.iter_mut() {
+        while let Some(line) = p.c.try_line() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            match f.as_slice() {
+                ["ELECTED", term, ms] => {
+                    assert!(p.leading.is_none(), "{}: elected twice: {line}", p.node);
+                    p.leading = Some((term.parse().unwrap(), ms.parse().unwrap()));
+                    elected.push((p.node.clone(), Instant::now()));
+                }
+                ["LOST", reason, ms] => {
+                    let (term, start) = p.leading.take().expect("LOST while leading");
+                    println!("  {} lost term {term}: {reason}", p.node);
+                    spans.push((p.node.clone(), term, start, ms.parse().unwrap()));
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// No two wall-clock intervals overlap and terms rise with time.
+fn assert_spans_disjoint(spans: &WallSpans) {
+    let mut v = spans.clone();
+    v.sort_by_key(|x| x.2);
+    for w in v.windows(2) {
+        assert!(
+            w[0].3 <= w[1].2,
+            "overlap: {} (term {}) acted until {} ms, {} (term {}) from {} ms",
+            w[0].0,
+            w[0].1,
+            w[0].3,
+            w[1].0,
+            w[1].1,
+            w[1].2
+        );
+        assert!(w[0].1 < w[1].1, "terms must rise: {w:?}");
+    }
+}
+
+/// Three lease candidate processes at ttl 500 ms through PgBouncer in
+/// transaction mode; the leader is SIGKILLed again and again (a fresh
+/// process takes its place, so three always stand). The successor may act
+/// only after the dead leader was killed (its lease runs up to the TTL past
+/// the kill), terms rise, and failover is bounded generously here (the
+/// benchmark `lease-failover --ttls 0.5` measures it against TTL + 50 ms).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_ttl_500ms_sigkilled_leaders_of_three_are_replaced_without_overlap() {
+    let (db, _pooled, _direct, bouncer) = setup("lease_500_kill").await;
+    let ttl = Duration::from_millis(500);
+    let url = bouncer.url(db.name());
+    let spawn = |n: usize| {
+        let node = format!("p{n}");
+        let c = Candidate::spawn(&["--backend", "lease", &url, "fast", "500", &node]);
+        c.expect("STANDING", Duration::from_secs(20));
+        Proc {
+            node,
+            c,
+            leading: None,
+        }
+    };
+    let mut procs: Vec<Proc> = (0..3).map(spawn).collect();
+    let mut next = 3;
+    let mut spans = WallSpans::new();
+    let mut elected = Vec::new();
+    let mut took_all = Vec::new();
+    for round in 0..6 {
+        // One leader, settled for a moment (renewing).
+        let t = Instant::now();
+        let leader = loop {
+            pump(&mut procs, &mut spans, &mut elected);
+            let leading: Vec<usize> = (0..procs.len())
+                .filter(|&i| procs[i].leading.is_some())
+                .collect();
+            assert!(leading.len() <= 1, "two leaders at once: {leading:?}");
+            if leading.len() == 1 {
+                break leading[0];
+            }
+            assert!(t.elapsed() < Duration::from_secs(20), "no leader");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        // At a spread of points of the renewal cycle (ttl/4).
+        tokio::time::sleep(Duration::from_millis(200 + 37 * round)).await;
+        pump(&mut procs, &mut spans, &mut elected);
+        let Some((term, start)) = procs[leader].leading else {
+            continue; // it lost meanwhile (a slow machine): try again
+        };
+        let node = procs[leader].node.clone();
+        elected.clear();
+        let t0 = Instant::now();
+        procs[leader].c.signal("-KILL");
+        let killed_ms = unix_ms();
+        spans.push((node.clone(), term, start, killed_ms));
+        drop(procs.remove(leader));
+        procs.push(spawn(next));
+        next += 1;
+        let took = loop {
+            pump(&mut procs, &mut spans, &mut elected);
+            if let Some((_, at)) = elected.first() {
+                break *at - t0;
+            }
+            assert!(
+                t0.elapsed() < ttl + Duration::from_secs(5),
+                "nobody took over"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        };
+        println!(
+            "round {round}: {node} (term {term}) SIGKILLed; {} acting after {took:?}",
+            elected[0].0
+        );
+        took_all.push(took);
+    }
+    pump(&mut procs, &mut spans, &mut elected);
+    for p in &procs {
+        if let Some((term, start)) = p.leading {
+            spans.push((p.node.clone(), term, start, unix_ms()));
+        }
+    }
+    assert_spans_disjoint(&spans);
+    took_all.sort();
+    println!("SIGKILL failover at ttl 500 ms through PgBouncer (sorted): {took_all:?}");
+    // Up to ttl after the kill, plus jitter; generous slack for a loaded
+    // machine and a debug build.
+    assert!(
+        *took_all.last().unwrap() < ttl + Duration::from_millis(1000),
+        "{took_all:?}"
+    );
+}
+
+/// Three lease candidates at ttl 500 ms (the library's defaults for it),
+/// each reaching PgBouncer (transaction mode) through its own fault proxy;
+/// the leader is cut off again and again. A cut-off leader still runs: it
+/// must stop acting (its local deadline) before a standby takes the lease
+/// (the server-side expiry), so no two acting intervals may overlap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_ttl_500ms_partitioned_leaders_of_three_never_overlap() {
+    let (db, _pooled, _direct, bouncer) = setup("lease_500_cut").await;
+    let ttl = Duration::from_millis(500);
+    let client = db.connect().await;
+    let proxies: Vec<FaultProxy> = (0..3)
+        .map(|_| FaultProxy::start(([127, 0, 0, 1], bouncer.port()).into()).unwrap())
+        .collect();
+    let builders = proxies
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let o = options(&format!(
+                "postgres://postgres:{}@127.0.0.1:{}/{}",
+                pgelect_testkit::TEST_PASSWORD,
+                p.port(),
+                db.name()
+            ))
+            .connect_timeout(Duration::from_millis(500))
+            .unwrap();
+            Elector::builder(o, "cut")
+                .backend(Backend::Lease)
+                .ttl(ttl)
+                .node_id(&format!("c{i}"))
+        })
+        .collect();
+    let log = Intervals::default();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let tasks = stand(builders, &log, &stop);
+    wait_leader(&log, Duration::from_secs(20)).await;
+    let mut took_all = Vec::new();
+    for round in 0..6 {
+        let open = one_leader(&log, &client, "cut").await;
+        let node = open[0].0.clone();
+        let i: usize = node[1..].parse().unwrap();
+        tokio::time::sleep(Duration::from_millis(100 + 29 * round)).await;
+        let t0 = Instant::now();
+        proxies[i].blackhole();
+        let next = tokio::time::timeout(ttl + Duration::from_secs(5), async {
+            loop {
+                if let Some(x) = log.open().into_iter().find(|x| x.0 != node) {
+                    return x;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+        .await
+        .expect("a standby takes over");
+        let took = next.2 - t0;
+        println!(
+            "round {round}: {node} cut off; {} (term {}) acting after {took:?}",
+            next.0, next.1
+        );
+        took_all.push(took);
+        proxies[i].heal();
+    }
+    stop.cancel();
+    for t in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+    }
+    log.assert_disjoint();
+    took_all.sort();
+    println!("partition failover at ttl 500 ms through PgBouncer (sorted): {took_all:?}");
+    assert!(
+        *took_all.last().unwrap() < ttl + Duration::from_millis(1000),
+        "{took_all:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frozen_leader_process_is_taken_over_and_finds_its_lease_gone() {
     let (db, pooled, _direct, bouncer) = setup("lease_frozen").await;

@@ -253,7 +253,8 @@ impl ElectorBuilder {
 
     /// Lease backend: the longest a standby sleeps between two attempts to
     /// take the lease. A standby normally sleeps exactly until the lease's
-    /// server-reported expiry plus a jitter of at most 50 ms; this caps that
+    /// server-reported expiry plus a jitter of at most 50 ms (ttl/20 below a
+    /// 1 s TTL); this caps that
     /// sleep, and so bounds how late a standby without a
     /// [`listen_via`](ElectorBuilder::listen_via) connection notices a
     /// voluntary release. Default: `1s`.

@@ -37,7 +37,8 @@
 //!    serialised by the row lock: exactly one wins.
 //! 2. Not won, it learns from the same statement how long the lease still
 //!    runs (server arithmetic), and tries again at that expiry plus a
-//!    jitter of at most 50 ms — capped by `retry_every` — or at once when a
+//!    jitter of at most 50 ms (ttl/20 below a 1 s TTL) — capped by
+//!    `retry_every` — or at once when a
 //!    release `NOTIFY` arrives on the [`listen_via`](ElectorBuilder::listen_via)
 //!    connection.
 //! 3. The leader renews every `renew_every` with an update scoped to its

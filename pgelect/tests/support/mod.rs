@@ -152,6 +152,11 @@ impl Candidate {
         while self.lines.recv().is_ok() {}
     }
 
+    /// The next line printed so far, if any (without waiting).
+    pub fn try_line(&self) -> Option<String> {
+        self.lines.try_recv().ok()
+    }
+
     pub fn signal(&self, sig: &str) {
         let st = Command::new("kill")
             .args([sig, &self.child.id().to_string()])

@@ -28,7 +28,7 @@ use tokio_postgres::Row;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::conn::{ConnectOptions, DedicatedConnection};
+use crate::conn::{ConnectOptions, DedicatedConnection, Notice};
 use crate::error::{Error, Result};
 use crate::metrics;
 use crate::schema::{check_schema, SchemaName};
@@ -49,8 +49,14 @@ use crate::election::watch::{LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 use crate::election::{LeaseState, Shared, Term};
 
 /// The largest jitter added to a standby's wake-up after the lease's
-/// server-reported expiry, so that standbys do not all fire at once.
+/// server-reported expiry, so that standbys do not all fire at once. A
+/// twentieth of the TTL below a TTL of 1 s (25 ms at 500 ms), so that a
+/// short lease is taken over within `ttl` + 50 ms, round trips included.
 pub(crate) const MAX_JITTER: Duration = Duration::from_millis(50);
+
+fn max_jitter(ttl: Duration) -> Duration {
+    MAX_JITTER.min(ttl / 20)
+}
 
 /// The lease backend's three statements, exactly as the driver sends them.
 ///
@@ -216,8 +222,8 @@ fn lease_state(shared: &Shared) -> &LeaseState {
         .expect("BUG: the lease backend campaigns for lease electors only")
 }
 
-fn jitter() -> Duration {
-    Duration::from_millis(random_u64() % (MAX_JITTER.as_millis() as u64 + 1))
+fn jitter(ttl: Duration) -> Duration {
+    Duration::from_millis(random_u64() % (max_jitter(ttl).as_millis() as u64 + 1))
 }
 
 /// The least time allowed for connecting and for a standby's attempt.
@@ -494,7 +500,7 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
                         }
                         let left = if prev_holder.is_some() { ms(remaining) } else { Duration::ZERO };
                         tracing::trace!(holder = ?prev_holder, ?left, "lease held; sleeping until it expires");
-                        (left + jitter()).min(shared.timing.retry_every)
+                        (left + jitter(shared.timing.ttl)).min(shared.timing.retry_every)
                     }
                 }
                 Err(e) if is_transient(&e) => {
@@ -519,7 +525,8 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
                 role: &shared.role,
             };
             // A few ms of jitter spread the standbys' attempts.
-            let end = nap(until, &mut notices, released, &mut wakes, || jitter() / 10).await;
+            let ttl = shared.timing.ttl;
+            let end = nap(until, &mut notices, released, &mut wakes, || jitter(ttl) / 10).await;
             if end == NapEnd::ChannelClosed {
                 // Never: the sender lives in `shared`.
                 tokio::time::sleep_until(until).await;
@@ -815,6 +822,26 @@ pub(crate) async fn listen(shared: Weak<Shared>, options: ConnectOptions, stop: 
         match listened {
             Ok(()) => {
                 reconnect.succeeded();
+                // A release sent before this LISTEN took effect (the first
+                // one, or after a reconnection) was not heard: a standby
+                // that found the lease held would sleep until its next
+                // retry. Wake it as if it had been heard; it reads the row
+                // again (a hint like any other, within the wake-up limit).
+                match shared.upgrade() {
+                    Some(s) => {
+                        if let Some(lease) = s.lease() {
+                            let _ = lease.notices.send(Notice {
+                                channel: LEADER_CHANNEL.to_owned(),
+                                payload: format!(
+                                    "{}:released:{}",
+                                    s.options.schema_name().as_str(),
+                                    s.role
+                                ),
+                            });
+                        }
+                    }
+                    None => return,
+                }
                 loop {
                     tokio::select! {
                         _ = stop.cancelled() => {
@@ -857,8 +884,10 @@ mod tests {
         assert_eq!(ms(f64::NAN), Duration::ZERO);
         assert_eq!(ms(1500.0), Duration::from_millis(1500));
         for _ in 0..100 {
-            assert!(jitter() <= MAX_JITTER);
+            assert!(jitter(Duration::from_secs(15)) <= MAX_JITTER);
+            assert!(jitter(Duration::from_millis(500)) <= Duration::from_millis(25));
         }
+        assert_eq!(max_jitter(Duration::from_secs(1)), MAX_JITTER);
     }
 
     #[test]
