@@ -357,6 +357,21 @@ impl PgBouncer {
             .map_err(|e| ctx(e.into_io(), "restart pgbouncer"))
     }
 
+    /// Points pgbouncer at `cluster` and restarts it (its port stays): what
+    /// an operator does after a primary failover when the pooler does not
+    /// follow the primary by itself (PgBouncer has no
+    /// `target_session_attrs`). Clients' connections are cut.
+    ///
+    /// # Errors
+    ///
+    /// As [`restart`](PgBouncer::restart), or if the configuration cannot
+    /// be written.
+    pub fn retarget(&mut self, cluster: &Cluster) -> io::Result<()> {
+        self.server_port = cluster.port();
+        self.write_ini()?;
+        self.restart()
+    }
+
     /// Kills pgbouncer (`SIGKILL`) and waits for it to exit. A no-op if it is
     /// not running. [`restart`](PgBouncer::restart) brings it back.
     ///

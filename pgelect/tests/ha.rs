@@ -406,3 +406,99 @@ async fn a_blocking_standby_leaves_a_server_that_turned_read_only() {
     l.resign().await.unwrap();
     fence_read_only(&old, false).await;
 }
+
+/// The lease backend through PgBouncer (transaction mode) across a primary
+/// failover: the primary dies, the replica is promoted and the pooler is
+/// pointed at it (PgBouncer does not follow a primary by itself). Three
+/// candidates: leadership never overlaps, terms rise, and a leader acts on
+/// the new primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_candidates_through_pgbouncer_follow_a_promotion() {
+    use pgelect_testkit::{PgBouncer, PoolMode};
+    use support::Intervals;
+    let set = tokio::task::block_in_place(|| ReplicaSet::start(Replication::Async))
+        .expect("primary and async replica");
+    let db = TestDb::on(set.primary(), "ha_bouncer").await;
+    let direct = ConnectOptions::from_url(&set.primary().url(db.name())).unwrap();
+    pgelect::migrate(&direct).await.expect("migrate");
+    let mut bouncer =
+        tokio::task::block_in_place(|| PgBouncer::start(set.primary(), PoolMode::Transaction))
+            .expect("pgbouncer");
+    let o = ConnectOptions::from_url(&bouncer.url(db.name())).unwrap();
+    let role = "bounced";
+    let log = Intervals::default();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut tasks = Vec::new();
+    for node in ["a", "b", "c"] {
+        let e = fast(&o, role, node, Backend::Lease);
+        let (log, stop) = (log.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let l = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    l = e.leadership() => l.expect("campaign"),
+                };
+                let i = log.start(node, l.term());
+                tokio::select! {
+                    _ = l.lost() => log.end(i),
+                    _ = stop.cancelled() => {
+                        log.end(i);
+                        let _ = l.resign().await;
+                        return;
+                    }
+                }
+            }
+        }));
+    }
+    let first = timeout(Duration::from_secs(15), async {
+        loop {
+            if let Some(i) = log.open().first() {
+                return i.1;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("a first leader");
+    tokio::task::block_in_place(|| set.wait_replayed()).expect("replica caught up");
+    let died = Instant::now();
+    let promoted_at = std::time::SystemTime::now();
+    tokio::task::block_in_place(|| {
+        set.promote()?;
+        bouncer.retarget(set.replica())
+    })
+    .expect("promote and re-point the pooler");
+    // A leader renews (or is elected) on the new primary.
+    let new = connect(set.replica(), db.name()).await;
+    let acted = timeout(Duration::from_secs(20), async {
+        loop {
+            let row = new
+                .query_opt(
+                    "SELECT term, renewed_at > $2 FROM pgelect.leaders WHERE role = $1 AND holder IS NOT NULL",
+                    &[&role, &promoted_at],
+                )
+                .await
+                .expect("read the new primary");
+            if let Some(r) = row {
+                if r.get::<_, bool>(1) {
+                    return (Instant::now(), r.get::<_, i64>(0));
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("a leader renews or is elected on the new primary");
+    eprintln!(
+        "lease through PgBouncer: a leader (term {}, first term {}) renewed on the promoted replica {:?} after the primary's death",
+        acted.1,
+        first.get(),
+        acted.0 - died
+    );
+    assert!(Term::new(acted.1) >= first);
+    stop.cancel();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    log.assert_disjoint();
+}
