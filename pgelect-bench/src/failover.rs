@@ -643,10 +643,16 @@ impl Rate {
         })
     }
 
+    /// Per statement, for the table: its text cut at 40 characters (the
+    /// JSON line has it whole).
     fn breakdown(&self) -> String {
         self.by_statement
             .iter()
-            .map(|(q, r)| format!("{r:.2} {q:?}"))
+            .map(|(q, r)| {
+                let short: String = q.chars().take(40).collect();
+                let more = if q.chars().count() > 40 { "…" } else { "" };
+                format!("{r:.2} \"{short}{more}\"")
+            })
             .collect::<Vec<_>>()
             .join(", ")
     }
