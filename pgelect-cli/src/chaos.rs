@@ -87,9 +87,14 @@ impl Fault {
         }
     }
 
-    /// Whether the fault must end in a new term (a delay may not).
-    fn must_fail_over(self) -> bool {
-        self != Fault::Latency
+    /// Whether the fault must end in a new term on `backend`: a delay may
+    /// not, and a lease leader whose connection is terminated reconnects
+    /// and renews within its deadline (it holds no lock on the connection).
+    fn must_fail_over(self, backend: BackendArg) -> bool {
+        !matches!(
+            (self, backend),
+            (Fault::Latency, _) | (Fault::Terminate, BackendArg::Lease)
+        )
     }
 }
 
@@ -672,12 +677,12 @@ async fn schedule(
         }
         let next = if skipped.is_some() {
             None
-        } else if fault.must_fail_over() {
+        } else if fault.must_fail_over(run.backend) {
             run.next_start(leader.term, at, Duration::from_secs(60))
                 .await
         } else {
-            // A delay may leave the leader in place: a new term counts only
-            // if it began while the delay was on or right after.
+            // The leader may stay in place: a new term counts only if it
+            // began while the fault was on or right after.
             run.next_start(leader.term, at, Duration::from_millis(500))
                 .await
         };
@@ -711,7 +716,7 @@ async fn schedule(
             Some(e) => leader = e,
             None if injected
                 .last()
-                .is_some_and(|f| f.skipped.is_some() || !f.fault.must_fail_over()) => {}
+                .is_some_and(|f| f.skipped.is_some() || !f.fault.must_fail_over(run.backend)) => {}
             None => return Err(fail(format!("no new leader within 60 s of {fault:?}"))),
         }
     }
@@ -964,6 +969,10 @@ pub async fn run(global: &Global, args: ChaosArgs) -> Result<u8, Failure> {
                     "backend": bname,
                     "trials": list.len(),
                     "skipped": skipped,
+                    // Trials after which leadership moved (a delay, or a
+                    // terminated lease connection, may leave it in place);
+                    // the failover figures are over these.
+                    "failovers": took.len(),
                     "overlaps": overlaps,
                     "paused_overlaps": paused,
                     "stale_writes_committed": stale,
@@ -998,10 +1007,11 @@ pub async fn run(global: &Global, args: ChaosArgs) -> Result<u8, Failure> {
     }
     outcome?;
     println!(
-        "\n{:<10} {:<8} {:>6} {:>8} {:>6} {:>6} {:>6} {:>9} {:>9} {:>9}",
+        "\n{:<10} {:<8} {:>6} {:>6} {:>8} {:>6} {:>6} {:>6} {:>9} {:>9} {:>9}",
         "fault",
         "backend",
         "trials",
+        "moved",
         "overlaps",
         "paused",
         "stale",
@@ -1012,10 +1022,11 @@ pub async fn run(global: &Global, args: ChaosArgs) -> Result<u8, Failure> {
     );
     for r in &rows {
         println!(
-            "{:<10} {:<8} {:>6} {:>8} {:>6} {:>6} {:>6} {:>9.1} {:>9.1} {:>9.1}",
+            "{:<10} {:<8} {:>6} {:>6} {:>8} {:>6} {:>6} {:>6} {:>9.1} {:>9.1} {:>9.1}",
             r["fault"].as_str().unwrap_or(""),
             r["backend"].as_str().unwrap_or(""),
             r["trials"].as_u64().unwrap_or(0),
+            r["failovers"].as_u64().unwrap_or(0),
             r["overlaps"].as_u64().unwrap_or(0),
             r["paused_overlaps"].as_u64().unwrap_or(0),
             r["stale_writes_committed"].as_u64().unwrap_or(0),
