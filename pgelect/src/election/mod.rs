@@ -447,6 +447,20 @@ impl Shared {
         });
     }
 
+    /// Publishes `info` (an observation) only if watchers still see `seen`,
+    /// what they saw when the observation began: a value published in the
+    /// meantime (by this elector's own election) is newer and is kept.
+    pub(crate) fn publish_if_unchanged(&self, seen: &Option<LeaderInfo>, info: Option<LeaderInfo>) {
+        self.leader.send_if_modified(|cur| {
+            if cur == seen && *cur != info {
+                *cur = info;
+                true
+            } else {
+                false
+            }
+        });
+    }
+
     /// Publishes `info` only if watchers currently see `node` with `term`.
     pub(crate) fn publish_if_holder(&self, node: &str, term: i64, info: Option<LeaderInfo>) {
         self.leader.send_if_modified(|cur| {

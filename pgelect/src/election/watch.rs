@@ -394,13 +394,19 @@ impl Observer {
                     .map_err(|e| Error::db("listen for leader changes", schema.as_str(), e))?;
                 listening = true;
             }
+            // What watchers saw before the read: if this elector published
+            // meanwhile (it was just elected), that is newer than the row
+            // this read may have seen, and is kept.
+            let Some(seen) = self.shared.upgrade().map(|s| s.leader.borrow().clone()) else {
+                return Ok(());
+            };
             let (info, read_only) = read_leader_and_mode(conn.client(), &schema, &role).await?;
             let expired = info.as_ref().is_some_and(|i| i.lease_expired);
             let Some(shared) = self.shared.upgrade() else {
                 return Ok(());
             };
             shared.contact.touch();
-            shared.publish(info);
+            shared.publish_if_unchanged(&seen, info);
             if read_only && now.standing > 0 {
                 // A demoted or fenced primary: nothing can be elected here.
                 // A blocking standby waiting on it gives up its wait and
