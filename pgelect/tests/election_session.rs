@@ -265,9 +265,19 @@ async fn a_blocking_standby_does_not_hold_back_vacuum() {
     let standby = tokio::spawn(async move { b.leadership().await });
     db.wait_for_advisory_waiters(1).await;
     let c = db.connect().await;
-    let first = backend_xmin(&c, "pgelect:xmin:b")
-        .await
-        .expect("a waiting statement holds a snapshot");
+    // The wait runs in slices: between two of them the backend is briefly
+    // idle and holds no snapshot, so read until a slice is in progress.
+    let t_first = Instant::now();
+    let first = loop {
+        if let Some(x) = backend_xmin(&c, "pgelect:xmin:b").await {
+            break x;
+        }
+        assert!(
+            t_first.elapsed() < Duration::from_secs(5),
+            "a waiting statement holds a snapshot within a few slices"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
     // Transactions go on elsewhere; the standby's horizon must follow them
     // within a few slices rather than stay where its wait began.
     let t0 = Instant::now();
