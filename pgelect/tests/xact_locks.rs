@@ -94,6 +94,52 @@ async fn shared_xact_locks_coexist_and_exclude_exclusive_ones() {
     t1.commit().await.unwrap();
 }
 
+/// A bounded wait tries first (one short statement when the lock is free);
+/// that try must not overtake a conflicting request already waiting: a
+/// shared request behind a waiting exclusive one waits its turn.
+#[tokio::test]
+async fn a_bounded_wait_does_not_overtake_a_waiting_request() {
+    let db = TestDb::new("xact_queue").await;
+    let admin = db.connect().await;
+    let mut c1 = db.connect().await;
+    let c2 = db.connect().await;
+    let mut c3 = db.connect().await;
+    let key = LockKey::from_i64(33);
+
+    let t1 = c1.transaction().await.unwrap();
+    xact_lock_shared(&t1, key).await.unwrap();
+    let writer = tokio::spawn(async move {
+        c2.batch_execute("BEGIN").await.unwrap();
+        xact_lock(&c2, key).await.unwrap();
+        c2.batch_execute("COMMIT").await.unwrap();
+    });
+    await_advisory_waiters(&admin, 1).await;
+    // Free for a shared request if only the holder counted; not while the
+    // exclusive request waits.
+    let t3 = c3.transaction().await.unwrap();
+    let started = Instant::now();
+    let err = xact_lock_shared_timeout(&t3, key, Duration::from_millis(300))
+        .await
+        .expect_err("a shared request queued behind a waiting exclusive one");
+    assert!(err.is_timeout(), "{err}");
+    println!(
+        "queued shared request timed out after {:?}",
+        started.elapsed()
+    );
+    t3.rollback().await.unwrap();
+    t1.commit().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), writer)
+        .await
+        .expect("the exclusive waiter is granted after the holder commits")
+        .unwrap();
+    // Uncontended, the same call succeeds at once.
+    let t3 = c3.transaction().await.unwrap();
+    xact_lock_shared_timeout(&t3, key, Duration::from_millis(300))
+        .await
+        .unwrap();
+    t3.commit().await.unwrap();
+}
+
 #[tokio::test]
 async fn blocking_xact_lock_waits_for_the_holders_commit() {
     let db = TestDb::new("xact_blocking").await;

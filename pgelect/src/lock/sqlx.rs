@@ -154,6 +154,11 @@ async fn bounded_xact(
     timeout: Duration,
 ) -> Result<()> {
     let ms = timeout_millis("the lock wait timeout", timeout)?;
+    // Uncontended, one short statement instead of three (see the
+    // tokio-postgres form).
+    if try_xact(conn, key, mode).await? {
+        return Ok(());
+    }
     let (caller, _applied): (String, String) = ::sqlx::query_as(CAP_LOCK_TIMEOUT_SQL)
         .persistent(false)
         .bind(ms)
