@@ -24,7 +24,7 @@
 //! Targets (issue 13): command median ≤ 50 ms (session), ≤ 100 ms (lease
 //! with a LISTEN connection).
 
-use crate::common::{connect, Stats};
+use crate::common::{connect, Rows, Stats};
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -238,7 +238,13 @@ async fn measure(
         leader.exited(STEP).await?;
         series.push(s);
     }
-    let line = serde_json::json!({
+    let mut figures = Rows::default();
+    for s in &series {
+        let b = name(s.backend);
+        figures.latency(&format!("cli-handoff/{b}-command-sigterm"), &s.command);
+        figures.latency(&format!("cli-handoff/{b}-library-resign"), &s.library);
+    }
+    let mut line = serde_json::json!({
         "bench": "cli-handoff",
         "trials": trials,
         "lease_path": lease_path,
@@ -281,6 +287,7 @@ async fn measure(
         }
         println!("\ntargets: command p50 <= 50 ms (session), <= 100 ms (lease)\n");
     }
+    figures.attach(&mut line);
     println!("{line}");
     Ok(())
 }

@@ -128,3 +128,49 @@ impl Stats {
 pub(crate) fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }
+
+/// The figures of one benchmark as `scripts/bench` collects them: a list
+/// of `{scenario, metric, value, unit}` rows (baselines are rows of their
+/// own scenario) and, for latency series, the samples `report` plots.
+#[derive(Default)]
+pub(crate) struct Rows {
+    rows: Vec<serde_json::Value>,
+    samples: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Rows {
+    /// One figure.
+    pub(crate) fn push(&mut self, scenario: &str, metric: &str, value: f64, unit: &str) {
+        self.rows.push(serde_json::json!({
+            "scenario": scenario, "metric": metric, "value": round2(value), "unit": unit,
+        }));
+    }
+
+    /// p50, p99, min and max of a latency series (milliseconds), and the
+    /// samples for the plot.
+    pub(crate) fn latency(&mut self, scenario: &str, ms: &[f64]) {
+        if ms.is_empty() {
+            return;
+        }
+        let s = Stats::of(ms);
+        for (metric, v) in [
+            ("p50", s.p50),
+            ("p99", s.p99),
+            ("min", s.min),
+            ("max", s.max),
+        ] {
+            self.push(scenario, metric, v, "ms");
+        }
+        self.push(scenario, "trials", ms.len() as f64, "count");
+        self.samples.insert(
+            scenario.to_owned(),
+            ms.iter().map(|v| round2(*v)).collect::<Vec<_>>().into(),
+        );
+    }
+
+    /// Adds `rows` and `samples` to a benchmark's JSON line.
+    pub(crate) fn attach(self, line: &mut serde_json::Value) {
+        line["rows"] = self.rows.into();
+        line["samples"] = self.samples.into();
+    }
+}

@@ -36,7 +36,7 @@
 //! `failover --child holder <url> <key>` and
 //! `failover --child leader <url> <timing>`.
 
-use crate::common::{connect, round2, ChildProc, Stats};
+use crate::common::{connect, round2, ChildProc, Rows, Stats};
 
 use std::time::{Duration, Instant};
 
@@ -353,6 +353,21 @@ async fn measure(
     if !targets.is_empty() {
         line["targets"] = targets.clone().into();
     }
+    let mut rows = Rows::default();
+    for (s, smp) in timed.iter().zip(&samples) {
+        rows.latency(&format!("failover/{}", s.name()), &smp.ms);
+    }
+    for (t, r) in &rates {
+        if let Some(per_s) = r.per_s {
+            rows.push(
+                &format!("failover/leader-{}", t.name()),
+                "statements",
+                per_s,
+                "1/s",
+            );
+        }
+    }
+    rows.attach(&mut line);
 
     if !json {
         println!(

@@ -24,7 +24,7 @@
 //! 1 s TTL): failover in
 //! `[ttl - renew_every, ttl + 50 ms + a round trip]`.
 
-use crate::common::{connect, round2, ChildProc, Stats};
+use crate::common::{connect, round2, ChildProc, Rows, Stats};
 
 use std::time::{Duration, Instant};
 
@@ -116,6 +116,7 @@ async fn measure(
     let options = ConnectOptions::from_url(via).map_err(|e| e.to_string())?;
     let observer = connect(url).await?;
     let mut rows = Vec::new();
+    let mut figures = Rows::default();
     for (n, &ttl_s) in ttls.iter().enumerate() {
         let ttl = Duration::from_secs_f64(ttl_s);
         let probe = builder(options.clone(), "probe", ttl)
@@ -140,9 +141,22 @@ async fn measure(
             }
         }
         let s = Stats::of(&samples);
+        figures.latency(&format!("lease-failover/crash-ttl-{ttl:?}"), &samples);
+        figures.push(
+            &format!("lease-failover/leader-ttl-{ttl:?}"),
+            "statements",
+            load.leader,
+            "1/s",
+        );
+        figures.push(
+            &format!("lease-failover/standby-ttl-{ttl:?}"),
+            "statements",
+            load.standby,
+            "1/s",
+        );
         rows.push((ttl, renew_every, deadline, s, load));
     }
-    let line = serde_json::json!({
+    let mut line = serde_json::json!({
         "bench": "lease-failover",
         "path": path,
         "trials": trials,
@@ -201,6 +215,7 @@ async fn measure(
         }
         println!();
     }
+    figures.attach(&mut line);
     println!("{line}");
     Ok(())
 }

@@ -16,6 +16,7 @@ mod common;
 mod failover;
 mod lease;
 mod promote;
+mod report;
 mod xact_lock;
 
 const USAGE: &str = "\
@@ -46,6 +47,11 @@ benchmarks:
               --backends session,lease, --settle-ms MS (500), --ttl D, --keep-logs,
               --json; needs the pgelect binary next to this one, or PGELECT_BIN)
 
+  report      merges the --json output of benchmarks into one list of {scenario, metric,
+              value, unit} rows, prints them and draws the latency distributions
+              (report [--json FILE] [--svg FILE] [--title T] INPUT...; scripts/bench
+              runs every benchmark and then this)
+
 environment:
   PGELECT_BENCH_DATABASE_URL   use this database instead of a throwaway cluster";
 
@@ -63,6 +69,7 @@ fn main() -> ExitCode {
         Some("promote") => promote::run(&args[1..]),
         Some("lease-failover") => lease::run(&args[1..]),
         Some("cli-handoff") => cli_handoff::run(&args[1..]),
+        Some("report") => report::run(&args[1..]),
         Some("-h" | "--help" | "help") => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;

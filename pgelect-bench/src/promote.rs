@@ -27,7 +27,7 @@ use std::time::{Duration, Instant, SystemTime};
 use pgelect::{Backend, ConnectOptions, Elector, Leadership};
 use pgelect_testkit::{ReplicaSet, Replication, SUPERUSER, TEST_PASSWORD};
 
-use crate::common::{round2, Stats};
+use crate::common::{round2, Rows, Stats};
 
 /// Entry point: `promote [--trials N] [--backends session,lease] [--sync] [--json]`.
 pub fn run(args: &[String]) -> Result<(), String> {
@@ -199,10 +199,17 @@ async fn measure(
     json: bool,
 ) -> Result<(), String> {
     let mut out = Vec::new();
-    println!(
+    let mut figures = Rows::default();
+    // The table unless --json; the JSON line always, as every benchmark.
+    let table = |line: String| {
+        if !json {
+            println!("{line}");
+        }
+    };
+    table(format!(
         "{:<8} {:<9} {:>9} {:>9} {:>9} {:>9}   (ms from the primary's death; {trials} trials, {mode:?} replication)",
         "backend", "series", "p50", "p99", "min", "max"
-    );
+    ));
     for &backend in backends {
         let mut promoted = Vec::with_capacity(trials);
         let mut leader = Vec::with_capacity(trials);
@@ -214,8 +221,11 @@ async fn measure(
             terms.push((t.old_term, t.new_term));
         }
         let (p, l) = (Stats::of(&promoted), Stats::of(&leader));
+        let b = backend.as_str();
+        figures.latency(&format!("promote/{b}-replica-writable"), &promoted);
+        figures.latency(&format!("promote/{b}-leader-on-new-primary"), &leader);
         for (name, s) in [("promoted", &p), ("leader", &l)] {
-            println!(
+            table(format!(
                 "{:<8} {:<9} {:>9.1} {:>9.1} {:>9.1} {:>9.1}",
                 backend.as_str(),
                 name,
@@ -223,7 +233,7 @@ async fn measure(
                 s.p99,
                 s.min,
                 s.max
-            );
+            ));
         }
         let extra: Vec<f64> = leader
             .iter()
@@ -231,10 +241,10 @@ async fn measure(
             .map(|(l, p)| round2(l - p))
             .collect();
         let kept = terms.iter().filter(|(o, n)| o == n).count();
-        println!(
+        table(format!(
             "{:<8} the leader kept its term through {kept} of {trials} failovers",
             backend.as_str()
-        );
+        ));
         out.push(serde_json::json!({
             "backend": backend.as_str(),
             "kept_leader": kept,
@@ -244,16 +254,13 @@ async fn measure(
             "terms": terms,
         }));
     }
-    if json {
-        println!(
-            "{}",
-            serde_json::json!({
-                "benchmark": "promote",
-                "trials": trials,
-                "replication": format!("{mode:?}").to_lowercase(),
-                "series": out,
-            })
-        );
-    }
+    let mut line = serde_json::json!({
+        "bench": "promote",
+        "trials": trials,
+        "replication": format!("{mode:?}").to_lowercase(),
+        "series": out,
+    });
+    figures.attach(&mut line);
+    println!("{line}");
     Ok(())
 }
