@@ -101,9 +101,15 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         std::fs::write(path, text + "\n").map_err(|e| format!("cannot write {path}: {e}"))?;
         println!("{} rows written to {path}", list.len());
     }
-    if let Some(path) = &o.svg {
-        plot(path, &o.title, &samples)?;
-        println!("latency distributions drawn in {path}");
+    match &o.svg {
+        Some(_) if samples.values().all(|v| v.is_empty()) => {
+            println!("no latency distributions in these benchmarks: no plot drawn");
+        }
+        Some(path) => {
+            plot(path, &o.title, &samples)?;
+            println!("latency distributions drawn in {path}");
+        }
+        None => {}
     }
     Ok(())
 }
@@ -164,10 +170,7 @@ fn plot(path: &str, title: &str, samples: &BTreeMap<String, Vec<f64>>) -> Result
         let (group, series) = k.split_once('/').unwrap_or((k.as_str(), k.as_str()));
         groups.entry(group).or_default().push((series, v));
     }
-    if groups.is_empty() {
-        return Err("report: no latency samples to plot".into());
-    }
-    let cols = groups.len().min(2);
+    let cols = groups.len().clamp(1, 2);
     let rows = groups.len().div_ceil(cols);
     let size = (640 * cols as u32, 60 + 360 * rows as u32);
     let err = |e: &dyn std::fmt::Display| format!("cannot draw {path}: {e}");
