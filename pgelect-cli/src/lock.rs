@@ -374,6 +374,38 @@ pub fn parse_application_name(application_name: &str) -> Option<(&str, &str)> {
         .rsplit_once('@')
 }
 
+/// What a key held or waited for by a `pgelect lock` session is, given the
+/// name the session recorded (see [`parse_application_name`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockKind {
+    /// The plain lock of that name.
+    Lock,
+    /// Slot `i` of the semaphore of that name (`--limit`).
+    Permit(u32),
+    /// The semaphore's gate: its holder is the first waiter for a permit,
+    /// its waiters the others.
+    PermitQueue,
+    /// Something else (a name cut to fit `application_name`, or a key the
+    /// session took otherwise).
+    Other,
+}
+
+/// Classifies `key` for the lock or semaphore called `name`.
+pub fn lock_kind(name: &str, key: i64) -> LockKind {
+    if LockKey::from_name(name).ok() == Some(LockKey::from_i64(key)) {
+        return LockKind::Lock;
+    }
+    let Ok(semaphore) = Semaphore::new(name, pgelect::MAX_SEMAPHORE_LIMIT) else {
+        return LockKind::Other;
+    };
+    if semaphore.gate_key() == LockKey::from_i64(key) {
+        return LockKind::PermitQueue;
+    }
+    (0..semaphore.limit())
+        .find(|i| semaphore.slot_key(*i) == Some(LockKey::from_i64(key)))
+        .map_or(LockKind::Other, LockKind::Permit)
+}
+
 /// This machine's host name (`/proc/sys/kernel/hostname`), else `unknown`.
 fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -386,6 +418,28 @@ fn host_name() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_are_told_apart() {
+        let LockKey::Single(plain) = LockKey::from_name("jobs").unwrap() else {
+            unreachable!()
+        };
+        assert_eq!(lock_kind("jobs", plain), LockKind::Lock);
+        let sem = Semaphore::new("jobs", 3).unwrap();
+        let single = |k: LockKey| match k {
+            LockKey::Single(v) => v,
+            LockKey::Pair(..) => unreachable!(),
+        };
+        assert_eq!(
+            lock_kind("jobs", single(sem.slot_key(2).unwrap())),
+            LockKind::Permit(2)
+        );
+        assert_eq!(
+            lock_kind("jobs", single(sem.gate_key())),
+            LockKind::PermitQueue
+        );
+        assert_eq!(lock_kind("jobs", 42), LockKind::Other);
+    }
 
     #[test]
     fn application_name_fits_and_parses_back() {

@@ -390,3 +390,65 @@ async fn a_released_permit_goes_to_the_waiting_command_at_once() {
     );
     assert_eq!(waiter.wait(LIMIT).await, Some(0), "{}", waiter.output());
 }
+
+#[tokio::test]
+async fn status_lists_the_permits_and_the_first_in_line() {
+    let db = TestDb::new("cli_limit_status").await;
+    let options = ConnectOptions::from_url(&db.url()).expect("test URL parses");
+    pgelect::migrate(&options).await.expect("migrate");
+    let holder_dir = TempDir::new("limit_status_holder");
+    let script = r#"touch "$D/running"; exec sleep 60"#;
+    let mut holder = Background::spawn(
+        "holder",
+        lock(&db, &holder_dir, "jobs", 1, &["--id", "node-a"], script),
+    );
+    wait_for_file(&holder_dir.join("running"), START).await;
+    let waiter_dir = TempDir::new("limit_status_waiter");
+    let mut waiter = Background::spawn(
+        "waiter",
+        lock(&db, &waiter_dir, "jobs", 1, &["--id", "node-b"], script),
+    );
+    let admin = db.connect().await;
+    // The holder's slot and limit key, the waiter's gate and limit key.
+    wait_until("the waiter to be first in line", START, || async {
+        advisory_locks(&admin).await == 4
+    })
+    .await;
+    let mut cmd = pgelect(["status"]);
+    cmd.env("DATABASE_URL", db.url());
+    let table = run(cmd, LIMIT).await;
+    table.assert_code(0);
+    println!("{}", table.stdout);
+    assert!(
+        table.stdout.contains("\"jobs\" permit 0: held by node-a"),
+        "{}",
+        table.stdout
+    );
+    assert!(
+        table
+            .stdout
+            .contains("\"jobs\" permits: waited for (first in line) by node-b"),
+        "{}",
+        table.stdout
+    );
+    let mut cmd = pgelect(["status", "--json"]);
+    cmd.env("DATABASE_URL", db.url());
+    let json = run(cmd, LIMIT).await;
+    json.assert_code(0);
+    let v: serde_json::Value = serde_json::from_str(&json.stdout).expect("json");
+    let locks = v["locks"].as_array().expect("locks");
+    assert!(
+        locks
+            .iter()
+            .any(|l| l["node"] == "node-a" && l["permit"]["slot"] == 0),
+        "{locks:?}"
+    );
+    assert!(
+        locks
+            .iter()
+            .any(|l| l["node"] == "node-b" && l["permit"]["queue"] == true),
+        "{locks:?}"
+    );
+    holder.kill().await;
+    waiter.kill().await;
+}
