@@ -180,7 +180,7 @@ role's lock, 'waiting' waits for it, 'standing' polls for it (lease-backend
 candidates: registered within their TTL); a priority other than 0 is shown,
 and --json gives each candidate's priority and timing. Locks taken
 with `pgelect lock` are listed after the roles (name, node, host, backend
-pid, since). --role of a role nobody holds, stands for or has led exits 66
+pid, since; with --limit, each permit's slot and the first in line). --role of a role nobody holds, stands for or has led exits 66
 and names the known roles.")]
     Status(crate::status::StatusArgs),
     /// Remove a stale role (its row in the leaders table) that nobody holds
