@@ -652,3 +652,46 @@ async fn latency_uncontended_and_handoff() {
         handoff[handoff.len() / 2]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_waiters_are_all_served_when_their_waits_span_several_slices() {
+    let (db, options, _admin) = setup("sem_slices").await;
+    let sem = Semaphore::new("sliced", 1).unwrap();
+    let holder = LockSession::connect(&options).await.unwrap();
+    let held = holder.acquire_permit(&sem).await.unwrap();
+    let (tx, mut served) = tokio::sync::mpsc::unbounded_channel();
+    for w in 0..4 {
+        // Gate waits re-issued every 100 ms: each waits through several.
+        let session = LockSession::builder(&options)
+            .wait_slice(Duration::from_millis(100))
+            .connect()
+            .await
+            .unwrap();
+        let (sem, tx) = (sem.clone(), tx.clone());
+        tokio::spawn(async move {
+            let permit = session.acquire_permit(&sem).await.unwrap();
+            tx.send(w).unwrap();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            permit.release().await.unwrap();
+        });
+    }
+    db.wait_for_advisory_waiters(3).await;
+    // Long enough for every queued wait to be re-issued a few times.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let t = Instant::now();
+    assert!(held.release().await.unwrap());
+    let mut order = Vec::new();
+    for _ in 0..4 {
+        let w = tokio::time::timeout(Duration::from_secs(30), served.recv())
+            .await
+            .expect("every waiter is served")
+            .unwrap();
+        order.push(w);
+    }
+    println!(
+        "4 waiters over 100 ms slices served in {:?}, order {order:?}",
+        t.elapsed()
+    );
+    order.sort();
+    assert_eq!(order, [0, 1, 2, 3]);
+}
