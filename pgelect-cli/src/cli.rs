@@ -131,12 +131,18 @@ a candidate of strictly higher --priority stands and is ready to take over.")]
   pgelect lock --key db-backup --no-wait -- pg_dump app
   pgelect lock --key deploy --timeout 30s -- ./deploy.sh
   pgelect lock --key deploy -w 5 -E 1 -- ./deploy.sh   # as flock -w 5 -E 1
+  pgelect lock --key s3-uploads --limit 4 -- ./upload.sh   # at most 4 at once
 
 Exit codes: the command's own code; 75 (or --conflict-exit-code) when the
 lock was not acquired (--no-wait, --timeout); 69 when the lock's connection was lost (the command
 is killed at once); 127 when the command does not exist.
 
-While the command runs it has PGELECT_LOCK=NAME in its environment.
+With --limit N, up to N holders of NAME run at once (a semaphore, as
+consul lock -n); waiters are served in order of arrival, and every user of
+NAME must give the same N (another N is refused, exit 78).
+
+While the command runs it has PGELECT_LOCK=NAME in its environment, and
+with --limit PGELECT_PERMIT=SLOT (0..N-1, distinct among the holders).
 SIGTERM or SIGINT stop it (SIGTERM, then SIGKILL after --grace) and release
 the lock.")]
     Lock(crate::lock::LockArgs),
@@ -174,7 +180,7 @@ role's lock, 'waiting' waits for it, 'standing' polls for it (lease-backend
 candidates: registered within their TTL); a priority other than 0 is shown,
 and --json gives each candidate's priority and timing. Locks taken
 with `pgelect lock` are listed after the roles (name, node, host, backend
-pid, since). --role of a role nobody holds, stands for or has led exits 66
+pid, since; with --limit, each permit's slot and the first in line). --role of a role nobody holds, stands for or has led exits 66
 and names the known roles.")]
     Status(crate::status::StatusArgs),
     /// Remove a stale role (its row in the leaders table) that nobody holds

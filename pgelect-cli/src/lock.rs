@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use clap::Args;
-use pgelect::{LockKey, LockSession};
+use pgelect::{LockGuard, LockKey, LockSession, Permit, Semaphore};
 
 use crate::child;
 use crate::cli::Global;
@@ -19,6 +19,11 @@ pub struct LockArgs {
     /// Take the lock in shared mode (many shared holders, no exclusive one).
     #[arg(long)]
     pub shared: bool,
+    /// Let up to N holders run at once (a semaphore, as `consul lock -n`):
+    /// the command runs while holding one of NAME's N permits. Every user
+    /// of NAME must give the same N. Waiters are served in order.
+    #[arg(long, value_name = "N", conflicts_with = "shared", value_parser = clap::value_parser!(u32).range(1..=pgelect::MAX_SEMAPHORE_LIMIT as i64))]
+    pub limit: Option<u32>,
     /// Give up after waiting this long: seconds as flock(1) takes them
     /// (`-w 5`, `-w 0.5`) or with a unit (500ms, 10s, 2m); then exit with
     /// --conflict-exit-code.
@@ -54,7 +59,33 @@ pub struct LockArgs {
     pub command: Vec<std::ffi::OsString>,
 }
 
+/// The permit or lock the command runs under.
+enum Held {
+    Lock(LockGuard),
+    Permit(Permit),
+}
+
+impl Held {
+    async fn lost(&self) {
+        match self {
+            Held::Lock(g) => g.lost().await,
+            Held::Permit(p) => p.lost().await,
+        }
+    }
+
+    async fn release(self) -> pgelect::Result<bool> {
+        match self {
+            Held::Lock(g) => g.release().await,
+            Held::Permit(p) => p.release().await,
+        }
+    }
+}
+
 pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
+    let semaphore = match args.limit {
+        Some(limit) => Some(Semaphore::new(args.key.as_str(), limit)?),
+        None => None,
+    };
     let key = LockKey::from_name(&args.key)?;
     let node = match &args.node {
         Some(node) => {
@@ -70,6 +101,21 @@ pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
         .connect()
         .await?;
     let conflict = args.conflict_exit_code;
+    if let Some(semaphore) = &semaphore {
+        let permit = tokio::select! {
+            got = acquire_permit(&session, semaphore, &args) => got?,
+            sig = signals.recv() => {
+                withdraw_permit_wait(&session, semaphore).await;
+                return Err(Failure::new(exit::TEMPFAIL, format!("interrupted by {sig} while waiting for a permit of {:?}", args.key)));
+            }
+        };
+        let env = [
+            ("PGELECT_LOCK", args.key.clone()),
+            ("PGELECT_PERMIT", permit.slot().to_string()),
+        ];
+        tracing::info!(key = %args.key, slot = permit.slot(), "permit acquired; starting the command");
+        return run_command(&args, &env, &mut signals, Held::Permit(permit)).await;
+    }
     let acquiring = async {
         match (args.no_wait, args.timeout, args.shared) {
             (true, _, false) => session.try_lock(key).await,
@@ -108,9 +154,19 @@ pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
     };
     tracing::info!(key = %args.key, "lock acquired; starting the command");
     let env = [("PGELECT_LOCK", args.key.clone())];
+    run_command(&args, &env, &mut signals, Held::Lock(guard)).await
+}
+
+/// Runs the command while `held` lasts; releases it after a normal end.
+async fn run_command(
+    args: &LockArgs,
+    env: &[(&str, String)],
+    signals: &mut Signals,
+    held: Held,
+) -> Result<u8, Failure> {
     let mut child = child::spawn(&child::Spec {
         argv: &args.command,
-        env: &env,
+        env,
         pass_database_env: args.pass_database_env,
     })?;
     tracing::debug!(watcher = child.watcher_pid(), "command started");
@@ -119,9 +175,10 @@ pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
             let status = status.map_err(|e| Failure::new(exit::SOFTWARE, format!("waiting for the command failed: {e}")))?;
             Ok(child::exit_code(status))
         }
-        _ = guard.lost() => {
+        _ = held.lost() => {
             let _ = child.kill_now().await;
-            Err(Failure::new(exit::UNAVAILABLE, format!("lost lock {:?}: its database connection ended; the command was killed", args.key)))
+            let what = if args.limit.is_some() { "a permit of" } else { "lock" };
+            Err(Failure::new(exit::UNAVAILABLE, format!("lost {what} {:?}: its database connection ended; the command was killed", args.key)))
         }
         sig = signals.recv() => {
             tracing::info!(%sig, "stopping the command");
@@ -134,7 +191,7 @@ pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
     // exit (and `kill_now` waited for that).
     drop(child);
     if outcome.is_ok() {
-        match guard.release().await {
+        match held.release().await {
             Ok(true) => {}
             Ok(false) => tracing::warn!(key = %args.key, "the lock was no longer held at release"),
             Err(e) => {
@@ -143,6 +200,84 @@ pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
         }
     }
     outcome
+}
+
+/// Takes a permit as the flags say; a permit not acquired is a failure with
+/// --conflict-exit-code naming who holds the permits.
+async fn acquire_permit(
+    session: &LockSession,
+    semaphore: &Semaphore,
+    args: &LockArgs,
+) -> Result<Permit, Failure> {
+    let conflict = args.conflict_exit_code;
+    let got = match (args.no_wait, args.timeout) {
+        (true, _) => session.try_acquire_permit(semaphore).await,
+        (false, Some(t)) => session.acquire_permit_timeout(semaphore, t).await.map(Some),
+        (false, None) => session.acquire_permit(semaphore).await.map(Some),
+    };
+    match got {
+        Ok(Some(permit)) => Ok(permit),
+        Ok(None) => {
+            let holders = session.permit_holders(semaphore).await.unwrap_or_default();
+            Err(Failure::new(
+                conflict,
+                format!(
+                    "no permit of {:?} for a newcomer (limit {}): {}; not waiting (--no-wait)",
+                    args.key,
+                    semaphore.limit(),
+                    describe_permits(semaphore, &holders)
+                ),
+            ))
+        }
+        Err(pgelect::Error::LockTimeout { waited, .. }) => {
+            let holders = session.permit_holders(semaphore).await.unwrap_or_default();
+            Err(Failure::new(
+                conflict,
+                format!(
+                    "timed out after {:.1}s waiting for a permit of {:?} (limit {}, not acquired): {}",
+                    waited.as_secs_f64(),
+                    args.key,
+                    semaphore.limit(),
+                    describe_permits(semaphore, &holders)
+                ),
+            ))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// `2 of 3 permits held by …; others may wait first` for a message.
+fn describe_permits(semaphore: &Semaphore, holders: &[pgelect::PermitHolder]) -> String {
+    let list: Vec<pgelect::LockHolder> = holders.iter().map(|p| p.holder.clone()).collect();
+    let n = holders.len();
+    let held = if n == 0 {
+        "no permit held (holders let go, or could not be seen)".to_owned()
+    } else {
+        let by = describe(&list);
+        format!("{n} of {} permits {by}", semaphore.limit(),)
+    };
+    if n < semaphore.limit() as usize {
+        format!("{held}; other sessions may be waiting for a permit, and they come first")
+    } else {
+        held
+    }
+}
+
+/// As [`withdraw_wait`], for a permit wait: the next acquisition on the
+/// session runs once the abandoned one has withdrawn its wait and released
+/// what it held.
+async fn withdraw_permit_wait(session: &LockSession, semaphore: &Semaphore) {
+    let barrier = async {
+        if let Ok(Some(permit)) = session.try_acquire_permit(semaphore).await {
+            let _ = permit.release().await;
+        }
+    };
+    if tokio::time::timeout(Duration::from_secs(5), barrier)
+        .await
+        .is_err()
+    {
+        tracing::warn!("the abandoned permit wait was not withdrawn in 5s; the server ends it when the gate is granted");
+    }
 }
 
 /// Returns once a lock wait abandoned by dropping its future has been
@@ -239,6 +374,38 @@ pub fn parse_application_name(application_name: &str) -> Option<(&str, &str)> {
         .rsplit_once('@')
 }
 
+/// What a key held or waited for by a `pgelect lock` session is, given the
+/// name the session recorded (see [`parse_application_name`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockKind {
+    /// The plain lock of that name.
+    Lock,
+    /// Slot `i` of the semaphore of that name (`--limit`).
+    Permit(u32),
+    /// The semaphore's gate: its holder is the first waiter for a permit,
+    /// its waiters the others.
+    PermitQueue,
+    /// Something else (a name cut to fit `application_name`, or a key the
+    /// session took otherwise).
+    Other,
+}
+
+/// Classifies `key` for the lock or semaphore called `name`.
+pub fn lock_kind(name: &str, key: i64) -> LockKind {
+    if LockKey::from_name(name).ok() == Some(LockKey::from_i64(key)) {
+        return LockKind::Lock;
+    }
+    let Ok(semaphore) = Semaphore::new(name, pgelect::MAX_SEMAPHORE_LIMIT) else {
+        return LockKind::Other;
+    };
+    if semaphore.gate_key() == LockKey::from_i64(key) {
+        return LockKind::PermitQueue;
+    }
+    (0..semaphore.limit())
+        .find(|i| semaphore.slot_key(*i) == Some(LockKey::from_i64(key)))
+        .map_or(LockKind::Other, LockKind::Permit)
+}
+
 /// This machine's host name (`/proc/sys/kernel/hostname`), else `unknown`.
 fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -251,6 +418,28 @@ fn host_name() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_are_told_apart() {
+        let LockKey::Single(plain) = LockKey::from_name("jobs").unwrap() else {
+            unreachable!()
+        };
+        assert_eq!(lock_kind("jobs", plain), LockKind::Lock);
+        let sem = Semaphore::new("jobs", 3).unwrap();
+        let single = |k: LockKey| match k {
+            LockKey::Single(v) => v,
+            LockKey::Pair(..) => unreachable!(),
+        };
+        assert_eq!(
+            lock_kind("jobs", single(sem.slot_key(2).unwrap())),
+            LockKind::Permit(2)
+        );
+        assert_eq!(
+            lock_kind("jobs", single(sem.gate_key())),
+            LockKind::PermitQueue
+        );
+        assert_eq!(lock_kind("jobs", 42), LockKind::Other);
+    }
 
     #[test]
     fn application_name_fits_and_parses_back() {

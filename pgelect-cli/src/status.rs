@@ -80,6 +80,8 @@ struct HeldLock {
     granted: bool,
     /// When the holder took it (its session went idle then), UTC.
     since: Option<String>,
+    /// A lock, or a semaphore's permit or queue (`pgelect lock --limit`).
+    kind: crate::lock::LockKind,
 }
 
 fn locks_sql() -> &'static str {
@@ -111,9 +113,13 @@ async fn read_locks(
             None => (None, None),
         };
         let mode: String = crate::db::column(&row, 4, schema, LOCKS)?;
+        let key: i64 = crate::db::column(&row, 1, schema, LOCKS)?;
         out.push(HeldLock {
+            kind: name.as_deref().map_or(crate::lock::LockKind::Lock, |n| {
+                crate::lock::lock_kind(n, key)
+            }),
             name,
-            key: crate::db::column(&row, 1, schema, LOCKS)?,
+            key,
             node,
             client_addr: crate::db::column(&row, 2, schema, LOCKS)?,
             backend_pid: crate::db::column(&row, 3, schema, LOCKS)?,
@@ -353,6 +359,11 @@ fn to_json(roles: &[RoleStatus], locks: &[HeldLock]) -> serde_json::Value {
                 "client_addr": l.client_addr, "backend_pid": l.backend_pid,
                 "mode": l.mode, "state": if l.granted { "holding" } else { "waiting" },
                 "since": l.since,
+                "permit": match l.kind {
+                    crate::lock::LockKind::Permit(slot) => serde_json::json!({ "slot": slot }),
+                    crate::lock::LockKind::PermitQueue => serde_json::json!({ "queue": true }),
+                    _ => serde_json::Value::Null,
+                },
             })
         })
         .collect();
@@ -383,11 +394,20 @@ fn locks_table(locks: &[HeldLock]) -> String {
             .as_deref()
             .map(|s| format!(", since {s}"))
             .unwrap_or_default();
+        let (name, state) = match (l.kind, l.granted) {
+            (crate::lock::LockKind::Permit(slot), _) => (format!("{name} permit {slot}"), "held"),
+            (crate::lock::LockKind::PermitQueue, true) => {
+                (format!("{name} permits"), "waited for (first in line)")
+            }
+            (crate::lock::LockKind::PermitQueue, false) => {
+                (format!("{name} permits"), "waited for")
+            }
+            (_, true) => (name, "held"),
+            (_, false) => (name, "waited for"),
+        };
         out.push_str(&format!(
-            "{name}: {} by {node} (host {host}, backend pid {}, {}{since})\n",
-            if l.granted { "held" } else { "waited for" },
-            l.backend_pid,
-            l.mode
+            "{name}: {state} by {node} (host {host}, backend pid {}, {}{since})\n",
+            l.backend_pid, l.mode
         ));
     }
     out

@@ -154,6 +154,32 @@ impl From<(i32, i32)> for LockKey {
     }
 }
 
+/// The hash of `name` in a key family of its own, `domain` (such as
+/// `"pgelect-semaphore:"`): the first 8 bytes of `SHA-256(domain || name)` as
+/// a big-endian signed integer. A domain that does not start with `pgelect:`
+/// never yields the hash input of a [`LockKey::from_name`] key.
+pub(crate) fn hash_in_domain(domain: &str, name: &str) -> i64 {
+    let mut h = Sha256::new();
+    h.update(domain.as_bytes());
+    h.update(name.as_bytes());
+    let digest = h.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(first)
+}
+
+/// Checks a name as [`LockKey::from_name`] does; `what` names it in the error.
+pub(crate) fn validate_name(what: &'static str, name: &str) -> Result<()> {
+    validate_key_name(name).map_err(|e| match e {
+        Error::InvalidName { shown, reason, .. } => Error::InvalidName {
+            what,
+            shown,
+            reason,
+        },
+        other => other,
+    })
+}
+
 fn validate_key_name(name: &str) -> Result<()> {
     let refuse = |reason: String| {
         Err(Error::InvalidName {
@@ -178,13 +204,7 @@ fn validate_key_name(name: &str) -> Result<()> {
 }
 
 fn hash_name(name: &str) -> i64 {
-    let mut h = Sha256::new();
-    h.update(NAME_DOMAIN.as_bytes());
-    h.update(name.as_bytes());
-    let digest = h.finalize();
-    let mut first = [0u8; 8];
-    first.copy_from_slice(&digest[..8]);
-    i64::from_be_bytes(first)
+    hash_in_domain(NAME_DOMAIN, name)
 }
 
 #[cfg(test)]

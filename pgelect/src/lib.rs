@@ -8,7 +8,8 @@
 //!   owns ([`LockSession`], [`LockGuard`] with [`lost()`](LockGuard::lost)),
 //!   and transaction locks on *your* transaction ([`xact_lock`],
 //!   [`xact_lock_timeout`], …; sqlx behind the `sqlx` feature). Shared and
-//!   exclusive, try / wait / bounded wait.
+//!   exclusive, try / wait / bounded wait. Semaphores ([`Semaphore`],
+//!   [`Permit`]): at most N holders at once, waiters served in order.
 //! * **Keys** ([`LockKey`]): from integers, pairs, names (hashed the same way
 //!   as SQL `pgelect.key(name)`) and UUIDs.
 //! * **Election** ([`election`]): [`Elector`] and the [`Leadership`] handle
@@ -97,6 +98,7 @@ pub use lock::{
     xact_lock_shared_timeout, xact_lock_timeout, LockGuard, LockHolder, LockMode, LockSession,
     LockSessionBuilder,
 };
+pub use lock::{semaphore_holders, Permit, PermitHolder, Semaphore, MAX_SEMAPHORE_LIMIT};
 pub use schema::{
     check_schema, migrate, migrate_timeout, SchemaName, DEFAULT_SCHEMA, MIGRATE_LOCK_TIMEOUT,
     SCHEMA_VERSION,

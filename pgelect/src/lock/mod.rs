@@ -17,7 +17,12 @@
 //!   mode. With the `sqlx` feature, the module `pgelect::lock::sqlx` has the same
 //!   functions over `&mut sqlx::PgConnection`.
 //!
-//! Both kinds use the keys of [`LockKey`], and share key
+//! * **Semaphores** ([`Semaphore`], [`Permit`]): at most N holders of a
+//!   named resource, each holding a permit on its [`LockSession`] like a
+//!   session lock (with [`lost()`](Permit::lost)); waiters are served in
+//!   order of arrival.
+//!
+//! All use the keys of [`LockKey`], and share key
 //! spaces with any other client that calls `pg_advisory_lock` and friends.
 //!
 //! # Sharp edges
@@ -38,6 +43,7 @@
 //!   [`LockGuard::release`], which reports what PostgreSQL did.
 
 pub(crate) mod holders;
+mod semaphore;
 mod session;
 #[cfg(feature = "sqlx")]
 pub mod sqlx;
@@ -46,6 +52,7 @@ mod xact;
 use std::time::Duration;
 
 pub use holders::{lock_holders, LockHolder};
+pub use semaphore::{semaphore_holders, Permit, PermitHolder, Semaphore, MAX_SEMAPHORE_LIMIT};
 pub use session::{LockGuard, LockSession, LockSessionBuilder};
 pub use xact::{
     try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, xact_lock_shared_timeout,

@@ -126,6 +126,9 @@ struct Inner {
     conn: DedicatedConnection,
     /// Serialises statements (see "One statement at a time"). Fair (FIFO).
     ops: Arc<AsyncMutex<()>>,
+    /// Serialises the semaphore permit acquisitions of this session, which
+    /// span several statements (see `semaphore.rs`).
+    permits: Arc<AsyncMutex<()>>,
     state: StdMutex<State>,
     /// The connection's `closed()` token: cancelled when it ends.
     lost: CancellationToken,
@@ -391,6 +394,101 @@ impl LockSession {
     }
 }
 
+/// Exclusive use of a session's connection for one statement of a compound
+/// operation built on the session (the semaphore's): it runs its own SQL
+/// and adopts the locks that SQL took, as guards.
+pub(crate) struct Turn {
+    inner: Arc<Inner>,
+    _ops: Ops,
+}
+
+impl LockSession {
+    /// Waits for the session's connection, releases what dropped guards
+    /// left, and fails if the connection is gone.
+    pub(crate) async fn turn(&self, operation: &'static str) -> Result<Turn> {
+        let ops = self.inner.ops.clone().lock_owned().await;
+        self.inner.flush_pending(&ops).await;
+        if self.inner.lost.is_cancelled() {
+            return Err(self.inner.conn.lost(operation));
+        }
+        Ok(Turn {
+            inner: self.inner.clone(),
+            _ops: ops,
+        })
+    }
+
+    /// One permit acquisition at a time on this session (they span several
+    /// statements and share the semaphore's gate key).
+    pub(crate) async fn permit_turn(&self) -> OwnedMutexGuard<()> {
+        self.inner.permits.clone().lock_owned().await
+    }
+
+    /// `LISTEN` notifications of this session's connection, from now on.
+    pub(crate) fn notices(&self) -> tokio::sync::broadcast::Receiver<crate::conn::Notice> {
+        self.inner.conn.notices()
+    }
+}
+
+impl Turn {
+    /// The session's client, for reads; bound them with a timeout.
+    pub(crate) fn client(&self) -> &tokio_postgres::Client {
+        self.inner.client()
+    }
+
+    /// The session's bound on a short statement.
+    pub(crate) fn statement_timeout(&self) -> Duration {
+        self.inner.statement_timeout
+    }
+
+    /// True when a live guard of this session holds `key`.
+    pub(crate) fn is_held(&self, key: LockKey) -> bool {
+        self.inner.state().held.contains_key(&key)
+    }
+
+    /// Runs `sql` (simple-query protocol), bounded like every short
+    /// statement of the session, and never retried: a statement that takes
+    /// locks must not run twice. On a timeout the connection is closed.
+    pub(crate) async fn simple_query(
+        &self,
+        operation: &'static str,
+        sql: &str,
+    ) -> Result<Vec<SimpleQueryMessage>> {
+        let inner = &self.inner;
+        match tokio::time::timeout(inner.statement_timeout, inner.client().simple_query(sql)).await
+        {
+            Ok(Ok(messages)) => Ok(messages),
+            Ok(Err(e)) if e.is_closed() => Err(inner.lost_by(operation, e)),
+            Ok(Err(e)) => Err(Error::db(operation, &inner.schema, e)),
+            Err(_) => {
+                tracing::warn!(
+                    pid = inner.conn.pid(),
+                    timeout = ?inner.statement_timeout,
+                    operation,
+                    "lock connection did not answer in time; closing it"
+                );
+                inner.conn.kill();
+                Err(Error::connection_lost(operation))
+            }
+        }
+    }
+
+    /// A guard for a lock this turn's SQL took. `registered`: listed as
+    /// held (and then refused by the session's own `lock` calls); a lock the
+    /// session may hold several times over (a stacked shared lock) is not.
+    pub(crate) fn adopt(&self, key: LockKey, mode: LockMode, registered: bool) -> LockGuard {
+        if registered {
+            self.inner.register(key, mode)
+        } else {
+            LockGuard {
+                inner: self.inner.clone(),
+                key,
+                mode,
+                released: false,
+            }
+        }
+    }
+}
+
 impl LockSessionBuilder {
     /// How often the heartbeat checks the connection with `SELECT 1`.
     /// Default: `1s`. Must be positive.
@@ -472,6 +570,7 @@ impl LockSessionBuilder {
         let inner = Arc::new(Inner {
             conn,
             ops: Arc::new(AsyncMutex::new(())),
+            permits: Arc::new(AsyncMutex::new(())),
             state: StdMutex::new(State::default()),
             lost: lost.clone(),
             statement_timeout: self.heartbeat_timeout,
@@ -557,6 +656,15 @@ impl LockGuard {
             // Leaves `released` false: the drop fallback tries once more.
             Err(e) => Err(e),
         }
+    }
+}
+
+impl LockGuard {
+    /// Forgets a guard whose lock a [`Turn`]'s SQL released (or that went
+    /// with a lost connection).
+    pub(crate) fn mark_released(mut self) {
+        self.inner.state().held.remove(&self.key);
+        self.released = true;
     }
 }
 
