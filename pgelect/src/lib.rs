@@ -19,6 +19,10 @@
 //!   (lease row only: safe through PgBouncer in transaction mode). Polling
 //!   candidates of many roles can share one connection
 //!   ([`SharedConnection`]).
+//! * **Partitions** ([`partitions`]): a group of N partitions spread
+//!   evenly over the live members of a fleet ([`PartitionGroup`]), each
+//!   an ordinary role with its own fencing term; gains and losses as a
+//!   stream of events with a token per partition.
 //! * **Schema** ([`migrate`]): installs the `pgelect` schema (idempotent,
 //!   concurrency-safe).
 //!
@@ -76,6 +80,7 @@ mod grants;
 mod key;
 pub mod lock;
 pub mod metrics;
+pub mod partitions;
 mod schema;
 mod server;
 
@@ -96,6 +101,10 @@ pub use lock::{
     lock_holders, try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared,
     xact_lock_shared_timeout, xact_lock_timeout, LockGuard, LockHolder, LockMode, LockSession,
     LockSessionBuilder,
+};
+pub use partitions::{
+    partition_assignment, partition_role, HeldPartition, PartitionAssignment, PartitionEvent,
+    PartitionEvents, PartitionGroup, PartitionGroupBuilder, PartitionLeader, MAX_PARTITIONS,
 };
 pub use schema::{
     check_schema, migrate, migrate_timeout, SchemaName, DEFAULT_SCHEMA, MIGRATE_LOCK_TIMEOUT,
