@@ -104,7 +104,8 @@ pub use lock::{
 };
 pub use partitions::{
     partition_assignment, partition_role, HeldPartition, PartitionAssignment, PartitionEvent,
-    PartitionEvents, PartitionGroup, PartitionGroupBuilder, PartitionLeader, MAX_PARTITIONS,
+    PartitionEvents, PartitionGroup, PartitionGroupBuilder, PartitionLeader, DEFAULT_TTL,
+    MAX_PARTITIONS,
 };
 pub use schema::{
     check_schema, migrate, migrate_timeout, SchemaName, DEFAULT_SCHEMA, MIGRATE_LOCK_TIMEOUT,

@@ -335,7 +335,11 @@ impl Driver {
         let bound = Duration::from_secs(5).max(self.config.rebalance_every);
         match tokio::time::timeout(
             bound,
-            read(client, self.config.options.schema_name().as_str(), &self.roles),
+            read(
+                client,
+                self.config.options.schema_name().as_str(),
+                &self.roles,
+            ),
         )
         .await
         {
@@ -378,7 +382,14 @@ mod tests {
     #[test]
     fn the_read_only_reads() {
         let sql = read_sql("pgelect").to_lowercase();
-        for w in ["insert", "update", "delete", "pg_notify", "for share", "for update"] {
+        for w in [
+            "insert",
+            "update",
+            "delete",
+            "pg_notify",
+            "for share",
+            "for update",
+        ] {
             assert!(!sql.contains(w), "{w} in {sql}");
         }
         assert!(sql.contains("a.usename = c.db_user"));

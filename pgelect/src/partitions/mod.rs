@@ -7,7 +7,7 @@
 //! `pgelect.fence('G/p', term)` and [`HeldPartition::fence`], `pgelect
 //! status --role G/p` and [`request_resign`](crate::request_resign). A
 //! member stands for partitions with polling standbys
-//! ([`StandbyMode::Polling`](crate::StandbyMode::Polling)) on one
+//! ([`StandbyMode::Polling`]) on one
 //! [`SharedConnection`](crate::SharedConnection), so a member costs two
 //! connections whatever N: the shared lock connection and one that reads
 //! the group.
@@ -77,6 +77,7 @@
 //!         PartitionEvent::Lost { partition, reason, .. } => {
 //!             println!("partition {partition} lost: {reason}");
 //!         }
+//!         _ => {}
 //!     }
 //! }
 //! # Ok(()) }
@@ -95,8 +96,15 @@ use tokio_postgres::GenericClient;
 use tokio_util::sync::CancellationToken;
 
 use crate::conn::{ConnectOptions, TcpTimeouts};
-use crate::election::{ElectorBuilder, LeaderContext, LossReason, StandbyMode, Term, MAX_ROLE_BYTES};
+use crate::election::{
+    ElectorBuilder, LeaderContext, LossReason, StandbyMode, Term, MAX_ROLE_BYTES,
+};
 use crate::error::{Error, Result};
+
+/// The lease TTL of a partition's elector unless
+/// [`PartitionGroupBuilder::elector`] sets another: 10 s (deadline 8 s,
+/// heartbeat 667 ms; the rest derived by the standard profile).
+pub const DEFAULT_TTL: Duration = Duration::from_secs(10);
 
 /// The most partitions a group may have.
 pub const MAX_PARTITIONS: u32 = 4096;
@@ -167,7 +175,9 @@ impl PartitionGroupBuilder {
     /// Adjusts every partition's [`ElectorBuilder`] (timing, profile,
     /// meta). The group then sets the node id, the shared connection and
     /// the polling standby mode, overriding those. Default: the elector's
-    /// defaults.
+    /// defaults with a `ttl` of [`DEFAULT_TTL`] (10 s: the local deadline
+    /// must end before the default TCP timeouts of the shared connection
+    /// let the server drop a silent client).
     pub fn elector(
         mut self,
         configure: impl Fn(ElectorBuilder) -> ElectorBuilder + Send + Sync + 'static,
@@ -233,7 +243,11 @@ impl PartitionGroupBuilder {
         }
         let member = match self.member {
             Some(m) => m,
-            None => format!("partitions-{}-{:08x}", std::process::id(), rand::random::<u32>()),
+            None => format!(
+                "partitions-{}-{:08x}",
+                std::process::id(),
+                rand::random::<u32>()
+            ),
         };
         let config = Arc::new(Config {
             options: self.options,
@@ -249,7 +263,10 @@ impl PartitionGroupBuilder {
         // Checks the member id and the elector configuration once, here,
         // rather than failing partition by partition later.
         config
-            .elector_builder(0, &crate::SharedConnection::new(&config.options, config.tcp))
+            .elector_builder(
+                0,
+                &crate::SharedConnection::new(&config.options, config.tcp),
+            )
             .build()?;
         Ok(PartitionGroup {
             config,
@@ -296,7 +313,12 @@ impl Config {
         partition: u32,
         shared: &crate::SharedConnection,
     ) -> ElectorBuilder {
-        let b = crate::Elector::builder(self.options.clone(), &self.role(partition));
+        // A TTL of 10 s by default, not the elector's 15 s: on a shared
+        // connection the local deadline (ttl - margin) must end before the
+        // server may declare a silent client gone (10 s with the default
+        // TCP timeouts).
+        let b =
+            crate::Elector::builder(self.options.clone(), &self.role(partition)).ttl(DEFAULT_TTL);
         let b = match &self.configure {
             Some(f) => f(b),
             None => b,
@@ -427,7 +449,12 @@ impl PartitionGroup {
     /// # Cancel safety
     /// Cancel safe: one statement on a connection of its own.
     pub async fn assignment(&self) -> Result<PartitionAssignment> {
-        partition_assignment(&self.config.options, &self.config.group, self.config.partitions).await
+        partition_assignment(
+            &self.config.options,
+            &self.config.group,
+            self.config.partitions,
+        )
+        .await
     }
 }
 
@@ -574,8 +601,11 @@ impl PartitionAssignment {
     /// The partitions each live member leads (members leading none
     /// included).
     pub fn by_member(&self) -> BTreeMap<String, Vec<u32>> {
-        let mut m: BTreeMap<String, Vec<u32>> =
-            self.members.iter().map(|x| (x.clone(), Vec::new())).collect();
+        let mut m: BTreeMap<String, Vec<u32>> = self
+            .members
+            .iter()
+            .map(|x| (x.clone(), Vec::new()))
+            .collect();
         for (p, l) in self.partitions.iter().enumerate() {
             if let Some(h) = &l.holder {
                 m.entry(h.clone()).or_default().push(p as u32);

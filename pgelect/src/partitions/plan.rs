@@ -109,15 +109,18 @@ pub(crate) fn plan(
 
     let mut resign = Vec::new();
     if held.len() > s {
+        // A member at or over its share stands for nothing: a fresh row of
+        // one is left from a standby it stopped (rows stay fresh for a few
+        // polling intervals), not a taker.
+        let takes =
+            |r: &str| r != me && members.contains(r) && counts.get(r).map_or(0, Vec::len) < s;
         let mut ready: Vec<u32> = held
             .iter()
             .copied()
             .filter(|&p| {
-                view.partitions.get(p as usize).is_some_and(|v| {
-                    v.ready
-                        .iter()
-                        .any(|r| r != me && members.contains(r.as_str()))
-                })
+                view.partitions
+                    .get(p as usize)
+                    .is_some_and(|v| v.ready.iter().any(|r| takes(r)))
             })
             .collect();
         ready.sort_by_key(|&p| (score(me, p), p));
@@ -206,11 +209,7 @@ mod tests {
         let p = plan("d", &v, &set(&[]), &set(&[]));
         assert_eq!(p.share, 3);
         assert_eq!(p.stand.len(), 3);
-        let owners: BTreeSet<_> = p
-            .stand
-            .iter()
-            .map(|&x| h[x as usize].unwrap())
-            .collect();
+        let owners: BTreeSet<_> = p.stand.iter().map(|&x| h[x as usize].unwrap()).collect();
         assert_eq!(owners.len(), 3, "one from each: {:?}", p.stand);
     }
 
@@ -228,6 +227,22 @@ mod tests {
         v.partitions[1].ready = vec!["b".into()];
         v.partitions[0].ready = vec!["b".into()];
         assert_eq!(plan("a", &v, &held, &set(&[])).resign.len(), 2);
+    }
+
+    #[test]
+    fn a_stale_row_of_a_member_at_its_share_is_no_taker() {
+        // a leads 0..4, b leads 4..6 (at its share of 3 with c), c leads
+        // 6..9; a fresh row of b for partition 0 is left from an old standby.
+        let mut h = vec![Some("a"); 4];
+        h.extend([Some("b"); 3]);
+        h.extend([Some("c"); 2]);
+        let mut v = view(&h, &["a", "b", "c"]);
+        v.partitions[0].ready = vec!["b".into()];
+        let held = set(&[0, 1, 2, 3]);
+        assert!(plan("a", &v, &held, &set(&[])).resign.is_empty());
+        // c, under its share, waits for 1: that one goes.
+        v.partitions[1].ready = vec!["c".into()];
+        assert_eq!(plan("a", &v, &held, &set(&[])).resign, vec![1]);
     }
 
     #[test]
@@ -260,7 +275,14 @@ mod tests {
     fn members_at_their_share_are_left_alone() {
         let v = view(&[Some("a"), Some("a"), Some("b"), Some("b")], &["a", "b"]);
         let p = plan("a", &v, &set(&[0, 1]), &set(&[]));
-        assert_eq!(p, Plan { members: 2, share: 2, ..Plan::default() });
+        assert_eq!(
+            p,
+            Plan {
+                members: 2,
+                share: 2,
+                ..Plan::default()
+            }
+        );
     }
 
     #[test]
