@@ -215,6 +215,20 @@ async fn twelve_partitions_spread_over_members_that_join_and_leave() {
     );
     assert!(moved >= 3);
     seen.assert_disjoint();
+    // The handoff itself: from the old holder's end of work (its token
+    // cancelled + WIND_DOWN) to the new holder's start.
+    let gaps: Vec<Duration> = seen
+        .logs
+        .iter()
+        .filter_map(|log| {
+            let v = log.0.lock().unwrap().clone();
+            let last = v.iter().max_by_key(|x| x.2)?;
+            let prev = v.iter().filter(|x| x.2 < last.2).max_by_key(|x| x.2)?;
+            (last.0 == "d").then(|| last.2 - prev.3.expect("ended"))
+        })
+        .collect();
+    println!("handoff gaps to d (old holder's end of work to d's start): {gaps:?}");
+    assert_eq!(gaps.len(), 3);
 
     // c leaves cleanly: its 3 go to the others (at most 4 each).
     let losses_before = seen.losses().len();
