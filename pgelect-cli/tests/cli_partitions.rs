@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use pgelect::{ConnectOptions, PartitionGroup};
 use pgelect_testkit::TestDb;
-use support::{pgelect, run, wait_until};
+use support::{pgelect, run, wait_until, Background, TempDir};
 
 const QUICK: Duration = Duration::from_secs(10);
 
@@ -108,4 +108,131 @@ async fn status_shows_a_partition_groups_assignment() {
     )
     .await;
     r.assert_code(64);
+}
+
+/// Each partition's command: writes `$D/run-<partition>-<node>-<term>`
+/// when it starts and `$D/stop-<partition>-<node>-<term>` on SIGTERM.
+const WORKER: &str = r#"f="$PGELECT_PARTITION-$PGELECT_NODE-$PGELECT_TERM"
+trap 'touch "$D/stop-$f"; exit 0' TERM
+touch "$D/run-$f"
+while :; do sleep 1 & wait $!; done"#;
+
+fn member_process(db: &TestDb, dir: &TempDir, node: &str) -> Background {
+    let mut cmd = pgelect([
+        "run",
+        "--partitions",
+        "jobs:4",
+        "--id",
+        node,
+        "--ttl",
+        "2s",
+        "--database-url",
+        &db.url(),
+        "--",
+        "sh",
+        "-c",
+        WORKER,
+    ]);
+    cmd.env("D", dir.path());
+    Background::spawn(node, cmd)
+}
+
+/// The files named `<prefix>-*` in `dir`, as (partition, node).
+fn files(dir: &TempDir, prefix: &str) -> Vec<(u32, String)> {
+    let mut v: Vec<(u32, String)> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().into_string().ok()?;
+            let rest = name.strip_prefix(&format!("{prefix}-"))?;
+            let mut parts = rest.splitn(3, '-');
+            Some((parts.next()?.parse().ok()?, parts.next()?.to_owned()))
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_starts_one_command_per_partition_held_and_hands_over() {
+    let db = TestDb::new("cli_partitions_run").await;
+    let o = ConnectOptions::from_url(&db.url()).unwrap();
+    pgelect::migrate(&o).await.unwrap();
+    let dir = TempDir::new("cli_partitions_run");
+
+    let mut a = member_process(&db, &dir, "a");
+    let took = wait_until("a runs 4 commands", Duration::from_secs(30), || async {
+        files(&dir, "run").len() == 4
+    })
+    .await;
+    println!("a alone: 4 commands after {took:?}");
+    assert!(files(&dir, "run").iter().all(|(_, n)| n == "a"));
+
+    // b joins: two partitions move to it, a's commands for them are
+    // stopped with SIGTERM first.
+    let mut b = member_process(&db, &dir, "b");
+    let took = wait_until("b runs 2 commands", Duration::from_secs(30), || async {
+        files(&dir, "run").iter().filter(|(_, n)| n == "b").count() == 2
+    })
+    .await;
+    println!("b joined: 2 commands moved to it after {took:?}");
+    let stopped = files(&dir, "stop");
+    let moved: Vec<u32> = files(&dir, "run")
+        .into_iter()
+        .filter(|(_, n)| n == "b")
+        .map(|(p, _)| p)
+        .collect();
+    assert_eq!(
+        stopped,
+        moved
+            .iter()
+            .map(|p| (*p, "a".to_owned()))
+            .collect::<Vec<_>>(),
+        "a's commands for the moved partitions got SIGTERM before b started"
+    );
+    let shown = pgelect::partition_assignment(&o, "jobs", 4).await.unwrap();
+    assert_eq!(shown.by_member()["b"], moved);
+
+    // b stops (SIGTERM): its commands stop, a takes its partitions back.
+    b.signal("TERM");
+    assert_eq!(
+        b.wait(Duration::from_secs(20)).await,
+        Some(0),
+        "{}",
+        b.output()
+    );
+    let took = wait_until(
+        "a runs 6 commands in all",
+        Duration::from_secs(30),
+        || async { files(&dir, "run").iter().filter(|(_, n)| n == "a").count() == 6 },
+    )
+    .await;
+    println!("b left: a runs its partitions again after {took:?}");
+    assert_eq!(
+        files(&dir, "stop").iter().filter(|(_, n)| n == "b").count(),
+        2
+    );
+    a.signal("TERM");
+    assert_eq!(
+        a.wait(Duration::from_secs(20)).await,
+        Some(0),
+        "{}",
+        a.output()
+    );
+
+    let r = run(
+        command(
+            &db,
+            &["run", "--partitions", "jobs:4", "--role", "x", "--", "true"],
+        ),
+        QUICK,
+    )
+    .await;
+    r.assert_code(64);
+    let r = run(
+        command(&db, &["run", "--partitions", "jobs", "--", "true"]),
+        QUICK,
+    )
+    .await;
+    r.assert_code(64);
+    assert!(r.stderr.contains("expected GROUP:N"), "{}", r.stderr);
 }

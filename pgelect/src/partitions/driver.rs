@@ -87,6 +87,8 @@ struct Lead {
     /// A child of the leadership's token, cancelled by a handover too; the
     /// application holds children of it.
     mine: CancellationToken,
+    /// The planned reason, shared with the [`HeldPartition`].
+    stopping: Arc<Mutex<Option<LossReason>>>,
     /// Resolves when the application dropped its [`HeldPartition`].
     done: oneshot::Receiver<()>,
 }
@@ -197,10 +199,12 @@ impl Driver {
             watch.cancelled().await;
             let _ = lost.send((p, term));
         });
+        let stopping = Arc::new(Mutex::new(None));
         let held = HeldPartition {
             partition: p,
             context: leadership.context(),
             token: mine.clone(),
+            stopping: stopping.clone(),
             _done: done_tx,
         };
         self.leading.insert(
@@ -209,6 +213,7 @@ impl Driver {
                 leadership,
                 elector,
                 mine,
+                stopping,
                 done,
             },
         );
@@ -243,6 +248,9 @@ impl Driver {
         let Some(lead) = self.leading.remove(&p) else {
             return;
         };
+        if lead.leadership.loss_reason().is_none() {
+            *lead.stopping.lock().unwrap_or_else(PoisonError::into_inner) = Some(reason);
+        }
         lead.mine.cancel();
         let term = lead.leadership.term();
         self.held

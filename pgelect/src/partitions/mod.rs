@@ -534,6 +534,9 @@ pub struct HeldPartition {
     partition: u32,
     context: LeaderContext,
     token: CancellationToken,
+    /// Set by the member before it cancels `token` for a handover or
+    /// `leave` (the leadership itself still lives then).
+    stopping: Arc<Mutex<Option<LossReason>>>,
     _done: oneshot::Sender<()>,
 }
 
@@ -563,6 +566,22 @@ impl HeldPartition {
     /// True once the token is cancelled.
     pub fn is_lost(&self) -> bool {
         self.token.is_cancelled()
+    }
+
+    /// Why the token was cancelled; `None` while it is not. A planned stop
+    /// ([`LossReason::HandedOver`], [`LossReason::Shutdown`],
+    /// [`LossReason::Resigned`]) leaves time to wind down (the partition is
+    /// released once this handle is dropped, at most `release_grace`
+    /// later); any other reason means the leadership is already gone: stop
+    /// at once.
+    pub fn loss_reason(&self) -> Option<LossReason> {
+        if !self.token.is_cancelled() {
+            return None;
+        }
+        let planned = *self.stopping.lock().unwrap_or_else(PoisonError::into_inner);
+        planned
+            .or_else(|| self.context.loss_reason())
+            .or(Some(LossReason::Resigned))
     }
 
     /// Fences the caller's transaction with this partition's term (see
