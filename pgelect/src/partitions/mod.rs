@@ -332,7 +332,12 @@ impl Config {
 }
 
 /// A group of partitions this process may lead some of; see the
-/// [module docs](crate::partitions).
+/// [module docs](crate::partitions) for how they are spread and an example.
+///
+/// Dropped without [`leave`](PartitionGroup::leave), the member stops at
+/// once: its leaderships are dropped without release, and the other
+/// members take its partitions over after the handover delay, as after a
+/// crash.
 pub struct PartitionGroup {
     config: Arc<Config>,
     running: Mutex<Option<Running>>,
@@ -650,6 +655,16 @@ pub struct PartitionLeader {
 /// partitions), and the group's live members, read with one statement on
 /// a connection of its own. Needs the privileges of an observer (SELECT on
 /// `leaders` and `candidates`).
+///
+/// ```no_run
+/// # async fn example() -> pgelect::Result<()> {
+/// let options = pgelect::ConnectOptions::from_url("postgres://app@db/app")?;
+/// let a = pgelect::partition_assignment(&options, "orders", 12).await?;
+/// for (member, partitions) in a.by_member() {
+///     println!("{member}: {partitions:?}");
+/// }
+/// # Ok(()) }
+/// ```
 ///
 /// # Cancel safety
 /// Cancel safe: dropping the future drops its connection.
