@@ -13,8 +13,17 @@ use crate::signals::Signals;
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// The role to lead; one leader per role per schema.
-    #[arg(long, value_name = "ROLE")]
-    pub role: String,
+    #[arg(long, value_name = "ROLE", required_unless_present = "partitions")]
+    pub role: Option<String>,
+    /// Instead of one role: take part in partition group GROUP of N
+    /// partitions (roles GROUP/0 … GROUP/N-1), spread evenly over the
+    /// running members, and run one CMD per partition held, with
+    /// PGELECT_PARTITION, PGELECT_ROLE and PGELECT_TERM set. A partition
+    /// handed over to another member gets SIGTERM (SIGKILL after --grace)
+    /// first; a command that exits by itself is started again after 1s.
+    /// Session backend only.
+    #[arg(long, value_name = "GROUP:N", conflicts_with_all = ["role", "metrics_addr", "listen_url", "listen_url_file", "on_exit"])]
+    pub partitions: Option<String>,
     /// This candidate's name (default: <hostname>-<pid>-<random>).
     #[arg(long = "id", value_name = "NODE")]
     pub node: Option<String>,
@@ -215,12 +224,19 @@ pub enum OnExit {
 const DEFAULT_GRACE: Duration = Duration::from_secs(10);
 
 pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
-    check_name("--role", &args.role)?;
+    if let Some(spec) = args.partitions.clone() {
+        return run_partitions(global, args, &spec).await;
+    }
+    let role = args
+        .role
+        .clone()
+        .expect("BUG: clap requires --role without --partitions");
+    check_name("--role", &role)?;
     if let Some(node) = &args.node {
         check_name("--id", node)?;
     }
     let options = global.connect_options()?;
-    let mut builder = args.timing(Elector::builder(options.clone(), &args.role));
+    let mut builder = args.timing(Elector::builder(options.clone(), &role));
     let mut listen_url = crate::cli::resolve_url(
         args.listen_url.as_deref(),
         "--listen-url",
@@ -319,11 +335,11 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
             show(timing.heartbeat_timeout)
         ),
     };
-    tracing::info!(event = "standing", role = %args.role, %node, backend, ttl = ?args.ttl, ?grace,
+    tracing::info!(event = "standing", role = %role, %node, backend, ttl = ?args.ttl, ?grace,
         profile = %timing.profile, heartbeat = ?timing.heartbeat, heartbeat_timeout = ?timing.heartbeat_timeout,
         handover_delay = ?timing.handover_delay,
         "standing for role {:?} as node {node:?} ({backend} backend, {timing_text})",
-        args.role);
+        role);
     let mut standing_since = Instant::now();
     loop {
         let leadership = tokio::select! {
@@ -337,11 +353,11 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
         let term = leadership.term();
         set_phase(crate::http::Phase::Leading(term.get()));
         let waited = standing_since.elapsed();
-        tracing::info!(event = "elected", role = %args.role, %node, term = term.get(), after_ms = waited.as_millis() as u64,
+        tracing::info!(event = "elected", role = %role, %node, term = term.get(), after_ms = waited.as_millis() as u64,
             "elected leader of role {:?} with term {term} after {:.1}s; starting the command",
-            args.role, waited.as_secs_f64());
+            role, waited.as_secs_f64());
         let env = [
-            ("PGELECT_ROLE", args.role.clone()),
+            ("PGELECT_ROLE", role.clone()),
             ("PGELECT_NODE", node.clone()),
             ("PGELECT_TERM", term.to_string()),
         ];
@@ -388,7 +404,7 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
                         _ => {
                             release(leadership).await;
                             set_phase(crate::http::Phase::Standing);
-                            standing_again(&args.role, &node);
+                            standing_again(&role, &node);
                             standing_since = Instant::now();
                             break;
                         }
@@ -402,13 +418,13 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
                         // request_resign) asked, or a candidate of higher
                         // priority is ready; not a warning.
                         if reason == Some(LossReason::HandedOver) {
-                            tracing::info!(event = "handing_over", role = %args.role, term = term.get(),
+                            tracing::info!(event = "handing_over", role = %role, term = term.get(),
                                 "a candidate of higher priority is ready to lead role {:?} (term {term}); stopping the command (SIGTERM, SIGKILL after {})",
-                                args.role, crate::duration::show(grace));
+                                role, crate::duration::show(grace));
                         } else {
-                            tracing::info!(event = "resign_requested", role = %args.role, term = term.get(),
+                            tracing::info!(event = "resign_requested", role = %role, term = term.get(),
                                 "resign requested for role {:?} (term {term}); stopping the command (SIGTERM, SIGKILL after {})",
-                                args.role, crate::duration::show(grace));
+                                role, crate::duration::show(grace));
                         }
                         let status = stop_gracefully(&mut child, grace, &leadership).await;
                         if let Some(status) = status {
@@ -419,20 +435,20 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
                         let started = Instant::now();
                         let status = child.kill_now().await;
                         let why = reason.map_or("unknown", LossReason::as_str);
-                        tracing::warn!(event = "lost", role = %args.role, term = term.get(), reason = why,
+                        tracing::warn!(event = "lost", role = %role, term = term.get(), reason = why,
                             killed_in_ms = started.elapsed().as_millis() as u64,
                             "lost leadership of role {:?} (term {term}): {}; the command was killed",
-                            args.role, reason.map_or_else(|| "unknown reason".to_owned(), |r| r.to_string()));
+                            role, reason.map_or_else(|| "unknown reason".to_owned(), |r| r.to_string()));
                         exited(status, term);
                     }
                     set_phase(crate::http::Phase::Standing);
-                    standing_again(&args.role, &node);
+                    standing_again(&role, &node);
                     standing_since = Instant::now();
                     break;
                 }
                 sig = signals.recv() => {
                     tracing::info!(event = "stopping", signal = %sig, term = term.get(),
-                        "{sig} received; stopping the command, then handing over role {:?}", args.role);
+                        "{sig} received; stopping the command, then handing over role {:?}", role);
                     if let Some(status) = stop_gracefully(&mut child, grace, &leadership).await {
                         exited(Ok(status), term);
                     }
@@ -463,7 +479,7 @@ fn ttl_refused(options: &pgelect::ConnectOptions, args: &RunArgs) -> Option<Fail
         BackendArg::Lease => pgelect::Backend::Lease,
     };
     let accepted = |ttl: Duration| {
-        Elector::builder(options.clone(), &args.role)
+        Elector::builder(options.clone(), args.role.as_deref().unwrap_or("partition"))
             .node_id("ttl-check")
             .backend(backend)
             .ttl(ttl)
@@ -671,4 +687,153 @@ async fn release(leadership: pgelect::Leadership) {
         tracing::info!(event = "handed_over", role = %role, term = term.get(),
             "handed over role {role:?} (term {term}): released for the standbys");
     }
+}
+
+/// A partition's role TTL when `--ttl` is not given: the standard 15 s does
+/// not fit the TCP timeouts of the shared connection a member's partitions
+/// stand on (the library's partition default).
+const PARTITION_TTL: Duration = pgelect::partitions::DEFAULT_TTL;
+
+/// `pgelect run --partitions GROUP:N -- CMD`: one member of a partition
+/// group, one command per partition held.
+///
+/// Why one command per partition rather than one command given the set:
+/// each partition moves on its own, with its own term for
+/// `pgelect.fence`; a command per partition is stopped and started alone
+/// when its partition is handed over, while a single command would have to
+/// be restarted (or told) at every change, stopping the work on every
+/// partition for the move of one.
+async fn run_partitions(global: &Global, args: RunArgs, spec: &str) -> Result<u8, Failure> {
+    use pgelect::{PartitionEvent, PartitionGroup};
+    let (group_name, n) = crate::status::parse_partitions(spec)?;
+    if let Some(node) = &args.node {
+        check_name("--id", node)?;
+    }
+    if matches!(args.backend, BackendArg::Lease) {
+        return Err(Failure::new(
+            exit::USAGE,
+            "--partitions needs the session backend: a member's standbys poll on one shared connection",
+        ));
+    }
+    let options = global.connect_options()?;
+    let ttl_given = crate::cli::on_command_line("--ttl");
+    let ttl = if ttl_given { args.ttl } else { PARTITION_TTL };
+    let budget = ttl.saturating_sub(args.safety_margin.unwrap_or(ttl / 5));
+    let grace = match args.grace {
+        Some(g) if g >= budget => {
+            return Err(Failure::new(
+                exit::USAGE,
+                format!(
+                    "--grace {} is not shorter than the leader's deadline budget {}: lower --grace or raise --ttl",
+                    crate::duration::show(g),
+                    crate::duration::show(budget)
+                ),
+            ))
+        }
+        Some(g) => g,
+        None => DEFAULT_GRACE.min(budget / 2),
+    };
+    check_command(&args.command)?;
+    let args = std::sync::Arc::new(args);
+    let timing = args.clone();
+    let mut builder = PartitionGroup::builder(options.clone(), &group_name, n)
+        .release_grace(grace + Duration::from_secs(1))
+        .elector(move |b| {
+            let b = timing.timing(b);
+            if ttl_given {
+                b
+            } else {
+                b.ttl(PARTITION_TTL)
+            }
+        });
+    if let Some(node) = &args.node {
+        builder = builder.member(node);
+    }
+    let group = match builder.build() {
+        Ok(g) => g,
+        Err(e) if e.is_config() => return Err(timing_refused(&e)),
+        Err(e) => return Err(e.into()),
+    };
+    preflight(&options).await?;
+    let mut signals = Signals::install()?;
+    let node = group.member().to_owned();
+    let mut events = group.join()?;
+    tracing::info!(event = "standing", group = %group_name, partitions = n, %node, ?grace,
+        "taking part in partition group {group_name:?} ({n} partitions) as node {node:?}");
+    let mut tasks = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            ev = events.recv() => match ev {
+                Some(PartitionEvent::Gained(held)) => {
+                    tasks.spawn(supervise(held, args.clone(), node.clone(), grace));
+                }
+                Some(_) => {}
+                None => break,
+            },
+            sig = signals.recv() => {
+                tracing::info!(event = "stopping", signal = %sig,
+                    "{sig} received; stopping the commands, then handing over every partition");
+                group.leave().await?;
+                break;
+            }
+        }
+    }
+    while tasks.join_next().await.is_some() {}
+    Ok(0)
+}
+
+/// Runs the command for one held partition until its token is cancelled:
+/// SIGTERM then SIGKILL after `grace` for a planned stop (handover,
+/// leaving), at once for a lost leadership; started again 1 s after it
+/// exits by itself. Dropping `held` at the end lets the partition go.
+async fn supervise(
+    held: pgelect::HeldPartition,
+    args: std::sync::Arc<RunArgs>,
+    node: String,
+    grace: Duration,
+) {
+    let term = held.term();
+    let token = held.token();
+    let env = [
+        ("PGELECT_ROLE", held.role().to_owned()),
+        ("PGELECT_PARTITION", held.partition().to_string()),
+        ("PGELECT_NODE", node),
+        ("PGELECT_TERM", term.to_string()),
+    ];
+    let spec = child::Spec {
+        argv: &args.command,
+        env: &env,
+        pass_database_env: args.pass_database_env,
+    };
+    while !token.is_cancelled() {
+        let mut child = match child::spawn(&spec) {
+            Ok(c) => c,
+            Err(f) => {
+                tracing::error!(partition = held.partition(), error = %f.message, "cannot start the command; holding the partition idle until it is handed over");
+                token.cancelled().await;
+                break;
+            }
+        };
+        tracing::info!(event = "child_started", role = %held.role(), term = term.get(), watcher_pid = child.watcher_pid(),
+            "command for partition {} started (watcher pid {})", held.partition(), child.watcher_pid());
+        tokio::select! {
+            status = child.wait() => {
+                exited(status, term);
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    _ = token.cancelled() => {}
+                }
+            }
+            _ = token.cancelled() => {
+                let status = match held.loss_reason() {
+                    Some(LossReason::HandedOver | LossReason::Shutdown | LossReason::Resigned) => {
+                        child.stop(grace).await
+                    }
+                    _ => child.kill_now().await,
+                };
+                exited(status, term);
+            }
+        }
+    }
+    drop(held);
 }

@@ -21,6 +21,109 @@ pub struct StatusArgs {
     /// lease countdown); stop with Ctrl-C.
     #[arg(long)]
     pub watch: bool,
+    /// Show the assignment of partition group GROUP of N partitions (roles
+    /// GROUP/0 … GROUP/N-1): the live members, the partitions each leads,
+    /// those unled.
+    #[arg(long, value_name = "GROUP:N", conflicts_with_all = ["role", "watch"])]
+    pub partitions: Option<String>,
+}
+
+/// Parses `GROUP:N` (the last `:` separates).
+pub(crate) fn parse_partitions(spec: &str) -> Result<(String, u32), Failure> {
+    let bad = |why: &str| {
+        Failure::new(
+            exit::USAGE,
+            format!(
+                "invalid --partitions \"{}\": {why}; expected GROUP:N, e.g. orders:12",
+                escape(spec)
+            ),
+        )
+    };
+    let (group, n) = spec.rsplit_once(':').ok_or_else(|| bad("no ':N'"))?;
+    let n: u32 = n.parse().map_err(|_| bad("N is not a whole number"))?;
+    if n == 0 || n > pgelect::MAX_PARTITIONS {
+        return Err(bad(&format!("N must be 1 to {}", pgelect::MAX_PARTITIONS)));
+    }
+    if group.is_empty() || group.contains(['/', '\0']) {
+        return Err(bad("the group name must be non-empty, without '/' or NUL"));
+    }
+    let longest = pgelect::partition_role(group, n - 1);
+    if longest.len() > pgelect::MAX_ROLE_BYTES {
+        return Err(bad(&format!(
+            "role {:?} would be longer than {} bytes",
+            escape(&longest),
+            pgelect::MAX_ROLE_BYTES
+        )));
+    }
+    Ok((group.to_owned(), n))
+}
+
+/// A partition group's assignment as JSON: every partition's role, holder
+/// and term, the live members with the partitions each leads, the unled
+/// ones, and the share `⌈N/M⌉`.
+fn partitions_json(a: &pgelect::PartitionAssignment) -> serde_json::Value {
+    let n = a.partitions.len();
+    let share = n.div_ceil(a.members.len().max(1));
+    serde_json::json!({
+        "group": a.group,
+        "partitions": n,
+        "members": a.members,
+        "share": share,
+        "by_member": a.by_member(),
+        "unled": unled(a),
+        "assignment": a.partitions.iter().enumerate().map(|(p, l)| serde_json::json!({
+            "partition": p,
+            "role": l.role,
+            "holder": l.holder,
+            "term": l.term.map(|t| t.get()),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+fn unled(a: &pgelect::PartitionAssignment) -> Vec<usize> {
+    a.partitions
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.holder.is_none())
+        .map(|(p, _)| p)
+        .collect()
+}
+
+fn partitions_table(a: &pgelect::PartitionAssignment) -> String {
+    let n = a.partitions.len();
+    let m = a.members.len();
+    let mut out = format!(
+        "partition group {}: {n} partitions, {m} live member{}, share {}\n",
+        escape(&a.group),
+        if m == 1 { "" } else { "s" },
+        n.div_ceil(m.max(1))
+    );
+    let by = a.by_member();
+    let width = by
+        .keys()
+        .map(|k| escape(k).chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(6);
+    out.push_str(&format!(
+        "{:width$}  {:>5}  PARTITIONS\n",
+        "MEMBER", "COUNT"
+    ));
+    for (member, ps) in &by {
+        let list: Vec<String> = ps.iter().map(u32::to_string).collect();
+        out.push_str(&format!(
+            "{:width$}  {:>5}  {}\n",
+            escape(member),
+            ps.len(),
+            list.join(" ")
+        ));
+    }
+    let unled = unled(a);
+    if !unled.is_empty() {
+        let list: Vec<String> = unled.iter().map(usize::to_string).collect();
+        out.push_str(&format!("unled: {}\n", list.join(" ")));
+    }
+    out
 }
 
 /// One role as `status` shows it.
@@ -694,6 +797,16 @@ pub async fn run(global: &Global, args: StatusArgs) -> Result<u8, Failure> {
     if let Some(role) = &args.role {
         crate::run::check_name("--role", role)?;
     }
+    if let Some(spec) = &args.partitions {
+        let (group, n) = parse_partitions(spec)?;
+        let a = pgelect::partition_assignment(&options, &group, n).await?;
+        if args.json {
+            println!("{}", json_text(&partitions_json(&a)));
+        } else {
+            print!("{}", partitions_table(&a));
+        }
+        return Ok(0);
+    }
     let schema = options.schema_name().as_str().to_owned();
     let (client, mut notify_rx) = crate::db::connect(&options, "pgelect:status").await?;
     let role = args.role.as_deref();
@@ -759,6 +872,27 @@ pub async fn run(global: &Global, args: StatusArgs) -> Result<u8, Failure> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn partition_specs_parse_or_say_what_is_wrong() {
+        assert_eq!(
+            parse_partitions("orders:12").unwrap(),
+            ("orders".into(), 12)
+        );
+        assert_eq!(parse_partitions("a:b:3").unwrap(), ("a:b".into(), 3));
+        for (bad, needle) in [
+            ("orders", "no ':N'"),
+            ("orders:x", "whole number"),
+            ("orders:0", "1 to 4096"),
+            ("orders:5000", "1 to 4096"),
+            (":3", "non-empty"),
+            ("a/b:3", "without '/'"),
+        ] {
+            let e = parse_partitions(bad).unwrap_err();
+            assert_eq!(e.code, exit::USAGE);
+            assert!(e.message.contains(needle), "{bad}: {}", e.message);
+        }
+    }
 
     fn sample() -> Vec<RoleStatus> {
         vec![RoleStatus {

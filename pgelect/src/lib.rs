@@ -20,6 +20,10 @@
 //!   (lease row only: safe through PgBouncer in transaction mode). Polling
 //!   candidates of many roles can share one connection
 //!   ([`SharedConnection`]).
+//! * **Partitions** ([`partitions`]): a group of N partitions spread
+//!   evenly over the live members of a fleet ([`PartitionGroup`]), each
+//!   an ordinary role with its own fencing term; gains and losses as a
+//!   stream of events with a token per partition.
 //! * **Schema** ([`migrate`]): installs the `pgelect` schema (idempotent,
 //!   concurrency-safe).
 //!
@@ -77,6 +81,7 @@ mod grants;
 mod key;
 pub mod lock;
 pub mod metrics;
+pub mod partitions;
 mod schema;
 mod server;
 
@@ -99,6 +104,10 @@ pub use lock::{
     LockSessionBuilder,
 };
 pub use lock::{semaphore_holders, Permit, PermitHolder, Semaphore, MAX_SEMAPHORE_LIMIT};
+pub use partitions::{
+    partition_assignment, partition_role, HeldPartition, PartitionAssignment, PartitionEvent,
+    PartitionEvents, PartitionGroup, PartitionGroupBuilder, PartitionLeader, MAX_PARTITIONS,
+};
 pub use schema::{
     check_schema, migrate, migrate_timeout, SchemaName, DEFAULT_SCHEMA, MIGRATE_LOCK_TIMEOUT,
     SCHEMA_VERSION,

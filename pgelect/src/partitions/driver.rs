@@ -1,0 +1,406 @@
+//! A member's task: one loop that reads the group, applies the plan
+//! ([`plan`](super::plan::plan)), and turns leaderships into events.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::future::poll_fn;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio_postgres::types::Type;
+use tokio_postgres::{AsyncMessage, Client};
+use tokio_util::sync::CancellationToken;
+
+use crate::election::{Elector, Leadership, LossReason, SharedConnection, Term, LEADER_CHANNEL};
+use crate::error::{Error, Result};
+
+use super::plan::{plan, GroupView, PartitionView};
+use super::{Config, HeldPartition, PartitionEvent};
+
+/// The rebalancing read: for each of the roles `$1` (in order), the
+/// holder while its lease runs, the last term, and the nodes with a live,
+/// still polling registration for it; and the group's live members (nodes
+/// with a registration for any of the roles whose backend lives, belongs
+/// to the registering user and started before the registration). Reads
+/// only; one statement.
+fn read_sql(s: &str) -> String {
+    format!(
+        "WITH live AS MATERIALIZED (
+             SELECT c.role, c.node,
+                    c.standby = 'polling'
+                    AND c.seen_at >= now() - (greatest(2 * p.ms, 5000) + 2 * p.ms + 1000)
+                                             * interval '1 millisecond' AS fresh
+               FROM {s}.candidates c
+               JOIN pg_catalog.pg_stat_activity a ON a.pid = c.backend_pid
+               CROSS JOIN LATERAL (SELECT coalesce((c.timing->>'poll_interval_ms')::int8, 1000) AS ms) p
+              WHERE c.role = ANY($1::text[]) AND c.backend = 'session'
+                AND a.usename = c.db_user
+                AND a.datid = (SELECT d.oid FROM pg_catalog.pg_database d
+                                WHERE d.datname = pg_catalog.current_database())
+                AND (a.backend_start IS NULL OR a.backend_start <= c.registered_at)
+         )
+         SELECT CASE WHEN l.lease_until > now() THEN l.holder END,
+                l.term,
+                coalesce((SELECT array_agg(v.node) FROM live v WHERE v.role = u.r AND v.fresh),
+                         '{{}}'::text[]),
+                (SELECT coalesce(array_agg(DISTINCT v.node), '{{}}'::text[]) FROM live v)
+           FROM unnest($1::text[]) WITH ORDINALITY AS u(r, ord)
+           LEFT JOIN {s}.leaders l ON l.role = u.r
+          ORDER BY u.ord"
+    )
+}
+
+/// Reads the group (see [`read_sql`]): the view and each partition's last
+/// term.
+pub(super) async fn read(
+    client: &Client,
+    schema: &str,
+    roles: &[String],
+) -> Result<(GroupView, Vec<Option<Term>>)> {
+    const WHAT: &str = "read the partition group";
+    let rows = client
+        .query_typed(&read_sql(schema), &[(&roles, Type::TEXT_ARRAY)])
+        .await
+        .map_err(|e| Error::db(WHAT, schema, e))?;
+    let mut view = GroupView::default();
+    let mut terms = Vec::with_capacity(rows.len());
+    for row in rows {
+        let get = |e| Error::db(WHAT, schema, e);
+        let holder: Option<String> = row.try_get(0).map_err(get)?;
+        let term: Option<i64> = row.try_get(1).map_err(get)?;
+        let ready: Vec<String> = row.try_get(2).map_err(get)?;
+        let members: Vec<String> = row.try_get(3).map_err(get)?;
+        view.members.extend(members);
+        view.partitions.push(PartitionView { holder, ready });
+        terms.push(term.map(Term::new));
+    }
+    Ok((view, terms))
+}
+
+/// A partition led by this member.
+struct Lead {
+    leadership: Leadership,
+    /// Kept so that its role stays claimed on the shared connection until
+    /// the release.
+    elector: Elector,
+    /// A child of the leadership's token, cancelled by a handover too; the
+    /// application holds children of it.
+    mine: CancellationToken,
+    /// The planned reason, shared with the [`HeldPartition`].
+    stopping: Arc<Mutex<Option<LossReason>>>,
+    /// Resolves when the application dropped its [`HeldPartition`].
+    done: oneshot::Receiver<()>,
+}
+
+type Won = (u32, Result<Leadership>, Elector);
+
+struct Driver {
+    config: Arc<Config>,
+    roles: Vec<String>,
+    shared: SharedConnection,
+    events: mpsc::UnboundedSender<PartitionEvent>,
+    held: Arc<Mutex<BTreeMap<u32, Term>>>,
+    standing: HashMap<u32, JoinHandle<()>>,
+    leading: HashMap<u32, Lead>,
+    won: mpsc::UnboundedSender<Won>,
+    lost: mpsc::UnboundedSender<(u32, Term)>,
+    releases: JoinSet<()>,
+    reader: Option<Client>,
+    wake: Arc<Notify>,
+    /// The last error logged, to log a persistent one once.
+    last_error: Option<String>,
+}
+
+/// The member's task, until `stop` is cancelled (then it hands everything
+/// over) or the group is dropped (then it is aborted).
+pub(super) async fn run(
+    config: Arc<Config>,
+    events: mpsc::UnboundedSender<PartitionEvent>,
+    held: Arc<Mutex<BTreeMap<u32, Term>>>,
+    stop: CancellationToken,
+) {
+    let (won, mut won_rx) = mpsc::unbounded_channel();
+    let (lost, mut lost_rx) = mpsc::unbounded_channel();
+    let mut d = Driver {
+        roles: config.roles(),
+        shared: SharedConnection::new(&config.options, config.tcp),
+        config,
+        events,
+        held,
+        standing: HashMap::new(),
+        leading: HashMap::new(),
+        won,
+        lost,
+        releases: JoinSet::new(),
+        reader: None,
+        wake: Arc::new(Notify::new()),
+        last_error: None,
+    };
+    tracing::info!(group = %d.config.group, member = %d.config.member, partitions = d.config.partitions, "joining partition group");
+    let mut tick = tokio::time::interval(d.config.rebalance_every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => break,
+            Some((p, r, e)) = won_rx.recv() => d.on_won(p, r, e),
+            Some((p, term)) = lost_rx.recv() => d.on_lost(p, term),
+            _ = d.wake.notified() => {}
+            _ = tick.tick() => {}
+        }
+        // Gains and losses that arrived together are applied before one
+        // read.
+        while let Ok((p, r, e)) = won_rx.try_recv() {
+            d.on_won(p, r, e);
+        }
+        while let Ok((p, term)) = lost_rx.try_recv() {
+            d.on_lost(p, term);
+        }
+        d.rebalance().await;
+    }
+    // Leaving: no more standbys, every partition handed over cleanly.
+    for (_, t) in d.standing.drain() {
+        t.abort();
+    }
+    while let Ok((_, r, _e)) = won_rx.try_recv() {
+        if let Ok(l) = r {
+            // Granted but never announced: nobody acts on it.
+            let _ = l.resign().await;
+        }
+    }
+    let ps: Vec<u32> = d.leading.keys().copied().collect();
+    for p in ps {
+        d.hand_over(p, LossReason::Shutdown);
+    }
+    while d.releases.join_next().await.is_some() {}
+    tracing::info!(group = %d.config.group, member = %d.config.member, "left partition group");
+}
+
+impl Driver {
+    fn on_won(&mut self, p: u32, r: Result<Leadership>, elector: Elector) {
+        if let Some(t) = self.standing.remove(&p) {
+            // The task ended by sending; this only reaps it.
+            drop(t);
+        }
+        let leadership = match r {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(group = %self.config.group, partition = p, error = %e, "standing for a partition failed; retrying at the next rebalancing");
+                return;
+            }
+        };
+        let term = leadership.term();
+        let mine = leadership.token();
+        let (done_tx, done) = oneshot::channel();
+        let watch = mine.clone();
+        let lost = self.lost.clone();
+        tokio::spawn(async move {
+            watch.cancelled().await;
+            let _ = lost.send((p, term));
+        });
+        let stopping = Arc::new(Mutex::new(None));
+        let held = HeldPartition {
+            partition: p,
+            context: leadership.context(),
+            token: mine.clone(),
+            stopping: stopping.clone(),
+            _done: done_tx,
+        };
+        self.leading.insert(
+            p,
+            Lead {
+                leadership,
+                elector,
+                mine,
+                stopping,
+                done,
+            },
+        );
+        self.held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(p, term);
+        tracing::info!(group = %self.config.group, member = %self.config.member, partition = p, %term, "partition gained");
+        let _ = self.events.send(PartitionEvent::Gained(held));
+    }
+
+    /// A leadership's token was cancelled: by the elector (a loss), or by a
+    /// handover (then it is gone from `leading` already).
+    fn on_lost(&mut self, p: u32, term: Term) {
+        if self
+            .leading
+            .get(&p)
+            .is_some_and(|l| l.leadership.term() == term)
+        {
+            let reason = self.leading[&p]
+                .leadership
+                .loss_reason()
+                .unwrap_or(LossReason::Resigned);
+            self.hand_over(p, reason);
+        }
+    }
+
+    /// Ends `p`'s leadership with `reason`: cancels the application's token,
+    /// announces the loss, and releases once the application dropped its
+    /// handle (at most `release_grace`).
+    fn hand_over(&mut self, p: u32, reason: LossReason) {
+        let Some(lead) = self.leading.remove(&p) else {
+            return;
+        };
+        if lead.leadership.loss_reason().is_none() {
+            *lead.stopping.lock().unwrap_or_else(PoisonError::into_inner) = Some(reason);
+        }
+        lead.mine.cancel();
+        let term = lead.leadership.term();
+        self.held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&p);
+        tracing::info!(group = %self.config.group, member = %self.config.member, partition = p, %term, %reason, "partition lost");
+        let _ = self.events.send(PartitionEvent::Lost {
+            partition: p,
+            term,
+            reason,
+        });
+        let grace = self.config.release_grace;
+        let group = self.config.group.clone();
+        self.releases.spawn(async move {
+            if tokio::time::timeout(grace, lead.done).await.is_err() {
+                tracing::warn!(%group, partition = p, ?grace, "the application still held the partition after the release grace; releasing anyway");
+            }
+            if let Err(e) = lead.leadership.resign().await {
+                tracing::warn!(%group, partition = p, error = %e, "releasing a partition failed");
+            }
+            drop(lead.elector);
+        });
+    }
+
+    /// Reads the group and applies the plan; errors are logged (once while
+    /// they persist) and retried at the next tick.
+    async fn rebalance(&mut self) {
+        // Reap finished releases.
+        while self.releases.try_join_next().is_some() {}
+        let view = match self.read().await {
+            Ok(v) => {
+                self.last_error = None;
+                v
+            }
+            Err(e) => {
+                let text = e.to_string();
+                if self.last_error.as_ref() != Some(&text) {
+                    tracing::warn!(group = %self.config.group, member = %self.config.member, error = %text, "reading the partition group failed; retrying");
+                    self.last_error = Some(text);
+                }
+                self.reader = None;
+                return;
+            }
+        };
+        let held: BTreeSet<u32> = self.leading.keys().copied().collect();
+        let standing: BTreeSet<u32> = self.standing.keys().copied().collect();
+        let plan = plan(&self.config.member, &view, &held, &standing);
+        if !plan.stand.is_empty() || !plan.unstand.is_empty() || !plan.resign.is_empty() {
+            tracing::debug!(group = %self.config.group, member = %self.config.member, members = plan.members, share = plan.share, held = held.len(), stand = ?plan.stand, unstand = ?plan.unstand, resign = ?plan.resign, "rebalancing");
+        }
+        for p in plan.unstand {
+            if let Some(t) = self.standing.remove(&p) {
+                t.abort();
+            }
+        }
+        for p in plan.resign {
+            self.hand_over(p, LossReason::HandedOver);
+        }
+        for p in plan.stand {
+            self.stand(p);
+        }
+    }
+
+    fn stand(&mut self, p: u32) {
+        let elector = match self.config.elector_builder(p, &self.shared).build() {
+            Ok(e) => e,
+            Err(e) => {
+                // The elector of a standby just stopped may not be dropped
+                // yet (its role is still claimed): the next tick retries.
+                tracing::debug!(group = %self.config.group, partition = p, error = %e, "cannot stand for the partition yet");
+                return;
+            }
+        };
+        let won = self.won.clone();
+        self.standing.insert(
+            p,
+            tokio::spawn(async move {
+                let r = elector.leadership().await;
+                let _ = won.send((p, r, elector));
+            }),
+        );
+    }
+
+    async fn read(&mut self) -> Result<GroupView> {
+        if self.reader.as_ref().is_none_or(Client::is_closed) {
+            self.reader = Some(self.open_reader().await?);
+        }
+        let client = self.reader.as_ref().expect("BUG: opened above");
+        let bound = Duration::from_secs(5).max(self.config.rebalance_every);
+        match tokio::time::timeout(
+            bound,
+            read(
+                client,
+                self.config.options.schema_name().as_str(),
+                &self.roles,
+            ),
+        )
+        .await
+        {
+            Ok(r) => r.map(|(v, _)| v),
+            Err(_) => Err(Error::connection_lost("read the partition group")),
+        }
+    }
+
+    /// The reading connection, listening for releases of the group's roles
+    /// (which wake the loop at once).
+    async fn open_reader(&self) -> Result<Client> {
+        let app = format!("pgelect:partitions:{}", self.config.group);
+        let (client, mut conn) = self.config.options.connect_plain(&app).await?;
+        let schema = self.config.options.schema_name().as_str().to_owned();
+        let prefix = format!("{schema}:released:{}/", self.config.group);
+        let wake = self.wake.clone();
+        tokio::spawn(async move {
+            while let Some(m) = poll_fn(|cx| conn.poll_message(cx)).await {
+                match m {
+                    Ok(AsyncMessage::Notification(n)) if n.payload().starts_with(&prefix) => {
+                        wake.notify_one();
+                    }
+                    Ok(_) => {}
+                    Err(_) => break,
+                }
+            }
+        });
+        client
+            .batch_execute(&format!("LISTEN {LEADER_CHANNEL}"))
+            .await
+            .map_err(|e| Error::db("listen for releases of the partition group", &schema, e))?;
+        Ok(client)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_read_only_reads() {
+        let sql = read_sql("pgelect").to_lowercase();
+        for w in [
+            "insert",
+            "update",
+            "delete",
+            "pg_notify",
+            "for share",
+            "for update",
+        ] {
+            assert!(!sql.contains(w), "{w} in {sql}");
+        }
+        assert!(sql.contains("a.usename = c.db_user"));
+        assert!(sql.contains("a.backend_start <= c.registered_at"));
+    }
+}

@@ -1,0 +1,703 @@
+//! Balanced partitions: a group of N partitions spread over the live
+//! members of a fleet, each partition led by exactly one member with its
+//! own fencing term.
+//!
+//! Partition `p` of group `G` is an ordinary role, `G/p`: it has its own
+//! row in `pgelect.leaders`, its own term, and works with
+//! `pgelect.fence('G/p', term)` and [`HeldPartition::fence`], `pgelect
+//! status --role G/p` and [`request_resign`](crate::request_resign). A
+//! member stands for partitions with polling standbys
+//! ([`StandbyMode::Polling`]) on one
+//! [`SharedConnection`](crate::SharedConnection), so a member costs two
+//! connections whatever N: the shared lock connection and one that reads
+//! the group.
+//!
+//! # How the partitions are spread
+//!
+//! Every member rebalances on its own, from one statement that reads the
+//! group's leader rows and its live members (every `rebalance_every`, 1 s
+//! by default, at once after its own gains and losses and on a release
+//! `NOTIFY` of one of the group's roles):
+//!
+//! * **Live members** `M` are counted from what another database user
+//!   cannot forge: nodes with a row in the candidate registry
+//!   (`<schema>.candidates`, writable only by users with candidate grants)
+//!   for one of the group's roles whose registered backend the server shows
+//!   alive, belonging to the user that registered, started before the
+//!   registration (a recycled pid is not taken for it). A hostile user can
+//!   neither inflate `M` (which would shrink the share and leave partitions
+//!   unled) nor deflate it.
+//! * The **share** is `s = ⌈N / M⌉`. A member stands for at most
+//!   `s - held` partitions at a time: unled ones first (no holder, an
+//!   expired lease, or a holder that is not a live member), then, of each
+//!   member over its share, at most that member's excess; a rendezvous hash
+//!   of (member, partition) makes members prefer different partitions. So a
+//!   member is never granted more than its share as it reads it: `s`, or
+//!   `s + 1` for members that held `⌈N/(M-1)⌉` when a member joins, until
+//!   they hand over.
+//! * A member over its share **hands over** its excess, only partitions for
+//!   which a ready standby of another live member waits: it cancels the
+//!   partition's token, waits for the application to drop the
+//!   [`HeldPartition`] (at most `release_grace`), then resigns; the waiting
+//!   standby, woken by the release `NOTIFY`, takes the partition at once
+//!   with a new term. No standby waiting, it keeps the partition, so that a
+//!   rebalance never leaves one unled.
+//! * A member that **dies** (process killed, backend terminated) loses its
+//!   registry rows' backend at once: the others see its partitions unled
+//!   at their next read and take them over after the handover delay (an
+//!   unclean loss: the old holder may still be alive for a moment).
+//! * A member that **leaves** ([`PartitionGroup::leave`]) hands every
+//!   partition over cleanly: tokens cancelled, duties dropped, released
+//!   with `NOTIFY`; the others read the group at once and take them without
+//!   a handover delay.
+//!
+//! Why polling standbys and not blocking ones: a member standing for many
+//! partitions would need a connection per blocking wait; and a share-aware
+//! member must be able to stop standing at will, which a dropped poll does
+//! at once.
+//!
+//! ```no_run
+//! # async fn example() -> pgelect::Result<()> {
+//! use pgelect::{ConnectOptions, PartitionEvent, PartitionGroup};
+//! let options = ConnectOptions::from_url("postgres://app@db/app")?;
+//! let group = PartitionGroup::builder(options, "orders", 12)
+//!     .member("worker-1")
+//!     .build()?;
+//! let mut events = group.join()?;
+//! while let Some(event) = events.recv().await {
+//!     match event {
+//!         PartitionEvent::Gained(held) => {
+//!             tokio::spawn(async move {
+//!                 // Work on partition held.partition() until the token is
+//!                 // cancelled, then drop `held` to let the next one take it.
+//!                 held.token().cancelled().await;
+//!                 drop(held);
+//!             });
+//!         }
+//!         PartitionEvent::Lost { partition, reason, .. } => {
+//!             println!("partition {partition} lost: {reason}");
+//!         }
+//!         _ => {}
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
+
+mod driver;
+mod plan;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use tokio_postgres::GenericClient;
+use tokio_util::sync::CancellationToken;
+
+use crate::conn::{ConnectOptions, TcpTimeouts};
+use crate::election::{
+    ElectorBuilder, LeaderContext, LossReason, StandbyMode, Term, MAX_ROLE_BYTES,
+};
+use crate::error::{Error, Result};
+
+/// The lease TTL of a partition's elector unless
+/// [`PartitionGroupBuilder::elector`] sets another: 10 s (deadline 8 s,
+/// heartbeat 667 ms; the rest derived by the standard profile).
+pub const DEFAULT_TTL: Duration = Duration::from_secs(10);
+
+/// The most partitions a group may have.
+pub const MAX_PARTITIONS: u32 = 4096;
+
+/// The role of partition `partition` of group `group`: `group/partition`.
+///
+/// ```
+/// assert_eq!(pgelect::partition_role("orders", 7), "orders/7");
+/// ```
+pub fn partition_role(group: &str, partition: u32) -> String {
+    format!("{group}/{partition}")
+}
+
+type Configure = Arc<dyn Fn(ElectorBuilder) -> ElectorBuilder + Send + Sync>;
+
+/// Builds a [`PartitionGroup`]; see [`PartitionGroup::builder`].
+#[must_use = "a builder does nothing until `build` is called"]
+pub struct PartitionGroupBuilder {
+    options: ConnectOptions,
+    group: String,
+    partitions: u32,
+    member: Option<String>,
+    poll_interval: Duration,
+    rebalance_every: Duration,
+    release_grace: Duration,
+    tcp: TcpTimeouts,
+    configure: Option<Configure>,
+}
+
+impl PartitionGroupBuilder {
+    /// This member's node id (the `holder` of the partitions it leads),
+    /// unique in the fleet. Default: `partitions-<pid>-<random>`.
+    pub fn member(mut self, id: &str) -> Self {
+        self.member = Some(id.to_owned());
+        self
+    }
+
+    /// How often a standby tries its partition's lock (it also tries at once
+    /// on a release `NOTIFY`). Default: `1s`.
+    pub fn poll_interval(mut self, every: Duration) -> Self {
+        self.poll_interval = every;
+        self
+    }
+
+    /// How often the member reads the group and rebalances (also at once
+    /// after its own gains and losses and on a release `NOTIFY` of the
+    /// group). Default: `1s`.
+    pub fn rebalance_every(mut self, every: Duration) -> Self {
+        self.rebalance_every = every;
+        self
+    }
+
+    /// How long a handover or [`leave`](PartitionGroup::leave) waits for the
+    /// application to drop a [`HeldPartition`] whose token was cancelled
+    /// before releasing it anyway. Default: `5s`.
+    pub fn release_grace(mut self, grace: Duration) -> Self {
+        self.release_grace = grace;
+        self
+    }
+
+    /// TCP settings of the shared lock connection. Default:
+    /// [`TcpTimeouts::default`].
+    pub fn tcp_timeouts(mut self, tcp: TcpTimeouts) -> Self {
+        self.tcp = tcp;
+        self
+    }
+
+    /// Adjusts every partition's [`ElectorBuilder`] (timing, profile,
+    /// meta). The group then sets the node id, the shared connection and
+    /// the polling standby mode, overriding those. Default: the elector's
+    /// defaults with a `ttl` of [`DEFAULT_TTL`] (10 s: the local deadline
+    /// must end before the default TCP timeouts of the shared connection
+    /// let the server drop a silent client).
+    pub fn elector(
+        mut self,
+        configure: impl Fn(ElectorBuilder) -> ElectorBuilder + Send + Sync + 'static,
+    ) -> Self {
+        self.configure = Some(Arc::new(configure));
+        self
+    }
+
+    /// Validates and builds. Fails with [`Error::InvalidName`] for a group
+    /// name that is empty, contains `/` or NUL, or whose longest partition
+    /// role exceeds [`MAX_ROLE_BYTES`], or a bad member id; with
+    /// [`Error::Config`] for 0 or more than [`MAX_PARTITIONS`] partitions,
+    /// zero intervals, or an elector configuration that does not validate
+    /// (checked on partition 0).
+    ///
+    /// ```
+    /// let o = pgelect::ConnectOptions::from_url("postgres://app@db/app").unwrap();
+    /// assert!(pgelect::PartitionGroup::builder(o.clone(), "orders", 0).build().is_err());
+    /// assert!(pgelect::PartitionGroup::builder(o.clone(), "a/b", 4).build().is_err());
+    /// let g = pgelect::PartitionGroup::builder(o, "orders", 12).member("w1").build().unwrap();
+    /// assert_eq!((g.partitions(), g.member()), (12, "w1"));
+    /// ```
+    pub fn build(self) -> Result<PartitionGroup> {
+        let invalid = |what: &'static str, name: &str, reason: String| Error::InvalidName {
+            what,
+            shown: format!("{:?}", name.chars().take(64).collect::<String>()),
+            reason,
+        };
+        if self.group.is_empty() {
+            return Err(invalid("group", &self.group, "it is empty".into()));
+        }
+        if self.group.contains(['/', '\0']) {
+            return Err(invalid(
+                "group",
+                &self.group,
+                "it contains '/' or NUL ('/' separates the group from the partition number)".into(),
+            ));
+        }
+        if self.partitions == 0 || self.partitions > MAX_PARTITIONS {
+            return Err(Error::config(format!(
+                "a partition group needs 1 to {MAX_PARTITIONS} partitions, not {}",
+                self.partitions
+            )));
+        }
+        let longest = partition_role(&self.group, self.partitions - 1);
+        if longest.len() > MAX_ROLE_BYTES {
+            return Err(invalid(
+                "group",
+                &self.group,
+                format!(
+                    "its partition role {longest:?} is {} bytes long, the limit is {MAX_ROLE_BYTES}",
+                    longest.len()
+                ),
+            ));
+        }
+        for (what, d) in [
+            ("poll_interval", self.poll_interval),
+            ("rebalance_every", self.rebalance_every),
+        ] {
+            if d.is_zero() {
+                return Err(Error::config(format!("{what} must be positive")));
+            }
+        }
+        let member = match self.member {
+            Some(m) => m,
+            None => format!(
+                "partitions-{}-{:08x}",
+                std::process::id(),
+                rand::random::<u32>()
+            ),
+        };
+        let config = Arc::new(Config {
+            options: self.options,
+            group: self.group,
+            partitions: self.partitions,
+            member,
+            poll_interval: self.poll_interval,
+            rebalance_every: self.rebalance_every,
+            release_grace: self.release_grace,
+            tcp: self.tcp,
+            configure: self.configure,
+        });
+        // Checks the member id and the elector configuration once, here,
+        // rather than failing partition by partition later.
+        config
+            .elector_builder(
+                0,
+                &crate::SharedConnection::new(&config.options, config.tcp),
+            )
+            .build()?;
+        Ok(PartitionGroup {
+            config,
+            running: Mutex::new(None),
+            held: Arc::default(),
+        })
+    }
+}
+
+impl fmt::Debug for PartitionGroupBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PartitionGroupBuilder")
+            .field("target", &self.options.target())
+            .field("group", &self.group)
+            .field("partitions", &self.partitions)
+            .field("member", &self.member)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) struct Config {
+    pub(crate) options: ConnectOptions,
+    pub(crate) group: String,
+    pub(crate) partitions: u32,
+    pub(crate) member: String,
+    pub(crate) poll_interval: Duration,
+    pub(crate) rebalance_every: Duration,
+    pub(crate) release_grace: Duration,
+    pub(crate) tcp: TcpTimeouts,
+    configure: Option<Configure>,
+}
+
+impl Config {
+    pub(crate) fn role(&self, partition: u32) -> String {
+        partition_role(&self.group, partition)
+    }
+
+    pub(crate) fn roles(&self) -> Vec<String> {
+        (0..self.partitions).map(|p| self.role(p)).collect()
+    }
+
+    pub(crate) fn elector_builder(
+        &self,
+        partition: u32,
+        shared: &crate::SharedConnection,
+    ) -> ElectorBuilder {
+        // A TTL of 10 s by default, not the elector's 15 s: on a shared
+        // connection the local deadline (ttl - margin) must end before the
+        // server may declare a silent client gone (10 s with the default
+        // TCP timeouts).
+        let b =
+            crate::Elector::builder(self.options.clone(), &self.role(partition)).ttl(DEFAULT_TTL);
+        let b = match &self.configure {
+            Some(f) => f(b),
+            None => b,
+        };
+        b.node_id(&self.member)
+            .shared_connection(shared)
+            .standby(StandbyMode::Polling {
+                interval: self.poll_interval,
+            })
+    }
+}
+
+/// A group of partitions this process may lead some of; see the
+/// [module docs](crate::partitions) for how they are spread and an example.
+///
+/// Dropped without [`leave`](PartitionGroup::leave), the member stops at
+/// once: its leaderships are dropped without release, and the other
+/// members take its partitions over after the handover delay, as after a
+/// crash.
+pub struct PartitionGroup {
+    config: Arc<Config>,
+    running: Mutex<Option<Running>>,
+    held: Arc<Mutex<BTreeMap<u32, Term>>>,
+}
+
+struct Running {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl PartitionGroup {
+    /// A builder for group `group` of `partitions` partitions (numbered
+    /// `0..partitions`). Every member of a group must use the same
+    /// `partitions`.
+    pub fn builder(options: ConnectOptions, group: &str, partitions: u32) -> PartitionGroupBuilder {
+        PartitionGroupBuilder {
+            options,
+            group: group.to_owned(),
+            partitions,
+            member: None,
+            poll_interval: Duration::from_secs(1),
+            rebalance_every: Duration::from_secs(1),
+            release_grace: Duration::from_secs(5),
+            tcp: TcpTimeouts::default(),
+            configure: None,
+        }
+    }
+
+    /// The group's name.
+    pub fn group(&self) -> &str {
+        &self.config.group
+    }
+
+    /// The number of partitions.
+    pub fn partitions(&self) -> u32 {
+        self.config.partitions
+    }
+
+    /// This member's node id.
+    pub fn member(&self) -> &str {
+        &self.config.member
+    }
+
+    /// Starts taking part: spawns the member's task (on the current Tokio
+    /// runtime) and returns the stream of [`PartitionEvent`]s. Every gain
+    /// is followed by exactly one loss of that partition and term (a loss
+    /// may come before the receiver is read; events are never dropped: the
+    /// channel is unbounded, at most two events per partition change).
+    ///
+    /// Fails with [`Error::Config`] when called twice or outside a Tokio
+    /// runtime. Errors of the database (a missing schema, privileges) are
+    /// logged and retried at every rebalancing.
+    pub fn join(&self) -> Result<PartitionEvents> {
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            Error::config("PartitionGroup::join must be called within a Tokio runtime")
+        })?;
+        let mut running = self.running.lock().unwrap_or_else(PoisonError::into_inner);
+        if running.is_some() {
+            return Err(Error::config(format!(
+                "member {:?} already joined group {:?}",
+                self.config.member, self.config.group
+            )));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let stop = CancellationToken::new();
+        let task = runtime.spawn(driver::run(
+            self.config.clone(),
+            tx,
+            self.held.clone(),
+            stop.clone(),
+        ));
+        *running = Some(Running { stop, task });
+        Ok(PartitionEvents { rx })
+    }
+
+    /// The partitions this member leads now, with their terms (those gained
+    /// and not yet lost or handed over).
+    pub fn held(&self) -> BTreeMap<u32, Term> {
+        self.held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Leaves the group: stops standing, cancels every held partition's
+    /// token (events `Lost` with [`LossReason::Shutdown`]), waits for the
+    /// application to drop each [`HeldPartition`] (at most `release_grace`),
+    /// releases them (the other members take them at once, no handover
+    /// delay), and closes the member's connections. Returns once all of that
+    /// is done; the events stream then ends. A no-op if not joined.
+    ///
+    /// # Cancel safety
+    /// The leaving runs in the member's task and completes even if this
+    /// future is dropped.
+    pub async fn leave(&self) -> Result<()> {
+        let running = self
+            .running
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(r) = running {
+            r.stop.cancel();
+            r.task
+                .await
+                .map_err(|e| Error::config(format!("the partition member task failed: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Who leads which partition of this group, and the live members, as
+    /// the database shows it now (see [`partition_assignment`]).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: one statement on a connection of its own.
+    pub async fn assignment(&self) -> Result<PartitionAssignment> {
+        partition_assignment(
+            &self.config.options,
+            &self.config.group,
+            self.config.partitions,
+        )
+        .await
+    }
+}
+
+impl Drop for PartitionGroup {
+    fn drop(&mut self) {
+        // Dropped without leave: stop at once; leaderships are dropped
+        // without release (the others see an unclean loss).
+        if let Some(r) = self
+            .running
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            r.task.abort();
+        }
+    }
+}
+
+impl fmt::Debug for PartitionGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PartitionGroup")
+            .field("group", &self.config.group)
+            .field("partitions", &self.config.partitions)
+            .field("member", &self.config.member)
+            .field("held", &self.held())
+            .finish()
+    }
+}
+
+/// The stream of a member's gains and losses; see [`PartitionGroup::join`].
+#[derive(Debug)]
+pub struct PartitionEvents {
+    rx: mpsc::UnboundedReceiver<PartitionEvent>,
+}
+
+impl PartitionEvents {
+    /// The next event; `None` once the member left (or its task ended).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: an event not returned stays in the channel.
+    pub async fn recv(&mut self) -> Option<PartitionEvent> {
+        self.rx.recv().await
+    }
+
+    /// The next event if one is waiting.
+    pub fn try_recv(&mut self) -> Option<PartitionEvent> {
+        self.rx.try_recv().ok()
+    }
+}
+
+/// A change of what a member leads.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum PartitionEvent {
+    /// A partition was gained: act on it until its token is cancelled, then
+    /// drop the [`HeldPartition`].
+    Gained(HeldPartition),
+    /// A partition's leadership ended (its token is already cancelled).
+    Lost {
+        /// The partition.
+        partition: u32,
+        /// The term that ended.
+        term: Term,
+        /// Why: [`LossReason::HandedOver`] for a rebalancing handover,
+        /// [`LossReason::Shutdown`] for [`PartitionGroup::leave`], else the
+        /// elector's reason (connection lost, deadline, …).
+        reason: LossReason,
+    },
+}
+
+/// A partition this member leads, handed to the application with
+/// [`PartitionEvent::Gained`]. Hold it while working on the partition:
+/// after its token is cancelled by a handover or `leave`, the partition is
+/// released only once this is dropped (or after `release_grace`), so that
+/// the next leader never overlaps the work.
+pub struct HeldPartition {
+    partition: u32,
+    context: LeaderContext,
+    token: CancellationToken,
+    /// Set by the member before it cancels `token` for a handover or
+    /// `leave` (the leadership itself still lives then).
+    stopping: Arc<Mutex<Option<LossReason>>>,
+    _done: oneshot::Sender<()>,
+}
+
+impl HeldPartition {
+    /// The partition number.
+    pub fn partition(&self) -> u32 {
+        self.partition
+    }
+
+    /// The partition's role (`group/partition`), for `pgelect.fence`.
+    pub fn role(&self) -> &str {
+        self.context.role()
+    }
+
+    /// The partition's fencing term.
+    pub fn term(&self) -> Term {
+        self.context.term()
+    }
+
+    /// Cancelled when this member must stop acting on the partition: the
+    /// leadership ended, or it is being handed over. A child token:
+    /// cancelling it ends nothing.
+    pub fn token(&self) -> CancellationToken {
+        self.token.child_token()
+    }
+
+    /// True once the token is cancelled.
+    pub fn is_lost(&self) -> bool {
+        self.token.is_cancelled()
+    }
+
+    /// Why the token was cancelled; `None` while it is not. A planned stop
+    /// ([`LossReason::HandedOver`], [`LossReason::Shutdown`],
+    /// [`LossReason::Resigned`]) leaves time to wind down (the partition is
+    /// released once this handle is dropped, at most `release_grace`
+    /// later); any other reason means the leadership is already gone: stop
+    /// at once.
+    pub fn loss_reason(&self) -> Option<LossReason> {
+        if !self.token.is_cancelled() {
+            return None;
+        }
+        let planned = *self.stopping.lock().unwrap_or_else(PoisonError::into_inner);
+        planned
+            .or_else(|| self.context.loss_reason())
+            .or(Some(LossReason::Resigned))
+    }
+
+    /// Fences the caller's transaction with this partition's term (see
+    /// [`LeaderContext::fence`]).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: one statement in the caller's transaction.
+    pub async fn fence<C: GenericClient + Sync>(&self, tx: &C) -> Result<()> {
+        self.context.fence(tx).await
+    }
+}
+
+impl fmt::Debug for HeldPartition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HeldPartition")
+            .field("role", &self.role())
+            .field("term", &self.term())
+            .field("lost", &self.is_lost())
+            .finish()
+    }
+}
+
+/// Who leads which partition of a group; see [`partition_assignment`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PartitionAssignment {
+    /// The group.
+    pub group: String,
+    /// Live members (see the [module docs](crate::partitions)), sorted.
+    pub members: Vec<String>,
+    /// One entry per partition, in order.
+    pub partitions: Vec<PartitionLeader>,
+}
+
+impl PartitionAssignment {
+    /// The partitions each live member leads (members leading none
+    /// included).
+    pub fn by_member(&self) -> BTreeMap<String, Vec<u32>> {
+        let mut m: BTreeMap<String, Vec<u32>> = self
+            .members
+            .iter()
+            .map(|x| (x.clone(), Vec::new()))
+            .collect();
+        for (p, l) in self.partitions.iter().enumerate() {
+            if let Some(h) = &l.holder {
+                m.entry(h.clone()).or_default().push(p as u32);
+            }
+        }
+        m
+    }
+}
+
+/// One partition's leader in a [`PartitionAssignment`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PartitionLeader {
+    /// The partition's role (`group/partition`).
+    pub role: String,
+    /// The holder while its lease runs; `None` when unled.
+    pub holder: Option<String>,
+    /// The last term handed out (`None`: never led).
+    pub term: Option<Term>,
+}
+
+/// Who leads which partition of group `group` (of `partitions`
+/// partitions), and the group's live members, read with one statement on
+/// a connection of its own. Needs the privileges of an observer (SELECT on
+/// `leaders` and `candidates`).
+///
+/// ```no_run
+/// # async fn example() -> pgelect::Result<()> {
+/// let options = pgelect::ConnectOptions::from_url("postgres://app@db/app")?;
+/// let a = pgelect::partition_assignment(&options, "orders", 12).await?;
+/// for (member, partitions) in a.by_member() {
+///     println!("{member}: {partitions:?}");
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// # Cancel safety
+/// Cancel safe: dropping the future drops its connection.
+pub async fn partition_assignment(
+    options: &ConnectOptions,
+    group: &str,
+    partitions: u32,
+) -> Result<PartitionAssignment> {
+    if partitions == 0 || partitions > MAX_PARTITIONS || group.is_empty() || group.contains('/') {
+        return Err(Error::config(format!(
+            "not a partition group: {group:?} with {partitions} partitions (1 to {MAX_PARTITIONS}, no '/' in the name)"
+        )));
+    }
+    let (client, conn) = options.connect_plain("pgelect:partitions:status").await?;
+    let task = tokio::spawn(conn);
+    let roles: Vec<String> = (0..partitions).map(|p| partition_role(group, p)).collect();
+    let view = driver::read(&client, options.schema_name().as_str(), &roles).await;
+    drop(client);
+    let _ = task.await;
+    let (view, terms) = view?;
+    Ok(PartitionAssignment {
+        group: group.to_owned(),
+        members: view.members.into_iter().collect(),
+        partitions: view
+            .partitions
+            .into_iter()
+            .zip(roles)
+            .zip(terms)
+            .map(|((v, role), term)| PartitionLeader {
+                role,
+                holder: v.holder,
+                term,
+            })
+            .collect(),
+    })
+}

@@ -1,0 +1,295 @@
+//! The pure rules of a member: from one snapshot of the group (who leads
+//! what, which members live, which standbys are ready) and what this member
+//! holds and stands for, what it should stand for, stop standing for and
+//! hand over. No I/O, no clock: unit-tested below.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+/// One partition as the rebalancing statement read it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PartitionView {
+    /// The leader row's holder while its lease runs (`None`: released,
+    /// never led, or expired).
+    pub(crate) holder: Option<String>,
+    /// Members with a live, still polling registration for the partition's
+    /// role (may include the holder itself).
+    pub(crate) ready: Vec<String>,
+}
+
+/// The group as one statement read it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct GroupView {
+    /// Indexed by partition.
+    pub(crate) partitions: Vec<PartitionView>,
+    /// Live members: nodes with a registry row of one of the group's roles
+    /// whose backend the server shows alive.
+    pub(crate) members: BTreeSet<String>,
+}
+
+/// What a member should do now.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Plan {
+    /// Live members counted (this one included).
+    pub(crate) members: usize,
+    /// ⌈N / members⌉.
+    pub(crate) share: usize,
+    /// Standbys to start.
+    pub(crate) stand: Vec<u32>,
+    /// Standbys to stop.
+    pub(crate) unstand: Vec<u32>,
+    /// Held partitions to hand over (a ready standby of another live member
+    /// waits for each).
+    pub(crate) resign: Vec<u32>,
+}
+
+/// ⌈n / m⌉ for m ≥ 1.
+pub(crate) fn share(n: usize, members: usize) -> usize {
+    n.div_ceil(members.max(1))
+}
+
+/// A stable preference of `member` for `partition` (rendezvous hashing):
+/// FNV-1a of both, mixed. Members prefer different partitions, so that
+/// their standbys rarely pile onto the same ones.
+pub(crate) fn score(member: &str, partition: u32) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in member.bytes().chain([0xff]).chain(partition.to_le_bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    // splitmix64 finaliser: FNV's low bits mix poorly for short inputs.
+    h ^= h >> 30;
+    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h ^= h >> 27;
+    h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
+}
+
+/// The member's decision for this snapshot.
+///
+/// * `M` = live members ∪ {me}; share `s = ⌈N/M⌉`.
+/// * A partition is *unled* when its holder is not a live member (released,
+///   expired, or its member's backend is gone); held partitions count as
+///   mine whatever the snapshot says (it may lag).
+/// * Over its share, a member hands over `held - s` partitions, only ones
+///   for which a ready standby of another live member waits (a clean
+///   handoff: that standby takes it at once), least preferred first. With
+///   no such standby it keeps them: handing over into the void would leave
+///   a partition unled.
+/// * Under its share, it stands for at most `s - held` partitions: unled
+///   ones first, then, per member over its share, at most that member's
+///   excess of its partitions; current standbys first (no churn), then by
+///   preference. Hence `held + standing ≤ s` and a member is never granted
+///   more than its share as it reads it.
+pub(crate) fn plan(
+    me: &str,
+    view: &GroupView,
+    held: &BTreeSet<u32>,
+    standing: &BTreeSet<u32>,
+) -> Plan {
+    let n = view.partitions.len();
+    let mut members = view.members.clone();
+    members.insert(me.to_owned());
+    let m = members.len();
+    let s = share(n, m);
+
+    let mut counts: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
+    let mut unled = Vec::new();
+    for (p, v) in view.partitions.iter().enumerate() {
+        let p = p as u32;
+        if held.contains(&p) {
+            continue;
+        }
+        match v.holder.as_deref() {
+            Some(h) if h != me && members.contains(h) => counts.entry(h).or_default().push(p),
+            // A row naming me that I do not hold: a leadership of mine that
+            // just ended; free for anyone, me included.
+            _ => unled.push(p),
+        }
+    }
+
+    let mut resign = Vec::new();
+    if held.len() > s {
+        // A member at or over its share stands for nothing: a fresh row of
+        // one is left from a standby it stopped (rows stay fresh for a few
+        // polling intervals), not a taker.
+        let takes =
+            |r: &str| r != me && members.contains(r) && counts.get(r).map_or(0, Vec::len) < s;
+        let mut ready: Vec<u32> = held
+            .iter()
+            .copied()
+            .filter(|&p| {
+                view.partitions
+                    .get(p as usize)
+                    .is_some_and(|v| v.ready.iter().any(|r| takes(r)))
+            })
+            .collect();
+        ready.sort_by_key(|&p| (score(me, p), p));
+        ready.truncate(held.len() - s);
+        resign = ready;
+    }
+
+    let capacity = s.saturating_sub(held.len());
+    // (tier, not currently standing, preference) ascending.
+    let rank = |tier: u8, p: u32| (tier, !standing.contains(&p), u64::MAX - score(me, p), p);
+    let mut eligible: Vec<(u8, bool, u64, u32)> = unled.iter().map(|&p| rank(0, p)).collect();
+    for ps in counts.values() {
+        if ps.len() > s {
+            let mut mine: Vec<_> = ps.iter().map(|&p| rank(1, p)).collect();
+            mine.sort();
+            mine.truncate(ps.len() - s);
+            eligible.extend(mine);
+        }
+    }
+    eligible.sort();
+    let desired: BTreeSet<u32> = eligible.iter().take(capacity).map(|e| e.3).collect();
+    Plan {
+        members: m,
+        share: s,
+        stand: desired.difference(standing).copied().collect(),
+        unstand: standing.difference(&desired).copied().collect(),
+        resign,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(holders: &[Option<&str>], members: &[&str]) -> GroupView {
+        GroupView {
+            partitions: holders
+                .iter()
+                .map(|h| PartitionView {
+                    holder: h.map(str::to_owned),
+                    ready: Vec::new(),
+                })
+                .collect(),
+            members: members.iter().map(|m| (*m).to_owned()).collect(),
+        }
+    }
+
+    fn set(v: &[u32]) -> BTreeSet<u32> {
+        v.iter().copied().collect()
+    }
+
+    #[test]
+    fn shares_round_up() {
+        assert_eq!(share(12, 3), 4);
+        assert_eq!(share(12, 5), 3);
+        assert_eq!(share(1, 4), 1);
+        assert_eq!(share(7, 0), 7);
+    }
+
+    #[test]
+    fn an_empty_group_is_stood_for_up_to_the_share() {
+        let v = view(&[None; 12], &["a", "b", "c"]);
+        let p = plan("a", &v, &set(&[]), &set(&[]));
+        assert_eq!(p.share, 4);
+        assert_eq!(p.stand.len(), 4);
+        assert!(p.unstand.is_empty() && p.resign.is_empty());
+    }
+
+    #[test]
+    fn a_member_unknown_to_the_snapshot_counts_itself() {
+        let v = view(&[Some("a"); 4], &["a"]);
+        let p = plan("new", &v, &set(&[]), &set(&[]));
+        assert_eq!((p.members, p.share), (2, 2));
+        // a leads 4 > 2: two of them are worth standing for.
+        assert_eq!(p.stand.len(), 2);
+    }
+
+    #[test]
+    fn a_joiner_takes_at_most_each_members_excess() {
+        // a, b, c lead 4 each; d joins: share 3, one from each.
+        let mut h = Vec::new();
+        for m in ["a", "b", "c"] {
+            h.extend([Some(m); 4]);
+        }
+        let v = view(&h, &["a", "b", "c", "d"]);
+        let p = plan("d", &v, &set(&[]), &set(&[]));
+        assert_eq!(p.share, 3);
+        assert_eq!(p.stand.len(), 3);
+        let owners: BTreeSet<_> = p.stand.iter().map(|&x| h[x as usize].unwrap()).collect();
+        assert_eq!(owners.len(), 3, "one from each: {:?}", p.stand);
+    }
+
+    #[test]
+    fn over_its_share_a_member_hands_over_only_to_ready_standbys() {
+        let mut v = view(&[Some("a"); 4], &["a", "b"]);
+        let held = set(&[0, 1, 2, 3]);
+        // Nobody waits: keep everything.
+        assert!(plan("a", &v, &held, &set(&[])).resign.is_empty());
+        // b waits for 2 (and a dead member for 3): hand over 2 only.
+        v.partitions[2].ready = vec!["b".into(), "a".into()];
+        v.partitions[3].ready = vec!["ghost".into()];
+        let p = plan("a", &v, &held, &set(&[]));
+        assert_eq!(p.resign, vec![2]);
+        v.partitions[1].ready = vec!["b".into()];
+        v.partitions[0].ready = vec!["b".into()];
+        assert_eq!(plan("a", &v, &held, &set(&[])).resign.len(), 2);
+    }
+
+    #[test]
+    fn a_stale_row_of_a_member_at_its_share_is_no_taker() {
+        // a leads 0..4, b leads 4..6 (at its share of 3 with c), c leads
+        // 6..9; a fresh row of b for partition 0 is left from an old standby.
+        let mut h = vec![Some("a"); 4];
+        h.extend([Some("b"); 3]);
+        h.extend([Some("c"); 2]);
+        let mut v = view(&h, &["a", "b", "c"]);
+        v.partitions[0].ready = vec!["b".into()];
+        let held = set(&[0, 1, 2, 3]);
+        assert!(plan("a", &v, &held, &set(&[])).resign.is_empty());
+        // c, under its share, waits for 1: that one goes.
+        v.partitions[1].ready = vec!["c".into()];
+        assert_eq!(plan("a", &v, &held, &set(&[])).resign, vec![1]);
+    }
+
+    #[test]
+    fn a_dead_members_partitions_are_unled() {
+        let v = view(
+            &[Some("a"), Some("a"), Some("dead"), Some("dead")],
+            &["a", "b"],
+        );
+        let p = plan("b", &v, &set(&[]), &set(&[]));
+        assert_eq!(p.stand, vec![2, 3]);
+    }
+
+    #[test]
+    fn standing_and_held_never_exceed_the_share() {
+        let v = view(&[None; 10], &["a", "b", "c"]);
+        let held = set(&[0, 1]);
+        let p = plan("a", &v, &held, &set(&[5, 6, 7]));
+        // share 4, held 2: two standbys, current ones kept first.
+        let after: BTreeSet<u32> = set(&[5, 6, 7])
+            .difference(&p.unstand.iter().copied().collect())
+            .copied()
+            .chain(p.stand.iter().copied())
+            .collect();
+        assert_eq!(after.len(), 2);
+        assert!(p.stand.is_empty());
+        assert_eq!(p.unstand.len(), 1);
+    }
+
+    #[test]
+    fn members_at_their_share_are_left_alone() {
+        let v = view(&[Some("a"), Some("a"), Some("b"), Some("b")], &["a", "b"]);
+        let p = plan("a", &v, &set(&[0, 1]), &set(&[]));
+        assert_eq!(
+            p,
+            Plan {
+                members: 2,
+                share: 2,
+                ..Plan::default()
+            }
+        );
+    }
+
+    #[test]
+    fn preferences_differ_between_members() {
+        let a: Vec<u64> = (0..8).map(|p| score("a", p)).collect();
+        let b: Vec<u64> = (0..8).map(|p| score("b", p)).collect();
+        assert_ne!(a, b);
+        assert_eq!(score("a", 3), score("a", 3));
+    }
+}
