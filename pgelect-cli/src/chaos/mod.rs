@@ -395,7 +395,7 @@ impl Rng {
 }
 
 /// One injected fault and what followed.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Injected {
     fault: Fault,
     at: u128,
@@ -1172,23 +1172,14 @@ impl Findings {
     }
 }
 
+/// Reads one backend's histories (the workers' logs, the table) and
+/// judges them.
 async fn check(
     run: &Run<'_>,
     admin: &tokio_postgres::Client,
     injected: &[Injected],
 ) -> Result<Findings, Failure> {
-    let mut f = Findings::default();
     let events = read_events(&run.dir);
-    let ivs = intervals(&events);
-    // Terms rise with every start.
-    for w in ivs.windows(2) {
-        if w[1].term <= w[0].term {
-            f.violations.push(format!(
-                "terms did not rise: {} started term {} at {} after {} started term {} at {}",
-                w[1].node, w[1].term, w[1].start, w[0].node, w[0].term, w[0].start
-            ));
-        }
-    }
     // Committed writes, in commit order (the id is drawn inside the
     // transaction, after the fence, which holds the row against a bump).
     let rows = admin
@@ -1205,6 +1196,30 @@ async fn check(
         .iter()
         .map(|r| (r.get(0), r.get(1), r.get(2)))
         .collect();
+    let timing = timing(run.args, run.backend)?;
+    Ok(judge(&events, &committed, injected, run.backend, &timing))
+}
+
+/// The checker proper, on histories alone: the workers' events (sorted by
+/// time), the committed writes in commit order, the faults injected.
+fn judge(
+    events: &[Event],
+    committed: &[(String, i64, i64)],
+    injected: &[Injected],
+    backend: BackendArg,
+    timing: &pgelect::TimingReport,
+) -> Findings {
+    let mut f = Findings::default();
+    let ivs = intervals(events);
+    // Terms rise with every start.
+    for w in ivs.windows(2) {
+        if w[1].term <= w[0].term {
+            f.violations.push(format!(
+                "terms did not rise: {} started term {} at {} after {} started term {} at {}",
+                w[1].node, w[1].term, w[1].start, w[0].node, w[0].term, w[0].start
+            ));
+        }
+    }
     f.writes_committed = committed.len();
     for w in committed.windows(2) {
         if w[1].1 < w[0].1 {
@@ -1256,11 +1271,10 @@ async fn check(
         }
     }
     // The gap after each fault against its bound.
-    let timing = timing(run.args, run.backend)?;
     for i in injected.iter().filter(|i| i.skipped.is_none()) {
         let Some(n) = i.next_start else { continue };
         let gap = Duration::from_nanos(n.saturating_sub(i.at) as u64);
-        let b = bound(i.fault, run.backend, &timing);
+        let b = bound(i.fault, backend, timing);
         if gap > b {
             f.violations.push(format!(
                 "{} on {} (term {}) at {}: the next term began at {}, {} ms later, over the bound of {} ms",
@@ -1306,7 +1320,7 @@ async fn check(
             ));
         }
     }
-    Ok(f)
+    f
 }
 
 fn percentile(v: &[f64], p: f64) -> f64 {
@@ -1680,5 +1694,188 @@ mod tests {
             ("c2", "c3")
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn ev(what: &str, node: &str, term: i64, at_ms: u128, pid: u32) -> Event {
+        Event {
+            what: what.to_owned(),
+            node: node.to_owned(),
+            term,
+            at: at_ms * 1_000_000,
+            pid,
+        }
+    }
+
+    fn standard(backend: BackendArg) -> pgelect::TimingReport {
+        let args = ChaosArgs {
+            candidates: 3,
+            duration: Duration::from_secs(1),
+            seed: None,
+            ttl: Duration::from_secs(2),
+            profile: ProfileArg::Standard,
+            backends: vec![backend],
+            faults: vec![],
+            json: None,
+            logs: None,
+            rogue: false,
+        };
+        timing(&args, backend).unwrap()
+    }
+
+    fn fault(fault: Fault, node: &str, term: i64, at_ms: u128, next_ms: Option<u128>) -> Injected {
+        Injected {
+            fault,
+            at: at_ms * 1_000_000,
+            node: node.to_owned(),
+            term,
+            next_start: next_ms.map(|n| n * 1_000_000),
+            paused: None,
+            skipped: None,
+        }
+    }
+
+    /// c1 leads term 1 from 0 to 1000 ms, is killed at 1000 ms; c2 leads
+    /// term 2 from 1400 ms. Clean.
+    fn clean_history() -> (Vec<Event>, Vec<(String, i64, i64)>) {
+        let events = vec![
+            ev("start", "c1", 1, 0, 11),
+            ev("write:1:ok", "c1", 1, 50, 11),
+            ev("tick", "c1", 1, 1000, 11),
+            ev("start", "c2", 2, 1400, 12),
+            ev("write:1:ok", "c2", 2, 1450, 12),
+            ev("tick", "c2", 2, 1500, 12),
+        ];
+        let committed = vec![("c1".into(), 1, 1), ("c2".into(), 2, 1)];
+        (events, committed)
+    }
+
+    #[test]
+    fn the_checker_passes_a_clean_history() {
+        let (events, committed) = clean_history();
+        let t = standard(BackendArg::Session);
+        let f = judge(
+            &events,
+            &committed,
+            &[fault(Fault::Kill, "c1", 1, 1000, Some(1400))],
+            BackendArg::Session,
+            &t,
+        );
+        assert!(f.violations.is_empty(), "{:?}", f.violations);
+        assert_eq!(f.writes_committed, 2);
+    }
+
+    #[test]
+    fn the_checker_fails_a_gap_over_the_bound_naming_the_fault() {
+        let (events, committed) = clean_history();
+        let t = standard(BackendArg::Session);
+        let b = bound(Fault::Kill, BackendArg::Session, &t).as_millis();
+        // The next leader acted 1 ms after the bound.
+        let late = fault(Fault::Kill, "c1", 1, 1000, Some(1000 + b + 1));
+        let f = judge(&events, &committed, &[late], BackendArg::Session, &t);
+        assert_eq!(f.violations.len(), 1, "{:?}", f.violations);
+        assert!(
+            f.violations[0].starts_with("kill on c1 (term 1)")
+                && f.violations[0].contains("over the bound"),
+            "{}",
+            f.violations[0]
+        );
+    }
+
+    #[test]
+    fn the_checker_counts_a_healthy_leaders_refused_write_as_lost() {
+        let (mut events, committed) = clean_history();
+        // c2 (term 2) had a write refused although nothing was done to it.
+        events.push(ev("write:2:refused", "c2", 2, 1480, 12));
+        events.sort_by_key(|e| e.at);
+        let t = standard(BackendArg::Lease);
+        let injected = [fault(Fault::Kill, "c1", 1, 1000, Some(1400))];
+        let f = judge(&events, &committed, &injected, BackendArg::Lease, &t);
+        assert_eq!(f.lost_at, vec![1480 * 1_000_000], "{:?}", f.violations);
+        assert!(
+            f.violations[0].contains("c2#2 of term 2"),
+            "{:?}",
+            f.violations
+        );
+        // The same refusal after a fault on that leader is no loss.
+        let mut after = injected.to_vec();
+        after.push(fault(Fault::Stop, "c2", 2, 1470, None));
+        let f = judge(&events, &committed, &after, BackendArg::Lease, &t);
+        assert!(f.lost_at.is_empty(), "{:?}", f.violations);
+    }
+
+    #[test]
+    fn the_checker_fails_an_acknowledged_write_missing_from_the_table() {
+        let (events, mut committed) = clean_history();
+        committed.pop();
+        let t = standard(BackendArg::Session);
+        let f = judge(&events, &committed, &[], BackendArg::Session, &t);
+        assert_eq!(f.lost_at.len(), 1, "{:?}", f.violations);
+        assert!(f.violations[0].contains("acknowledged but is not in the table"));
+    }
+
+    #[test]
+    fn the_checker_fails_two_leaders_and_writes_out_of_term_order() {
+        let (mut events, mut committed) = clean_history();
+        // c1 still ticks at 1450 ms, after c2 began at 1400 ms.
+        events.push(ev("tick", "c1", 1, 1450, 11));
+        events.sort_by_key(|e| e.at);
+        committed.push(("c1".into(), 1, 2));
+        let t = standard(BackendArg::Session);
+        let f = judge(&events, &committed, &[], BackendArg::Session, &t);
+        assert_eq!(f.overlaps_at.len(), 1, "{:?}", f.violations);
+        assert!(f
+            .violations
+            .iter()
+            .any(|v| v.starts_with("two leaders at once: c1 (term 1, pid 11)")));
+        assert!(f
+            .violations
+            .iter()
+            .any(|v| v.starts_with("fenced write c1#2 of term 1 committed after c2#1 of term 2")));
+    }
+
+    #[test]
+    fn every_fault_has_a_bound_above_the_slack_and_partitions_wait_longest() {
+        for backend in [BackendArg::Session, BackendArg::Lease] {
+            let t = standard(backend);
+            for f in <Fault as ValueEnum>::value_variants() {
+                let b = bound(*f, backend, &t);
+                assert!(
+                    b >= SLACK && b < Duration::from_secs(30),
+                    "{f:?} {backend:?}: {b:?}"
+                );
+            }
+            assert!(
+                bound(Fault::PartitionNoPreempt, backend, &t) >= bound(Fault::Kill, backend, &t)
+            );
+        }
+        // Without preemption, only the server's TCP timers (at least the
+        // ttl) free a session leader's lock.
+        let t = standard(BackendArg::Session);
+        assert!(
+            bound(Fault::PartitionNoPreempt, BackendArg::Session, &t)
+                >= t.ttl + t.handover_delay + SLACK
+        );
+    }
+
+    #[test]
+    fn the_draw_injects_every_kind_each_round_and_replays_with_the_seed() {
+        let kinds = vec![Fault::Kill, Fault::Stop, Fault::Partition, Fault::Latency];
+        let drawn = |seed| {
+            let mut rng = Rng(seed);
+            let mut d = Draw::new(kinds.clone());
+            (0..12)
+                .map(|_| d.next(&mut rng).unwrap())
+                .collect::<Vec<_>>()
+        };
+        let a = drawn(7);
+        for round in a.chunks(4) {
+            let mut r = round.to_vec();
+            r.sort();
+            let mut k = kinds.clone();
+            k.sort();
+            assert_eq!(r, k, "{a:?}");
+        }
+        assert_eq!(a, drawn(7));
+        assert_ne!(a, drawn(8));
     }
 }
