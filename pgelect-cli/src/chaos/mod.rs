@@ -195,6 +195,9 @@ pub struct WorkerArgs {
     pub idle_in_transaction_ms: u64,
 }
 
+/// The node name of the test-only rogue worker (`--rogue`).
+const ROGUE: &str = "rogue";
+
 const TICK: Duration = Duration::from_millis(5);
 const WRITE_EVERY: u32 = 10;
 
@@ -816,10 +819,10 @@ impl Run<'_> {
             &self.table,
             "--log",
         ])
-        .arg(self.dir.join("rogue.log"))
+        .arg(self.dir.join(format!("{ROGUE}.log")))
         .env("PGELECT_DATABASE_URL_FILE", self.url_file)
         .env("PGELECT_ROLE", &self.role)
-        .env("PGELECT_NODE", "rogue")
+        .env("PGELECT_NODE", ROGUE)
         .env("PGELECT_TERM", "1")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -835,7 +838,7 @@ impl Run<'_> {
         while Instant::now() < until {
             if let Some(e) = read_events(&self.dir)
                 .into_iter()
-                .find(|e| e.what == "start" && e.term > above && e.at > after)
+                .find(|e| e.what == "start" && e.term > above && e.at > after && e.node != ROGUE)
             {
                 return Some(e);
             }
@@ -1505,13 +1508,21 @@ async fn chaos(
                 run.net = Some(n);
                 injected.extend(schedule(&mut run, net_kinds.clone(), &mut rng).await?);
                 run.net = None;
+            } else if let Some(why) = &net_skip {
+                // Not silently: one skipped trial per kind, with the reason.
+                injected.extend(net_kinds.iter().map(|&fault| Injected {
+                    fault,
+                    at: now_ns(),
+                    node: "-".to_owned(),
+                    term: 0,
+                    next_start: None,
+                    paused: None,
+                    skipped: Some(why.clone()),
+                }));
             }
             let found = check(&run, &admin, &injected).await?;
             let timing = timing(args, backend)?;
             let mut kinds: BTreeMap<Fault, Vec<&Injected>> = BTreeMap::new();
-            for f in &args.faults {
-                kinds.entry(*f).or_default();
-            }
             for i in &injected {
                 kinds.entry(i.fault).or_default().push(i);
             }
@@ -1522,10 +1533,7 @@ async fn chaos(
                     .filter_map(|i| i.next_start.map(|n| (n.saturating_sub(i.at)) as f64 / 1e6))
                     .collect();
                 let skipped = list.iter().filter(|i| i.skipped.is_some()).count();
-                let skipped_reason = match (list.is_empty(), fault.needs_netns(), &net_skip) {
-                    (true, true, Some(why)) => Some(why.clone()),
-                    _ => list.iter().find_map(|i| i.skipped.clone()),
-                };
+                let skipped_reason = list.iter().find_map(|i| i.skipped.clone());
                 let (overlaps, paused, stale, lost) = found.by_fault(&injected, fault);
                 let max_gap = took.iter().copied().fold(0.0, f64::max);
                 let bound_ms = bound(fault, backend, &timing).as_millis() as u64;
