@@ -431,6 +431,26 @@ pub(crate) mod throwaway {
             self.0.port()
         }
 
+        /// Stops the server (`pg_ctl stop -m fast`, or `immediate`: a crash
+        /// and recovery) and starts it again on the same port; returns once
+        /// it answers. Blocks this worker thread meanwhile.
+        pub fn restart(&self, immediate: bool) -> Result<(), Failure> {
+            tokio::task::block_in_place(|| {
+                if immediate {
+                    self.0.kill()?;
+                } else {
+                    self.0.stop()?;
+                }
+                self.0.start_again()
+            })
+            .map_err(|e| {
+                Failure::new(
+                    exit::UNAVAILABLE,
+                    format!("cannot restart the throwaway PostgreSQL: {e}"),
+                )
+            })
+        }
+
         /// Also listens on `addr` and accepts password logins from `cidr`
         /// (for `pgelect chaos`'s network namespaces); restarts the server.
         pub async fn listen_also(
@@ -549,6 +569,10 @@ pub(crate) mod throwaway {
         }
 
         pub fn port(&self) -> u16 {
+            match *self {}
+        }
+
+        pub fn restart(&self, _immediate: bool) -> Result<(), Failure> {
             match *self {}
         }
 

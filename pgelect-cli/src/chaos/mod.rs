@@ -57,7 +57,7 @@ pub struct ChaosArgs {
     #[arg(long, value_enum, value_delimiter = ',', default_values = ["session", "lease"])]
     pub backends: Vec<BackendArg>,
     /// Faults to draw from.
-    #[arg(long, value_enum, value_delimiter = ',', default_values = ["kill", "stop", "term", "terminate", "blackhole", "latency", "partition", "partition-nopreempt"])]
+    #[arg(long, value_enum, value_delimiter = ',', default_values = ["kill", "stop", "term", "terminate", "blackhole", "latency", "restart-fast", "restart-immediate", "partition", "partition-nopreempt"])]
     pub faults: Vec<Fault>,
     /// Write one JSON object per fault and backend to this file.
     #[arg(long, value_name = "FILE")]
@@ -100,6 +100,12 @@ pub enum Fault {
     /// timers free the leader's lock.
     #[value(name = "partition-nopreempt")]
     PartitionNoPreempt,
+    /// The throwaway server stopped (`pg_ctl stop -m fast`: clients
+    /// disconnected, a clean shutdown) and started again.
+    RestartFast,
+    /// The throwaway server stopped with `-m immediate` (a crash: the next
+    /// start recovers) and started again; acknowledged writes must survive.
+    RestartImmediate,
 }
 
 impl Fault {
@@ -113,6 +119,8 @@ impl Fault {
             Fault::Latency => "latency",
             Fault::Partition => "partition",
             Fault::PartitionNoPreempt => "partition-nopreempt",
+            Fault::RestartFast => "restart-fast",
+            Fault::RestartImmediate => "restart-immediate",
         }
     }
 
@@ -128,7 +136,11 @@ impl Fault {
     fn must_fail_over(self, backend: BackendArg) -> bool {
         !matches!(
             (self, backend),
-            (Fault::Latency, _) | (Fault::Terminate, BackendArg::Lease)
+            (Fault::Latency, _)
+                | (
+                    Fault::Terminate | Fault::RestartFast | Fault::RestartImmediate,
+                    BackendArg::Lease
+                )
         )
     }
 }
@@ -140,6 +152,10 @@ const SLACK: Duration = Duration::from_secs(3);
 /// A lease-backend standby's longest sleep between two attempts without a
 /// LISTEN connection (the library's `retry_every` default).
 const RETRY_EVERY: Duration = Duration::from_secs(1);
+
+/// The longest a restart of the throwaway server may take (stop, crash
+/// recovery, start) on a loaded machine.
+const RESTART: Duration = Duration::from_secs(10);
 
 /// The longest time from injecting `fault` on `backend` until the next
 /// leader's worker acts: the mechanism's bound as the README states it,
@@ -178,6 +194,13 @@ fn bound(fault: Fault, backend: BackendArg, t: &pgelect::TimingReport) -> Durati
             t.ttl * 3 + Duration::from_secs(1) + t.handover_delay
         }
         (Fault::Partition | Fault::PartitionNoPreempt, Lease) => lease_gone + t.ttl,
+        // Every connection ends; the server is back within RESTART (the
+        // gap includes its downtime); candidates reconnect with backoff
+        // (at most a second), and a session leader's successor waits the
+        // handover delay.
+        (Fault::RestartFast | Fault::RestartImmediate, _) => {
+            RESTART + RETRY_EVERY + t.handover_delay
+        }
     };
     mechanism + SLACK
 }
@@ -237,25 +260,29 @@ pub async fn worker(global: &Global, args: WorkerArgs) -> Result<u8, Failure> {
     line("start");
     let options = global.connect_options()?;
     let schema = options.schema_name().as_str().to_owned();
-    let (mut client, _notices) = crate::db::connect(&options, "pgelect:chaos-worker").await?;
-    if args.idle_in_transaction_ms > 0 {
-        // A fenced transaction holds the role's row FOR SHARE, and every
-        // takeover waits for it: if this process is cut off or frozen
-        // mid-transaction, the server must end the session (see the
-        // README's note on fencing connections).
-        client
-            .execute(
-                "SELECT set_config('idle_in_transaction_session_timeout', $1, false)",
-                &[&args.idle_in_transaction_ms.to_string()],
-            )
-            .await
-            .map_err(|e| {
-                fail(format!(
-                    "cannot set idle_in_transaction_session_timeout: {}",
-                    db_error(&e)
-                ))
-            })?;
-    }
+    let connect = || async {
+        let (client, _notices) = crate::db::connect(&options, "pgelect:chaos-worker").await?;
+        if args.idle_in_transaction_ms > 0 {
+            // A fenced transaction holds the role's row FOR SHARE, and every
+            // takeover waits for it: if this process is cut off or frozen
+            // mid-transaction, the server must end the session (see the
+            // README's note on fencing connections).
+            client
+                .execute(
+                    "SELECT set_config('idle_in_transaction_session_timeout', $1, false)",
+                    &[&args.idle_in_transaction_ms.to_string()],
+                )
+                .await
+                .map_err(|e| {
+                    fail(format!(
+                        "cannot set idle_in_transaction_session_timeout: {}",
+                        db_error(&e)
+                    ))
+                })?;
+        }
+        Ok::<_, Failure>(client)
+    };
+    let mut client = connect().await?;
     let mut term_signal =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(fail)?;
     let mut ticks = tokio::time::interval(TICK);
@@ -274,6 +301,17 @@ pub async fn worker(global: &Global, args: WorkerArgs) -> Result<u8, Failure> {
                     continue;
                 }
                 seq += 1;
+                if client.is_closed() {
+                    // The server restarted (or ended this session): a
+                    // leader that kept its term writes on.
+                    match tokio::time::timeout(Duration::from_secs(1), connect()).await {
+                        Ok(Ok(c)) => client = c,
+                        _ => {
+                            line(&format!("write:{seq}:failed"));
+                            continue;
+                        }
+                    }
+                }
                 let r = async {
                     let tx = client.transaction().await?;
                     tx.query_one(&format!("SELECT {schema}.fence($1, $2)"), &[&role, &term]).await?;
@@ -578,7 +616,7 @@ struct Netted {
 
 impl Netted {
     /// Grants or revokes `pg_signal_backend` for every candidate's user.
-    async fn set_preempt(&self, admin: &tokio_postgres::Client, on: bool) -> Result<(), Failure> {
+    async fn set_preempt(&self, admin: &Admin, on: bool) -> Result<(), Failure> {
         for u in &self.users {
             let sql = if on {
                 format!("GRANT pg_signal_backend TO \"{u}\"")
@@ -586,6 +624,8 @@ impl Netted {
                 format!("REVOKE pg_signal_backend FROM \"{u}\"")
             };
             admin
+                .get()
+                .await?
                 .batch_execute(&sql)
                 .await
                 .map_err(|e| fail(format!("{sql}: {}", db_error(&e))))?;
@@ -594,9 +634,50 @@ impl Netted {
     }
 }
 
+/// The command's own connection, made again when the server restarted.
+struct Admin {
+    options: pgelect::ConnectOptions,
+    client: tokio::sync::Mutex<tokio_postgres::Client>,
+}
+
+impl Admin {
+    async fn connect(options: &pgelect::ConnectOptions) -> Result<Admin, Failure> {
+        let (client, _notices) = crate::db::connect(options, "pgelect:chaos").await?;
+        Ok(Admin {
+            options: options.clone(),
+            client: tokio::sync::Mutex::new(client),
+        })
+    }
+
+    /// The connection, reconnected if it was closed.
+    async fn get(&self) -> Result<tokio::sync::MutexGuard<'_, tokio_postgres::Client>, Failure> {
+        let mut c = self.client.lock().await;
+        if c.is_closed() {
+            let mut last = None;
+            // The server may still be starting: a few attempts.
+            for _ in 0..20 {
+                match crate::db::connect(&self.options, "pgelect:chaos").await {
+                    Ok((client, _)) => {
+                        *c = client;
+                        return Ok(c);
+                    }
+                    Err(e) => last = Some(e),
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            return Err(last.expect("BUG: no attempt made"));
+        }
+        Ok(c)
+    }
+}
+
 /// The server's sessions that are not idle, and who blocks them: why a
 /// takeover may hang.
-async fn busy_sessions(admin: &tokio_postgres::Client) -> String {
+async fn busy_sessions(admin: &Admin) -> String {
+    let admin = match admin.get().await {
+        Ok(a) => a,
+        Err(e) => return format!("  (cannot connect: {})", e.message),
+    };
     let rows = admin
         .query(
             "SELECT format('  pid %s %s: %s, waiting %s, blocked by %s, for %s s: %s',
@@ -643,7 +724,9 @@ struct Run<'a> {
     proxied: Option<&'a UrlParts>,
     /// Namespaces and users (second phase).
     net: Option<&'a mut Netted>,
-    admin: &'a tokio_postgres::Client,
+    /// The throwaway server, for restarts.
+    server: Option<&'a crate::demo::throwaway::Server>,
+    admin: &'a Admin,
     schema: String,
     role: String,
     backend: BackendArg,
@@ -686,12 +769,17 @@ impl Run<'_> {
                     self.table
                 ));
                 for q in &sql {
-                    self.admin.batch_execute(q).await.map_err(|e| {
-                        fail(format!(
-                            "cannot set up the candidate's user {user}: {}",
-                            db_error(&e)
-                        ))
-                    })?;
+                    self.admin
+                        .get()
+                        .await?
+                        .batch_execute(q)
+                        .await
+                        .map_err(|e| {
+                            fail(format!(
+                                "cannot set up the candidate's user {user}: {}",
+                                db_error(&e)
+                            ))
+                        })?;
                 }
                 netted.users.push(user.clone());
                 let made = netted
@@ -833,6 +921,14 @@ impl Run<'_> {
     }
 
     /// Waits for a start of a term above `above` after `after`; returns it.
+    /// The start of the highest term so far (the rogue's aside).
+    fn latest_start(&self) -> Option<Event> {
+        read_events(&self.dir)
+            .into_iter()
+            .filter(|e| e.what == "start" && e.node != ROGUE)
+            .max_by_key(|e| e.term)
+    }
+
     async fn next_start(&self, above: i64, after: u128, within: Duration) -> Option<Event> {
         let until = Instant::now() + within;
         while Instant::now() < until {
@@ -908,6 +1004,8 @@ fn timing(args: &ChaosArgs, backend: BackendArg) -> Result<pgelect::TimingReport
 struct Draw {
     kinds: Vec<Fault>,
     round: Vec<Fault>,
+    /// How many were drawn so far.
+    drawn: usize,
 }
 
 impl Draw {
@@ -915,6 +1013,7 @@ impl Draw {
         Draw {
             kinds,
             round: Vec::new(),
+            drawn: 0,
         }
     }
 
@@ -927,6 +1026,7 @@ impl Draw {
                 self.round.swap(i, j);
             }
         }
+        self.drawn += 1;
         self.round.pop()
     }
 }
@@ -958,10 +1058,16 @@ async fn schedule(
             .ok_or_else(|| fail("no leader within 60 s of the start"))?;
         let mut draw = Draw::new(kinds);
         let end = Instant::now() + args.duration;
-        while Instant::now() < end {
+        // At least one full round, so that every kind is injected.
+        while Instant::now() < end || draw.drawn < draw.kinds.len() {
             // Let the leader settle and write for a while.
             tokio::time::sleep(Duration::from_millis(500 + rng.below(1000))).await;
             let Some(fault) = draw.next(rng) else { break };
+            // Leadership may have moved after the last fault's window (a
+            // lease leader that lost its deadline during a restart).
+            if let Some(e) = run.latest_start().filter(|e| e.term > leader.term) {
+                leader = e;
+            }
             let at = now_ns();
             let Some(i) = sups.iter().position(|s| s.node == leader.node) else {
                 return Err(fail(format!(
@@ -1022,10 +1128,19 @@ async fn schedule(
                         p.delay(Duration::ZERO);
                     }
                 },
-                Fault::Terminate => match terminate_backends(admin, &run.role, &leader.node).await {
+                Fault::Terminate => match terminate_backends(&*admin.get().await?, &run.role, &leader.node).await {
                     Ok(0) => skipped = Some("no backend of the leader found".to_owned()),
                     Ok(_) => {}
                     Err(e) => skipped = Some(format!("pg_terminate_backend refused: {e}")),
+                },
+                Fault::RestartFast | Fault::RestartImmediate => match run.server {
+                    None => {
+                        skipped = Some(
+                            "restarts need the throwaway server: run without --database-url"
+                                .to_owned(),
+                        )
+                    }
+                    Some(server) => server.restart(fault == Fault::RestartImmediate)?,
                 },
                 Fault::Partition | Fault::PartitionNoPreempt => {
                     match (run.net.as_deref(), sups[i].ns.as_ref()) {
@@ -1064,8 +1179,9 @@ async fn schedule(
                     .await
             } else {
                 // The leader may stay in place: a new term counts only if it
-                // began while the fault was on or right after.
-                run.next_start(leader.term, at, Duration::from_millis(500))
+                // began while the fault was on or soon after (within a ttl:
+                // a leader that could not renew meanwhile loses by then).
+                run.next_start(leader.term, at, args.ttl + Duration::from_millis(500))
                     .await
             };
             injected.push(Injected {
@@ -1177,15 +1293,13 @@ impl Findings {
 
 /// Reads one backend's histories (the workers' logs, the table) and
 /// judges them.
-async fn check(
-    run: &Run<'_>,
-    admin: &tokio_postgres::Client,
-    injected: &[Injected],
-) -> Result<Findings, Failure> {
+async fn check(run: &Run<'_>, admin: &Admin, injected: &[Injected]) -> Result<Findings, Failure> {
     let events = read_events(&run.dir);
     // Committed writes, in commit order (the id is drawn inside the
     // transaction, after the fence, which holds the row against a bump).
     let rows = admin
+        .get()
+        .await?
         .query(
             &format!(
                 "SELECT node, term, seq FROM {} WHERE role = $1 ORDER BY id",
@@ -1431,10 +1545,12 @@ async fn chaos(
         }
     }
     let url_file = crate::demo::UrlFile::write(&url)?;
-    let (admin, _notices) = crate::db::connect(&options, "pgelect:chaos").await?;
+    let admin = Admin::connect(&options).await?;
     let schema = options.schema_name().as_str().to_owned();
     let table = format!("pgelect_chaos_{seed:x}");
     admin
+        .get()
+        .await?
         .batch_execute(&format!(
             "CREATE TABLE {table} (id bigserial PRIMARY KEY, role text NOT NULL, node text NOT NULL,
                                    term bigint NOT NULL, seq bigint NOT NULL)"
@@ -1490,6 +1606,7 @@ async fn chaos(
                 url_file: url_file.path(),
                 proxied: proxied.as_ref(),
                 net: None,
+                server: server.as_ref(),
                 admin: &admin,
                 schema: schema.clone(),
                 role: role.clone(),
@@ -1575,9 +1692,11 @@ async fn chaos(
         Ok(())
     }
     .await;
-    let _ = admin
-        .batch_execute(&format!("DROP TABLE IF EXISTS {table}"))
-        .await;
+    if let Ok(c) = admin.get().await {
+        let _ = c
+            .batch_execute(&format!("DROP TABLE IF EXISTS {table}"))
+            .await;
+    }
     // The candidates' users live in the throwaway cluster, removed with it.
     drop(netted);
     drop(url_file);
