@@ -57,7 +57,7 @@ pub struct ChaosArgs {
     #[arg(long, value_enum, value_delimiter = ',', default_values = ["session", "lease"])]
     pub backends: Vec<BackendArg>,
     /// Faults to draw from.
-    #[arg(long, value_enum, value_delimiter = ',', default_values = ["kill", "stop", "term", "terminate", "blackhole", "latency", "restart-fast", "restart-immediate", "partition", "partition-nopreempt"])]
+    #[arg(long, value_enum, value_delimiter = ',', default_values = ["kill", "stop", "term", "terminate", "blackhole", "latency", "starve", "restart-fast", "restart-immediate", "partition", "partition-nopreempt"])]
     pub faults: Vec<Fault>,
     /// Write one JSON object per fault and backend to this file.
     #[arg(long, value_name = "FILE")]
@@ -100,6 +100,11 @@ pub enum Fault {
     /// timers free the leader's lock.
     #[value(name = "partition-nopreempt")]
     PartitionNoPreempt,
+    /// The leader's supervisor and worker starved of CPU for 1.5 × the TTL:
+    /// each 10 ms they run 1 ms (SIGSTOP, SIGCONT), so timers fire late.
+    /// Unlike a pause the supervisor keeps running now and then and must
+    /// stop its worker in time: no overlap is excused.
+    Starve,
     /// The throwaway server stopped (`pg_ctl stop -m fast`: clients
     /// disconnected, a clean shutdown) and started again.
     RestartFast,
@@ -119,6 +124,7 @@ impl Fault {
             Fault::Latency => "latency",
             Fault::Partition => "partition",
             Fault::PartitionNoPreempt => "partition-nopreempt",
+            Fault::Starve => "starve",
             Fault::RestartFast => "restart-fast",
             Fault::RestartImmediate => "restart-immediate",
         }
@@ -136,7 +142,7 @@ impl Fault {
     fn must_fail_over(self, backend: BackendArg) -> bool {
         !matches!(
             (self, backend),
-            (Fault::Latency, _)
+            (Fault::Latency | Fault::Starve, _)
                 | (
                     Fault::Terminate | Fault::RestartFast | Fault::RestartImmediate,
                     BackendArg::Lease
@@ -152,6 +158,10 @@ const SLACK: Duration = Duration::from_secs(3);
 /// A lease-backend standby's longest sleep between two attempts without a
 /// LISTEN connection (the library's `retry_every` default).
 const RETRY_EVERY: Duration = Duration::from_secs(1);
+
+/// A starved leader runs STARVE_ON of every STARVE_OFF + STARVE_ON.
+const STARVE_ON: Duration = Duration::from_millis(1);
+const STARVE_OFF: Duration = Duration::from_millis(9);
 
 /// The longest a restart of the throwaway server may take (stop, crash
 /// recovery, start) on a loaded machine.
@@ -178,7 +188,7 @@ fn bound(fault: Fault, backend: BackendArg, t: &pgelect::TimingReport) -> Durati
         (Fault::Term, Lease) => RETRY_EVERY,
         // The fault lasts 1.5 × ttl; then at the latest the old leader finds
         // its deadline passed and lets go (or was preempted before).
-        (Fault::Stop | Fault::Blackhole | Fault::Latency, _) => {
+        (Fault::Stop | Fault::Blackhole | Fault::Latency | Fault::Starve, _) => {
             t.ttl * 3 / 2 + t.handover_delay + RETRY_EVERY
         }
         // The lease expires (ttl); a standby's observer preempts within its
@@ -1133,6 +1143,26 @@ async fn schedule(
                     Ok(_) => {}
                     Err(e) => skipped = Some(format!("pg_terminate_backend refused: {e}")),
                 },
+                Fault::Starve => {
+                    // SIGSTOP/SIGCONT duty cycle rather than cgroup cpu.max:
+                    // it needs no root nor a delegated cgroup, and touches
+                    // exactly these two processes.
+                    let pids = [sups[i].child.id(), Some(leader.pid)];
+                    let until = Instant::now() + args.ttl * 3 / 2;
+                    while Instant::now() < until {
+                        for p in pids {
+                            signal(p, nix::sys::signal::Signal::SIGSTOP);
+                        }
+                        tokio::time::sleep(STARVE_OFF).await;
+                        for p in pids {
+                            signal(p, nix::sys::signal::Signal::SIGCONT);
+                        }
+                        tokio::time::sleep(STARVE_ON).await;
+                    }
+                    for p in pids {
+                        signal(p, nix::sys::signal::Signal::SIGCONT);
+                    }
+                }
                 Fault::RestartFast | Fault::RestartImmediate => match run.server {
                     None => {
                         skipped = Some(
