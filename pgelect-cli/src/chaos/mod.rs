@@ -57,7 +57,7 @@ pub struct ChaosArgs {
     #[arg(long, value_enum, value_delimiter = ',', default_values = ["session", "lease"])]
     pub backends: Vec<BackendArg>,
     /// Faults to draw from.
-    #[arg(long, value_enum, value_delimiter = ',', default_values = ["kill", "stop", "term", "terminate", "blackhole", "latency", "starve", "restart-fast", "restart-immediate", "partition", "partition-nopreempt"])]
+    #[arg(long, value_enum, value_delimiter = ',', default_values = ["kill", "stop", "term", "terminate", "blackhole", "latency", "starve", "clock-jump", "restart-fast", "restart-immediate", "partition", "partition-nopreempt"])]
     pub faults: Vec<Fault>,
     /// Write one JSON object per fault and backend to this file.
     #[arg(long, value_name = "FILE")]
@@ -105,6 +105,10 @@ pub enum Fault {
     /// Unlike a pause the supervisor keeps running now and then and must
     /// stop its worker in time: no overlap is excused.
     Starve,
+    /// The leader's supervisor's wall clock jumps an hour forward or back
+    /// (libfaketime, preloaded into every supervisor of the first phase),
+    /// and back again after 1.5 × the TTL: nothing may depend on it.
+    ClockJump,
     /// The throwaway server stopped (`pg_ctl stop -m fast`: clients
     /// disconnected, a clean shutdown) and started again.
     RestartFast,
@@ -125,6 +129,7 @@ impl Fault {
             Fault::Partition => "partition",
             Fault::PartitionNoPreempt => "partition-nopreempt",
             Fault::Starve => "starve",
+            Fault::ClockJump => "clock-jump",
             Fault::RestartFast => "restart-fast",
             Fault::RestartImmediate => "restart-immediate",
         }
@@ -142,7 +147,7 @@ impl Fault {
     fn must_fail_over(self, backend: BackendArg) -> bool {
         !matches!(
             (self, backend),
-            (Fault::Latency | Fault::Starve, _)
+            (Fault::Latency | Fault::Starve | Fault::ClockJump, _)
                 | (
                     Fault::Terminate | Fault::RestartFast | Fault::RestartImmediate,
                     BackendArg::Lease
@@ -188,7 +193,7 @@ fn bound(fault: Fault, backend: BackendArg, t: &pgelect::TimingReport) -> Durati
         (Fault::Term, Lease) => RETRY_EVERY,
         // The fault lasts 1.5 × ttl; then at the latest the old leader finds
         // its deadline passed and lets go (or was preempted before).
-        (Fault::Stop | Fault::Blackhole | Fault::Latency | Fault::Starve, _) => {
+        (Fault::Stop | Fault::Blackhole | Fault::Latency | Fault::Starve | Fault::ClockJump, _) => {
             t.ttl * 3 / 2 + t.handover_delay + RETRY_EVERY
         }
         // The lease expires (ttl); a standby's observer preempts within its
@@ -255,6 +260,19 @@ pub async fn worker(global: &Global, args: WorkerArgs) -> Result<u8, Failure> {
             ))
         })
     };
+    if std::env::var_os("LD_PRELOAD").is_some_and(|v| v.to_string_lossy().contains("faketime")) {
+        // The clock jump is the supervisor's: the worker's log must carry
+        // real time. Same pid after exec.
+        use std::os::unix::process::CommandExt;
+        let e = std::process::Command::new(std::env::current_exe().map_err(fail)?)
+            .args(std::env::args_os().skip(1))
+            .env_remove("LD_PRELOAD")
+            .env_remove("FAKETIME_TIMESTAMP_FILE")
+            .exec();
+        return Err(fail(format!(
+            "cannot re-execute the worker without libfaketime: {e}"
+        )));
+    }
     let (role, node) = (var("PGELECT_ROLE")?, var("PGELECT_NODE")?);
     let term: i64 = var("PGELECT_TERM")?.parse().map_err(fail)?;
     let pid = std::process::id();
@@ -466,6 +484,8 @@ struct Supervisor {
     proxy: Option<proxy::Proxy>,
     /// Its network namespace, in the partition phase.
     ns: Option<netns::Ns>,
+    /// The file libfaketime reads its clock offset from, if preloaded.
+    clock: Option<PathBuf>,
 }
 
 /// A TCP proxy per supervisor, for the network faults: it can stop
@@ -709,6 +729,16 @@ async fn busy_sessions(admin: &Admin) -> String {
     }
 }
 
+/// libfaketime's multi-threaded library, where Debian's `faketime`
+/// package puts it.
+fn find_faketime() -> Option<PathBuf> {
+    let dirs = std::fs::read_dir("/usr/lib").ok()?;
+    dirs.flatten()
+        .map(|d| d.path().join("faketime/libfaketimeMT.so.1"))
+        .chain([PathBuf::from("/usr/lib/faketime/libfaketimeMT.so.1")])
+        .find(|p| p.exists())
+}
+
 /// A driver error with the server's message, if any.
 fn db_error(e: &tokio_postgres::Error) -> String {
     match e.as_db_error() {
@@ -734,6 +764,8 @@ struct Run<'a> {
     proxied: Option<&'a UrlParts>,
     /// Namespaces and users (second phase).
     net: Option<&'a mut Netted>,
+    /// libfaketime, preloaded into supervisors for clock jumps.
+    faketime: Option<PathBuf>,
     /// The throwaway server, for restarts.
     server: Option<&'a crate::demo::throwaway::Server>,
     admin: &'a Admin,
@@ -885,6 +917,20 @@ impl Run<'_> {
         ] {
             cmd.env_remove(var);
         }
+        let mut clock = None;
+        if let (Some(lib), None) = (&self.faketime, &ns) {
+            // The offset is re-read from the file (no cache), so that it can
+            // jump while the supervisor runs; monotonic clocks stay real.
+            let file = self.dir.join(format!("{node}.faketime"));
+            std::fs::write(&file, "+0\n")
+                .map_err(|e| fail(format!("cannot write {}: {e}", file.display())))?;
+            cmd.env("LD_PRELOAD", lib)
+                .env("FAKETIME_TIMESTAMP_FILE", &file)
+                .env("FAKETIME_NO_CACHE", "1")
+                .env("DONT_FAKE_MONOTONIC", "1")
+                .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+            clock = Some(file);
+        }
         let child = cmd
             .spawn()
             .map_err(|e| fail(format!("cannot start a supervisor: {e}")))?;
@@ -893,6 +939,7 @@ impl Run<'_> {
             child,
             proxy,
             ns,
+            clock,
         })
     }
 
@@ -1163,6 +1210,24 @@ async fn schedule(
                         signal(p, nix::sys::signal::Signal::SIGCONT);
                     }
                 }
+                Fault::ClockJump => match &sups[i].clock {
+                    None => {
+                        skipped = Some(
+                            "libfaketime is not installed (Debian: apt-get install faketime)"
+                                .to_owned(),
+                        )
+                    }
+                    Some(file) => {
+                        let offset = if rng.below(2) == 0 { "+3600" } else { "-3600" };
+                        let set = |o: &str| {
+                            std::fs::write(file, format!("{o}\n"))
+                                .map_err(|e| fail(format!("cannot write {}: {e}", file.display())))
+                        };
+                        set(offset)?;
+                        tokio::time::sleep(args.ttl * 3 / 2).await;
+                        set("+0")?;
+                    }
+                },
                 Fault::RestartFast | Fault::RestartImmediate => match run.server {
                     None => {
                         skipped = Some(
@@ -1636,6 +1701,11 @@ async fn chaos(
                 url_file: url_file.path(),
                 proxied: proxied.as_ref(),
                 net: None,
+                faketime: args
+                    .faults
+                    .contains(&Fault::ClockJump)
+                    .then(find_faketime)
+                    .flatten(),
                 server: server.as_ref(),
                 admin: &admin,
                 schema: schema.clone(),
