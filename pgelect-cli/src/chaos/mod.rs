@@ -11,16 +11,21 @@
 //! reads only those logs and the table, never the supervisors' state.
 //!
 //! Faults come in two phases per backend. The first: process faults
-//! (SIGKILL, SIGSTOP beyond the TTL then SIGCONT, SIGTERM),
-//! `pg_terminate_backend` on the leader's backends, and a blackhole or added
-//! latency in a TCP proxy of its own per supervisor. The second, on the
-//! throwaway server only and as root: real network partitions, each
-//! supervisor in a network namespace of its own ([`netns`]) and a database
-//! user of its own, with and without `pg_signal_backend` (zombie
-//! preemption).
+//! (SIGKILL, SIGSTOP beyond the TTL then SIGCONT, SIGTERM, CPU starvation by
+//! a SIGSTOP/SIGCONT duty cycle), `pg_terminate_backend` on the leader's
+//! backends, a blackhole or added latency in a TCP proxy of its own per
+//! supervisor, a wall-clock jump (libfaketime) and, on the throwaway server,
+//! restarts (fast and immediate). The second, on the throwaway server only
+//! and as root: real network partitions, each supervisor in a network
+//! namespace of its own ([`netns`]) and a database user of its own, with
+//! and without `pg_signal_backend` (zombie preemption). Faults are drawn
+//! from a seeded generator in rounds (every kind once per round, at least
+//! one round), so that `--seed` replays a run. A fault that cannot run here
+//! is recorded as a skipped trial with its reason.
 //!
 //! Every fault has a bound on the time until the next leader acts
-//! ([`bound`], one table); a longer gap is a violation.
+//! ([`bound`], one table); a longer gap is a violation, as is a healthy
+//! leader's refused or lost write.
 
 mod netns;
 
