@@ -184,6 +184,7 @@ async fn chaos_partitions_candidates_in_namespaces_with_and_without_preemption()
             "5",
             "--faults",
             "partition,partition-nopreempt",
+            "--every-fault",
             "--json",
             json.to_str().unwrap(),
             "--logs",

@@ -67,6 +67,10 @@ pub struct ChaosArgs {
     /// Write one JSON object per fault and backend to this file.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Go on past --duration until every fault kind was injected at least
+    /// once (per backend and phase).
+    #[arg(long)]
+    pub every_fault: bool,
     /// Keep the histories in DIR (a directory per backend: each worker's
     /// log and each supervisor's warnings), for a failing run's evidence.
     /// Default: a private directory removed at the end.
@@ -1120,8 +1124,8 @@ async fn schedule(
             .ok_or_else(|| fail("no leader within 60 s of the start"))?;
         let mut draw = Draw::new(kinds);
         let end = Instant::now() + args.duration;
-        // At least one full round, so that every kind is injected.
-        while Instant::now() < end || draw.drawn < draw.kinds.len() {
+        // With --every-fault, at least one full round.
+        while Instant::now() < end || (args.every_fault && draw.drawn < draw.kinds.len()) {
             // Let the leader settle and write for a while.
             tokio::time::sleep(Duration::from_millis(500 + rng.below(1000))).await;
             let Some(fault) = draw.next(rng) else { break };
@@ -1279,9 +1283,15 @@ async fn schedule(
                     .await
             } else {
                 // The leader may stay in place: a new term counts only if it
-                // began while the fault was on or soon after (within a ttl:
-                // a leader that could not renew meanwhile loses by then).
-                run.next_start(leader.term, at, args.ttl + Duration::from_millis(500))
+                // began while the fault was on or right after (after a
+                // restart, within a ttl: a leader that could not renew
+                // meanwhile loses by then). A later move is followed before
+                // the next fault.
+                let window = match fault {
+                    Fault::RestartFast | Fault::RestartImmediate => args.ttl,
+                    _ => Duration::ZERO,
+                };
+                run.next_start(leader.term, at, window + Duration::from_millis(500))
                     .await
             };
             injected.push(Injected {
@@ -1948,6 +1958,7 @@ mod tests {
             backends: vec![backend],
             faults: vec![],
             json: None,
+            every_fault: false,
             logs: None,
             rogue: false,
         };
