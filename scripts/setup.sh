@@ -59,6 +59,21 @@ fi
 
 $only_promtool && exit 0
 
+# libfaketime, for `pgelect chaos`'s clock-jump fault only (Debian's
+# `faketime`): installed where we can, otherwise that fault is reported
+# skipped; nothing else needs it.
+if ! compgen -G "/usr/lib/*/faketime/libfaketimeMT.so.1" >/dev/null \
+   && ! [ -e /usr/lib/faketime/libfaketimeMT.so.1 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing faketime (for pgelect chaos's clock jumps)" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends faketime >/dev/null \
+      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends faketime >/dev/null; } \
+      || echo "setup: could not install faketime; pgelect chaos will skip clock jumps" >&2
+  else
+    echo "setup: faketime is missing (optional: pgelect chaos skips clock jumps without it; sudo apt-get install faketime)" >&2
+  fi
+fi
+
 if ! command -v cargo >/dev/null 2>&1; then
   echo "setup: cargo is missing; install a Rust toolchain (https://rustup.rs) and run this again" >&2
   exit 69

@@ -430,6 +430,63 @@ pub(crate) mod throwaway {
         pub fn port(&self) -> u16 {
             self.0.port()
         }
+
+        /// Stops the server (`pg_ctl stop -m fast`, or `immediate`: a crash
+        /// and recovery) and starts it again on the same port; returns once
+        /// it answers. Blocks this worker thread meanwhile.
+        pub fn restart(&self, immediate: bool) -> Result<(), Failure> {
+            tokio::task::block_in_place(|| {
+                if immediate {
+                    self.0.kill()?;
+                } else {
+                    self.0.stop()?;
+                }
+                self.0.start_again()
+            })
+            .map_err(|e| {
+                Failure::new(
+                    exit::UNAVAILABLE,
+                    format!("cannot restart the throwaway PostgreSQL: {e}"),
+                )
+            })
+        }
+
+        /// Also listens on `addr` and accepts password logins from `cidr`
+        /// (for `pgelect chaos`'s network namespaces); restarts the server.
+        pub async fn listen_also(
+            self,
+            addr: std::net::Ipv4Addr,
+            cidr: String,
+        ) -> Result<Server, Failure> {
+            let Server(cluster, base) = self;
+            let data = cluster.data_dir().to_owned();
+            let append = |file: &str, line: String| {
+                use std::io::Write;
+                std::fs::OpenOptions::new()
+                    .append(true)
+                    .open(data.join(file))
+                    .and_then(|mut f| f.write_all(line.as_bytes()))
+                    .map_err(|e| Failure::new(exit::SOFTWARE, format!("cannot edit {file}: {e}")))
+            };
+            append(
+                "postgresql.conf",
+                format!("\nlisten_addresses = '127.0.0.1,{addr}'\n"),
+            )?;
+            append(
+                "pg_hba.conf",
+                format!("\nhost all all {cidr} scram-sha-256\n"),
+            )?;
+            let cluster = tokio::task::spawn_blocking(move || cluster.restart().map(|()| cluster))
+                .await
+                .map_err(|e| Failure::new(exit::SOFTWARE, format!("the restart task failed: {e}")))?
+                .map_err(|e| {
+                    Failure::new(
+                        exit::UNAVAILABLE,
+                        format!("cannot restart the throwaway PostgreSQL on {addr}: {e}"),
+                    )
+                })?;
+            Ok(Server(cluster, base))
+        }
     }
 
     /// A directory of the demo's own for the test kit's server and its
@@ -513,6 +570,18 @@ pub(crate) mod throwaway {
 
         pub fn port(&self) -> u16 {
             match *self {}
+        }
+
+        pub fn restart(&self, _immediate: bool) -> Result<(), Failure> {
+            match *self {}
+        }
+
+        pub async fn listen_also(
+            self,
+            _addr: std::net::Ipv4Addr,
+            _cidr: String,
+        ) -> Result<Server, Failure> {
+            match self {}
         }
     }
 

@@ -125,3 +125,238 @@ async fn chaos_refuses_a_role_that_already_has_a_leader() {
     assert!(r.stderr.contains("already has a leader"), "{}", r.stderr);
     held.resign().await.unwrap();
 }
+
+/// The names of this machine's network namespaces and links that carry
+/// `pid` the way `pgelect chaos` names its own.
+fn netns_leftovers(pid: &str) -> Vec<String> {
+    let out = |args: &[&str]| {
+        std::process::Command::new("ip")
+            .args(args)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+    };
+    let ns = format!("pgelect-chaos-{pid}-");
+    let links = [format!("pgcb{pid}"), format!("pgch{pid}x")];
+    let mut left: Vec<String> = out(&["netns", "list"])
+        .lines()
+        .filter(|l| l.starts_with(&ns))
+        .map(str::to_owned)
+        .collect();
+    left.extend(
+        out(&["-o", "link", "show"])
+            .lines()
+            .filter(|l| links.iter().any(|n| l.contains(&format!(": {n}"))))
+            .map(str::to_owned),
+    );
+    left
+}
+
+/// Root with `ip netns`: what the partition phase needs.
+fn partitions_possible() -> bool {
+    let root = std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        .unwrap_or(false);
+    root && std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// A real partition on the throwaway server `pgelect chaos` starts itself:
+/// each candidate in a network namespace of its own, the leader's link
+/// cut until another leads, once with and once without `pg_signal_backend`,
+/// on both backends; every failover within its bound, and nothing left of
+/// the namespaces afterwards. Without root the faults are reported skipped,
+/// with the reason, in the output and the JSON.
+#[cfg(feature = "throwaway")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_partitions_candidates_in_namespaces_with_and_without_preemption() {
+    let dir = TempDir::new("chaos_netns");
+    let json = dir.join("out.json");
+    let logs = dir.join("logs");
+    let r = run(
+        pgelect([
+            "chaos",
+            "--duration",
+            "6s",
+            "--seed",
+            "5",
+            "--faults",
+            "partition,partition-nopreempt",
+            "--every-fault",
+            "--json",
+            json.to_str().unwrap(),
+            "--logs",
+            logs.to_str().unwrap(),
+        ]),
+        CHAOS * 2,
+    )
+    .await;
+    println!("{}", r.stdout);
+    r.assert_code(0);
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("json written")).unwrap();
+    assert_eq!(rows.len(), 4, "two faults × two backends: {rows:?}");
+    if !partitions_possible() {
+        println!("not root or no `ip netns`: checking that partitions are reported skipped");
+        assert!(
+            r.stdout.contains("partition faults skipped: "),
+            "{}",
+            r.stdout
+        );
+        for row in &rows {
+            assert_eq!(row["skipped"], row["trials"], "{row}");
+            assert!(
+                row["skipped_reason"]
+                    .as_str()
+                    .is_some_and(|s| !s.is_empty()),
+                "{row}"
+            );
+        }
+        return;
+    }
+    for row in &rows {
+        assert_eq!(row["seed"], 5, "{row}");
+        assert_eq!(row["skipped"], 0, "{row}");
+        let trials = row["trials"].as_u64().unwrap();
+        assert!(trials > 0, "{row}");
+        // Every partition ended in a new leader, from timers alone.
+        assert_eq!(row["failovers"].as_u64(), Some(trials), "{row}");
+        for zero in ["overlaps", "stale_writes_committed", "lost_writes"] {
+            assert_eq!(row[zero], 0, "{zero}: {row}");
+        }
+        assert_eq!(row["within_bound"], true, "{row}");
+        println!(
+            "{} {}: max gap {} ms (bound {} ms)",
+            row["fault"], row["backend"], row["max_gap_ms"], row["bound_ms"]
+        );
+    }
+    // Without the privilege no session standby ended a partitioned
+    // leader's backend (their supervisors log each preemption): the
+    // server's TCP timers freed the lock.
+    let session_logs: String = std::fs::read_dir(logs.join("session"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "stderr"))
+        .map(|e| std::fs::read_to_string(e.path()).unwrap())
+        .collect();
+    let unprivileged: Vec<(String, String)> = r
+        .stdout
+        .lines()
+        .take_while(|l| !l.starts_with("session: "))
+        .filter_map(|l| l.trim().strip_prefix("partition-nopreempt on "))
+        .filter_map(|l| {
+            let (node, rest) = l.split_once(" (term ")?;
+            Some((node.to_owned(), rest.split(')').next()?.to_owned()))
+        })
+        .collect();
+    assert!(!unprivileged.is_empty(), "{}", r.stdout);
+    for (node, term) in &unprivileged {
+        let preempted = format!("term={term} holder={node}");
+        assert!(
+            !session_logs
+                .lines()
+                .any(|l| l.contains("terminated the backend") && l.contains(&preempted)),
+            "{node} (term {term}) was preempted without pg_signal_backend:\n{session_logs}"
+        );
+    }
+    // No URL (with its password) is kept with the logs.
+    for backend in ["session", "lease"] {
+        for e in std::fs::read_dir(logs.join(backend)).unwrap().flatten() {
+            assert!(
+                e.path().extension().is_none_or(|x| x != "url"),
+                "{} kept",
+                e.path().display()
+            );
+        }
+    }
+    let pid = r
+        .stdout
+        .split("on bridge pgcb")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .expect("the bridge is named")
+        .to_owned();
+    assert_eq!(netns_leftovers(&pid), Vec::<String>::new());
+}
+
+/// SIGINT in the middle of the partition phase: the run stops (75), and
+/// its namespaces, veths and bridge are gone.
+#[cfg(feature = "throwaway")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_interrupted_removes_its_namespaces() {
+    if !partitions_possible() {
+        println!("skipped: not root or no `ip netns` (the partition test checks the skip)");
+        return;
+    }
+    let mut bg = support::Background::spawn(
+        "chaos",
+        pgelect([
+            "chaos",
+            "--duration",
+            "60s",
+            "--backends",
+            "lease",
+            "--faults",
+            "partition",
+        ]),
+    );
+    let line = bg
+        .next_line("the bridge", CHAOS, |l| l.contains("on bridge pgcb"))
+        .await;
+    let pid = line
+        .split("on bridge pgcb")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .unwrap()
+        .to_owned();
+    bg.next_line("candidates in namespaces", CHAOS, |l| {
+        l.contains("candidates in network namespaces")
+    })
+    .await;
+    assert!(!netns_leftovers(&pid).is_empty(), "the namespaces exist");
+    bg.signal("INT");
+    assert_eq!(bg.wait(CHAOS).await, Some(75), "{}", bg.output());
+    assert_eq!(
+        netns_leftovers(&pid),
+        Vec::<String>::new(),
+        "{}",
+        bg.output()
+    );
+}
+
+/// The run that fails on purpose: a worker outside any supervisor acts all
+/// along with term 1 (`--rogue`, hidden, for this test). The checker must
+/// exit 70 and name the rogue's events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_fails_a_run_with_a_second_leader() {
+    let db = TestDb::new("chaos_rogue").await;
+    let r = run(
+        chaos(
+            &db,
+            &[
+                "--duration",
+                "2s",
+                "--seed",
+                "9",
+                "--backends",
+                "session",
+                "--faults",
+                "term",
+                "--rogue",
+            ],
+        ),
+        CHAOS,
+    )
+    .await;
+    println!("{}", r.stdout);
+    r.assert_code(70);
+    let proof = r
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("VIOLATION session: two leaders at once") && l.contains("rogue"))
+        .unwrap_or_else(|| panic!("no overlap with the rogue named:\n{}", r.stdout));
+    println!("{proof}");
+    assert!(!r.stdout.contains("no violation"), "{}", r.stdout);
+}

@@ -1,0 +1,2124 @@
+//! `pgelect chaos`: real `pgelect run` supervisors against a database,
+//! faults injected on a seeded schedule, and an independent check of what
+//! the workers recorded: never two leaders acting at once (outside a pause,
+//! whose fenced writes must then be refused), fenced writes in term order,
+//! terms rising, no acknowledged write lost.
+//!
+//! Each supervisor runs this binary's hidden `chaos-worker` as its command.
+//! A worker appends to a log of its own: `start`, a `tick` every 5 ms,
+//! `write SEQ ok|refused` for a fenced insert every 50 ms (`pgelect.fence`
+//! and the insert in one transaction), and `stop` on SIGTERM. The checker
+//! reads only those logs and the table, never the supervisors' state.
+//!
+//! Faults come in two phases per backend. The first: process faults
+//! (SIGKILL, SIGSTOP beyond the TTL then SIGCONT, SIGTERM, CPU starvation by
+//! a SIGSTOP/SIGCONT duty cycle), `pg_terminate_backend` on the leader's
+//! backends, a blackhole or added latency in a TCP proxy of its own per
+//! supervisor, a wall-clock jump (libfaketime) and, on the throwaway server,
+//! restarts (fast and immediate). The second, on the throwaway server only
+//! and as root: real network partitions, each supervisor in a network
+//! namespace of its own ([`netns`]) and a database user of its own, with
+//! and without `pg_signal_backend` (zombie preemption). Faults are drawn
+//! from a seeded generator in rounds (every kind once per round, at least
+//! one round), so that `--seed` replays a run. A fault that cannot run here
+//! is recorded as a skipped trial with its reason.
+//!
+//! Every fault has a bound on the time until the next leader acts
+//! ([`bound`], one table); a longer gap is a violation, as is a healthy
+//! leader's refused or lost write.
+
+mod netns;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use clap::{Args, ValueEnum};
+use tokio::process::{Child, Command};
+
+use crate::cli::Global;
+use crate::exit::{self, Failure};
+use crate::run::{BackendArg, ProfileArg};
+
+#[derive(Debug, Args)]
+pub struct ChaosArgs {
+    /// Supervisors standing at once (each a separate `pgelect run`).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(3..=16))]
+    pub candidates: u8,
+    /// How long faults are injected, per backend.
+    #[arg(long, value_parser = crate::duration::parse_positive, default_value = "60s", value_name = "DURATION")]
+    pub duration: Duration,
+    /// Seed of the fault schedule (printed; give it again to replay).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// The candidates' --ttl.
+    #[arg(long, value_parser = crate::duration::parse_positive, default_value = "2s", value_name = "DURATION")]
+    pub ttl: Duration,
+    /// The candidates' --profile.
+    #[arg(long, value_enum, default_value_t = ProfileArg::Standard)]
+    pub profile: ProfileArg,
+    /// Backends to run, one after the other.
+    #[arg(long, value_enum, value_delimiter = ',', default_values = ["session", "lease"])]
+    pub backends: Vec<BackendArg>,
+    /// Faults to draw from.
+    #[arg(long, value_enum, value_delimiter = ',', default_values = ["kill", "stop", "term", "terminate", "blackhole", "latency", "starve", "clock-jump", "restart-fast", "restart-immediate", "partition", "partition-nopreempt"])]
+    pub faults: Vec<Fault>,
+    /// Write one JSON object per fault and backend to this file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Go on past --duration until every fault kind was injected at least
+    /// once (per backend and phase).
+    #[arg(long)]
+    pub every_fault: bool,
+    /// Keep the histories in DIR (a directory per backend: each worker's
+    /// log and each supervisor's warnings), for a failing run's evidence.
+    /// Default: a private directory removed at the end.
+    #[arg(long, value_name = "DIR")]
+    pub logs: Option<PathBuf>,
+    /// Test only: also run a worker outside any supervisor, acting all the
+    /// time with term 1, so that the checker must report violations.
+    #[arg(long, hide = true)]
+    pub rogue: bool,
+}
+
+/// A fault the command injects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ValueEnum)]
+pub enum Fault {
+    /// SIGKILL the leader's supervisor (a crash).
+    Kill,
+    /// SIGSTOP the leader's supervisor and worker for 1.5 × the TTL, then
+    /// SIGCONT (a pause: only the fence protects).
+    Stop,
+    /// SIGTERM the leader's supervisor (a planned handover).
+    Term,
+    /// `pg_terminate_backend` on the leader's server backends.
+    Terminate,
+    /// The leader's traffic stops in both directions (its proxy stops
+    /// forwarding, both TCP connections stay up) for 1.5 × the TTL.
+    Blackhole,
+    /// The leader's traffic is delayed (from a quarter of its heartbeat
+    /// timeout to twice it, each way) for 1.5 × the TTL.
+    Latency,
+    /// The leader's network namespace is cut off (the kernel drops its
+    /// packets) until a new leader acts; candidates may preempt
+    /// (`pg_signal_backend`).
+    Partition,
+    /// As `partition`, with `pg_signal_backend` revoked from every
+    /// candidate's database user while it lasts: only the server's own TCP
+    /// timers free the leader's lock.
+    #[value(name = "partition-nopreempt")]
+    PartitionNoPreempt,
+    /// The leader's supervisor and worker starved of CPU for 1.5 × the TTL:
+    /// each 10 ms they run 1 ms (SIGSTOP, SIGCONT), so timers fire late.
+    /// Unlike a pause the supervisor keeps running now and then and must
+    /// stop its worker in time: no overlap is excused.
+    Starve,
+    /// The leader's supervisor's wall clock jumps an hour forward or back
+    /// (libfaketime, preloaded into every supervisor of the first phase),
+    /// and back again after 1.5 × the TTL: nothing may depend on it.
+    ClockJump,
+    /// The throwaway server stopped (`pg_ctl stop -m fast`: clients
+    /// disconnected, a clean shutdown) and started again.
+    RestartFast,
+    /// The throwaway server stopped with `-m immediate` (a crash: the next
+    /// start recovers) and started again; acknowledged writes must survive.
+    RestartImmediate,
+}
+
+impl Fault {
+    fn name(self) -> &'static str {
+        match self {
+            Fault::Kill => "kill",
+            Fault::Stop => "stop",
+            Fault::Term => "term",
+            Fault::Terminate => "terminate",
+            Fault::Blackhole => "blackhole",
+            Fault::Latency => "latency",
+            Fault::Partition => "partition",
+            Fault::PartitionNoPreempt => "partition-nopreempt",
+            Fault::Starve => "starve",
+            Fault::ClockJump => "clock-jump",
+            Fault::RestartFast => "restart-fast",
+            Fault::RestartImmediate => "restart-immediate",
+        }
+    }
+
+    /// Whether the fault needs candidates in network namespaces (the second
+    /// phase).
+    fn needs_netns(self) -> bool {
+        matches!(self, Fault::Partition | Fault::PartitionNoPreempt)
+    }
+
+    /// Whether the fault must end in a new term on `backend`: a delay may
+    /// not, and a lease leader whose connection is terminated reconnects
+    /// and renews within its deadline (it holds no lock on the connection).
+    fn must_fail_over(self, backend: BackendArg) -> bool {
+        !matches!(
+            (self, backend),
+            (Fault::Latency | Fault::Starve | Fault::ClockJump, _)
+                | (
+                    Fault::Terminate | Fault::RestartFast | Fault::RestartImmediate,
+                    BackendArg::Lease
+                )
+        )
+    }
+}
+
+/// Slack added to every bound: starting the worker process, connecting, and
+/// a loaded machine (CI: 2 cores, four test binaries at once).
+const SLACK: Duration = Duration::from_secs(3);
+
+/// A lease-backend standby's longest sleep between two attempts without a
+/// LISTEN connection (the library's `retry_every` default).
+const RETRY_EVERY: Duration = Duration::from_secs(1);
+
+/// A starved leader runs STARVE_ON of every STARVE_OFF + STARVE_ON.
+const STARVE_ON: Duration = Duration::from_millis(1);
+const STARVE_OFF: Duration = Duration::from_millis(9);
+
+/// The longest a restart of the throwaway server may take (stop, crash
+/// recovery, start) on a loaded machine.
+const RESTART: Duration = Duration::from_secs(10);
+
+/// The longest time from injecting `fault` on `backend` until the next
+/// leader's worker acts: the mechanism's bound as the README states it,
+/// plus [`SLACK`]. The one table of bounds; `max_gap_ms` is checked
+/// against it.
+fn bound(fault: Fault, backend: BackendArg, t: &pgelect::TimingReport) -> Duration {
+    use BackendArg::{Lease, Session};
+    // When a lease leader's lease has surely expired on the server clock,
+    // and a standby noticed (jitter at most 50 ms).
+    let lease_gone = t.ttl + Duration::from_millis(50);
+    let mechanism = match (fault, backend) {
+        // The socket closes with the process (or the server ends it): the
+        // lock is free at once; an unclean takeover waits the handover
+        // delay.
+        (Fault::Kill | Fault::Terminate, Session) => t.handover_delay,
+        (Fault::Kill | Fault::Terminate, Lease) => lease_gone,
+        // Planned: the leader releases; a lease standby without LISTEN
+        // polls within retry_every.
+        (Fault::Term, Session) => Duration::ZERO,
+        (Fault::Term, Lease) => RETRY_EVERY,
+        // The fault lasts 1.5 × ttl; then at the latest the old leader finds
+        // its deadline passed and lets go (or was preempted before).
+        (Fault::Stop | Fault::Blackhole | Fault::Latency | Fault::Starve | Fault::ClockJump, _) => {
+            t.ttl * 3 / 2 + t.handover_delay + RETRY_EVERY
+        }
+        // The lease expires (ttl); a standby's observer preempts within its
+        // next check, then the handover delay. A worker cut off inside a
+        // fenced transaction holds the row until the server ends its
+        // session (its idle_in_transaction_session_timeout, = ttl): the
+        // term bump waits for that.
+        (Fault::Partition, Session) => t.ttl * 3 + t.handover_delay,
+        // Only the server's TCP timers free the lock: keepalives derived
+        // from the ttl end a silent client within ttl + ttl/6 + 1 s (whole
+        // seconds) or tcp_user_timeout (= ttl); then the handover delay.
+        (Fault::PartitionNoPreempt, Session) => {
+            t.ttl * 3 + Duration::from_secs(1) + t.handover_delay
+        }
+        (Fault::Partition | Fault::PartitionNoPreempt, Lease) => lease_gone + t.ttl,
+        // Every connection ends; the server is back within RESTART (the
+        // gap includes its downtime); candidates reconnect with backoff
+        // (at most a second), and a session leader's successor waits the
+        // handover delay.
+        (Fault::RestartFast | Fault::RestartImmediate, _) => {
+            RESTART + RETRY_EVERY + t.handover_delay
+        }
+    };
+    mechanism + SLACK
+}
+
+/// The hidden worker: `pgelect chaos-worker --log FILE --table NAME`.
+#[derive(Debug, Args)]
+pub struct WorkerArgs {
+    #[arg(long)]
+    pub log: PathBuf,
+    #[arg(long)]
+    pub table: String,
+    /// `idle_in_transaction_session_timeout` of its connection, in
+    /// milliseconds (0: the server's).
+    #[arg(long, default_value_t = 0)]
+    pub idle_in_transaction_ms: u64,
+}
+
+/// The node name of the test-only rogue worker (`--rogue`).
+const ROGUE: &str = "rogue";
+
+const TICK: Duration = Duration::from_millis(5);
+const WRITE_EVERY: u32 = 10;
+
+fn now_ns() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
+}
+
+fn fail(what: impl std::fmt::Display) -> Failure {
+    Failure::new(exit::SOFTWARE, what.to_string())
+}
+
+/// The worker: records when it acts and makes fenced writes until SIGTERM.
+pub async fn worker(global: &Global, args: WorkerArgs) -> Result<u8, Failure> {
+    use std::io::Write;
+    let var = |k: &str| {
+        std::env::var(k).map_err(|_| {
+            fail(format!(
+                "{k} is not set: chaos-worker runs under pgelect run"
+            ))
+        })
+    };
+    if std::env::var_os("LD_PRELOAD").is_some_and(|v| v.to_string_lossy().contains("faketime")) {
+        // The clock jump is the supervisor's: the worker's log must carry
+        // real time. Same pid after exec.
+        use std::os::unix::process::CommandExt;
+        let e = std::process::Command::new(std::env::current_exe().map_err(fail)?)
+            .args(std::env::args_os().skip(1))
+            .env_remove("LD_PRELOAD")
+            .env_remove("FAKETIME_TIMESTAMP_FILE")
+            .exec();
+        return Err(fail(format!(
+            "cannot re-execute the worker without libfaketime: {e}"
+        )));
+    }
+    let (role, node) = (var("PGELECT_ROLE")?, var("PGELECT_NODE")?);
+    let term: i64 = var("PGELECT_TERM")?.parse().map_err(fail)?;
+    let pid = std::process::id();
+    let mut log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&args.log)
+        .map_err(fail)?;
+    let mut line = |what: &str| {
+        // One write per line (O_APPEND): lines never interleave.
+        let _ = log.write_all(format!("{what} {node} {term} {} {pid}\n", now_ns()).as_bytes());
+    };
+    line("start");
+    let options = global.connect_options()?;
+    let schema = options.schema_name().as_str().to_owned();
+    let connect = || async {
+        let (client, _notices) = crate::db::connect(&options, "pgelect:chaos-worker").await?;
+        if args.idle_in_transaction_ms > 0 {
+            // A fenced transaction holds the role's row FOR SHARE, and every
+            // takeover waits for it: if this process is cut off or frozen
+            // mid-transaction, the server must end the session (see the
+            // README's note on fencing connections).
+            client
+                .execute(
+                    "SELECT set_config('idle_in_transaction_session_timeout', $1, false)",
+                    &[&args.idle_in_transaction_ms.to_string()],
+                )
+                .await
+                .map_err(|e| {
+                    fail(format!(
+                        "cannot set idle_in_transaction_session_timeout: {}",
+                        db_error(&e)
+                    ))
+                })?;
+        }
+        Ok::<_, Failure>(client)
+    };
+    let mut client = connect().await?;
+    let mut term_signal =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(fail)?;
+    let mut ticks = tokio::time::interval(TICK);
+    let mut n: u32 = 0;
+    let mut seq: i64 = 0;
+    loop {
+        tokio::select! {
+            _ = term_signal.recv() => {
+                line("stop");
+                return Ok(0);
+            }
+            _ = ticks.tick() => {
+                line("tick");
+                n = n.wrapping_add(1);
+                if n % WRITE_EVERY != 0 {
+                    continue;
+                }
+                seq += 1;
+                if client.is_closed() {
+                    // The server restarted (or ended this session): a
+                    // leader that kept its term writes on.
+                    match tokio::time::timeout(Duration::from_secs(1), connect()).await {
+                        Ok(Ok(c)) => client = c,
+                        _ => {
+                            line(&format!("write:{seq}:failed"));
+                            continue;
+                        }
+                    }
+                }
+                let r = async {
+                    let tx = client.transaction().await?;
+                    tx.query_one(&format!("SELECT {schema}.fence($1, $2)"), &[&role, &term]).await?;
+                    tx.execute(
+                        &format!("INSERT INTO {} (role, node, term, seq) VALUES ($1, $2, $3, $4)", args.table),
+                        &[&role, &node, &term, &seq],
+                    )
+                    .await?;
+                    tx.commit().await
+                }
+                .await;
+                match r {
+                    Ok(()) => line(&format!("write:{seq}:ok")),
+                    Err(e) if e.code().is_some() => line(&format!("write:{seq}:refused")),
+                    // The connection is gone: the supervisor will end us.
+                    Err(_) => line(&format!("write:{seq}:failed")),
+                }
+            }
+        }
+    }
+}
+
+/// One line of a worker log.
+#[derive(Clone, Debug)]
+struct Event {
+    what: String,
+    node: String,
+    term: i64,
+    at: u128,
+    pid: u32,
+}
+
+fn read_events(dir: &Path) -> Vec<Event> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        if e.path().extension().is_none_or(|x| x != "log") {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(e.path()) else {
+            continue;
+        };
+        for l in text.lines() {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            if let [what, node, term, at, pid] = f[..] {
+                if let (Ok(term), Ok(at), Ok(pid)) = (term.parse(), at.parse(), pid.parse()) {
+                    out.push(Event {
+                        what: what.to_owned(),
+                        node: node.to_owned(),
+                        term,
+                        at,
+                        pid,
+                    });
+                }
+            }
+        }
+    }
+    out.sort_by_key(|e| e.at);
+    out
+}
+
+/// A worker's acting interval.
+#[derive(Clone, Debug)]
+struct Interval {
+    node: String,
+    term: i64,
+    pid: u32,
+    start: u128,
+    end: u128,
+}
+
+fn intervals(events: &[Event]) -> Vec<Interval> {
+    let mut by_pid: BTreeMap<u32, Interval> = BTreeMap::new();
+    for e in events {
+        let i = by_pid.entry(e.pid).or_insert_with(|| Interval {
+            node: e.node.clone(),
+            term: e.term,
+            pid: e.pid,
+            start: e.at,
+            end: e.at,
+        });
+        i.start = i.start.min(e.at);
+        i.end = i.end.max(e.at);
+    }
+    let mut v: Vec<Interval> = by_pid.into_values().collect();
+    v.sort_by_key(|i| i.start);
+    v
+}
+
+/// Every pair of acting intervals of different workers that overlap, the
+/// earlier-started first.
+fn overlapping(ivs: &[Interval]) -> Vec<(&Interval, &Interval)> {
+    let mut out = Vec::new();
+    for (i, a) in ivs.iter().enumerate() {
+        for b in ivs.iter().skip(i + 1) {
+            if b.start < a.end && a.pid != b.pid {
+                out.push((a, b));
+            }
+        }
+    }
+    out
+}
+
+/// xorshift64*: a replayable schedule without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// One injected fault and what followed.
+#[derive(Clone, Debug)]
+struct Injected {
+    fault: Fault,
+    at: u128,
+    node: String,
+    term: i64,
+    /// The next start of a higher term, if any.
+    next_start: Option<u128>,
+    /// For a pause: the frozen worker's pid and when it was continued.
+    paused: Option<(u32, u128)>,
+    skipped: Option<String>,
+}
+
+struct Supervisor {
+    node: String,
+    child: Child,
+    /// The proxy its connections go through, when the URL allows one.
+    proxy: Option<proxy::Proxy>,
+    /// Its network namespace, in the partition phase.
+    ns: Option<netns::Ns>,
+    /// The file libfaketime reads its clock offset from, if preloaded.
+    clock: Option<PathBuf>,
+}
+
+/// A TCP proxy per supervisor, for the network faults: it can stop
+/// forwarding (both TCP connections stay up: the kernels keep acknowledging)
+/// or delay every chunk.
+mod proxy {
+    use std::net::SocketAddr;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    #[derive(Default)]
+    struct State {
+        blackhole: AtomicBool,
+        delay_ms: AtomicU64,
+    }
+
+    pub struct Proxy {
+        pub port: u16,
+        state: Arc<State>,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    impl Proxy {
+        pub async fn start(upstream: SocketAddr) -> std::io::Result<Proxy> {
+            let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
+            let port = listener.local_addr()?.port();
+            let state = Arc::new(State::default());
+            let s = state.clone();
+            let task = tokio::spawn(async move {
+                let mut pipes = tokio::task::JoinSet::new();
+                while let Ok((client, _)) = listener.accept().await {
+                    let s = s.clone();
+                    pipes.spawn(async move {
+                        let Ok(server) = TcpStream::connect(upstream).await else {
+                            return;
+                        };
+                        let (cr, cw) = client.into_split();
+                        let (sr, sw) = server.into_split();
+                        tokio::join!(pipe(cr, sw, &s), pipe(sr, cw, &s));
+                    });
+                }
+            });
+            Ok(Proxy { port, state, task })
+        }
+
+        pub fn blackhole(&self, on: bool) {
+            self.state.blackhole.store(on, Ordering::SeqCst);
+        }
+
+        pub fn delay(&self, d: Duration) {
+            self.state
+                .delay_ms
+                .store(d.as_millis() as u64, Ordering::SeqCst);
+        }
+    }
+
+    impl Drop for Proxy {
+        fn drop(&mut self) {
+            self.task.abort();
+        }
+    }
+
+    async fn pipe(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        s: &State,
+    ) {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            // Blackholed: read nothing, so nothing is forwarded, not even
+            // an end of stream, and both connections stay up.
+            while s.blackhole.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let delay = s.delay_ms.load(Ordering::SeqCst);
+            if delay > 0 {
+                tokio::time::sleep(Duration::from_millis(delay)).await;
+            }
+            while s.blackhole.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            if to.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown().await;
+    }
+}
+
+/// A single-host `postgres://` URL taken apart, to point it elsewhere.
+struct UrlParts {
+    scheme: String,
+    /// `user:password@` or empty.
+    userinfo: String,
+    /// `/database?params`.
+    tail: String,
+    /// The server's address.
+    addr: std::net::SocketAddr,
+}
+
+impl UrlParts {
+    /// `None` unless `url` is a `postgres://` URL naming one TCP host
+    /// (network faults are then skipped).
+    async fn parse(url: &str) -> Option<UrlParts> {
+        let scheme = ["postgresql://", "postgres://"]
+            .into_iter()
+            .find(|p| url.starts_with(p))?;
+        let rest = &url[scheme.len()..];
+        let end = rest.find(['/', '?']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(end);
+        let (userinfo, hostport) = match authority.rsplit_once('@') {
+            Some((u, h)) => (format!("{u}@"), h),
+            None => (String::new(), authority),
+        };
+        if hostport.contains(',') || hostport.is_empty() || hostport.starts_with('[') {
+            return None;
+        }
+        let (host, port) = match hostport.rsplit_once(':') {
+            Some((h, p)) => (h, p.parse::<u16>().ok()?),
+            None => (hostport, 5432),
+        };
+        let addr = tokio::net::lookup_host((host, port)).await.ok()?.next()?;
+        Some(UrlParts {
+            scheme: scheme.to_owned(),
+            userinfo,
+            tail: tail.to_owned(),
+            addr,
+        })
+    }
+
+    /// The URL with the host and port replaced, and the user and password
+    /// if `user` is given.
+    fn to(&self, host: &str, port: u16, user: Option<(&str, &str)>) -> String {
+        let userinfo = match user {
+            Some((u, p)) => format!("{u}:{p}@"),
+            None => self.userinfo.clone(),
+        };
+        format!("{}{userinfo}{host}:{port}{}", self.scheme, self.tail)
+    }
+}
+
+/// The second phase's set-up: the bridge and namespaces, and the database
+/// users the namespaced candidates connect as (one each, so that only
+/// `pg_signal_backend` lets one end another's backend).
+struct Netted {
+    net: netns::Net,
+    url: UrlParts,
+    users: Vec<String>,
+}
+
+impl Netted {
+    /// Grants or revokes `pg_signal_backend` for every candidate's user.
+    async fn set_preempt(&self, admin: &Admin, on: bool) -> Result<(), Failure> {
+        for u in &self.users {
+            let sql = if on {
+                format!("GRANT pg_signal_backend TO \"{u}\"")
+            } else {
+                format!("REVOKE pg_signal_backend FROM \"{u}\"")
+            };
+            admin
+                .get()
+                .await?
+                .batch_execute(&sql)
+                .await
+                .map_err(|e| fail(format!("{sql}: {}", db_error(&e))))?;
+        }
+        Ok(())
+    }
+}
+
+/// The command's own connection, made again when the server restarted.
+struct Admin {
+    options: pgelect::ConnectOptions,
+    client: tokio::sync::Mutex<tokio_postgres::Client>,
+}
+
+impl Admin {
+    async fn connect(options: &pgelect::ConnectOptions) -> Result<Admin, Failure> {
+        let (client, _notices) = crate::db::connect(options, "pgelect:chaos").await?;
+        Ok(Admin {
+            options: options.clone(),
+            client: tokio::sync::Mutex::new(client),
+        })
+    }
+
+    /// The connection, reconnected if it was closed.
+    async fn get(&self) -> Result<tokio::sync::MutexGuard<'_, tokio_postgres::Client>, Failure> {
+        let mut c = self.client.lock().await;
+        if c.is_closed() {
+            let mut last = None;
+            // The server may still be starting: a few attempts.
+            for _ in 0..20 {
+                match crate::db::connect(&self.options, "pgelect:chaos").await {
+                    Ok((client, _)) => {
+                        *c = client;
+                        return Ok(c);
+                    }
+                    Err(e) => last = Some(e),
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            return Err(last.expect("BUG: no attempt made"));
+        }
+        Ok(c)
+    }
+}
+
+/// The server's sessions that are not idle, and who blocks them: why a
+/// takeover may hang.
+async fn busy_sessions(admin: &Admin) -> String {
+    let admin = match admin.get().await {
+        Ok(a) => a,
+        Err(e) => return format!("  (cannot connect: {})", e.message),
+    };
+    let rows = admin
+        .query(
+            "SELECT format('  pid %s %s: %s, waiting %s, blocked by %s, for %s s: %s',
+                           pid, application_name, state, coalesce(wait_event_type || '/' || wait_event, '-'),
+                           pg_blocking_pids(pid), round(extract(epoch FROM now() - state_change)::numeric, 1),
+                           left(query, 80))
+               FROM pg_stat_activity
+              WHERE state IS DISTINCT FROM 'idle' AND pid <> pg_backend_pid() AND backend_type = 'client backend'",
+            &[],
+        )
+        .await;
+    match rows {
+        Ok(rows) => rows
+            .iter()
+            .map(|r| r.get::<_, String>(0))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        Err(e) => format!("  (cannot read pg_stat_activity: {})", db_error(&e)),
+    }
+}
+
+/// libfaketime's multi-threaded library, where Debian's `faketime`
+/// package puts it.
+fn find_faketime() -> Option<PathBuf> {
+    let dirs = std::fs::read_dir("/usr/lib").ok()?;
+    dirs.flatten()
+        .map(|d| d.path().join("faketime/libfaketimeMT.so.1"))
+        .chain([PathBuf::from("/usr/lib/faketime/libfaketimeMT.so.1")])
+        .find(|p| p.exists())
+}
+
+/// A driver error with the server's message, if any.
+fn db_error(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(d) => format!("ERROR: {}", d.message()),
+        None => e.to_string(),
+    }
+}
+
+/// 128 random bits as hex, from the kernel.
+fn random_hex() -> Result<String, Failure> {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .map_err(|e| fail(format!("cannot read /dev/urandom: {e}")))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+struct Run<'a> {
+    exe: PathBuf,
+    url_file: &'a Path,
+    /// The database's URL, for a proxy per supervisor (first phase).
+    proxied: Option<&'a UrlParts>,
+    /// Namespaces and users (second phase).
+    net: Option<&'a mut Netted>,
+    /// libfaketime, preloaded into supervisors for clock jumps.
+    faketime: Option<PathBuf>,
+    /// The throwaway server, for restarts.
+    server: Option<&'a crate::demo::throwaway::Server>,
+    admin: &'a Admin,
+    schema: String,
+    role: String,
+    backend: BackendArg,
+    args: &'a ChaosArgs,
+    dir: PathBuf,
+    table: String,
+    next_id: u32,
+}
+
+impl Run<'_> {
+    async fn spawn(&mut self) -> Result<Supervisor, Failure> {
+        self.next_id += 1;
+        let node = format!("c{}", self.next_id);
+        let mut ns = None;
+        let (proxy, url_file) = match (&mut self.net, self.proxied) {
+            (Some(netted), _) => {
+                // A user of its own, with a candidate's and a fencer's
+                // grants, the worker's table, and preemption.
+                let user = format!(
+                    "pgelect_chaos_{}_{}_{node}",
+                    std::process::id(),
+                    backend_name(self.backend)
+                );
+                let password = random_hex()?;
+                let schema = pgelect::SchemaName::new(&self.schema)?;
+                let mut sql = vec![format!(
+                    "CREATE ROLE \"{user}\" LOGIN PASSWORD '{password}'"
+                )];
+                for kind in [pgelect::UserKind::Candidate, pgelect::UserKind::Fencer] {
+                    sql.extend(
+                        pgelect::grant_statements(kind, &user, &schema)?
+                            .into_iter()
+                            .map(|g| g.sql),
+                    );
+                }
+                sql.push(pgelect::preemption_grant(&user)?.sql);
+                sql.push(format!("GRANT INSERT ON {} TO \"{user}\"", self.table));
+                sql.push(format!(
+                    "GRANT USAGE ON SEQUENCE {}_id_seq TO \"{user}\"",
+                    self.table
+                ));
+                for q in &sql {
+                    self.admin
+                        .get()
+                        .await?
+                        .batch_execute(q)
+                        .await
+                        .map_err(|e| {
+                            fail(format!(
+                                "cannot set up the candidate's user {user}: {}",
+                                db_error(&e)
+                            ))
+                        })?;
+                }
+                netted.users.push(user.clone());
+                let made = netted
+                    .net
+                    .add()
+                    .map_err(|e| fail(format!("cannot make a network namespace: {e}")))?;
+                let path = self.dir.join(format!("{node}.url"));
+                let host = netted.net.host_addr().to_string();
+                write_private(
+                    &path,
+                    &netted
+                        .url
+                        .to(&host, netted.url.addr.port(), Some((&user, &password))),
+                )?;
+                ns = Some(made);
+                (None, path)
+            }
+            (None, Some(url)) => {
+                let proxy = proxy::Proxy::start(url.addr)
+                    .await
+                    .map_err(|e| fail(format!("cannot start a proxy: {e}")))?;
+                let path = self.dir.join(format!("{node}.url"));
+                write_private(&path, &url.to("127.0.0.1", proxy.port, None))?;
+                (Some(proxy), path)
+            }
+            (None, None) => (None, self.url_file.to_owned()),
+        };
+        // The supervisor's warnings (lost leadership, refused preemption)
+        // beside its worker's history.
+        let stderr =
+            std::fs::File::create(self.dir.join(format!("{node}.stderr"))).map_err(|e| {
+                fail(format!(
+                    "cannot create a log in {}: {e}",
+                    self.dir.display()
+                ))
+            })?;
+        // In a namespace: `ip netns exec NS pgelect run …` (ip execs it:
+        // the child is the supervisor itself).
+        let mut cmd = match &ns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(netns::Net::exec_prefix(ns)).arg(&self.exe);
+                c
+            }
+            None => Command::new(&self.exe),
+        };
+        let backend = match self.backend {
+            BackendArg::Session => "session",
+            BackendArg::Lease => "lease",
+        };
+        let profile = match self.args.profile {
+            ProfileArg::Standard => "standard",
+            ProfileArg::Fast => "fast",
+        };
+        cmd.args([
+            "run",
+            "--role",
+            &self.role,
+            "--id",
+            &node,
+            "--backend",
+            backend,
+        ])
+        .args(["--profile", profile, "--ttl"])
+        .arg(crate::duration::show(self.args.ttl))
+        .args(["--grace", "1s", "--pass-database-env"])
+        .args(["--schema", &self.schema, "--"])
+        .arg(&self.exe)
+        .args([
+            "chaos-worker",
+            "--schema",
+            &self.schema,
+            "--table",
+            &self.table,
+            "--idle-in-transaction-ms",
+            &self.args.ttl.as_millis().to_string(),
+            "--log",
+        ])
+        .arg(self.dir.join(format!("{node}.log")))
+        .env("PGELECT_DATABASE_URL_FILE", &url_file)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(stderr)
+        .kill_on_drop(true)
+        .process_group(0);
+        for var in [
+            "DATABASE_URL",
+            "PGPASSWORD",
+            "PGHOST",
+            "PGUSER",
+            "PGDATABASE",
+            "PGPORT",
+        ] {
+            cmd.env_remove(var);
+        }
+        let mut clock = None;
+        if let (Some(lib), None) = (&self.faketime, &ns) {
+            // The offset is re-read from the file (no cache), so that it can
+            // jump while the supervisor runs; monotonic clocks stay real.
+            let file = self.dir.join(format!("{node}.faketime"));
+            std::fs::write(&file, "+0\n")
+                .map_err(|e| fail(format!("cannot write {}: {e}", file.display())))?;
+            cmd.env("LD_PRELOAD", lib)
+                .env("FAKETIME_TIMESTAMP_FILE", &file)
+                .env("FAKETIME_NO_CACHE", "1")
+                .env("DONT_FAKE_MONOTONIC", "1")
+                .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+            clock = Some(file);
+        }
+        let child = cmd
+            .spawn()
+            .map_err(|e| fail(format!("cannot start a supervisor: {e}")))?;
+        Ok(Supervisor {
+            node,
+            child,
+            proxy,
+            ns,
+            clock,
+        })
+    }
+
+    /// What is left of a supervisor that exited: its namespace.
+    fn retire(&mut self, s: Supervisor) {
+        // Its URL (a password) is not kept with the logs.
+        let _ = std::fs::remove_file(self.dir.join(format!("{}.url", s.node)));
+        if let (Some(netted), Some(ns)) = (self.net.as_deref_mut(), &s.ns) {
+            netted.net.remove(ns);
+        }
+    }
+
+    /// The test-only rogue: a worker under no supervisor, acting with
+    /// term 1 all along (see `--rogue`).
+    fn spawn_rogue(&self) -> Result<Child, Failure> {
+        let mut cmd = Command::new(&self.exe);
+        cmd.args([
+            "chaos-worker",
+            "--schema",
+            &self.schema,
+            "--table",
+            &self.table,
+            "--log",
+        ])
+        .arg(self.dir.join(format!("{ROGUE}.log")))
+        .env("PGELECT_DATABASE_URL_FILE", self.url_file)
+        .env("PGELECT_ROLE", &self.role)
+        .env("PGELECT_NODE", ROGUE)
+        .env("PGELECT_TERM", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true);
+        cmd.spawn()
+            .map_err(|e| fail(format!("cannot start the rogue worker: {e}")))
+    }
+
+    /// Waits for a start of a term above `above` after `after`; returns it.
+    /// The start of the highest term so far (the rogue's aside).
+    fn latest_start(&self) -> Option<Event> {
+        read_events(&self.dir)
+            .into_iter()
+            .filter(|e| e.what == "start" && e.node != ROGUE)
+            .max_by_key(|e| e.term)
+    }
+
+    async fn next_start(&self, above: i64, after: u128, within: Duration) -> Option<Event> {
+        let until = Instant::now() + within;
+        while Instant::now() < until {
+            if let Some(e) = read_events(&self.dir)
+                .into_iter()
+                .find(|e| e.what == "start" && e.term > above && e.at > after && e.node != ROGUE)
+            {
+                return Some(e);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        None
+    }
+}
+
+/// Writes `text` to a new file only this user can read (mode 0600).
+fn write_private(path: &Path, text: &str) -> Result<(), Failure> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .and_then(|mut f| f.write_all(text.as_bytes()))
+        .map_err(|e| fail(format!("cannot write {}: {e}", path.display())))
+}
+
+fn signal(pid: Option<u32>, sig: nix::sys::signal::Signal) {
+    if let Some(pid) = pid {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig);
+    }
+}
+
+async fn terminate_backends(
+    client: &tokio_postgres::Client,
+    role: &str,
+    node: &str,
+) -> Result<i64, String> {
+    let row = client
+        .query_one(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid))
+               FROM pg_stat_activity
+              WHERE pid <> pg_backend_pid()
+                AND application_name LIKE 'pgelect:%'
+                AND position(':' || $1 || ':' IN application_name || ':') > 0
+                AND position(':' || $2 IN application_name) > 0",
+            &[&role, &node],
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(row.get(0))
+}
+
+/// The timing the candidates run with (what `pgelect run` derives from
+/// --ttl and --profile).
+fn timing(args: &ChaosArgs, backend: BackendArg) -> Result<pgelect::TimingReport, Failure> {
+    let profile = match args.profile {
+        ProfileArg::Standard => pgelect::Profile::Standard,
+        ProfileArg::Fast => pgelect::Profile::Fast,
+    };
+    let o = pgelect::ConnectOptions::from_url("postgres://chaos@127.0.0.1/chaos")?;
+    let b = pgelect::Elector::builder(o, "chaos").ttl(args.ttl);
+    let b = match backend {
+        BackendArg::Session => b.profile(profile),
+        BackendArg::Lease => b.backend(pgelect::Backend::Lease),
+    };
+    Ok(b.build()?.timing())
+}
+
+/// Draws faults in rounds: each round every kind once, in a seeded order,
+/// so that a short run still injects every kind and a replay draws the same.
+struct Draw {
+    kinds: Vec<Fault>,
+    round: Vec<Fault>,
+    /// How many were drawn so far.
+    drawn: usize,
+}
+
+impl Draw {
+    fn new(kinds: Vec<Fault>) -> Draw {
+        Draw {
+            kinds,
+            round: Vec::new(),
+            drawn: 0,
+        }
+    }
+
+    fn next(&mut self, rng: &mut Rng) -> Option<Fault> {
+        if self.round.is_empty() {
+            self.round = self.kinds.clone();
+            // Fisher-Yates, popped from the end.
+            for i in (1..self.round.len()).rev() {
+                let j = rng.below(i as u64 + 1) as usize;
+                self.round.swap(i, j);
+            }
+        }
+        self.drawn += 1;
+        self.round.pop()
+    }
+}
+
+/// Runs one phase of one backend's schedule, drawing from `kinds`; returns
+/// the faults injected.
+async fn schedule(
+    run: &mut Run<'_>,
+    kinds: Vec<Fault>,
+    rng: &mut Rng,
+) -> Result<Vec<Injected>, Failure> {
+    let args = run.args;
+    let admin = run.admin;
+    let timing = timing(args, run.backend)?;
+    let phase_start = now_ns();
+    let mut sups: Vec<Supervisor> = Vec::new();
+    let mut rogue = None;
+    let outcome = async {
+        for _ in 0..args.candidates {
+            sups.push(run.spawn().await?);
+        }
+        if args.rogue {
+            rogue = Some(run.spawn_rogue()?);
+        }
+        let mut injected = Vec::new();
+        let mut leader = run
+            .next_start(0, phase_start, Duration::from_secs(60))
+            .await
+            .ok_or_else(|| fail("no leader within 60 s of the start"))?;
+        let mut draw = Draw::new(kinds);
+        let end = Instant::now() + args.duration;
+        // With --every-fault, at least one full round.
+        while Instant::now() < end || (args.every_fault && draw.drawn < draw.kinds.len()) {
+            // Let the leader settle and write for a while.
+            tokio::time::sleep(Duration::from_millis(500 + rng.below(1000))).await;
+            let Some(fault) = draw.next(rng) else { break };
+            // Leadership may have moved after the last fault's window (a
+            // lease leader that lost its deadline during a restart).
+            if let Some(e) = run.latest_start().filter(|e| e.term > leader.term) {
+                leader = e;
+            }
+            let at = now_ns();
+            let Some(i) = sups.iter().position(|s| s.node == leader.node) else {
+                return Err(fail(format!(
+                    "the leader {} is not one of ours",
+                    leader.node
+                )));
+            };
+            let mut paused = None;
+            let mut skipped = None;
+            // Faults that last until the next leader acts find it themselves.
+            let mut found: Option<Option<Event>> = None;
+            match fault {
+                Fault::Kill => {
+                    let mut s = sups.remove(i);
+                    let _ = s.child.start_kill();
+                    let _ = s.child.wait().await;
+                    run.retire(s);
+                    sups.push(run.spawn().await?);
+                }
+                Fault::Term => {
+                    let mut s = sups.remove(i);
+                    signal(s.child.id(), nix::sys::signal::Signal::SIGTERM);
+                    if tokio::time::timeout(Duration::from_secs(15), s.child.wait())
+                        .await
+                        .is_err()
+                    {
+                        let _ = s.child.start_kill();
+                    }
+                    run.retire(s);
+                    sups.push(run.spawn().await?);
+                }
+                Fault::Stop => {
+                    let sup = sups[i].child.id();
+                    signal(sup, nix::sys::signal::Signal::SIGSTOP);
+                    signal(Some(leader.pid), nix::sys::signal::Signal::SIGSTOP);
+                    tokio::time::sleep(args.ttl * 3 / 2).await;
+                    signal(sup, nix::sys::signal::Signal::SIGCONT);
+                    signal(Some(leader.pid), nix::sys::signal::Signal::SIGCONT);
+                    paused = Some((leader.pid, now_ns()));
+                }
+                Fault::Blackhole | Fault::Latency => match &sups[i].proxy {
+                    None => {
+                        skipped = Some(
+                            "the URL is not a single-host postgres:// URL: no proxy".to_owned(),
+                        )
+                    }
+                    Some(p) => {
+                        if fault == Fault::Blackhole {
+                            p.blackhole(true);
+                        } else {
+                            let t = timing.heartbeat_timeout;
+                            let lo = (t / 4).as_millis() as u64;
+                            let hi = (t * 2).as_millis() as u64;
+                            p.delay(Duration::from_millis(lo + rng.below(hi - lo + 1)));
+                        }
+                        tokio::time::sleep(args.ttl * 3 / 2).await;
+                        p.blackhole(false);
+                        p.delay(Duration::ZERO);
+                    }
+                },
+                Fault::Terminate => match terminate_backends(&*admin.get().await?, &run.role, &leader.node).await {
+                    Ok(0) => skipped = Some("no backend of the leader found".to_owned()),
+                    Ok(_) => {}
+                    Err(e) => skipped = Some(format!("pg_terminate_backend refused: {e}")),
+                },
+                Fault::Starve => {
+                    // SIGSTOP/SIGCONT duty cycle rather than cgroup cpu.max:
+                    // it needs no root nor a delegated cgroup, and touches
+                    // exactly these two processes.
+                    let pids = [sups[i].child.id(), Some(leader.pid)];
+                    let until = Instant::now() + args.ttl * 3 / 2;
+                    while Instant::now() < until {
+                        for p in pids {
+                            signal(p, nix::sys::signal::Signal::SIGSTOP);
+                        }
+                        tokio::time::sleep(STARVE_OFF).await;
+                        for p in pids {
+                            signal(p, nix::sys::signal::Signal::SIGCONT);
+                        }
+                        tokio::time::sleep(STARVE_ON).await;
+                    }
+                    for p in pids {
+                        signal(p, nix::sys::signal::Signal::SIGCONT);
+                    }
+                }
+                Fault::ClockJump => match &sups[i].clock {
+                    None => {
+                        skipped = Some(
+                            "libfaketime is not installed (Debian: apt-get install faketime)"
+                                .to_owned(),
+                        )
+                    }
+                    Some(file) => {
+                        let offset = if rng.below(2) == 0 { "+3600" } else { "-3600" };
+                        let set = |o: &str| {
+                            std::fs::write(file, format!("{o}\n"))
+                                .map_err(|e| fail(format!("cannot write {}: {e}", file.display())))
+                        };
+                        set(offset)?;
+                        tokio::time::sleep(args.ttl * 3 / 2).await;
+                        set("+0")?;
+                    }
+                },
+                Fault::RestartFast | Fault::RestartImmediate => match run.server {
+                    None => {
+                        skipped = Some(
+                            "restarts need the throwaway server: run without --database-url"
+                                .to_owned(),
+                        )
+                    }
+                    Some(server) => server.restart(fault == Fault::RestartImmediate)?,
+                },
+                Fault::Partition | Fault::PartitionNoPreempt => {
+                    match (run.net.as_deref(), sups[i].ns.as_ref()) {
+                        (Some(netted), Some(ns)) => {
+                            let nopreempt = fault == Fault::PartitionNoPreempt;
+                            if nopreempt {
+                                netted.set_preempt(admin, false).await?;
+                            }
+                            let cut = netted.net.set_cut(ns, true);
+                            // Cut off until a new leader acts (bounded):
+                            // the old one must be freed by timers alone.
+                            let next = match &cut {
+                                Ok(()) => {
+                                    run.next_start(leader.term, at, Duration::from_secs(60))
+                                        .await
+                                }
+                                Err(_) => None,
+                            };
+                            let healed = netted.net.set_cut(ns, false);
+                            if nopreempt {
+                                netted.set_preempt(admin, true).await?;
+                            }
+                            cut.and(healed).map_err(|e| fail(format!("partition: {e}")))?;
+                            found = Some(next);
+                        }
+                        _ => skipped = Some("the candidates are not in network namespaces".into()),
+                    }
+                }
+            }
+            let next = if let Some(found) = found {
+                found
+            } else if skipped.is_some() {
+                None
+            } else if fault.must_fail_over(run.backend) {
+                run.next_start(leader.term, at, Duration::from_secs(60))
+                    .await
+            } else {
+                // The leader may stay in place: a new term counts only if it
+                // began while the fault was on or right after (after a
+                // restart, within a ttl: a leader that could not renew
+                // meanwhile loses by then). A later move is followed before
+                // the next fault.
+                let window = match fault {
+                    Fault::RestartFast | Fault::RestartImmediate => args.ttl,
+                    _ => Duration::ZERO,
+                };
+                run.next_start(leader.term, at, window + Duration::from_millis(500))
+                    .await
+            };
+            injected.push(Injected {
+                fault,
+                at,
+                node: leader.node.clone(),
+                term: leader.term,
+                next_start: next.as_ref().map(|e| e.at),
+                paused,
+                skipped,
+            });
+            if let Some(f) = injected.last() {
+                let outcome = match (&f.skipped, f.next_start) {
+                    (Some(why), _) => format!("skipped: {why}"),
+                    (None, Some(n)) => {
+                        let gap = Duration::from_nanos(n.saturating_sub(f.at) as u64);
+                        let b = bound(f.fault, run.backend, &timing);
+                        format!(
+                            "term {} began {:.1} ms later (bound {} ms{})",
+                            next.as_ref().map(|e| e.term).unwrap_or_default(),
+                            gap.as_secs_f64() * 1e3,
+                            b.as_millis(),
+                            if gap > b { ": OVER" } else { "" }
+                        )
+                    }
+                    (None, None) => "no new term".to_owned(),
+                };
+                println!(
+                    "  {:<9} on {} (term {}): {outcome}",
+                    f.fault.name(),
+                    f.node,
+                    f.term
+                );
+            }
+            match next {
+                Some(e) => leader = e,
+                None if injected
+                    .last()
+                    .is_some_and(|f| f.skipped.is_some() || !f.fault.must_fail_over(run.backend)) => {}
+                None => {
+                    return Err(fail(format!(
+                        "no new leader within 60 s of {} on {} (term {}); sessions not idle on the server:\n{}",
+                        fault.name(),
+                        leader.node,
+                        leader.term,
+                        busy_sessions(admin).await
+                    )))
+                }
+            }
+        }
+        Ok(injected)
+    }
+    .await;
+    if let Some(mut r) = rogue {
+        let _ = r.start_kill();
+        let _ = r.wait().await;
+    }
+    for s in &sups {
+        signal(s.child.id(), nix::sys::signal::Signal::SIGTERM);
+    }
+    for mut s in sups {
+        if tokio::time::timeout(Duration::from_secs(15), s.child.wait())
+            .await
+            .is_err()
+        {
+            let _ = s.child.start_kill();
+            let _ = s.child.wait().await;
+        }
+        run.retire(s);
+    }
+    outcome
+}
+
+/// What the checker found for one backend.
+#[derive(Default)]
+struct Findings {
+    violations: Vec<String>,
+    /// When each overlap of two healthy leaders began.
+    overlaps_at: Vec<u128>,
+    /// When each overlap with a paused (then continued) leader began.
+    paused_at: Vec<u128>,
+    /// Stale writes committed, by when the overlap they belong to began.
+    stale_at: Vec<(u128, usize)>,
+    /// When each acknowledged but missing write was acknowledged.
+    lost_at: Vec<u128>,
+    writes_committed: usize,
+}
+
+impl Findings {
+    /// Counts per fault: each finding goes to the last fault injected
+    /// before it.
+    fn by_fault(&self, injected: &[Injected], fault: Fault) -> (usize, usize, usize, usize) {
+        let of = |t: u128| injected.iter().rev().find(|i| i.at <= t).map(|i| i.fault);
+        let count = |v: &[u128]| v.iter().filter(|&&t| of(t) == Some(fault)).count();
+        let stale = self
+            .stale_at
+            .iter()
+            .filter(|(t, _)| of(*t) == Some(fault))
+            .map(|(_, n)| n)
+            .sum();
+        (
+            count(&self.overlaps_at),
+            count(&self.paused_at),
+            stale,
+            count(&self.lost_at),
+        )
+    }
+}
+
+/// Reads one backend's histories (the workers' logs, the table) and
+/// judges them.
+async fn check(run: &Run<'_>, admin: &Admin, injected: &[Injected]) -> Result<Findings, Failure> {
+    let events = read_events(&run.dir);
+    // Committed writes, in commit order (the id is drawn inside the
+    // transaction, after the fence, which holds the row against a bump).
+    let rows = admin
+        .get()
+        .await?
+        .query(
+            &format!(
+                "SELECT node, term, seq FROM {} WHERE role = $1 ORDER BY id",
+                run.table
+            ),
+            &[&run.role],
+        )
+        .await
+        .map_err(fail)?;
+    let committed: Vec<(String, i64, i64)> = rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    let timing = timing(run.args, run.backend)?;
+    Ok(judge(&events, &committed, injected, run.backend, &timing))
+}
+
+/// The checker proper, on histories alone: the workers' events (sorted by
+/// time), the committed writes in commit order, the faults injected.
+fn judge(
+    events: &[Event],
+    committed: &[(String, i64, i64)],
+    injected: &[Injected],
+    backend: BackendArg,
+    timing: &pgelect::TimingReport,
+) -> Findings {
+    let mut f = Findings::default();
+    let ivs = intervals(events);
+    // Terms rise with every start.
+    for w in ivs.windows(2) {
+        if w[1].term <= w[0].term {
+            f.violations.push(format!(
+                "terms did not rise: {} started term {} at {} after {} started term {} at {}",
+                w[1].node, w[1].term, w[1].start, w[0].node, w[0].term, w[0].start
+            ));
+        }
+    }
+    f.writes_committed = committed.len();
+    for w in committed.windows(2) {
+        if w[1].1 < w[0].1 {
+            f.violations.push(format!(
+                "fenced write {}#{} of term {} committed after {}#{} of term {}",
+                w[1].0, w[1].2, w[1].1, w[0].0, w[0].2, w[0].1
+            ));
+        }
+    }
+    let have: HashSet<(String, i64, i64)> = committed.iter().cloned().collect();
+    // Whether a fault was injected on the leader of `term` by `at`.
+    let faulted = |term: i64, at: u128| {
+        injected
+            .iter()
+            .any(|i| i.term == term && i.at <= at && i.skipped.is_none())
+    };
+    let first_write_of: HashMap<i64, usize> =
+        committed
+            .iter()
+            .enumerate()
+            .fold(HashMap::new(), |mut m, (i, (_, t, _))| {
+                m.entry(*t).or_insert(i);
+                m
+            });
+    for e in events.iter().filter(|e| e.what.starts_with("write:")) {
+        let mut parts = e.what.split(':');
+        let (_, seq, outcome) = (parts.next(), parts.next(), parts.next());
+        let Some(seq) = seq.and_then(|s| s.parse::<i64>().ok()) else {
+            continue;
+        };
+        if outcome == Some("ok") && !have.contains(&(e.node.clone(), e.term, seq)) {
+            f.lost_at.push(e.at);
+            f.violations.push(format!(
+                "write {}#{seq} of term {} was acknowledged but is not in the table",
+                e.node, e.term
+            ));
+        } else if outcome != Some("ok") && !faulted(e.term, e.at) {
+            // Refused or failed, while nothing had been done to this leader:
+            // a healthy leader's write lost.
+            f.lost_at.push(e.at);
+            f.violations.push(format!(
+                "write {}#{seq} of term {} (pid {}) was {} at {} although no fault had touched that leader",
+                e.node,
+                e.term,
+                e.pid,
+                outcome.unwrap_or("?"),
+                e.at
+            ));
+        }
+    }
+    // The gap after each fault against its bound.
+    for i in injected.iter().filter(|i| i.skipped.is_none()) {
+        let Some(n) = i.next_start else { continue };
+        let gap = Duration::from_nanos(n.saturating_sub(i.at) as u64);
+        let b = bound(i.fault, backend, timing);
+        if gap > b {
+            f.violations.push(format!(
+                "{} on {} (term {}) at {}: the next term began at {}, {} ms later, over the bound of {} ms",
+                i.fault.name(),
+                i.node,
+                i.term,
+                i.at,
+                n,
+                gap.as_millis(),
+                b.as_millis()
+            ));
+        }
+    }
+    // Acting intervals of different workers must not overlap, except a
+    // paused worker's after its pause: then none of its writes may commit
+    // once the newer term wrote.
+    let paused: HashMap<u32, u128> = injected.iter().filter_map(|i| i.paused).collect();
+    for (a, b) in overlapping(&ivs) {
+        {
+            if paused.contains_key(&a.pid) {
+                f.paused_at.push(b.start);
+                if let Some(&newer) = first_write_of.get(&b.term) {
+                    let stale = committed
+                        .iter()
+                        .skip(newer)
+                        .filter(|(_, t, _)| *t == a.term)
+                        .count();
+                    if stale > 0 {
+                        f.stale_at.push((b.start, stale));
+                        f.violations.push(format!(
+                            "{stale} write(s) of the paused {}'s term {} committed after term {} wrote",
+                            a.node, a.term, b.term
+                        ));
+                    }
+                }
+                continue;
+            }
+            f.overlaps_at.push(b.start);
+            f.violations.push(format!(
+                "two leaders at once: {} (term {}, pid {}) acted until {} and {} (term {}, pid {}) began at {} ({:.1} ms overlap)",
+                a.node, a.term, a.pid, a.end, b.node, b.term, b.pid, b.start,
+                (a.end - b.start) as f64 / 1e6
+            ));
+        }
+    }
+    f
+}
+
+fn percentile(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    let i = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[i.clamp(1, v.len()) - 1]
+}
+
+/// `pgelect chaos`.
+pub async fn run(global: &Global, args: ChaosArgs) -> Result<u8, Failure> {
+    let mut signals = crate::signals::Signals::install()?;
+    let seed = match args.seed {
+        Some(s) => s,
+        None => (now_ns() as u64) | 1,
+    };
+    let mut server = None;
+    let work = async {
+        let r = chaos(global, &args, seed, &mut server).await;
+        r
+    };
+    // SIGINT or SIGTERM drops the run: its supervisors are killed (and
+    // their workers with them), its namespaces and bridge removed.
+    let outcome = tokio::select! {
+        r = work => r,
+        sig = signals.recv() => Err(Failure::new(exit::TEMPFAIL, format!("interrupted by {sig}; cleaned up"))),
+    };
+    if let Some(s) = server {
+        s.stop();
+    }
+    let (rows, all_violations) = outcome?;
+    report(&args, seed, rows, all_violations)
+}
+
+/// Whether partitions can be made, and if not why.
+fn partitions_possible(throwaway: bool) -> Result<(), String> {
+    if !throwaway {
+        return Err("partitions need the throwaway server (it must listen on the namespaces' bridge): run without --database-url".into());
+    }
+    netns::available()
+}
+
+type Rows = Vec<serde_json::Value>;
+
+/// Sets up, runs every backend's phases, checks, cleans up; the rows and
+/// the violations.
+async fn chaos(
+    global: &Global,
+    args: &ChaosArgs,
+    seed: u64,
+    server: &mut Option<crate::demo::throwaway::Server>,
+) -> Result<(Rows, Vec<String>), Failure> {
+    let explicit = global.explicit_url()?;
+    let net_kinds: Vec<Fault> = args
+        .faults
+        .iter()
+        .copied()
+        .filter(|f| f.needs_netns())
+        .collect();
+    let net_possible = partitions_possible(explicit.is_none());
+    let mut net = None;
+    let url = match explicit {
+        Some((url, _flag)) => url,
+        None => {
+            let (url, mut s) = crate::demo::throwaway::start().await?;
+            if !net_kinds.is_empty() && net_possible.is_ok() {
+                let removed = netns::remove_leftovers();
+                if !removed.is_empty() {
+                    println!(
+                        "  removed leftovers of dead chaos runs: {}",
+                        removed.join(", ")
+                    );
+                }
+                let n = netns::Net::create()
+                    .map_err(|e| fail(format!("cannot make the bridge: {e}")))?;
+                s = s.listen_also(n.host_addr(), n.cidr()).await?;
+                println!(
+                    "  network namespaces on bridge {} ({}); the server also listens on {}",
+                    n.bridge(),
+                    n.cidr(),
+                    n.host_addr()
+                );
+                net = Some(n);
+            }
+            *server = Some(s);
+            url
+        }
+    };
+    let options = pgelect::ConnectOptions::from_url(&url)?.schema(&global.schema)?;
+    pgelect::migrate(&options).await?;
+    // Refuse before touching anything if a role of ours has a leader.
+    for &backend in &args.backends {
+        let role = format!("chaos-{seed:x}-{}", backend_name(backend));
+        if let Some(l) = pgelect::current_leader(&options, &role).await? {
+            return Err(Failure::new(
+                exit::USAGE,
+                format!(
+                    "role {role:?} already has a leader ({}, term {}): refusing to run chaos on it (pick another --seed, or stop that leader)",
+                    l.holder, l.term
+                ),
+            ));
+        }
+    }
+    let url_file = crate::demo::UrlFile::write(&url)?;
+    let admin = Admin::connect(&options).await?;
+    let schema = options.schema_name().as_str().to_owned();
+    let table = format!("pgelect_chaos_{seed:x}");
+    admin
+        .get()
+        .await?
+        .batch_execute(&format!(
+            "CREATE TABLE {table} (id bigserial PRIMARY KEY, role text NOT NULL, node text NOT NULL,
+                                   term bigint NOT NULL, seq bigint NOT NULL)"
+        ))
+        .await
+        .map_err(|e| fail(format!("cannot create the table {table}: {e}")))?;
+    println!(
+        "pgelect chaos: seed {seed} (replay with --seed {seed}), {} candidates, ttl {}, profile {:?}, {} per backend and phase, table {table}",
+        args.candidates,
+        crate::duration::show(args.ttl),
+        args.profile,
+        crate::duration::show(args.duration)
+    );
+    let exe = std::env::current_exe().map_err(fail)?;
+    let proxied = UrlParts::parse(&url).await;
+    if proxied.is_none() {
+        println!("  (the URL is not a single-host postgres:// URL: blackhole and latency faults are skipped)");
+    }
+    let net_skip = match (&net_possible, &net) {
+        (Err(why), _) => Some(why.clone()),
+        (Ok(()), None) => Some("no bridge was made".to_owned()),
+        (Ok(()), Some(_)) => None,
+    };
+    if let (false, Some(why)) = (net_kinds.is_empty(), &net_skip) {
+        println!("  partition faults skipped: {why}");
+    }
+    let mut netted = match (net, UrlParts::parse(&url).await) {
+        (Some(net), Some(url)) => Some(Netted {
+            net,
+            url,
+            users: Vec::new(),
+        }),
+        _ => None,
+    };
+    let mut rng = Rng(seed);
+    let mut rows = Vec::new();
+    let mut all_violations = Vec::new();
+    let outcome: Result<(), Failure> = async {
+        for &backend in &args.backends {
+            let bname = backend_name(backend);
+            let role = format!("chaos-{seed:x}-{bname}");
+            let dir = args.logs.as_deref().unwrap_or(url_file.dir()).join(bname);
+            std::fs::create_dir_all(&dir).map_err(fail)?;
+            let first: Vec<Fault> = args
+                .faults
+                .iter()
+                .copied()
+                .filter(|f| !f.needs_netns())
+                .collect();
+            let mut injected = Vec::new();
+            let mut run = Run {
+                exe: exe.clone(),
+                url_file: url_file.path(),
+                proxied: proxied.as_ref(),
+                net: None,
+                faketime: args
+                    .faults
+                    .contains(&Fault::ClockJump)
+                    .then(find_faketime)
+                    .flatten(),
+                server: server.as_ref(),
+                admin: &admin,
+                schema: schema.clone(),
+                role: role.clone(),
+                backend,
+                args,
+                dir,
+                table: table.clone(),
+                next_id: 0,
+            };
+            if !first.is_empty() {
+                injected.extend(schedule(&mut run, first, &mut rng).await?);
+            }
+            if let (false, Some(n)) = (net_kinds.is_empty(), netted.as_mut()) {
+                println!("  {bname}: candidates in network namespaces, each its own database user");
+                run.proxied = None;
+                run.net = Some(n);
+                injected.extend(schedule(&mut run, net_kinds.clone(), &mut rng).await?);
+                run.net = None;
+            } else if let Some(why) = &net_skip {
+                // Not silently: one skipped trial per kind, with the reason.
+                injected.extend(net_kinds.iter().map(|&fault| Injected {
+                    fault,
+                    at: now_ns(),
+                    node: "-".to_owned(),
+                    term: 0,
+                    next_start: None,
+                    paused: None,
+                    skipped: Some(why.clone()),
+                }));
+            }
+            let found = check(&run, &admin, &injected).await?;
+            let timing = timing(args, backend)?;
+            let mut kinds: BTreeMap<Fault, Vec<&Injected>> = BTreeMap::new();
+            for i in &injected {
+                kinds.entry(i.fault).or_default().push(i);
+            }
+            for (fault, list) in kinds {
+                let took: Vec<f64> = list
+                    .iter()
+                    .filter(|i| i.skipped.is_none())
+                    .filter_map(|i| i.next_start.map(|n| (n.saturating_sub(i.at)) as f64 / 1e6))
+                    .collect();
+                let skipped = list.iter().filter(|i| i.skipped.is_some()).count();
+                let skipped_reason = list.iter().find_map(|i| i.skipped.clone());
+                let (overlaps, paused, stale, lost) = found.by_fault(&injected, fault);
+                let max_gap = took.iter().copied().fold(0.0, f64::max);
+                let bound_ms = bound(fault, backend, &timing).as_millis() as u64;
+                rows.push(serde_json::json!({
+                    "fault": fault.name(),
+                    "backend": bname,
+                    "seed": seed,
+                    "trials": list.len(),
+                    "skipped": skipped,
+                    "skipped_reason": skipped_reason,
+                    // Trials after which leadership moved (a delay, or a
+                    // terminated lease connection, may leave it in place);
+                    // the failover figures are over these.
+                    "failovers": took.len(),
+                    "overlaps": overlaps,
+                    "paused_overlaps": paused,
+                    "stale_writes_committed": stale,
+                    "lost_writes": lost,
+                    "failover_p50_ms": (percentile(&took, 50.0) * 10.0).round() / 10.0,
+                    "failover_p99_ms": (percentile(&took, 99.0) * 10.0).round() / 10.0,
+                    "max_gap_ms": (max_gap * 10.0).round() / 10.0,
+                    "bound_ms": bound_ms,
+                    "within_bound": max_gap <= bound_ms as f64,
+                }));
+            }
+            println!(
+                "{bname}: {} faults, {} fenced writes committed, {} violation(s)",
+                injected.len(),
+                found.writes_committed,
+                found.violations.len()
+            );
+            all_violations.extend(
+                found
+                    .violations
+                    .into_iter()
+                    .map(|v| format!("{bname}: {v}")),
+            );
+        }
+        Ok(())
+    }
+    .await;
+    if let Ok(c) = admin.get().await {
+        let _ = c
+            .batch_execute(&format!("DROP TABLE IF EXISTS {table}"))
+            .await;
+    }
+    // The candidates' users live in the throwaway cluster, removed with it.
+    drop(netted);
+    drop(url_file);
+    outcome.map(|()| (rows, all_violations))
+}
+
+fn backend_name(b: BackendArg) -> &'static str {
+    match b {
+        BackendArg::Session => "session",
+        BackendArg::Lease => "lease",
+    }
+}
+
+/// Prints the table, writes the JSON; the exit code.
+fn report(
+    args: &ChaosArgs,
+    seed: u64,
+    rows: Rows,
+    all_violations: Vec<String>,
+) -> Result<u8, Failure> {
+    println!(
+        "\n{:<19} {:<8} {:>6} {:>6} {:>8} {:>6} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9}  verdict",
+        "fault",
+        "backend",
+        "trials",
+        "moved",
+        "overlaps",
+        "paused",
+        "stale",
+        "lost",
+        "p50 ms",
+        "p99 ms",
+        "max ms",
+        "bound ms"
+    );
+    for r in &rows {
+        let verdict = match r["skipped_reason"].as_str() {
+            Some(why) if r["skipped"] == r["trials"] => format!("skipped: {why}"),
+            _ if r["within_bound"] == true => "ok".to_owned(),
+            _ => "OVER THE BOUND".to_owned(),
+        };
+        println!(
+            "{:<19} {:<8} {:>6} {:>6} {:>8} {:>6} {:>6} {:>6} {:>9.1} {:>9.1} {:>9.1} {:>9}  {verdict}",
+            r["fault"].as_str().unwrap_or(""),
+            r["backend"].as_str().unwrap_or(""),
+            r["trials"].as_u64().unwrap_or(0),
+            r["failovers"].as_u64().unwrap_or(0),
+            r["overlaps"].as_u64().unwrap_or(0),
+            r["paused_overlaps"].as_u64().unwrap_or(0),
+            r["stale_writes_committed"].as_u64().unwrap_or(0),
+            r["lost_writes"].as_u64().unwrap_or(0),
+            r["failover_p50_ms"].as_f64().unwrap_or(0.0),
+            r["failover_p99_ms"].as_f64().unwrap_or(0.0),
+            r["max_gap_ms"].as_f64().unwrap_or(0.0),
+            r["bound_ms"].as_u64().unwrap_or(0),
+        );
+    }
+    println!("seed {seed} (replay with --seed {seed})");
+    if let Some(path) = &args.json {
+        std::fs::write(
+            path,
+            serde_json::to_string_pretty(&rows).map_err(fail)? + "\n",
+        )
+        .map_err(|e| fail(format!("cannot write {}: {e}", path.display())))?;
+    }
+    if all_violations.is_empty() {
+        println!("\nno violation: never two leaders acting at once outside a pause, writes in term order, terms rising, no healthy leader's write lost, every failover within its bound");
+        Ok(0)
+    } else {
+        for v in &all_violations {
+            println!("VIOLATION {v}");
+        }
+        Ok(exit::SOFTWARE)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn log(dir: &Path, name: &str, lines: &[&str]) {
+        std::fs::write(dir.join(name), lines.join("\n") + "\n").unwrap();
+    }
+
+    #[test]
+    fn the_checker_sees_an_overlap_and_nothing_else() {
+        let dir = std::env::temp_dir().join(format!("pgelect-chaos-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // c1 acts 100..200 (term 1); c2 200..300 (term 2): back to back.
+        log(
+            &dir,
+            "c1.log",
+            &["start c1 1 100 11", "tick c1 1 150 11", "stop c1 1 200 11"],
+        );
+        log(
+            &dir,
+            "c2.log",
+            &[
+                "start c2 2 200 12",
+                "write:1:ok c2 2 250 12",
+                "tick c2 2 300 12",
+            ],
+        );
+        let ivs = intervals(&read_events(&dir));
+        assert_eq!(ivs.len(), 2);
+        assert_eq!(
+            (ivs[0].start, ivs[0].end, ivs[1].start, ivs[1].end),
+            (100, 200, 200, 300)
+        );
+        assert!(overlapping(&ivs).is_empty());
+        // c3 (term 3) begins at 290 while c2 still ticks at 300: caught.
+        log(
+            &dir,
+            "c3.log",
+            &["start c3 3 290 13", "tick c3 3 400 13", "garbage line"],
+        );
+        let ivs = intervals(&read_events(&dir));
+        let found = overlapping(&ivs);
+        assert_eq!(found.len(), 1);
+        assert_eq!(
+            (found[0].0.node.as_str(), found[0].1.node.as_str()),
+            ("c2", "c3")
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn ev(what: &str, node: &str, term: i64, at_ms: u128, pid: u32) -> Event {
+        Event {
+            what: what.to_owned(),
+            node: node.to_owned(),
+            term,
+            at: at_ms * 1_000_000,
+            pid,
+        }
+    }
+
+    fn standard(backend: BackendArg) -> pgelect::TimingReport {
+        let args = ChaosArgs {
+            candidates: 3,
+            duration: Duration::from_secs(1),
+            seed: None,
+            ttl: Duration::from_secs(2),
+            profile: ProfileArg::Standard,
+            backends: vec![backend],
+            faults: vec![],
+            json: None,
+            every_fault: false,
+            logs: None,
+            rogue: false,
+        };
+        timing(&args, backend).unwrap()
+    }
+
+    fn fault(fault: Fault, node: &str, term: i64, at_ms: u128, next_ms: Option<u128>) -> Injected {
+        Injected {
+            fault,
+            at: at_ms * 1_000_000,
+            node: node.to_owned(),
+            term,
+            next_start: next_ms.map(|n| n * 1_000_000),
+            paused: None,
+            skipped: None,
+        }
+    }
+
+    /// c1 leads term 1 from 0 to 1000 ms, is killed at 1000 ms; c2 leads
+    /// term 2 from 1400 ms. Clean.
+    fn clean_history() -> (Vec<Event>, Vec<(String, i64, i64)>) {
+        let events = vec![
+            ev("start", "c1", 1, 0, 11),
+            ev("write:1:ok", "c1", 1, 50, 11),
+            ev("tick", "c1", 1, 1000, 11),
+            ev("start", "c2", 2, 1400, 12),
+            ev("write:1:ok", "c2", 2, 1450, 12),
+            ev("tick", "c2", 2, 1500, 12),
+        ];
+        let committed = vec![("c1".into(), 1, 1), ("c2".into(), 2, 1)];
+        (events, committed)
+    }
+
+    #[test]
+    fn the_checker_passes_a_clean_history() {
+        let (events, committed) = clean_history();
+        let t = standard(BackendArg::Session);
+        let f = judge(
+            &events,
+            &committed,
+            &[fault(Fault::Kill, "c1", 1, 1000, Some(1400))],
+            BackendArg::Session,
+            &t,
+        );
+        assert!(f.violations.is_empty(), "{:?}", f.violations);
+        assert_eq!(f.writes_committed, 2);
+    }
+
+    #[test]
+    fn the_checker_fails_a_gap_over_the_bound_naming_the_fault() {
+        let (events, committed) = clean_history();
+        let t = standard(BackendArg::Session);
+        let b = bound(Fault::Kill, BackendArg::Session, &t).as_millis();
+        // The next leader acted 1 ms after the bound.
+        let late = fault(Fault::Kill, "c1", 1, 1000, Some(1000 + b + 1));
+        let f = judge(&events, &committed, &[late], BackendArg::Session, &t);
+        assert_eq!(f.violations.len(), 1, "{:?}", f.violations);
+        assert!(
+            f.violations[0].starts_with("kill on c1 (term 1)")
+                && f.violations[0].contains("over the bound"),
+            "{}",
+            f.violations[0]
+        );
+    }
+
+    #[test]
+    fn the_checker_counts_a_healthy_leaders_refused_write_as_lost() {
+        let (mut events, committed) = clean_history();
+        // c2 (term 2) had a write refused although nothing was done to it.
+        events.push(ev("write:2:refused", "c2", 2, 1480, 12));
+        events.sort_by_key(|e| e.at);
+        let t = standard(BackendArg::Lease);
+        let injected = [fault(Fault::Kill, "c1", 1, 1000, Some(1400))];
+        let f = judge(&events, &committed, &injected, BackendArg::Lease, &t);
+        assert_eq!(f.lost_at, vec![1480 * 1_000_000], "{:?}", f.violations);
+        assert!(
+            f.violations[0].contains("c2#2 of term 2"),
+            "{:?}",
+            f.violations
+        );
+        // The same refusal after a fault on that leader is no loss.
+        let mut after = injected.to_vec();
+        after.push(fault(Fault::Stop, "c2", 2, 1470, None));
+        let f = judge(&events, &committed, &after, BackendArg::Lease, &t);
+        assert!(f.lost_at.is_empty(), "{:?}", f.violations);
+    }
+
+    #[test]
+    fn the_checker_fails_an_acknowledged_write_missing_from_the_table() {
+        let (events, mut committed) = clean_history();
+        committed.pop();
+        let t = standard(BackendArg::Session);
+        let f = judge(&events, &committed, &[], BackendArg::Session, &t);
+        assert_eq!(f.lost_at.len(), 1, "{:?}", f.violations);
+        assert!(f.violations[0].contains("acknowledged but is not in the table"));
+    }
+
+    #[test]
+    fn the_checker_fails_two_leaders_and_writes_out_of_term_order() {
+        let (mut events, mut committed) = clean_history();
+        // c1 still ticks at 1450 ms, after c2 began at 1400 ms.
+        events.push(ev("tick", "c1", 1, 1450, 11));
+        events.sort_by_key(|e| e.at);
+        committed.push(("c1".into(), 1, 2));
+        let t = standard(BackendArg::Session);
+        let f = judge(&events, &committed, &[], BackendArg::Session, &t);
+        assert_eq!(f.overlaps_at.len(), 1, "{:?}", f.violations);
+        assert!(f
+            .violations
+            .iter()
+            .any(|v| v.starts_with("two leaders at once: c1 (term 1, pid 11)")));
+        assert!(f
+            .violations
+            .iter()
+            .any(|v| v.starts_with("fenced write c1#2 of term 1 committed after c2#1 of term 2")));
+    }
+
+    #[test]
+    fn every_fault_has_a_bound_above_the_slack_and_partitions_wait_longest() {
+        for backend in [BackendArg::Session, BackendArg::Lease] {
+            let t = standard(backend);
+            for f in <Fault as ValueEnum>::value_variants() {
+                let b = bound(*f, backend, &t);
+                assert!(
+                    b >= SLACK && b < Duration::from_secs(30),
+                    "{f:?} {backend:?}: {b:?}"
+                );
+            }
+            assert!(
+                bound(Fault::PartitionNoPreempt, backend, &t) >= bound(Fault::Kill, backend, &t)
+            );
+        }
+        // Without preemption, only the server's TCP timers (at least the
+        // ttl) free a session leader's lock.
+        let t = standard(BackendArg::Session);
+        assert!(
+            bound(Fault::PartitionNoPreempt, BackendArg::Session, &t)
+                >= t.ttl + t.handover_delay + SLACK
+        );
+    }
+
+    #[test]
+    fn the_draw_injects_every_kind_each_round_and_replays_with_the_seed() {
+        let kinds = vec![Fault::Kill, Fault::Stop, Fault::Partition, Fault::Latency];
+        let drawn = |seed| {
+            let mut rng = Rng(seed);
+            let mut d = Draw::new(kinds.clone());
+            (0..12)
+                .map(|_| d.next(&mut rng).unwrap())
+                .collect::<Vec<_>>()
+        };
+        let a = drawn(7);
+        for round in a.chunks(4) {
+            let mut r = round.to_vec();
+            r.sort();
+            let mut k = kinds.clone();
+            k.sort();
+            assert_eq!(r, k, "{a:?}");
+        }
+        assert_eq!(a, drawn(7));
+        assert_ne!(a, drawn(8));
+    }
+}
