@@ -422,10 +422,15 @@ struct Interval {
     end: u128,
 }
 
+/// One interval per worker process. A worker is named by its supervisor's
+/// node, its term and its pid together: over a long run the kernel reuses
+/// pids (a soak merged a term-9 worker with a later one of the same pid
+/// into one interval 24 minutes long).
 fn intervals(events: &[Event]) -> Vec<Interval> {
-    let mut by_pid: BTreeMap<u32, Interval> = BTreeMap::new();
+    let mut by_worker: BTreeMap<(&str, i64, u32), Interval> = BTreeMap::new();
     for e in events {
-        let i = by_pid.entry(e.pid).or_insert_with(|| Interval {
+        let key = (e.node.as_str(), e.term, e.pid);
+        let i = by_worker.entry(key).or_insert_with(|| Interval {
             node: e.node.clone(),
             term: e.term,
             pid: e.pid,
@@ -435,7 +440,7 @@ fn intervals(events: &[Event]) -> Vec<Interval> {
         i.start = i.start.min(e.at);
         i.end = i.end.max(e.at);
     }
-    let mut v: Vec<Interval> = by_pid.into_values().collect();
+    let mut v: Vec<Interval> = by_worker.into_values().collect();
     v.sort_by_key(|i| i.start);
     v
 }
@@ -446,7 +451,8 @@ fn overlapping(ivs: &[Interval]) -> Vec<(&Interval, &Interval)> {
     let mut out = Vec::new();
     for (i, a) in ivs.iter().enumerate() {
         for b in ivs.iter().skip(i + 1) {
-            if b.start < a.end && a.pid != b.pid {
+            let same = a.pid == b.pid && a.node == b.node && a.term == b.term;
+            if b.start < a.end && !same {
                 out.push((a, b));
             }
         }
@@ -1518,10 +1524,13 @@ fn judge(
     // Acting intervals of different workers must not overlap, except a
     // paused worker's after its pause: then none of its writes may commit
     // once the newer term wrote.
-    let paused: HashMap<u32, u128> = injected.iter().filter_map(|i| i.paused).collect();
+    let paused: HashSet<(u32, i64)> = injected
+        .iter()
+        .filter_map(|i| i.paused.map(|(pid, _)| (pid, i.term)))
+        .collect();
     for (a, b) in overlapping(&ivs) {
         {
-            if paused.contains_key(&a.pid) {
+            if paused.contains(&(a.pid, a.term)) {
                 f.paused_at.push(b.start);
                 if let Some(&newer) = first_write_of.get(&b.term) {
                     let stale = committed
@@ -2005,6 +2014,38 @@ mod tests {
         );
         assert!(f.violations.is_empty(), "{:?}", f.violations);
         assert_eq!(f.writes_committed, 2);
+    }
+
+    /// A soak found this: the kernel reused a term-1 worker's pid for a
+    /// term-3 worker minutes later, and the checker, keying workers by pid
+    /// alone, saw one interval over both and "two leaders at once" with
+    /// everyone in between.
+    #[test]
+    fn the_checker_tells_apart_workers_that_share_a_reused_pid() {
+        let (mut events, mut committed) = clean_history();
+        events.push(ev("start", "c3", 3, 3000, 11));
+        events.push(ev("write:1:ok", "c3", 3, 3050, 11));
+        events.push(ev("tick", "c3", 3, 3100, 11));
+        committed.push(("c3".into(), 3, 1));
+        let t = standard(BackendArg::Session);
+        let faults = [
+            fault(Fault::Kill, "c1", 1, 1000, Some(1400)),
+            fault(Fault::Kill, "c2", 2, 2000, Some(3000)),
+        ];
+        let f = judge(&events, &committed, &faults, BackendArg::Session, &t);
+        assert!(f.violations.is_empty(), "{:?}", f.violations);
+        // The same pid acting again under another term while c2 acts is
+        // still two leaders.
+        events.push(ev("tick", "c1", 1, 1460, 11));
+        events.sort_by_key(|e| e.at);
+        let f = judge(&events, &committed, &faults, BackendArg::Session, &t);
+        assert!(
+            f.violations
+                .iter()
+                .any(|v| v.starts_with("two leaders at once: c1")),
+            "{:?}",
+            f.violations
+        );
     }
 
     #[test]
