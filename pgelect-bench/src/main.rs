@@ -17,6 +17,7 @@ mod failover;
 mod lease;
 mod promote;
 mod report;
+mod roles;
 mod xact_lock;
 
 const USAGE: &str = "\
@@ -36,6 +37,11 @@ benchmarks:
               SIGKILLed) and statements per second per candidate, through PgBouncer
               in transaction mode when installed (options: --ttls 1,2,10 (seconds, 0.5 allowed),
               --trials N (30), --window SECONDS (10), --direct, --json)
+  roles       many roles over a few candidate processes, each on one shared connection:
+              connections, statements per second, candidate CPU and RSS, time until
+              every role is led after the start and after a SIGKILL of the busiest
+              candidate (options: --count 1,100,1000,10000, --candidates N (3),
+              --window SECONDS (10), --json)
   promote     a PostgreSQL primary failover (primary stopped hard, streaming replica
               promoted): time until the replica accepts writes and until a candidate
               leads on it, both backends (options: --trials N (10),
@@ -67,6 +73,7 @@ fn main() -> ExitCode {
         Some("xact-lock") => xact_lock::run(&args[1..]),
         Some("failover") => failover::run(&args[1..]),
         Some("promote") => promote::run(&args[1..]),
+        Some("roles") => roles::run(&args[1..]),
         Some("lease-failover") => lease::run(&args[1..]),
         Some("cli-handoff") => cli_handoff::run(&args[1..]),
         Some("report") => report::run(&args[1..]),

@@ -331,12 +331,15 @@ async fn leaders_on_a_shared_connection_share_its_heartbeat() {
     tokio::time::sleep(Duration::from_secs(5)).await;
     let c1 = commits(&c).await;
     let rate = (c1 - c0) as f64 / t0.elapsed().as_secs_f64();
-    // 12 leaders renew every 500 ms (24/s) and want a heartbeat every
-    // 200 ms: about 48 statements/s more if each sent its own, about 5/s
-    // when they share one.
+    // 12 leaders renew every 500 ms and want a heartbeat every 200 ms:
+    // 24 + 48 statements/s if each sent its own; one batched renewal per
+    // 500 ms (2/s) and about 5 shared heartbeats/s when they share them.
     println!("{ROLES} leaders on one connection: {rate:.1} transactions/s");
-    assert!(rate < 50.0, "{rate:.1}/s: the heartbeats are not shared");
-    assert!(rate > 15.0, "{rate:.1}/s: the renewals are missing");
+    assert!(
+        rate < 15.0,
+        "{rate:.1}/s: the heartbeats or renewals are not shared"
+    );
+    assert!(rate > 1.5, "{rate:.1}/s: the renewals are missing");
     for l in led {
         assert!(!l.is_lost(), "{:?}", l.loss_reason());
         l.resign().await.unwrap();

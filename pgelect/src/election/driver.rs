@@ -96,6 +96,14 @@ pub(crate) trait KeepBackend: Send + Sync {
     /// heartbeats.
     fn heartbeat(&self) -> Statement<'_>;
 
+    /// Completes with the outcome of a renewal this leader did not ask for
+    /// (a batch that renewed every leader on a shared connection), with its
+    /// send time; polled only while no statement of this leader is in
+    /// flight. Never completes for a backend whose leaders renew alone.
+    fn pushed(&self) -> impl Future<Output = (Instant, Result<Answer>)> + Send + '_ {
+        std::future::pending()
+    }
+
     /// Completes when the connection is known to be closed (never, for a
     /// backend that reconnects at will).
     fn closed(&self) -> impl Future<Output = ()> + Send + '_;
@@ -241,6 +249,7 @@ impl<B: KeepBackend> Keep<B> {
             let wake = keeper
                 .next_wake()
                 .expect("BUG: a live keeper has a wake time");
+            let mut answered = None;
             tokio::select! {
                 biased;
                 _ = backend.closed() => keeper.connection_lost(),
@@ -258,76 +267,14 @@ impl<B: KeepBackend> Keep<B> {
                 },
                 (sent, result) = async { in_flight.as_mut().expect("BUG: guarded").await }, if in_flight.is_some() => {
                     in_flight = None;
-                    let now = Instant::now();
-                    match result {
-                        Ok(Answer::Renewed { row, resign_requested, preferred }) => {
-                            failures = 0;
-                            shared.contact.touch();
-                            keeper.renewed(sent, now);
-                            let remaining = keeper.deadline().saturating_duration_since(now);
-                            metrics::renewed(&shared.role, now - sent, remaining);
-                            tracing::trace!(deadline_in = ?remaining, "renewed");
-                            // Watchers see the renewal: while leading, a
-                            // session elector's observer is closed and the
-                            // leader is the one that knows.
-                            if let Some((renewed_at, lease_until)) = row {
-                                shared.leader.send_if_modified(|cur| match cur {
-                                    Some(c) if c.holder == shared.node && c.term.get() == term => {
-                                        c.renewed_at = renewed_at;
-                                        c.lease_until = lease_until;
-                                        c.lease_expired = false;
-                                        true
-                                    }
-                                    _ => false,
-                                });
-                            }
-                            if resign_requested {
-                                tracing::info!("resignation requested for this term (lease row)");
-                                keeper.stop_requested(LossReason::Resigned, now);
-                            } else if let Some(to) = preferred.ready {
-                                tracing::info!(to = %to, "a ready candidate of higher priority stands");
-                                keeper.stop_requested(LossReason::HandedOver, now);
-                            } else if preferred.pending && rechecks > 0 {
-                                rechecks -= 1;
-                                keeper.check_requested(now);
-                            }
-                        }
-                        Ok(Answer::NotOurs) => {
-                            shared.contact.touch();
-                            tracing::warn!("renewal found the lease row no longer ours: preempted");
-                            keeper.preempted();
-                        }
-                        Ok(Answer::Alive) => {
-                            shared.contact.touch();
-                            keeper.heartbeat_ok(now);
-                        }
-                        Ok(Answer::ReadOnly) => {
-                            shared.contact.touch();
-                            tracing::warn!("the server accepts no writes (transaction_read_only is on): demoted or fenced");
-                            keeper.server_read_only();
-                        }
-                        Err(e) => {
-                            failures = failures.saturating_add(1);
-                            match backend.failed(&e, failures) {
-                                Failed::ConnectionLost => {
-                                    tracing::warn!(error = %e, "lock connection failed");
-                                    keeper.connection_lost();
-                                }
-                                Failed::ServerReadOnly => {
-                                    tracing::warn!(error = %e, "the server accepts no writes: demoted or fenced");
-                                    keeper.server_read_only();
-                                }
-                                Failed::RetrySoon => {
-                                    tracing::warn!(error = %e, "renewal failed; retrying until the deadline");
-                                    keeper.renew_failed(now);
-                                }
-                                Failed::RetryAfter(wait) => {
-                                    tracing::warn!(error = %e, retry_in = ?wait, deadline_in = ?keeper.deadline().saturating_duration_since(now), "renewal failed; retrying until the deadline");
-                                    keeper.renew_retry(now, wait);
-                                }
-                            }
-                        }
-                    }
+                    answered = Some((sent, result));
+                }
+                // A batch that renewed this leader with the others on its
+                // connection: the same news as an answer to its own renewal
+                // sent at that moment (its rows were read then), so that
+                // the leaders on one connection keep one schedule.
+                (sent, result) = backend.pushed(), if in_flight.is_none() => {
+                    answered = Some((sent, result));
                 }
                 n = notices.recv() => {
                     if let Ok(n) = n {
@@ -346,6 +293,83 @@ impl<B: KeepBackend> Keep<B> {
                     }
                 }
                 _ = tokio::time::sleep_until(wake) => {}
+            }
+            let Some((sent, result)) = answered.take() else {
+                continue;
+            };
+            let now = Instant::now();
+            match result {
+                Ok(Answer::Renewed {
+                    row,
+                    resign_requested,
+                    preferred,
+                }) => {
+                    failures = 0;
+                    shared.contact.touch();
+                    keeper.renewed(sent, now);
+                    let remaining = keeper.deadline().saturating_duration_since(now);
+                    metrics::renewed(&shared.role, now - sent, remaining);
+                    tracing::trace!(deadline_in = ?remaining, "renewed");
+                    // Watchers see the renewal: while leading, a
+                    // session elector's observer is closed and the
+                    // leader is the one that knows.
+                    if let Some((renewed_at, lease_until)) = row {
+                        shared.leader.send_if_modified(|cur| match cur {
+                            Some(c) if c.holder == shared.node && c.term.get() == term => {
+                                c.renewed_at = renewed_at;
+                                c.lease_until = lease_until;
+                                c.lease_expired = false;
+                                true
+                            }
+                            _ => false,
+                        });
+                    }
+                    if resign_requested {
+                        tracing::info!("resignation requested for this term (lease row)");
+                        keeper.stop_requested(LossReason::Resigned, now);
+                    } else if let Some(to) = preferred.ready {
+                        tracing::info!(to = %to, "a ready candidate of higher priority stands");
+                        keeper.stop_requested(LossReason::HandedOver, now);
+                    } else if preferred.pending && rechecks > 0 {
+                        rechecks -= 1;
+                        keeper.check_requested(now);
+                    }
+                }
+                Ok(Answer::NotOurs) => {
+                    shared.contact.touch();
+                    tracing::warn!("renewal found the lease row no longer ours: preempted");
+                    keeper.preempted();
+                }
+                Ok(Answer::Alive) => {
+                    shared.contact.touch();
+                    keeper.heartbeat_ok(now);
+                }
+                Ok(Answer::ReadOnly) => {
+                    shared.contact.touch();
+                    tracing::warn!("the server accepts no writes (transaction_read_only is on): demoted or fenced");
+                    keeper.server_read_only();
+                }
+                Err(e) => {
+                    failures = failures.saturating_add(1);
+                    match backend.failed(&e, failures) {
+                        Failed::ConnectionLost => {
+                            tracing::warn!(error = %e, "lock connection failed");
+                            keeper.connection_lost();
+                        }
+                        Failed::ServerReadOnly => {
+                            tracing::warn!(error = %e, "the server accepts no writes: demoted or fenced");
+                            keeper.server_read_only();
+                        }
+                        Failed::RetrySoon => {
+                            tracing::warn!(error = %e, "renewal failed; retrying until the deadline");
+                            keeper.renew_failed(now);
+                        }
+                        Failed::RetryAfter(wait) => {
+                            tracing::warn!(error = %e, retry_in = ?wait, deadline_in = ?keeper.deadline().saturating_duration_since(now), "renewal failed; retrying until the deadline");
+                            keeper.renew_retry(now, wait);
+                        }
+                    }
+                }
             }
         }
 

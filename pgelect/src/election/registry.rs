@@ -181,14 +181,29 @@ pub(crate) fn preferred_session_sql(
     ready: bool,
 ) -> String {
     let (classid, objid, objsubid) = key.pg_locks_ids();
+    let ids = (classid.to_string(), objid.to_string(), objsubid.to_string());
+    preferred_session_sql_for(s, (&ids.0, &ids.1, &ids.2), role, node, priority, ready)
+}
+
+/// [`preferred_session_sql`] with the key's `pg_locks` ids as SQL
+/// expressions (`classid`, `objid`, `objsubid`), for a statement over many
+/// roles (the shared connection's batched renewal).
+pub(crate) fn preferred_session_sql_for(
+    s: &str,
+    (classid, objid, objsubid): (&str, &str, &str),
+    role: &str,
+    node: &str,
+    priority: &str,
+    ready: bool,
+) -> String {
     let waiting = if ready {
         let fresh = polling_fresh_sql();
         format!(
             "AND ((c.standby = 'polling' AND {fresh}) OR EXISTS (
                    SELECT 1 FROM pg_catalog.pg_locks l
                     WHERE l.pid = c.backend_pid AND l.locktype = 'advisory' AND NOT l.granted
-                      AND l.database = a.datid AND l.classid = {classid}
-                      AND l.objid = {objid} AND l.objsubid = {objsubid}))"
+                      AND l.database = a.datid AND l.classid = ({classid})::oid
+                      AND l.objid = ({objid})::oid AND l.objsubid = ({objsubid})::int2))"
         )
     } else {
         String::new()

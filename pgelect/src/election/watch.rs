@@ -114,18 +114,33 @@ fn leader_info(
     role: &str,
     row: &tokio_postgres::Row,
 ) -> std::result::Result<LeaderInfo, tokio_postgres::Error> {
+    leader_info_at(role, row, 0)
+}
+
+/// [`leader_info`] from the columns starting at `at`.
+pub(crate) fn leader_info_at(
+    role: &str,
+    row: &tokio_postgres::Row,
+    at: usize,
+) -> std::result::Result<LeaderInfo, tokio_postgres::Error> {
     let epoch = SystemTime::UNIX_EPOCH;
     Ok(LeaderInfo {
         role: role.to_owned(),
-        holder: row.try_get(0)?,
-        holder_meta: row.try_get(1)?,
-        term: super::Term::new(row.try_get(2)?),
-        backend: row.try_get(3)?,
-        acquired_at: row.try_get::<_, Option<SystemTime>>(4)?.unwrap_or(epoch),
-        renewed_at: row.try_get::<_, Option<SystemTime>>(5)?.unwrap_or(epoch),
-        lease_until: row.try_get::<_, Option<SystemTime>>(6)?.unwrap_or(epoch),
-        lease_expired: row.try_get(7)?,
-        holder_pid: row.try_get(8)?,
+        holder: row.try_get(at)?,
+        holder_meta: row.try_get(at + 1)?,
+        term: super::Term::new(row.try_get(at + 2)?),
+        backend: row.try_get(at + 3)?,
+        acquired_at: row
+            .try_get::<_, Option<SystemTime>>(at + 4)?
+            .unwrap_or(epoch),
+        renewed_at: row
+            .try_get::<_, Option<SystemTime>>(at + 5)?
+            .unwrap_or(epoch),
+        lease_until: row
+            .try_get::<_, Option<SystemTime>>(at + 6)?
+            .unwrap_or(epoch),
+        lease_expired: row.try_get(at + 7)?,
+        holder_pid: row.try_get(at + 8)?,
     })
 }
 

@@ -24,7 +24,7 @@ use crate::lock::holders::{query_holders, SquatWatch};
 use crate::metrics;
 use crate::schema::check_schema;
 
-use super::shared::SharedSession;
+use super::shared::{BatchMember, Batched, Polled, SharedSession};
 use crate::election::driver::{
     Activation, Answer, Failed, Keep, KeepBackend, Preferred, Statement,
 };
@@ -304,9 +304,22 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
             }
         }
         StandbyMode::Polling { interval } => {
-            register.run(shared, &conn).await?;
-            let listen = matches!(conn, LockConn::Own(_));
-            poll_for_lock(shared, &conn, interval, &args, listen).await?;
+            {
+                // On a shared connection, a few roles' campaign statements
+                // at a time: the leaders' renewals and heartbeats on it
+                // must not queue behind a thousand registrations.
+                let _turn = match &conn {
+                    LockConn::Shared(session) => Some(session.campaign_turn().await),
+                    LockConn::Own(_) => None,
+                };
+                register.run(shared, &conn).await?;
+            }
+            match &conn {
+                LockConn::Own(own) => poll_for_lock(shared, own, interval, &args, true).await?,
+                LockConn::Shared(session) => {
+                    poll_in_batch(shared, session, interval, &args).await?
+                }
+            }
         }
     }
     metrics::squatters(&shared.role, 0);
@@ -316,9 +329,9 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
     // The term bump and the lease row, in one transaction. LISTEN for
     // resign requests commits with it: requests are delivered from the
     // moment the row names us, and none meant for the previous leader.
-    let sent_at = Instant::now();
-    let (elected, notices) = match &conn {
+    let (elected, notices, sent_at) = match &conn {
         LockConn::Own(own) => {
+            let sent_at = Instant::now();
             let notices = own.notices();
             // The three requests are pipelined (sent in this order in one
             // go, run in order by the server): one round trip, not three.
@@ -338,16 +351,22 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
                     .await
                     .map_err(|e| Error::db("stop listening", s, e))?;
             }
-            (elected, notices)
+            (elected, notices, sent_at)
         }
         LockConn::Shared(c) => {
             // Other roles' statements run on this connection too: no
             // explicit transaction, one statement. The connection listens
-            // for resign requests all along; hearing them from the answer
-            // on leaves out those sent before this term (bar a few
-            // microseconds' race either way).
+            // for resign requests all along and hands this role's to this
+            // candidate from the subscription on: one sent just before
+            // this term costs at most an early check of the row, which
+            // carries the request only if it names this term.
+            let hints = c.hints(&registry::hint_payload(s, &shared.role));
+            // The deadline counts from the statement's sending, after the
+            // turn: a wait for it is no time led.
+            let _turn = c.campaign_turn().await;
+            let sent_at = Instant::now();
             let elected = elect.run(shared, c).await?;
-            (elected, c.notices())
+            (elected, hints, sent_at)
         }
     };
     let answered = Instant::now();
@@ -662,6 +681,75 @@ async fn poll_for_lock(
     }
 }
 
+/// A polling standby on a shared connection: waits in the session's
+/// batched poll (one statement tries the locks of all its standbys) until
+/// this role's lock is granted. Publishes the leader row when it changes,
+/// preempts a zombie leader whose lease expired, and on a failed batch
+/// polls alone once to learn (and return) the error.
+///
+/// Unlike a standby on its own connection it does not look for squatters
+/// (sessions other than the named leader holding the role's key): that is
+/// a statement per role, which a connection standing for thousands of
+/// roles cannot afford at every poll.
+async fn poll_in_batch(
+    shared: &Shared,
+    session: &Arc<SharedSession>,
+    interval: Duration,
+    args: &[(&(dyn ToSql + Sync), Type)],
+) -> Result<()> {
+    let schema = shared.options.schema_name();
+    let s = schema.as_str();
+    let refresh_ms = registry::polling_refresh(interval).as_millis() as i64;
+    let mut member =
+        session.join_poll(&shared.role, &shared.node, shared.key, refresh_ms, interval);
+    loop {
+        let Some(polled) = member.next().await else {
+            return Err(Error::connection_lost("wait for the leader's lock"));
+        };
+        shared.contact.touch();
+        match polled {
+            Polled::Granted => return Ok(()),
+            Polled::Leader(info) => {
+                let expired = info.as_ref().is_some_and(|i| i.lease_expired);
+                shared.publish(info);
+                if expired {
+                    if let Some(pid) = preempt_zombie(
+                        session.client(),
+                        schema,
+                        &shared.role,
+                        shared.key,
+                        &shared.preemption_refused,
+                    )
+                    .await?
+                    {
+                        metrics::preempted_zombie(&shared.role);
+                        tracing::debug!(pid, "preempted; trying the lock again");
+                        session.poll_soon(Duration::ZERO);
+                    }
+                }
+            }
+            Polled::Failed => {
+                // The single standby's poll, to learn this role's error (or
+                // be granted after all).
+                let sql = registry::poll_sql(s, &shared.key.sql_args(1));
+                let mut poll_args: Vec<(&(dyn ToSql + Sync), Type)> = args.to_vec();
+                poll_args.push((&shared.role, Type::TEXT));
+                poll_args.push((&shared.node, Type::TEXT));
+                poll_args.push((&refresh_ms, Type::INT8));
+                let granted: bool = session
+                    .client()
+                    .query_typed_one(&sql, &poll_args)
+                    .await
+                    .and_then(|row| row.try_get(0))
+                    .map_err(|e| Error::db("try the leader's lock", s, e))?;
+                if granted {
+                    return Ok(());
+                }
+            }
+        }
+    }
+}
+
 /// Looks up who holds the role's lock while this standby waits, and warns
 /// (once per pid) about a holder that is not the leader the lease row names
 /// (`row_pid`): another database user, or a stray session, that took the
@@ -720,6 +808,9 @@ struct SessionKeep {
     renew_sql: String,
     ttl_ms: i64,
     term: i64,
+    /// On a shared connection: this leader's place in the session's
+    /// batched renewal (one statement renews every leader on it).
+    batch: Option<BatchMember>,
 }
 
 impl SessionKeep {
@@ -736,17 +827,75 @@ impl SessionKeep {
              RETURNING renewed_at, lease_until, resign_requested, {ready}, {alive} IS NOT NULL"
         );
         let ttl_ms = shared.timing.ttl.as_millis() as i64;
+        // A renewal request waits a little for others to share its batch;
+        // the keeper's answer limit (the heartbeat timeout) runs from the
+        // request, so the wait is a small part of it. Leaders renewed by
+        // one batch ask again at the same moment (each is handed every
+        // batch's outcome), so a short wait is enough.
+        let share_wait = (shared.timing.heartbeat_timeout / 10).min(Duration::from_millis(20));
+        let batch = match &conn {
+            LockConn::Shared(session) => Some(session.join_batch(
+                &shared.role,
+                &shared.node,
+                term,
+                ttl_ms,
+                shared.priority,
+                shared.key,
+                share_wait,
+            )),
+            LockConn::Own(_) => None,
+        };
         SessionKeep {
             shared,
             conn,
             renew_sql,
             ttl_ms,
             term,
+            batch,
         }
+    }
+
+    /// This leader's own renewal statement.
+    async fn renew_alone(&self) -> (Instant, Result<Answer>) {
+        let sent = Instant::now();
+        let r = self
+            .conn
+            .client()
+            .query_typed(
+                &self.renew_sql,
+                &[
+                    (&self.shared.role, Type::TEXT),
+                    (&self.shared.node, Type::TEXT),
+                    (&self.term, Type::INT8),
+                    (&self.ttl_ms, Type::INT8),
+                    (&self.shared.priority, Type::INT4),
+                ],
+            )
+            .await
+            .and_then(|rows| renewal(&rows))
+            .map_err(|e| Error::db("renew the lease", self.schema(), e));
+        (sent, r)
     }
 
     fn schema(&self) -> &str {
         self.shared.options.schema_name().as_str()
+    }
+}
+
+/// What a batched renewal found, as the keeper's answer.
+fn batched_answer(b: Batched) -> Answer {
+    match b {
+        Batched::Renewed {
+            row,
+            resign_requested,
+            preferred,
+        } => Answer::Renewed {
+            row: Some(row),
+            resign_requested,
+            preferred,
+        },
+        Batched::NotOurs => Answer::NotOurs,
+        Batched::Failed => unreachable!("BUG: a failed batch is renewed alone"),
     }
 }
 
@@ -778,25 +927,30 @@ impl KeepBackend for SessionKeep {
 
     fn renew(&self) -> Statement<'_> {
         Box::pin(async move {
-            let sent = Instant::now();
-            let r = self
-                .conn
-                .client()
-                .query_typed(
-                    &self.renew_sql,
-                    &[
-                        (&self.shared.role, Type::TEXT),
-                        (&self.shared.node, Type::TEXT),
-                        (&self.term, Type::INT8),
-                        (&self.ttl_ms, Type::INT8),
-                        (&self.shared.priority, Type::INT4),
-                    ],
-                )
-                .await
-                .and_then(|rows| renewal(&rows))
-                .map_err(|e| Error::db("renew the lease", self.schema(), e));
-            (sent, r)
+            let Some(batch) = &self.batch else {
+                return self.renew_alone().await;
+            };
+            let requested = Instant::now();
+            match batch.renewal(requested).await {
+                Some((sent, Batched::Failed)) => {
+                    // Run alone to learn (and report) why it failed.
+                    tracing::debug!(batch_sent = ?sent, "the batched renewal failed; renewing alone");
+                    self.renew_alone().await
+                }
+                Some((sent, b)) => (sent, Ok(batched_answer(b))),
+                None => (requested, Err(Error::connection_lost("renew the lease"))),
+            }
         })
+    }
+
+    async fn pushed(&self) -> (Instant, Result<Answer>) {
+        match &self.batch {
+            Some(batch) => {
+                let (sent, b) = batch.pushed().await;
+                (sent, Ok(batched_answer(b)))
+            }
+            None => std::future::pending().await,
+        }
     }
 
     fn heartbeat(&self) -> Statement<'_> {
@@ -842,6 +996,9 @@ impl KeepBackend for SessionKeep {
     }
 
     fn let_go(&self, reason: Option<LossReason>) {
+        if let Some(b) = &self.batch {
+            b.leave();
+        }
         // A dead connection goes; otherwise only this role's lock (on its
         // own connection, the same).
         if matches!(
@@ -860,6 +1017,9 @@ impl KeepBackend for SessionKeep {
     }
 
     async fn release(self, _ended: Option<LossReason>) -> Result<()> {
+        if let Some(b) = &self.batch {
+            b.leave();
+        }
         let bound = self.shared.timing.heartbeat_timeout * 2;
         let released = release(&self.shared, &self.conn, self.term);
         let result = match tokio::time::timeout(bound, released).await {

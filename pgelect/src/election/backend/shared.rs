@@ -1,18 +1,24 @@
 //! One lock connection for the polling candidates of many roles.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-use tokio::sync::{watch, Mutex as AsyncMutex};
+use tokio::sync::{broadcast, watch, Mutex as AsyncMutex, Semaphore, SemaphorePermit};
 use tokio::time::Instant;
+use tokio_postgres::types::Type;
 
-use crate::conn::{ConnectOptions, DedicatedConnection, TcpTimeouts};
+use crate::conn::{ConnectOptions, DedicatedConnection, Notice, TcpTimeouts};
+use crate::election::driver::Preferred;
+use crate::election::registry;
 use crate::error::{Error, Result};
-use crate::schema::check_schema;
+use crate::schema::{check_schema, SchemaName};
 
-use crate::election::watch::{LEADER_CHANNEL, RESIGN_CHANNEL};
+use crate::election::support::WakeLimit;
+use crate::election::watch::{
+    leader_info_at, parse_leader_event, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
+};
 
 /// One server session shared by the session-backend candidates of many
 /// roles, so that a process standing for a hundred roles holds one
@@ -20,9 +26,13 @@ use crate::election::watch::{LEADER_CHANNEL, RESIGN_CHANNEL};
 ///
 /// Candidates on a shared connection stand in polling mode
 /// ([`StandbyMode::Polling`](crate::StandbyMode::Polling)): a blocking wait
-/// would occupy the session. Each role's leader still renews its own lease
-/// row and keeps its own deadline; the advisory locks of all roles live in
-/// the one session. The roles share the connection's fate: when it dies, or
+/// would occupy the session. The advisory locks of all roles live in the
+/// one session, and the leaders on it renew their lease rows together:
+/// one `UPDATE` per renewal period renews every role led on the
+/// connection, whatever their number, and tells each role on its own
+/// whether its row was still its own (a role whose row was taken is lost
+/// alone). Each role keeps its own term and its own local deadline,
+/// counted from the moment that statement was sent. The roles share the connection's fate: when it dies, or
 /// a leader on it must drop it (its deadline passed, a heartbeat timed
 /// out), every role led on it is lost, and the candidates stand again on a
 /// new connection.
@@ -122,7 +132,7 @@ impl SharedConnection {
         if let Some(c) = current.as_ref().filter(|c| !c.is_closed()) {
             return Ok(c.clone());
         }
-        let session = SharedSession::start(self.open().await?);
+        let session = SharedSession::start(self.open().await?, self.inner.options.schema_name());
         *current = Some(session.clone());
         Ok(session)
     }
@@ -199,6 +209,109 @@ pub(crate) struct SharedSession {
     wanted: watch::Sender<Option<Instant>>,
     /// The last heartbeat answered: when it was sent, whether it succeeded.
     beats: watch::Sender<Option<(Instant, bool)>>,
+    /// The leaders on this session, by role: every batched renewal renews
+    /// them all.
+    leaders: Mutex<HashMap<String, Leader>>,
+    /// The earliest moment by which a leader wants its renewal sent.
+    renew_wanted: watch::Sender<Option<Instant>>,
+    /// The batched renewal statement.
+    renew_sql: String,
+    /// The polling standbys on this session, by role: every batched poll
+    /// tries all their locks.
+    standbys: Mutex<HashMap<String, Standby>>,
+    /// The earliest moment by which a standby wants a poll sent.
+    poll_wanted: watch::Sender<Option<Instant>>,
+    /// The batched poll statement.
+    poll_sql: String,
+    /// Turns for the campaigns' own statements (registration, election):
+    /// few at a time, so that a heartbeat or a batch sent meanwhile waits
+    /// behind a few statements, not behind every role's.
+    campaign_turns: Semaphore,
+    /// Resign hints for the leaders on this session, by payload: each
+    /// leader hears its own role's, not every notification of the
+    /// connection (with a thousand leaders, every election's notification
+    /// would otherwise wake all of them).
+    hints: Mutex<HashMap<String, broadcast::Sender<Notice>>>,
+}
+
+/// How many campaign statements may be queued on a shared connection at
+/// once.
+const CAMPAIGN_TURNS: usize = 8;
+
+/// A polling standby's entry in its session's batched poll.
+struct Standby {
+    node: String,
+    key: i64,
+    refresh_ms: i64,
+    interval: Duration,
+    /// The leader row's (term, holder) as last reported to the standby:
+    /// a poll reports a role's row again only when it changed (or its
+    /// lease expired).
+    known: Option<(Option<i64>, Option<String>)>,
+    outcome: watch::Sender<Option<(u64, Polled)>>,
+}
+
+/// What one batched poll found for one standby.
+#[derive(Clone, Debug)]
+pub(crate) enum Polled {
+    /// The lock was granted: this standby holds it now.
+    Granted,
+    /// Not granted; the leader row as read now (it changed since the last
+    /// report, or its lease expired).
+    Leader(Option<LeaderInfo>),
+    /// The statement failed; the standby polls alone to learn why.
+    Failed,
+}
+
+/// A polling standby's place in its session's batched poll; leaves it
+/// when dropped.
+pub(crate) struct PollMember {
+    session: Arc<SharedSession>,
+    role: String,
+    outcome: watch::Receiver<Option<(u64, Polled)>>,
+    seen: u64,
+}
+
+/// A leader's entry in its session's batched renewal.
+struct Leader {
+    node: String,
+    term: i64,
+    ttl_ms: i64,
+    priority: i32,
+    /// The role's advisory key as `pg_locks` shows it (classid, objid).
+    lock_ids: (i64, i64),
+    /// The last batch that included this leader: when it was sent and
+    /// what it found for this role.
+    outcome: watch::Sender<Option<(Instant, Batched)>>,
+}
+
+/// What one batched renewal found for one role.
+#[derive(Clone, Debug)]
+pub(crate) enum Batched {
+    /// The row still named this leader and term, and was renewed.
+    Renewed {
+        row: (SystemTime, SystemTime),
+        resign_requested: bool,
+        preferred: Preferred,
+    },
+    /// The row no longer names this leader and term.
+    NotOurs,
+    /// The statement failed; the leader runs its own renewal to learn
+    /// why (and is told by its own statement's error).
+    Failed,
+}
+
+/// A leader's place in its session's batched renewal; leaves it when
+/// dropped.
+pub(crate) struct BatchMember {
+    session: Arc<SharedSession>,
+    role: String,
+    term: i64,
+    outcome: watch::Receiver<Option<(Instant, Batched)>>,
+    /// The send time of the last outcome handed to the keeper.
+    fed: Mutex<Option<Instant>>,
+    /// How long a renewal request waits for others to share its statement.
+    share_wait: Duration,
 }
 
 impl std::ops::Deref for SharedSession {
@@ -210,14 +323,138 @@ impl std::ops::Deref for SharedSession {
 }
 
 impl SharedSession {
-    fn start(conn: DedicatedConnection) -> Arc<SharedSession> {
+    fn start(conn: DedicatedConnection, schema: &SchemaName) -> Arc<SharedSession> {
         let session = Arc::new(SharedSession {
             conn,
             wanted: watch::Sender::new(None),
             beats: watch::Sender::new(None),
+            leaders: Mutex::new(HashMap::new()),
+            renew_wanted: watch::Sender::new(None),
+            renew_sql: batch_renew_sql(schema.as_str()),
+            standbys: Mutex::new(HashMap::new()),
+            poll_wanted: watch::Sender::new(None),
+            poll_sql: batch_poll_sql(schema.as_str()),
+            campaign_turns: Semaphore::new(CAMPAIGN_TURNS),
+            hints: Mutex::new(HashMap::new()),
         });
+        tokio::spawn(dispatch_hints(Arc::downgrade(&session)));
         tokio::spawn(beat(Arc::downgrade(&session)));
+        tokio::spawn(renew_batches(Arc::downgrade(&session)));
+        tokio::spawn(poll_batches(
+            Arc::downgrade(&session),
+            schema.as_str().to_owned(),
+        ));
         session
+    }
+
+    /// Enters the polling standby of `role` into the batched poll, which
+    /// tries its lock within [`NEW_STANDBY_WAIT`], then every `interval`
+    /// (the shortest of all standbys' on the session), and soon after a
+    /// release of the role is announced.
+    pub(crate) fn join_poll(
+        self: &Arc<Self>,
+        role: &str,
+        node: &str,
+        key: crate::key::LockKey,
+        refresh_ms: i64,
+        interval: Duration,
+    ) -> PollMember {
+        let crate::key::LockKey::Single(key) = key else {
+            unreachable!("BUG: role keys are hashed names, which are single keys")
+        };
+        let (tx, rx) = watch::channel(None);
+        self.standbys().insert(
+            role.to_owned(),
+            Standby {
+                node: node.to_owned(),
+                key,
+                refresh_ms,
+                interval,
+                known: None,
+                outcome: tx,
+            },
+        );
+        self.poll_soon(NEW_STANDBY_WAIT);
+        PollMember {
+            session: self.clone(),
+            role: role.to_owned(),
+            outcome: rx,
+            seen: 0,
+        }
+    }
+
+    /// Asks for a batched poll sent within `wait`.
+    pub(crate) fn poll_soon(&self, wait: Duration) {
+        let by = Instant::now() + wait;
+        self.poll_wanted
+            .send_modify(|w| *w = Some(w.map_or(by, |x| x.min(by))));
+    }
+
+    /// A receiver of the resign hints (notifications on the resign channel)
+    /// whose payload is `payload`, from now on.
+    pub(crate) fn hints(&self, payload: &str) -> broadcast::Receiver<Notice> {
+        let mut hints = self.hints.lock().unwrap_or_else(PoisonError::into_inner);
+        hints.retain(|_, tx| tx.receiver_count() > 0);
+        hints
+            .entry(payload.to_owned())
+            .or_insert_with(|| broadcast::channel(4).0)
+            .subscribe()
+    }
+
+    /// Waits for a turn to send a campaign statement (see
+    /// [`CAMPAIGN_TURNS`]); the turn ends when the permit is dropped.
+    pub(crate) async fn campaign_turn(&self) -> SemaphorePermit<'_> {
+        self.campaign_turns
+            .acquire()
+            .await
+            .expect("BUG: the semaphore is never closed")
+    }
+
+    fn standbys(&self) -> std::sync::MutexGuard<'_, HashMap<String, Standby>> {
+        // As for `leaders`: entries are inserted and removed whole.
+        self.standbys.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Enters the leader of `role` (with `term`) into the batched renewal.
+    /// `share_wait` bounds how long its renewal requests wait for others.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn join_batch(
+        self: &Arc<Self>,
+        role: &str,
+        node: &str,
+        term: i64,
+        ttl_ms: i64,
+        priority: i32,
+        key: crate::key::LockKey,
+        share_wait: Duration,
+    ) -> BatchMember {
+        let (classid, objid, _) = key.pg_locks_ids();
+        let (tx, rx) = watch::channel(None);
+        self.leaders().insert(
+            role.to_owned(),
+            Leader {
+                node: node.to_owned(),
+                term,
+                ttl_ms,
+                priority,
+                lock_ids: (i64::from(classid), i64::from(objid)),
+                outcome: tx,
+            },
+        );
+        BatchMember {
+            session: self.clone(),
+            role: role.to_owned(),
+            term,
+            outcome: rx,
+            fed: Mutex::new(None),
+            share_wait,
+        }
+    }
+
+    fn leaders(&self) -> std::sync::MutexGuard<'_, HashMap<String, Leader>> {
+        // Entries are only inserted and removed whole: a panic elsewhere
+        // that poisoned the lock left the map consistent.
+        self.leaders.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// True when a heartbeat sent at or after `requested` was answered;
@@ -272,6 +509,461 @@ async fn beat(session: std::sync::Weak<SharedSession>) {
         s.beats.send_replace(Some((sent, ok)));
         if !ok {
             return;
+        }
+    }
+}
+
+impl BatchMember {
+    /// The outcome of a batched renewal sent at or after `requested`
+    /// (asking for one within the member's share wait), or `None` when the
+    /// session ended first.
+    pub(crate) async fn renewal(&self, requested: Instant) -> Option<(Instant, Batched)> {
+        let by = requested + self.share_wait;
+        self.session
+            .renew_wanted
+            .send_modify(|w| *w = Some(w.map_or(by, |x| x.min(by))));
+        let mut outcome = self.outcome.clone();
+        let found = tokio::select! {
+            o = outcome.wait_for(|o| o.as_ref().is_some_and(|(sent, _)| *sent >= requested)) => {
+                o.ok().and_then(|o| o.clone())
+            }
+            _ = self.session.conn.closed().cancelled() => None,
+        };
+        if let Some((sent, _)) = &found {
+            self.set_fed(*sent);
+        }
+        found
+    }
+
+    /// Completes with an outcome of a batch this leader did not ask for
+    /// (another leader's request sent it) that the keeper has not been
+    /// given yet: a renewal, or the news that the row is no longer ours.
+    /// Failures are not pushed: the leader's own next renewal meets them.
+    pub(crate) async fn pushed(&self) -> (Instant, Batched) {
+        let mut outcome = self.outcome.clone();
+        let fed = *self.fed.lock().unwrap_or_else(PoisonError::into_inner);
+        let found = outcome
+            .wait_for(|o| {
+                o.as_ref().is_some_and(|(sent, b)| {
+                    fed.is_none_or(|f| *sent > f) && !matches!(b, Batched::Failed)
+                })
+            })
+            .await
+            .map(|o| o.clone());
+        match found {
+            Ok(Some((sent, b))) => {
+                self.set_fed(sent);
+                (sent, b)
+            }
+            // The session is gone: the connection's end tells the keeper.
+            _ => std::future::pending().await,
+        }
+    }
+
+    fn set_fed(&self, sent: Instant) {
+        let mut fed = self.fed.lock().unwrap_or_else(PoisonError::into_inner);
+        if fed.is_none_or(|f| sent > f) {
+            *fed = Some(sent);
+        }
+    }
+
+    /// Leaves the batch at once (the lock is being let go of or released):
+    /// no later batch renews this role's row.
+    pub(crate) fn leave(&self) {
+        let mut leaders = self.session.leaders();
+        if leaders.get(&self.role).is_some_and(|l| l.term == self.term) {
+            leaders.remove(&self.role);
+        }
+    }
+}
+
+impl Drop for BatchMember {
+    fn drop(&mut self) {
+        self.leave();
+    }
+}
+
+/// The batched renewal: renews the rows of all the given roles that still
+/// name their leader with its term and this backend, each for its own TTL,
+/// and returns, per renewed role, what a single leader's renewal returns
+/// (the row's times, the resign mark, preferred candidates). Roles not
+/// returned were not renewed.
+fn batch_renew_sql(s: &str) -> String {
+    let ids = ("m.classid", "m.objid", "1");
+    let ready = registry::preferred_session_sql_for(s, ids, "m.role", "m.node", "m.priority", true);
+    let alive =
+        registry::preferred_session_sql_for(s, ids, "m.role", "m.node", "m.priority", false);
+    format!(
+        "WITH m AS (
+             SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::int8[],
+                                             $5::int4[], $6::int8[], $7::int8[])
+                        AS m(role, node, term, ttl_ms, priority, classid, objid)
+         ), u AS (
+             UPDATE {s}.leaders l
+                SET renewed_at = now(), lease_until = now() + m.ttl_ms * interval '1 millisecond'
+               FROM m
+              WHERE l.role = m.role AND l.holder = m.node AND l.term = m.term
+                AND l.holder_pid = pg_catalog.pg_backend_pid()
+             RETURNING l.role, l.renewed_at, l.lease_until, l.resign_requested
+         )
+         SELECT u.role, u.renewed_at, u.lease_until, u.resign_requested, {ready}, {alive} IS NOT NULL
+           FROM u JOIN m ON m.role = u.role"
+    )
+}
+
+/// The renewal task of a shared session: when the earliest renewal
+/// request wants it, sends one statement renewing every leader on the
+/// session, and hands each its outcome; ends with the session or when its
+/// connection fails.
+async fn renew_batches(session: std::sync::Weak<SharedSession>) {
+    let (mut wanted, closed) = match session.upgrade() {
+        Some(s) => (s.renew_wanted.subscribe(), s.conn.closed().clone()),
+        None => return,
+    };
+    loop {
+        loop {
+            let by = *wanted.borrow_and_update();
+            let changed = tokio::select! {
+                _ = closed.cancelled() => return,
+                r = wanted.changed() => r,
+                _ = async {
+                    match by {
+                        Some(by) => tokio::time::sleep_until(by).await,
+                        None => std::future::pending().await,
+                    }
+                } => break,
+            };
+            if changed.is_err() {
+                return;
+            }
+        }
+        let Some(s) = session.upgrade() else {
+            return;
+        };
+        s.renew_wanted.send_replace(None);
+        let mut roles = Vec::new();
+        let mut nodes = Vec::new();
+        let mut terms = Vec::new();
+        let mut ttls = Vec::new();
+        let mut priorities = Vec::new();
+        let mut classids = Vec::new();
+        let mut objids = Vec::new();
+        let mut outcomes = HashMap::new();
+        for (role, l) in s.leaders().iter() {
+            roles.push(role.clone());
+            nodes.push(l.node.clone());
+            terms.push(l.term);
+            ttls.push(l.ttl_ms);
+            priorities.push(l.priority);
+            classids.push(l.lock_ids.0);
+            objids.push(l.lock_ids.1);
+            outcomes.insert(role.clone(), (l.term, l.outcome.clone()));
+        }
+        if roles.is_empty() {
+            continue;
+        }
+        let sent = Instant::now();
+        let rows = s
+            .conn
+            .client()
+            .query_typed(
+                &s.renew_sql,
+                &[
+                    (&roles, Type::TEXT_ARRAY),
+                    (&nodes, Type::TEXT_ARRAY),
+                    (&terms, Type::INT8_ARRAY),
+                    (&ttls, Type::INT8_ARRAY),
+                    (&priorities, Type::INT4_ARRAY),
+                    (&classids, Type::INT8_ARRAY),
+                    (&objids, Type::INT8_ARRAY),
+                ],
+            )
+            .await;
+        let mut found: HashMap<String, Batched> = HashMap::new();
+        let failed = match rows {
+            Ok(rows) => {
+                let decoded = rows.iter().try_for_each(|row| {
+                    let role: String = row.try_get(0)?;
+                    let b = Batched::Renewed {
+                        row: (row.try_get(1)?, row.try_get(2)?),
+                        resign_requested: row.try_get(3)?,
+                        preferred: Preferred {
+                            ready: row.try_get(4)?,
+                            pending: row.try_get(5)?,
+                        },
+                    };
+                    found.insert(role, b);
+                    Ok::<_, tokio_postgres::Error>(())
+                });
+                decoded.is_err()
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, cause = ?e.as_db_error().map(|d| d.message()), leaders = roles.len(), "the batched renewal failed; each leader renews alone");
+                true
+            }
+        };
+        for (role, (_, tx)) in outcomes {
+            let b = if failed {
+                Batched::Failed
+            } else {
+                found.remove(&role).unwrap_or(Batched::NotOurs)
+            };
+            tx.send_replace(Some((sent, b)));
+        }
+        if failed && s.conn.is_closed() {
+            return;
+        }
+    }
+}
+
+/// How long a poll waits for more new standbys to share it: candidates
+/// that stand for many roles at once try all their locks in a few
+/// statements.
+pub(crate) const NEW_STANDBY_WAIT: Duration = Duration::from_millis(20);
+
+impl PollMember {
+    /// The next outcome of a batched poll for this standby; `None` when
+    /// the session's connection ended.
+    pub(crate) async fn next(&mut self) -> Option<Polled> {
+        let seen = self.seen;
+        let closed = self.session.conn.closed().clone();
+        let found = tokio::select! {
+            o = self.outcome.wait_for(|o| o.as_ref().is_some_and(|(n, _)| *n > seen)) => {
+                o.ok().and_then(|o| o.clone())
+            }
+            _ = closed.cancelled() => None,
+        };
+        let (n, polled) = found?;
+        self.seen = n;
+        Some(polled)
+    }
+}
+
+impl Drop for PollMember {
+    fn drop(&mut self) {
+        self.session.standbys().remove(&self.role);
+    }
+}
+
+/// The batched poll: refreshes the standbys' registry rows that are due
+/// (as a single standby's poll does), tries every standby's lock, and
+/// returns the granted roles and, for the others, the leader row where it
+/// changed since last reported or its lease expired.
+fn batch_poll_sql(s: &str) -> String {
+    format!(
+        "WITH w AS (
+             SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::int8[],
+                                             $5::int8[], $6::text[])
+                        AS w(role, node, key, refresh_ms, known_term, known_holder)
+         ), seen AS (
+             UPDATE {s}.candidates c SET seen_at = now()
+               FROM w
+              WHERE c.role = w.role AND c.node = w.node
+                AND c.backend_pid = pg_catalog.pg_backend_pid()
+                AND c.seen_at < now() - w.refresh_ms * interval '1 millisecond'
+             RETURNING 1
+         ), t AS (
+             -- Volatile: run once per standby, never inlined or repeated.
+             SELECT w.*, pg_catalog.pg_try_advisory_lock(w.key) AS granted FROM w
+         )
+         SELECT t.role, t.granted, l.holder, l.holder_meta, l.term, l.backend, l.acquired_at,
+                l.renewed_at, l.lease_until, coalesce(l.lease_until < now(), true), l.holder_pid,
+                (SELECT count(*) FROM seen)
+           FROM t LEFT JOIN {s}.leaders l ON l.role = t.role
+          WHERE t.granted OR l.term IS DISTINCT FROM t.known_term
+             OR l.holder IS DISTINCT FROM t.known_holder
+             OR (l.holder IS NOT NULL AND l.lease_until < now())"
+    )
+}
+
+/// The polling task of a shared session: when a poll is wanted (a new
+/// standby, a standby's interval, an announced release of a waiting role),
+/// sends one statement for every standby on the session and hands each its
+/// outcome; ends with the session or when its connection fails.
+async fn poll_batches(session: std::sync::Weak<SharedSession>, schema: String) {
+    let (mut wanted, closed, mut notices) = match session.upgrade() {
+        Some(s) => (
+            s.poll_wanted.subscribe(),
+            s.conn.closed().clone(),
+            s.conn.notices(),
+        ),
+        None => return,
+    };
+    // Release announcements bring a poll forward; anyone may send them, so
+    // a flood costs at most the wake limit's rate.
+    let mut wakes = WakeLimit::default();
+    let mut round = 0u64;
+    loop {
+        loop {
+            let by = *wanted.borrow_and_update();
+            let changed = tokio::select! {
+                _ = closed.cancelled() => return,
+                r = wanted.changed() => r.is_ok(),
+                n = notices.recv() => {
+                    let early = match n {
+                        Ok(n) if n.channel == LEADER_CHANNEL => {
+                            parse_leader_event(&schema, &n.payload).is_some_and(|(e, role)| {
+                                e == "released"
+                                    && session
+                                        .upgrade()
+                                        .is_some_and(|s| s.standbys().contains_key(role))
+                            })
+                        }
+                        Ok(_) => false,
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => true,
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                    };
+                    if early && by.is_none_or(|b| b > Instant::now()) {
+                        let at = wakes.reserve(Instant::now());
+                        if let Some(s) = session.upgrade() {
+                            s.poll_wanted
+                                .send_modify(|w| *w = Some(w.map_or(at, |x| x.min(at))));
+                        }
+                    }
+                    true
+                }
+                _ = async {
+                    match by {
+                        Some(by) => tokio::time::sleep_until(by).await,
+                        None => std::future::pending().await,
+                    }
+                } => break,
+            };
+            if !changed {
+                return;
+            }
+        }
+        let Some(s) = session.upgrade() else {
+            return;
+        };
+        let mut roles = Vec::new();
+        let mut nodes = Vec::new();
+        let mut keys = Vec::new();
+        let mut refresh = Vec::new();
+        let mut terms = Vec::new();
+        let mut holders = Vec::new();
+        let mut interval: Option<Duration> = None;
+        for (role, w) in s.standbys().iter() {
+            roles.push(role.clone());
+            nodes.push(w.node.clone());
+            keys.push(w.key);
+            refresh.push(w.refresh_ms);
+            let (term, holder) = w.known.clone().unwrap_or((Some(-1), Some(String::new())));
+            terms.push(term);
+            holders.push(holder);
+            interval = Some(interval.map_or(w.interval, |i| i.min(w.interval)));
+        }
+        // The next regular poll; sooner when asked for meanwhile.
+        s.poll_wanted
+            .send_replace(interval.map(|i| Instant::now() + i));
+        wanted.borrow_and_update();
+        if roles.is_empty() {
+            continue;
+        }
+        round += 1;
+        let rows = s
+            .conn
+            .client()
+            .query_typed(
+                &s.poll_sql,
+                &[
+                    (&roles, Type::TEXT_ARRAY),
+                    (&nodes, Type::TEXT_ARRAY),
+                    (&keys, Type::INT8_ARRAY),
+                    (&refresh, Type::INT8_ARRAY),
+                    (&terms, Type::INT8_ARRAY),
+                    (&holders, Type::TEXT_ARRAY),
+                ],
+            )
+            .await;
+        type Known = (Option<i64>, Option<String>);
+        let mut found: HashMap<String, (Polled, Known)> = HashMap::new();
+        let failed = match rows {
+            Ok(rows) => rows
+                .iter()
+                .try_for_each(|row| {
+                    let role: String = row.try_get(0)?;
+                    let granted: bool = row.try_get(1)?;
+                    let holder: Option<String> = row.try_get(2)?;
+                    let known = (row.try_get::<_, Option<i64>>(4)?, holder.clone());
+                    let polled = if granted {
+                        Polled::Granted
+                    } else if holder.is_some() {
+                        Polled::Leader(Some(leader_info_at(&role, row, 2)?))
+                    } else {
+                        Polled::Leader(None)
+                    };
+                    found.insert(role, (polled, known));
+                    Ok::<_, tokio_postgres::Error>(())
+                })
+                .is_err(),
+            Err(e) => {
+                tracing::warn!(error = %e, cause = ?e.as_db_error().map(|d| d.message()), standbys = roles.len(), "the batched poll failed; each standby polls alone");
+                true
+            }
+        };
+        let mut standbys = s.standbys();
+        for role in &roles {
+            // A standby that left while the poll ran may have been granted
+            // its lock: its campaign's clean-up unlocks it (it runs after
+            // this statement on the same connection).
+            let Some(w) = standbys.get_mut(role) else {
+                continue;
+            };
+            let polled = if failed {
+                Polled::Failed
+            } else {
+                match found.remove(role) {
+                    Some((p, known)) => {
+                        w.known = Some(known);
+                        p
+                    }
+                    None => continue,
+                }
+            };
+            w.outcome.send_replace(Some((round, polled)));
+        }
+        drop(standbys);
+        if failed && s.conn.is_closed() {
+            return;
+        }
+    }
+}
+
+/// Hands each resign hint heard on a shared session to the leader of its
+/// role, if it has one there.
+async fn dispatch_hints(session: std::sync::Weak<SharedSession>) {
+    let mut notices = match session.upgrade() {
+        Some(s) => s.conn.notices(),
+        None => return,
+    };
+    loop {
+        match notices.recv().await {
+            Ok(n) if n.channel == RESIGN_CHANNEL => {
+                let Some(s) = session.upgrade() else {
+                    return;
+                };
+                let hints = s.hints.lock().unwrap_or_else(PoisonError::into_inner);
+                if let Some(tx) = hints.get(&n.payload) {
+                    let _ = tx.send(n);
+                }
+            }
+            Ok(_) => {}
+            // Missed some: every leader checks its row (a hint only ever
+            // brings a check forward).
+            Err(broadcast::error::RecvError::Lagged(_)) => {
+                let Some(s) = session.upgrade() else {
+                    return;
+                };
+                let hints = s.hints.lock().unwrap_or_else(PoisonError::into_inner);
+                for (payload, tx) in hints.iter() {
+                    let _ = tx.send(Notice {
+                        channel: RESIGN_CHANNEL.to_owned(),
+                        payload: payload.clone(),
+                    });
+                }
+            }
+            Err(broadcast::error::RecvError::Closed) => return,
         }
     }
 }

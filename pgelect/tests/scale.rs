@@ -1,0 +1,284 @@
+//! Many roles at near-zero database load: a thousand roles over three
+//! candidates, each candidate on one shared connection, against a real
+//! server. The server counts what they cost: connections in
+//! `pg_stat_activity`, transactions in `pg_stat_database` (every statement
+//! pgelect sends outside an explicit transaction is one).
+//!
+//! Timing assertions use generous bounds (CI has 2 cores and runs 4 tests
+//! at once) and print what they measured.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use pgelect::{
+    ConnectOptions, Elector, ElectorBuilder, SharedConnection, StandbyMode, TcpTimeouts,
+};
+use pgelect_testkit::TestDb;
+use tokio::sync::mpsc;
+use tokio_postgres::types::Type;
+
+mod support;
+use support::migrated;
+
+const ROLES: usize = 1000;
+const NODES: [&str; 3] = ["a", "b", "c"];
+
+/// Timings for many roles: ttl 6 s, renewals every 2 s, heartbeats every
+/// second (handover delay 2 s), standbys poll every second.
+fn many(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
+    Elector::builder(o.clone(), role)
+        .node_id(node)
+        .ttl(Duration::from_secs(6))
+        .renew_every(Duration::from_secs(2))
+        .heartbeat(Duration::from_secs(1))
+        .heartbeat_timeout(Duration::from_secs(1))
+        .standby(StandbyMode::Polling {
+            interval: Duration::from_secs(1),
+        })
+}
+
+/// What a candidate task reports.
+enum Event {
+    Elected {
+        role: usize,
+        node: &'static str,
+        term: i64,
+        at: Instant,
+    },
+    Lost {
+        role: usize,
+        node: &'static str,
+        at: Instant,
+    },
+}
+
+/// The library's log, printed if the test fails.
+struct ShownOnFailure(Option<support::Log>);
+
+impl Drop for ShownOnFailure {
+    fn drop(&mut self) {
+        if let (true, Some(log)) = (std::thread::panicking(), &self.0) {
+            let text = log.text();
+            let lines: Vec<&str> = text.lines().filter(|l| !l.contains(" INFO ")).collect();
+            eprintln!("library log, warnings and up ({} lines):", lines.len());
+            for l in lines.iter().take(200) {
+                eprintln!("{l}");
+            }
+        }
+    }
+}
+
+/// Connections to this test's database other than `observer_pid`'s.
+async fn connections(db: &TestDb, observer: &tokio_postgres::Client) -> (i64, i64) {
+    let _ = db;
+    let row = observer
+        .query_typed_one(
+            "SELECT count(*) FILTER (WHERE application_name = 'pgelect:shared'), count(*)
+               FROM pg_stat_activity
+              WHERE datname = current_database() AND pid <> pg_backend_pid()",
+            &[],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
+/// Transactions committed and rolled back in this database so far, as the
+/// server's statistics say (flushed by each backend at least once a
+/// second while it works, and when it goes idle).
+async fn transactions(observer: &tokio_postgres::Client) -> i64 {
+    // PostgreSQL 15+: flush our own counts first (others flush theirs
+    // within about a second while they work).
+    observer
+        .batch_execute(
+            "SELECT pg_stat_clear_snapshot();
+             DO $$ BEGIN
+                 IF to_regproc('pg_stat_force_next_flush') IS NOT NULL THEN
+                     PERFORM pg_stat_force_next_flush();
+                 END IF;
+             END $$",
+        )
+        .await
+        .unwrap();
+    observer
+        .query_typed_one(
+            "SELECT (xact_commit + xact_rollback)::int8 FROM pg_stat_database
+              WHERE datname = current_database()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_roles_over_three_candidates_cost_three_connections_and_a_few_statements_per_second(
+) {
+    let _log = ShownOnFailure(support::Log::install_global(tracing::Level::INFO));
+    let (db, o) = migrated("scale_roles").await;
+    let observer = db.connect().await;
+    let hosts: Vec<SharedConnection> = NODES
+        .iter()
+        .map(|_| SharedConnection::new(&o, TcpTimeouts::default()))
+        .collect();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let t0 = Instant::now();
+    // Every candidate stands for every role, in role order from its own
+    // offset, so that each takes a part of the roles at the start.
+    let mut tasks = Vec::new();
+    for (n, (node, host)) in NODES.iter().zip(&hosts).enumerate() {
+        for k in 0..ROLES {
+            let i = (k + n * ROLES / NODES.len()) % ROLES;
+            let e = many(&o, &format!("part-{i}"), node)
+                .shared_connection(host)
+                .build()
+                .unwrap();
+            let tx = tx.clone();
+            let node: &'static str = node;
+            tasks.push(tokio::spawn(async move {
+                let l = e.leadership().await.unwrap();
+                let _ = tx.send(Event::Elected {
+                    role: i,
+                    node,
+                    term: l.term().get(),
+                    at: Instant::now(),
+                });
+                l.lost().await;
+                let _ = tx.send(Event::Lost {
+                    role: i,
+                    node,
+                    at: l.lost_at().unwrap_or_else(Instant::now),
+                });
+                // Stays down: the test counts who leads after a loss.
+                std::future::pending::<()>().await;
+                drop(e);
+            }));
+        }
+    }
+
+    // Every role led, by exactly one candidate.
+    let mut leader: HashMap<usize, (&'static str, i64)> = HashMap::new();
+    let all_led = tokio::time::timeout(Duration::from_secs(60), async {
+        while leader.len() < ROLES {
+            match rx.recv().await.unwrap() {
+                Event::Elected {
+                    role, node, term, ..
+                } => {
+                    let prev = leader.insert(role, (node, term));
+                    assert!(
+                        prev.is_none(),
+                        "role {role} elected twice: {prev:?} then {node}"
+                    );
+                }
+                Event::Lost { role, node, .. } => {
+                    panic!("role {role} lost by {node} while starting")
+                }
+            }
+        }
+        t0.elapsed()
+    })
+    .await
+    .expect("every role is led");
+    let share: HashMap<&str, usize> = NODES
+        .iter()
+        .map(|n| (*n, leader.values().filter(|(l, _)| l == n).count()))
+        .collect();
+    println!("all {ROLES} roles led {all_led:?} after start; roles per candidate: {share:?}");
+    assert!(all_led < Duration::from_secs(30), "{all_led:?}");
+
+    // Steady state: let the start's registrations and elections pass, and
+    // the leaders on each connection fall into one renewal schedule.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (shared_conns, all_conns) = connections(&db, &observer).await;
+    println!("connections: {shared_conns} shared, {all_conns} in all (3 candidates)");
+    assert_eq!(shared_conns, 3, "one shared connection per candidate");
+    assert!(
+        all_conns <= 4 * 3,
+        "at most 4 connections per candidate: {all_conns}"
+    );
+
+    let before = transactions(&observer).await;
+    let w0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let after = transactions(&observer).await;
+    let window = w0.elapsed().as_secs_f64();
+    // The observer's own: the first read, and the second's flush (±1).
+    let statements = (after - before - 2).max(0) as f64;
+    let rate = statements / window;
+    println!(
+        "steady state: {statements} transactions in {window:.1} s = {rate:.2}/s for 3 candidates ({:.2}/s each) leading and standing for {ROLES} roles",
+        rate / 3.0
+    );
+    assert!(
+        rate <= 5.0 * 3.0,
+        "at most 5 statements per second per candidate: {rate:.2}/s in all"
+    );
+    // Nothing changed hands meanwhile.
+    assert!(
+        rx.try_recv().is_err(),
+        "no leadership changed at steady state"
+    );
+
+    // Candidate a's connection ends (as when its process is killed): all
+    // its roles are lost at once and taken over by b and c.
+    let pid_a = hosts[0].backend_pid().await.expect("a is connected");
+    let a_roles: HashSet<usize> = leader
+        .iter()
+        .filter(|(_, (n, _))| *n == "a")
+        .map(|(r, _)| *r)
+        .collect();
+    assert!(!a_roles.is_empty());
+    let killed_at = Instant::now();
+    observer
+        .query_typed("SELECT pg_terminate_backend($1)", &[(&pid_a, Type::INT4)])
+        .await
+        .unwrap();
+    let mut lost = HashSet::new();
+    let mut taken: HashMap<usize, (&'static str, i64, Instant)> = HashMap::new();
+    tokio::time::timeout(Duration::from_secs(60), async {
+        while lost.len() < a_roles.len() || taken.len() < a_roles.len() {
+            match rx.recv().await.unwrap() {
+                Event::Lost { role, node, at } => {
+                    assert_eq!(node, "a", "only a's roles are lost");
+                    assert!(lost.insert(role));
+                    // No role is taken over before its old leader knew.
+                    assert!(!taken.contains_key(&role) || taken[&role].2 >= at);
+                }
+                Event::Elected {
+                    role,
+                    node,
+                    term,
+                    at,
+                } => {
+                    assert!(
+                        a_roles.contains(&role),
+                        "role {role} of {node} changed hands"
+                    );
+                    assert!(term > leader[&role].1, "the term of role {role} rises");
+                    assert!(taken.insert(role, (node, term, at)).is_none());
+                }
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "a's {} roles lost and taken over: {} lost, {} taken",
+            a_roles.len(),
+            lost.len(),
+            taken.len()
+        )
+    });
+    let first = taken.values().map(|t| t.2 - killed_at).min().unwrap();
+    let last = taken.values().map(|t| t.2 - killed_at).max().unwrap();
+    println!(
+        "a's {} roles taken over {first:?}..{last:?} after its connection ended (handover delay 2 s); by b: {}, by c: {}",
+        a_roles.len(),
+        taken.values().filter(|t| t.0 == "b").count(),
+        taken.values().filter(|t| t.0 == "c").count()
+    );
+    assert!(last < Duration::from_secs(2 + 30), "{last:?}");
+    for t in tasks {
+        t.abort();
+    }
+}
