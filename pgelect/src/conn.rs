@@ -491,7 +491,14 @@ impl ConnectOptions {
                 .await;
             match started {
                 Ok(row) => break (conn, row),
-                Err(e) if e.is_closed() && attempts < 3 => {
+                // Ended before or as the statement arrived: a closed
+                // connection, or the FATAL 57P05 the server sends first.
+                Err(e)
+                    if (e.is_closed()
+                        || e.code()
+                            == Some(&tokio_postgres::error::SqlState::IDLE_SESSION_TIMEOUT))
+                        && attempts < 3 =>
+                {
                     tracing::debug!(error = %e, attempts, "the server ended a new connection before its first statement (idle_session_timeout?); connecting again");
                 }
                 Err(e) => return Err(Error::db("start a session", schema, e)),
@@ -993,6 +1000,33 @@ impl Default for TcpTimeouts {
 }
 
 impl TcpTimeouts {
+    /// The timeouts an elector of this `ttl` sets on a connection of its
+    /// own: the server can declare a silent client gone no sooner than the
+    /// TTL (`TCP_USER_TIMEOUT` = `ttl`, keepalives ending after it), which
+    /// the safety inequalities need. Give them to a [`SharedConnection`]
+    /// whose candidates use this TTL; [`TcpTimeouts::default`] (10 s) suits
+    /// TTLs up to about 12 s only.
+    ///
+    /// [`SharedConnection`]: crate::SharedConnection
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use pgelect::{ConnectOptions, Elector, SharedConnection, TcpTimeouts};
+    /// # fn main() -> pgelect::Result<()> {
+    /// let options = ConnectOptions::from_url("postgres://app@db/app")?;
+    /// let ttl = Duration::from_secs(15);
+    /// let shared = SharedConnection::new(&options, TcpTimeouts::for_ttl(ttl));
+    /// let elector = Elector::builder(options, "shard-1")
+    ///     .ttl(ttl)
+    ///     .shared_connection(&shared)
+    ///     .build()?;
+    /// # drop(elector);
+    /// # Ok(()) }
+    /// ```
+    pub fn for_ttl(ttl: Duration) -> TcpTimeouts {
+        crate::election::default_tcp_for(ttl)
+    }
+
     /// The longest time either end can take to declare a silent peer gone:
     /// the larger of the keepalive path and the user timeout.
     pub fn detection_bound(&self) -> Duration {

@@ -47,10 +47,13 @@ use crate::election::watch::{
 /// use std::time::Duration;
 /// use pgelect::{ConnectOptions, Elector, SharedConnection, TcpTimeouts};
 /// let options = ConnectOptions::from_url("postgres://app@db/app")?;
-/// let connection = SharedConnection::new(&options, TcpTimeouts::default());
+/// // The server may declare a silent client gone no sooner than the TTL.
+/// let ttl = Duration::from_secs(15);
+/// let connection = SharedConnection::new(&options, TcpTimeouts::for_ttl(ttl));
 /// let mut shards = Vec::new();
 /// for shard in 0..64 {
 ///     let elector = Elector::builder(options.clone(), &format!("shard-{shard}"))
+///         .ttl(ttl)
 ///         .shared_connection(&connection)
 ///         .build()?;
 ///     shards.push(tokio::spawn(async move {
