@@ -476,6 +476,31 @@ impl SharedSession {
     }
 }
 
+/// Waits for the earliest moment a task of a shared session is wanted at,
+/// following requests that want it sooner; false once the connection
+/// closed or the session is gone.
+async fn until_wanted(
+    wanted: &mut watch::Receiver<Option<Instant>>,
+    closed: &tokio_util::sync::CancellationToken,
+) -> bool {
+    loop {
+        let by = *wanted.borrow_and_update();
+        let changed = tokio::select! {
+            _ = closed.cancelled() => return false,
+            r = wanted.changed() => r,
+            _ = async {
+                match by {
+                    Some(by) => tokio::time::sleep_until(by).await,
+                    None => std::future::pending().await,
+                }
+            } => return true,
+        };
+        if changed.is_err() {
+            return false;
+        }
+    }
+}
+
 /// The heartbeat task of a shared session: sends `SELECT 1` when the
 /// earliest pending request wants it, for every request pending then; ends
 /// with the session or at the first failure.
@@ -485,23 +510,8 @@ async fn beat(session: std::sync::Weak<SharedSession>) {
         None => return,
     };
     loop {
-        // Wait for the earliest pending request's moment, following new
-        // requests that want theirs sooner.
-        loop {
-            let by = *wanted.borrow_and_update();
-            let changed = tokio::select! {
-                _ = closed.cancelled() => return,
-                r = wanted.changed() => r,
-                _ = async {
-                    match by {
-                        Some(by) => tokio::time::sleep_until(by).await,
-                        None => std::future::pending().await,
-                    }
-                } => break,
-            };
-            if changed.is_err() {
-                return;
-            }
+        if !until_wanted(&mut wanted, &closed).await {
+            return;
         }
         let Some(s) = session.upgrade() else {
             return;
@@ -624,21 +634,8 @@ async fn renew_batches(session: std::sync::Weak<SharedSession>) {
         None => return,
     };
     loop {
-        loop {
-            let by = *wanted.borrow_and_update();
-            let changed = tokio::select! {
-                _ = closed.cancelled() => return,
-                r = wanted.changed() => r,
-                _ = async {
-                    match by {
-                        Some(by) => tokio::time::sleep_until(by).await,
-                        None => std::future::pending().await,
-                    }
-                } => break,
-            };
-            if changed.is_err() {
-                return;
-            }
+        if !until_wanted(&mut wanted, &closed).await {
+            return;
         }
         let Some(s) = session.upgrade() else {
             return;
