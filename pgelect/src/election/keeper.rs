@@ -56,7 +56,7 @@ impl Liveness {
 }
 
 /// The phase of a leadership kept by a [`Keeper`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Phase {
     /// Elected (term bumped), waiting out the handover delay: the user has
     /// not been told.
@@ -71,7 +71,7 @@ pub(crate) enum Phase {
 }
 
 /// What the driver must do next.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Action {
     /// Send the renewal statement (and report its outcome with the send time).
     Renew,
@@ -86,7 +86,7 @@ pub(crate) enum Action {
 }
 
 /// Which statement is in flight.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Probe {
     Renew,
     Heartbeat,
@@ -97,6 +97,8 @@ pub(crate) enum Probe {
 /// Invariants: the deadline only moves forward, and only on a successful
 /// renewal, to `send time + ttl - margin`; once past it, leadership is lost
 /// for good, whatever answers arrive later; a loss is reported once.
+// Clone under test: the model checker (`election/model.rs`) copies states.
+#[cfg_attr(test, derive(Clone))]
 #[derive(Debug)]
 pub(crate) struct Keeper {
     timing: Timing,
@@ -384,6 +386,44 @@ impl Keeper {
         let reason = *self.reason.get_or_insert(reason);
         self.phase = Phase::Done;
         Action::Lose { reason, kill }
+    }
+}
+
+#[cfg(test)]
+impl Keeper {
+    /// For the model checker: hashes what decides this keeper's behaviour
+    /// from `now` on, every instant taken relative to `now`, and instants
+    /// more than `horizon` in the past as `horizon` ago (the keeper only
+    /// compares them as `now >= t + d` with `d <= horizon`, so their exact
+    /// age no longer matters). Two keepers hashed alike act alike.
+    pub(crate) fn hash_relative<H: std::hash::Hasher>(
+        &self,
+        now: Instant,
+        horizon: Duration,
+        h: &mut H,
+    ) {
+        use std::hash::Hash;
+        let rel = |t: Instant| -> i64 {
+            if t >= now {
+                (t - now).as_micros() as i64
+            } else {
+                -((now - t).min(horizon).as_micros() as i64)
+            }
+        };
+        self.phase.hash(h);
+        self.pending_action.hash(h);
+        self.reason.hash(h);
+        if self.phase == Phase::Done {
+            return;
+        }
+        rel(self.deadline).hash(h);
+        rel(self.active_at).hash(h);
+        rel(self.next_renew).hash(h);
+        rel(self.next_heartbeat).hash(h);
+        self.in_flight.map(|(p, t)| (p, rel(t))).hash(h);
+        self.lame_duck_until.map(rel).hash(h);
+        self.early_check.map(rel).hash(h);
+        self.last_renew_sent.map(rel).hash(h);
     }
 }
 

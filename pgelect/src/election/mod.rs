@@ -193,6 +193,8 @@ mod config;
 mod driver;
 mod keeper;
 mod leadership;
+#[cfg(test)]
+mod model;
 mod registry;
 #[cfg(test)]
 mod sim;

@@ -494,6 +494,106 @@ mod tests {
         }
     }
 
+    /// The exact derived settings (idle = ttl/3, interval = ttl/6, whole
+    /// seconds, at least 1; just enough probes to outlast the TTL): a change
+    /// of rule shows here, not only in the inequality.
+    #[test]
+    fn derived_tcp_timeouts_are_exact() {
+        let secs = Duration::from_secs;
+        for (ttl, idle, interval, count) in [
+            (ms(15_000), 5, 2, 6),
+            (ms(60_000), 20, 10, 5),
+            (ms(7_000), 2, 1, 6),
+            (ms(2_000), 1, 1, 2),
+            (ms(1_500), 1, 1, 2),
+            (ms(100), 1, 1, 1),
+        ] {
+            let tcp = default_tcp_for(ttl);
+            assert_eq!(
+                tcp,
+                TcpTimeouts {
+                    keepalive_idle: secs(idle),
+                    keepalive_interval: secs(interval),
+                    keepalive_count: count,
+                    user_timeout: ttl,
+                },
+                "ttl {ttl:?}"
+            );
+            // The keepalive path alone ends after the (whole-second) TTL.
+            let t = ttl.as_secs_f64().ceil() as u64;
+            assert!(idle + interval * u64::from(count) > t, "ttl {ttl:?}");
+        }
+    }
+
+    /// The server's release time as PostgreSQL applies the settings:
+    /// keepalives in whole seconds (at least 1), `TCP_USER_TIMEOUT` in
+    /// whole milliseconds with 0 meaning off; whichever fires first.
+    #[test]
+    fn server_release_is_the_first_of_the_tcp_timeouts() {
+        let tcp = |idle: u64, interval: u64, count: u32, user: u64| TcpTimeouts {
+            keepalive_idle: ms(idle),
+            keepalive_interval: ms(interval),
+            keepalive_count: count,
+            user_timeout: ms(user),
+        };
+        for (t, expected) in [
+            // min(5 + 2 x 6 = 17 s, 15 s)
+            (tcp(5_000, 2_000, 6, 15_000), 15_000),
+            // User timeout above the keepalive path.
+            (tcp(5_000, 2_000, 6, 20_000), 17_000),
+            // User timeout off: the keepalive path.
+            (tcp(5_000, 2_000, 6, 0), 17_000),
+            // Sub-second keepalive settings count as 1 s each.
+            (tcp(500, 200, 3, 0), 4_000),
+            // Fractions of a second are cut, not rounded.
+            (tcp(2_900, 1_900, 2, 0), 4_000),
+            // One probe.
+            (tcp(3_000, 4_000, 1, 100_000), 7_000),
+            (tcp(1_000, 1_000, 2, 1_500), 1_500),
+        ] {
+            assert_eq!(server_release_min(&t), ms(expected), "{t:?}");
+        }
+        // Sub-millisecond user timeouts are cut to whole milliseconds.
+        let mut t = tcp(5_000, 2_000, 6, 0);
+        t.user_timeout = Duration::from_micros(1_500_700);
+        assert_eq!(server_release_min(&t), ms(1_500));
+    }
+
+    #[test]
+    fn detection_is_the_first_of_a_failed_heartbeat_and_the_deadline() {
+        assert_eq!(
+            worst_detection(ms(1_000), ms(1_000), ms(15_000), ms(3_000)),
+            ms(2_000)
+        );
+        assert_eq!(
+            worst_detection(ms(10_000), ms(5_000), ms(15_000), ms(3_000)),
+            ms(12_000)
+        );
+        assert_eq!(worst_detection(ms(20), ms(25), ms(500), ms(100)), ms(45));
+    }
+
+    #[test]
+    fn the_session_backend_refuses_tcp_timeouts_that_end_at_the_deadline() {
+        // ttl 15 s, margin 3 s: a release at exactly 12 s is refused, at
+        // 12 s + 1 ms accepted.
+        let with_user = |user: u64| TimingRequest {
+            tcp: Some(TcpTimeouts {
+                keepalive_idle: Duration::from_secs(5),
+                keepalive_interval: Duration::from_secs(2),
+                keepalive_count: 6,
+                user_timeout: ms(user),
+            }),
+            ..Default::default()
+        };
+        let e = with_user(12_000).validate().unwrap_err();
+        assert!(e.contains("must end before the server can release"), "{e}");
+        with_user(12_001).validate().unwrap();
+        // Zero keepalive settings are named.
+        let mut req = with_user(15_000);
+        req.tcp.as_mut().unwrap().keepalive_count = 0;
+        assert!(req.validate().unwrap_err().contains("keepalive_count"));
+    }
+
     #[test]
     fn rejects_zero_and_inverted_values_naming_them() {
         let cases: Vec<(TimingRequest, &str)> = vec![
