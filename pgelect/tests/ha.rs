@@ -375,7 +375,12 @@ async fn a_blocking_standby_leaves_a_server_that_turned_read_only() {
     );
     let o = ConnectOptions::from_url(&url).unwrap();
     let role = "ro-standby";
-    let b = fast(&o, role, "node-b", Backend::Session);
+    // A wait slice far longer than the bound below: only the observer's
+    // read-only check can end the wait in time.
+    let b = fast_session(&o, role, "node-b")
+        .wait_slice(Duration::from_secs(30))
+        .build()
+        .unwrap();
     // A session on the old server holds the role's lock for good.
     let squatter = connect(&old, db_old.name()).await;
     let pgelect::LockKey::Single(key) = b.lock_key() else {
@@ -392,9 +397,9 @@ async fn a_blocking_standby_leaves_a_server_that_turned_read_only() {
     db_old.wait_for_advisory_waiters(1).await;
     let fenced = Instant::now();
     fence_read_only(&old, true).await;
-    let (_b, l, at) = timeout(Duration::from_secs(8), standing)
+    let (_b, l, at) = timeout(Duration::from_secs(20), standing)
         .await
-        .expect("the standby leaves the read-only server before its 10 s wait slice ends")
+        .expect("the standby leaves the read-only server before its 30 s wait slice ends")
         .unwrap();
     let l = l.expect("elected on the server that accepts writes");
     eprintln!(
