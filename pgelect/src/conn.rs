@@ -507,6 +507,9 @@ impl ConnectOptions {
         conn.pid = row
             .try_get(0)
             .map_err(|e| Error::db("start a session", schema, e))?;
+        let addr: Option<String> = row.try_get(1).unwrap_or(None);
+        let port: Option<i32> = row.try_get(2).unwrap_or(None);
+        conn.server = addr.zip(port).map(Box::new);
         if self.config.get_hosts().len() + self.config.get_hostaddrs().len() > 1 {
             let addr: Option<String> = row.try_get(1).unwrap_or(None);
             let port: Option<i32> = row.try_get(2).unwrap_or(None);
@@ -734,6 +737,9 @@ pub(crate) struct DedicatedConnection {
     notices: broadcast::Sender<Notice>,
     task: JoinHandle<()>,
     pid: i32,
+    /// The server's address and port as it reports them
+    /// (`inet_server_addr()`, `inet_server_port()`; `None` over a socket).
+    server: Option<Box<(String, i32)>>,
     tls: MakeRustlsConnect,
 }
 
@@ -793,6 +799,7 @@ impl DedicatedConnection {
             notices,
             task,
             pid: 0,
+            server: None,
             tls,
         }
     }
@@ -805,6 +812,11 @@ impl DedicatedConnection {
     /// The server backend's process id.
     pub(crate) fn pid(&self) -> i32 {
         self.pid
+    }
+
+    /// The server's address and port as it reported them at the start.
+    pub(crate) fn server(&self) -> Option<&(String, i32)> {
+        self.server.as_deref()
     }
 
     /// Cancelled when the connection has ended.

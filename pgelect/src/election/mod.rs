@@ -266,6 +266,12 @@ pub(crate) struct Shared {
     /// is abandoned and the campaign reconnects (to the new primary, with
     /// several hosts and `target_session_attrs`).
     pub(crate) server_read_only: tokio::sync::Notify,
+    /// The server (address, port) a blocking standby's lock connection
+    /// reached. The observer compares its own: with several hosts it may
+    /// have reached another one (the standby's server turned read-only
+    /// before the observer connected, so `target_session_attrs` sent it
+    /// on), and then the standby waits where nobody can be elected.
+    pub(crate) lock_server: std::sync::Mutex<Option<(String, i32)>>,
 }
 
 /// The state only one backend keeps.
@@ -545,6 +551,7 @@ impl Elector {
                 contact: Contact::new(),
                 preemption_refused: Arc::default(),
                 server_read_only: tokio::sync::Notify::new(),
+                lock_server: std::sync::Mutex::new(None),
             }),
         }
     }

@@ -432,6 +432,24 @@ impl Observer {
                     "observe the leader: the server is read-only",
                 ));
             }
+            if now.standing > 0 {
+                let lock_server = shared
+                    .lock_server
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .clone();
+                if let (Some(ours), Some(theirs)) = (conn.server(), lock_server) {
+                    if *ours != theirs {
+                        // This observer reached another server than the
+                        // standby's (its server turned read-only or became
+                        // unreachable before the observer connected): the
+                        // standby waits where nobody can be elected. Wake
+                        // it at every check until it has moved here.
+                        tracing::warn!(role = %role, standby = %format!("{}:{}", theirs.0, theirs.1), now = %format!("{}:{}", ours.0, ours.1), "a standby waits on another server than the one the connection settings now reach; reconnecting it");
+                        shared.server_read_only.notify_waiters();
+                    }
+                }
+            }
             drop(shared);
             if expired
                 && now.standing > 0

@@ -89,6 +89,9 @@ enum Attempt {
 }
 
 /// The connection a candidate stands on.
+// One per campaign, built once and borrowed: the size difference costs
+// nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum LockConn {
     /// Its own: dropped leadership kills it (the server releases the lock),
     /// a clean release keeps it for the next campaign.
@@ -250,6 +253,12 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
     let wait_started = Instant::now();
     match session.standby {
         StandbyMode::Blocking => {
+            if let LockConn::Own(own) = &conn {
+                *shared
+                    .lock_server
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = own.server().cloned();
+            }
             shared.ensure_observer();
             let _standing = Counted::new(&shared.activity, |a| &mut a.standing);
             let LockKey::Single(k) = key else {
