@@ -718,30 +718,103 @@ impl Admin {
 
 /// The server's sessions that are not idle, and who blocks them: why a
 /// takeover may hang.
-async fn busy_sessions(admin: &Admin) -> String {
+/// What a run that found no new leader leaves as evidence: the sessions
+/// that are not idle, the role's lease row, every session holding or
+/// awaiting the role's lock (idle ones included: a lock holder between two
+/// statements is idle), and the last lines each supervisor logged and each
+/// worker wrote.
+async fn stuck_state(admin: &Admin, run: &Run<'_>) -> String {
+    let mut out = String::new();
     let admin = match admin.get().await {
         Ok(a) => a,
         Err(e) => return format!("  (cannot connect: {})", e.message),
     };
-    let rows = admin
-        .query(
+    let queries = [
+        (
+            "sessions not idle on the server",
             "SELECT format('  pid %s %s: %s, waiting %s, blocked by %s, for %s s: %s',
                            pid, application_name, state, coalesce(wait_event_type || '/' || wait_event, '-'),
                            pg_blocking_pids(pid), round(extract(epoch FROM now() - state_change)::numeric, 1),
                            left(query, 80))
                FROM pg_stat_activity
-              WHERE state IS DISTINCT FROM 'idle' AND pid <> pg_backend_pid() AND backend_type = 'client backend'",
-            &[],
-        )
-        .await;
-    match rows {
-        Ok(rows) => rows
-            .iter()
-            .map(|r| r.get::<_, String>(0))
-            .collect::<Vec<_>>()
-            .join("\n"),
-        Err(e) => format!("  (cannot read pg_stat_activity: {})", db_error(&e)),
+              WHERE state IS DISTINCT FROM 'idle' AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+                .to_owned(),
+        ),
+        (
+            "the role's lease row",
+            format!(
+                "SELECT format('  term %s, holder %s, holder_pid %s, backend %s, lease ends in %s s',
+                               term, holder, holder_pid, backend,
+                               round(extract(epoch FROM lease_until - now())::numeric, 1))
+                   FROM {}.leaders WHERE role = $1",
+                run.schema
+            ),
+        ),
+        (
+            "sessions holding or awaiting the role's lock",
+            format!(
+                "SELECT format('  pid %s %s: granted %s, %s for %s s: %s', a.pid, a.application_name,
+                               k.granted, a.state,
+                               round(extract(epoch FROM now() - a.state_change)::numeric, 1), left(a.query, 80))
+                   FROM pg_locks k JOIN pg_stat_activity a ON a.pid = k.pid
+                  WHERE k.locktype = 'advisory' AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                    AND k.objsubid = 1 AND ((k.classid::bigint << 32) | k.objid::bigint) = {}.key($1)
+                  ORDER BY k.granted DESC, a.pid",
+                run.schema
+            ),
+        ),
+    ];
+    // The name an elector's lock key is hashed from.
+    let lock_name = format!("election:{}:{}", run.schema, run.role);
+    for (i, (title, sql)) in queries.into_iter().enumerate() {
+        let rows = if i == 1 {
+            admin.query(sql.as_str(), &[&run.role]).await
+        } else if i == 2 {
+            admin.query(sql.as_str(), &[&lock_name]).await
+        } else {
+            admin.query(sql.as_str(), &[]).await
+        };
+        out.push_str(&format!("{title}:\n"));
+        match rows {
+            Ok(rows) if rows.is_empty() => out.push_str("  (none)\n"),
+            Ok(rows) => {
+                for r in rows {
+                    out.push_str(&r.get::<_, String>(0));
+                    out.push('\n');
+                }
+            }
+            Err(e) => out.push_str(&format!("  (cannot read: {})\n", db_error(&e))),
+        }
     }
+    // The logs are removed at the end unless --logs keeps them: their
+    // tails go with the failure.
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&run.dir)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    files.sort();
+    for f in files {
+        let (keep, what) = match f.extension().and_then(|x| x.to_str()) {
+            Some("stderr") => (12, "supervisor log"),
+            Some("log") => (3, "worker log"),
+            _ => continue,
+        };
+        let Ok(text) = std::fs::read_to_string(&f) else {
+            continue;
+        };
+        let lines: Vec<&str> = text.lines().collect();
+        out.push_str(&format!(
+            "{what} {} (last {} of {} lines):\n",
+            f.file_name().unwrap_or_default().to_string_lossy(),
+            keep.min(lines.len()),
+            lines.len()
+        ));
+        for l in &lines[lines.len().saturating_sub(keep)..] {
+            out.push_str("  ");
+            out.push_str(&l.chars().take(300).collect::<String>());
+            out.push('\n');
+        }
+    }
+    out
 }
 
 /// libfaketime's multi-threaded library, where Debian's `faketime`
@@ -1339,11 +1412,11 @@ async fn schedule(
                     .is_some_and(|f| f.skipped.is_some() || !f.fault.must_fail_over(run.backend)) => {}
                 None => {
                     return Err(fail(format!(
-                        "no new leader within 60 s of {} on {} (term {}); sessions not idle on the server:\n{}",
+                        "no new leader within 60 s of {} on {} (term {}); what the server and the logs show:\n{}",
                         fault.name(),
                         leader.node,
                         leader.term,
-                        busy_sessions(admin).await
+                        stuck_state(admin, run).await
                     )))
                 }
             }
