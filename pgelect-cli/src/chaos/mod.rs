@@ -1089,6 +1089,18 @@ impl Run<'_> {
     }
 }
 
+/// Why a fault at `at` proves nothing when the next leader's start was
+/// stamped at or before it: the fault hit a candidate that no longer led.
+fn moved_before(next: Option<&Event>, at: u128) -> Option<String> {
+    let e = next.filter(|e| e.at <= at)?;
+    Some(format!(
+        "leadership had already moved to {} (term {}) {:.1} ms before the fault",
+        e.node,
+        e.term,
+        (at - e.at) as f64 / 1e6
+    ))
+}
+
 /// Writes `text` to a new file only this user can read (mode 0600).
 fn write_private(path: &Path, text: &str) -> Result<(), Failure> {
     use std::io::Write;
@@ -1337,7 +1349,7 @@ async fn schedule(
                             // the old one must be freed by timers alone.
                             let next = match &cut {
                                 Ok(()) => {
-                                    run.next_start(leader.term, at, Duration::from_secs(60))
+                                    run.next_start(leader.term, leader.at, Duration::from_secs(60))
                                         .await
                                 }
                                 Err(_) => None,
@@ -1358,7 +1370,7 @@ async fn schedule(
             } else if skipped.is_some() {
                 None
             } else if fault.must_fail_over(run.backend) {
-                run.next_start(leader.term, at, Duration::from_secs(60))
+                run.next_start(leader.term, leader.at, Duration::from_secs(60))
                     .await
             } else {
                 // The leader may stay in place: a new term counts only if it
@@ -1370,9 +1382,17 @@ async fn schedule(
                     Fault::RestartFast | Fault::RestartImmediate => args.ttl,
                     _ => Duration::ZERO,
                 };
-                run.next_start(leader.term, at, window + Duration::from_millis(500))
+                run.next_start(leader.term, leader.at, window + Duration::from_millis(500))
                     .await
             };
+            // A start of a newer term that the logs showed only after the
+            // leader was chosen, but that was stamped before the fault: the
+            // fault hit a candidate that no longer led (its worker wrote
+            // `start` between the last look and the fault). It proves
+            // nothing about the fault; the new leader is followed.
+            if let Some(why) = moved_before(next.as_ref(), at) {
+                skipped = Some(why);
+            }
             injected.push(Injected {
                 fault,
                 at,
@@ -2028,6 +2048,19 @@ mod tests {
             at: at_ms * 1_000_000,
             pid,
         }
+    }
+
+    #[test]
+    fn a_fault_after_leadership_moved_is_not_counted() {
+        // c2's worker stamped its start (term 6) at 850 ms; the schedule
+        // had last looked before that and aimed a fault at the old leader
+        // at 871 ms (a loaded CI run): that fault proves nothing.
+        let moved = ev("start", "c2", 6, 850, 7);
+        let why = moved_before(Some(&moved), 871 * 1_000_000).expect("missed");
+        assert!(why.contains("c2 (term 6) 21.0 ms before"), "{why}");
+        // Stamped after the fault: the failover the fault caused.
+        assert_eq!(moved_before(Some(&moved), 849 * 1_000_000), None);
+        assert_eq!(moved_before(None, 871 * 1_000_000), None);
     }
 
     fn standard(backend: BackendArg) -> pgelect::TimingReport {
