@@ -312,6 +312,54 @@ BEGIN
 END
 $grants$;
 "#,
+    // 6: a fenced transaction holds the role's row FOR SHARE, and the next
+    // election's term bump waits for it. A client that froze or vanished
+    // in the middle of one (a paused process, a partition the server does
+    // not see yet) would hold every takeover back for as long as its
+    // session lives. fence() caps how long this transaction may sit idle
+    // between statements at the lease's length (SET LOCAL: this
+    // transaction only, pooler-safe), unless the session already allows
+    // less; the server then ends the session and the row is free.
+    r#"
+CREATE OR REPLACE FUNCTION {s}.fence(p_role text, p_term bigint) RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
+DECLARE
+    cur_term bigint;
+    cur_holder text;
+    lease_ms bigint;
+    idle_ms bigint;
+BEGIN
+    SELECT l.term, l.holder,
+           pg_catalog.ceil(EXTRACT(EPOCH FROM l.lease_until - l.renewed_at) * 1000)::bigint
+      INTO cur_term, cur_holder, lease_ms
+      FROM {s}.leaders l WHERE l.role = p_role FOR SHARE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'PE002',
+            MESSAGE = pg_catalog.format('role "%s" has no leader row; term %s cannot be fenced', p_role, p_term),
+            HINT = 'stop acting as leader and roll back';
+    END IF;
+    IF cur_term IS DISTINCT FROM p_term THEN
+        RAISE EXCEPTION USING ERRCODE = 'PE001',
+            MESSAGE = pg_catalog.format('role "%s": term %s is stale, the current term is %s', p_role, p_term, cur_term),
+            HINT = 'this process is no longer the leader: roll back and stop acting as leader';
+    END IF;
+    IF cur_holder IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'PE002',
+            MESSAGE = pg_catalog.format('role "%s": term %s was released and has no holder now', p_role, p_term),
+            HINT = 'this process is no longer the leader: roll back and stop acting as leader';
+    END IF;
+    IF lease_ms > 0 THEN
+        SELECT s.setting::bigint INTO idle_ms
+          FROM pg_catalog.pg_settings s WHERE s.name = 'idle_in_transaction_session_timeout';
+        IF idle_ms = 0 OR idle_ms > lease_ms THEN
+            PERFORM pg_catalog.set_config('idle_in_transaction_session_timeout',
+                                          LEAST(lease_ms, 2147483647)::text, true);
+        END IF;
+    END IF;
+END
+$fn$;
+COMMENT ON FUNCTION {s}.fence(text, bigint) IS 'pgelect: call inside a transaction; fails unless p_term is the current term of p_role; caps idle_in_transaction_session_timeout for this transaction at the lease length';
+"#,
 ];
 
 /// Installs or upgrades the pgelect schema on the database `options` point at.

@@ -416,6 +416,64 @@ async fn stale_leader_renewal_and_fence_fail_after_takeover() {
     la.resign().await.unwrap();
 }
 
+/// A fenced transaction whose client goes silent in the middle (a frozen
+/// leader, or one cut off where the server does not see it yet) holds the
+/// role's row FOR SHARE, and the next term's bump waits for it: the fence
+/// caps the transaction's idle time at the lease's length, so the server
+/// ends that session and a standby takes over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_transaction_left_open_does_not_hold_back_the_next_leader() {
+    let (db, o) = migrated("elect_fence_idle").await;
+    let a = fast(&o, "fidle", "a").build().unwrap();
+    let b = fast(&o, "fidle", "b").build().unwrap();
+    let la = a.leadership().await.unwrap();
+    let fencer = db.connect().await;
+    fencer.batch_execute("BEGIN").await.unwrap();
+    la.fence(&fencer).await.unwrap();
+    let idle: String = fencer
+        .query_one("SHOW idle_in_transaction_session_timeout", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        idle, "2s",
+        "capped at the lease (ttl 2s) for this transaction"
+    );
+    // The fencer now says nothing more; the leader's lock connection ends.
+    let standby = tokio::spawn(async move { b.leadership().await.unwrap() });
+    db.wait_for_advisory_waiters(1).await;
+    let pid = holder_pid(&db, "fidle").await;
+    let t0 = Instant::now();
+    db.connect()
+        .await
+        .query_typed(
+            "SELECT pg_terminate_backend($1)",
+            &[(&pid, tokio_postgres::types::Type::INT4)],
+        )
+        .await
+        .unwrap();
+    let lb = tokio::time::timeout(Duration::from_secs(30), standby)
+        .await
+        .expect("the standby leads although a fenced transaction was left open")
+        .unwrap();
+    let took = t0.elapsed();
+    println!("a fenced transaction left open: the standby led {took:?} after the leader's connection ended");
+    assert!(lb.term() > la.term());
+    // The server ended the silent session; the other sessions keep the
+    // default (the cap was this transaction's only).
+    let e = fencer.batch_execute("COMMIT").await.unwrap_err();
+    assert!(fencer.is_closed(), "{e}");
+    let other: String = db
+        .connect()
+        .await
+        .query_one("SHOW idle_in_transaction_session_timeout", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(other, "0");
+    lb.resign().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn terminated_leader_backend_hands_over_after_the_delay() {
     let (db, o) = migrated("elect_terminate").await;
