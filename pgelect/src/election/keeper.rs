@@ -800,4 +800,107 @@ mod tests {
         );
         assert_eq!(k.next_wake(), None);
     }
+
+    // Pinned exactly where the tests above only bound a value: cargo-mutants
+    // (scripts/mutants) left these changes of the rules uncaught.
+
+    #[test]
+    fn an_answer_at_the_deadline_instant_does_not_extend_it() {
+        let t = timing();
+        let t0 = Instant::now();
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0, false);
+        k.poll(t0);
+        let deadline = k.deadline();
+        // Sent before the deadline, answered exactly at it: too late.
+        k.renewed(deadline - ms(100), deadline);
+        assert_eq!(k.deadline(), deadline);
+        assert_eq!(
+            k.poll(deadline),
+            Some(Action::Lose {
+                reason: LossReason::Deadline,
+                kill: true
+            })
+        );
+        // One instant earlier it counts.
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0, false);
+        k.poll(t0);
+        k.renewed(deadline - ms(100), deadline - Duration::from_nanos(1));
+        assert_eq!(k.deadline(), deadline - ms(100) + t.deadline_budget());
+    }
+
+    #[test]
+    fn lease_retries_follow_the_backoff_then_halve_the_room_left() {
+        let t = lease_timing();
+        let t0 = Instant::now();
+        let mut k = Keeper::new(t, Liveness::statements(), t0, t0, false);
+        k.poll(t0);
+        let mut attempts = Vec::new();
+        loop {
+            let now = k.next_wake().unwrap();
+            match k.poll(now) {
+                Some(Action::Renew) => {
+                    attempts.push((now - t0).as_micros());
+                    k.renew_retry(now, ms(300));
+                }
+                Some(Action::Lose { .. }) => break,
+                None => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        // Every 300 ms while that lands before the 1.6 s deadline, then
+        // half the room left while it is at least 20 ms.
+        assert_eq!(
+            attempts,
+            [500_000, 800_000, 1_100_000, 1_400_000, 1_500_000, 1_550_000, 1_575_000, 1_587_500]
+        );
+    }
+
+    #[test]
+    fn retries_and_heartbeats_are_due_exactly_one_interval_later() {
+        let t = timing();
+        let t0 = Instant::now();
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0, false);
+        k.poll(t0);
+        // Heartbeat every 250 ms, renewal every 1000 ms.
+        assert_eq!(k.next_wake(), Some(t0 + ms(250)));
+        assert_eq!(k.poll(t0 + ms(250)), Some(Action::Heartbeat));
+        k.heartbeat_ok(t0 + ms(260));
+        assert_eq!(k.next_wake(), Some(t0 + ms(510)));
+        assert_eq!(k.poll(t0 + ms(509)), None);
+        // A refused renewal is retried at the heartbeat pace.
+        k.heartbeat_ok(t0 + ms(900));
+        assert_eq!(k.poll(t0 + ms(1000)), Some(Action::Renew));
+        k.renew_failed(t0 + ms(1010));
+        assert_eq!(k.next_renew, t0 + ms(1260));
+        assert_eq!(k.next_wake(), Some(t0 + ms(1150)));
+        assert_eq!(k.poll(t0 + ms(1150)), Some(Action::Heartbeat));
+        k.heartbeat_ok(t0 + ms(1160));
+        assert_eq!(k.poll(t0 + ms(1259)), None);
+        assert_eq!(k.poll(t0 + ms(1260)), Some(Action::Renew));
+    }
+
+    #[test]
+    fn an_unclean_takeover_wakes_at_the_end_of_the_handover_delay() {
+        // Renewals and heartbeats later than the activation: the wake-up
+        // is the activation itself.
+        let t = TimingRequest {
+            ttl: Some(ms(3000)),
+            renew_every: Some(ms(2000)),
+            heartbeat: Some(ms(250)),
+            heartbeat_timeout: Some(ms(500)),
+            ..Default::default()
+        }
+        .validate()
+        .unwrap();
+        let slow = Liveness {
+            heartbeat: Some(ms(10_000)),
+            answer_within: Some(ms(500)),
+        };
+        let t0 = Instant::now();
+        let mut k = Keeper::new(t, slow, t0, t0, true);
+        assert_eq!(k.poll(t0), None);
+        assert_eq!(k.next_wake(), Some(t0 + t.handover_delay));
+        assert_eq!(k.poll(t0 + t.handover_delay), Some(Action::Activate));
+        assert_eq!(k.next_wake(), Some(t0 + ms(2000)));
+    }
 }

@@ -713,4 +713,91 @@ mod tests {
             assert!(e.contains(needle), "{e:?} lacks {needle:?}");
         }
     }
+
+    #[test]
+    fn the_bounds_are_inclusive_where_documented() {
+        // The longest TTL, wait slice and handover delay are accepted, a
+        // nanosecond more is not.
+        let nano = Duration::from_nanos(1);
+        for backend in [TimingRequest::validate, TimingRequest::validate_lease] {
+            backend(&TimingRequest {
+                ttl: Some(MAX_TTL),
+                wait_slice: Some(MAX_TTL),
+                ..Default::default()
+            })
+            .unwrap();
+            let e = backend(&TimingRequest {
+                ttl: Some(MAX_TTL + nano),
+                ..Default::default()
+            })
+            .unwrap_err();
+            assert!(e.contains("is longer than the maximum 86400s"), "{e}");
+            let e = backend(&TimingRequest {
+                wait_slice: Some(MAX_TTL + nano),
+                ..Default::default()
+            })
+            .unwrap_err();
+            assert!(e.contains("wait_slice"), "{e}");
+        }
+        TimingRequest {
+            ttl: Some(MAX_TTL),
+            handover_delay: Some(MAX_TTL),
+            ..Default::default()
+        }
+        .validate()
+        .unwrap();
+        let e = TimingRequest {
+            handover_delay: Some(MAX_TTL + nano),
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.contains("handover_delay"), "{e}");
+        // A handover delay of exactly the detection bound is enough (the
+        // bound is a worst case reached, not exceeded); a millisecond less
+        // is refused.
+        let at = |d: u64| TimingRequest {
+            heartbeat: Some(ms(1000)),
+            heartbeat_timeout: Some(ms(1000)),
+            handover_delay: Some(ms(d)),
+            ..Default::default()
+        };
+        assert_eq!(at(2000).validate().unwrap().handover_delay, ms(2000));
+        let e = at(1999).validate().unwrap_err();
+        assert!(e.contains("handover_delay 1.999s"), "{e}");
+    }
+
+    #[test]
+    fn lease_statement_timeout_defaults_to_a_quarter_of_the_budget() {
+        // ttl 2 s: budget 1.6 s, a quarter is 400 ms (under the 1 s cap).
+        let t = TimingRequest {
+            ttl: Some(ms(2000)),
+            ..Default::default()
+        }
+        .validate_lease()
+        .unwrap();
+        assert_eq!(t.heartbeat_timeout, ms(400));
+        assert_eq!(t.safety_margin, ms(400));
+        assert_eq!(t.renew_every, Duration::from_nanos(666_666_666));
+    }
+
+    #[test]
+    fn profiles_print_and_parse_and_the_report_is_the_timing() {
+        for p in [Profile::Standard, Profile::Fast] {
+            assert_eq!(p.to_string(), p.as_str());
+            assert_eq!(p.as_str().parse::<Profile>(), Ok(p));
+        }
+        assert_eq!(Profile::Fast.as_str(), "fast");
+        assert!("slow".parse::<Profile>().unwrap_err().contains("\"slow\""));
+        let t = TimingRequest::default().validate().unwrap();
+        let r = t.report();
+        assert_eq!(
+            (r.profile, r.ttl, r.safety_margin, r.renew_every),
+            (t.profile, t.ttl, t.safety_margin, t.renew_every)
+        );
+        assert_eq!(
+            (r.heartbeat, r.heartbeat_timeout, r.handover_delay),
+            (t.heartbeat, t.heartbeat_timeout, t.handover_delay)
+        );
+    }
 }
