@@ -1408,11 +1408,13 @@ async fn schedule(
             } else {
                 // The leader may stay in place: a new term counts only if it
                 // began while the fault was on or right after (after a
-                // restart, within a ttl: a leader that could not renew
+                // restart of the server or the pooler, within a ttl: a leader that could not renew
                 // meanwhile loses by then). A later move is followed before
                 // the next fault.
                 let window = match fault {
-                    Fault::RestartFast | Fault::RestartImmediate => args.ttl,
+                    Fault::RestartFast | Fault::RestartImmediate | Fault::PgbouncerRestart => {
+                        args.ttl
+                    }
                     _ => Duration::ZERO,
                 };
                 run.next_start(leader.term, at, window + Duration::from_millis(500))
