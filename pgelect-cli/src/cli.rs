@@ -201,6 +201,7 @@ with an old term).")]
   pgelect chaos                                   # a throwaway PostgreSQL, both backends, 60s each
   pgelect chaos --duration 5m --seed 42 --json chaos.json
   pgelect chaos --database-url-file staging.url --backends session --faults kill,stop,term,blackhole
+  pgelect chaos --database-url-file staging.url --pooler-url-file bouncer.url --backends lease
 
 Faults: kill (SIGKILL the leader's supervisor), stop (SIGSTOP it and its
 command for 1.5 x the TTL, then SIGCONT), term (SIGTERM: a planned
@@ -209,10 +210,20 @@ pg_signal_backend or superuser, skipped and reported otherwise), blackhole
 (the leader's traffic stops for 1.5 x the TTL: each supervisor connects
 through a proxy of its own that stops forwarding while both TCP connections
 stay up), latency (the leader's traffic delayed by a quarter to twice its
-heartbeat timeout for 1.5 x the TTL). The network faults need a single-host
-postgres:// URL and are skipped otherwise.
+heartbeat timeout for 1.5 x the TTL), starve (the leader's supervisor and
+command run 1 ms in every 10 ms for 1.5 x the TTL), clock-jump (its wall clock moved an hour,
+needs libfaketime). The network faults need a single-host postgres:// URL
+and are skipped otherwise. On its own throwaway server only:
+restart-fast, restart-immediate (the server restarted), pgbouncer-restart
+(the PgBouncer in front of it killed and started again, where the lease
+backend runs through it) and, as root, partition and partition-nopreempt
+(each candidate in a network namespace, the leader's link cut).
 Without --database-url or --database-url-file it starts a throwaway
-PostgreSQL. Against your database it uses roles named chaos-<seed>-<backend>
+PostgreSQL, and PgBouncer in transaction mode in front of it for the lease
+backend's supervisors (--no-pooler: not). Against your database the lease
+backend goes through --pooler-url if given. The session backend never goes
+through a pooler, nor do the lease backend's LISTEN connections and the
+workers' fenced writes. Against your database it uses roles named chaos-<seed>-<backend>
 (refused if one already has a leader) and a table pgelect_chaos_<seed>,
 dropped at the end.
 Exit codes: 0 when no violation was found, 70 when one was (each printed

@@ -431,6 +431,11 @@ pub(crate) mod throwaway {
             self.0.port()
         }
 
+        /// The cluster, for a PgBouncer in front of it (`pgelect chaos`).
+        pub fn cluster(&self) -> &pgelect_testkit::Cluster {
+            &self.0
+        }
+
         /// Stops the server (`pg_ctl stop -m fast`, or `immediate`: a crash
         /// and recovery) and starts it again on the same port; returns once
         /// it answers. Blocks this worker thread meanwhile.

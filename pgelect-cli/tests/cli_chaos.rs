@@ -360,3 +360,230 @@ async fn chaos_fails_a_run_with_a_second_leader() {
     println!("{proof}");
     assert!(!r.stdout.contains("no violation"), "{}", r.stdout);
 }
+
+/// On its own throwaway server, the lease backend's supervisors go through
+/// a PgBouncer in transaction mode that chaos starts in front of it (the
+/// header says so, every lease row of the JSON carries `pooler: true`, and
+/// PgBouncer's own counters show the transactions it served), and the
+/// `pgbouncer-restart` fault is injected and judged like any other: no
+/// overlap, no lost write, within its bound. Without PgBouncer installed,
+/// the lease backend runs directly and the fault is reported skipped.
+#[cfg(feature = "throwaway")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_runs_the_lease_backend_through_its_own_pgbouncer_and_restarts_it() {
+    let dir = TempDir::new("chaos_pooler");
+    let json = dir.join("out.json");
+    let r = run(
+        pgelect([
+            "chaos",
+            "--duration",
+            "2s",
+            "--seed",
+            "21",
+            "--backends",
+            "lease",
+            "--faults",
+            "pgbouncer-restart,kill",
+            "--every-fault",
+            "--json",
+            json.to_str().unwrap(),
+        ]),
+        CHAOS,
+    )
+    .await;
+    println!("{}", r.stdout);
+    r.assert_code(0);
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("json written")).unwrap();
+    assert_eq!(rows.len(), 2, "two faults, one backend: {rows:?}");
+    let row = |fault: &str| {
+        rows.iter()
+            .find(|r| r["fault"] == fault)
+            .unwrap_or_else(|| panic!("no {fault} row: {rows:?}"))
+    };
+    if !pgelect_testkit::pgbouncer_available() {
+        println!("PgBouncer not installed: checking that its restart is reported skipped");
+        assert!(
+            r.stdout
+                .contains("lease backend direct (PgBouncer is not installed"),
+            "{}",
+            r.stdout
+        );
+        let restart = row("pgbouncer-restart");
+        assert_eq!(restart["skipped"], restart["trials"], "{restart}");
+        return;
+    }
+    assert!(
+        r.stdout
+            .contains("lease backend through PgBouncer in transaction mode on 127.0.0.1:"),
+        "{}",
+        r.stdout
+    );
+    for row in &rows {
+        assert_eq!(row["backend"], "lease", "{row}");
+        assert_eq!(row["pooler"], true, "{row}");
+        assert_eq!(row["skipped"], 0, "{row}");
+        assert!(row["trials"].as_u64().unwrap() > 0, "{row}");
+        for zero in ["overlaps", "stale_writes_committed", "lost_writes"] {
+            assert_eq!(row[zero], 0, "{zero}: {row}");
+        }
+        assert_eq!(row["within_bound"], true, "{row}");
+        println!(
+            "{}: {} trials, {} moved, max gap {} ms (bound {} ms)",
+            row["fault"], row["trials"], row["failovers"], row["max_gap_ms"], row["bound_ms"]
+        );
+    }
+    // A killed leader is replaced through the pooler too.
+    let kill = row("kill");
+    assert_eq!(kill["failovers"], kill["trials"], "{kill}");
+    // The restart was injected on a leader and its outcome printed.
+    assert!(
+        r.stdout
+            .lines()
+            .any(|l| l.starts_with("  pgbouncer-restart on c")
+                && (l.contains(" began ") || l.contains("no new term"))),
+        "{}",
+        r.stdout
+    );
+    // The supervisors' statements really went through PgBouncer: its own
+    // counters (its readiness checks count one transaction per start).
+    let served: u64 = r
+        .stdout
+        .split("PgBouncer served ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no PgBouncer count printed:\n{}", r.stdout));
+    println!("PgBouncer served {served} transactions");
+    assert!(served >= 20, "{served} transactions through PgBouncer");
+}
+
+/// A pooler needs the database behind it named: usage error, before
+/// anything starts.
+#[tokio::test]
+async fn chaos_refuses_a_pooler_url_without_a_database_url() {
+    let r = run(
+        pgelect([
+            "chaos",
+            "--pooler-url",
+            "postgres://u@127.0.0.1:1/db",
+            "--duration",
+            "1s",
+        ]),
+        CHAOS,
+    )
+    .await;
+    r.assert_code(64);
+    assert!(
+        r.stderr.contains("--pooler-url needs --database-url"),
+        "{}",
+        r.stderr
+    );
+}
+
+/// Against a database named with --database-url, the lease backend's
+/// supervisors go through the pooler named with --pooler-url-file (here
+/// PgBouncer in transaction mode in front of the test cluster), the rows
+/// say so, a killed leader is replaced through it, and `pgbouncer-restart`
+/// is reported skipped (the pooler is not chaos's own to restart).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_runs_the_lease_backend_through_a_given_pooler() {
+    use pgelect_testkit::{pgbouncer_available, Cluster, PgBouncer, PoolMode};
+    if !pgbouncer_available() || pgelect_testkit::external_url().is_some() {
+        println!("skipped: no PgBouncer, or an external test server");
+        return;
+    }
+    let cluster = tokio::task::spawn_blocking(Cluster::shared).await.unwrap();
+    let db = TestDb::on(cluster, "chaos_pooler_given").await;
+    let bouncer = tokio::task::spawn_blocking(move || {
+        PgBouncer::start(cluster, PoolMode::Transaction).expect("pgbouncer starts")
+    })
+    .await
+    .unwrap();
+    let dir = TempDir::new("chaos_pooler_given");
+    let (json, url_file) = (dir.join("out.json"), dir.join("pooler.url"));
+    std::fs::write(&url_file, bouncer.tcp_url(db.name())).unwrap();
+    let r = run(
+        chaos(
+            &db,
+            &[
+                "--duration",
+                "5s",
+                "--seed",
+                "23",
+                "--backends",
+                "lease",
+                "--faults",
+                "kill,pgbouncer-restart",
+                "--every-fault",
+                "--pooler-url-file",
+                url_file.to_str().unwrap(),
+                "--json",
+                json.to_str().unwrap(),
+            ],
+        ),
+        CHAOS,
+    )
+    .await;
+    println!("{}", r.stdout);
+    r.assert_code(0);
+    assert!(
+        r.stdout.contains(&format!(
+            "lease backend through the pooler at 127.0.0.1:{} (--pooler-url)",
+            bouncer.port()
+        )),
+        "{}",
+        r.stdout
+    );
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("json written")).unwrap();
+    let row = |fault: &str| {
+        rows.iter()
+            .find(|r| r["fault"] == fault)
+            .unwrap_or_else(|| panic!("no {fault} row: {rows:?}"))
+            .clone()
+    };
+    let kill = row("kill");
+    assert_eq!(kill["pooler"], true, "{kill}");
+    assert_eq!(kill["skipped"], 0, "{kill}");
+    assert_eq!(kill["failovers"], kill["trials"], "{kill}");
+    assert_eq!(kill["lost_writes"], 0, "{kill}");
+    // The workers (directly connected) made fenced writes meanwhile.
+    let committed: u64 = r
+        .stdout
+        .split(" fenced writes committed")
+        .next()
+        .and_then(|s| s.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count of fenced writes:\n{}", r.stdout));
+    assert!(committed > 0, "{}", r.stdout);
+    // The supervisors' statements went through the pooler: its counters.
+    let (console, connection) = bouncer
+        .config("pgbouncer")
+        .connect(tokio_postgres::NoTls)
+        .await
+        .expect("pgbouncer's console");
+    tokio::spawn(connection);
+    let served: u64 = console
+        .simple_query("SHOW STATS")
+        .await
+        .unwrap()
+        .iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) if r.get("database") == Some(db.name()) => {
+                r.get("total_xact_count")?.parse().ok()
+            }
+            _ => None,
+        })
+        .unwrap_or(0);
+    println!("PgBouncer served {served} transactions on {}", db.name());
+    assert!(served >= 20, "{served} transactions through PgBouncer");
+    let restart = row("pgbouncer-restart");
+    assert_eq!(restart["skipped"], restart["trials"], "{restart}");
+    assert!(
+        restart["skipped_reason"]
+            .as_str()
+            .is_some_and(|s| s.contains("not chaos's own")),
+        "{restart}"
+    );
+}

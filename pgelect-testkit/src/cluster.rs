@@ -538,8 +538,8 @@ impl Cluster {
     /// cluster that must not accept the well-known [`TEST_PASSWORD`] (the
     /// `pgelect demo`); [`url`](Cluster::url) and
     /// [`config`](Cluster::config) use the new one. A
-    /// [`PgBouncer`](crate::PgBouncer) in front of the cluster still expects
-    /// [`TEST_PASSWORD`].
+    /// [`PgBouncer`](crate::PgBouncer) started afterwards in front of the
+    /// cluster uses it too; one started before still expects the old one.
     ///
     /// # Errors
     ///
@@ -560,7 +560,8 @@ impl Cluster {
         Ok(())
     }
 
-    fn password(&self) -> String {
+    /// The superuser's current password.
+    pub(crate) fn password(&self) -> String {
         self.password
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

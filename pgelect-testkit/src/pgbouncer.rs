@@ -13,7 +13,7 @@ use crate::util::{
     self, as_server_user, block_on_fresh_runtime, ctx, err, make_temp_dir, open_log, wait_or_kill,
     write_private, ReadyError, Reaper,
 };
-use crate::{free_port, percent_encode, Cluster, HOST, SUPERUSER, TEST_PASSWORD};
+use crate::{free_port, percent_encode, Cluster, HOST, SUPERUSER};
 
 /// How long pgbouncer may take to answer a query through it after being
 /// spawned.
@@ -110,8 +110,11 @@ fn pgbouncer_bin() -> Option<PathBuf> {
 /// A real pgbouncer (run as the unprivileged server user when root) in
 /// front of a [`Cluster`], listening on `127.0.0.1`.
 ///
-/// Clients authenticate with SCRAM as [`SUPERUSER`] / [`TEST_PASSWORD`]
-/// (from its `userlist.txt`), or as any other role of the cluster (looked up
+/// Clients authenticate with SCRAM as [`SUPERUSER`] with the cluster's
+/// superuser password when pgbouncer was started
+/// ([`TEST_PASSWORD`](crate::TEST_PASSWORD) unless
+/// [`Cluster::set_superuser_password`] changed it; from its
+/// `userlist.txt`), or as any other role of the cluster (looked up
 /// with `auth_query`). Database `pgbouncer` is the admin console
 /// (`SHOW POOLS`, `SHOW CONFIG`, ... with the simple query protocol).
 /// Settings: `max_client_conn = 500`, `default_pool_size = 20`,
@@ -130,6 +133,8 @@ pub struct PgBouncer {
     bin: PathBuf,
     port: u16,
     server_port: u16,
+    /// The superuser's password, in `userlist.txt` and the URLs.
+    password: String,
     mode: PoolMode,
     client_tls: BouncerTls,
     tls: Option<Tls>,
@@ -206,6 +211,7 @@ impl PgBouncer {
             bin,
             port: 0,
             server_port: cluster.port(),
+            password: cluster.password(),
             mode,
             client_tls,
             tls: None,
@@ -221,7 +227,7 @@ impl PgBouncer {
         let userlist = format!(
             "\"{}\" \"{}\"\n",
             SUPERUSER.replace('"', "\"\""),
-            TEST_PASSWORD.replace('"', "\"\"")
+            bouncer.password.replace('"', "\"\"")
         );
         write_private(&bouncer.dir.join("userlist.txt"), &userlist)?;
         let mut clash = None;
@@ -259,7 +265,7 @@ impl PgBouncer {
         format!(
             "postgres://{}:{}@{host}:{}/{}",
             percent_encode(SUPERUSER),
-            percent_encode(TEST_PASSWORD),
+            percent_encode(&self.password),
             self.port,
             percent_encode(database)
         )
@@ -277,7 +283,7 @@ impl PgBouncer {
         config
             .port(self.port)
             .user(SUPERUSER)
-            .password(TEST_PASSWORD)
+            .password(&self.password)
             .dbname(database);
         config
     }
@@ -290,7 +296,7 @@ impl PgBouncer {
         format!(
             "postgres://{}:{}@{}:{}/{}",
             percent_encode(SUPERUSER),
-            percent_encode(TEST_PASSWORD),
+            percent_encode(&self.password),
             self.tcp_host(),
             self.port,
             percent_encode(database)
@@ -305,7 +311,7 @@ impl PgBouncer {
             .host(self.tcp_host())
             .port(self.port)
             .user(SUPERUSER)
-            .password(TEST_PASSWORD)
+            .password(&self.password)
             .dbname(database);
         config
     }

@@ -28,6 +28,7 @@
 //! leader's refused or lost write.
 
 mod netns;
+mod pooler;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -62,8 +63,25 @@ pub struct ChaosArgs {
     #[arg(long, value_enum, value_delimiter = ',', default_values = ["session", "lease"])]
     pub backends: Vec<BackendArg>,
     /// Faults to draw from.
-    #[arg(long, value_enum, value_delimiter = ',', default_values = ["kill", "stop", "term", "terminate", "blackhole", "latency", "starve", "clock-jump", "restart-fast", "restart-immediate", "partition", "partition-nopreempt"])]
+    #[arg(long, value_enum, value_delimiter = ',', default_values = ["kill", "stop", "term", "terminate", "blackhole", "latency", "starve", "clock-jump", "restart-fast", "restart-immediate", "pgbouncer-restart", "partition", "partition-nopreempt"])]
     pub faults: Vec<Fault>,
+    /// The lease backend's supervisors connect through this pooler (e.g.
+    /// PgBouncer in transaction mode in front of the --database-url
+    /// server); their LISTEN connection and their workers connect directly.
+    /// The session backend never uses it. Default: on its own throwaway
+    /// server, a PgBouncer in transaction mode it starts; against your
+    /// database, none. A password here is visible to every local user:
+    /// prefer --pooler-url-file.
+    #[arg(long, value_name = "URL", conflicts_with = "no_pooler")]
+    pub pooler_url: Option<String>,
+    /// Read the --pooler-url URL from this file (a trailing newline is
+    /// ignored). Keep it private (mode 0600).
+    #[arg(long, value_name = "PATH", conflicts_with = "no_pooler")]
+    pub pooler_url_file: Option<PathBuf>,
+    /// On the throwaway server, run the lease backend directly, without the
+    /// PgBouncer chaos would start in front of it.
+    #[arg(long)]
+    pub no_pooler: bool,
     /// Write one JSON object per fault and backend to this file.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -124,6 +142,12 @@ pub enum Fault {
     /// The throwaway server stopped with `-m immediate` (a crash: the next
     /// start recovers) and started again; acknowledged writes must survive.
     RestartImmediate,
+    /// The PgBouncer chaos started in front of its throwaway server killed
+    /// (SIGKILL: every connection through it drops) and started again; only
+    /// where the lease backend runs through it (the session backend never
+    /// does).
+    #[value(name = "pgbouncer-restart")]
+    PgbouncerRestart,
 }
 
 impl Fault {
@@ -141,6 +165,7 @@ impl Fault {
             Fault::ClockJump => "clock-jump",
             Fault::RestartFast => "restart-fast",
             Fault::RestartImmediate => "restart-immediate",
+            Fault::PgbouncerRestart => "pgbouncer-restart",
         }
     }
 
@@ -158,7 +183,10 @@ impl Fault {
             (self, backend),
             (Fault::Latency | Fault::Starve | Fault::ClockJump, _)
                 | (
-                    Fault::Terminate | Fault::RestartFast | Fault::RestartImmediate,
+                    Fault::Terminate
+                        | Fault::RestartFast
+                        | Fault::RestartImmediate
+                        | Fault::PgbouncerRestart,
                     BackendArg::Lease
                 )
         )
@@ -180,6 +208,16 @@ const STARVE_OFF: Duration = Duration::from_millis(9);
 /// The longest a restart of the throwaway server may take (stop, crash
 /// recovery, start) on a loaded machine.
 const RESTART: Duration = Duration::from_secs(10);
+
+/// The longest a restart of chaos's own PgBouncer may take: the test kit
+/// gives up (and chaos fails) when no query went through it within 10 s.
+const POOLER_RESTART: Duration = Duration::from_secs(10);
+
+/// After a server restart, PgBouncer tries to log in to the server again
+/// only `server_login_retry` later (1 s in chaos's own PgBouncer): a lease
+/// candidate through it may wait that much more than one connecting
+/// directly.
+const POOLER_LOGIN_RETRY: Duration = Duration::from_secs(1);
 
 /// The longest time from injecting `fault` on `backend` until the next
 /// leader's worker acts: the mechanism's bound as the README states it,
@@ -222,8 +260,21 @@ fn bound(fault: Fault, backend: BackendArg, t: &pgelect::TimingReport) -> Durati
         // gap includes its downtime); candidates reconnect with backoff
         // (at most a second), and a session leader's successor waits the
         // handover delay.
-        (Fault::RestartFast | Fault::RestartImmediate, _) => {
+        // Through a pooler (lease backend), PgBouncer's login retry more.
+        (Fault::RestartFast | Fault::RestartImmediate, Session) => {
             RESTART + RETRY_EVERY + t.handover_delay
+        }
+        (Fault::RestartFast | Fault::RestartImmediate, Lease) => {
+            RESTART + POOLER_LOGIN_RETRY + RETRY_EVERY + t.handover_delay
+        }
+        // Every connection through the pooler ends; it is back within
+        // POOLER_RESTART. The leader may renew then and keep its term;
+        // otherwise its lease expires a ttl after its last renewal at the
+        // latest, and a standby retries within retry_every of the later of
+        // the two. (Session backend: never through a pooler, skipped; the
+        // same bound.)
+        (Fault::PgbouncerRestart, _) => {
+            POOLER_RESTART.max(lease_gone) + RETRY_EVERY + t.handover_delay
         }
     };
     mechanism + SLACK
@@ -495,8 +546,10 @@ struct Injected {
 struct Supervisor {
     node: String,
     child: Child,
-    /// The proxy its connections go through, when the URL allows one.
-    proxy: Option<proxy::Proxy>,
+    /// The proxies its connections (and its worker's) go through, when the
+    /// URLs allow them: one to the server, and one to the pooler when it
+    /// connects through one.
+    proxies: Vec<proxy::Proxy>,
     /// Its network namespace, in the partition phase.
     ns: Option<netns::Ns>,
     /// The file libfaketime reads its clock offset from, if preloaded.
@@ -856,6 +909,9 @@ struct Run<'a> {
     faketime: Option<PathBuf>,
     /// The throwaway server, for restarts.
     server: Option<&'a crate::demo::throwaway::Server>,
+    /// The pooler the supervisors connect through (lease backend, first
+    /// phase), or why there is none.
+    pooler: Result<&'a pooler::Pooler, String>,
     admin: &'a Admin,
     schema: String,
     role: String,
@@ -871,7 +927,16 @@ impl Run<'_> {
         self.next_id += 1;
         let node = format!("c{}", self.next_id);
         let mut ns = None;
-        let (proxy, url_file) = match (&mut self.net, self.proxied) {
+        // The supervisor's URL file, its proxies, and the direct URL file
+        // of its LISTEN connection and its worker when the supervisor goes
+        // through a pooler.
+        let pooler = self
+            .pooler
+            .as_ref()
+            .ok()
+            .copied()
+            .filter(|_| self.net.is_none());
+        let (proxies, url_file, direct) = match (&mut self.net, self.proxied) {
             (Some(netted), _) => {
                 // A user of its own, with a candidate's and a fencer's
                 // grants, the worker's table, and preemption.
@@ -925,18 +990,37 @@ impl Run<'_> {
                         .to(&host, netted.url.addr.port(), Some((&user, &password))),
                 )?;
                 ns = Some(made);
-                (None, path)
+                (Vec::new(), path, None)
             }
-            (None, Some(url)) => {
-                let proxy = proxy::Proxy::start(url.addr)
-                    .await
-                    .map_err(|e| fail(format!("cannot start a proxy: {e}")))?;
+            (None, proxied) => {
                 let path = self.dir.join(format!("{node}.url"));
-                write_private(&path, &url.to("127.0.0.1", proxy.port, None))?;
-                (Some(proxy), path)
+                match (proxied, pooler) {
+                    (Some(url), None) => {
+                        let proxy = proxy_to(url, &path).await?;
+                        (vec![proxy], path, None)
+                    }
+                    // Both paths proxied, so that a network fault cuts all
+                    // of the leader's traffic.
+                    (Some(url), Some(pooler)) if pooler.parts.is_some() => {
+                        let p = pooler.parts.as_ref().expect("BUG: checked above");
+                        let proxy = proxy_to(url, &path).await?;
+                        let to_pooler = proxy::Proxy::start(p.addr).await.map_err(|e| {
+                            fail(format!("cannot start a proxy to the pooler: {e}"))
+                        })?;
+                        let pooled = self.dir.join(format!("{node}.pooled.url"));
+                        write_private(&pooled, &p.to("127.0.0.1", to_pooler.port, None))?;
+                        (vec![to_pooler, proxy], pooled, Some(path))
+                    }
+                    (_, Some(pooler)) => (
+                        Vec::new(),
+                        pooler.file.clone(),
+                        Some(self.url_file.to_owned()),
+                    ),
+                    (None, None) => (Vec::new(), self.url_file.to_owned(), None),
+                }
             }
-            (None, None) => (None, self.url_file.to_owned()),
         };
+        let worker_url = direct.clone().unwrap_or_else(|| url_file.clone());
         // The supervisor's warnings (lost leadership, refused preemption)
         // beside its worker's history.
         let stderr =
@@ -975,28 +1059,35 @@ impl Run<'_> {
         ])
         .args(["--profile", profile, "--ttl"])
         .arg(crate::duration::show(self.args.ttl))
-        .args(["--grace", "1s", "--pass-database-env"])
-        .args(["--schema", &self.schema, "--"])
-        .arg(&self.exe)
-        .args([
-            "chaos-worker",
-            "--schema",
-            &self.schema,
-            "--table",
-            &self.table,
-            "--idle-in-transaction-ms",
-            &self.args.ttl.as_millis().to_string(),
-            "--log",
-        ])
-        .arg(self.dir.join(format!("{node}.log")))
-        .env("PGELECT_DATABASE_URL_FILE", &url_file)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(stderr)
-        .kill_on_drop(true)
-        .process_group(0);
+        .args(["--grace", "1s", "--pass-database-env"]);
+        if let Some(direct) = &direct {
+            // LISTEN needs a session: directly, bypassing the pooler.
+            cmd.arg("--listen-url-file").arg(direct);
+        }
+        cmd.args(["--schema", &self.schema, "--"])
+            .arg(&self.exe)
+            .args(["chaos-worker", "--database-url-file"])
+            .arg(&worker_url)
+            .args([
+                "--schema",
+                &self.schema,
+                "--table",
+                &self.table,
+                "--idle-in-transaction-ms",
+                &self.args.ttl.as_millis().to_string(),
+                "--log",
+            ])
+            .arg(self.dir.join(format!("{node}.log")))
+            .env("PGELECT_DATABASE_URL_FILE", &url_file)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .kill_on_drop(true)
+            .process_group(0);
         for var in [
             "DATABASE_URL",
+            "PGELECT_LISTEN_URL",
+            "PGELECT_LISTEN_URL_FILE",
             "PGPASSWORD",
             "PGHOST",
             "PGUSER",
@@ -1025,7 +1116,7 @@ impl Run<'_> {
         Ok(Supervisor {
             node,
             child,
-            proxy,
+            proxies,
             ns,
             clock,
         })
@@ -1033,8 +1124,10 @@ impl Run<'_> {
 
     /// What is left of a supervisor that exited: its namespace.
     fn retire(&mut self, s: Supervisor) {
-        // Its URL (a password) is not kept with the logs.
-        let _ = std::fs::remove_file(self.dir.join(format!("{}.url", s.node)));
+        // Its URLs (a password) are not kept with the logs.
+        for url in ["url", "pooled.url"] {
+            let _ = std::fs::remove_file(self.dir.join(format!("{}.{url}", s.node)));
+        }
         if let (Some(netted), Some(ns)) = (self.net.as_deref_mut(), &s.ns) {
             netted.net.remove(ns);
         }
@@ -1099,6 +1192,16 @@ fn moved_before(next: Option<&Event>, at: u128) -> Option<String> {
         e.term,
         (at - e.at) as f64 / 1e6
     ))
+}
+
+/// A proxy to the server of `url`, and at `path` a private file with the
+/// URL through it.
+async fn proxy_to(url: &UrlParts, path: &Path) -> Result<proxy::Proxy, Failure> {
+    let proxy = proxy::Proxy::start(url.addr)
+        .await
+        .map_err(|e| fail(format!("cannot start a proxy: {e}")))?;
+    write_private(path, &url.to("127.0.0.1", proxy.port, None))?;
+    Ok(proxy)
 }
 
 /// Writes `text` to a new file only this user can read (mode 0600).
@@ -1265,24 +1368,32 @@ async fn schedule(
                     signal(Some(leader.pid), nix::sys::signal::Signal::SIGCONT);
                     paused = Some((leader.pid, now_ns()));
                 }
-                Fault::Blackhole | Fault::Latency => match &sups[i].proxy {
-                    None => {
+                Fault::Blackhole | Fault::Latency => match &sups[i].proxies[..] {
+                    [] => {
                         skipped = Some(
                             "the URL is not a single-host postgres:// URL: no proxy".to_owned(),
                         )
                     }
-                    Some(p) => {
-                        if fault == Fault::Blackhole {
-                            p.blackhole(true);
-                        } else {
+                    proxies => {
+                        // One draw, as before there were two proxies: a seed
+                        // replays the same schedule.
+                        let delay = (fault == Fault::Latency).then(|| {
                             let t = timing.heartbeat_timeout;
                             let lo = (t / 4).as_millis() as u64;
                             let hi = (t * 2).as_millis() as u64;
-                            p.delay(Duration::from_millis(lo + rng.below(hi - lo + 1)));
+                            Duration::from_millis(lo + rng.below(hi - lo + 1))
+                        });
+                        for p in proxies {
+                            match delay {
+                                None => p.blackhole(true),
+                                Some(d) => p.delay(d),
+                            }
                         }
                         tokio::time::sleep(args.ttl * 3 / 2).await;
-                        p.blackhole(false);
-                        p.delay(Duration::ZERO);
+                        for p in proxies {
+                            p.blackhole(false);
+                            p.delay(Duration::ZERO);
+                        }
                     }
                 },
                 Fault::Terminate => match terminate_backends(&*admin.get().await?, &run.role, &leader.node).await {
@@ -1337,6 +1448,13 @@ async fn schedule(
                     }
                     Some(server) => server.restart(fault == Fault::RestartImmediate)?,
                 },
+                Fault::PgbouncerRestart => match &run.pooler {
+                    Err(why) => skipped = Some(why.clone()),
+                    Ok(p) => match p.not_restartable() {
+                        Some(why) => skipped = Some(why),
+                        None => p.restart().await?,
+                    },
+                },
                 Fault::Partition | Fault::PartitionNoPreempt => {
                     match (run.net.as_deref(), sups[i].ns.as_ref()) {
                         (Some(netted), Some(ns)) => {
@@ -1375,11 +1493,13 @@ async fn schedule(
             } else {
                 // The leader may stay in place: a new term counts only if it
                 // began while the fault was on or right after (after a
-                // restart, within a ttl: a leader that could not renew
+                // restart of the server or the pooler, within a ttl: a leader that could not renew
                 // meanwhile loses by then). A later move is followed before
                 // the next fault.
                 let window = match fault {
-                    Fault::RestartFast | Fault::RestartImmediate => args.ttl,
+                    Fault::RestartFast | Fault::RestartImmediate | Fault::PgbouncerRestart => {
+                        args.ttl
+                    }
                     _ => Duration::ZERO,
                 };
                 run.next_start(leader.term, leader.at, window + Duration::from_millis(500))
@@ -1706,6 +1826,18 @@ async fn chaos(
     server: &mut Option<crate::demo::throwaway::Server>,
 ) -> Result<(Rows, Vec<String>), Failure> {
     let explicit = global.explicit_url()?;
+    let pooler_url = crate::cli::resolve_url(
+        args.pooler_url.as_deref(),
+        "--pooler-url",
+        args.pooler_url_file.as_deref(),
+        "--pooler-url-file",
+    )?;
+    if pooler_url.is_some() && explicit.is_none() {
+        return Err(Failure::new(
+            exit::USAGE,
+            "--pooler-url needs --database-url or --database-url-file: the database behind the pooler (on its own throwaway server chaos starts its own PgBouncer)",
+        ));
+    }
     let net_kinds: Vec<Fault> = args
         .faults
         .iter()
@@ -1757,6 +1889,19 @@ async fn chaos(
         }
     }
     let url_file = crate::demo::UrlFile::write(&url)?;
+    // The lease backend's pooler, or why it runs without one.
+    let pooler_file = url_file.dir().join("pooler.url");
+    let pooler: Result<pooler::Pooler, String> = if !args.backends.contains(&BackendArg::Lease) {
+        Err("the lease backend does not run".to_owned())
+    } else if let Some(u) = &pooler_url {
+        Ok(pooler::Pooler::given(u, pooler_file).await?)
+    } else if args.no_pooler {
+        Err("--no-pooler: the lease backend connects directly".to_owned())
+    } else if let Some(s) = server.as_ref() {
+        pooler::start_own(s, pooler_file).await?
+    } else {
+        Err("no --pooler-url: the lease backend connects directly".to_owned())
+    };
     let admin = Admin::connect(&options).await?;
     let schema = options.schema_name().as_str().to_owned();
     let table = format!("pgelect_chaos_{seed:x}");
@@ -1769,8 +1914,13 @@ async fn chaos(
         ))
         .await
         .map_err(|e| fail(format!("cannot create the table {table}: {e}")))?;
+    let lease_via = match (&pooler, args.backends.contains(&BackendArg::Lease)) {
+        (_, false) => String::new(),
+        (Ok(p), true) => format!(", lease backend through {}", p.describe),
+        (Err(why), true) => format!(", lease backend direct ({why})"),
+    };
     println!(
-        "pgelect chaos: seed {seed} (replay with --seed {seed}), {} candidates, ttl {}, profile {:?}, {} per backend and phase, table {table}",
+        "pgelect chaos: seed {seed} (replay with --seed {seed}), {} candidates, ttl {}, profile {:?}, {} per backend and phase, table {table}{lease_via}",
         args.candidates,
         crate::duration::show(args.ttl),
         args.profile,
@@ -1806,13 +1956,40 @@ async fn chaos(
             let role = format!("chaos-{seed:x}-{bname}");
             let dir = args.logs.as_deref().unwrap_or(url_file.dir()).join(bname);
             std::fs::create_dir_all(&dir).map_err(fail)?;
-            let first: Vec<Fault> = args
+            // Through the pooler: the lease backend only (the session
+            // backend refuses transaction pooling).
+            let run_pooler = match (backend, &pooler) {
+                (BackendArg::Session, _) => Err("the session backend never connects through a pooler (it refuses transaction pooling)".to_owned()),
+                (BackendArg::Lease, Ok(p)) => Ok(p),
+                (BackendArg::Lease, Err(why)) => Err(why.clone()),
+            };
+            let pooler_restart_skip = match &run_pooler {
+                Ok(p) => p.not_restartable(),
+                Err(why) => Some(why.clone()),
+            };
+            let mut first: Vec<Fault> = args
                 .faults
                 .iter()
                 .copied()
                 .filter(|f| !f.needs_netns())
                 .collect();
             let mut injected = Vec::new();
+            if let (true, Some(why)) = (first.contains(&Fault::PgbouncerRestart), &pooler_restart_skip) {
+                // Not drawn where it cannot run; one skipped trial, with the
+                // reason, not silently.
+                first.retain(|&f| f != Fault::PgbouncerRestart);
+                injected.push(Injected {
+                    fault: Fault::PgbouncerRestart,
+                    at: now_ns(),
+                    node: "-".to_owned(),
+                    term: 0,
+                    next_start: None,
+                    paused: None,
+                    skipped: Some(why.clone()),
+                });
+            }
+            let pooled = run_pooler.is_ok();
+            let run_pooler_for_report = run_pooler.clone();
             let mut run = Run {
                 exe: exe.clone(),
                 url_file: url_file.path(),
@@ -1824,6 +2001,7 @@ async fn chaos(
                     .then(find_faketime)
                     .flatten(),
                 server: server.as_ref(),
+                pooler: run_pooler,
                 admin: &admin,
                 schema: schema.clone(),
                 role: role.clone(),
@@ -1833,12 +2011,15 @@ async fn chaos(
                 table: table.clone(),
                 next_id: 0,
             };
+            let first_phase: HashSet<Fault> = first.iter().copied().collect();
             if !first.is_empty() {
                 injected.extend(schedule(&mut run, first, &mut rng).await?);
             }
             if let (false, Some(n)) = (net_kinds.is_empty(), netted.as_mut()) {
                 println!("  {bname}: candidates in network namespaces, each its own database user");
                 run.proxied = None;
+                // The pooler listens on loopback only: out of reach.
+                run.pooler = Err("the partition phase connects directly".to_owned());
                 run.net = Some(n);
                 injected.extend(schedule(&mut run, net_kinds.clone(), &mut rng).await?);
                 run.net = None;
@@ -1853,6 +2034,11 @@ async fn chaos(
                     paused: None,
                     skipped: Some(why.clone()),
                 }));
+            }
+            if let Ok(p) = &run_pooler_for_report {
+                if let Some(n) = p.served().await {
+                    println!("  {bname}: PgBouncer served {n} transactions to the candidates");
+                }
             }
             let found = check(&run, &admin, &injected).await?;
             let timing = timing(args, backend)?;
@@ -1891,6 +2077,9 @@ async fn chaos(
                     "max_gap_ms": (max_gap * 10.0).round() / 10.0,
                     "bound_ms": bound_ms,
                     "within_bound": max_gap <= bound_ms as f64,
+                    // Whether its candidates connected through the pooler
+                    // (the lease backend's first phase).
+                    "pooler": pooled && first_phase.contains(&fault),
                 }));
             }
             println!(
@@ -1935,7 +2124,7 @@ fn report(
     all_violations: Vec<String>,
 ) -> Result<u8, Failure> {
     println!(
-        "\n{:<19} {:<8} {:>6} {:>6} {:>8} {:>6} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9}  verdict",
+        "\n{:<19} {:<12} {:>6} {:>6} {:>8} {:>6} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9}  verdict",
         "fault",
         "backend",
         "trials",
@@ -1956,9 +2145,13 @@ fn report(
             _ => "OVER THE BOUND".to_owned(),
         };
         println!(
-            "{:<19} {:<8} {:>6} {:>6} {:>8} {:>6} {:>6} {:>6} {:>9.1} {:>9.1} {:>9.1} {:>9}  {verdict}",
+            "{:<19} {:<12} {:>6} {:>6} {:>8} {:>6} {:>6} {:>6} {:>9.1} {:>9.1} {:>9.1} {:>9}  {verdict}",
             r["fault"].as_str().unwrap_or(""),
-            r["backend"].as_str().unwrap_or(""),
+            format!(
+                "{}{}",
+                r["backend"].as_str().unwrap_or(""),
+                if r["pooler"] == true { "/pooler" } else { "" }
+            ),
             r["trials"].as_u64().unwrap_or(0),
             r["failovers"].as_u64().unwrap_or(0),
             r["overlaps"].as_u64().unwrap_or(0),
@@ -2073,6 +2266,9 @@ mod tests {
             backends: vec![backend],
             faults: vec![],
             json: None,
+            pooler_url: None,
+            pooler_url_file: None,
+            no_pooler: false,
             every_fault: false,
             logs: None,
             rogue: false,
