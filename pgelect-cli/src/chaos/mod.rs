@@ -543,6 +543,22 @@ struct Injected {
     skipped: Option<String>,
 }
 
+impl Injected {
+    /// A fault that could not run here: one skipped trial with the reason,
+    /// so that the table and the JSON say so.
+    fn not_run(fault: Fault, why: &str) -> Injected {
+        Injected {
+            fault,
+            at: now_ns(),
+            node: "-".to_owned(),
+            term: 0,
+            next_start: None,
+            paused: None,
+            skipped: Some(why.to_owned()),
+        }
+    }
+}
+
 struct Supervisor {
     node: String,
     child: Child,
@@ -1978,15 +1994,7 @@ async fn chaos(
                 // Not drawn where it cannot run; one skipped trial, with the
                 // reason, not silently.
                 first.retain(|&f| f != Fault::PgbouncerRestart);
-                injected.push(Injected {
-                    fault: Fault::PgbouncerRestart,
-                    at: now_ns(),
-                    node: "-".to_owned(),
-                    term: 0,
-                    next_start: None,
-                    paused: None,
-                    skipped: Some(why.clone()),
-                });
+                injected.push(Injected::not_run(Fault::PgbouncerRestart, why));
             }
             let pooled = run_pooler.is_ok();
             let run_pooler_for_report = run_pooler.clone();
@@ -2025,15 +2033,7 @@ async fn chaos(
                 run.net = None;
             } else if let Some(why) = &net_skip {
                 // Not silently: one skipped trial per kind, with the reason.
-                injected.extend(net_kinds.iter().map(|&fault| Injected {
-                    fault,
-                    at: now_ns(),
-                    node: "-".to_owned(),
-                    term: 0,
-                    next_start: None,
-                    paused: None,
-                    skipped: Some(why.clone()),
-                }));
+                injected.extend(net_kinds.iter().map(|&fault| Injected::not_run(fault, why)));
             }
             if let Ok(p) = &run_pooler_for_report {
                 if let Some(n) = p.served().await {
