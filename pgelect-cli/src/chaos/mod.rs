@@ -570,6 +570,8 @@ struct Supervisor {
     ns: Option<netns::Ns>,
     /// The file libfaketime reads its clock offset from, if preloaded.
     clock: Option<PathBuf>,
+    /// Its process id, kept after it was reaped.
+    pid: Option<u32>,
 }
 
 /// A TCP proxy per supervisor, for the network faults: it can stop
@@ -1129,16 +1131,19 @@ impl Run<'_> {
         let child = cmd
             .spawn()
             .map_err(|e| fail(format!("cannot start a supervisor: {e}")))?;
+        let pid = child.id();
         Ok(Supervisor {
             node,
             child,
             proxies,
             ns,
             clock,
+            pid,
         })
     }
 
-    /// What is left of a supervisor that exited: its namespace.
+    /// What is left of a supervisor that exited: its URL files, its
+    /// namespace, libfaketime's files.
     fn retire(&mut self, s: Supervisor) {
         // Its URLs (a password) are not kept with the logs.
         for url in ["url", "pooled.url"] {
@@ -1146,6 +1151,18 @@ impl Run<'_> {
         }
         if let (Some(netted), Some(ns)) = (self.net.as_deref_mut(), &s.ns) {
             netted.net.remove(ns);
+        }
+        // libfaketime, preloaded into the supervisor, made a shared-memory
+        // segment and a semaphore named by its pid (its watcher and worker
+        // use the same ones) and removes them at a clean exit only: a
+        // SIGKILLed supervisor leaves them in /dev/shm.
+        if let (Some(_), Some(pid)) = (&s.clock, s.pid) {
+            for name in [
+                format!("faketime_shm_{pid}"),
+                format!("sem.faketime_sem_{pid}"),
+            ] {
+                let _ = std::fs::remove_file(Path::new("/dev/shm").join(name));
+            }
         }
     }
 
