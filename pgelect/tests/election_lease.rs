@@ -940,6 +940,8 @@ async fn at_ttl_500ms_sigkilled_leaders_of_three_are_replaced_without_overlap() 
 /// (the server-side expiry), so no two acting intervals may overlap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_ttl_500ms_partitioned_leaders_of_three_never_overlap() {
+    // The library's log, shown if no standby takes over.
+    let trace = support::Log::install_global(tracing::Level::DEBUG);
     let (db, _pooled, _direct, bouncer) = setup("lease_500_cut").await;
     let ttl = Duration::from_millis(500);
     let client = db.connect().await;
@@ -984,8 +986,21 @@ async fn at_ttl_500ms_partitioned_leaders_of_three_never_overlap() {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
         })
-        .await
-        .expect("a standby takes over");
+        .await;
+        let Ok(next) = next else {
+            let lines = trace.as_ref().map(|t| t.text()).unwrap_or_default();
+            let ours: String = lines
+                .lines()
+                .filter(|l| l.contains("pgelect"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            panic!(
+                "round {round}: no standby took over within {:?} of cutting {node} off\n{}\nthe library's log (last lines):\n{}",
+                ttl + Duration::from_secs(5),
+                support::server_state(&client, "cut").await,
+                support::tail(&ours, 80)
+            );
+        };
         let took = next.2 - t0;
         println!(
             "round {round}: {node} cut off; {} (term {}) acting after {took:?}",

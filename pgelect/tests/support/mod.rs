@@ -264,3 +264,93 @@ impl std::io::Write for Log {
         Ok(())
     }
 }
+
+/// What the server says about `role` and the sessions around it, for a
+/// failure message: the role's row (with the lease left on the server's
+/// clock), every other session of this database (state, wait, transaction
+/// age, query) and every lock that is not granted.
+pub async fn server_state(c: &tokio_postgres::Client, role: &str) -> String {
+    let mut out = String::new();
+    match c
+        .query_typed(
+            "SELECT coalesce(holder, '-'), term, backend,
+                    coalesce((extract(epoch FROM lease_until - now()) * 1000)::int8::text, '-')
+               FROM pgelect.leaders WHERE role = $1",
+            &[(&role, tokio_postgres::types::Type::TEXT)],
+        )
+        .await
+    {
+        Ok(rows) => {
+            for r in rows {
+                out += &format!(
+                    "row: holder {} term {} backend {} lease left {} ms\n",
+                    r.get::<_, String>(0),
+                    r.get::<_, i64>(1),
+                    r.get::<_, String>(2),
+                    r.get::<_, String>(3)
+                );
+            }
+        }
+        Err(e) => out += &format!("row: {e}\n"),
+    }
+    match c
+        .simple_query(
+            "SELECT pid, coalesce(application_name, ''), coalesce(state, ''),
+                    coalesce(wait_event_type || ':' || wait_event, ''),
+                    coalesce((extract(epoch FROM now() - xact_start) * 1000)::int8::text, '-'),
+                    left(coalesce(query, ''), 120)
+               FROM pg_stat_activity
+              WHERE datname = current_database() AND pid <> pg_backend_pid()
+              ORDER BY pid",
+        )
+        .await
+    {
+        Ok(msgs) => {
+            for m in msgs {
+                if let tokio_postgres::SimpleQueryMessage::Row(r) = m {
+                    out += &format!(
+                        "session {} [{}] {} wait {} xact {} ms: {}\n",
+                        r.get(0).unwrap_or(""),
+                        r.get(1).unwrap_or(""),
+                        r.get(2).unwrap_or(""),
+                        r.get(3).unwrap_or(""),
+                        r.get(4).unwrap_or(""),
+                        r.get(5).unwrap_or("").replace('\n', " ")
+                    );
+                }
+            }
+        }
+        Err(e) => out += &format!("sessions: {e}\n"),
+    }
+    match c
+        .simple_query(
+            "SELECT pid, locktype, mode, coalesce(relation::regclass::text, ''),
+                    array_to_string(pg_blocking_pids(pid), ',')
+               FROM pg_locks WHERE NOT granted",
+        )
+        .await
+    {
+        Ok(msgs) => {
+            for m in msgs {
+                if let tokio_postgres::SimpleQueryMessage::Row(r) = m {
+                    out += &format!(
+                        "waiting: pid {} {} {} {} blocked by [{}]\n",
+                        r.get(0).unwrap_or(""),
+                        r.get(1).unwrap_or(""),
+                        r.get(2).unwrap_or(""),
+                        r.get(3).unwrap_or(""),
+                        r.get(4).unwrap_or("")
+                    );
+                }
+            }
+        }
+        Err(e) => out += &format!("locks: {e}\n"),
+    }
+    out
+}
+
+/// The last `n` lines of `text`.
+pub fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
