@@ -273,3 +273,174 @@ async fn a_lock_session_wait_names_the_holder_in_its_timeout_and_its_log() {
         .unwrap();
     assert!(guard.release().await.unwrap());
 }
+
+/// A session of the candidates' own database user that holds the role's
+/// key without a lease naming it: to the server, exactly a candidate frozen
+/// (SIGSTOP, a VM pause) between the grant of the lock and its term
+/// transaction, which no row names and which zombie preemption used to
+/// miss. Returns its client and pid.
+async fn frozen_candidate(db: &TestDb, key: LockKey) -> (Client, i32) {
+    let client = db.connect().await;
+    client
+        .batch_execute("SET application_name = 'pgelect:lock:frozen:node-z'")
+        .await
+        .unwrap();
+    let pid: i32 = client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    take(&client, key).await;
+    (client, pid)
+}
+
+/// The frozen holder is ended within the TTL (its session idle that long)
+/// plus a check, and the standby leads.
+async fn standby_preempts_a_frozen_candidate(mode: StandbyMode, hint: &str) {
+    let log = Log::default();
+    let _capture = log.capture(tracing::Level::WARN);
+    let (db, o) = migrated(hint).await;
+    let elector = fast(&o, "frozen", "node-a").standby(mode).build().unwrap();
+    let ttl = Duration::from_secs(2);
+    let (frozen, pid) = frozen_candidate(&db, elector.lock_key()).await;
+    let started = Instant::now();
+    let leadership = tokio::time::timeout(ttl + Duration::from_secs(20), elector.leadership())
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "the frozen holder (pid {pid}) still blocks the role:\n{}",
+                log.text()
+            )
+        })
+        .expect("elected");
+    let took = started.elapsed();
+    println!("led {took:?} after the frozen holder took the key (ttl {ttl:?})");
+    assert_eq!(leadership.term().get(), 1);
+    // Not before the holder was idle for a TTL: a live candidate gets that
+    // long to run its term transaction.
+    assert!(took >= ttl, "preempted after {took:?}, before a TTL");
+    assert!(
+        frozen.query_one("SELECT 1", &[]).await.is_err(),
+        "the frozen holder's session was ended"
+    );
+    log.wait_for_line(
+        &[
+            "WARN",
+            &format!("pid={pid}"),
+            "held the role's lock for a TTL without taking the lease",
+        ],
+        Duration::from_secs(5),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_blocking_standby_preempts_a_candidate_frozen_before_its_term() {
+    standby_preempts_a_frozen_candidate(StandbyMode::Blocking, "frozen_blocking").await;
+}
+
+#[tokio::test]
+async fn a_polling_standby_preempts_a_candidate_frozen_before_its_term() {
+    standby_preempts_a_frozen_candidate(
+        StandbyMode::Polling {
+            interval: Duration::from_millis(200),
+        },
+        "frozen_polling",
+    )
+    .await;
+}
+
+/// The case the model found: the leader's connection ends, the lock goes
+/// to a candidate that freezes before its term, and the row still names
+/// the old leader (whose pid no longer holds anything) until its lease
+/// expires. The standby behind them leads with the next term.
+#[tokio::test]
+async fn after_a_lost_leader_a_candidate_frozen_before_its_term_is_preempted() {
+    let log = Log::default();
+    let _capture = log.capture(tracing::Level::WARN);
+    let (db, o) = migrated("frozen_after_leader").await;
+    let a = fast(&o, "frozen2", "node-a").build().unwrap();
+    let first = a.leadership().await.unwrap();
+    let key = a.lock_key();
+    let admin = db.connect().await;
+    let old_pid: i32 = admin
+        .query_one(
+            "SELECT holder_pid FROM pgelect.leaders WHERE role = 'frozen2'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    // The frozen candidate queues for the key first, then the standby.
+    let frozen = db.connect().await;
+    let frozen_pid: i32 = frozen
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let LockKey::Single(k) = key else {
+        panic!("single keys only here")
+    };
+    let waiting = tokio::spawn(async move {
+        frozen
+            .execute("SELECT pg_advisory_lock($1)", &[&k])
+            .await
+            .map(|_| frozen)
+    });
+    support_wait_waiting(&admin, frozen_pid).await;
+    let b = fast(&o, "frozen2", "node-b").build().unwrap();
+    let standing = tokio::spawn(async move { b.leadership().await.map(|l| (b, l)) });
+    // The leader's connection ends: the lock goes to the first waiter.
+    admin
+        .execute("SELECT pg_terminate_backend($1)", &[&old_pid])
+        .await
+        .unwrap();
+    let frozen = waiting
+        .await
+        .unwrap()
+        .expect("the frozen candidate got the key");
+    tokio::time::timeout(Duration::from_secs(5), first.lost())
+        .await
+        .expect("the old leader learns it lost");
+    let started = Instant::now();
+    let (_b, second) = tokio::time::timeout(Duration::from_secs(25), standing)
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "the frozen holder (pid {frozen_pid}) still blocks the role:\n{}",
+                log.text()
+            )
+        })
+        .unwrap()
+        .expect("elected");
+    println!(
+        "node-b led term {} {:?} after the frozen candidate took the key",
+        second.term(),
+        started.elapsed()
+    );
+    assert_eq!(second.term().get(), 2);
+    assert!(frozen.query_one("SELECT 1", &[]).await.is_err());
+}
+
+/// Waits until `pid` waits for a lock.
+async fn support_wait_waiting(admin: &Client, pid: i32) {
+    let t0 = Instant::now();
+    loop {
+        let n: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM pg_locks WHERE pid = $1 AND NOT granted",
+                &[&pid],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if n > 0 {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "pid {pid} never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -235,12 +235,20 @@ pub(crate) fn parse_leader_event<'a>(schema: &str, payload: &'a str) -> Option<(
 /// Terminates the backend of a *zombie* leader: one whose lease expired on
 /// the server's clock while its backend still holds the role's advisory lock
 /// (a frozen or partitioned leader whose connection the server has not
-/// dropped; a pooler keeping a backend alive).
+/// dropped; a pooler keeping a backend alive). Also a backend of this
+/// database user that holds the role's lock while the lease row is vacant
+/// (no holder, or an expired lease) and does not name it, and whose session
+/// has done nothing for `grace` (the TTL): a candidate frozen between the
+/// grant of the lock and its term transaction, which no row names. It has
+/// no term, so it cannot be acting; a live candidate runs its term
+/// transaction milliseconds after the grant. Such a holder of another
+/// database user is only reported (see `check_squatters`): it may be a
+/// neighbour's session, for an operator to end.
 ///
 /// A healthy leader renews every `renew_every < ttl - safety_margin`, so
 /// its lease never expires and it is never preempted. Checking, choosing the
-/// pid and signalling happen in one statement, and only the pid recorded in
-/// the lease row that also holds the lock is signalled.
+/// pid and signalling happen in one statement: a candidate whose term
+/// commits meanwhile is named by the row and no longer matches.
 ///
 /// Returns the terminated pid. A refusal (no `pg_signal_backend` and
 /// another database user's backend, or a superuser's) is reported as
@@ -254,18 +262,33 @@ pub(crate) async fn preempt_zombie<C: GenericClient + Sync>(
     role: &str,
     key: LockKey,
     refused: &AtomicBool,
+    grace: Duration,
 ) -> Result<Option<i32>> {
     let (classid, objid, objsubid) = key.pg_locks_ids();
+    let grace_ms = grace.as_millis().min(i64::MAX as u128) as i64;
+    // `l` may be empty (a role never elected): the holder then counts as
+    // unnamed. The select list (and so the signal) is evaluated only for
+    // the row that passes the WHERE.
     let sql = format!(
-        "SELECT k.pid, l.term, l.holder, pg_terminate_backend(k.pid)
-           FROM {schema}.leaders l
-           JOIN pg_locks k
-             ON k.locktype = 'advisory' AND k.granted AND k.mode = 'ExclusiveLock'
+        "WITH l AS (
+             SELECT holder, holder_pid, term, lease_until FROM {schema}.leaders WHERE role = $1
+         )
+         SELECT k.pid, coalesce(l.term, 0), coalesce(l.holder, ''),
+                k.pid IS NOT DISTINCT FROM l.holder_pid, pg_terminate_backend(k.pid)
+           FROM pg_locks k
+           LEFT JOIN l ON true
+           LEFT JOIN pg_stat_activity a ON a.pid = k.pid
+          WHERE k.locktype = 'advisory' AND k.granted AND k.mode = 'ExclusiveLock'
             AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
             AND k.classid = $2 AND k.objid = $3 AND k.objsubid = $4
-            AND k.pid = l.holder_pid
-          WHERE l.role = $1 AND l.holder IS NOT NULL AND l.lease_until < now()
-            AND k.pid <> pg_backend_pid()"
+            AND k.pid <> pg_backend_pid()
+            AND ((l.holder IS NOT NULL AND l.lease_until < now() AND k.pid = l.holder_pid)
+                 OR ((l.holder IS NULL OR l.lease_until IS NULL OR l.lease_until < now())
+                     AND k.pid IS DISTINCT FROM l.holder_pid
+                     AND a.usename = session_user
+                     AND a.state IN ('idle', 'idle in transaction', 'idle in transaction (aborted)')
+                     AND a.state_change < now() - $5 * interval '1 millisecond'))
+          LIMIT 1"
     );
     let rows = client
         .query_typed(
@@ -275,6 +298,7 @@ pub(crate) async fn preempt_zombie<C: GenericClient + Sync>(
                 (&classid, Type::OID),
                 (&objid, Type::OID),
                 (&objsubid, Type::INT2),
+                (&grace_ms, Type::INT8),
             ],
         )
         .await;
@@ -287,16 +311,20 @@ pub(crate) async fn preempt_zombie<C: GenericClient + Sync>(
                     row.try_get::<_, i64>(1)?,
                     row.try_get::<_, String>(2)?,
                     row.try_get::<_, bool>(3)?,
+                    row.try_get::<_, bool>(4)?,
                 ))
             })
             .transpose()
     });
     match decoded {
         Ok(found) => {
-            let Some((pid, term, holder, done)) = found else {
+            let Some((pid, term, holder, named, done)) = found else {
                 return Ok(None);
             };
-            if done {
+            if done && !named {
+                tracing::warn!(role, pid, "terminated a backend that held the role's lock for a TTL without taking the lease (a candidate frozen before its term, or a squatter)");
+                Ok(Some(pid))
+            } else if done {
                 tracing::warn!(role, pid, term, holder = %holder, "terminated the backend of a leader whose lease expired on the server");
                 Ok(Some(pid))
             } else {
@@ -416,10 +444,15 @@ impl Observer {
                 return Ok(());
             };
             let (info, read_only) = read_leader_and_mode(conn.client(), &schema, &role).await?;
-            let expired = info.as_ref().is_some_and(|i| i.lease_expired);
+            // No live lease: an expired one, or none. Under the session
+            // backend a session may still hold the lock (a zombie leader,
+            // or a candidate frozen before its term).
+            let vacant = info.as_ref().is_none_or(|i| i.lease_expired);
             let Some(shared) = self.shared.upgrade() else {
                 return Ok(());
             };
+            let session_backend = shared.lease().is_none();
+            let grace = shared.timing.ttl;
             shared.contact.touch();
             shared.publish_if_unchanged(&seen, info);
             if read_only && now.standing > 0 {
@@ -451,9 +484,10 @@ impl Observer {
                 }
             }
             drop(shared);
-            if expired
+            if vacant
+                && session_backend
                 && now.standing > 0
-                && preempt_zombie(conn.client(), &schema, &role, key, &refused)
+                && preempt_zombie(conn.client(), &schema, &role, key, &refused, grace)
                     .await?
                     .is_some()
             {

@@ -655,13 +655,16 @@ async fn poll_for_lock(
             return Ok(());
         }
         let info = read_leader(conn.client(), schema, &shared.role).await?;
-        if info.as_ref().is_some_and(|i| i.lease_expired) {
+        // The lock is taken but no live lease names its holder: a zombie
+        // leader, or a candidate frozen before its term.
+        if info.as_ref().is_none_or(|i| i.lease_expired) {
             if let Some(pid) = preempt_zombie(
                 conn.client(),
                 schema,
                 &shared.role,
                 shared.key,
                 &shared.preemption_refused,
+                shared.timing.ttl,
             )
             .await?
             {
@@ -719,15 +722,16 @@ async fn poll_in_batch(
         match polled {
             Polled::Granted => return Ok(()),
             Polled::Leader(info) => {
-                let expired = info.as_ref().is_some_and(|i| i.lease_expired);
+                let vacant = info.as_ref().is_none_or(|i| i.lease_expired);
                 shared.publish(info);
-                if expired {
+                if vacant {
                     if let Some(pid) = preempt_zombie(
                         session.client(),
                         schema,
                         &shared.role,
                         shared.key,
                         &shared.preemption_refused,
+                        shared.timing.ttl,
                     )
                     .await?
                     {
