@@ -378,6 +378,24 @@ impl PgBouncer {
         self.restart()
     }
 
+    /// How pgbouncer is doing, for a failure message: whether its process
+    /// still runs (or how it exited) and the last `lines` of its log.
+    pub fn diagnose(&self, lines: usize) -> String {
+        let status = match self.lock().child.as_mut().map(|c| c.try_wait()) {
+            None => "not started".to_owned(),
+            Some(Ok(None)) => "running".to_owned(),
+            Some(Ok(Some(exit))) => format!("exited: {exit}"),
+            Some(Err(e)) => format!("unknown: {e}"),
+        };
+        let log = fs::read_to_string(self.dir.join("pgbouncer.log")).unwrap_or_default();
+        let all: Vec<&str> = log.lines().collect();
+        format!(
+            "pgbouncer on port {}: {status}; its log (last {lines} lines):\n{}",
+            self.port,
+            all[all.len().saturating_sub(lines)..].join("\n")
+        )
+    }
+
     /// Kills pgbouncer (`SIGKILL`) and waits for it to exit. A no-op if it is
     /// not running. [`restart`](PgBouncer::restart) brings it back.
     ///

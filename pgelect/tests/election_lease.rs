@@ -995,9 +995,10 @@ async fn at_ttl_500ms_partitioned_leaders_of_three_never_overlap() {
                 .collect::<Vec<_>>()
                 .join("\n");
             panic!(
-                "round {round}: no standby took over within {:?} of cutting {node} off\n{}\nthe library's log (last lines):\n{}",
+                "round {round}: no standby took over within {:?} of cutting {node} off\n{}\n{}\nthe library's log (last lines):\n{}",
                 ttl + Duration::from_secs(5),
                 support::server_state(&client, "cut").await,
+                bouncer.diagnose(40),
                 support::tail(&ours, 80)
             );
         };

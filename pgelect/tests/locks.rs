@@ -614,3 +614,63 @@ async fn a_lost_connection_keeps_the_servers_reason_as_its_source() {
         "{err:?}"
     );
 }
+
+/// Abandoned waits are cancelled through PgBouncer, and PgBouncer stays
+/// up. The driver's own cancel closes its connection right after sending
+/// the request; PgBouncer 1.18 then drops the request ("client unexpected
+/// eof" before forwarding it: the wait goes on) or exits ("bad client
+/// state: 0"). pgelect waits for the close, as libpq does. Each round
+/// cancels a wait through a PgBouncer in session mode, then checks that
+/// the wait ended on the server and that PgBouncer still runs. With the
+/// driver's cancel the first or second round fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_waits_through_pgbouncer_leave_it_running() {
+    use pgelect_testkit::{Cluster, PgBouncer, PoolMode};
+    let (db, options, admin) = setup("lock_cancel_bouncer").await;
+    let cluster = tokio::task::spawn_blocking(Cluster::shared).await.unwrap();
+    let bouncer = PgBouncer::start(cluster, PoolMode::Session).expect("pgbouncer starts");
+    let pooled = ConnectOptions::from_url(&bouncer.url(db.name())).unwrap();
+    let holder = LockSession::connect(&options).await.unwrap();
+    let key = LockKey::from_i64(17);
+    let held = holder.lock(key).await.unwrap();
+    let rounds = 25;
+    for round in 0..rounds {
+        let a = LockSession::connect(&pooled).await.unwrap_or_else(|e| {
+            panic!(
+                "round {round}: cannot connect through pgbouncer: {e}\n{}",
+                bouncer.diagnose(20)
+            )
+        });
+        let mut wait = Box::pin(a.lock(key));
+        tokio::select! {
+            r = &mut wait => panic!("the wait ended while the key was held: {r:?}"),
+            _ = await_advisory_locks(&admin, a.backend_pid(), (0, 1)) => {}
+        }
+        drop(wait);
+        let ended = tokio::time::timeout(Duration::from_secs(10), async {
+            while advisory_locks(&admin, a.backend_pid()).await != (0, 0) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(
+            ended.is_ok(),
+            "round {round}: the cancelled wait still waits on the server; {}",
+            bouncer.diagnose(20)
+        );
+        assert!(
+            bouncer.diagnose(0).contains(": running"),
+            "round {round}: {}",
+            bouncer.diagnose(20)
+        );
+        assert!(
+            !a.is_lost(),
+            "round {round}: the session survives its cancel"
+        );
+    }
+    assert!(held.release().await.unwrap());
+    println!(
+        "{rounds} waits cancelled through pgbouncer; {}",
+        bouncer.diagnose(0)
+    );
+}
