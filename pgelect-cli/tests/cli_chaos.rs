@@ -590,6 +590,7 @@ async fn chaos_runs_the_lease_backend_through_a_given_pooler() {
 
 /// Processes whose command line mentions `path` (servers with their data
 /// directory under it, supervisors and workers with their logs in it).
+#[cfg(feature = "throwaway")]
 fn processes_under(path: &std::path::Path) -> Vec<String> {
     let needle = path.to_string_lossy().into_owned();
     std::fs::read_dir("/proc")
