@@ -10,7 +10,7 @@
 //! and the insert in one transaction), and `stop` on SIGTERM. The checker
 //! reads only those logs and the table, never the supervisors' state.
 //!
-//! Faults come in two phases per backend. The first: process faults
+//! Faults come in up to three phases per backend. The first: process faults
 //! (SIGKILL, SIGSTOP beyond the TTL then SIGCONT, SIGTERM, CPU starvation by
 //! a SIGSTOP/SIGCONT duty cycle), `pg_terminate_backend` on the leader's
 //! backends, a blackhole or added latency in a TCP proxy of its own per
