@@ -273,10 +273,10 @@ impl Cluster {
     /// [`Cluster::start`].
     pub fn start_with(options: ClusterOptions) -> io::Result<Cluster> {
         options.validate()?;
-        match Self::start_once(&options, true, None) {
+        match Self::start_once(&options, true, None, TEST_PASSWORD) {
             Err((e, true)) => {
                 eprintln!("pgelect-testkit: retrying without the initdb template: {e}");
-                Self::start_once(&options, false, None).map_err(|(e, _)| e)
+                Self::start_once(&options, false, None, TEST_PASSWORD).map_err(|(e, _)| e)
             }
             other => other.map_err(|(e, _)| e),
         }
@@ -284,9 +284,11 @@ impl Cluster {
 
     /// A plain cluster whose data directory `make_data(dir, data)` creates
     /// (a base backup, for [`ReplicaSet`](crate::ReplicaSet)), configured
-    /// by it too; started like any other.
-    pub(crate) fn start_from(make_data: &MakeData<'_>) -> io::Result<Cluster> {
-        Self::start_once(&ClusterOptions::default(), false, Some(make_data)).map_err(|(e, _)| e)
+    /// by it too; started like any other. `password` is the superuser's
+    /// password in that data (a base backup carries the primary's).
+    pub(crate) fn start_from(make_data: &MakeData<'_>, password: &str) -> io::Result<Cluster> {
+        Self::start_once(&ClusterOptions::default(), false, Some(make_data), password)
+            .map_err(|(e, _)| e)
     }
 
     /// One attempt; the flag in the error says the template was to blame.
@@ -294,6 +296,7 @@ impl Cluster {
         options: &ClusterOptions,
         use_template: bool,
         make_data: Option<&MakeData<'_>>,
+        password: &str,
     ) -> Result<Cluster, (io::Error, bool)> {
         let t0 = std::time::Instant::now();
         let bin = pg_bin_dir().map_err(|e| (e, false))?;
@@ -312,7 +315,7 @@ impl Cluster {
             port: 0,
             template: None,
             tls: None,
-            password: Mutex::new(TEST_PASSWORD.to_owned()),
+            password: Mutex::new(password.to_owned()),
             state: Mutex::new(State {
                 postmaster: None,
                 reaper: Some(reaper),

@@ -4,6 +4,7 @@ use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
 use std::path::Path;
 use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::cluster::Cluster;
@@ -12,7 +13,7 @@ use crate::util::{
     self, as_server_user, block_on_fresh_runtime, chown_to_server, ctx, err, run_logged,
     write_private,
 };
-use crate::{pg_bin_dir, HOST, SUPERUSER};
+use crate::{pg_bin_dir, HOST, SUPERUSER, TEST_PASSWORD};
 
 /// The replica's `application_name` on the primary (what
 /// `synchronous_standby_names` names).
@@ -50,15 +51,19 @@ pub enum Replication {
 /// connections.
 ///
 /// Both servers listen on `127.0.0.1` with the kit's superuser and
-/// password; the replica accepts read-only queries until promoted
-/// (`hot_standby`). Dropping the set stops both and removes their
-/// directories.
+/// password (or one of the caller's: [`start_with_password`]); the replica
+/// accepts read-only queries until promoted (`hot_standby`). After a
+/// promotion, [`rebuild`] makes a new replica of the promoted server, so
+/// that a set can fail over again and again. Dropping the set stops both
+/// and removes their directories.
 ///
 /// Cost: a plain cluster, plus the base backup and the replica's start
 /// (the base backup copies the primary's 28 MB through the proxy): see
 /// `pgelect-testkit/tests/replica.rs`, which prints what it measured.
 ///
 /// [`hold_replication`]: ReplicaSet::hold_replication
+/// [`start_with_password`]: ReplicaSet::start_with_password
+/// [`rebuild`]: ReplicaSet::rebuild
 #[derive(Debug)]
 pub struct ReplicaSet {
     // Field order is drop order: the replica goes before its primary and proxy.
@@ -66,6 +71,9 @@ pub struct ReplicaSet {
     primary: Cluster,
     proxy: FaultProxy,
     mode: Replication,
+    /// Whether [`promote`](ReplicaSet::promote) ran since the replica was
+    /// made: the primary is then dead and the replica the primary.
+    promoted: AtomicBool,
 }
 
 impl ReplicaSet {
@@ -78,35 +86,121 @@ impl ReplicaSet {
     /// As [`Cluster::start`]; or if `pg_basebackup` fails, or the replica
     /// does not stream within 30 s.
     pub fn start(mode: Replication) -> io::Result<ReplicaSet> {
+        Self::start_with_password(mode, TEST_PASSWORD)
+    }
+
+    /// As [`start`](ReplicaSet::start), with `password` as the superuser's
+    /// password on both servers (set on the primary before the base
+    /// backup, which carries it to the replica): for a set reachable by
+    /// other local users, since the kit's own password is public.
+    ///
+    /// # Errors
+    ///
+    /// As [`start`](ReplicaSet::start), or if the password cannot be set.
+    pub fn start_with_password(mode: Replication, password: &str) -> io::Result<ReplicaSet> {
         let primary = Cluster::start()?;
+        if password != TEST_PASSWORD {
+            primary.set_superuser_password(password)?;
+        }
         let proxy = FaultProxy::start(primary.addr())?;
         let upstream = proxy.port();
-        let replica = Cluster::start_from(&|dir: &Path, data: &Path| {
-            base_backup(&primary, upstream, dir, data)
-        })?;
+        let replica = Cluster::start_from(
+            &|dir: &Path, data: &Path| base_backup(&primary, upstream, dir, data),
+            password,
+        )?;
         let set = ReplicaSet {
             replica,
             primary,
             proxy,
             mode,
+            promoted: AtomicBool::new(false),
         };
         set.wait_streaming()?;
         if mode == Replication::Sync {
-            // Two statements: ALTER SYSTEM refuses to run in the implicit
-            // transaction of a multi-statement query.
-            set.primary_sql(&format!(
-                "ALTER SYSTEM SET synchronous_standby_names = '\"{REPLICA_NAME}\"'"
-            ))?;
-            set.primary_sql("SELECT pg_reload_conf()")?;
-            set.wait_until("the replica to become synchronous", || {
-                let rows = set.primary_sql(&format!(
-                    "SELECT sync_state FROM pg_stat_replication \
-                     WHERE application_name = '{REPLICA_NAME}'"
-                ))?;
-                Ok(first(&rows).as_deref() == Some("sync"))
-            })?;
+            set.make_synchronous()?;
         }
         Ok(set)
+    }
+
+    /// After [`promote`](ReplicaSet::promote): a new replica of the
+    /// promoted server (`pg_basebackup` through a new proxy, then streaming,
+    /// and synchronous in [`Replication::Sync`]), on a port of its own. The
+    /// dead primary is removed; [`primary`](ReplicaSet::primary) is now the
+    /// promoted server and [`replica`](ReplicaSet::replica) the new one, so
+    /// the set can be promoted again (its timeline rises each time).
+    /// Returns how long it took. The promoted server keeps serving
+    /// meanwhile (a base backup asks it for a checkpoint).
+    ///
+    /// # Errors
+    ///
+    /// `InvalidInput` if the replica was not promoted; otherwise as
+    /// [`start`](ReplicaSet::start).
+    pub fn rebuild(&mut self) -> io::Result<Duration> {
+        if !self.promoted.load(Ordering::SeqCst) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "rebuild follows promote: the primary still runs",
+            ));
+        }
+        let started = Instant::now();
+        let proxy = FaultProxy::start(self.replica.addr())?;
+        let upstream = proxy.port();
+        let password = self.replica.password();
+        let promoted = &self.replica;
+        let fresh = Cluster::start_from(
+            &|dir: &Path, data: &Path| base_backup(promoted, upstream, dir, data),
+            &password,
+        )?;
+        let promoted = std::mem::replace(&mut self.replica, fresh);
+        let dead = std::mem::replace(&mut self.primary, promoted);
+        let old_proxy = std::mem::replace(&mut self.proxy, proxy);
+        // The dead primary's directory goes now, not with the set.
+        drop(dead);
+        drop(old_proxy);
+        self.promoted.store(false, Ordering::SeqCst);
+        self.wait_streaming()?;
+        if self.mode == Replication::Sync {
+            self.make_synchronous()?;
+        }
+        Ok(started.elapsed())
+    }
+
+    /// Waits until the replica has received (flushed to its disk, so that
+    /// a promotion replays it) everything the primary had written when
+    /// this was called: every commit acknowledged before the call survives
+    /// a [`promote`](ReplicaSet::promote) that follows, also with
+    /// [`Replication::Async`].
+    ///
+    /// # Errors
+    ///
+    /// If it has not within 30 s, or a server cannot be reached.
+    pub fn wait_received(&self) -> io::Result<()> {
+        let rows = self.primary_sql("SELECT pg_current_wal_lsn()::text")?;
+        let target = first(&rows).ok_or_else(|| err("no WAL position on the primary"))?;
+        self.wait_until("the replica to receive the primary's WAL", || {
+            let rows = self.replica_sql(&format!(
+                "SELECT pg_last_wal_receive_lsn() >= '{target}'::pg_lsn"
+            ))?;
+            Ok(first(&rows).as_deref() == Some("t"))
+        })
+    }
+
+    /// Names the replica in `synchronous_standby_names` on the primary and
+    /// waits until the primary counts it as synchronous.
+    fn make_synchronous(&self) -> io::Result<()> {
+        // Two statements: ALTER SYSTEM refuses to run in the implicit
+        // transaction of a multi-statement query.
+        self.primary_sql(&format!(
+            "ALTER SYSTEM SET synchronous_standby_names = '\"{REPLICA_NAME}\"'"
+        ))?;
+        self.primary_sql("SELECT pg_reload_conf()")?;
+        self.wait_until("the replica to become synchronous", || {
+            let rows = self.primary_sql(&format!(
+                "SELECT sync_state FROM pg_stat_replication \
+                 WHERE application_name = '{REPLICA_NAME}'"
+            ))?;
+            Ok(first(&rows).as_deref() == Some("sync"))
+        })
     }
 
     /// The primary (after [`promote`](ReplicaSet::promote): the old
@@ -176,6 +270,7 @@ impl ReplicaSet {
     /// If a step fails or the replica does not accept writes within 30 s.
     pub fn promote(&self) -> io::Result<Duration> {
         self.primary.kill()?;
+        self.promoted.store(true, Ordering::SeqCst);
         let died = Instant::now();
         self.proxy.cut();
         self.proxy.heal();
@@ -279,6 +374,9 @@ fn query(cluster: &Cluster, sql: &str) -> io::Result<Vec<Vec<Option<String>>>> {
 /// `data`, then the standby settings: `standby.signal` and a
 /// `primary_conninfo` through the proxy (its password in the replica's
 /// `postgresql.auto.conf`, mode 0600 like the rest of the data directory).
+/// `synchronous_standby_names` is emptied: a backup of a synchronous
+/// primary would carry its setting, and once promoted the replica's
+/// commits would wait for a standby that does not exist yet.
 fn base_backup(primary: &Cluster, upstream: u16, dir: &Path, data: &Path) -> io::Result<()> {
     let password = primary
         .config("postgres")
@@ -317,7 +415,8 @@ fn base_backup(primary: &Cluster, upstream: u16, dir: &Path, data: &Path) -> io:
         format!(
             "primary_conninfo = '{quoted}'\n\
              hot_standby = on\n\
-             wal_receiver_status_interval = 1s\n"
+             wal_receiver_status_interval = 1s\n\
+             synchronous_standby_names = ''\n"
         )
         .as_bytes(),
     )?;
