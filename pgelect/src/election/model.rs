@@ -13,9 +13,11 @@
 //!   wait slices end, and the `leaders` row (term, holder and its backend,
 //!   lease expiry on the server clock); backends (one per connection
 //!   incarnation) that end when the client closes, when an administrator
-//!   or a standby's observer terminates them (zombie preemption once the
-//!   lease expired), or when the server's TCP timeouts declare a silent
-//!   client gone; fenced writes (committed only while the row's term is
+//!   or a standby's observer terminates them (zombie preemption: the
+//!   holder the row names once its lease expired, or a holder no row names
+//!   whose session has been idle for longer than the TTL while the row is
+//!   vacant, as `preempt_zombie` does), or when the server's TCP timeouts
+//!   declare a silent client gone; fenced writes (committed only while the row's term is
 //!   the writer's, as the `FOR SHARE` fence does). The server's release
 //!   time is computed here from the TCP settings as PostgreSQL applies them
 //!   (whole seconds for keepalives, milliseconds for `TCP_USER_TIMEOUT`),
@@ -47,7 +49,11 @@
 //! term order, and none of an older term commits after a newer term began;
 //! (c) every activation's term is higher than every earlier activation's;
 //! (d) with a healthy candidate (up, reachable) a role has an acting
-//! leader within the scenario's bound after the last fault.
+//! leader within the scenario's bound after the last fault, with no case
+//! excused: a candidate paused between the grant of its lock and its term
+//! transaction is preempted once its session has been idle for a TTL (the
+//! bound's derivation is on `Scenario::liveness_bound`; without that
+//! preemption the checker finds the role leaderless for the whole pause).
 //!
 //! # Left out
 //!
