@@ -2294,6 +2294,21 @@ mod tests {
         }
     }
 
+    /// The same with polling standbys (a try every 2 ticks): the whole
+    /// space.
+    #[test]
+    fn a_candidate_paused_before_its_term_is_preempted_by_a_polling_standby() {
+        let mut s = paused_before_term();
+        s.standby = Standby::Polling(2);
+        s.pauses = vec![s.liveness_bound() + 1];
+        let r = check(s, 0, None);
+        println!("{r}");
+        assert!(r.violations.is_empty(), "{r}");
+        for e in [ACTS, SECOND, IDLE_PREEMPT] {
+            assert!(r.examples.contains(&e), "no example of {e:?}: {r}");
+        }
+    }
+
     #[test]
     fn no_preemption_of_a_candidate_paused_before_its_term_is_caught() {
         let mut s = paused_before_term();
