@@ -13,9 +13,11 @@
 //!   wait slices end, and the `leaders` row (term, holder and its backend,
 //!   lease expiry on the server clock); backends (one per connection
 //!   incarnation) that end when the client closes, when an administrator
-//!   or a standby's observer terminates them (zombie preemption once the
-//!   lease expired), or when the server's TCP timeouts declare a silent
-//!   client gone; fenced writes (committed only while the row's term is
+//!   or a standby's observer terminates them (zombie preemption: the
+//!   holder the row names once its lease expired, or a holder no row names
+//!   whose session has been idle for longer than the TTL while the row is
+//!   vacant, as `preempt_zombie` does), or when the server's TCP timeouts
+//!   declare a silent client gone; fenced writes (committed only while the row's term is
 //!   the writer's, as the `FOR SHARE` fence does). The server's release
 //!   time is computed here from the TCP settings as PostgreSQL applies them
 //!   (whole seconds for keepalives, milliseconds for `TCP_USER_TIMEOUT`),
@@ -47,7 +49,11 @@
 //! term order, and none of an older term commits after a newer term began;
 //! (c) every activation's term is higher than every earlier activation's;
 //! (d) with a healthy candidate (up, reachable) a role has an acting
-//! leader within the scenario's bound after the last fault.
+//! leader within the scenario's bound after the last fault, with no case
+//! excused: a candidate paused between the grant of its lock and its term
+//! transaction is preempted once its session has been idle for a TTL (the
+//! bound's derivation is on `Scenario::liveness_bound`; without that
+//! preemption the checker finds the role leaderless for the whole pause).
 //!
 //! # Left out
 //!
@@ -95,6 +101,9 @@ pub(super) struct Breaks {
     pub(super) deadline_from_reply: bool,
     /// The server commits writes without checking the term.
     pub(super) skip_fence: bool,
+    /// Standbys preempt only the holder the lease row names (as before
+    /// 5522eac), not one idle for a TTL that no row names.
+    pub(super) no_idle_preempt: bool,
 }
 
 /// One configuration to check, and its bounds.
@@ -209,20 +218,45 @@ impl Scenario {
         self.ticks(longest) + self.server_release() + self.round_trip() + 3
     }
 
-    /// Property (d)'s bound, in ticks after the last fault: the server
-    /// frees the lock (TCP timeouts, or the lease's expiry plus the
-    /// observer's check and preemption), a standby whose own connection was
-    /// silently ended gives it up, then a grant, the election round trip and
-    /// the handover delay.
+    /// Property (d)'s bound, in ticks after the last fault.
+    ///
+    /// Session backend, as a chain:
+    ///
+    /// 1. `free`: the server frees a lock whose holder cannot lead (TCP
+    ///    timeouts after a partition, or the lease's expiry plus the
+    ///    observer's `check_every` for a zombie leader):
+    ///    `max(server_release, ttl + check)`.
+    /// 2. `stalled`, for each holder in turn that is granted the lock and
+    ///    then never records its term (a process paused or cut off before
+    ///    the last fault, in the queue or between its grant and its
+    ///    term): its
+    ///    session is idle from the grant (or its last message handled
+    ///    after the fault), it may be preempted once idle for more than
+    ///    `ttl` and is by `check_every` later: `ttl + check` from the
+    ///    grant. A grant before the last fault is covered by the same sum,
+    ///    one after it comes at the end of step 1 at the latest. Each such
+    ///    holder is a different paused process, and one process is healthy
+    ///    (else the clock does not run): at most `procs - 1` of them.
+    /// 3. A standby whose own connection was silently ended gives it up
+    ///    (`client_give_up`), sits out a wait slice or a poll interval,
+    ///    then its grant, the election statement and the activation (three
+    ///    round trips) and the handover delay, plus 2 ticks for timers
+    ///    that fire at the first tick at or after their instant.
+    ///
+    /// The steps are added, not maximised: a paused candidate can be handed
+    /// the lock only when the holder before it lets go (3 processes: a
+    /// zombie leader preempted after its lease, then the paused candidate
+    /// queued behind it).
     pub(super) fn liveness_bound(&self) -> u32 {
         let t = &self.timing;
         let rt = self.round_trip();
         match self.backend {
             Backend::Session => {
-                let free = self
-                    .server_release()
-                    .max(self.ticks(t.ttl) + self.ticks(t.check_every));
-                free + self.client_give_up()
+                let check = self.ticks(t.check_every);
+                let free = self.server_release().max(self.ticks(t.ttl) + check);
+                let stalled = (self.ticks(t.ttl) + check) * (self.procs as u32 - 1);
+                free + stalled
+                    + self.client_give_up()
                     + self.wait_slice()
                     + self.poll_every()
                     + 3 * rt
@@ -333,6 +367,15 @@ struct Backend_ {
 struct Lock {
     /// The backend holding it.
     holder: Option<(u8, u8)>,
+    /// When the holder's session last did something on the server (server
+    /// clock): the grant (the end of its lock statement), then every
+    /// message the server handles on that backend, and the end of any
+    /// wait slice it sits out for another role. What `pg_stat_activity.
+    /// state_change` shows of an idle session, kept on the lock rather
+    /// than on the backend because only the holder's matters; see
+    /// [`ElectionModel::preemptable`] and the state's hash for why it
+    /// costs few states.
+    idle_since: u32,
     /// Waiting backends and when their wait slice ends (server clock).
     queue: Vec<(u8, u8, u32)>,
 }
@@ -431,6 +474,9 @@ pub(super) struct State {
     /// state of a run; stateright hashes states without the model).
     tick: Duration,
     horizon: u32,
+    /// Idle times of an unnamed lock holder at or beyond this many ticks
+    /// hash alike (its preemption is due by then).
+    idle_cap: u32,
     /// The server's (reference) clock, in ticks.
     now: u32,
     procs: Vec<Proc>,
@@ -457,6 +503,7 @@ pub(super) struct State {
     seen_unclean_takeover: bool,
     seen_fence_refusal: bool,
     seen_write: bool,
+    seen_idle_preempt: bool,
 }
 
 /// What can happen next.
@@ -586,6 +633,7 @@ impl ElectionModel {
         if !st.locks[role].queue.is_empty() {
             let (p, n, _) = st.locks[role].queue.remove(0);
             st.locks[role].holder = Some((p, n));
+            st.locks[role].idle_since = st.now;
             self.reply(st, p, n, Msg::Granted { role: role as u8 });
         }
     }
@@ -646,11 +694,17 @@ impl ElectionModel {
         if let Some(b) = st.backends.iter_mut().find(|b| b.proc == p && b.inc == n) {
             b.last_rx = st.now;
         }
+        // The session is busy: the idle clock of every lock it holds
+        // restarts (a grant below sets it too).
+        for l in st.locks.iter_mut().filter(|l| l.holder == Some((p, n))) {
+            l.idle_since = st.now;
+        }
         match e.msg {
             Msg::Lock { role } | Msg::Try { role } => {
                 let r = role as usize;
                 if st.locks[r].holder.is_none() {
                     st.locks[r].holder = Some((p, n));
+                    st.locks[r].idle_since = st.now;
                     self.reply(st, p, n, Msg::Granted { role });
                 } else if st.locks[r].holder == Some((p, n)) {
                     self.reply(st, p, n, Msg::Granted { role });
@@ -1065,6 +1119,12 @@ impl ElectionModel {
                 !over
             });
             for (p, n) in ended {
+                // The lock statement ends: a session that holds another
+                // role's lock was not idle until now.
+                let now = st.now;
+                for l in st.locks.iter_mut().filter(|l| l.holder == Some((p, n))) {
+                    l.idle_since = now;
+                }
                 self.reply(st, p, n, Msg::NotGranted { role: r as u8 });
             }
         }
@@ -1088,14 +1148,7 @@ impl ElectionModel {
             .iter()
             .any(|pr| pr.life == Life::Up && !pr.partitioned);
         for r in 0..s.roles {
-            // Outside the bound (see the module docs): a process paused
-            // after the lock was granted and before its term was recorded
-            // holds the lock with no lease that could expire.
-            let stuck = st.locks[r].holder.is_some_and(|(p, _)| {
-                st.procs[p as usize].life == Life::Paused
-                    && st.rows[r].holder.map(|h| h.0) != Some(p)
-            });
-            if !healthy || stuck || !st.acting(r).is_empty() {
+            if !healthy || !st.acting(r).is_empty() {
                 st.unled[r] = 0;
             } else {
                 st.unled[r] = (st.unled[r] + 1).min(s.liveness_bound() + 1);
@@ -1117,19 +1170,50 @@ impl ElectionModel {
         })
     }
 
-    fn preemptable(&self, st: &State, role: usize) -> bool {
-        if self.s.backend != Backend::Session {
-            return false;
+    /// The backend a standby's observer may terminate for `role` now (the
+    /// session backend's zombie preemption, `preempt_zombie`), and the
+    /// time by which it does, one `check_every` after it became possible:
+    ///
+    /// * the lock holder that the row names, once its lease expired;
+    /// * the lock holder that the row does not name while the row is
+    ///   vacant (no holder, or an expired lease), once its session has
+    ///   been idle for longer than the TTL (`state_change < now() - ttl`):
+    ///   a candidate paused between its grant and its term.
+    ///
+    /// Either needs a healthy (up, reachable) process other than the
+    /// holder's to run the check.
+    fn preemptable(&self, st: &State, role: usize) -> Option<((u8, u8), u32)> {
+        let s = &self.s;
+        if s.backend != Backend::Session {
+            return None;
         }
+        let lock = &st.locks[role];
+        let (p, n) = lock.holder?;
+        if !(0..st.procs.len())
+            .any(|q| q != p as usize && st.procs[q].life == Life::Up && !st.procs[q].partitioned)
+        {
+            return None;
+        }
+        let check = s.ticks(s.timing.check_every);
         let row = &st.rows[role];
-        let Some((p, n)) = row.holder else {
-            return false;
-        };
-        row.lease_until < st.now
-            && st.locks[role].holder == Some((p, n))
-            && (0..st.procs.len()).any(|q| {
-                q != p as usize && st.procs[q].life == Life::Up && !st.procs[q].partitioned
-            })
+        let expired = row.lease_until < st.now;
+        if row.holder == Some((p, n)) {
+            return expired.then_some(((p, n), row.lease_until + check));
+        }
+        // Unnamed. A session waiting out another role's lock statement is
+        // active, not idle.
+        let busy = st
+            .locks
+            .iter()
+            .any(|l| l.queue.iter().any(|&(q, m, _)| (q, m) == (p, n)));
+        let idle_until = lock.idle_since + s.ticks(s.timing.ttl);
+        // The due time follows the idle clock alone: a row that names
+        // another backend was last renewed while that backend held the
+        // lock, so before this holder's grant, and its lease has expired
+        // by `idle_until`.
+        let vacant = row.holder.is_none() || expired;
+        (vacant && !busy && idle_until < st.now && !s.breaks.no_idle_preempt)
+            .then_some(((p, n), idle_until + check))
     }
 }
 
@@ -1142,6 +1226,7 @@ impl Model for ElectionModel {
         let mut st = State {
             tick: s.tick,
             horizon: s.horizon(),
+            idle_cap: s.ticks(s.timing.ttl) + s.ticks(s.timing.check_every) + 1,
             now: 0,
             procs: (0..s.procs)
                 .map(|_| Proc {
@@ -1173,6 +1258,7 @@ impl Model for ElectionModel {
             seen_unclean_takeover: false,
             seen_fence_refusal: false,
             seen_write: false,
+            seen_idle_preempt: false,
         };
         for p in 0..s.procs {
             self.settle(&mut st, p);
@@ -1194,9 +1280,10 @@ impl Model for ElectionModel {
             e.sent_at + s.delay(e.to_server) <= st.now
                 && (e.to_server || st.procs[e.proc as usize].life != Life::Paused)
         });
-        let check = s.ticks(s.timing.check_every);
-        let preempt_due = (0..s.roles)
-            .any(|r| self.preemptable(st, r) && st.now >= st.rows[r].lease_until + check);
+        let preempt_due = (0..s.roles).any(|r| {
+            self.preemptable(st, r)
+                .is_some_and(|(_, due)| st.now >= due)
+        });
         let resume_due = st
             .procs
             .iter()
@@ -1223,7 +1310,7 @@ impl Model for ElectionModel {
             out.extend(skews.into_iter().map(|skew| Step::Tick { skew }));
         }
         for r in 0..s.roles {
-            if self.preemptable(st, r) {
+            if self.preemptable(st, r).is_some() {
                 for goodbye in [true, false] {
                     out.push(Step::Preempt {
                         role: r as u8,
@@ -1454,9 +1541,12 @@ impl Model for ElectionModel {
                 self.send(&mut st, p, true, Msg::Write { role, term });
             }
             Step::Preempt { role, goodbye } => {
-                let (p, n) = st.rows[role as usize]
-                    .holder
-                    .expect("BUG: preemptable without holder");
+                let ((p, n), _) = self
+                    .preemptable(&st, role as usize)
+                    .expect("BUG: a preemption step that is not possible");
+                if st.rows[role as usize].holder != Some((p, n)) {
+                    st.seen_idle_preempt = true;
+                }
                 self.end_backend(&mut st, p, n, goodbye);
             }
         }
@@ -1491,6 +1581,10 @@ impl Model for ElectionModel {
             Property::sometimes(
                 "the fence refuses a stale write",
                 |_: &ElectionModel, st: &State| st.seen_fence_refusal,
+            ),
+            Property::sometimes(
+                "a holder idle before its term is preempted",
+                |_: &ElectionModel, st: &State| st.seen_idle_preempt,
             ),
         ]
     }
@@ -1556,8 +1650,19 @@ impl Hash for State {
             .collect();
         backends.sort();
         backends.hash(h);
-        for l in &self.locks {
+        for (l, row) in self.locks.iter().zip(&self.rows) {
             l.holder.map(|(p, n)| (p, inc(p, n))).hash(h);
+            // The idle clock only counts for a holder the row does not
+            // name (a candidate between its grant and its term, a few
+            // ticks unless paused), so a leader's heartbeats do not split
+            // states. The row stops naming a holder that keeps the lock
+            // only when a newer connection of the same process releases
+            // the term while the old connection's close is still on its
+            // way; that close ends the backend within a request delay
+            // whatever its idle clock says.
+            if l.holder.is_some() && l.holder != row.holder {
+                (now - l.idle_since).min(self.idle_cap).hash(h);
+            }
             for &(p, n, end) in &l.queue {
                 (p, inc(p, n), rel(end, now)).hash(h);
             }
@@ -1630,6 +1735,7 @@ impl Hash for State {
         self.seen_unclean_takeover.hash(h);
         self.seen_fence_refusal.hash(h);
         self.seen_write.hash(h);
+        self.seen_idle_preempt.hash(h);
     }
 }
 
@@ -2027,6 +2133,7 @@ mod tests {
     const ACTS: &str = "a leader acts";
     const SECOND: &str = "a second term acts";
     const UNCLEAN: &str = "an unclean takeover";
+    const IDLE_PREEMPT: &str = "a holder idle before its term is preempted";
 
     #[test]
     fn session_standard_default_ttl_holds() {
@@ -2163,6 +2270,50 @@ mod tests {
             user_timeout: Duration::from_millis(300),
         };
         negative(s, "(a) one acting leader");
+    }
+
+    /// A standby's preemption of a candidate paused between the grant of
+    /// the lock and its term transaction (5522eac): the short-TTL session
+    /// scenario with one pause, longer than the liveness bound, and no
+    /// writes.
+    fn paused_before_term() -> Scenario {
+        let mut s = one_fault(session_short(), F_PAUSE);
+        s.pauses = vec![s.liveness_bound() + 1];
+        s.writes = 0;
+        s
+    }
+
+    /// The whole space (no state limit).
+    #[test]
+    fn a_candidate_paused_before_its_term_is_preempted() {
+        let r = check(paused_before_term(), 0, None);
+        println!("{r}");
+        assert!(r.violations.is_empty(), "{r}");
+        for e in [ACTS, SECOND, IDLE_PREEMPT] {
+            assert!(r.examples.contains(&e), "no example of {e:?}: {r}");
+        }
+    }
+
+    /// The same with polling standbys (a try every 2 ticks): the whole
+    /// space.
+    #[test]
+    fn a_candidate_paused_before_its_term_is_preempted_by_a_polling_standby() {
+        let mut s = paused_before_term();
+        s.standby = Standby::Polling(2);
+        s.pauses = vec![s.liveness_bound() + 1];
+        let r = check(s, 0, None);
+        println!("{r}");
+        assert!(r.violations.is_empty(), "{r}");
+        for e in [ACTS, SECOND, IDLE_PREEMPT] {
+            assert!(r.examples.contains(&e), "no example of {e:?}: {r}");
+        }
+    }
+
+    #[test]
+    fn no_preemption_of_a_candidate_paused_before_its_term_is_caught() {
+        let mut s = paused_before_term();
+        s.breaks.no_idle_preempt = true;
+        negative(s, "(d) a leader within the bound");
     }
 
     #[test]
