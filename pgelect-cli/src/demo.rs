@@ -436,6 +436,16 @@ pub(crate) mod throwaway {
             &self.0
         }
 
+        /// Whether PostgreSQL program `name` is installed beside this
+        /// server's; `Err` says where it was looked for.
+        pub fn has_program(&self, name: &str) -> Result<(), String> {
+            match pgelect_testkit::pg_bin_dir() {
+                Ok(dir) if dir.join(name).is_file() => Ok(()),
+                Ok(dir) => Err(format!("{name} is not in {}", dir.display())),
+                Err(e) => Err(format!("{name} not found: {e}")),
+            }
+        }
+
         /// Stops the server (`pg_ctl stop -m fast`, or `immediate`: a crash
         /// and recovery) and starts it again on the same port; returns once
         /// it answers. Blocks this worker thread meanwhile.
@@ -574,6 +584,10 @@ pub(crate) mod throwaway {
         }
 
         pub fn port(&self) -> u16 {
+            match *self {}
+        }
+
+        pub fn has_program(&self, _name: &str) -> Result<(), String> {
             match *self {}
         }
 

@@ -2126,8 +2126,22 @@ async fn chaos(
     // file; the schema and the table made on the primary and replayed on
     // the replica before any candidate starts.
     let promote_asked = args.faults.contains(&Fault::Promote);
-    let mut pair = match (promote_asked, server.is_some()) {
-        (true, true) => {
+    // The replica is made with pg_basebackup, which not every PostgreSQL
+    // build ships (the npm packages the version tests use do not).
+    let mut promote_skip = PROMOTE_NEEDS_THROWAWAY.to_owned();
+    let basebackup = match &server {
+        Some(s) => s
+            .has_program("pg_basebackup")
+            .map_err(|e| format!("promote needs pg_basebackup to make the replica: {e}")),
+        None => Err(PROMOTE_NEEDS_THROWAWAY.to_owned()),
+    };
+    let mut pair = match (promote_asked, basebackup) {
+        (true, Err(why)) => {
+            println!("  promote skipped: {why}");
+            promote_skip = why;
+            None
+        }
+        (true, Ok(())) => {
             let p = promote::Pair::start().await?;
             let url = p.url();
             let options = pgelect::ConnectOptions::from_url(&url)?.schema(&global.schema)?;
@@ -2137,10 +2151,6 @@ async fn chaos(
             p.wait_replayed()?;
             let file = crate::demo::UrlFile::write(&url)?;
             Some((p, admin, file))
-        }
-        (true, false) => {
-            println!("  promote skipped: {PROMOTE_NEEDS_THROWAWAY}");
-            None
         }
         (false, _) => None,
     };
@@ -2223,7 +2233,7 @@ async fn chaos(
                 }
             }
             if let (true, None) = (promote_asked, &pair) {
-                injected.push(Injected::not_run(Fault::Promote, PROMOTE_NEEDS_THROWAWAY));
+                injected.push(Injected::not_run(Fault::Promote, &promote_skip));
             }
             let found = check(&run, &admin, &injected).await?;
             // Each part is judged on its own server: (faults, findings,
