@@ -517,6 +517,13 @@ pub(crate) fn role_key(schema: &str, role: &str) -> LockKey {
     LockKey::from_name(&format!("election:{schema}:{role}")).expect("BUG: validated role")
 }
 
+/// The advisory-lock key a role's blocking standbys queue for before they
+/// wait for the role's lock (see the session backend's `Place`):
+/// `LockKey::from_name` of `election-watch:<schema>:<role>`.
+pub(crate) fn watch_key(schema: &str, role: &str) -> LockKey {
+    LockKey::from_name(&format!("election-watch:{schema}:{role}")).expect("BUG: validated role")
+}
+
 pub(crate) fn validate_name(what: &'static str, name: &str) -> Result<()> {
     let refuse = |reason: &str| {
         Err(Error::InvalidName {

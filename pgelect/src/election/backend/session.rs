@@ -36,8 +36,9 @@ use crate::election::support::{
     WakeOn,
 };
 use crate::election::term::next_term_sql;
+use crate::election::config::watch_key;
 use crate::election::watch::{
-    preempt_zombie, read_leader, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
+    preempt_zombie, read_leader, read_leader_and_mode, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
 };
 use crate::election::{Shared, StandbyMode, Term};
 
@@ -253,66 +254,7 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
     let args: Vec<(&(dyn ToSql + Sync), Type)> = params.iter().map(|p| p.as_sql()).collect();
     let wait_started = Instant::now();
     match session.standby {
-        StandbyMode::Blocking => {
-            if let LockConn::Own(own) = &conn {
-                *shared
-                    .lock_server
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner) = own.server().cloned();
-            }
-            shared.ensure_observer();
-            let _standing = Counted::new(&shared.activity, |a| &mut a.standing);
-            let LockKey::Single(k) = key else {
-                unreachable!("BUG: role keys are hashed names, which are single keys")
-            };
-            // At most 24 h (validated), which fits an i32 of milliseconds.
-            let slice_ms = shared.timing.wait_slice.as_millis() as i32;
-            let sql = format!("SELECT {s}.lock_wait_slice($1, $2)");
-            let slice_args: [(&(dyn ToSql + Sync), Type); 2] =
-                [(&k, Type::INT8), (&slice_ms, Type::INT4)];
-            let mut squat = SquatWatch::default();
-            // The registration is pipelined with the first wait slice: the
-            // server runs the slice right after the registration commits, so
-            // a leader woken by its hint finds this candidate already waiting
-            // in pg_locks (or, losing that race, checks again shortly).
-            let mut registration = Some(register.run(shared, &conn));
-            loop {
-                let slice = conn.client().query_typed_one(&sql, &slice_args);
-                let first = registration.take();
-                let waited = async {
-                    match first {
-                        Some(registered) => {
-                            let (registered, r) = tokio::join!(registered, slice);
-                            registered.map(|()| r)
-                        }
-                        None => Ok(slice.await),
-                    }
-                };
-                tokio::select! {
-                    r = waited => {
-                        let granted: bool = r?
-                            .and_then(|row| row.try_get(0))
-                            .map_err(|e| Error::db("wait for the leader's lock", s, e))?;
-                        shared.contact.touch();
-                        if granted {
-                            break;
-                        }
-                        // A whole slice passed: who holds the lock?
-                        let leader = read_leader(conn.client(), &schema, &shared.role).await?;
-                        let row_pid = leader.and_then(|l| l.holder_pid);
-                        check_squatters(shared, &conn, &mut squat, row_pid).await?;
-                    }
-                    _ = conn.closed().cancelled() => {
-                        return Err(Error::connection_lost("wait for the leader's lock"));
-                    }
-                    _ = shared.server_read_only.notified() => {
-                        return Err(Error::connection_lost(
-                            "wait for the leader's lock: the server became read-only",
-                        ));
-                    }
-                }
-            }
-        }
+        StandbyMode::Blocking => wait_blocking(shared, &conn, &register).await?,
         StandbyMode::Polling { interval } => {
             {
                 // On a shared connection, a few roles' campaign statements
@@ -475,6 +417,257 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
     match activated_rx.await {
         Ok(true) => Ok(Attempt::Elected(leadership)),
         _ => Ok(Attempt::Again),
+    }
+}
+
+/// Where a blocking standby waits.
+///
+/// The candidates of a role that stand with the default priority do not all
+/// wait in the role's lock queue with an observer connection each (two
+/// connections and a read per `check_every` per standby: a hundred
+/// standbys would not fit a default `max_connections`). They queue for the
+/// role's *watch key* instead; its one holder, the watch, waits in the
+/// role's lock queue in slices of `check_every` and between them does what
+/// every standby's observer did: reads the row, preempts a zombie leader,
+/// notices a read-only server, looks for squatters. When the watch is
+/// granted the role's lock it lets go of the watch key, and the next
+/// standby in that queue is granted it at once. A crashed leader's lock is
+/// granted to the watch at once, as before; each other standby costs one
+/// statement per wait slice and one connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Place {
+    /// Waiting for the watch key, in slices of `wait_slice`.
+    Queue,
+    /// Holding the watch key, waiting for the role's lock in slices of
+    /// `check_every`.
+    Watch,
+    /// Waiting for the role's lock directly, in slices of `wait_slice`,
+    /// with an observer connection: a candidate with a priority (a leader
+    /// hands over only to a candidate it sees waiting for the role's lock),
+    /// or one whose role's watch key another database user holds.
+    Direct,
+}
+
+/// The statement of a slice of the wait for the watch key: `$1` the watch
+/// key, `$2` the slice (ms), `$3` the grace (ms: the TTL), `$4`..`$6` the
+/// watch key's `pg_locks` ids. One jsonb value: `{"granted": true}`; or,
+/// after a slice that timed out, the key's holder (`pid`; `ours`: of this
+/// database user; `ended`: terminated here because its session had done
+/// nothing for the grace, a watch frozen (or stuck) for a TTL); `{}` when
+/// nobody holds it.
+///
+/// The holder is looked up after the wait (`CASE` runs its branches in
+/// order; the sub-select is run only when its branch is taken), on the
+/// wall clock (`now()` is the statement's start, a slice earlier). A
+/// healthy watch sends a statement every `check_every < ttl`, so it is
+/// never idle for a TTL; one that is has no term (it lets go of the watch
+/// key before its term transaction) and ending it costs nobody anything.
+fn queue_slice_sql(s: &str) -> String {
+    format!(
+        "SELECT CASE WHEN {s}.lock_wait_slice($1, $2) THEN '{{\"granted\": true}}'::jsonb
+                ELSE coalesce((
+                    SELECT pg_catalog.jsonb_build_object(
+                               'pid', k.pid,
+                               'ours', a.usename IS NOT DISTINCT FROM session_user,
+                               'ended', CASE WHEN a.usename = session_user
+                                              AND a.state IN ('idle', 'idle in transaction',
+                                                              'idle in transaction (aborted)')
+                                              AND a.state_change < pg_catalog.clock_timestamp()
+                                                                   - $3 * interval '1 millisecond'
+                                             THEN pg_catalog.pg_terminate_backend(k.pid)
+                                             ELSE false END)
+                      FROM pg_catalog.pg_locks k
+                      LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = k.pid
+                     WHERE k.locktype = 'advisory' AND k.granted AND k.mode = 'ExclusiveLock'
+                       AND k.database = (SELECT d.oid FROM pg_catalog.pg_database d
+                                          WHERE d.datname = pg_catalog.current_database())
+                       AND k.classid = $4 AND k.objid = $5 AND k.objsubid = $6
+                       AND k.pid <> pg_catalog.pg_backend_pid()
+                     LIMIT 1), '{{}}'::jsonb) END"
+    )
+}
+
+/// Milliseconds of a validated duration (at most 24 h) for an `int4`.
+fn slice_ms(d: Duration) -> i32 {
+    d.as_millis().clamp(1, i32::MAX as u128) as i32
+}
+
+/// Awaits `slice`, with `first` (the registration, pipelined ahead of the
+/// first slice: the server runs the slice right after the registration
+/// commits, so a leader woken by its hint finds this candidate already
+/// waiting) if it is still to run.
+async fn after_registration<T>(
+    first: Option<impl Future<Output = Result<()>>>,
+    slice: impl Future<Output = T>,
+) -> Result<T> {
+    match first {
+        Some(registered) => {
+            let (registered, r) = tokio::join!(registered, slice);
+            registered.map(|()| r)
+        }
+        None => Ok(slice.await),
+    }
+}
+
+/// Waits as a blocking standby (see [`Place`]) until this candidate holds
+/// the role's lock (and no longer the watch key).
+async fn wait_blocking(shared: &Arc<Shared>, conn: &LockConn, register: &Register) -> Result<()> {
+    let schema = shared.options.schema_name().clone();
+    let s = schema.as_str();
+    if let LockConn::Own(own) = conn {
+        *shared
+            .lock_server
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = own.server().cloned();
+    }
+    let (LockKey::Single(k), LockKey::Single(w)) = (shared.key, watch_key(s, &shared.role)) else {
+        unreachable!("BUG: role keys are hashed names, which are single keys")
+    };
+    let (w_classid, w_objid, w_objsubid) = watch_key(s, &shared.role).pg_locks_ids();
+    let queue_ms = slice_ms(shared.timing.wait_slice);
+    let watch_ms = slice_ms(shared.timing.check_every.min(shared.timing.wait_slice));
+    let grace_ms = shared.timing.ttl.as_millis().min(i64::MAX as u128) as i64;
+    let queue_sql = queue_slice_sql(s);
+    let wait_sql = format!("SELECT {s}.lock_wait_slice($1, $2)");
+    let mut place = if shared.priority == 0 {
+        Place::Queue
+    } else {
+        Place::Direct
+    };
+    let mut standing = None;
+    let mut squat = SquatWatch::default();
+    let mut warned_watch_squatter = false;
+    let mut registration = Some(register.run(shared, conn));
+    loop {
+        if place == Place::Direct && standing.is_none() {
+            shared.ensure_observer();
+            standing = Some(Counted::new(&shared.activity, |a| &mut a.standing));
+        }
+        let first = registration.take();
+        let waited = async {
+            match place {
+                Place::Queue => {
+                    let args: [(&(dyn ToSql + Sync), Type); 6] = [
+                        (&w, Type::INT8),
+                        (&queue_ms, Type::INT4),
+                        (&grace_ms, Type::INT8),
+                        (&w_classid, Type::OID),
+                        (&w_objid, Type::OID),
+                        (&w_objsubid, Type::INT2),
+                    ];
+                    let r = after_registration(first, conn.client().query_typed_one(&queue_sql, &args)).await?;
+                    let found: serde_json::Value = r
+                        .and_then(|row| row.try_get(0))
+                        .map_err(|e| Error::db("wait for the watch of the leader's lock", s, e))?;
+                    Ok(Err(found))
+                }
+                Place::Watch | Place::Direct => {
+                    let ms = if place == Place::Watch { watch_ms } else { queue_ms };
+                    let args: [(&(dyn ToSql + Sync), Type); 2] = [(&k, Type::INT8), (&ms, Type::INT4)];
+                    let r = after_registration(first, conn.client().query_typed_one(&wait_sql, &args)).await?;
+                    let granted: bool = r
+                        .and_then(|row| row.try_get(0))
+                        .map_err(|e| Error::db("wait for the leader's lock", s, e))?;
+                    Ok(Ok(granted))
+                }
+            }
+        };
+        let outcome: Result<std::result::Result<bool, serde_json::Value>> = tokio::select! {
+            r = waited => r,
+            _ = conn.closed().cancelled() => {
+                return Err(Error::connection_lost("wait for the leader's lock"));
+            }
+            _ = shared.server_read_only.notified(), if place == Place::Direct => {
+                return Err(Error::connection_lost(
+                    "wait for the leader's lock: the server became read-only",
+                ));
+            }
+        };
+        shared.contact.touch();
+        match outcome {
+            // The watch key: this standby is the watch now.
+            Ok(Err(found)) if found.get("granted").is_some() => {
+                tracing::debug!("holding the role's watch key; waiting for its lock");
+                place = Place::Watch;
+            }
+            Ok(Err(found)) => {
+                let pid = found.get("pid").and_then(serde_json::Value::as_i64);
+                let ours = found.get("ours").and_then(serde_json::Value::as_bool);
+                let ended = found.get("ended").and_then(serde_json::Value::as_bool);
+                match (pid, ours, ended) {
+                    (Some(pid), _, Some(true)) => {
+                        metrics::preempted_zombie(&shared.role);
+                        tracing::warn!(pid, "ended the role's watch, whose session had done nothing for a TTL (a candidate frozen while it watched, or before its term)");
+                    }
+                    (Some(pid), Some(false), _) => {
+                        // Not a pgelect candidate of this database user:
+                        // a neighbour's session took the public key. Wait
+                        // in the role's queue itself, as before watches.
+                        if !warned_watch_squatter {
+                            warned_watch_squatter = true;
+                            tracing::warn!(role = %shared.role, pid, "the watch key of role {:?} is held by pid {pid}, a session of another database user; this standby waits in the role's lock queue directly, with an observer connection. Advisory keys are public and database-wide (see the README's security section)", shared.role);
+                        }
+                        place = Place::Direct;
+                    }
+                    _ => {}
+                }
+            }
+            Ok(Ok(true)) => {
+                if place == Place::Watch {
+                    let unlocked: bool = conn
+                        .client()
+                        .query_typed_one("SELECT pg_advisory_unlock($1)", &[(&w, Type::INT8)])
+                        .await
+                        .and_then(|row| row.try_get(0))
+                        .map_err(|e| Error::db("let go of the role's watch key", s, e))?;
+                    if !unlocked {
+                        tracing::debug!("the role's watch key was not held at election");
+                    }
+                }
+                return Ok(());
+            }
+            Ok(Ok(false)) => {
+                // A slice passed without the lock: look at the row, and
+                // (the watch) preempt a zombie or leave a read-only server.
+                let (leader, read_only) = read_leader_and_mode(conn.client(), &schema, &shared.role).await?;
+                let row_pid = leader.as_ref().and_then(|l| l.holder_pid);
+                let vacant = leader.as_ref().is_none_or(|l| l.lease_expired);
+                if place == Place::Watch {
+                    shared.publish(leader);
+                    if read_only {
+                        tracing::warn!(role = %shared.role, "the server became read-only (a demoted or fenced primary) while this standby waits on it; reconnecting");
+                        return Err(Error::connection_lost(
+                            "wait for the leader's lock: the server is read-only",
+                        ));
+                    }
+                    if vacant
+                        && preempt_zombie(
+                            conn.client(),
+                            &schema,
+                            &shared.role,
+                            shared.key,
+                            &shared.preemption_refused,
+                            shared.timing.ttl,
+                        )
+                        .await?
+                        .is_some()
+                    {
+                        metrics::preempted_zombie(&shared.role);
+                    }
+                }
+                if place == Place::Direct || squat.due(std::time::Instant::now()) {
+                    check_squatters(shared, conn, &mut squat, row_pid).await?;
+                }
+            }
+            Err(e) => {
+                if place == Place::Queue && matches!(e, Error::Permission { .. }) {
+                    tracing::warn!(role = %shared.role, error = %e, "cannot watch the role's lock; this standby waits in its queue directly, with an observer connection");
+                    place = Place::Direct;
+                    continue;
+                }
+                return Err(e);
+            }
+        }
     }
 }
 
