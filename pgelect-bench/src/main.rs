@@ -13,6 +13,7 @@ use std::process::ExitCode;
 
 mod cli_handoff;
 mod common;
+mod crowd;
 mod failover;
 mod lease;
 mod promote;
@@ -42,6 +43,11 @@ benchmarks:
               every role is led after the start and after a SIGKILL of the busiest
               candidate (options: --count 1,100,1000,10000, --candidates N (3),
               --window SECONDS (10), --json)
+  crowd       many blocking candidates of one role, each a process: connections,
+              statements per second and failover after a SIGKILLed leader, for one
+              standby, N-1 standbys, and N-1 standbys each in the lock queue with an
+              observer (options: --candidates N (100), --trials N (5),
+              --window SECONDS (40), --json)
   promote     a PostgreSQL primary failover (primary stopped hard, streaming replica
               promoted): time until the replica accepts writes and until a candidate
               leads on it, both backends (options: --trials N (10),
@@ -74,6 +80,7 @@ fn main() -> ExitCode {
         Some("failover") => failover::run(&args[1..]),
         Some("promote") => promote::run(&args[1..]),
         Some("roles") => roles::run(&args[1..]),
+        Some("crowd") => crowd::run(&args[1..]),
         Some("lease-failover") => lease::run(&args[1..]),
         Some("cli-handoff") => cli_handoff::run(&args[1..]),
         Some("report") => report::run(&args[1..]),

@@ -430,7 +430,7 @@ async fn measure(
 }
 
 /// `url` with its database replaced by `db`.
-fn with_database(url: &str, db: &str) -> Result<String, String> {
+pub(crate) fn with_database(url: &str, db: &str) -> Result<String, String> {
     let (base, query) = match url.split_once('?') {
         Some((b, q)) => (b, Some(q)),
         None => (url, None),
@@ -515,7 +515,7 @@ fn child(args: &[String]) -> Result<(), String> {
 
 /// Transactions committed and rolled back in the observer's database so
 /// far (its own pending counts flushed first, PostgreSQL 15+).
-async fn xacts(c: &tokio_postgres::Client) -> Result<i64, String> {
+pub(crate) async fn xacts(c: &tokio_postgres::Client) -> Result<i64, String> {
     c.batch_execute(
         "SELECT pg_stat_clear_snapshot();
          DO $$ BEGIN

@@ -52,7 +52,7 @@ const MAX_ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
 /// The session backend's lock-wait slice (the library's default, which
 /// `pgelect run` does not change): a blocked standby hears from the server
 /// once per slice.
-const WAIT_SLICE: Duration = Duration::from_secs(10);
+const WAIT_SLICE: Duration = Duration::from_secs(20);
 
 /// What the supervisor is doing, for `/healthz` and `/leader`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -591,7 +591,7 @@ mod tests {
     fn the_staleness_bound_covers_a_lock_wait_slice() {
         assert_eq!(
             staleness_bound(Duration::from_secs(1)),
-            Duration::from_secs(15)
+            Duration::from_secs(25)
         );
         assert_eq!(
             staleness_bound(Duration::from_secs(15)),

@@ -111,7 +111,7 @@ pub enum StandbyMode {
 /// | `handover_delay` | `min(heartbeat + heartbeat_timeout, ttl - safety_margin) + min(heartbeat_timeout, 500 ms)` | 2.5 s |
 /// | `tcp_timeouts` | derived from `ttl` (below) | idle 5 s, interval 2 s, count 6, user timeout 15 s |
 /// | `check_every` | `renew_every` | 5 s |
-/// | `wait_slice` | 10 s | 10 s |
+/// | `wait_slice` | 20 s | 20 s |
 ///
 /// A leader's **local deadline** is `ttl - safety_margin` (12 s) after the
 /// *sending* of its last successful renewal, on the monotonic clock; when it
@@ -368,7 +368,18 @@ impl ElectorBuilder {
     }
 
     /// Session backend: how long one slice of a blocking standby's lock
-    /// wait lasts before it is issued again. Default: 10 s.
+    /// wait lasts before it is issued again. Default: 20 s.
+    ///
+    /// Blocking standbys of the default priority queue for the role's
+    /// *watch key* in slices of this length; only the key's holder (the
+    /// watch) waits for the role's lock itself, in slices of
+    /// `check_every`, and between them reads the row and preempts a zombie
+    /// leader for all of them. So each other standby costs one connection
+    /// and one statement per slice: 100 standbys of one role, 5 statements
+    /// per second. A watch frozen for a TTL is ended by the next standby
+    /// whose slice ends, so a leader that fails while its watch is frozen
+    /// is followed within `ttl + wait_slice` (otherwise within the usual
+    /// bound).
     ///
     /// A statement holds a snapshot while it runs, and the oldest snapshot
     /// bounds what VACUUM may remove in the whole database (the xmin

@@ -356,7 +356,10 @@ impl Contact {
 /// What an elector is doing, for its observer task.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub(crate) struct Activity {
-    /// Blocking standbys of this elector waiting for the lock.
+    /// Blocking standbys of this elector waiting in the role's lock queue
+    /// directly (a candidate with a priority, or one whose role's watch
+    /// key another database user holds): they need the observer. Standbys
+    /// that queue for the watch key do not (the watch observes for them).
     pub(crate) standing: usize,
     /// Live session-backend leaderships of this elector.
     pub(crate) leading: usize,
@@ -366,7 +369,8 @@ pub(crate) struct Activity {
 
 impl Activity {
     /// The observer connection is open while someone watches or a blocking
-    /// standby waits (it preempts zombie leaders), and never while this
+    /// standby waits in the role's lock queue directly (it preempts zombie
+    /// leaders), and never while this
     /// elector leads with the session backend: the leader publishes its own
     /// state, and a leader process then holds one server backend, not two
     /// (the failover benchmark measured the second backend: the dead

@@ -132,7 +132,7 @@ pub(crate) const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(1);
 /// Default cap on a lease-backend standby's sleep between two attempts.
 pub(crate) const DEFAULT_RETRY_EVERY: Duration = Duration::from_secs(1);
 /// Default slice of a blocking standby's lock wait.
-pub(crate) const DEFAULT_WAIT_SLICE: Duration = Duration::from_secs(10);
+pub(crate) const DEFAULT_WAIT_SLICE: Duration = Duration::from_secs(20);
 
 /// The TCP timeouts used when none are given: derived from the TTL so that
 /// the server cannot declare a silent client gone (and release its lock)

@@ -25,6 +25,7 @@ use crate::metrics;
 use crate::schema::check_schema;
 
 use super::shared::{BatchMember, Batched, Polled, SharedSession};
+use crate::election::config::watch_key;
 use crate::election::driver::{
     Activation, Answer, Failed, Keep, KeepBackend, Preferred, Statement,
 };
@@ -36,7 +37,6 @@ use crate::election::support::{
     WakeOn,
 };
 use crate::election::term::next_term_sql;
-use crate::election::config::watch_key;
 use crate::election::watch::{
     preempt_zombie, read_leader, read_leader_and_mode, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
 };
@@ -555,16 +555,25 @@ async fn wait_blocking(shared: &Arc<Shared>, conn: &LockConn, register: &Registe
                         (&w_objid, Type::OID),
                         (&w_objsubid, Type::INT2),
                     ];
-                    let r = after_registration(first, conn.client().query_typed_one(&queue_sql, &args)).await?;
+                    let r =
+                        after_registration(first, conn.client().query_typed_one(&queue_sql, &args))
+                            .await?;
                     let found: serde_json::Value = r
                         .and_then(|row| row.try_get(0))
                         .map_err(|e| Error::db("wait for the watch of the leader's lock", s, e))?;
                     Ok(Err(found))
                 }
                 Place::Watch | Place::Direct => {
-                    let ms = if place == Place::Watch { watch_ms } else { queue_ms };
-                    let args: [(&(dyn ToSql + Sync), Type); 2] = [(&k, Type::INT8), (&ms, Type::INT4)];
-                    let r = after_registration(first, conn.client().query_typed_one(&wait_sql, &args)).await?;
+                    let ms = if place == Place::Watch {
+                        watch_ms
+                    } else {
+                        queue_ms
+                    };
+                    let args: [(&(dyn ToSql + Sync), Type); 2] =
+                        [(&k, Type::INT8), (&ms, Type::INT4)];
+                    let r =
+                        after_registration(first, conn.client().query_typed_one(&wait_sql, &args))
+                            .await?;
                     let granted: bool = r
                         .and_then(|row| row.try_get(0))
                         .map_err(|e| Error::db("wait for the leader's lock", s, e))?;
@@ -629,7 +638,8 @@ async fn wait_blocking(shared: &Arc<Shared>, conn: &LockConn, register: &Registe
             Ok(Ok(false)) => {
                 // A slice passed without the lock: look at the row, and
                 // (the watch) preempt a zombie or leave a read-only server.
-                let (leader, read_only) = read_leader_and_mode(conn.client(), &schema, &shared.role).await?;
+                let (leader, read_only) =
+                    read_leader_and_mode(conn.client(), &schema, &shared.role).await?;
                 let row_pid = leader.as_ref().and_then(|l| l.holder_pid);
                 let vacant = leader.as_ref().is_none_or(|l| l.lease_expired);
                 if place == Place::Watch {
