@@ -297,6 +297,7 @@ fn status_sql(schema: &str) -> String {
                    CASE WHEN l.holder IS NULL THEN NULL
                         ELSE (extract(epoch FROM (l.lease_until - now())) * 1000)::bigint END AS lease_ms,
                    {schema}.key('election:{schema}:' || n.role) AS k,
+                   {schema}.key('election-watch:{schema}:' || n.role) AS wk,
                    l.role IS NOT NULL
                      AND NOT (l.holder IS NULL AND coalesce(l.holder_meta ? 'pgelect_forgotten', false)) AS has_row
               FROM names n LEFT JOIN {schema}.leaders l ON l.role = n.role
@@ -311,13 +312,18 @@ fn status_sql(schema: &str) -> String {
                                        ELSE a.application_name END),
                           'backend_pid', a.pid, 'client_addr', host(a.client_addr),
                           'state', CASE WHEN lk.granted THEN 'holding'
-                                        WHEN lk.pid IS NOT NULL THEN 'waiting'
+                                        WHEN lk.pid IS NOT NULL OR wl.pid IS NOT NULL THEN 'waiting'
                                         ELSE 'standing' END,
                           'priority', rc.priority, 'timing', rc.timing) AS j,
                         lk.granted AS holding, a.backend_start AS since
                    FROM pg_stat_activity a
                    LEFT JOIN locks lk ON lk.pid = a.pid
                     AND lk.classid = ((r.k >> 32) & 4294967295)::oid AND lk.objid = (r.k & 4294967295)::oid
+                   -- A blocking standby queues for the role's watch key
+                   -- (held by the one standby in the role's lock queue,
+                   -- which checks the row between two waits): waiting too.
+                   LEFT JOIN locks wl ON wl.pid = a.pid
+                    AND wl.classid = ((r.wk >> 32) & 4294967295)::oid AND wl.objid = (r.wk & 4294967295)::oid
                    -- The registry (schema 5): priority and timing, matched
                    -- by the backend pid the server wrote at registration.
                    LEFT JOIN {schema}.candidates rc ON rc.role = r.role AND rc.backend = 'session'
@@ -328,7 +334,7 @@ fn status_sql(schema: &str) -> String {
                     -- 63 bytes and keeps ASCII only); polling standbys, which
                     -- hold no lock entry, by their name. A holder that is not
                     -- the row's is a squatter, listed apart.
-                    AND (lk.pid IS NOT NULL
+                    AND (lk.pid IS NOT NULL OR wl.pid IS NOT NULL
                          OR starts_with(a.application_name, 'pgelect:' || r.role || ':'))
                     AND NOT (coalesce(lk.granted, false)
                              AND a.pid IS DISTINCT FROM r.holder_pid)

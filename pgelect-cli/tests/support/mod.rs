@@ -249,7 +249,11 @@ pub struct AdvisoryLock {
     pub granted: bool,
 }
 
-/// The advisory locks (held and awaited) in the current database.
+/// The advisory locks (held and awaited) in the current database, except
+/// the roles' watch keys held (a blocking standby of the default priority
+/// holds its role's while it waits for the role's lock, the others wait
+/// for it: see the README's "Many candidates of one role"; so each standby
+/// still shows as one waiting lock).
 pub async fn advisory_locks(admin: &Client) -> Vec<AdvisoryLock> {
     admin
         .query(
@@ -257,6 +261,11 @@ pub async fn advisory_locks(admin: &Client) -> Vec<AdvisoryLock> {
                FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
               WHERE l.locktype = 'advisory'
                 AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                AND NOT (l.granted AND EXISTS (
+                    SELECT 1 FROM pgelect.candidates c
+                     CROSS JOIN LATERAL (SELECT pgelect.key('election-watch:pgelect:' || c.role) AS k) w
+                     WHERE l.objsubid = 1 AND l.classid = ((w.k >> 32) & 4294967295)::oid
+                       AND l.objid = (w.k & 4294967295)::oid))
               ORDER BY l.granted DESC, l.pid",
             &[],
         )
