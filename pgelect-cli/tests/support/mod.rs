@@ -253,25 +253,42 @@ pub struct AdvisoryLock {
 /// the roles' watch keys held (a blocking standby of the default priority
 /// holds its role's while it waits for the role's lock, the others wait
 /// for it: see the README's "Many candidates of one role"; so each standby
-/// still shows as one waiting lock).
+/// still shows as one waiting lock). A watch key is recognised by its
+/// holder's `application_name` (`pgelect:<role>:<node>`).
 pub async fn advisory_locks(admin: &Client) -> Vec<AdvisoryLock> {
     admin
         .query(
-            "SELECT l.pid, coalesce(a.application_name, ''), l.mode, l.granted
+            "SELECT l.pid, coalesce(a.application_name, ''), l.mode, l.granted,
+                    l.classid::int8, l.objid::int8, l.objsubid::int4
                FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
               WHERE l.locktype = 'advisory'
                 AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-                AND NOT (l.granted AND EXISTS (
-                    SELECT 1 FROM pgelect.candidates c
-                     CROSS JOIN LATERAL (SELECT pgelect.key('election-watch:pgelect:' || c.role) AS k) w
-                     WHERE l.objsubid = 1 AND l.classid = ((w.k >> 32) & 4294967295)::oid
-                       AND l.objid = (w.k & 4294967295)::oid))
               ORDER BY l.granted DESC, l.pid",
             &[],
         )
         .await
         .expect("query pg_locks")
         .iter()
+        .filter(|row| {
+            let app: String = row.get(1);
+            let granted: bool = row.get(3);
+            let role = app
+                .strip_prefix("pgelect:")
+                .and_then(|rest| rest.rsplit_once(':'))
+                .map(|(role, _)| role);
+            let watch = role.and_then(|role| {
+                pgelect::LockKey::from_name(&format!("election-watch:pgelect:{role}")).ok()
+            });
+            let is_watch = watch.is_some_and(|k| {
+                let pgelect::LockKey::Single(k) = k else {
+                    return false;
+                };
+                row.get::<_, i32>(6) == 1
+                    && row.get::<_, i64>(4) == ((k as u64) >> 32) as i64
+                    && row.get::<_, i64>(5) == (k as u64 & 0xffff_ffff) as i64
+            });
+            !(granted && is_watch)
+        })
         .map(|row| AdvisoryLock {
             pid: row.get(0),
             application_name: row.get(1),
