@@ -1300,6 +1300,10 @@ async fn elect_batches(session: std::sync::Weak<SharedSession>) {
             return;
         };
         let mut batch = s.elections.take();
+        // A campaign dropped while queued (its role's lock is being let go
+        // of) must not be elected after the unlock: its row would name a
+        // leader that holds nothing.
+        batch.retain(|(_, done)| !done.is_closed());
         if batch.is_empty() {
             continue;
         }
