@@ -33,7 +33,13 @@ use crate::election::watch::{
 /// connection, whatever their number, and tells each role on its own
 /// whether its row was still its own (a role whose row was taken is lost
 /// alone). Each role keeps its own term and its own local deadline,
-/// counted from the moment that statement was sent. The roles share the connection's fate: when it dies, or
+/// counted from the moment that statement was sent. The standbys on it are
+/// batched too: one statement per polling interval tries all their locks
+/// (in chunks of a few thousand), one registers up to 200 new standbys, one
+/// elects up to 200 granted roles, and one per poll looks for zombie
+/// leaders of every vacant role; only one of these is in flight at a time,
+/// so a leader's renewal or heartbeat waits behind one at most.
+/// The roles share the connection's fate: when it dies, or
 /// a leader on it must drop it (its deadline passed, a heartbeat timed
 /// out), every role led on it is lost, and the candidates stand again on a
 /// new connection.
