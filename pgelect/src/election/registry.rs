@@ -37,6 +37,7 @@ use crate::conn::DedicatedConnection;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 
+use super::backend::shared::Registration;
 use super::timing::Timing;
 use super::watch::RESIGN_CHANNEL;
 use super::{Shared, StandbyMode};
@@ -158,6 +159,63 @@ pub(crate) fn register_sql(s: &str, waits: Waits) -> String {
                      WHERE l.role = $1 AND l.holder IS NOT NULL AND l.holder <> $2
                        AND coalesce(lc.priority, 0) < $3)
                 THEN pg_catalog.pg_notify('{RESIGN_CHANNEL}', $7)::text END"
+    )
+}
+
+/// The registration of many polling standbys of one shared session in one
+/// statement: for each, what [`register_sql`] does for one (upsert with the
+/// server's `backend_pid`, deletion of the role's rows of dead candidates,
+/// a resign hint to a leader of lower priority).
+///
+/// Parameters, one array element per candidate: `$1` role, `$2` node, `$3`
+/// priority (int4), `$4` standby (text), `$5` timing (jsonb), `$6` meta
+/// (jsonb), `$7` hint payload (text). One row: rows deleted (int8), rows
+/// upserted, hints sent.
+pub(crate) fn batch_register_sql(s: &str) -> String {
+    let backend = Waits::Polling.backend();
+    format!(
+        "WITH r AS (
+             SELECT * FROM unnest($1::text[], $2::text[], $3::int4[], $4::text[], $5::jsonb[],
+                                  $6::jsonb[], $7::text[])
+                        AS r(role, node, priority, standby, timing, meta, payload)
+         ), me AS (
+             INSERT INTO {s}.candidates AS c
+                    (role, node, backend_pid, priority, backend, standby, timing, meta,
+                     db_user, registered_at, seen_at)
+             SELECT r.role, r.node, pg_catalog.pg_backend_pid(), r.priority, '{backend}', r.standby,
+                    r.timing, r.meta, session_user, now(), now()
+               FROM r
+             ON CONFLICT (role, node) DO UPDATE
+                SET backend_pid = EXCLUDED.backend_pid, priority = EXCLUDED.priority,
+                    backend = EXCLUDED.backend, standby = EXCLUDED.standby,
+                    timing = EXCLUDED.timing, meta = EXCLUDED.meta, db_user = session_user,
+                    registered_at = CASE WHEN c.backend_pid IS NOT DISTINCT FROM EXCLUDED.backend_pid
+                                         THEN c.registered_at ELSE now() END,
+                    seen_at = now()
+             RETURNING 1
+         ), stale AS (
+             DELETE FROM {s}.candidates c
+              USING r
+              WHERE c.role = r.role AND c.node <> r.node
+                AND CASE WHEN c.backend = 'session'
+                         THEN NOT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_activity a
+                                           WHERE a.pid = c.backend_pid)
+                         ELSE c.seen_at + {LEASE_ROW_STALE_TTLS}
+                                * coalesce((c.timing->>'ttl_ms')::int8, 15000)
+                                * interval '1 millisecond' < now() END
+             RETURNING 1
+         ), hint AS (
+             -- Volatile: run once per candidate whose leader has a lower
+             -- priority.
+             SELECT pg_catalog.pg_notify('{RESIGN_CHANNEL}', r.payload)
+               FROM r
+              WHERE EXISTS (
+                    SELECT 1 FROM {s}.leaders l
+                      LEFT JOIN {s}.candidates lc ON lc.role = l.role AND lc.node = l.holder
+                     WHERE l.role = r.role AND l.holder IS NOT NULL AND l.holder <> r.node
+                       AND coalesce(lc.priority, 0) < r.priority)
+         )
+         SELECT (SELECT count(*) FROM stale), (SELECT count(*) FROM me), (SELECT count(*) FROM hint)"
     )
 }
 
@@ -306,6 +364,20 @@ impl Register {
                 (&self.payload, Type::TEXT),
             ],
         )
+    }
+
+    /// This registration as an entry of a shared session's batched
+    /// registration ([`batch_register_sql`]; polling standbys only).
+    pub(crate) fn entry(&self, shared: &Shared) -> Registration {
+        Registration {
+            role: shared.role.clone(),
+            node: shared.node.clone(),
+            priority: shared.priority,
+            standby: self.standby,
+            timing: self.timing.clone(),
+            meta: shared.meta.clone(),
+            payload: self.payload.clone(),
+        }
     }
 
     /// Registers (upsert) on `conn`; the backend pid is the server's.

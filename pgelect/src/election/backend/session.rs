@@ -24,7 +24,7 @@ use crate::lock::holders::{query_holders, SquatWatch};
 use crate::metrics;
 use crate::schema::check_schema;
 
-use super::shared::{BatchMember, Batched, Polled, SharedSession};
+use super::shared::{BatchMember, Batched, Election, Polled, SharedSession};
 use crate::election::config::watch_key;
 use crate::election::driver::{
     Activation, Answer, Failed, Keep, KeepBackend, Preferred, Statement,
@@ -256,15 +256,19 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
     match session.standby {
         StandbyMode::Blocking => wait_blocking(shared, &conn, &register).await?,
         StandbyMode::Polling { interval } => {
-            {
-                // On a shared connection, a few roles' campaign statements
-                // at a time: the leaders' renewals and heartbeats on it
-                // must not queue behind a thousand registrations.
-                let _turn = match &conn {
-                    LockConn::Shared(session) => Some(session.campaign_turn().await),
-                    LockConn::Own(_) => None,
-                };
-                register.run(shared, &conn).await?;
+            match &conn {
+                // On a shared connection, one statement registers the
+                // standbys of many roles: the leaders' renewals and
+                // heartbeats on it must not queue behind a thousand
+                // registrations. A failed batch is run alone (a few at a
+                // time) to learn and report this role's error.
+                LockConn::Shared(session) => {
+                    if !session.register(register.entry(shared)).await {
+                        let _turn = session.campaign_turn().await;
+                        register.run(shared, &conn).await?;
+                    }
+                }
+                LockConn::Own(_) => register.run(shared, &conn).await?,
             }
             match &conn {
                 LockConn::Own(own) => poll_for_lock(shared, own, interval, &args, true).await?,
@@ -313,12 +317,20 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
             // this term costs at most an early check of the row, which
             // carries the request only if it names this term.
             let hints = c.hints(&registry::hint_payload(s, &shared.role));
-            // The deadline counts from the statement's sending, after the
-            // turn: a wait for it is no time led.
-            let _turn = c.campaign_turn().await;
-            let sent_at = Instant::now();
-            let elected = elect.run(shared, c).await?;
-            (elected, hints, sent_at)
+            // One statement elects every role of this connection granted
+            // meanwhile. The deadline counts from its sending: a wait for
+            // it is no time led.
+            match c.elect(elect.entry(shared)).await {
+                Some((sent_at, row)) => (elect.outcome(shared, &row, 1)?, hints, sent_at),
+                None => {
+                    // Failed: alone, a few at a time, to learn this role's
+                    // error (a failed statement wrote nothing).
+                    let _turn = c.campaign_turn().await;
+                    let sent_at = Instant::now();
+                    let elected = elect.run(shared, c).await?;
+                    (elected, hints, sent_at)
+                }
+            }
         }
     };
     let answered = Instant::now();
@@ -333,12 +345,17 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
             // to: whoever is granted next checks again.
             tracing::info!(%preferred, "granted the lock while a ready candidate of higher priority waits; giving it back");
             let unlock = format!("SELECT pg_advisory_unlock({})", key.sql_args(1));
+            let _turn = match &conn {
+                LockConn::Shared(c) => Some(c.campaign_turn().await),
+                LockConn::Own(_) => None,
+            };
             let unlocked: bool = conn
                 .client()
                 .query_typed_one(&unlock, &args)
                 .await
                 .and_then(|row| row.try_get(0))
                 .map_err(|e| Error::db("unlock the leader's lock", s, e))?;
+            drop(_turn);
             if !unlocked {
                 return Err(Error::Pooler(format!(
                     "the role's advisory lock was not held by this session (role {:?}); is a pooler in transaction mode between pgelect and {}?",
@@ -784,14 +801,35 @@ impl ElectStatement {
             .query_typed_one(&self.sql, &self.args(shared))
             .await
             .map_err(|e| Error::db("record the new term", s, e))?;
+        self.outcome(shared, &row, 0)
+    }
+
+    /// This election as an entry of a shared session's batched election,
+    /// which does what this statement does, for many roles at once.
+    fn entry(&self, shared: &Shared) -> Election {
+        Election {
+            role: shared.role.clone(),
+            node: shared.node.clone(),
+            meta: shared.meta.clone(),
+            ttl_ms: self.ttl_ms,
+            payload: self.payload.clone(),
+            priority: shared.priority,
+            key: shared.key,
+        }
+    }
+
+    /// Decodes the statement's row, whose columns start at `at` (0 for
+    /// this statement's own, 1 in the batched election's).
+    fn outcome(&self, shared: &Shared, row: &Row, at: usize) -> Result<ElectOutcome> {
+        let s = shared.options.schema_name().as_str();
         let preferred: Option<String> = row
-            .try_get(5)
+            .try_get(at + 5)
             .map_err(|e| Error::db("record the new term", s, e))?;
         if let Some(node) = preferred {
             return Ok(ElectOutcome::Yield(node));
         }
         let term: Option<i64> = row
-            .try_get(0)
+            .try_get(at)
             .map_err(|e| Error::db("record the new term", s, e))?;
         let Some(term) = term else {
             return Err(Error::config(format!(
@@ -802,9 +840,9 @@ impl ElectStatement {
         let decode = || {
             Ok::<_, tokio_postgres::Error>(Elected {
                 term: Term::new(term),
-                previous_holder: row.try_get(1)?,
-                acquired_at: row.try_get(2)?,
-                lease_until: row.try_get(3)?,
+                previous_holder: row.try_get(at + 1)?,
+                acquired_at: row.try_get(at + 2)?,
+                lease_until: row.try_get(at + 3)?,
             })
         };
         decode()
@@ -899,9 +937,11 @@ async fn poll_for_lock(
 
 /// A polling standby on a shared connection: waits in the session's
 /// batched poll (one statement tries the locks of all its standbys) until
-/// this role's lock is granted. Publishes the leader row when it changes,
-/// preempts a zombie leader whose lease expired, and on a failed batch
-/// polls alone once to learn (and return) the error.
+/// this role's lock is granted. Publishes the leader row when it changes;
+/// zombie preemption is the session's, one statement per poll for every
+/// vacant row (the standby preempts alone only where that statement leaves
+/// it to the role); on a failed batch polls alone once to learn (and
+/// return) the error.
 ///
 /// Unlike a standby on its own connection it does not look for squatters
 /// (sessions other than the named leader holding the role's key): that is
@@ -916,8 +956,14 @@ async fn poll_in_batch(
     let schema = shared.options.schema_name();
     let s = schema.as_str();
     let refresh_ms = registry::polling_refresh(interval).as_millis() as i64;
-    let mut member =
-        session.join_poll(&shared.role, &shared.node, shared.key, refresh_ms, interval);
+    let mut member = session.join_poll(
+        &shared.role,
+        &shared.node,
+        shared.key,
+        refresh_ms,
+        interval,
+        shared.timing.ttl,
+    );
     loop {
         let Some(polled) = member.next().await else {
             return Err(Error::connection_lost("wait for the leader's lock"));
@@ -925,10 +971,16 @@ async fn poll_in_batch(
         shared.contact.touch();
         match polled {
             Polled::Granted => return Ok(()),
-            Polled::Leader(info) => {
-                let vacant = info.as_ref().is_none_or(|i| i.lease_expired);
+            Polled::Leader {
+                info,
+                preempt_alone,
+            } => {
                 shared.publish(info);
-                if vacant {
+                // The session's batched preemption ran for this vacant
+                // row; it leaves to the role what it cannot do for all (a
+                // holder of another database user: may this one end it?).
+                if preempt_alone {
+                    let _turn = session.campaign_turn().await;
                     if let Some(pid) = preempt_zombie(
                         session.client(),
                         schema,
@@ -947,7 +999,8 @@ async fn poll_in_batch(
             }
             Polled::Failed => {
                 // The single standby's poll, to learn this role's error (or
-                // be granted after all).
+                // be granted after all); a few at a time.
+                let _turn = session.campaign_turn().await;
                 let sql = registry::poll_sql(s, &shared.key.sql_args(1));
                 let mut poll_args: Vec<(&(dyn ToSql + Sync), Type)> = args.to_vec();
                 poll_args.push((&shared.role, Type::TEXT));
