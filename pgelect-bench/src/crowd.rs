@@ -27,11 +27,12 @@
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use pgelect::{ConnectOptions, Elector};
 
 use crate::common::{connect, round2, Rows, Stats};
+use crate::roles::unix_ns;
 
 /// The library's default wait slice: counts are read one slice after the
 /// standbys started waiting.
@@ -191,13 +192,6 @@ fn spawn(
     Ok(Candidate { child })
 }
 
-fn unix_ns() -> u128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0)
-}
-
 /// Waits until `n` sessions of the database wait for an advisory lock.
 async fn until_waiting(c: &tokio_postgres::Client, n: i64, within: Duration) -> Result<(), String> {
     let end = Instant::now() + within;
@@ -233,16 +227,7 @@ async fn measure(
 ) -> Result<Outcome, String> {
     let admin = connect(url).await?;
     let db = format!("bench_crowd_{n}_{priority}_{}", std::process::id());
-    for sql in [
-        format!("DROP DATABASE IF EXISTS {db}"),
-        format!("CREATE DATABASE {db}"),
-    ] {
-        admin
-            .batch_execute(&sql)
-            .await
-            .map_err(|e| format!("cannot create the benchmark database: {e:?}"))?;
-    }
-    let db_url = crate::roles::with_database(url, &db)?;
+    let db_url = crate::roles::fresh_database(&admin, url, &db).await?;
     let options = ConnectOptions::from_url(&db_url).map_err(|e| e.to_string())?;
     pgelect::migrate(&options)
         .await

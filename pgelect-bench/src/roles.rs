@@ -248,7 +248,7 @@ fn spawn(url: &str, node: &str, count: usize, tx: mpsc::Sender<Led>) -> Result<C
     })
 }
 
-fn unix_ns() -> u128 {
+pub(crate) fn unix_ns() -> u128 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos())
@@ -302,17 +302,7 @@ async fn measure(
     // A database of its own: its transaction counters are these candidates'.
     let admin = connect(url).await?;
     let db = format!("bench_roles_{count}_{}", std::process::id());
-    // Two statements: CREATE DATABASE cannot run in a transaction block.
-    for sql in [
-        format!("DROP DATABASE IF EXISTS {db}"),
-        format!("CREATE DATABASE {db}"),
-    ] {
-        admin
-            .batch_execute(&sql)
-            .await
-            .map_err(|e| format!("cannot create the benchmark database: {e:?}"))?;
-    }
-    let db_url = with_database(url, &db)?;
+    let db_url = fresh_database(&admin, url, &db).await?;
     let options = ConnectOptions::from_url(&db_url).map_err(|e| e.to_string())?;
     pgelect::migrate(&options)
         .await
@@ -429,8 +419,28 @@ async fn measure(
     })
 }
 
+/// Creates the database `db` anew (dropped first if left over) and returns
+/// `url` with its database replaced by it.
+pub(crate) async fn fresh_database(
+    admin: &tokio_postgres::Client,
+    url: &str,
+    db: &str,
+) -> Result<String, String> {
+    // Two statements: CREATE DATABASE cannot run in a transaction block.
+    for sql in [
+        format!("DROP DATABASE IF EXISTS {db}"),
+        format!("CREATE DATABASE {db}"),
+    ] {
+        admin
+            .batch_execute(&sql)
+            .await
+            .map_err(|e| format!("cannot create the benchmark database: {e:?}"))?;
+    }
+    with_database(url, db)
+}
+
 /// `url` with its database replaced by `db`.
-pub(crate) fn with_database(url: &str, db: &str) -> Result<String, String> {
+fn with_database(url: &str, db: &str) -> Result<String, String> {
     let (base, query) = match url.split_once('?') {
         Some((b, q)) => (b, Some(q)),
         None => (url, None),
