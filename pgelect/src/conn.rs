@@ -1125,6 +1125,14 @@ pub(crate) fn lock_session_settings(tcp: &TcpTimeouts) -> Vec<(&'static str, Str
         // second whether its client is still there, so a waiter whose
         // process died does not stay queued (and granted) as a ghost.
         ("client_connection_check_interval", "1000".into()),
+        // Every statement on these connections is short, but the batched
+        // ones of a shared connection join pg_locks and pg_stat_activity,
+        // which the planner costs high: past `jit_optimize_above_cost`
+        // the server compiled a 200-role election for about 1 s of its
+        // 10 ms, a heartbeat queued behind it timed out, and every role
+        // on the connection stood again. Nobody else's statements run on
+        // these connections.
+        ("jit", "off".into()),
     ]
 }
 
@@ -1196,5 +1204,22 @@ impl TcpTimeouts {
             .keepalives_interval(self.keepalive_interval)
             .keepalives_retries(self.keepalive_count)
             .tcp_user_timeout(self.user_timeout);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A shared connection's batched statements join pg_locks and
+    /// pg_stat_activity; past the JIT thresholds the server spent about a
+    /// second compiling each (see `lock_session_settings`).
+    #[test]
+    fn lock_connections_switch_jit_off() {
+        let settings = lock_session_settings(&TcpTimeouts::default());
+        assert!(
+            settings.iter().any(|(n, v)| *n == "jit" && v == "off"),
+            "{settings:?}"
+        );
     }
 }
