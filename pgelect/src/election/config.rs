@@ -598,4 +598,122 @@ mod tests {
         validate_name("role", &"x".repeat(MAX_ROLE_BYTES)).unwrap();
         validate_name("role", "scheduler:eu-1 ✓").unwrap();
     }
+
+    #[test]
+    fn a_default_node_id_begins_with_the_host_name() {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().chars().take(64).collect::<String>())
+            .unwrap_or_default();
+        if host.is_empty() {
+            return; // no host name to find: nothing to compare with
+        }
+        let id = default_node_id();
+        assert!(id.starts_with(&format!("{host}-")), "{id} (host {host})");
+    }
+
+    #[test]
+    fn backend_names_round_trip() {
+        assert_eq!(Backend::Session.as_str(), "session");
+        assert_eq!(Backend::Lease.as_str(), "lease");
+        for b in [Backend::Session, Backend::Lease] {
+            assert_eq!(b.to_string(), b.as_str());
+            assert_eq!(b.as_str().parse::<Backend>().unwrap(), b);
+        }
+        for bad in ["", "Session", "zookeeper"] {
+            assert!(bad.parse::<Backend>().is_err(), "{bad:?} accepted");
+        }
+    }
+
+    fn options(url: &str) -> ConnectOptions {
+        ConnectOptions::from_url(url).unwrap()
+    }
+
+    fn shared(o: &ConnectOptions) -> SharedConnection {
+        SharedConnection::new(o, TcpTimeouts::for_ttl(Duration::from_secs(15)))
+    }
+
+    #[test]
+    fn a_shared_connection_turns_a_blocking_standby_into_a_polling_one() {
+        let o = options("postgres://app@db/app");
+        let c = shared(&o);
+        let b = ElectorBuilder::new(o.clone(), "r").shared_connection(&c);
+        assert_eq!(
+            b.standby,
+            StandbyMode::Polling {
+                interval: Duration::from_secs(1)
+            }
+        );
+        assert_eq!(b.timing.tcp, Some(c.tcp_timeouts()));
+        let chosen = StandbyMode::Polling {
+            interval: Duration::from_millis(300),
+        };
+        let b = ElectorBuilder::new(o, "r")
+            .standby(chosen)
+            .shared_connection(&c);
+        assert_eq!(b.standby, chosen, "a chosen polling interval is kept");
+    }
+
+    /// What `build()` refuses on a shared connection, each next to the
+    /// same builder that it accepts.
+    #[test]
+    fn build_refuses_what_a_shared_connection_cannot_carry() {
+        let o = options("postgres://app@db/app");
+        let c = shared(&o);
+        let refused = |b: ElectorBuilder, needle: &str| {
+            let e = b.build().err().expect("accepted");
+            assert!(
+                matches!(e, Error::Config(_)) && e.to_string().contains(needle),
+                "{e}"
+            );
+        };
+        let _ok = ElectorBuilder::new(o.clone(), "ok")
+            .shared_connection(&c)
+            .build()
+            .expect("a polling session-backend candidate fits");
+        refused(
+            ElectorBuilder::new(o.clone(), "a")
+                .backend(Backend::Lease)
+                .shared_connection(&c),
+            "session backend",
+        );
+        refused(
+            ElectorBuilder::new(o.clone(), "a")
+                .shared_connection(&c)
+                .standby(StandbyMode::Blocking),
+            "must poll",
+        );
+        let other_tcp = TcpTimeouts {
+            user_timeout: Duration::from_secs(30),
+            ..TcpTimeouts::for_ttl(Duration::from_secs(15))
+        };
+        refused(
+            ElectorBuilder::new(o.clone(), "a")
+                .tcp_timeouts(other_tcp)
+                .shared_connection(&c),
+            "tcp_timeouts",
+        );
+        refused(
+            ElectorBuilder::new(options("postgres://app@other/app"), "a").shared_connection(&c),
+            "must match",
+        );
+        refused(
+            ElectorBuilder::new(o.clone().schema("other").unwrap(), "a").shared_connection(&c),
+            "must match",
+        );
+    }
+
+    #[test]
+    fn build_refuses_a_listener_on_another_schema() {
+        let o = options("postgres://app@db/app");
+        ElectorBuilder::new(o.clone(), "r")
+            .listen_via(o.clone())
+            .build()
+            .expect("the same schema");
+        let e = ElectorBuilder::new(o.clone(), "r")
+            .listen_via(o.schema("other").unwrap())
+            .build()
+            .err()
+            .expect("accepted");
+        assert!(e.to_string().contains("listen_via"), "{e}");
+    }
 }
