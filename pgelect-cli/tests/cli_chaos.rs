@@ -361,10 +361,11 @@ async fn chaos_fails_a_run_with_a_second_leader() {
     assert!(!r.stdout.contains("no violation"), "{}", r.stdout);
 }
 
-/// On its own throwaway server, the lease backend's supervisors go through
-/// a PgBouncer in transaction mode that chaos starts in front of it (the
-/// header says so, every lease row of the JSON carries `pooler: true`, and
-/// PgBouncer's own counters show the transactions it served), and the
+/// On its own throwaway server, the lease backend's supervisors and their
+/// workers' fenced writes go through a PgBouncer in transaction mode that
+/// chaos starts in front of it (the header says so, every lease row of the
+/// JSON carries `pooler: true`, and PgBouncer's own counters show at least
+/// a transaction per committed write), and the
 /// `pgbouncer-restart` fault is injected and judged like any other: no
 /// overlap, no lost write, within its bound. Without PgBouncer installed,
 /// the lease backend runs directly and the fault is reported skipped.
@@ -456,6 +457,27 @@ async fn chaos_runs_the_lease_backend_through_its_own_pgbouncer_and_restarts_it(
         .unwrap_or_else(|| panic!("no PgBouncer count printed:\n{}", r.stdout));
     println!("PgBouncer served {served} transactions");
     assert!(served >= 20, "{served} transactions through PgBouncer");
+    // The workers' fenced writes went through it too: each committed one
+    // is a transaction PgBouncer served (the supervisors' come on top).
+    let committed: u64 = r
+        .stdout
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("lease: ")?
+                .split(" faults, ")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no count of committed writes:\n{}", r.stdout));
+    println!("{committed} fenced writes committed");
+    assert!(committed > 0, "{}", r.stdout);
+    assert!(
+        served >= committed,
+        "PgBouncer served {served} transactions, fewer than the {committed} fenced writes committed: the workers went around it"
+    );
 }
 
 /// A pooler needs the database behind it named: usage error, before

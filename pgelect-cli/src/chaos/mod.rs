@@ -41,6 +41,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use clap::{Args, ValueEnum};
 use tokio::process::{Child, Command};
+use tokio_postgres::types::Type;
 
 use crate::cli::Global;
 use crate::exit::{self, Failure};
@@ -386,28 +387,30 @@ pub async fn worker(global: &Global, args: WorkerArgs) -> Result<u8, Failure> {
     line("start");
     let options = global.connect_options()?;
     let schema = options.schema_name().as_str().to_owned();
+    // Through the pooler for the lease backend (transaction mode): every
+    // statement runs inside the fenced transaction, unnamed (no prepared
+    // statement outlives it), and the idle timeout is the transaction's own
+    // (a session setting would land on a pooled server connection that
+    // other clients use next).
     let connect = || async {
         let (client, _notices) = crate::db::connect(&options, "pgelect:chaos-worker").await?;
-        if args.idle_in_transaction_ms > 0 {
-            // A fenced transaction holds the role's row FOR SHARE, and every
-            // takeover waits for it: if this process is cut off or frozen
-            // mid-transaction, the server must end the session (see the
-            // README's note on fencing connections).
-            client
-                .execute(
-                    "SELECT set_config('idle_in_transaction_session_timeout', $1, false)",
-                    &[&args.idle_in_transaction_ms.to_string()],
-                )
-                .await
-                .map_err(|e| {
-                    fail(format!(
-                        "cannot set idle_in_transaction_session_timeout: {}",
-                        db_error(&e)
-                    ))
-                })?;
-        }
         Ok::<_, Failure>(client)
     };
+    // A fenced transaction holds the role's row FOR SHARE, and every
+    // takeover waits for it: if this process is cut off or frozen
+    // mid-transaction, the server must end the session (see the README's
+    // note on fencing connections; `fence` also bounds it by the lease).
+    let idle_limit = (args.idle_in_transaction_ms > 0).then(|| {
+        format!(
+            "SET LOCAL idle_in_transaction_session_timeout = {}",
+            args.idle_in_transaction_ms
+        )
+    });
+    let fence_sql = format!("SELECT {schema}.fence($1, $2)");
+    let insert_sql = format!(
+        "INSERT INTO {} (role, node, term, seq) VALUES ($1, $2, $3, $4)",
+        args.table
+    );
     let mut client = connect().await?;
     let mut term_signal =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(fail)?;
@@ -440,10 +443,13 @@ pub async fn worker(global: &Global, args: WorkerArgs) -> Result<u8, Failure> {
                 }
                 let r = async {
                     let tx = client.transaction().await?;
-                    tx.query_one(&format!("SELECT {schema}.fence($1, $2)"), &[&role, &term]).await?;
-                    tx.execute(
-                        &format!("INSERT INTO {} (role, node, term, seq) VALUES ($1, $2, $3, $4)", args.table),
-                        &[&role, &node, &term, &seq],
+                    if let Some(limit) = &idle_limit {
+                        tx.batch_execute(limit).await?;
+                    }
+                    tx.query_typed(&fence_sql, &[(&role, Type::TEXT), (&term, Type::INT8)]).await?;
+                    tx.execute_typed(
+                        &insert_sql,
+                        &[(&role, Type::TEXT), (&node, Type::TEXT), (&term, Type::INT8), (&seq, Type::INT8)],
                     )
                     .await?;
                     tx.commit().await
@@ -451,8 +457,16 @@ pub async fn worker(global: &Global, args: WorkerArgs) -> Result<u8, Failure> {
                 .await;
                 match r {
                     Ok(()) => line(&format!("write:{seq}:ok")),
-                    Err(e) if e.code().is_some() => line(&format!("write:{seq}:refused")),
-                    // The connection is gone: the supervisor will end us.
+                    // The server refused the write: the fence (PE001 stale,
+                    // PE002 no holder), or anything else it decided about
+                    // the transaction (a deadlock would count too).
+                    Err(e) if e.code().is_some_and(|c| !matches!(c.code().get(..2), Some("08" | "57"))) => {
+                        line(&format!("write:{seq}:refused"))
+                    }
+                    // The connection is gone (class 08, which is also what
+                    // PgBouncer sends when it cannot serve it) or the server
+                    // is shutting down (57): no verdict on the write (the
+                    // supervisor ends us if leadership went).
                     Err(_) => line(&format!("write:{seq}:failed")),
                 }
             }
@@ -1090,7 +1104,9 @@ impl Run<'_> {
                 }
             }
         };
-        let worker_url = direct.clone().unwrap_or_else(|| url_file.clone());
+        // The worker's fenced writes take the supervisor's path: through
+        // the pooler where the supervisor goes through it.
+        let worker_url = url_file.clone();
         // The supervisor's warnings (lost leadership, refused preemption)
         // beside its worker's history.
         let stderr =
