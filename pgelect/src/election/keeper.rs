@@ -577,6 +577,18 @@ mod tests {
                 ..
             })
         ));
+        // A demoted server: leadership ends at once, well before the
+        // deadline, and the lock connection goes with it.
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0, false);
+        k.poll(t0);
+        k.server_read_only();
+        assert_eq!(
+            k.poll(t0 + ms(1)),
+            Some(Action::Lose {
+                reason: LossReason::ServerReadOnly,
+                kill: true
+            })
+        );
     }
 
     #[test]
