@@ -628,6 +628,27 @@ mod tests {
         assert_eq!(k.finish(LossReason::Resigned), None);
     }
 
+    /// A clean release ends the keeper: it reports the loss once, then
+    /// neither renews nor wakes again.
+    #[test]
+    fn a_release_ends_the_keeper() {
+        let t = timing();
+        let t0 = Instant::now();
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0, false);
+        assert_eq!(k.poll(t0), Some(Action::Activate));
+        assert_eq!(
+            k.finish(LossReason::Resigned),
+            Some(Action::Lose {
+                reason: LossReason::Resigned,
+                kill: false
+            })
+        );
+        assert_eq!(k.phase(), Phase::Done);
+        assert_eq!(k.next_wake(), None);
+        assert_eq!(k.poll(t0 + t.renew_every), None);
+        assert_eq!(k.finish(LossReason::Deadline), None);
+    }
+
     #[test]
     fn a_hint_renews_at_once_when_the_last_renewal_is_old() {
         let t = timing();
