@@ -635,7 +635,13 @@ fn processes_under(path: &std::path::Path) -> Vec<String> {
 /// checker finds no overlap, no stale or lost write, every gap within the
 /// bound; the session backend's terms rise past 2^32 × the promotions (the
 /// WAL timeline in the high bits), every backend's terms rise strictly
-/// across them. Nothing is left behind: no process, no directory.
+/// across them. Writes are acknowledged again after every promotion. The
+/// lease backend's supervisors and workers go through a PgBouncer in
+/// transaction mode in front of the primary address that chaos re-points
+/// (the phase line says so, its row carries `pooler: true`, PgBouncer
+/// served at least a transaction per fenced write committed in the phase);
+/// without PgBouncer installed they connect directly and the line says why.
+/// Nothing is left behind: no process, no directory.
 #[cfg(feature = "throwaway")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_promotes_the_replica_and_candidates_follow_with_rising_terms() {
@@ -680,10 +686,11 @@ async fn chaos_promotes_the_replica_and_candidates_follow_with_rising_terms() {
         println!("promote skipped here: no pg_basebackup beside this PostgreSQL");
         return;
     }
+    let pooled = pgelect_testkit::pgbouncer_available();
     for row in &rows {
         assert_eq!(row["fault"], "promote", "{row}");
         assert_eq!(row["skipped"], 0, "{row}");
-        assert_eq!(row["pooler"], false, "{row}");
+        assert_eq!(row["pooler"], pooled && row["backend"] == "lease", "{row}");
         let trials = row["trials"].as_u64().unwrap();
         assert!(trials >= 1, "{row}");
         for zero in ["overlaps", "stale_writes_committed", "lost_writes"] {
@@ -749,6 +756,64 @@ async fn chaos_promotes_the_replica_and_candidates_follow_with_rising_terms() {
                 "session: after {trials} promotion(s) the last term {last} is below 2^32 × {trials}: {starts:?}"
             );
         }
+    }
+    // The lease backend's part of the output: from its phase line to its
+    // summary.
+    let lease = r
+        .stdout
+        .split("  lease: candidates ")
+        .nth(1)
+        .and_then(|s| s.split("\nlease: ").next())
+        .unwrap_or_else(|| panic!("no lease promote phase printed:\n{}", r.stdout));
+    // Writes were acknowledged again after every promotion, each printed.
+    let promotions = lease
+        .lines()
+        .filter(|l| l.starts_with("  promote   on c"))
+        .collect::<Vec<_>>();
+    let lease_row = rows.iter().find(|r| r["backend"] == "lease").unwrap();
+    assert_eq!(
+        promotions.len() as u64,
+        lease_row["trials"].as_u64().unwrap(),
+        "{lease}"
+    );
+    for l in &promotions {
+        assert!(l.contains("; writes acknowledged again "), "{l}");
+    }
+    if !pooled {
+        assert!(
+            lease.starts_with("on ") && lease.contains("directly: PgBouncer is not installed"),
+            "{lease}"
+        );
+    } else {
+        assert!(
+            lease.starts_with("through PgBouncer in transaction mode on 127.0.0.1:")
+                && lease.contains(" in front of the primary address 127.0.0.1:"),
+            "{lease}"
+        );
+        // Supervisors and workers went through it: PgBouncer's own
+        // counters, at least one transaction per fenced write committed
+        // in the phase (the supervisors' come on top).
+        let (served, committed): (u64, u64) = lease
+            .split("PgBouncer served ")
+            .nth(1)
+            .and_then(|s| {
+                let n = s.split_whitespace().next()?.parse().ok()?;
+                let c = s
+                    .split(", where ")
+                    .nth(1)?
+                    .split_whitespace()
+                    .next()?
+                    .parse()
+                    .ok()?;
+                Some((n, c))
+            })
+            .unwrap_or_else(|| panic!("no PgBouncer count printed:\n{lease}"));
+        println!("lease promote: PgBouncer served {served} transactions, {committed} fenced writes committed");
+        assert!(committed > 0, "{lease}");
+        assert!(
+            served >= committed,
+            "PgBouncer served {served} transactions, fewer than the {committed} fenced writes committed in the promote phase: the lease candidates went around it"
+        );
     }
     // Two promotions per backend need a rebuilt replica: it was made.
     assert!(

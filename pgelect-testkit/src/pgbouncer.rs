@@ -1,4 +1,4 @@
-//! A real pgbouncer in front of a [`Cluster`].
+//! A real pgbouncer in front of a [`Cluster`] (or of a port).
 
 use std::fs;
 use std::io;
@@ -108,7 +108,8 @@ fn pgbouncer_bin() -> Option<PathBuf> {
 }
 
 /// A real pgbouncer (run as the unprivileged server user when root) in
-/// front of a [`Cluster`], listening on `127.0.0.1`.
+/// front of a [`Cluster`] (or of a port: [`PgBouncer::start_in_front_of`]),
+/// listening on `127.0.0.1`.
 ///
 /// Clients authenticate with SCRAM as [`SUPERUSER`] with the cluster's
 /// superuser password when pgbouncer was started
@@ -191,6 +192,53 @@ impl PgBouncer {
                 ),
             ));
         }
+        Self::launch(
+            cluster.port(),
+            cluster.password(),
+            cluster.certs(),
+            mode,
+            client_tls,
+        )
+    }
+
+    /// Starts pgbouncer in `mode` in front of whatever PostgreSQL server
+    /// answers on `127.0.0.1:server_port` without TLS, whose [`SUPERUSER`]
+    /// has `password`: a server behind a proxy, or an address that follows
+    /// the primary of a [`ReplicaSet`](crate::ReplicaSet) as an HA proxy
+    /// would. Clients connect in plain text. Waits (at most 10 s) until a
+    /// `SELECT 1` through it succeeds, so a server must answer there now.
+    ///
+    /// Whatever answers on the port later is PgBouncer's server. After a
+    /// failed login (nothing answers) it tries again only
+    /// `server_login_retry` (1 s) later, and meanwhile refuses clients that
+    /// need a server ("server login has been failing, try again later").
+    ///
+    /// # Errors
+    ///
+    /// As [`start`](PgBouncer::start).
+    pub fn start_in_front_of(
+        server_port: u16,
+        password: &str,
+        mode: PoolMode,
+    ) -> io::Result<PgBouncer> {
+        Self::launch(
+            server_port,
+            password.to_owned(),
+            None,
+            mode,
+            BouncerTls::Off,
+        )
+    }
+
+    /// Starts pgbouncer in front of `127.0.0.1:server_port`, over TLS with
+    /// `certs`' CA if given.
+    fn launch(
+        server_port: u16,
+        password: String,
+        certs: Option<&crate::TestCerts>,
+        mode: PoolMode,
+        client_tls: BouncerTls,
+    ) -> io::Result<PgBouncer> {
         let bin = pgbouncer_bin().ok_or_else(|| {
             io::Error::new(
                 io::ErrorKind::NotFound,
@@ -210,8 +258,8 @@ impl PgBouncer {
             dir,
             bin,
             port: 0,
-            server_port: cluster.port(),
-            password: cluster.password(),
+            server_port,
+            password,
             mode,
             client_tls,
             tls: None,
@@ -221,7 +269,7 @@ impl PgBouncer {
             }),
         };
         // From here on, dropping `bouncer` cleans everything up.
-        if let Some(certs) = cluster.certs() {
+        if let Some(certs) = certs {
             bouncer.tls = Some(bouncer.make_tls(certs)?);
         }
         let userlist = format!(

@@ -21,7 +21,8 @@
 //! and without `pg_signal_backend` (zombie preemption). The third, on a
 //! throwaway primary with a streaming replica ([`promote`]): the primary
 //! killed and the replica promoted, the candidates on a URL naming both
-//! servers. Faults are drawn
+//! servers (the lease backend's through PgBouncer in front of an address
+//! that follows the primary, [`pooler`]). Faults are drawn
 //! from a seeded generator in rounds (every kind once per round, at least
 //! one round), so that `--seed` replays a run. A fault that cannot run here
 //! is recorded as a skipped trial with its reason.
@@ -70,9 +71,9 @@ pub struct ChaosArgs {
     /// Faults to draw from.
     #[arg(long, value_enum, value_delimiter = ',', default_values = ["kill", "stop", "term", "terminate", "blackhole", "latency", "starve", "clock-jump", "restart-fast", "restart-immediate", "pgbouncer-restart", "partition", "partition-nopreempt", "promote"])]
     pub faults: Vec<Fault>,
-    /// The lease backend's supervisors connect through this pooler (e.g.
-    /// PgBouncer in transaction mode in front of the --database-url
-    /// server); their LISTEN connection and their workers connect directly.
+    /// The lease backend's supervisors and their workers connect through
+    /// this pooler (e.g. PgBouncer in transaction mode in front of the
+    /// --database-url server); their LISTEN connection connects directly.
     /// The session backend never uses it. Default: on its own throwaway
     /// server, a PgBouncer in transaction mode it starts; against your
     /// database, none. A password here is visible to every local user:
@@ -84,7 +85,8 @@ pub struct ChaosArgs {
     #[arg(long, value_name = "PATH", conflicts_with = "no_pooler")]
     pub pooler_url_file: Option<PathBuf>,
     /// On the throwaway server, run the lease backend directly, without the
-    /// PgBouncer chaos would start in front of it.
+    /// PgBouncer chaos would start in front of it (and, for promote, in
+    /// front of the primary address).
     #[arg(long)]
     pub no_pooler: bool,
     /// Write one JSON object per fault and backend to this file.
@@ -157,7 +159,10 @@ pub enum Fault {
     /// phase of its own): the primary stopped with `-m immediate` and the
     /// replica promoted (`pg_ctl promote`); before the next one, a new
     /// replica of the promoted server. The candidates connect with a URL
-    /// naming both servers and `target_session_attrs=read-write`.
+    /// naming both servers and `target_session_attrs=read-write`; the lease
+    /// backend's through PgBouncer in front of an address chaos points at
+    /// the primary, where PgBouncer is installed (LISTEN on the two-host
+    /// URL).
     Promote,
 }
 
@@ -311,9 +316,23 @@ fn bound(fault: Fault, backend: BackendArg, t: &pgelect::TimingReport) -> Durati
         // holder). A lease leader renews on the new primary (its row was
         // replicated) or its lease expires a ttl after its last renewal,
         // and a standby retries within retry_every.
+        // Through PgBouncer (lease backend, where installed) in front of
+        // the primary address, which chaos re-points once the promotion is
+        // done: PgBouncer's logins fail until then, and after a failed one
+        // it refuses its clients ("server login has been failing") and
+        // tries again only server_login_retry later (POOLER_LOGIN_RETRY,
+        // 1 s in the kit's ini). The last failed login may come just before
+        // the re-pointing, so the candidates reach the new primary at most
+        // that much later than directly. A login to the dead primary never
+        // waits on server_connect_timeout (the kit's ini leaves PgBouncer's
+        // 15 s default): the front accepts and closes at once, its own
+        // connection refused on loopback. As for restarts, the lease
+        // backend's bound covers its pooled path (1 s more when direct).
         (Fault::Promote, Session) => PROMOTE + RECONNECT_CAP + t.handover_delay,
         (Fault::Promote, Lease) => {
-            (PROMOTE + RECONNECT_CAP).max(lease_gone) + RETRY_EVERY + t.handover_delay
+            (PROMOTE + POOLER_LOGIN_RETRY + RECONNECT_CAP).max(lease_gone)
+                + RETRY_EVERY
+                + t.handover_delay
         }
     };
     mechanism + SLACK
@@ -993,8 +1012,8 @@ struct Run<'a> {
     server: Option<&'a crate::demo::throwaway::Server>,
     /// The primary and its replica, for promotions (third phase).
     replicas: Option<&'a mut promote::Pair>,
-    /// The pooler the supervisors connect through (lease backend, first
-    /// phase), or why there is none.
+    /// The pooler the supervisors and their workers connect through (lease
+    /// backend, first and promote phases), or why there is none.
     pooler: Result<&'a pooler::Pooler, String>,
     admin: &'a Admin,
     schema: String,
@@ -2170,6 +2189,21 @@ async fn chaos(
         }
         (false, _) => None,
     };
+    // In the promote phase, the lease backend's PgBouncer stands in front
+    // of the pair's primary address (PgBouncer cannot follow
+    // target_session_attrs), wherever the first phase has chaos's own.
+    let promote_pooler: Result<pooler::Pooler, String> = match (&pair, &pooler) {
+        (None, _) => Err("no promote phase".to_owned()),
+        (Some(_), Err(why)) => Err(why.clone()),
+        (Some((p, _, file)), Ok(_)) => {
+            pooler::start_own_at(
+                p.primary_address(),
+                p.password(),
+                file.dir().join("pooler.url"),
+            )
+            .await?
+        }
+    };
     let mut rng = Rng(seed);
     let mut rows = Vec::new();
     let mut all_violations = Vec::new();
@@ -2179,13 +2213,7 @@ async fn chaos(
             let role = format!("chaos-{seed:x}-{bname}");
             let dir = args.logs.as_deref().unwrap_or(url_file.dir()).join(bname);
             std::fs::create_dir_all(&dir).map_err(fail)?;
-            // Through the pooler: the lease backend only (the session
-            // backend refuses transaction pooling).
-            let run_pooler = match (backend, &pooler) {
-                (BackendArg::Session, _) => Err("the session backend never connects through a pooler (it refuses transaction pooling)".to_owned()),
-                (BackendArg::Lease, Ok(p)) => Ok(p),
-                (BackendArg::Lease, Err(why)) => Err(why.clone()),
-            };
+            let run_pooler = pooler_for(backend, &pooler);
             let pooler_restart_skip = match &run_pooler {
                 Ok(p) => p.not_restartable(),
                 Err(why) => Some(why.clone()),
@@ -2203,7 +2231,6 @@ async fn chaos(
                 first.retain(|&f| f != Fault::PgbouncerRestart);
                 injected.push(Injected::not_run(Fault::PgbouncerRestart, why));
             }
-            let pooled = run_pooler.is_ok();
             let run_pooler_for_report = run_pooler.clone();
             let mut run = Run {
                 exe: exe.clone(),
@@ -2243,7 +2270,7 @@ async fn chaos(
                 // Not silently: one skipped trial per kind, with the reason.
                 injected.extend(net_kinds.iter().map(|&fault| Injected::not_run(fault, why)));
             }
-            if let Ok(p) = &run_pooler_for_report {
+            if let (Ok(p), false) = (&run_pooler_for_report, first_phase.is_empty()) {
                 if let Some(n) = p.served().await {
                     println!("  {bname}: PgBouncer served {n} transactions to the candidates");
                 }
@@ -2254,12 +2281,26 @@ async fn chaos(
             let found = check(&run, &admin, &injected).await?;
             // Each part is judged on its own server: (faults, findings,
             // the kinds drawn through the pooler).
-            let mut parts = vec![(injected, found, first_phase)];
+            let pooled_kinds = match run_pooler_for_report {
+                Ok(_) => first_phase,
+                Err(_) => HashSet::new(),
+            };
+            let mut parts = vec![(injected, found, pooled_kinds)];
             if let (true, Some((pair, pair_admin, pair_url))) = (promote_asked, pair.as_mut()) {
-                println!(
-                    "  {bname}: candidates on {}, directly (PgBouncer has no target_session_attrs)",
-                    pair.describe()
-                );
+                // The lease backend through PgBouncer in front of the
+                // primary address; LISTEN (a session) on the two-host URL.
+                let promote_via = pooler_for(backend, &promote_pooler);
+                match &promote_via {
+                    Ok(p) => println!(
+                        "  {bname}: candidates through {} (chaos points it at the new primary once a promotion is done, as an HA proxy would); their LISTEN connections on {}",
+                        p.describe,
+                        pair.describe()
+                    ),
+                    Err(why) => println!(
+                        "  {bname}: candidates on {}, directly: {why}",
+                        pair.describe()
+                    ),
+                }
                 let dir = args
                     .logs
                     .as_deref()
@@ -2274,7 +2315,7 @@ async fn chaos(
                     faketime: None,
                     server: None,
                     replicas: Some(pair),
-                    pooler: Err("the promote phase connects directly: PgBouncer has no target_session_attrs".to_owned()),
+                    pooler: promote_via,
                     admin: &*pair_admin,
                     schema: schema.clone(),
                     role: role.clone(),
@@ -2286,7 +2327,19 @@ async fn chaos(
                 };
                 let injected = schedule(&mut run, vec![Fault::Promote], &mut rng).await?;
                 let found = check(&run, run.admin, &injected).await?;
-                parts.push((injected, found, HashSet::new()));
+                if let Ok(p) = &run.pooler {
+                    if let Some(n) = p.served().await {
+                        println!(
+                            "  {bname}: PgBouncer served {n} transactions to the candidates in the promote phase, where {} fenced writes committed",
+                            found.writes_committed
+                        );
+                    }
+                }
+                let pooled_kinds = match &run.pooler {
+                    Ok(_) => HashSet::from([Fault::Promote]),
+                    Err(_) => HashSet::new(),
+                };
+                parts.push((injected, found, pooled_kinds));
             }
             let timing = timing(args, backend)?;
             let (mut faults, mut committed, mut violations) = (0, 0, Vec::new());
@@ -2353,8 +2406,8 @@ async fn chaos(
                     "writes_resumed_max_ms": (!resumed.is_empty() && max_resumed.is_finite())
                         .then(|| (max_resumed * 10.0).round() / 10.0),
                     // Whether its candidates connected through the pooler
-                    // (the lease backend's first phase).
-                    "pooler": pooled && pooled_kinds.contains(&fault),
+                    // (the lease backend's first and promote phases).
+                    "pooler": pooled_kinds.contains(&fault),
                 }));
             }
             faults += injected.len();
@@ -2385,6 +2438,23 @@ async fn chaos(
     drop(netted);
     drop(url_file);
     outcome.map(|()| (rows, all_violations))
+}
+
+/// The pooler `backend`'s candidates connect through, or why they connect
+/// directly: the lease backend only (the session backend refuses
+/// transaction pooling).
+fn pooler_for(
+    backend: BackendArg,
+    pooler: &Result<pooler::Pooler, String>,
+) -> Result<&pooler::Pooler, String> {
+    match (backend, pooler) {
+        (BackendArg::Session, _) => Err(
+            "the session backend never connects through a pooler (it refuses transaction pooling)"
+                .to_owned(),
+        ),
+        (BackendArg::Lease, Ok(p)) => Ok(p),
+        (BackendArg::Lease, Err(why)) => Err(why.clone()),
+    }
 }
 
 /// The run's table of fenced writes.

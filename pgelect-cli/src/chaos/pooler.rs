@@ -7,12 +7,18 @@
 //! test kit's). The session backend never goes through it: it refuses
 //! transaction pooling by design.
 //!
-//! Only the supervisors' election statements go through the pooler. Their
-//! LISTEN connection (`--listen-url-file`) and their workers' fenced
-//! writes connect directly: LISTEN needs a session of its own, and the
-//! worker's connection keeps session state (`idle_in_transaction_session_timeout`)
-//! and tokio-postgres' named statements, which transaction pooling does not
-//! keep.
+//! The supervisors' election statements and their workers' fenced writes
+//! go through the pooler (each write a transaction of unnamed statements).
+//! Their LISTEN connection (`--listen-url-file`) connects directly: LISTEN
+//! needs a session of its own.
+//!
+//! In the promote phase PgBouncer cannot follow the primary itself (it has
+//! no `target_session_attrs`); production puts it in front of an address
+//! that does (a virtual IP, HAProxy with health checks, DNS). Chaos starts a
+//! second PgBouncer in front of such an address of its own, the pair's
+//! primary address ([`start_own_at`]), which it points at the promoted
+//! server once the promotion is done; the LISTEN connection keeps the
+//! two-host URL.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -105,27 +111,59 @@ pub(super) async fn start_own(
     server: &crate::demo::throwaway::Server,
     file: PathBuf,
 ) -> Result<Result<Pooler, String>, Failure> {
-    use pgelect_testkit::{pgbouncer_available, PgBouncer, PoolMode};
-    if !pgbouncer_available() {
+    use pgelect_testkit::{PgBouncer, PoolMode};
+    start_kit(file, "in front of the throwaway server", || {
+        PgBouncer::start(server.cluster(), PoolMode::Transaction)
+    })
+    .await
+}
+
+/// Starts PgBouncer in transaction mode in front of the promote phase's
+/// primary address (`127.0.0.1:port`, a front that chaos points at the
+/// current primary, as an HA proxy would), whose superuser has `password`;
+/// `Ok(Err(why))` if PgBouncer is not installed.
+#[cfg(feature = "throwaway")]
+pub(super) async fn start_own_at(
+    port: u16,
+    password: &str,
+    file: PathBuf,
+) -> Result<Result<Pooler, String>, Failure> {
+    use pgelect_testkit::{PgBouncer, PoolMode};
+    start_kit(
+        file,
+        &format!("in front of the primary address 127.0.0.1:{port}"),
+        || PgBouncer::start_in_front_of(port, password, PoolMode::Transaction),
+    )
+    .await
+}
+
+/// The test kit's PgBouncer from `start` (synchronous: it waits for a
+/// query through it), its URL written to `file`; `Ok(Err(why))` if
+/// PgBouncer is not installed. `before` says what it stands in front of.
+#[cfg(feature = "throwaway")]
+async fn start_kit(
+    file: PathBuf,
+    before: &str,
+    start: impl FnOnce() -> std::io::Result<Own>,
+) -> Result<Result<Pooler, String>, Failure> {
+    if !pgelect_testkit::pgbouncer_available() {
         return Ok(Err(
             "PgBouncer is not installed (Debian: apt-get install pgbouncer; or set PGELECT_PGBOUNCER to its path)"
                 .to_owned(),
         ));
     }
-    // The kit's start is synchronous (it waits for a query through it).
-    let bouncer = tokio::task::block_in_place(|| PgBouncer::start(server.cluster(), PoolMode::Transaction))
-        .map_err(|e| {
-            Failure::new(
-                exit::UNAVAILABLE,
-                format!("cannot start PgBouncer in front of the throwaway server: {e} (--no-pooler runs the lease backend without it)"),
-            )
-        })?;
+    let bouncer = tokio::task::block_in_place(start).map_err(|e| {
+        Failure::new(
+            exit::UNAVAILABLE,
+            format!("cannot start PgBouncer {before}: {e} (--no-pooler runs the lease backend without it)"),
+        )
+    })?;
     let url = bouncer.tcp_url("postgres");
     super::write_private(&file, &url)?;
     let parts = UrlParts::parse(&url).await;
     Ok(Ok(Pooler {
         describe: format!(
-            "PgBouncer in transaction mode on 127.0.0.1:{}",
+            "PgBouncer in transaction mode on 127.0.0.1:{} {before}",
             bouncer.port()
         ),
         file,
@@ -165,6 +203,17 @@ pub(super) async fn start_own(
     _file: PathBuf,
 ) -> Result<Result<Pooler, String>, Failure> {
     match *server {}
+}
+
+#[cfg(not(feature = "throwaway"))]
+pub(super) async fn start_own_at(
+    _port: u16,
+    _password: &str,
+    _file: PathBuf,
+) -> Result<Result<Pooler, String>, Failure> {
+    Err(fail(
+        "BUG: a pooler for promote without the throwaway server",
+    ))
 }
 
 #[cfg(feature = "throwaway")]

@@ -21,6 +21,16 @@
 //! connection, which then closes the client's, and the client moves on to
 //! the next host as it would after a refused connection.
 //!
+//! **The primary address.** A third front, on a port of its own, leads to
+//! the primary alone: at the start the primary, and from the moment a
+//! promotion is done (the promoted server accepts writes) the promoted
+//! server, as a virtual IP, HAProxy with health checks or DNS would. The
+//! lease backend's PgBouncer stands in front of it ([`pooler`]), since
+//! PgBouncer cannot follow `target_session_attrs` itself. Between the
+//! primary's death and the re-pointing, a connection to it is refused.
+//!
+//! [`pooler`]: super::pooler
+//!
 //! **Lost writes.** Replication is asynchronous, so a commit acknowledged
 //! by the old primary just before its death may never reach the new one.
 //! That is the database's promise, not pgelect's, so the checker must not
@@ -108,6 +118,9 @@ mod own {
     pub(in crate::chaos) struct Pair {
         // Field order is drop order: the fronts go before the servers.
         fronts: [Front; 2],
+        /// The primary address: the primary alone, re-pointed after each
+        /// promotion.
+        primary_address: Front,
         /// The slot (index into `fronts`) the primary is in.
         primary_slot: usize,
         /// Whether the replica was promoted and not replaced yet.
@@ -142,8 +155,10 @@ mod own {
                 front(set.primary().port()).await?,
                 front(set.replica().port()).await?,
             ];
+            let primary_address = front(set.primary().port()).await?;
             Ok(Pair {
                 fronts,
+                primary_address,
                 primary_slot: 0,
                 promoted: false,
                 set,
@@ -157,6 +172,18 @@ mod own {
                 "postgres://{SUPERUSER}:{}@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write&connect_timeout=2",
                 self.password, self.fronts[0].port, self.fronts[1].port
             )
+        }
+
+        /// The port of the primary address: whichever server is the
+        /// primary (none between a primary's death and the end of its
+        /// replica's promotion).
+        pub fn primary_address(&self) -> u16 {
+            self.primary_address.port
+        }
+
+        /// The superuser's password on both servers.
+        pub fn password(&self) -> &str {
+            &self.password
         }
 
         /// How the header line names it.
@@ -210,9 +237,10 @@ mod own {
         }
 
         /// Kills the primary (`pg_ctl stop -m immediate`) and promotes the
-        /// replica; returns when the primary had died (ns since the epoch)
-        /// and how long the promotion took from there until the new
-        /// primary accepted a write. Blocks this worker thread meanwhile.
+        /// replica, then points the primary address at it; returns when
+        /// the primary had died (ns since the epoch) and how long the
+        /// promotion took from there until the new primary accepted a
+        /// write. Blocks this worker thread meanwhile.
         pub fn promote(&mut self) -> Result<(u128, Duration), Failure> {
             let took = tokio::task::block_in_place(|| self.set.promote()).map_err(|e| {
                 Failure::new(
@@ -220,6 +248,8 @@ mod own {
                     format!("cannot promote the replica: {e}"),
                 )
             })?;
+            // As an HA proxy would, once the new primary takes writes.
+            self.primary_address.point(self.set.replica().port());
             self.promoted = true;
             let died = now_ns().saturating_sub(took.as_nanos());
             Ok((died, took))
@@ -242,6 +272,14 @@ impl Pair {
     }
 
     pub fn describe(&self) -> String {
+        match *self {}
+    }
+
+    pub fn primary_address(&self) -> u16 {
+        match *self {}
+    }
+
+    pub fn password(&self) -> &str {
         match *self {}
     }
 
