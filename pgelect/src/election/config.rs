@@ -660,7 +660,7 @@ mod tests {
         let o = options("postgres://app@db/app");
         let c = shared(&o);
         let refused = |b: ElectorBuilder, needle: &str| {
-            let e = b.build().err().expect("accepted");
+            let e = b.build().expect_err("accepted");
             assert!(
                 matches!(e, Error::Config(_)) && e.to_string().contains(needle),
                 "{e}"
@@ -712,8 +712,7 @@ mod tests {
         let e = ElectorBuilder::new(o.clone(), "r")
             .listen_via(o.schema("other").unwrap())
             .build()
-            .err()
-            .expect("accepted");
+            .expect_err("accepted");
         assert!(e.to_string().contains("listen_via"), "{e}");
     }
 }
