@@ -66,8 +66,8 @@
 //! transaction is preempted once its session has been idle for a TTL, and
 //! a watch paused or cut off is ended by a queued standby once its session
 //! has been idle for a TTL (the bound's derivation is on
-//! `Scenario::liveness_bound`; without the preemption, the checker finds
-//! the role leaderless for the whole pause).
+//! `Scenario::liveness_bound`; without either, the checker finds the role
+//! leaderless for the whole pause).
 //!
 //! # Left out
 //!
@@ -151,6 +151,9 @@ pub(super) struct Breaks {
     /// Standbys preempt only the holder the lease row names (as before
     /// 5522eac), not one idle for a TTL that no row names.
     pub(super) no_idle_preempt: bool,
+    /// A standby whose slice of the wait for the watch key ends does not
+    /// end a watch that has been idle for a TTL.
+    pub(super) no_idle_watch_end: bool,
 }
 
 /// One configuration to check, and its bounds.
@@ -1554,7 +1557,7 @@ impl ElectionModel {
         let lock = &st.locks[role].watch;
         let (p, n) = lock.holder?;
         let idle = !Self::busy(st, p, n) && lock.idle_since + s.ticks(s.timing.ttl) < st.now;
-        idle.then_some((p, n))
+        (idle && !s.breaks.no_idle_watch_end).then_some((p, n))
     }
 
     /// The backend a direct or polling standby's observer may terminate
@@ -2785,6 +2788,20 @@ mod tests {
     fn no_preemption_of_a_candidate_paused_before_its_term_is_caught() {
         let mut s = paused_before_term(Standby::Watched);
         s.breaks.no_idle_preempt = true;
+        negative(s, "(d) a leader within the bound");
+    }
+
+    /// Without the end of an idle watch by the queued standbys, a
+    /// candidate paused while it holds the watch key keeps it (and the
+    /// role's lock, if it was granted it) for the whole pause: nobody else
+    /// waits for the role's lock, and nobody preempts. The shortest
+    /// counterexample: at start p0 is granted the watch key and paused
+    /// before the answer reaches it; the role's lock stays free, and p1
+    /// waits for the watch key, slice after slice, for the whole pause.
+    #[test]
+    fn no_end_of_an_idle_watch_is_caught() {
+        let mut s = paused_before_term(Standby::Watched);
+        s.breaks.no_idle_watch_end = true;
         negative(s, "(d) a leader within the bound");
     }
 
