@@ -2812,6 +2812,11 @@ mod tests {
         negative(s, "(b)(c) writes and terms in order");
     }
 
+    /// One scenario by hand: `PGELECT_MODEL_SCENARIO` (a function of
+    /// `scenarios`), `PGELECT_MODEL_DEPTH` (a state limit; 0: none),
+    /// `PGELECT_MODEL_FAULTS`, `PGELECT_MODEL_KINDS` (the `F_*` bits),
+    /// `PGELECT_MODEL_STANDBY` (`watched` or `direct`) and
+    /// `PGELECT_MODEL_PROCS` (3: a leader, a watch and a queued standby).
     #[test]
     fn explore() {
         let Ok(which) = std::env::var("PGELECT_MODEL_SCENARIO") else {
@@ -2837,9 +2842,20 @@ mod tests {
         let kinds: Option<u8> = std::env::var("PGELECT_MODEL_KINDS")
             .ok()
             .and_then(|d| d.parse().ok());
+        let standby = match std::env::var("PGELECT_MODEL_STANDBY").as_deref() {
+            Ok("direct") => Standby::Direct,
+            Ok("watched") => Standby::Watched,
+            Ok(other) => panic!("unknown standby {other} (direct, watched)"),
+            Err(_) => s.standby,
+        };
+        let procs: Option<usize> = std::env::var("PGELECT_MODEL_PROCS")
+            .ok()
+            .and_then(|d| d.parse().ok());
         let s = Scenario {
             faults: faults.unwrap_or(s.faults),
             kinds: kinds.unwrap_or(s.kinds),
+            procs: procs.unwrap_or(s.procs),
+            standby,
             ..s
         };
         println!("{}", check(s, depth, None));
