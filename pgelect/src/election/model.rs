@@ -5,19 +5,31 @@
 //! # What is modelled
 //!
 //! * **Candidates** (2 or 3 processes; with a shared connection, 2 roles per
-//!   process on one connection): standby (blocking wait in slices, or
-//!   polling), the election statement, then the production [`Keeper`]
-//!   driven as the driver drives it (`poll` until `None`, answers reported
-//!   with their send time), the release after a resignation or a loss.
-//! * **The server**: per role an advisory lock with a FIFO of waiters whose
-//!   wait slices end, and the `leaders` row (term, holder and its backend,
-//!   lease expiry on the server clock); backends (one per connection
-//!   incarnation) that end when the client closes, when an administrator
-//!   or a standby's observer terminates them (zombie preemption: the
-//!   holder the row names once its lease expired, or a holder no row names
-//!   whose session has been idle for longer than the TTL while the row is
-//!   vacant, as `preempt_zombie` does), or when the server's TCP timeouts
-//!   declare a silent client gone; fenced writes (committed only while the row's term is
+//!   process on one connection): standby, the election statement, then the
+//!   production [`Keeper`] driven as the driver drives it (`poll` until
+//!   `None`, answers reported with their send time), the release after a
+//!   resignation or a loss. A standby waits as `wait_blocking` has one of
+//!   the default priority wait (`Standby::Watched`, every session scenario
+//!   but those named otherwise): in the role's watch-key queue in slices of
+//!   `wait_slice`; granted the key, as the watch, in the role's lock queue
+//!   in slices of `min(check_every, wait_slice)`, after each a read of the
+//!   row and, if it is vacant, `preempt_zombie`; granted the role's lock,
+//!   it unlocks the watch key and waits for the answer before its
+//!   election statement. Or directly in the role's lock queue with an
+//!   observer (`Standby::Direct`: a candidate with a priority, or one whose
+//!   watch key another user holds), or polling.
+//! * **The server**: per role an advisory lock and a watch key, each with
+//!   a FIFO of waiters whose wait slices end, and the `leaders` row (term,
+//!   holder and its backend, lease expiry on the server clock); backends
+//!   (one per connection incarnation) that end when the client closes,
+//!   when an administrator, the watch or a direct standby's observer
+//!   terminates them (zombie preemption: the holder the row names once its
+//!   lease expired, or a holder no row names whose session has been idle
+//!   for longer than the TTL while the row is vacant, as `preempt_zombie`
+//!   does), when a queued standby's slice ends while the watch's session
+//!   has been idle for longer than the TTL (`queue_slice_sql`, on the
+//!   server's clock), or when the server's TCP timeouts declare a silent
+//!   client gone; fenced writes (committed only while the row's term is
 //!   the writer's, as the `FOR SHARE` fence does). The server's release
 //!   time is computed here from the TCP settings as PostgreSQL applies them
 //!   (whole seconds for keepalives, milliseconds for `TCP_USER_TIMEOUT`),
@@ -51,17 +63,31 @@
 //! (d) with a healthy candidate (up, reachable) a role has an acting
 //! leader within the scenario's bound after the last fault, with no case
 //! excused: a candidate paused between the grant of its lock and its term
-//! transaction is preempted once its session has been idle for a TTL (the
-//! bound's derivation is on `Scenario::liveness_bound`; without that
-//! preemption the checker finds the role leaderless for the whole pause).
+//! transaction is preempted once its session has been idle for a TTL, and
+//! a watch paused or cut off is ended by a queued standby once its session
+//! has been idle for a TTL (the bound's derivation is on
+//! `Scenario::liveness_bound`; without either, the checker finds the role
+//! leaderless for the whole pause).
 //!
 //! # Left out
 //!
-//! Priorities and hand-over to preferred candidates, resign hints, the
-//! observer's reads (only its preemption), server restarts and failover,
+//! Priorities and hand-over to preferred candidates (so direct and watched
+//! standbys never stand together, as a priority candidate among default
+//! ones would), resign hints, the observer's reads (only its preemption;
+//! the observer is not a connection of its own), the squatter checks and
+//! read-only checks (one database user, a primary that stays one),
+//! a watch key held by another user, server restarts and failover,
 //! poolers, connection set-up failures and backoff (a reconnection is
 //! immediate), message duplication, and more faults, candidates, terms or
 //! drift than the bounds below.
+//!
+//! Abstractions of the watch: a backend ended by `pg_terminate_backend`
+//! (the queued standby's or the watch's) ends at once, not a moment
+//! later; the queued standby's termination sends the goodbye (a lost one
+//! is the `Terminate` fault's case), the watch's may lose it, as an
+//! observer's may; a session's `state_change` is the last message the
+//! server handled on it or the end of its last lock statement (a
+//! statement runs in no time otherwise).
 
 use std::fmt::Write as _;
 use std::hash::{Hash, Hasher};
@@ -86,10 +112,31 @@ pub(super) enum Backend {
 /// How a session standby waits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Standby {
-    /// In the lock's queue, one wait slice at a time.
-    Blocking,
+    /// Blocking, as a candidate of the default priority waits (the session
+    /// backend's `Place::Queue` and `Place::Watch`): in the queue of the
+    /// role's watch key, one `wait_slice` at a time; the key's holder (the
+    /// watch) waits in the role's lock queue in slices of `check_every`
+    /// and, between them, reads the row and preempts a zombie holder. No
+    /// standby has an observer.
+    Watched,
+    /// Blocking in the role's lock queue itself, one `wait_slice` at a
+    /// time, with an observer connection that preempts zombie holders
+    /// (`Place::Direct`: a candidate with a priority, or one whose role's
+    /// watch key another database user holds).
+    Direct,
     /// A try every so many ticks.
     Polling(u32),
+}
+
+/// Where a blocking standby waits (the session backend's `Place`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Place {
+    /// In the watch key's queue.
+    Queue,
+    /// Holding the watch key, in the role's lock queue.
+    Watch,
+    /// In the role's lock queue, or trying it (polling), with an observer.
+    Direct,
 }
 
 /// Deliberate breaks of the protocol, for the negative controls. The
@@ -104,6 +151,9 @@ pub(super) struct Breaks {
     /// Standbys preempt only the holder the lease row names (as before
     /// 5522eac), not one idle for a TTL that no row names.
     pub(super) no_idle_preempt: bool,
+    /// A standby whose slice of the wait for the watch key ends does not
+    /// end a watch that has been idle for a TTL.
+    pub(super) no_idle_watch_end: bool,
 }
 
 /// One configuration to check, and its bounds.
@@ -195,6 +245,23 @@ impl Scenario {
         self.ticks(self.timing.wait_slice).max(1)
     }
 
+    /// The watch's slice of the wait for the role's lock, as
+    /// `wait_blocking` sets it: `min(check_every, wait_slice)`.
+    fn watch_slice(&self) -> u32 {
+        self.ticks(self.timing.check_every.min(self.timing.wait_slice))
+            .max(1)
+    }
+
+    /// Where a blocking standby starts each attempt (`wait_blocking`
+    /// starts in `Place::Queue` at the default priority); polling ones
+    /// try the role's lock directly.
+    fn first_place(&self) -> Place {
+        match self.standby {
+            Standby::Watched => Place::Queue,
+            Standby::Direct | Standby::Polling(_) => Place::Direct,
+        }
+    }
+
     /// How long a client waits for an answer on its connection before it
     /// gives the connection up (its own TCP timeouts): a wait slice plus
     /// the TCP detection bound.
@@ -220,7 +287,8 @@ impl Scenario {
 
     /// Property (d)'s bound, in ticks after the last fault.
     ///
-    /// Session backend, as a chain:
+    /// Session backend, standbys with an observer each (direct or
+    /// polling), as a chain:
     ///
     /// 1. `free`: the server frees a lock whose holder cannot lead (TCP
     ///    timeouts after a partition, or the lease's expiry plus the
@@ -247,14 +315,68 @@ impl Scenario {
     /// the lock only when the holder before it lets go (3 processes: a
     /// zombie leader preempted after its lease, then the paused candidate
     /// queued behind it).
+    ///
+    /// Watched standbys (the default) change steps 1 to 3; `leg` is
+    /// `request_delay + reply_delay`, the longest from the server's answer
+    /// to the client's next statement reaching the server, and `watch`
+    /// the watch's slice:
+    ///
+    /// 1. Only the watch preempts, after a slice of the role's lock wait
+    ///    and a read of the row that found it vacant. Two of its
+    ///    preemption statements are at most `watch + 3 leg` apart (the
+    ///    answer, the next slice, the slice, the read and its answer, the
+    ///    preemption); the read before the first that can end a zombie
+    ///    (lease expired, `lease_until < now`, at most `ttl + 1` after the
+    ///    fault) may come a tick before the expiry and see the lease
+    ///    live, so the one after it does, one leg after its read:
+    ///    `free = max(server_release, ttl + 1 + watch + 4 leg)`.
+    /// 2. A process that cannot act stalls the role in one of two ways:
+    ///    * As the watch (holding the role's lock too, if it was granted
+    ///      it): its session is idle from the end of its last statement,
+    ///      at most a leg (its last statement on its way) and a watch
+    ///      slice after the fault, or from the grant of the role's lock,
+    ///      which comes no later. Once idle for more than `ttl`, the next
+    ///      end of a queued standby's slice ends it; those come at most
+    ///      `wait_slice + leg` apart. The watch key then goes to the next
+    ///      standby in its queue at once, or, if the standby that ended
+    ///      the watch was the only one, to its next slice a leg later;
+    ///      the new watch's first slice of the role's lock wait reaches
+    ///      the server a leg after that:
+    ///      `watch + ttl + 1 + wait_slice + 4 leg`. This is the cost of a
+    ///      paused watch: `wait_slice + ttl` before a standby ends it,
+    ///      after the slice it was paused in.
+    ///    * As the role's lock holder that let go of the watch key and is
+    ///      paused before its term: unnamed and idle from its last
+    ///      statement (a leg after the fault), the watch preempts it as
+    ///      in step 1: `ttl + 1 + watch + 5 leg`.
+    ///
+    ///    So `ttl + 1 + watch + 4 leg + max(wait_slice, leg)` each, at
+    ///    most `procs - 1` of them, as above.
+    /// 3. As above, with two more round trips before the election
+    ///    statement: the grant of the watch key and its unlock after the
+    ///    grant of the role's lock.
     pub(super) fn liveness_bound(&self) -> u32 {
         let t = &self.timing;
         let rt = self.round_trip();
-        match self.backend {
-            Backend::Session => {
+        let ttl = self.ticks(t.ttl);
+        let stalling = self.procs as u32 - 1;
+        match (self.backend, self.standby) {
+            (Backend::Session, Standby::Watched) => {
+                let leg = self.request_delay + self.reply_delay;
+                let watch = self.watch_slice();
+                let free = self.server_release().max(ttl + 1 + watch + 4 * leg);
+                let stalled = (ttl + 1 + watch + 4 * leg + self.wait_slice().max(leg)) * stalling;
+                free + stalled
+                    + self.client_give_up()
+                    + self.wait_slice()
+                    + 5 * rt
+                    + self.ticks(t.handover_delay)
+                    + 2
+            }
+            (Backend::Session, _) => {
                 let check = self.ticks(t.check_every);
-                let free = self.server_release().max(self.ticks(t.ttl) + check);
-                let stalled = (self.ticks(t.ttl) + check) * (self.procs as u32 - 1);
+                let free = self.server_release().max(ttl + check);
+                let stalled = (ttl + check) * stalling;
                 free + stalled
                     + self.client_give_up()
                     + self.wait_slice()
@@ -263,12 +385,8 @@ impl Scenario {
                     + self.ticks(t.handover_delay)
                     + 2
             }
-            Backend::Lease => {
-                self.ticks(t.ttl)
-                    + self.ticks(t.retry_every)
-                    + 2 * self.ticks(t.heartbeat_timeout)
-                    + 3 * rt
-                    + 2
+            (Backend::Lease, _) => {
+                ttl + self.ticks(t.retry_every) + 2 * self.ticks(t.heartbeat_timeout) + 3 * rt + 2
             }
         }
     }
@@ -290,7 +408,7 @@ impl Scenario {
 
     fn poll_every(&self) -> u32 {
         match self.standby {
-            Standby::Blocking => 0,
+            Standby::Watched | Standby::Direct => 0,
             Standby::Polling(n) => n,
         }
     }
@@ -318,8 +436,15 @@ enum Stage {
     Down,
     /// The next attempt goes out at local time `at`.
     Idle { at: u32 },
-    /// A lock wait, a try, or a lease take, sent at local time `sent`.
+    /// A lock wait (for the role's lock or its watch key), a try, or a
+    /// lease take, sent at local time `sent`.
     Asking { sent: u32 },
+    /// The watch between two slices: its read of the row or its
+    /// preemption statement, sent at local `sent`.
+    Observing { sent: u32 },
+    /// The watch, granted the role's lock: its unlock of the watch key,
+    /// sent at local `sent` (the election statement follows its answer).
+    Unwatching { sent: u32 },
     /// Session: the election statement, sent at local `sent`.
     Electing { sent: u32 },
     /// Elected for `term`.
@@ -336,6 +461,9 @@ struct Cand {
     stage: Stage,
     /// A fenced write of this candidate is in flight.
     writing: bool,
+    /// Where it waits while it stands (a new attempt starts at the
+    /// scenario's first place).
+    place: Place,
 }
 
 #[derive(Clone, Debug)]
@@ -380,6 +508,26 @@ struct Lock {
     queue: Vec<(u8, u8, u32)>,
 }
 
+/// Per role, the server's two advisory locks.
+#[derive(Clone, Debug, Default)]
+struct Locks {
+    /// The role's lock.
+    role: Lock,
+    /// The role's watch key: its holder is the watch; its idle clock is
+    /// what a queued standby's slice checks before it ends the watch.
+    watch: Lock,
+}
+
+impl Locks {
+    fn get_mut(&mut self, watch: bool) -> &mut Lock {
+        if watch {
+            &mut self.watch
+        } else {
+            &mut self.role
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 struct Row {
     term: u32,
@@ -391,7 +539,26 @@ struct Row {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Msg {
     // Client to server.
+    /// A slice of the wait for the role's lock, `slice` ticks long.
     Lock {
+        role: u8,
+        slice: u32,
+    },
+    /// A slice of the wait for the role's watch key (`wait_slice` long),
+    /// which, when it times out, ends a watch idle for longer than the
+    /// TTL (`queue_slice_sql`).
+    WatchLock {
+        role: u8,
+    },
+    WatchUnlock {
+        role: u8,
+    },
+    /// The watch's read of the row (`read_leader_and_mode`).
+    Read {
+        role: u8,
+    },
+    /// The watch's `preempt_zombie`.
+    Preempt {
         role: u8,
     },
     Try {
@@ -430,6 +597,23 @@ enum Msg {
         role: u8,
     },
     NotGranted {
+        role: u8,
+    },
+    WatchGranted {
+        role: u8,
+    },
+    WatchNotGranted {
+        role: u8,
+    },
+    WatchUnlocked {
+        role: u8,
+    },
+    /// The row as the read found it: no holder, or an expired lease.
+    Row {
+        role: u8,
+        vacant: bool,
+    },
+    Preempted {
         role: u8,
     },
     Elected {
@@ -477,6 +661,9 @@ pub(super) struct State {
     /// Idle times of an unnamed lock holder at or beyond this many ticks
     /// hash alike (its preemption is due by then).
     idle_cap: u32,
+    /// Idle times of the watch at or beyond this many ticks hash alike
+    /// (a queued standby ends it from then on).
+    watch_idle_cap: u32,
     /// The server's (reference) clock, in ticks.
     now: u32,
     procs: Vec<Proc>,
@@ -484,7 +671,7 @@ pub(super) struct State {
     /// Per process: the newest connection incarnation whose backend
     /// started (an ended backend never comes back).
     started: Vec<Option<u8>>,
-    locks: Vec<Lock>,
+    locks: Vec<Locks>,
     rows: Vec<Row>,
     net: Vec<Envelope>,
     faults_left: u8,
@@ -504,6 +691,8 @@ pub(super) struct State {
     seen_fence_refusal: bool,
     seen_write: bool,
     seen_idle_preempt: bool,
+    seen_watch_handoff: bool,
+    seen_watch_end: bool,
 }
 
 /// What can happen next.
@@ -513,8 +702,11 @@ pub(super) enum Step {
     Tick {
         skew: Vec<i8>,
     },
+    /// A message arrives; `goodbye: false` only for a watch's
+    /// preemption statement that ends a backend whose goodbye is lost.
     Deliver {
         index: usize,
+        goodbye: bool,
     },
     Crash {
         proc: u8,
@@ -616,11 +808,12 @@ impl ElectionModel {
         };
         st.backends.remove(i);
         for role in 0..st.locks.len() {
-            st.locks[role]
-                .queue
-                .retain(|&(p, n, _)| (p, n) != (proc, inc));
-            if st.locks[role].holder == Some((proc, inc)) {
-                self.unlock(st, role);
+            for watch in [false, true] {
+                let l = st.locks[role].get_mut(watch);
+                l.queue.retain(|&(p, n, _)| (p, n) != (proc, inc));
+                if l.holder == Some((proc, inc)) {
+                    self.unlock(st, role, watch);
+                }
             }
         }
         if goodbye {
@@ -628,13 +821,38 @@ impl ElectionModel {
         }
     }
 
-    fn unlock(&self, st: &mut State, role: usize) {
-        st.locks[role].holder = None;
-        if !st.locks[role].queue.is_empty() {
-            let (p, n, _) = st.locks[role].queue.remove(0);
-            st.locks[role].holder = Some((p, n));
-            st.locks[role].idle_since = st.now;
-            self.reply(st, p, n, Msg::Granted { role: role as u8 });
+    /// The holder of a role's lock (or its watch key) lets go: the first
+    /// waiter is granted it, and its lock statement ends.
+    fn unlock(&self, st: &mut State, role: usize, watch: bool) {
+        let l = st.locks[role].get_mut(watch);
+        l.holder = None;
+        if l.queue.is_empty() {
+            return;
+        }
+        let (p, n, _) = l.queue.remove(0);
+        l.holder = Some((p, n));
+        self.touch(st, p, n);
+        let role = role as u8;
+        let msg = if watch {
+            st.seen_watch_handoff = true;
+            Msg::WatchGranted { role }
+        } else {
+            Msg::Granted { role }
+        };
+        self.reply(st, p, n, msg);
+    }
+
+    /// The session of backend `(p, n)` did something now (a statement
+    /// began or ended): the idle clock of every lock it holds restarts.
+    fn touch(&self, st: &mut State, p: u8, n: u8) {
+        let now = st.now;
+        for l in st
+            .locks
+            .iter_mut()
+            .flat_map(|l| [&mut l.role, &mut l.watch])
+            .filter(|l| l.holder == Some((p, n)))
+        {
+            l.idle_since = now;
         }
     }
 
@@ -648,8 +866,9 @@ impl ElectionModel {
         }
     }
 
-    /// The server handles a client message.
-    fn serve(&self, st: &mut State, e: Envelope) {
+    /// The server handles a client message (`goodbye`: whether a backend
+    /// that a preemption statement ends says goodbye).
+    fn serve(&self, st: &mut State, e: Envelope, goodbye: bool) {
         let s = &self.s;
         let (p, n) = (e.proc, e.inc);
         if let Msg::Write { role, term } = e.msg {
@@ -696,28 +915,68 @@ impl ElectionModel {
         }
         // The session is busy: the idle clock of every lock it holds
         // restarts (a grant below sets it too).
-        for l in st.locks.iter_mut().filter(|l| l.holder == Some((p, n))) {
-            l.idle_since = st.now;
-        }
+        self.touch(st, p, n);
         match e.msg {
-            Msg::Lock { role } | Msg::Try { role } => {
+            Msg::Lock { role, .. } | Msg::Try { role } | Msg::WatchLock { role } => {
                 let r = role as usize;
-                if st.locks[r].holder.is_none() {
-                    st.locks[r].holder = Some((p, n));
-                    st.locks[r].idle_since = st.now;
-                    self.reply(st, p, n, Msg::Granted { role });
-                } else if st.locks[r].holder == Some((p, n)) {
-                    self.reply(st, p, n, Msg::Granted { role });
-                } else if matches!(e.msg, Msg::Lock { .. }) {
-                    let end = st.now + s.wait_slice();
-                    st.locks[r].queue.push((p, n, end));
+                let watch = matches!(e.msg, Msg::WatchLock { .. });
+                let (granted, not_granted) = if watch {
+                    (Msg::WatchGranted { role }, Msg::WatchNotGranted { role })
                 } else {
-                    self.reply(st, p, n, Msg::NotGranted { role });
+                    (Msg::Granted { role }, Msg::NotGranted { role })
+                };
+                let now = st.now;
+                let l = st.locks[r].get_mut(watch);
+                let answer = if l.holder.is_none() {
+                    l.holder = Some((p, n));
+                    l.idle_since = now;
+                    Some(granted)
+                } else if l.holder == Some((p, n)) {
+                    Some(granted)
+                } else {
+                    match e.msg {
+                        Msg::Lock { slice, .. } => {
+                            l.queue.push((p, n, now + slice));
+                            None
+                        }
+                        Msg::WatchLock { .. } => {
+                            l.queue.push((p, n, now + s.wait_slice()));
+                            None
+                        }
+                        _ => Some(not_granted),
+                    }
+                };
+                if let Some(m) = answer {
+                    self.reply(st, p, n, m);
                 }
+            }
+            Msg::WatchUnlock { role } => {
+                let r = role as usize;
+                // `pg_advisory_unlock` of a key not held answers false,
+                // which the standby logs and goes on.
+                if st.locks[r].watch.holder == Some((p, n)) {
+                    self.unlock(st, r, true);
+                }
+                self.reply(st, p, n, Msg::WatchUnlocked { role });
+            }
+            Msg::Read { role } => {
+                let row = &st.rows[role as usize];
+                let vacant = row.holder.is_none() || row.lease_until < st.now;
+                self.reply(st, p, n, Msg::Row { role, vacant });
+            }
+            Msg::Preempt { role } => {
+                let r = role as usize;
+                if let Some((q, m)) = self.zombie(st, r, (p, n)) {
+                    if st.rows[r].holder != Some((q, m)) {
+                        st.seen_idle_preempt = true;
+                    }
+                    self.end_backend(st, q, m, goodbye);
+                }
+                self.reply(st, p, n, Msg::Preempted { role });
             }
             Msg::Elect { role, sent } => {
                 let r = role as usize;
-                if st.locks[r].holder != Some((p, n)) {
+                if st.locks[r].role.holder != Some((p, n)) {
                     return;
                 }
                 let row = &mut st.rows[r];
@@ -755,14 +1014,14 @@ impl ElectionModel {
                 if row.holder.map(|h| h.0) == Some(p) && row.term == term {
                     row.holder = None;
                 }
-                if st.locks[r].holder == Some((p, n)) {
-                    self.unlock(st, r);
+                if st.locks[r].role.holder == Some((p, n)) {
+                    self.unlock(st, r, false);
                 }
             }
             Msg::Unlock { role } => {
                 let r = role as usize;
-                if st.locks[r].holder == Some((p, n)) {
-                    self.unlock(st, r);
+                if st.locks[r].role.holder == Some((p, n)) {
+                    self.unlock(st, r, false);
                 }
             }
             Msg::Close => self.end_backend(st, p, n, false),
@@ -838,6 +1097,22 @@ impl ElectionModel {
             Msg::Granted { role } => {
                 let c = &mut st.procs[p].cands[role as usize];
                 if matches!(c.stage, Stage::Asking { .. }) {
+                    // The wait is over; the next attempt starts afresh.
+                    let place = std::mem::replace(&mut c.place, s.first_place());
+                    if place == Place::Watch {
+                        // The watch lets go of the watch key (and waits
+                        // for the answer) before its term transaction.
+                        c.stage = Stage::Unwatching { sent: local };
+                        self.send(st, p, true, Msg::WatchUnlock { role });
+                    } else {
+                        c.stage = Stage::Electing { sent: local };
+                        self.send(st, p, true, Msg::Elect { role, sent: local });
+                    }
+                }
+            }
+            Msg::WatchUnlocked { role } => {
+                let c = &mut st.procs[p].cands[role as usize];
+                if matches!(c.stage, Stage::Unwatching { .. }) {
                     c.stage = Stage::Electing { sent: local };
                     self.send(st, p, true, Msg::Elect { role, sent: local });
                 }
@@ -845,9 +1120,49 @@ impl ElectionModel {
             Msg::NotGranted { role } => {
                 let c = &mut st.procs[p].cands[role as usize];
                 if matches!(c.stage, Stage::Asking { .. }) {
-                    c.stage = Stage::Idle {
-                        at: local + s.poll_every(),
-                    };
+                    if c.place == Place::Watch {
+                        // A slice passed: the watch reads the row. (A
+                        // direct standby's own read and squatter check
+                        // change nothing on the server and are left out;
+                        // its observer is modelled by `preemptable`.)
+                        c.stage = Stage::Observing { sent: local };
+                        self.send(st, p, true, Msg::Read { role });
+                    } else {
+                        c.stage = Stage::Idle {
+                            at: local + s.poll_every(),
+                        };
+                    }
+                }
+            }
+            Msg::WatchGranted { role } => {
+                let c = &mut st.procs[p].cands[role as usize];
+                if matches!(c.stage, Stage::Asking { .. }) && c.place == Place::Queue {
+                    c.place = Place::Watch;
+                    c.stage = Stage::Idle { at: local };
+                }
+            }
+            Msg::WatchNotGranted { role } => {
+                let c = &mut st.procs[p].cands[role as usize];
+                if matches!(c.stage, Stage::Asking { .. }) && c.place == Place::Queue {
+                    c.stage = Stage::Idle { at: local };
+                }
+            }
+            Msg::Row { role, vacant } => {
+                let c = &mut st.procs[p].cands[role as usize];
+                if matches!(c.stage, Stage::Observing { .. }) {
+                    if vacant {
+                        // No live lease: a zombie may hold the lock.
+                        c.stage = Stage::Observing { sent: local };
+                        self.send(st, p, true, Msg::Preempt { role });
+                    } else {
+                        c.stage = Stage::Idle { at: local };
+                    }
+                }
+            }
+            Msg::Preempted { role } => {
+                let c = &mut st.procs[p].cands[role as usize];
+                if matches!(c.stage, Stage::Observing { .. }) {
+                    c.stage = Stage::Idle { at: local };
                 }
             }
             Msg::Busy { role, sent } => {
@@ -943,6 +1258,7 @@ impl ElectionModel {
                 continue;
             }
             c.stage = Stage::Idle { at: local };
+            c.place = s.first_place();
         }
     }
 
@@ -967,16 +1283,28 @@ impl ElectionModel {
                         if local < at {
                             break;
                         }
-                        let msg = match (s.backend, s.standby) {
-                            (Backend::Lease, _) => Msg::Take { role, sent: local },
-                            (Backend::Session, Standby::Blocking) => Msg::Lock { role },
-                            (Backend::Session, Standby::Polling(_)) => Msg::Try { role },
+                        let place = st.procs[p].cands[r].place;
+                        let msg = match (s.backend, s.standby, place) {
+                            (Backend::Lease, _, _) => Msg::Take { role, sent: local },
+                            (Backend::Session, Standby::Polling(_), _) => Msg::Try { role },
+                            (Backend::Session, _, Place::Queue) => Msg::WatchLock { role },
+                            (Backend::Session, _, Place::Watch) => Msg::Lock {
+                                role,
+                                slice: s.watch_slice(),
+                            },
+                            (Backend::Session, _, Place::Direct) => Msg::Lock {
+                                role,
+                                slice: s.wait_slice(),
+                            },
                         };
                         st.procs[p].cands[r].stage = Stage::Asking { sent: local };
                         self.send(st, p, true, msg);
                         break;
                     }
-                    Stage::Asking { sent } | Stage::Electing { sent } => {
+                    Stage::Asking { sent }
+                    | Stage::Observing { sent }
+                    | Stage::Unwatching { sent }
+                    | Stage::Electing { sent } => {
                         let give_up = match s.backend {
                             Backend::Lease => s.ticks(s.timing.heartbeat_timeout).max(1),
                             Backend::Session => s.client_give_up(),
@@ -1070,6 +1398,7 @@ impl ElectionModel {
         let role = r as u8;
         let local = st.procs[p].local;
         st.procs[p].cands[r].stage = Stage::Idle { at: local };
+        st.procs[p].cands[r].place = s.first_place();
         match s.backend {
             Backend::Lease => {
                 // After a deadline loss (or a resignation) the user's
@@ -1108,24 +1437,42 @@ impl ElectionModel {
                 pr.drift_left -= 1;
             }
         }
-        // Wait slices end.
-        for r in 0..st.locks.len() {
-            let mut ended = Vec::new();
-            st.locks[r].queue.retain(|&(p, n, end)| {
-                let over = end <= st.now;
-                if over {
-                    ended.push((p, n));
-                }
-                !over
-            });
-            for (p, n) in ended {
-                // The lock statement ends: a session that holds another
-                // role's lock was not idle until now.
+        // Wait slices end: those for the roles' locks, then those for the
+        // watch keys.
+        for watch in [false, true] {
+            for r in 0..st.locks.len() {
                 let now = st.now;
-                for l in st.locks.iter_mut().filter(|l| l.holder == Some((p, n))) {
-                    l.idle_since = now;
+                let mut ended = Vec::new();
+                st.locks[r].get_mut(watch).queue.retain(|&(p, n, end)| {
+                    let over = end <= now;
+                    if over {
+                        ended.push((p, n));
+                    }
+                    !over
+                });
+                for (p, n) in ended {
+                    // The lock statement ends: a session that holds
+                    // another lock was not idle until now.
+                    self.touch(st, p, n);
+                    let role = r as u8;
+                    if !watch {
+                        self.reply(st, p, n, Msg::NotGranted { role });
+                        continue;
+                    }
+                    // `queue_slice_sql`: the statement that timed out
+                    // looks up the watch key's holder and ends it if its
+                    // session has been idle for longer than the TTL, on
+                    // the server's clock, whatever this standby's process
+                    // is doing (the statement runs on the server). The
+                    // goodbye is sent; a cut-off watch does not get it.
+                    if let Some((q, m)) = self.idle_watch(st, r) {
+                        if (q, m) != (p, n) {
+                            st.seen_watch_end = true;
+                            self.end_backend(st, q, m, true);
+                        }
+                    }
+                    self.reply(st, p, n, Msg::WatchNotGranted { role });
                 }
-                self.reply(st, p, n, Msg::NotGranted { role: r as u8 });
             }
         }
         // The server's TCP timeouts declare partitioned clients gone.
@@ -1170,50 +1517,80 @@ impl ElectionModel {
         })
     }
 
-    /// The backend a standby's observer may terminate for `role` now (the
-    /// session backend's zombie preemption, `preempt_zombie`), and the
-    /// time by which it does, one `check_every` after it became possible:
+    /// Whether backend `(p, n)` is in a lock statement (the wait for a
+    /// lock or a watch key): its session is active, not idle.
+    fn busy(st: &State, p: u8, n: u8) -> bool {
+        st.locks
+            .iter()
+            .flat_map(|l| [&l.role, &l.watch])
+            .any(|l| l.queue.iter().any(|&(q, m, _)| (q, m) == (p, n)))
+    }
+
+    /// The holder of `role`'s lock that `preempt_zombie` run now on
+    /// backend `by` terminates:
     ///
     /// * the lock holder that the row names, once its lease expired;
     /// * the lock holder that the row does not name while the row is
     ///   vacant (no holder, or an expired lease), once its session has
-    ///   been idle for longer than the TTL (`state_change < now() - ttl`):
-    ///   a candidate paused between its grant and its term.
-    ///
-    /// Either needs a healthy (up, reachable) process other than the
-    /// holder's to run the check.
+    ///   been idle for longer than the TTL (`state_change < now() -
+    ///   ttl`): a candidate paused between its grant and its term.
+    fn zombie(&self, st: &State, role: usize, by: (u8, u8)) -> Option<(u8, u8)> {
+        let s = &self.s;
+        let lock = &st.locks[role].role;
+        let (p, n) = lock.holder.filter(|&h| h != by)?;
+        let row = &st.rows[role];
+        let expired = row.lease_until < st.now;
+        if row.holder == Some((p, n)) {
+            return expired.then_some((p, n));
+        }
+        let vacant = row.holder.is_none() || expired;
+        let idle = !Self::busy(st, p, n) && lock.idle_since + s.ticks(s.timing.ttl) < st.now;
+        (vacant && idle && !s.breaks.no_idle_preempt).then_some((p, n))
+    }
+
+    /// The watch that a queued standby whose slice times out now ends
+    /// (`queue_slice_sql`): the watch key's holder, if its session has
+    /// been idle for longer than the TTL on the server's clock. A healthy
+    /// watch is idle only between two of its statements.
+    fn idle_watch(&self, st: &State, role: usize) -> Option<(u8, u8)> {
+        let s = &self.s;
+        let lock = &st.locks[role].watch;
+        let (p, n) = lock.holder?;
+        let idle = !Self::busy(st, p, n) && lock.idle_since + s.ticks(s.timing.ttl) < st.now;
+        (idle && !s.breaks.no_idle_watch_end).then_some((p, n))
+    }
+
+    /// The backend a direct or polling standby's observer may terminate
+    /// for `role` now (the session backend's zombie preemption,
+    /// `preempt_zombie`, see [`ElectionModel::zombie`]), and the time by
+    /// which it does, one `check_every` after it became possible. The
+    /// observer is not modelled as a connection: it needs a healthy (up,
+    /// reachable) process other than the holder's to run the check.
+    /// Watched standbys have no observer: their watch preempts, with its
+    /// own statements.
     fn preemptable(&self, st: &State, role: usize) -> Option<((u8, u8), u32)> {
         let s = &self.s;
-        if s.backend != Backend::Session {
+        if s.backend != Backend::Session || s.standby == Standby::Watched {
             return None;
         }
-        let lock = &st.locks[role];
-        let (p, n) = lock.holder?;
+        let lock = &st.locks[role].role;
+        let p = lock.holder?.0;
         if !(0..st.procs.len())
             .any(|q| q != p as usize && st.procs[q].life == Life::Up && !st.procs[q].partitioned)
         {
             return None;
         }
+        // Preemptable by a backend of no process.
+        let (p, n) = self.zombie(st, role, (u8::MAX, 0))?;
         let check = s.ticks(s.timing.check_every);
-        let row = &st.rows[role];
-        let expired = row.lease_until < st.now;
-        if row.holder == Some((p, n)) {
-            return expired.then_some(((p, n), row.lease_until + check));
+        if st.rows[role].holder == Some((p, n)) {
+            return Some(((p, n), st.rows[role].lease_until + check));
         }
-        // Unnamed. A session waiting out another role's lock statement is
-        // active, not idle.
-        let busy = st
-            .locks
-            .iter()
-            .any(|l| l.queue.iter().any(|&(q, m, _)| (q, m) == (p, n)));
-        let idle_until = lock.idle_since + s.ticks(s.timing.ttl);
         // The due time follows the idle clock alone: a row that names
         // another backend was last renewed while that backend held the
         // lock, so before this holder's grant, and its lease has expired
-        // by `idle_until`.
-        let vacant = row.holder.is_none() || expired;
-        (vacant && !busy && idle_until < st.now && !s.breaks.no_idle_preempt)
-            .then_some(((p, n), idle_until + check))
+        // by the end of the idle TTL.
+        Some(((p, n), lock.idle_since + s.ticks(s.timing.ttl) + check))
     }
 }
 
@@ -1226,7 +1603,15 @@ impl Model for ElectionModel {
         let mut st = State {
             tick: s.tick,
             horizon: s.horizon(),
-            idle_cap: s.ticks(s.timing.ttl) + s.ticks(s.timing.check_every) + 1,
+            // A watch preempts at its own statements, an observer by
+            // `check_every` after the TTL.
+            idle_cap: s.ticks(s.timing.ttl)
+                + 1
+                + match s.standby {
+                    Standby::Watched => 0,
+                    _ => s.ticks(s.timing.check_every),
+                },
+            watch_idle_cap: s.ticks(s.timing.ttl) + 1,
             now: 0,
             procs: (0..s.procs)
                 .map(|_| Proc {
@@ -1240,13 +1625,14 @@ impl Model for ElectionModel {
                         .map(|_| Cand {
                             stage: Stage::Idle { at: 0 },
                             writing: false,
+                            place: s.first_place(),
                         })
                         .collect(),
                 })
                 .collect(),
             backends: Vec::new(),
             started: vec![None; s.procs],
-            locks: vec![Lock::default(); s.roles],
+            locks: vec![Locks::default(); s.roles],
             rows: vec![Row::default(); s.roles],
             net: Vec::new(),
             faults_left: s.faults,
@@ -1259,6 +1645,8 @@ impl Model for ElectionModel {
             seen_fence_refusal: false,
             seen_write: false,
             seen_idle_preempt: false,
+            seen_watch_handoff: false,
+            seen_watch_end: false,
         };
         for p in 0..s.procs {
             self.settle(&mut st, p);
@@ -1272,7 +1660,25 @@ impl Model for ElectionModel {
         // Deliveries.
         for i in 0..st.net.len() {
             if self.deliverable(st, i) {
-                out.push(Step::Deliver { index: i });
+                out.push(Step::Deliver {
+                    index: i,
+                    goodbye: true,
+                });
+                // A watch's preemption that ends a backend: with the
+                // goodbye lost too, as a direct standby's observer's.
+                let e = &st.net[i];
+                if let (true, Msg::Preempt { role }) = (e.to_server, e.msg) {
+                    let by = (e.proc, e.inc);
+                    if st.backend_alive(e.proc, e.inc)
+                        && !st.procs[e.proc as usize].partitioned
+                        && self.zombie(st, role as usize, by).is_some()
+                    {
+                        out.push(Step::Deliver {
+                            index: i,
+                            goodbye: false,
+                        });
+                    }
+                }
             }
         }
         // Time, unless a message or a preemption is due now.
@@ -1406,13 +1812,13 @@ impl Model for ElectionModel {
         let mut st = last.clone();
         match step {
             Step::Tick { ref skew } => self.tick(&mut st, skew),
-            Step::Deliver { index } => {
+            Step::Deliver { index, goodbye } => {
                 let e = st.net.remove(index);
                 let p = e.proc as usize;
                 if st.procs[p].partitioned {
                     // Lost.
                 } else if e.to_server {
-                    self.serve(&mut st, e);
+                    self.serve(&mut st, e, goodbye);
                 } else if st.procs[p].life == Life::Up {
                     self.receive(&mut st, e);
                     self.settle(&mut st, p);
@@ -1442,6 +1848,7 @@ impl Model for ElectionModel {
                 for c in &mut st.procs[p].cands {
                     c.stage = Stage::Idle { at: local };
                     c.writing = false;
+                    c.place = s.first_place();
                 }
                 self.settle(&mut st, p);
             }
@@ -1586,6 +1993,14 @@ impl Model for ElectionModel {
                 "a holder idle before its term is preempted",
                 |_: &ElectionModel, st: &State| st.seen_idle_preempt,
             ),
+            Property::sometimes(
+                "the watch key passes from one standby to another",
+                |_: &ElectionModel, st: &State| st.seen_watch_handoff,
+            ),
+            Property::sometimes(
+                "a queued standby ends an idle watch",
+                |_: &ElectionModel, st: &State| st.seen_watch_end,
+            ),
         ]
     }
 
@@ -1617,12 +2032,15 @@ impl Hash for State {
             pr.partitioned.hash(h);
             for c in &pr.cands {
                 c.writing.hash(h);
+                c.place.hash(h);
                 match &c.stage {
                     Stage::Down => 0u8.hash(h),
                     // Due is due.
                     Stage::Idle { at } => (1u8, rel(*at, pr.local).max(0)).hash(h),
                     Stage::Asking { sent } => (2u8, rel(*sent, pr.local)).hash(h),
                     Stage::Electing { sent } => (3u8, rel(*sent, pr.local)).hash(h),
+                    Stage::Observing { sent } => (5u8, rel(*sent, pr.local)).hash(h),
+                    Stage::Unwatching { sent } => (6u8, rel(*sent, pr.local)).hash(h),
                     Stage::Leading {
                         keeper,
                         term,
@@ -1650,7 +2068,8 @@ impl Hash for State {
             .collect();
         backends.sort();
         backends.hash(h);
-        for (l, row) in self.locks.iter().zip(&self.rows) {
+        for (locks, row) in self.locks.iter().zip(&self.rows) {
+            let l = &locks.role;
             l.holder.map(|(p, n)| (p, inc(p, n))).hash(h);
             // The idle clock only counts for a holder the row does not
             // name (a candidate between its grant and its term, a few
@@ -1664,6 +2083,19 @@ impl Hash for State {
                 (now - l.idle_since).min(self.idle_cap).hash(h);
             }
             for &(p, n, end) in &l.queue {
+                (p, inc(p, n), rel(end, now)).hash(h);
+            }
+            // The watch key's idle clock counts only while its holder is
+            // out of every lock statement (the end of one restarts it),
+            // and only up to the TTL that makes it end.
+            let w = &locks.watch;
+            w.holder.map(|(p, n)| (p, inc(p, n))).hash(h);
+            if let Some((p, n)) = w.holder {
+                if !ElectionModel::busy(self, p, n) {
+                    (now - w.idle_since).min(self.watch_idle_cap).hash(h);
+                }
+            }
+            for &(p, n, end) in &w.queue {
                 (p, inc(p, n), rel(end, now)).hash(h);
             }
         }
@@ -1736,6 +2168,8 @@ impl Hash for State {
         self.seen_fence_refusal.hash(h);
         self.seen_write.hash(h);
         self.seen_idle_preempt.hash(h);
+        self.seen_watch_handoff.hash(h);
+        self.seen_watch_end.hash(h);
     }
 }
 
@@ -1875,8 +2309,18 @@ fn summary(m: &ElectionModel, st: &State) -> String {
                 ),
                 other => write!(
                     s,
-                    " {}",
-                    format!("{other:?}").split(' ').next().unwrap_or("")
+                    " {}{}",
+                    format!("{other:?}").split(' ').next().unwrap_or(""),
+                    match (m.s.standby, c.place, &c.stage) {
+                        (
+                            Standby::Watched,
+                            _,
+                            Stage::Unwatching { .. } | Stage::Electing { .. },
+                        ) => "",
+                        (Standby::Watched, Place::Queue, _) => "(queue)",
+                        (Standby::Watched, Place::Watch, _) => "(watch)",
+                        _ => "",
+                    }
                 ),
             };
         }
@@ -1889,8 +2333,11 @@ fn summary(m: &ElectionModel, st: &State) -> String {
             row.term,
             row.holder.map(|h| h.0),
             row.lease_until as i64 - st.now as i64,
-            st.locks[r].holder.map(|h| h.0)
+            st.locks[r].role.holder.map(|h| h.0)
         );
+        if m.s.standby == Standby::Watched {
+            let _ = write!(s, "watch {:?} ", st.locks[r].watch.holder.map(|h| h.0));
+        }
     }
     for e in &st.net {
         let _ = write!(
@@ -1932,7 +2379,7 @@ pub(super) mod scenarios {
             backend,
             timing,
             tick,
-            standby: Standby::Blocking,
+            standby: Standby::Watched,
             procs: 2,
             roles: 1,
             request_delay: 0,
@@ -2134,12 +2581,14 @@ mod tests {
     const SECOND: &str = "a second term acts";
     const UNCLEAN: &str = "an unclean takeover";
     const IDLE_PREEMPT: &str = "a holder idle before its term is preempted";
+    const HANDOFF: &str = "the watch key passes from one standby to another";
+    const WATCH_END: &str = "a queued standby ends an idle watch";
 
     #[test]
     fn session_standard_default_ttl_holds() {
         positive(
             one_fault(session_default(), F_ALL & !F_PAUSE),
-            &[ACTS, SECOND],
+            &[ACTS, SECOND, HANDOFF],
         );
     }
 
@@ -2147,15 +2596,26 @@ mod tests {
     fn session_standard_short_ttl_holds() {
         positive(
             one_fault(session_short(), F_ALL & !F_PAUSE),
-            &[ACTS, SECOND, UNCLEAN],
+            &[ACTS, SECOND, UNCLEAN, HANDOFF],
         );
+    }
+
+    /// Standbys in the role's queue with an observer each, as candidates
+    /// with a priority wait.
+    #[test]
+    fn session_direct_standbys_hold() {
+        let s = Scenario {
+            standby: Standby::Direct,
+            ..one_fault(session_short(), F_ALL & !F_PAUSE)
+        };
+        positive(s, &[ACTS, SECOND, UNCLEAN]);
     }
 
     #[test]
     fn session_paused_leader_is_fenced() {
         positive(
             one_fault(session_short(), F_PAUSE),
-            &[ACTS, SECOND, "the fence refuses a stale write"],
+            &[ACTS, SECOND, "the fence refuses a stale write", HANDOFF],
         );
     }
 
@@ -2163,7 +2623,7 @@ mod tests {
     fn session_fast_profile_holds() {
         positive(
             one_fault(session_fast(), F_ALL & !F_PAUSE),
-            &[ACTS, SECOND, UNCLEAN],
+            &[ACTS, SECOND, UNCLEAN, HANDOFF],
         );
     }
 
@@ -2276,43 +2736,72 @@ mod tests {
     /// the lock and its term transaction (5522eac): the short-TTL session
     /// scenario with one pause, longer than the liveness bound, and no
     /// writes.
-    fn paused_before_term() -> Scenario {
+    fn paused_before_term(standby: Standby) -> Scenario {
         let mut s = one_fault(session_short(), F_PAUSE);
+        s.standby = standby;
         s.pauses = vec![s.liveness_bound() + 1];
         s.writes = 0;
         s
     }
 
-    /// The whole space (no state limit).
-    #[test]
-    fn a_candidate_paused_before_its_term_is_preempted() {
-        let r = check(paused_before_term(), 0, None);
+    fn whole_space(s: Scenario, examples: &[&str]) {
+        let r = check(s, 0, None);
         println!("{r}");
         assert!(r.violations.is_empty(), "{r}");
-        for e in [ACTS, SECOND, IDLE_PREEMPT] {
-            assert!(r.examples.contains(&e), "no example of {e:?}: {r}");
+        for e in examples {
+            assert!(r.examples.contains(e), "no example of {e:?}: {r}");
         }
+    }
+
+    /// Watched standbys: a candidate paused as the watch (holding the
+    /// watch key, and the role's lock if it was granted it) is ended by
+    /// the queued standby, one paused after it let go of the watch key
+    /// is preempted by the next watch. The whole space (no state limit).
+    #[test]
+    fn a_candidate_paused_before_its_term_is_preempted() {
+        whole_space(
+            paused_before_term(Standby::Watched),
+            &[ACTS, SECOND, IDLE_PREEMPT, HANDOFF, WATCH_END],
+        );
+    }
+
+    /// The same with direct standbys (an observer each): the whole space.
+    #[test]
+    fn a_candidate_paused_before_its_term_is_preempted_by_a_direct_standby() {
+        whole_space(
+            paused_before_term(Standby::Direct),
+            &[ACTS, SECOND, IDLE_PREEMPT],
+        );
     }
 
     /// The same with polling standbys (a try every 2 ticks): the whole
     /// space.
     #[test]
     fn a_candidate_paused_before_its_term_is_preempted_by_a_polling_standby() {
-        let mut s = paused_before_term();
-        s.standby = Standby::Polling(2);
-        s.pauses = vec![s.liveness_bound() + 1];
-        let r = check(s, 0, None);
-        println!("{r}");
-        assert!(r.violations.is_empty(), "{r}");
-        for e in [ACTS, SECOND, IDLE_PREEMPT] {
-            assert!(r.examples.contains(&e), "no example of {e:?}: {r}");
-        }
+        whole_space(
+            paused_before_term(Standby::Polling(2)),
+            &[ACTS, SECOND, IDLE_PREEMPT],
+        );
     }
 
     #[test]
     fn no_preemption_of_a_candidate_paused_before_its_term_is_caught() {
-        let mut s = paused_before_term();
+        let mut s = paused_before_term(Standby::Watched);
         s.breaks.no_idle_preempt = true;
+        negative(s, "(d) a leader within the bound");
+    }
+
+    /// Without the end of an idle watch by the queued standbys, a
+    /// candidate paused while it holds the watch key keeps it (and the
+    /// role's lock, if it was granted it) for the whole pause: nobody else
+    /// waits for the role's lock, and nobody preempts. The shortest
+    /// counterexample: at start p0 is granted the watch key and paused
+    /// before the answer reaches it; the role's lock stays free, and p1
+    /// waits for the watch key, slice after slice, for the whole pause.
+    #[test]
+    fn no_end_of_an_idle_watch_is_caught() {
+        let mut s = paused_before_term(Standby::Watched);
+        s.breaks.no_idle_watch_end = true;
         negative(s, "(d) a leader within the bound");
     }
 
@@ -2323,6 +2812,11 @@ mod tests {
         negative(s, "(b)(c) writes and terms in order");
     }
 
+    /// One scenario by hand: `PGELECT_MODEL_SCENARIO` (a function of
+    /// `scenarios`), `PGELECT_MODEL_DEPTH` (a state limit; 0: none),
+    /// `PGELECT_MODEL_FAULTS`, `PGELECT_MODEL_KINDS` (the `F_*` bits),
+    /// `PGELECT_MODEL_STANDBY` (`watched` or `direct`) and
+    /// `PGELECT_MODEL_PROCS` (3: a leader, a watch and a queued standby).
     #[test]
     fn explore() {
         let Ok(which) = std::env::var("PGELECT_MODEL_SCENARIO") else {
@@ -2348,9 +2842,20 @@ mod tests {
         let kinds: Option<u8> = std::env::var("PGELECT_MODEL_KINDS")
             .ok()
             .and_then(|d| d.parse().ok());
+        let standby = match std::env::var("PGELECT_MODEL_STANDBY").as_deref() {
+            Ok("direct") => Standby::Direct,
+            Ok("watched") => Standby::Watched,
+            Ok(other) => panic!("unknown standby {other} (direct, watched)"),
+            Err(_) => s.standby,
+        };
+        let procs: Option<usize> = std::env::var("PGELECT_MODEL_PROCS")
+            .ok()
+            .and_then(|d| d.parse().ok());
         let s = Scenario {
             faults: faults.unwrap_or(s.faults),
             kinds: kinds.unwrap_or(s.kinds),
+            procs: procs.unwrap_or(s.procs),
+            standby,
             ..s
         };
         println!("{}", check(s, depth, None));
