@@ -2611,6 +2611,89 @@ mod tests {
         positive(s, &[ACTS, SECOND, UNCLEAN]);
     }
 
+    /// Three candidates: a leader, the watch and a standby queued behind
+    /// it, so that the watch key is handed on while someone waits for it.
+    /// One crash or termination, no writes, and four times CI's state
+    /// limit: with every fault kind the search ends before a second term
+    /// (`explore` with `PGELECT_MODEL_PROCS=3` goes further).
+    #[test]
+    fn session_three_candidates_hold() {
+        let s = Scenario {
+            procs: 3,
+            writes: 0,
+            ..one_fault(session_short(), F_CRASH | F_TERMINATE)
+        };
+        let r = check(s, 4 * CI_STATES, None);
+        println!("{r}");
+        assert!(r.violations.is_empty(), "{r}");
+        for e in [ACTS, SECOND, UNCLEAN, HANDOFF] {
+            assert!(r.examples.contains(&e), "no example of {e:?}: {r}");
+        }
+    }
+
+    /// The short-TTL session timing with a 200 ms heartbeat timeout, so
+    /// that the handover delay's slack (`min(heartbeat_timeout, 500 ms)`)
+    /// is two ticks.
+    fn session_short_slack_200ms() -> Scenario {
+        let mut s = session_short();
+        s.timing = TimingRequest {
+            ttl: Some(Duration::from_millis(1500)),
+            wait_slice: Some(Duration::from_millis(1000)),
+            heartbeat_timeout: Some(Duration::from_millis(200)),
+            ..Default::default()
+        }
+        .validate()
+        .expect("BUG: valid timing");
+        s
+    }
+
+    /// Clocks that run a tick fast or slow, once per run for each process:
+    /// two candidates' clocks then drift up to two ticks (200 ms) apart,
+    /// which the handover delay's slack (200 ms here) covers. One partition
+    /// or termination, no writes, and four times CI's state limit, for
+    /// the depth of a second term.
+    #[test]
+    fn session_clock_drift_within_the_slack_holds() {
+        let s = Scenario {
+            drift: 1,
+            writes: 0,
+            ..one_fault(session_short_slack_200ms(), F_PARTITION | F_TERMINATE)
+        };
+        let r = check(s, 4 * CI_STATES, None);
+        println!("{r}");
+        assert!(r.violations.is_empty(), "{r}");
+        for e in [ACTS, SECOND, UNCLEAN] {
+            assert!(r.examples.contains(&e), "no example of {e:?}: {r}");
+        }
+    }
+
+    /// What the slack is for: with it at one tick (100 ms) and two clocks
+    /// drifting two ticks apart, a leader whose backend was terminated
+    /// (goodbye lost) still acts by its slow clock when its successor, by
+    /// its fast one, has waited out the handover delay. A limit of the
+    /// design, stated in the README: scheduling delay or clock-rate drift
+    /// beyond the slack is a pause, which only the fence covers.
+    #[test]
+    fn clock_drift_beyond_the_handover_slack_is_caught() {
+        let s = Scenario {
+            drift: 1,
+            writes: 0,
+            ..one_fault(session_short(), F_TERMINATE)
+        };
+        negative(s, "(a) one acting leader");
+    }
+
+    /// The lease backend with clocks that drift twice per run (1 s at a
+    /// 15 s TTL, within the safety margin of 3 s).
+    #[test]
+    fn lease_clock_drift_holds() {
+        let s = Scenario {
+            drift: 2,
+            ..one_fault(lease_default(), F_ALL)
+        };
+        positive(s, &[ACTS, SECOND]);
+    }
+
     #[test]
     fn session_paused_leader_is_fenced() {
         positive(
