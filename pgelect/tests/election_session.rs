@@ -474,6 +474,73 @@ async fn a_fenced_transaction_left_open_does_not_hold_back_the_next_leader() {
     lb.resign().await.unwrap();
 }
 
+/// A fenced transaction of the leader's own holds the role's row FOR
+/// SHARE while it runs. The renewal skips the locked row instead of
+/// waiting behind it: the server answered, so the leader keeps its
+/// connection (it used to give it up once a fenced transaction outlasted
+/// the heartbeat timeout: the fast profile's needless losses under
+/// `pgelect chaos`), the lease is not extended while the row is held, and
+/// it is renewed once the transaction ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_fenced_transaction_does_not_cost_the_leader_its_connection() {
+    let (db, o) = migrated("elect_fence_busy").await;
+    let a = Elector::builder(o.clone(), "fbusy")
+        .node_id("a")
+        .ttl(Duration::from_secs(4))
+        .renew_every(Duration::from_millis(500))
+        .heartbeat(Duration::from_millis(200))
+        .heartbeat_timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let la = a.leadership().await.unwrap();
+    let lease_until = || async {
+        let c = db.connect().await;
+        let t: std::time::SystemTime = c
+            .query_one(
+                "SELECT lease_until FROM pgelect.leaders WHERE role = 'fbusy'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        t
+    };
+    let fencer = db.connect().await;
+    fencer.batch_execute("BEGIN").await.unwrap();
+    la.fence(&fencer).await.unwrap();
+    let held = lease_until().await;
+    // Held for a renewal period plus four answer limits: a renewal that
+    // waited for the row would miss its limit by far.
+    let hold = Duration::from_millis(1700);
+    tokio::select! {
+        _ = la.lost() => panic!("the leader lost while its own fenced transaction held the row: {:?}", la.loss_reason()),
+        _ = tokio::time::sleep(hold) => {}
+    }
+    assert_eq!(
+        lease_until().await,
+        held,
+        "no renewal extended the lease while the row was held"
+    );
+    fencer.batch_execute("COMMIT").await.unwrap();
+    let t0 = Instant::now();
+    let renewed = loop {
+        tokio::select! {
+            _ = la.lost() => panic!("the leader lost after the fenced transaction ended: {:?}", la.loss_reason()),
+            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+        }
+        if lease_until().await > held {
+            break t0.elapsed();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the lease was not renewed after the fenced transaction ended"
+        );
+    };
+    println!("a fenced transaction held the row for {hold:?}: the leader kept term {}, and renewed {renewed:?} after it ended", la.term());
+    assert!(la.loss_reason().is_none());
+    la.resign().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn terminated_leader_backend_hands_over_after_the_delay() {
     let (db, o) = migrated("elect_terminate").await;

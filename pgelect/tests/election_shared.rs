@@ -374,3 +374,80 @@ async fn a_resign_request_reaches_only_its_role_on_a_shared_connection() {
     assert!(!l2.is_lost(), "{:?}", l2.loss_reason());
     l2.resign().await.unwrap();
 }
+
+/// One leader's fenced transaction holds its row while the batched
+/// renewal runs: the batch skips that row (renewing it later) instead of
+/// waiting behind it, so the other leaders on the connection are renewed
+/// on time and nobody loses the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_transaction_holds_back_only_its_own_row_in_the_batch() {
+    let (db, o) = migrated("shared_fence_busy").await;
+    let host = SharedConnection::new(&o, TcpTimeouts::default());
+    let mut led = Vec::new();
+    let mut electors = Vec::new();
+    for r in ["busy-0", "busy-1"] {
+        let e = pgelect::Elector::builder(o.clone(), r)
+            .node_id("a")
+            .ttl(Duration::from_secs(4))
+            .renew_every(Duration::from_millis(500))
+            .heartbeat(Duration::from_millis(200))
+            .heartbeat_timeout(Duration::from_millis(300))
+            .shared_connection(&host)
+            .build()
+            .unwrap();
+        led.push(e.leadership().await.unwrap());
+        electors.push(e);
+    }
+    let reader = db.connect().await;
+    let lease_until = |role: &'static str| {
+        let reader = &reader;
+        async move {
+            let t: std::time::SystemTime = reader
+                .query_typed_one(
+                    "SELECT lease_until FROM pgelect.leaders WHERE role = $1",
+                    &[(&role, tokio_postgres::types::Type::TEXT)],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            t
+        }
+    };
+    let fencer = db.connect().await;
+    fencer.batch_execute("BEGIN").await.unwrap();
+    led[0].fence(&fencer).await.unwrap();
+    let (held0, held1) = (lease_until("busy-0").await, lease_until("busy-1").await);
+    let hold = Duration::from_millis(1700);
+    tokio::select! {
+        _ = led[0].lost() => panic!("busy-0 lost: {:?}", led[0].loss_reason()),
+        _ = led[1].lost() => panic!("busy-1 lost: {:?}", led[1].loss_reason()),
+        _ = tokio::time::sleep(hold) => {}
+    }
+    assert_eq!(
+        lease_until("busy-0").await,
+        held0,
+        "the held row was not renewed"
+    );
+    assert!(
+        lease_until("busy-1").await > held1,
+        "the other leader on the connection was renewed while busy-0's row was held"
+    );
+    fencer.batch_execute("COMMIT").await.unwrap();
+    let t0 = Instant::now();
+    while lease_until("busy-0").await <= held0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "busy-0 renewed after the commit"
+        );
+        assert!(led[0].loss_reason().is_none() && led[1].loss_reason().is_none());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    println!(
+        "busy-0's row held for {hold:?}: both leaders kept their terms, busy-0 renewed {:?} after the commit",
+        t0.elapsed()
+    );
+    assert!(led.iter().all(|l| l.loss_reason().is_none()));
+    for l in led {
+        l.resign().await.unwrap();
+    }
+}

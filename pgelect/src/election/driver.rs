@@ -41,6 +41,11 @@ pub(crate) enum Answer {
     /// The renewal found no row with our holder and term: someone else
     /// leads.
     NotOurs,
+    /// The row still names us with our term, but a transaction of ours
+    /// holds it (a fenced write's `FOR SHARE`): the server answered, so the
+    /// connection lives, but the lease was not extended. Retried soon; the
+    /// deadline stays where it was.
+    Busy,
     /// The heartbeat was answered.
     Alive,
     /// The heartbeat was answered by a server that accepts no writes
@@ -339,6 +344,11 @@ impl<B: KeepBackend> Keep<B> {
                     shared.contact.touch();
                     tracing::warn!("renewal found the lease row no longer ours: preempted");
                     keeper.preempted();
+                }
+                Ok(Answer::Busy) => {
+                    shared.contact.touch();
+                    tracing::debug!(deadline_in = ?keeper.deadline().saturating_duration_since(now), "the lease row is held by a fenced transaction; renewing again soon");
+                    keeper.renew_busy(now);
                 }
                 Ok(Answer::Alive) => {
                     shared.contact.touch();

@@ -286,6 +286,15 @@ impl Keeper {
         self.next_renew = now + self.timing.heartbeat.min(self.timing.renew_every);
     }
 
+    /// The renewal was answered but could not extend the lease (the row
+    /// was locked by a fenced transaction): the connection is alive, the
+    /// deadline stays where it was, and the next attempt comes at the
+    /// heartbeat pace, as after a failure.
+    pub(crate) fn renew_busy(&mut self, now: Instant) {
+        self.renew_failed(now);
+        self.next_heartbeat = now + self.heartbeat_every();
+    }
+
     /// Lease backend: a renewal failed (connection refused or reset, pooler
     /// restarting, statement timeout, any error but "no row"). The deadline
     /// stays where it was; the next attempt is due after `wait`, capped so
@@ -529,6 +538,41 @@ mod tests {
         k.renewed(now, now);
         assert_eq!(k.poll(now + ms(1)), None);
         assert_eq!(k.phase(), Phase::Done);
+    }
+
+    #[test]
+    fn a_busy_row_keeps_the_connection_retries_at_the_heartbeat_pace_and_ends_in_the_deadline() {
+        let t = timing();
+        let t0 = Instant::now();
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0, false);
+        assert_eq!(k.poll(t0), Some(Action::Activate));
+        assert_eq!(k.poll(t0 + ms(1000)), Some(Action::Renew));
+        k.renewed(t0 + ms(1000), t0 + ms(1010));
+        let deadline = k.deadline();
+        // The row is held by a fenced transaction from now on: every
+        // renewal is answered at once but extends nothing.
+        assert_eq!(k.poll(t0 + ms(2000)), Some(Action::Renew));
+        k.renew_busy(t0 + ms(2005));
+        assert_eq!(k.deadline(), deadline);
+        // Retried at the heartbeat pace, not a whole renewal period later,
+        // and no heartbeat is due before that retry.
+        assert_eq!(k.next_wake(), Some(t0 + ms(2255)));
+        assert_eq!(k.poll(t0 + ms(2255)), Some(Action::Renew));
+        // An answer at once is never a lost connection; only the deadline
+        // ends a leadership whose row stays held.
+        let mut now = t0 + ms(2256);
+        k.renew_busy(now);
+        let lost = loop {
+            now = k.next_wake().unwrap();
+            match k.poll(now) {
+                Some(Action::Renew) => k.renew_busy(now + ms(1)),
+                Some(Action::Heartbeat) => k.heartbeat_ok(now + ms(1)),
+                Some(Action::Lose { reason, kill }) => break (reason, kill, now),
+                None => {}
+                Some(a) => panic!("{a:?}"),
+            }
+        };
+        assert_eq!(lost, (LossReason::Deadline, true, deadline));
     }
 
     #[test]

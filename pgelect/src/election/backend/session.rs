@@ -1072,15 +1072,41 @@ async fn check_squatters(
 /// A leader's own renewal: `$1` role, `$2` node, `$3` term, `$4` ttl ms,
 /// `$5` priority. Every renewal also reads the candidate registry: a ready
 /// candidate of strictly higher priority makes the leader hand over.
+///
+/// The row is locked with `SKIP LOCKED`, never waited for: a fenced
+/// transaction of this leader's own (`pgelect.fence` holds the row `FOR
+/// SHARE` until it ends) would otherwise hold the renewal back for as long
+/// as it runs, and under the fast profile's 25 ms answer limit a leader
+/// whose worker was in a slow fenced transaction gave its connection up
+/// (`pgelect chaos --profile fast --faults term`: about a third of the
+/// terms ended with `connection_lost` at the first renewal). A row that
+/// is still ours but locked comes back with `renewed` false: the
+/// connection answered, the lease was not extended, and the keeper
+/// retries soon ([`Answer::Busy`]). No row at all means it is not ours.
 fn renew_sql(shared: &Shared) -> String {
     let s = shared.options.schema_name().as_str();
     let ready = registry::preferred_session_sql(s, shared.key, "$1", "$2", "$5", true);
     let alive = registry::preferred_session_sql(s, shared.key, "$1", "$2", "$5", false);
     format!(
-        "UPDATE {s}.leaders
-            SET renewed_at = now(), lease_until = now() + $4 * interval '1 millisecond'
-          WHERE role = $1 AND holder = $2 AND term = $3 AND holder_pid = pg_backend_pid()
-         RETURNING renewed_at, lease_until, resign_requested, {ready}, {alive} IS NOT NULL"
+        "WITH o AS (
+             SELECT role FROM {s}.leaders
+              WHERE role = $1 AND holder = $2 AND term = $3 AND holder_pid = pg_backend_pid()
+                FOR NO KEY UPDATE SKIP LOCKED
+         ), u AS (
+             UPDATE {s}.leaders l
+                SET renewed_at = now(), lease_until = now() + $4 * interval '1 millisecond'
+               FROM o
+              WHERE l.role = o.role
+             RETURNING l.renewed_at, l.lease_until, l.resign_requested
+         )
+         SELECT renewed_at, lease_until, resign_requested, {ready}, {alive} IS NOT NULL,
+                true AS renewed
+           FROM u
+         UNION ALL
+         SELECT l.renewed_at, l.lease_until, l.resign_requested, NULL::text, false, false
+           FROM {s}.leaders l
+          WHERE l.role = $1 AND l.holder = $2 AND l.term = $3
+            AND l.holder_pid = pg_backend_pid() AND NOT EXISTS (SELECT FROM u)"
     )
 }
 
@@ -1091,7 +1117,8 @@ fn renew_sql(shared: &Shared) -> String {
 /// at their first renewal (`pgelect chaos --profile fast --faults term
 /// --duration 40s`: 17 losses with `connection_lost` 0.62-0.69 s after
 /// election, at `ttl / 3`, in 39 terms); with this, 10 and 12 in 36 and
-/// 38. Only part of the cause, then; the rest is not found yet.
+/// 38. The rest was the worker's fenced transactions holding the row
+/// (see [`renew_sql`]): with both, none in 37.
 async fn warm_up_renewal(shared: &Shared, conn: &DedicatedConnection) -> Result<()> {
     let s = shared.options.schema_name().as_str();
     let ttl_ms = shared.timing.ttl.as_millis() as i64;
@@ -1197,6 +1224,7 @@ fn batched_answer(b: Batched) -> Answer {
             preferred,
         },
         Batched::NotOurs => Answer::NotOurs,
+        Batched::Busy => Answer::Busy,
         Batched::Failed => unreachable!("BUG: a failed batch is renewed alone"),
     }
 }
@@ -1209,9 +1237,11 @@ fn read_only_answer(msgs: &[tokio_postgres::SimpleQueryMessage]) -> bool {
     })
 }
 
-/// The renewal's rows: one if the lease is still ours, none otherwise.
+/// The renewal's rows: one if the lease is still ours (renewed, or busy
+/// when the row was locked), none otherwise.
 fn renewal(rows: &[Row]) -> std::result::Result<Answer, tokio_postgres::Error> {
     match rows {
+        [row] if !row.try_get::<_, bool>(5)? => Ok(Answer::Busy),
         [row] => Ok(Answer::Renewed {
             row: Some((row.try_get(0)?, row.try_get(1)?)),
             resign_requested: row.try_get(2)?,

@@ -335,6 +335,9 @@ pub(crate) enum Batched {
     },
     /// The row no longer names this leader and term.
     NotOurs,
+    /// The row still names this leader and term but was locked (a fenced
+    /// transaction's `FOR SHARE`): not renewed this time.
+    Busy,
     /// The statement failed; the leader runs its own renewal to learn
     /// why (and is told by its own statement's error).
     Failed,
@@ -654,8 +657,11 @@ impl Drop for BatchMember {
 /// The batched renewal: renews the rows of all the given roles that still
 /// name their leader with its term and this backend, each for its own TTL,
 /// and returns, per renewed role, what a single leader's renewal returns
-/// (the row's times, the resign mark, preferred candidates). Roles not
-/// returned were not renewed.
+/// (the row's times, the resign mark, preferred candidates). A row that
+/// is still ours but locked (a fenced transaction holds it) is skipped,
+/// not waited for, and returned with `renewed` false, as the single
+/// renewal does (see `session::renew_sql`). Roles not returned are no
+/// longer ours.
 ///
 /// This backend's pid is a column of `m` (`me`), so that "held by this
 /// backend" is a join condition, not a filter on `leaders` alone: a new
@@ -674,16 +680,28 @@ fn batch_renew_sql(s: &str) -> String {
                FROM unnest($1::text[], $2::text[], $3::int8[], $4::int8[],
                                              $5::int4[], $6::int8[], $7::int8[])
                         AS m(role, node, term, ttl_ms, priority, classid, objid)
+         ), o AS (
+             SELECT l.role
+               FROM {s}.leaders l JOIN m
+                 ON l.role = m.role AND l.holder = m.node AND l.term = m.term
+                AND l.holder_pid = m.me
+                FOR NO KEY UPDATE OF l SKIP LOCKED
          ), u AS (
              UPDATE {s}.leaders l
                 SET renewed_at = now(), lease_until = now() + m.ttl_ms * interval '1 millisecond'
-               FROM m
-              WHERE l.role = m.role AND l.holder = m.node AND l.term = m.term
-                AND l.holder_pid = m.me
+               FROM m, o
+              WHERE l.role = m.role AND l.role = o.role
              RETURNING l.role, l.renewed_at, l.lease_until, l.resign_requested
          )
-         SELECT u.role, u.renewed_at, u.lease_until, u.resign_requested, {ready}, {alive} IS NOT NULL
-           FROM u JOIN m ON m.role = u.role"
+         SELECT u.role, u.renewed_at, u.lease_until, u.resign_requested, {ready}, {alive} IS NOT NULL,
+                true AS renewed
+           FROM u JOIN m ON m.role = u.role
+         UNION ALL
+         SELECT l.role, l.renewed_at, l.lease_until, l.resign_requested, NULL::text, false, false
+           FROM {s}.leaders l JOIN m
+             ON l.role = m.role AND l.holder = m.node AND l.term = m.term
+            AND l.holder_pid = m.me
+          WHERE NOT EXISTS (SELECT FROM u WHERE u.role = l.role)"
     )
 }
 
@@ -748,6 +766,10 @@ async fn renew_batches(session: std::sync::Weak<SharedSession>) {
             Ok(rows) => {
                 let decoded = rows.iter().try_for_each(|row| {
                     let role: String = row.try_get(0)?;
+                    if !row.try_get::<_, bool>(6)? {
+                        found.insert(role, Batched::Busy);
+                        return Ok(());
+                    }
                     let b = Batched::Renewed {
                         row: (row.try_get(1)?, row.try_get(2)?),
                         resign_requested: row.try_get(3)?,
