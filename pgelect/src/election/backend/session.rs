@@ -476,9 +476,12 @@ enum Place {
 /// The holder is looked up after the wait (`CASE` runs its branches in
 /// order; the sub-select is run only when its branch is taken), on the
 /// wall clock (`now()` is the statement's start, a slice earlier). A
-/// healthy watch sends a statement every `check_every < ttl`, so it is
-/// never idle for a TTL; one that is has no term (it lets go of the watch
-/// key before its term transaction) and ending it costs nobody anything.
+/// healthy watch is `active` for the whole of each of its slices (it waits
+/// on the role's lock inside a statement) and idle only for the moment
+/// between two of them and while it reads the row, so it is never idle for
+/// a TTL, whatever `check_every` is; one that is has no term (it lets go of
+/// the watch key before its term transaction) and ending it costs nobody
+/// anything.
 fn queue_slice_sql(s: &str) -> String {
     format!(
         "SELECT CASE WHEN {s}.lock_wait_slice($1, $2) THEN '{{\"granted\": true}}'::jsonb
