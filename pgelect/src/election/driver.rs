@@ -109,6 +109,15 @@ pub(crate) trait KeepBackend: Send + Sync {
         std::future::pending()
     }
 
+    /// Completes with the send time of another statement answered on this
+    /// leader's connection (a shared connection's other leaders, standbys
+    /// and heartbeats): the server session lived then
+    /// ([`Keeper::alive_at`](super::keeper::Keeper::alive_at)). Never
+    /// completes where the leader's statements are the connection's only.
+    fn answered(&self) -> impl Future<Output = Instant> + Send + '_ {
+        std::future::pending()
+    }
+
     /// Completes when the connection is known to be closed (never, for a
     /// backend that reconnects at will).
     fn closed(&self) -> impl Future<Output = ()> + Send + '_;
@@ -280,6 +289,11 @@ impl<B: KeepBackend> Keep<B> {
                 // the leaders on one connection keep one schedule.
                 (sent, result) = backend.pushed(), if in_flight.is_none() => {
                     answered = Some((sent, result));
+                }
+                // Our statement waits behind others on a shared connection:
+                // their answers show the session alive meanwhile.
+                sent = backend.answered(), if in_flight.is_some() => {
+                    keeper.alive_at(sent);
                 }
                 n = notices.recv() => {
                     if let Ok(n) = n {

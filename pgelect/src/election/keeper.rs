@@ -312,6 +312,20 @@ impl Keeper {
         self.next_renew = at;
     }
 
+    /// Another statement on the same connection, sent at `sent`, was
+    /// answered (a shared connection, where this leader's own statement
+    /// may wait behind others'): the server session lived then, so the
+    /// statement in flight's answer limit counts from `sent` if that is
+    /// later than its own send. Nothing else moves: the deadline only
+    /// follows this leader's own renewals.
+    pub(crate) fn alive_at(&mut self, sent: Instant) {
+        if let Some((probe, since)) = self.in_flight {
+            if sent > since {
+                self.in_flight = Some((probe, sent));
+            }
+        }
+    }
+
     /// The heartbeat was answered.
     pub(crate) fn heartbeat_ok(&mut self, now: Instant) {
         self.in_flight = None;
@@ -573,6 +587,42 @@ mod tests {
             }
         };
         assert_eq!(lost, (LossReason::Deadline, true, deadline));
+    }
+
+    #[test]
+    fn answers_to_other_statements_move_the_answer_limit_not_the_deadline() {
+        let t = timing();
+        let t0 = Instant::now();
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0, false);
+        assert_eq!(k.poll(t0), Some(Action::Activate));
+        assert_eq!(k.poll(t0 + ms(1000)), Some(Action::Renew));
+        let deadline = k.deadline();
+        // Nothing in flight before the renewal: an answer then is no news.
+        // The renewal waits behind other leaders' chunks, each answered.
+        k.alive_at(t0 + ms(900));
+        assert_eq!(k.next_wake(), Some(t0 + ms(1500)));
+        k.alive_at(t0 + ms(1400));
+        assert_eq!(k.next_wake(), Some(t0 + ms(1900)));
+        assert_eq!(
+            k.poll(t0 + ms(1600)),
+            None,
+            "the session answered 200 ms ago"
+        );
+        assert_eq!(k.deadline(), deadline);
+        // No answer for the limit after the last one: the connection is dead.
+        assert_eq!(
+            k.poll(t0 + ms(1900)),
+            Some(Action::Lose {
+                reason: LossReason::ConnectionLost,
+                kill: true
+            })
+        );
+        // With nothing in flight, answers change nothing.
+        let mut k = Keeper::new(t, Liveness::session(&t), t0, t0, false);
+        assert_eq!(k.poll(t0), Some(Action::Activate));
+        let wake = k.next_wake();
+        k.alive_at(t0 + ms(100));
+        assert_eq!(k.next_wake(), wake);
     }
 
     #[test]

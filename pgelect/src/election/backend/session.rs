@@ -1316,6 +1316,13 @@ impl KeepBackend for SessionKeep {
         })
     }
 
+    async fn answered(&self) -> Instant {
+        match &self.conn {
+            LockConn::Shared(session) => session.next_answer().await,
+            LockConn::Own(_) => std::future::pending().await,
+        }
+    }
+
     fn closed(&self) -> impl Future<Output = ()> + Send + '_ {
         self.conn.closed().cancelled()
     }

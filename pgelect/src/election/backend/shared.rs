@@ -260,6 +260,11 @@ pub(crate) struct SharedSession {
     /// connection (with a thousand leaders, every election's notification
     /// would otherwise wake all of them).
     hints: Mutex<HashMap<String, broadcast::Sender<Notice>>>,
+    /// The send time of the latest statement answered on this connection:
+    /// proof that its server session (and every lock it holds) lived then.
+    /// A leader whose own statement waits behind others' counts its answer
+    /// limit from here (see `Keeper::alive_at`).
+    answered: watch::Sender<Option<Instant>>,
 }
 
 /// How many campaign statements may be queued on a shared connection at
@@ -384,6 +389,7 @@ impl SharedSession {
             campaign_lane: AsyncMutex::new(()),
             campaign_turns: Semaphore::new(CAMPAIGN_TURNS),
             hints: Mutex::new(HashMap::new()),
+            answered: watch::Sender::new(None),
         });
         tokio::spawn(register_batches(Arc::downgrade(&session)));
         tokio::spawn(elect_batches(Arc::downgrade(&session)));
@@ -395,6 +401,31 @@ impl SharedSession {
             schema.as_str().to_owned(),
         ));
         session
+    }
+
+    /// A statement sent at `sent` was answered.
+    fn answered(&self, sent: Instant) {
+        self.answered.send_if_modified(|a| match a {
+            Some(t) if *t >= sent => false,
+            _ => {
+                *a = Some(sent);
+                true
+            }
+        });
+    }
+
+    /// Completes with the send time of the next statement answered on this
+    /// connection (sent later than any reported before this call).
+    pub(crate) async fn next_answer(&self) -> Instant {
+        let mut rx = self.answered.subscribe();
+        loop {
+            if rx.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+            if let Some(t) = *rx.borrow_and_update() {
+                return t;
+            }
+        }
     }
 
     /// Enters the polling standby of `role` into the batched poll, which
@@ -577,6 +608,9 @@ async fn beat(session: std::sync::Weak<SharedSession>) {
         let sent = Instant::now();
         let ok = s.conn.client().simple_query("SELECT 1").await.is_ok();
         tracing::debug!(took = ?sent.elapsed(), "heartbeat");
+        if ok {
+            s.answered(sent);
+        }
         s.beats.send_replace(Some((sent, ok)));
         if !ok {
             return;
@@ -749,61 +783,75 @@ async fn renew_batches(session: std::sync::Weak<SharedSession>) {
         if roles.is_empty() {
             continue;
         }
-        let sent = Instant::now();
-        let rows = s
-            .conn
-            .client()
-            .query_typed(
-                &s.renew_sql,
-                &[
-                    (&roles, Type::TEXT_ARRAY),
-                    (&nodes, Type::TEXT_ARRAY),
-                    (&terms, Type::INT8_ARRAY),
-                    (&ttls, Type::INT8_ARRAY),
-                    (&priorities, Type::INT4_ARRAY),
-                    (&classids, Type::INT8_ARRAY),
-                    (&objids, Type::INT8_ARRAY),
-                ],
-            )
-            .await;
-        tracing::debug!(leaders = roles.len(), took = ?sent.elapsed(), "batched renewal");
-        let mut found: HashMap<String, Batched> = HashMap::new();
-        let failed = match rows {
-            Ok(rows) => {
-                let decoded = rows.iter().try_for_each(|row| {
-                    let role: String = row.try_get(0)?;
-                    if !row.try_get::<_, bool>(6)? {
-                        found.insert(role, Batched::Busy);
-                        return Ok(());
-                    }
-                    let b = Batched::Renewed {
-                        row: (row.try_get(1)?, row.try_get(2)?),
-                        resign_requested: row.try_get(3)?,
-                        preferred: Preferred {
-                            ready: row.try_get(4)?,
-                            pending: row.try_get(5)?,
-                        },
-                    };
-                    found.insert(role, b);
-                    Ok::<_, tokio_postgres::Error>(())
-                });
-                decoded.is_err()
+        // In chunks, one in flight at a time, as the polls: a heartbeat
+        // waits behind one chunk, and every chunk's answer shows the
+        // session alive to the leaders still waiting for theirs.
+        let mut at = 0;
+        while at < roles.len() {
+            let chunk = at..(at + RENEW_ROWS).min(roles.len());
+            at = chunk.end;
+            let sent = Instant::now();
+            let rows = s
+                .conn
+                .client()
+                .query_typed(
+                    &s.renew_sql,
+                    &[
+                        (&&roles[chunk.clone()], Type::TEXT_ARRAY),
+                        (&&nodes[chunk.clone()], Type::TEXT_ARRAY),
+                        (&&terms[chunk.clone()], Type::INT8_ARRAY),
+                        (&&ttls[chunk.clone()], Type::INT8_ARRAY),
+                        (&&priorities[chunk.clone()], Type::INT4_ARRAY),
+                        (&&classids[chunk.clone()], Type::INT8_ARRAY),
+                        (&&objids[chunk.clone()], Type::INT8_ARRAY),
+                    ],
+                )
+                .await;
+            tracing::debug!(leaders = chunk.len(), took = ?sent.elapsed(), "batched renewal");
+            if rows.is_ok() {
+                s.answered(sent);
             }
-            Err(e) => {
-                tracing::warn!(error = %e, cause = ?e.as_db_error().map(|d| d.message()), leaders = roles.len(), "the batched renewal failed; each leader renews alone");
-                true
-            }
-        };
-        for (role, (_, tx)) in outcomes {
-            let b = if failed {
-                Batched::Failed
-            } else {
-                found.remove(&role).unwrap_or(Batched::NotOurs)
+            let mut found: HashMap<String, Batched> = HashMap::new();
+            let failed = match rows {
+                Ok(rows) => {
+                    let decoded = rows.iter().try_for_each(|row| {
+                        let role: String = row.try_get(0)?;
+                        if !row.try_get::<_, bool>(6)? {
+                            found.insert(role, Batched::Busy);
+                            return Ok(());
+                        }
+                        let b = Batched::Renewed {
+                            row: (row.try_get(1)?, row.try_get(2)?),
+                            resign_requested: row.try_get(3)?,
+                            preferred: Preferred {
+                                ready: row.try_get(4)?,
+                                pending: row.try_get(5)?,
+                            },
+                        };
+                        found.insert(role, b);
+                        Ok::<_, tokio_postgres::Error>(())
+                    });
+                    decoded.is_err()
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, cause = ?e.as_db_error().map(|d| d.message()), leaders = chunk.len(), "the batched renewal failed; each leader renews alone");
+                    true
+                }
             };
-            tx.send_replace(Some((sent, b)));
-        }
-        if failed && s.conn.is_closed() {
-            return;
+            for role in &roles[chunk] {
+                let Some((_, tx)) = outcomes.remove(role) else {
+                    continue;
+                };
+                let b = if failed {
+                    Batched::Failed
+                } else {
+                    found.remove(role).unwrap_or(Batched::NotOurs)
+                };
+                tx.send_replace(Some((sent, b)));
+            }
+            if failed && s.conn.is_closed() {
+                return;
+            }
         }
     }
 }
@@ -982,6 +1030,9 @@ async fn poll_batches(session: std::sync::Weak<SharedSession>, schema: String) {
                 .await;
             drop(lane);
             tracing::debug!(standbys = chunk.len(), took = ?sent.elapsed(), "batched poll");
+            if rows.is_ok() {
+                s.answered(sent);
+            }
             let decoded = rows.and_then(|rows| {
                 rows.iter()
                     .map(|row| {
@@ -1120,6 +1171,17 @@ async fn dispatch_hints(session: std::sync::Weak<SharedSession>) {
 /// timeout, and the connection was given up (`scale.rs`, the 1,000-role
 /// test). 200 keeps every statement well under such a timeout.
 const BATCH_ROWS: usize = 200;
+
+/// How many leaders one chunk of the batched renewal renews at most: the
+/// leaders of one connection renew together, and 6,667 of them (a
+/// survivor of three candidates for 10,000 roles, after a takeover) took
+/// 0.8 s in one statement on a loaded machine, longer, with a poll queued
+/// behind it, than the default 1 s heartbeat timeout, and every leader on
+/// the connection gave it up. A chunk of 2,000 takes 0.1-0.25 s there;
+/// each chunk's answer shows the session alive to the leaders whose own
+/// chunk is still to come. With 1,000, the renewals of 3,334 leaders cost
+/// 0.8 statements a second at the default 5 s period instead of 0.4.
+const RENEW_ROWS: usize = 2000;
 
 /// How many standbys one chunk of the batched poll tries at most, for the
 /// same reason. A lock try costs much less than an election, and every
@@ -1311,6 +1373,9 @@ async fn register_batches(session: std::sync::Weak<SharedSession>) {
             .await;
         drop(lane);
         tracing::debug!(candidates = batch.len(), took = ?sent.elapsed(), "batched registration");
+        if r.is_ok() {
+            s.answered(sent);
+        }
         let ok = match r {
             Ok(rows) => {
                 let stale: i64 = rows.first().and_then(|r| r.try_get(0).ok()).unwrap_or(0);
@@ -1401,6 +1466,9 @@ async fn elect_batches(session: std::sync::Weak<SharedSession>) {
             .await;
         drop(lane);
         tracing::debug!(candidates = batch.len(), took = ?sent.elapsed(), "batched election");
+        if r.is_ok() {
+            s.answered(sent);
+        }
         let mut rows: HashMap<String, tokio_postgres::Row> = HashMap::new();
         let failed = match r {
             Ok(found) => found
