@@ -1217,6 +1217,21 @@ impl ElectionModel {
                         keeper.renewed(s.at(sent), s.at(local));
                     }
                 }
+                // A shared connection: the answer shows the session alive
+                // to the other roles' keepers on it, whose own statements
+                // may still be waiting (`Keeper::alive_at`, as the driver
+                // does with the session's answers).
+                if s.backend == Backend::Session {
+                    let at = if from_reply { s.at(local) } else { s.at(sent) };
+                    for (r, c) in st.procs[p].cands.iter_mut().enumerate() {
+                        if r == role as usize {
+                            continue;
+                        }
+                        if let Stage::Leading { keeper, .. } = &mut c.stage {
+                            keeper.alive_at(at);
+                        }
+                    }
+                }
             }
             Msg::NotOurs { role, sent } => {
                 if let Stage::Leading {
