@@ -786,10 +786,7 @@ async fn renew_batches(session: std::sync::Weak<SharedSession>) {
         // In chunks, one in flight at a time, as the polls: a heartbeat
         // waits behind one chunk, and every chunk's answer shows the
         // session alive to the leaders still waiting for theirs.
-        let mut at = 0;
-        while at < roles.len() {
-            let chunk = at..(at + RENEW_ROWS).min(roles.len());
-            at = chunk.end;
+        for chunk in chunks(roles.len(), RENEW_ROWS) {
             let sent = Instant::now();
             let rows = s
                 .conn
@@ -1007,10 +1004,7 @@ async fn poll_batches(session: std::sync::Weak<SharedSession>, schema: String) {
         // In chunks, one in flight at a time: a leader's renewal or
         // heartbeat waits behind one chunk, not behind every standby's
         // lock.
-        let mut at = 0;
-        while at < roles.len() {
-            let chunk = at..(at + POLL_ROWS).min(roles.len());
-            at = chunk.end;
+        for chunk in chunks(roles.len(), POLL_ROWS) {
             let lane = s.lane().await;
             let sent = Instant::now();
             let rows = s
@@ -1171,6 +1165,14 @@ async fn dispatch_hints(session: std::sync::Weak<SharedSession>) {
 /// timeout, and the connection was given up (`scale.rs`, the 1,000-role
 /// test). 200 keeps every statement well under such a timeout.
 const BATCH_ROWS: usize = 200;
+
+/// The index ranges of `len` items taken `size` at a time (the last one
+/// shorter), in order: the chunks a batched statement goes in.
+fn chunks(len: usize, size: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    (0..len)
+        .step_by(size.max(1))
+        .map(move |at| at..(at + size).min(len))
+}
 
 /// How many leaders one chunk of the batched renewal renews at most: the
 /// leaders of one connection renew together, and 6,667 of them (a
@@ -1695,5 +1697,18 @@ async fn preempt_vacant(s: &SharedSession, found: &mut PollFound) {
                 alone(found, role);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chunks;
+
+    #[test]
+    fn chunks_cover_every_item_once_in_order() {
+        assert_eq!(chunks(0, 3).count(), 0);
+        assert_eq!(chunks(7, 3).collect::<Vec<_>>(), vec![0..3, 3..6, 6..7]);
+        assert_eq!(chunks(6, 3).collect::<Vec<_>>(), vec![0..3, 3..6]);
+        assert_eq!(chunks(2, 2000).collect::<Vec<_>>(), vec![0..2]);
     }
 }
