@@ -341,7 +341,7 @@ impl ConnectOptions {
     /// switches off the server's idle timeouts for it (see
     /// [`OWNED_SESSION_SETTINGS`]).
     pub(crate) async fn connect(&self, purpose: &str) -> Result<DedicatedConnection> {
-        self.connect_with(purpose, None, &owned_session_settings())
+        self.connect_with(purpose, None, &owned_session_settings(), NOTICES)
             .await
     }
 
@@ -355,7 +355,21 @@ impl ConnectOptions {
         purpose: &str,
         tcp: &TcpTimeouts,
     ) -> Result<DedicatedConnection> {
-        self.connect_with(purpose, Some(tcp), &lock_session_settings(tcp))
+        self.connect_with(purpose, Some(tcp), &lock_session_settings(tcp), NOTICES)
+            .await
+    }
+
+    /// Like [`ConnectOptions::connect_for_locks`], for the one connection
+    /// that the candidates of thousands of roles share: it keeps up to
+    /// `notices` unread notifications (every election of every role is
+    /// announced on it, hundreds in one commit).
+    pub(crate) async fn connect_for_shared_locks(
+        &self,
+        purpose: &str,
+        tcp: &TcpTimeouts,
+        notices: usize,
+    ) -> Result<DedicatedConnection> {
+        self.connect_with(purpose, Some(tcp), &lock_session_settings(tcp), notices)
             .await
     }
 
@@ -484,6 +498,7 @@ impl ConnectOptions {
         purpose: &str,
         tcp: Option<&TcpTimeouts>,
         settings: &[(&str, String)],
+        notices: usize,
     ) -> Result<DedicatedConnection> {
         let mut config = self.config.clone();
         if let Some(tcp) = tcp {
@@ -509,6 +524,7 @@ impl ConnectOptions {
                 connection,
                 self.tls.connector()?,
                 self.cancel_target(),
+                notices,
             );
             let started = conn
                 .client
@@ -791,6 +807,10 @@ struct CancelTarget {
     connect_timeout: Duration,
 }
 
+/// How many notifications a connection keeps for a receiver that has not
+/// read them yet; one that falls further behind is told it lagged.
+const NOTICES: usize = 256;
+
 /// How long a cancel request may take, connecting included. The server
 /// (or pooler) closes the connection as soon as it has acted on it.
 const CANCEL_BOUND: Duration = Duration::from_secs(10);
@@ -901,12 +921,13 @@ impl DedicatedConnection {
         mut connection: TlsConnection,
         tls: MakeRustlsConnect,
         cancel_target: Option<CancelTarget>,
+        notices: usize,
     ) -> DedicatedConnection {
         crate::server::note_version(connection.parameter("server_version"));
         let closed = CancellationToken::new();
         let ended_by = Arc::new(OnceLock::new());
         let end = ended_by.clone();
-        let (notices, _) = broadcast::channel(256);
+        let (notices, _) = broadcast::channel(notices);
         let tx = notices.clone();
         let done = closed.clone();
         let task = tokio::spawn(async move {

@@ -451,3 +451,55 @@ async fn a_fenced_transaction_holds_back_only_its_own_row_in_the_batch() {
         l.resign().await.unwrap();
     }
 }
+
+/// Every election of every role is announced on a shared connection, up
+/// to 200 in one commit of each candidate: a flood of notifications must
+/// not be read as "some were missed", which makes every leader on the
+/// connection check its row at once (at 10,000 roles, a batched renewal of
+/// thousands of leaders each second, and the start and takeover queued
+/// behind them). Ten thousand notifications in one commit: the leader's
+/// row is not renewed before its schedule.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_announcements_does_not_make_the_leaders_check_early() {
+    let (db, o) = migrated("shared_flood").await;
+    let host = SharedConnection::new(&o, TcpTimeouts::for_ttl(Duration::from_secs(15)));
+    // Library defaults: renewals every 5 s.
+    let e = pgelect::Elector::builder(o.clone(), "flooded")
+        .node_id("a")
+        .shared_connection(&host)
+        .build()
+        .unwrap();
+    let l = e.leadership().await.unwrap();
+    let c = db.connect().await;
+    let renewed_at = || async {
+        let t: std::time::SystemTime = c
+            .query_typed_one(
+                "SELECT renewed_at FROM pgelect.leaders WHERE role = 'flooded'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        t
+    };
+    let first = renewed_at().await;
+    let t0 = Instant::now();
+    let flood = format!(
+        "SELECT count(pg_notify('{}', 'pgelect:elected:flood-' || i)) FROM generate_series(1, 10000) AS i",
+        pgelect::LEADER_CHANNEL
+    );
+    c.batch_execute(&flood).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(
+        t0.elapsed() < Duration::from_secs(4),
+        "the test needs to end before the scheduled renewal ({:?})",
+        t0.elapsed()
+    );
+    assert_eq!(
+        renewed_at().await,
+        first,
+        "the leader renewed early: the flood was taken for missed notifications"
+    );
+    assert!(!l.is_lost(), "{:?}", l.loss_reason());
+    l.resign().await.unwrap();
+}

@@ -124,11 +124,12 @@ impl Keeper {
     /// `sent_at` and answered at `now`, on a connection watched as
     /// `liveness` says. After an unclean takeover (`unclean`: the previous
     /// holder did not release) the user is told only after the handover
-    /// delay, counted from `sent_at`: the old leader's connection had ended
-    /// before the lock was granted, which was before `sent_at`, so the delay
-    /// is still counted from a moment after the old leader's loss, and the
-    /// term transaction's round trip overlaps with it instead of adding to
-    /// the failover. (A backend that never takes over before expiry or
+    /// delay, counted from `sent_at` (or from the grant, see
+    /// [`Keeper::handover_counted_from`]): the old leader's connection had
+    /// ended before the lock was granted, which was before `sent_at`, so the
+    /// delay is still counted from a moment after the old leader's loss, and
+    /// the term transaction's round trip overlaps with it instead of adding
+    /// to the failover. (A backend that never takes over before expiry or
     /// release has a zero handover delay.)
     pub(crate) fn new(
         timing: Timing,
@@ -157,6 +158,25 @@ impl Keeper {
             last_renew_sent: None,
             liveness,
         }
+    }
+
+    /// Counts the handover delay from `granted`, when the lock was seen
+    /// granted, if that is earlier than the electing statement's send (on a
+    /// shared connection the election waits its turn behind other roles'
+    /// statements: thousands of roles granted in one poll are elected 200
+    /// to a statement, one after another). The delay covers the time a live
+    /// old leader may take to notice that its connection died (see
+    /// [`Timing`]'s handover inequality); that connection had ended before
+    /// the lock was granted, hence before `granted`, so the delay counted
+    /// from `granted` still ends after the old leader stopped. The deadline
+    /// is untouched: it counts from the electing statement's send, which
+    /// wrote the lease. A clean takeover (no delay) is unchanged.
+    pub(crate) fn handover_counted_from(mut self, granted: Instant) -> Keeper {
+        let sent_at = self.deadline - self.timing.deadline_budget();
+        if self.phase == Phase::Pending && self.active_at > sent_at && granted < sent_at {
+            self.active_at = granted + (self.active_at - sent_at);
+        }
+        self
     }
 
     /// The current phase.
@@ -498,6 +518,43 @@ mod tests {
         }
         assert_eq!(now, at);
         assert_eq!(k.phase(), Phase::Active);
+    }
+
+    /// Drives `k` from `now` (answering every probe at once) until it
+    /// activates; returns when.
+    fn activation(mut k: Keeper, mut now: Instant) -> Instant {
+        loop {
+            match k.poll(now) {
+                Some(Action::Activate) => return now,
+                Some(Action::Heartbeat) => k.heartbeat_ok(now),
+                Some(Action::Renew) => k.renewed(now, now),
+                None => now = k.next_wake().unwrap(),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn the_handover_delay_counts_from_the_grant_when_the_election_waited() {
+        let t = timing();
+        let t0 = Instant::now();
+        // Granted at t0, elected by a statement sent 300 ms later.
+        let sent = t0 + ms(300);
+        let k = Keeper::new(t, Liveness::session(&t), sent, sent + ms(5), true)
+            .handover_counted_from(t0);
+        assert_eq!(k.deadline(), sent + t.deadline_budget());
+        assert!(
+            t0 + t.handover_delay > sent + ms(5),
+            "the test needs a delay longer than the wait"
+        );
+        assert_eq!(activation(k, sent + ms(5)), t0 + t.handover_delay);
+        // Never later than from the send.
+        let k =
+            Keeper::new(t, Liveness::session(&t), t0, t0, true).handover_counted_from(t0 + ms(100));
+        assert_eq!(activation(k, t0), t0 + t.handover_delay);
+        // A clean takeover stays at once.
+        let k = Keeper::new(t, Liveness::session(&t), sent, sent, false).handover_counted_from(t0);
+        assert_eq!(activation(k, sent), sent);
     }
 
     #[test]

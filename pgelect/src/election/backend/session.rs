@@ -400,7 +400,8 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
         sent_at,
         answered,
         unclean,
-    );
+    )
+    .handover_counted_from(granted_at);
     let state = Arc::new(LeaderState {
         role: shared.role.clone(),
         schema: schema.clone(),

@@ -151,7 +151,9 @@ impl SharedConnection {
         let options = &self.inner.options;
         let schema = options.schema_name();
         let s = schema.as_str();
-        let conn = options.connect_for_locks("shared", &self.inner.tcp).await?;
+        let conn = options
+            .connect_for_shared_locks("shared", &self.inner.tcp, NOTICES)
+            .await?;
         let prepared = async {
             check_schema(conn.client(), schema).await?;
             crate::election::support::check_not_transaction_pooled(options, &conn).await?;
@@ -1090,6 +1092,17 @@ async fn poll_batches(session: std::sync::Weak<SharedSession>, schema: String) {
     }
 }
 
+/// How many notifications a shared connection keeps for a task that has
+/// not read them yet. Every election of every role is announced on it, up
+/// to 200 in one commit of each candidate: with the 256 of other
+/// connections, the hint dispatcher lagged while 10,000 roles started or
+/// were taken over on a loaded machine, every lag made every leader check
+/// its row (a batched renewal of all of them each second), and the
+/// elections queued behind those renewals (a start of 12.7 s and a
+/// takeover of 24.9 s where 2 s and 4.5 s were the rule). 16,384 slots
+/// cost about a megabyte, once per shared connection.
+const NOTICES: usize = 16_384;
+
 /// How often at most a shared session's leaders are all told to check
 /// their rows because some notifications were missed.
 const LAGGED_CHECK_GAP: Duration = Duration::from_secs(1);
@@ -1128,7 +1141,10 @@ async fn dispatch_hints(session: std::sync::Weak<SharedSession>) {
                 false
             }
             Some(Ok(_)) => false,
-            Some(Err(broadcast::error::RecvError::Lagged(_))) => true,
+            Some(Err(broadcast::error::RecvError::Lagged(missed))) => {
+                tracing::debug!(missed, "notifications missed; every leader checks its row");
+                true
+            }
             Some(Err(broadcast::error::RecvError::Closed)) => return,
             None => true,
         };
