@@ -21,7 +21,7 @@
 //!   candidate (their `LED` lines, on the same machine's clock).
 //!
 //! Timing: the library defaults (ttl 15 s, renewals every 5 s, heartbeats
-//! every second, handover delay 2 s), standbys polling every second (the
+//! every second, handover delay 2.5 s), standbys polling every second (the
 //! default is `renew_every`), TCP timeouts of the shared connection
 //! raised to fit the default TTL (keepalive after 10 s idle, user timeout
 //! 15 s).
@@ -124,7 +124,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
                 "bench": "roles",
                 "candidates": candidates,
                 "window_s": window,
-                "timing": "library defaults (ttl 15 s, renew 5 s, heartbeat 1 s, handover delay 2 s), standbys polling every 1 s",
+                "timing": "library defaults (ttl 15 s, renew 5 s, heartbeat 1 s, handover delay 2.5 s), standbys polling every 1 s",
                 "method": "candidates are processes, each on one SharedConnection; statements = pg_stat_database xact_commit + xact_rollback delta in the benchmark's database, observer excluded; CPU from /proc/<pid>/stat (user+system, USER_HZ 100); takeover = kill until the last of the killed candidate's roles is led elsewhere (LED lines, wall clock of this machine)",
                 "results": v,
         });
@@ -197,7 +197,7 @@ fn print_table(results: &[Outcome], candidates: usize, window: f64) {
             r.takeover_ms
         );
     }
-    println!("(CPU and RSS: the busiest candidate; after kill: until the last of the killed candidate's roles is led elsewhere, handover delay 2 s included)");
+    println!("(CPU and RSS: the busiest candidate; after kill: until the last of the killed candidate's roles is led elsewhere, handover delay 2.5 s included)");
 }
 
 /// A candidate process and where its lines go.

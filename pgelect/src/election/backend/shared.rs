@@ -1206,8 +1206,10 @@ const RENEW_ROWS: usize = 2000;
 /// chunk is a statement each polling interval: with 10,000 roles over 3
 /// candidates, chunks of 2,000 made 4 statements a second per candidate
 /// for the polls alone (the benchmark's steady state: 5.2 a second per
-/// candidate); with 5,000, 2 (3.0 a second in all).
-const POLL_ROWS: usize = 5000;
+/// candidate), chunks of 5,000 made 2 for the 6,667 standbys of each; at
+/// 10,000 it is one, of 0.1-0.4 s (idle to loaded), well within a
+/// heartbeat timeout.
+const POLL_ROWS: usize = 10_000;
 
 /// How long a registration or election waits for others to share its
 /// statement.
