@@ -91,10 +91,11 @@ pub use election::{
     Leadership, LossReason, Profile, SharedConnection, StandbyMode, Term, TimingReport,
     LEADER_CHANNEL, MAX_ROLE_BYTES, RESIGN_CHANNEL,
 };
-/// Test hook, not API (feature `test-hooks`): the lease backend's statements.
+/// Test hook, not API (feature `test-hooks`): the lease backend's statements
+/// and the shared connection's batched renewal.
 #[cfg(feature = "test-hooks")]
 #[doc(hidden)]
-pub use election::{lease_sql, LeaseSql};
+pub use election::{lease_sql, shared_renew_sql, LeaseSql};
 pub use error::{Error, Result, SQLSTATE_NO_LEADER, SQLSTATE_STALE_TERM};
 pub use grants::{grant_statements, preemption_grant, Grant, UserKind, MAX_USER_NAME_BYTES};
 pub use key::{LockKey, MAX_KEY_NAME_BYTES};

@@ -218,6 +218,8 @@ use crate::key::LockKey;
 #[doc(hidden)]
 #[cfg(feature = "test-hooks")]
 pub use backend::lease::{lease_sql, LeaseSql};
+#[cfg(feature = "test-hooks")]
+pub use backend::shared::shared_renew_sql;
 pub use backend::shared::SharedConnection;
 pub use config::{Backend, ElectorBuilder, StandbyMode, MAX_ROLE_BYTES};
 pub use leadership::{LeaderContext, Leadership, LossReason, Term};

@@ -747,6 +747,15 @@ fn batch_renew_sql(s: &str) -> String {
     )
 }
 
+/// The batched renewal's statement for `schema` (see `batch_renew_sql`),
+/// exactly as a shared session sends it, so that a test can check its
+/// plan.
+#[cfg(feature = "test-hooks")]
+#[doc(hidden)]
+pub fn shared_renew_sql(schema: &SchemaName) -> String {
+    batch_renew_sql(schema.as_str())
+}
+
 /// The renewal task of a shared session: when the earliest renewal
 /// request wants it, sends one statement renewing every leader on the
 /// session, and hands each its outcome; ends with the session or when its
