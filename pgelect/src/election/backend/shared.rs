@@ -1382,6 +1382,14 @@ async fn register_batches(session: std::sync::Weak<SharedSession>) {
             metas.push(r.meta.as_ref());
             payloads.push(r.payload.as_str());
         }
+        // Elections first: a granted role waits for its term, while a
+        // registration only announces a standby (at a start, thousands of
+        // them queue for roles that others will lead).
+        let mut elections = s.elections.wanted.subscribe();
+        tokio::select! {
+            _ = elections.wait_for(Option::is_none) => {}
+            _ = s.conn.closed().cancelled() => return,
+        }
         let lane = s.lane().await;
         let sent = Instant::now();
         let r = s
