@@ -440,6 +440,24 @@ async fn shared_lease_clients_work_through_pgbouncer_in_transaction_mode() {
     println!("{ROLES} roles led through PgBouncer after {took:?}");
     let b = SharedLease::new(&pooled);
     let b_tasks = stand(&pooled, &b, "b", &roles, &leaders, &won_tx);
+    // Two of a's renewals of every role, seen on the server, while b polls
+    // (at least every 200 ms): a keeps every role.
+    let first = rows(&admin).await;
+    tokio::time::timeout(Duration::from_secs(10), async {
+        let mut renewed = 0;
+        let mut seen = first;
+        while renewed < 2 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let now = rows(&admin).await;
+            if roles.iter().all(|r| now[r].3 > seen[r].3) {
+                renewed += 1;
+                seen = now;
+            }
+        }
+    })
+    .await
+    .expect("a renews every role through PgBouncer");
+    assert!(b.statements() > 0, "b polls");
     let held = held_on_server(&admin).await;
     assert_eq!(held.len(), ROLES);
     assert!(held.values().all(|(n, _)| n == "a"), "{held:?}");
@@ -456,6 +474,10 @@ async fn shared_lease_clients_work_through_pgbouncer_in_transaction_mode() {
         t.abort();
     }
     let gone = Instant::now();
+    // What a held when it went away (a renewal in flight committed by now
+    // or never will).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let at_abort = rows(&admin).await;
     // The aborted tasks never report their end.
     for r in &roles {
         leaders.end(r, "a");
@@ -477,7 +499,55 @@ async fn shared_lease_clients_work_through_pgbouncer_in_transaction_mode() {
     let held = held_on_server(&admin).await;
     assert_eq!(held.len(), ROLES);
     assert!(held.values().all(|(n, _)| n == "b"), "{held:?}");
+    let after = rows(&admin).await;
+    for r in &roles {
+        let (_, old_term, _, old_until) = &at_abort[r];
+        let (_, term, acquired_at, _) = &after[r];
+        assert!(term > old_term, "role {r}: term {term} after {old_term}");
+        assert!(
+            acquired_at.unwrap() >= old_until.unwrap(),
+            "role {r} taken at {acquired_at:?} before a's lease ended at {old_until:?}"
+        );
+    }
     for t in b_tasks {
         t.abort();
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_role_held_by_a_session_backend_leader_is_refused_to_a_shared_lease_candidate() {
+    let (_db, o) = migrated("lease_shared_mixed").await;
+    let session = Elector::builder(o.clone(), "mixed")
+        .node_id("s")
+        .ttl(Duration::from_secs(2))
+        .renew_every(Duration::from_millis(500))
+        .heartbeat(Duration::from_millis(200))
+        .heartbeat_timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let held = session.leadership().await.unwrap();
+    let client = SharedLease::new(&o);
+    // A role of its own on the same client is led meanwhile.
+    let other = fast(&o, "other", "l")
+        .shared_lease(&client)
+        .build()
+        .unwrap();
+    let e = fast(&o, "mixed", "l")
+        .shared_lease(&client)
+        .build()
+        .unwrap();
+    let refused = tokio::time::timeout(Duration::from_secs(10), e.leadership())
+        .await
+        .expect("answered");
+    let err = refused.expect_err("a session leader's role taken by a lease candidate");
+    assert!(
+        matches!(err, pgelect::Error::Config(_)) && err.to_string().contains("session backend"),
+        "{err}"
+    );
+    let l = tokio::time::timeout(Duration::from_secs(10), other.leadership())
+        .await
+        .expect("answered")
+        .expect("the other role is led");
+    assert!(!held.is_lost());
+    assert!(!l.is_lost());
 }

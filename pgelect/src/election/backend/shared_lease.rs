@@ -49,7 +49,7 @@ use super::lease::{lease_sql, LeaseSql};
 ///   them all. Each role keeps its own term and its own local deadline,
 ///   counted from the moment that statement was sent.
 /// * **Standbys**: one batched acquire per poll tries every standby role
-///   (in chunks of 2,000) and takes those whose lease is free or expired
+///   (in chunks of 5,000) and takes those whose lease is free or expired
 ///   on the server's clock, under the rules of a single candidate's
 ///   acquire (a ready candidate of strictly higher priority goes first; a
 ///   role held by a session-backend leader is refused). A poll is sent at
@@ -73,7 +73,7 @@ use super::lease::{lease_sql, LeaseSql};
 /// # Cost
 ///
 /// One connection. At steady state, per process: one renewal statement per
-/// `renew_every` per 2,000 leaders, one acquire per `retry_every` per 2,000
+/// `renew_every` per 2,000 leaders, one acquire per `retry_every` per 5,000
 /// standbys and one registration per `ttl / 2` per 2,000 standbys.
 ///
 /// A role may have only one candidate per `SharedLease`:
@@ -154,10 +154,17 @@ impl Drop for Inner {
     }
 }
 
-/// How many rows one chunk of a batched statement carries at most (see
-/// the session backend's `RENEW_ROWS`: a chunk must stay well under the
-/// heartbeat timeout on a loaded machine).
+/// How many rows one chunk of a batched renewal or registration carries
+/// at most (see the session backend's `RENEW_ROWS`: a chunk must stay well
+/// under the heartbeat timeout on a loaded machine).
 const CHUNK_ROWS: usize = 2000;
+
+/// How many standbys one chunk of the batched acquire tries at most. At
+/// steady state the acquire only reads the rows of led roles (one index
+/// probe each), and it is sent every `retry_every`: with 10,000 roles over
+/// 3 candidates, chunks of 2,000 would make 4 acquires a second per
+/// candidate, chunks of 5,000 make 2 (as the session backend's polls).
+const ACQUIRE_ROWS: usize = 5000;
 
 /// How long a new standby waits for others to share its first poll.
 const NEW_STANDBY_WAIT: Duration = Duration::from_millis(20);
@@ -1163,7 +1170,7 @@ async fn acquire_all(client: &SharedLease) -> bool {
     // one order.
     entries.sort_by(|a, b| a.0.cmp(&b.0));
     let mut ok = true;
-    for chunk in chunks(entries.len(), CHUNK_ROWS) {
+    for chunk in chunks(entries.len(), ACQUIRE_ROWS) {
         let part = &entries[chunk];
         let roles: Vec<&str> = part.iter().map(|e| e.0.as_str()).collect();
         let nodes: Vec<&str> = part.iter().map(|e| e.1.as_str()).collect();
