@@ -139,6 +139,13 @@ struct Inner {
     statements: AtomicU64,
     /// Tells standbys apart across a role's re-joins.
     next_standby: AtomicU64,
+    /// How many standbys the next acquire chunk carries: halved after a
+    /// chunk that got no answer in time, doubled back after one that did.
+    acquire_rows: std::sync::atomic::AtomicUsize,
+    /// Where in role order this client's polls start (random): candidates
+    /// that start together take different roles first instead of queueing
+    /// behind each other's inserts of the same rows.
+    offset: usize,
 }
 
 struct Statements {
@@ -165,6 +172,9 @@ const CHUNK_ROWS: usize = 2000;
 /// 3 candidates, chunks of 2,000 would make 4 acquires a second per
 /// candidate, chunks of 5,000 make 2 (as the session backend's polls).
 const ACQUIRE_ROWS: usize = 5000;
+
+/// The fewest standbys an acquire chunk is cut down to after timeouts.
+const MIN_ACQUIRE_ROWS: usize = 250;
 
 /// How long a new standby waits for others to share its first poll.
 const NEW_STANDBY_WAIT: Duration = Duration::from_millis(20);
@@ -222,6 +232,8 @@ impl SharedLease {
                 stop: CancellationToken::new(),
                 statements: AtomicU64::new(0),
                 next_standby: AtomicU64::new(0),
+                acquire_rows: std::sync::atomic::AtomicUsize::new(ACQUIRE_ROWS),
+                offset: random_u64() as usize,
             }),
         }
     }
@@ -1166,12 +1178,25 @@ async fn acquire_all(client: &SharedLease) -> bool {
     if entries.is_empty() {
         return true;
     }
-    // In role order: two clients taking over the same roles lock them in
-    // one order.
+    // From this client's own place in role order (see `offset`); each chunk
+    // is sorted again below, so every statement locks its rows in role
+    // order and concurrent acquires cannot deadlock.
     entries.sort_by(|a, b| a.0.cmp(&b.0));
+    let at = client.inner.offset % entries.len();
+    entries.rotate_left(at);
+    // The statement's bound: a third of the shortest TTL, within 2 to 5 s
+    // (renewals wait behind it).
+    let bound = {
+        let standbys = client.inner.standbys();
+        let ttl = standbys.values().map(|s| s.ttl).min().unwrap_or_default();
+        (ttl / 3).clamp(PATIENT_BOUND, Duration::from_secs(5))
+    };
     let mut ok = true;
-    for chunk in chunks(entries.len(), ACQUIRE_ROWS) {
-        let part = &entries[chunk];
+    let size = client.inner.acquire_rows.load(Ordering::Relaxed);
+    for chunk in chunks(entries.len(), size) {
+        let part = &mut entries[chunk];
+        part.sort_by(|a, b| a.0.cmp(&b.0));
+        let part = &*part;
         let roles: Vec<&str> = part.iter().map(|e| e.0.as_str()).collect();
         let nodes: Vec<&str> = part.iter().map(|e| e.1.as_str()).collect();
         let metas: Vec<Option<&serde_json::Value>> = part.iter().map(|e| e.2.as_ref()).collect();
@@ -1183,7 +1208,7 @@ async fn acquire_all(client: &SharedLease) -> bool {
         let (sent, r) = client
             .exec(
                 Op::Acquire,
-                PATIENT_BOUND,
+                bound,
                 &client.inner.sql.acquire,
                 &[
                     (&roles, Type::TEXT_ARRAY),
@@ -1212,6 +1237,9 @@ async fn acquire_all(client: &SharedLease) -> bool {
                         u.pop_front();
                     }
                     u.push_back(token);
+                    // Smaller chunks hold fewer rows for less time.
+                    let smaller = (part.len() / 2).max(MIN_ACQUIRE_ROWS);
+                    client.inner.acquire_rows.store(smaller, Ordering::Relaxed);
                 }
                 tracing::warn!(error = %e, standbys = part.len(), "the batched lease acquire failed; retrying");
                 ok = false;
@@ -1230,6 +1258,8 @@ async fn acquire_all(client: &SharedLease) -> bool {
                 break;
             }
         };
+        let grown = (size * 2).min(ACQUIRE_ROWS);
+        client.inner.acquire_rows.store(grown, Ordering::Relaxed);
         let now = Instant::now();
         let mut unclaimed = Vec::new();
         {
