@@ -42,7 +42,8 @@ benchmarks:
               connections, statements per second, candidate CPU and RSS, time until
               every role is led after the start and after a SIGKILL of the busiest
               candidate (options: --count 1,100,1000,10000, --candidates N (3),
-              --window SECONDS (10), --json)
+              --window SECONDS (10), --backend session|lease (session; lease: one
+              SharedLease per candidate), --json)
   crowd       many blocking candidates of one role, each a process: connections,
               statements per second and failover after a SIGKILLed leader, for one
               standby, N-1 standbys, and N-1 standbys each in the lock queue with an

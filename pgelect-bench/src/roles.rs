@@ -20,6 +20,13 @@
 //!   from the kill until every one of its roles is led by another
 //!   candidate (their `LED` lines, on the same machine's clock).
 //!
+//! With `--backend lease` (default `session`) the candidates use the lease
+//! backend, each process on one [`SharedLease`] (batched renewals,
+//! acquires and registrations), with the library's lease defaults (ttl
+//! 15 s, renewals every 5 s, standbys polling at least every second): a
+//! killed candidate's roles are taken over once their leases expired,
+//! within about a TTL.
+//!
 //! Timing: the library defaults (ttl 15 s, renewals every 5 s, heartbeats
 //! every second, handover delay 2.5 s), standbys polling every second (the
 //! default is `renew_every`), TCP timeouts of the shared connection
@@ -32,7 +39,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use pgelect::{ConnectOptions, Elector, SharedConnection, StandbyMode, TcpTimeouts};
+use pgelect::{
+    Backend, ConnectOptions, Elector, SharedConnection, SharedLease, StandbyMode, TcpTimeouts,
+};
 
 use crate::common::{connect, round2, Rows};
 
@@ -41,7 +50,8 @@ const POLL: Duration = Duration::from_secs(1);
 /// How long after full leadership the steady state is measured.
 const SETTLE: Duration = Duration::from_secs(5);
 
-/// Entry point: `roles [--count 1,100,1000,10000] [--candidates 3] [--window S] [--json]`.
+/// Entry point: `roles [--count 1,100,1000,10000] [--candidates 3] [--window S]
+/// [--backend session|lease] [--json]`.
 pub fn run(args: &[String]) -> Result<(), String> {
     if args.first().map(String::as_str) == Some("--child") {
         return child(&args[1..]);
@@ -50,6 +60,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let mut candidates = 3usize;
     let mut window = 10.0f64;
     let mut json = false;
+    let mut backend = Backend::Session;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -77,6 +88,12 @@ pub fn run(args: &[String]) -> Result<(), String> {
                     .ok_or("--window needs a number of seconds, at least 1")?
             }
             "--json" => json = true,
+            "--backend" => {
+                backend = it
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .ok_or("--backend needs session or lease")?
+            }
             other => return Err(format!("roles: unknown option {other:?}")),
         }
     }
@@ -88,17 +105,21 @@ pub fn run(args: &[String]) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     let mut results = Vec::new();
     for &count in &counts {
-        let r = rt.block_on(measure(&url, count, candidates, window))?;
+        let r = rt.block_on(measure(&url, count, candidates, window, backend))?;
         eprintln!(
             "roles {count}: led in {:.0} ms, {:.2} statements/s per candidate, taken over in {:.0} ms",
             r.start_ms, r.statements_per_s_each, r.takeover_ms
         );
         results.push(r);
     }
-    print_table(&results, candidates, window);
+    print_table(&results, candidates, window, backend);
     let mut figures = Rows::default();
     for r in &results {
-        let scenario = format!("roles/{}-roles-{candidates}-candidates", r.roles);
+        // The session backend's scenario names are kept as they were.
+        let scenario = match backend {
+            Backend::Lease => format!("roles/lease-{}-roles-{candidates}-candidates", r.roles),
+            _ => format!("roles/{}-roles-{candidates}-candidates", r.roles),
+        };
         let cpu = r.cpu_percent.iter().cloned().fold(0.0, f64::max);
         let rss = r.rss_mb.iter().cloned().fold(0.0, f64::max);
         figures.push(&scenario, "time_to_full_leadership", r.start_ms, "ms");
@@ -123,9 +144,13 @@ pub fn run(args: &[String]) -> Result<(), String> {
         let mut line = serde_json::json!({
                 "bench": "roles",
                 "candidates": candidates,
+                "backend": backend.as_str(),
                 "window_s": window,
-                "timing": "library defaults (ttl 15 s, renew 5 s, heartbeat 1 s, handover delay 2.5 s), standbys polling every 1 s",
-                "method": "candidates are processes, each on one SharedConnection; statements = pg_stat_database xact_commit + xact_rollback delta in the benchmark's database, observer excluded; CPU from /proc/<pid>/stat (user+system, USER_HZ 100); takeover = kill until the last of the killed candidate's roles is led elsewhere (LED lines, wall clock of this machine)",
+                "timing": match backend {
+                    Backend::Lease => "library lease defaults (ttl 15 s, renew 5 s, retry_every 1 s)",
+                    _ => "library defaults (ttl 15 s, renew 5 s, heartbeat 1 s, handover delay 2.5 s), standbys polling every 1 s",
+                },
+                "method": "candidates are processes, each on one SharedConnection (session) or SharedLease (lease); statements = pg_stat_database xact_commit + xact_rollback delta in the benchmark's database, observer excluded; CPU from /proc/<pid>/stat (user+system, USER_HZ 100); takeover = kill until the last of the killed candidate's roles is led elsewhere (LED lines, wall clock of this machine)",
                 "results": v,
         });
         figures.attach(&mut line);
@@ -167,9 +192,13 @@ impl Outcome {
     }
 }
 
-fn print_table(results: &[Outcome], candidates: usize, window: f64) {
+fn print_table(results: &[Outcome], candidates: usize, window: f64, backend: Backend) {
+    let each = match backend {
+        Backend::Lease => "lease backend, one SharedLease each",
+        _ => "one shared connection each",
+    };
     println!(
-        "\nroles over {candidates} candidate processes, one shared connection each (steady state over {window} s)"
+        "\nroles over {candidates} candidate processes, {each} (steady state over {window} s)"
     );
     println!(
         "{:>7} {:>10} {:>12} {:>12} {:>14} {:>14} {:>11} {:>16}",
@@ -197,7 +226,10 @@ fn print_table(results: &[Outcome], candidates: usize, window: f64) {
             r.takeover_ms
         );
     }
-    println!("(CPU and RSS: the busiest candidate; after kill: until the last of the killed candidate's roles is led elsewhere, handover delay 2.5 s included)");
+    match backend {
+        Backend::Lease => println!("(CPU and RSS: the busiest candidate; after kill: until the last of the killed candidate's roles is led elsewhere, bounded by the ttl of 15 s plus one poll)"),
+        _ => println!("(CPU and RSS: the busiest candidate; after kill: until the last of the killed candidate's roles is led elsewhere, handover delay 2.5 s included)"),
+    }
 }
 
 /// A candidate process and where its lines go.
@@ -216,10 +248,23 @@ impl Drop for Candidate {
 /// `LED` lines: (node, role, unix ns).
 type Led = (String, usize, u128);
 
-fn spawn(url: &str, node: &str, count: usize, tx: mpsc::Sender<Led>) -> Result<Candidate, String> {
+fn spawn(
+    url: &str,
+    node: &str,
+    count: usize,
+    backend: Backend,
+    tx: mpsc::Sender<Led>,
+) -> Result<Candidate, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut child = Command::new(exe)
-        .args(["roles", "--child", url, node, &count.to_string()])
+        .args([
+            "roles",
+            "--child",
+            url,
+            node,
+            &count.to_string(),
+            backend.as_str(),
+        ])
         .stdout(Stdio::piped())
         .spawn()
         .map_err(|e| format!("cannot spawn a candidate: {e}"))?;
@@ -298,6 +343,7 @@ async fn measure(
     count: usize,
     candidates: usize,
     window: f64,
+    backend: Backend,
 ) -> Result<Outcome, String> {
     // A database of its own: its transaction counters are these candidates'.
     let admin = connect(url).await?;
@@ -313,7 +359,13 @@ async fn measure(
     let t0 = unix_ns();
     let mut procs = Vec::new();
     for c in 0..candidates {
-        procs.push(spawn(&db_url, &format!("cand-{c}"), count, tx.clone())?);
+        procs.push(spawn(
+            &db_url,
+            &format!("cand-{c}"),
+            count,
+            backend,
+            tx.clone(),
+        )?);
     }
     drop(tx);
     let mut leader: HashMap<usize, String> = HashMap::new();
@@ -461,8 +513,15 @@ fn with_database(url: &str, db: &str) -> Result<String, String> {
 /// The hidden child mode: a candidate for `count` roles on one shared
 /// connection, printing `LED <role> <unix ns>` at each leadership.
 fn child(args: &[String]) -> Result<(), String> {
-    let [url, node, count] = args else {
-        return Err(format!("roles --child: bad arguments {args:?}"));
+    let (url, node, count, backend) = match args {
+        [url, node, count] => (url, node, count, Backend::Session),
+        [url, node, count, backend] => (
+            url,
+            node,
+            count,
+            backend.parse().map_err(|_| "bad backend")?,
+        ),
+        _ => return Err(format!("roles --child: bad arguments {args:?}")),
     };
     let count: usize = count.parse().map_err(|_| "bad count")?;
     let offset: usize = node
@@ -487,17 +546,24 @@ fn child(args: &[String]) -> Result<(), String> {
             user_timeout: Duration::from_secs(15),
         };
         let host = SharedConnection::new(&options, tcp);
+        let lease = SharedLease::new(&options);
         let mut tasks = Vec::new();
         for k in 0..count {
             // Spread the starting order: each candidate starts from its own
             // third (or so) of the roles.
             let i = (k + offset * count / 3) % count;
-            let e = Elector::builder(options.clone(), &format!("part-{i}"))
-                .node_id(node)
-                .standby(StandbyMode::Polling { interval: POLL })
-                .shared_connection(&host)
-                .build()
-                .map_err(|e| e.to_string())?;
+            let builder = Elector::builder(options.clone(), &format!("part-{i}")).node_id(node);
+            let e = match backend {
+                Backend::Lease => builder
+                    .backend(Backend::Lease)
+                    .retry_every(POLL)
+                    .shared_lease(&lease),
+                _ => builder
+                    .standby(StandbyMode::Polling { interval: POLL })
+                    .shared_connection(&host),
+            }
+            .build()
+            .map_err(|e| e.to_string())?;
             tasks.push(tokio::spawn(async move {
                 loop {
                     let l = match e.leadership().await {

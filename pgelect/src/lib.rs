@@ -88,8 +88,8 @@ mod server;
 pub use conn::{ConnectOptions, PlainConnection, SslMode, TcpTimeouts, DEFAULT_CONNECT_TIMEOUT};
 pub use election::{
     current_leader, request_resign, Backend, Elector, ElectorBuilder, LeaderContext, LeaderInfo,
-    Leadership, LossReason, Profile, SharedConnection, StandbyMode, Term, TimingReport,
-    LEADER_CHANNEL, MAX_ROLE_BYTES, RESIGN_CHANNEL,
+    Leadership, LossReason, Profile, SharedConnection, SharedLease, StandbyMode, Term,
+    TimingReport, LEADER_CHANNEL, MAX_ROLE_BYTES, RESIGN_CHANNEL,
 };
 /// Test hook, not API (feature `test-hooks`): the lease backend's statements
 /// and the shared connection's batched renewal.

@@ -8,7 +8,7 @@ use crate::error::{shown, Error, Result};
 use crate::key::LockKey;
 
 use super::timing::{Profile, Timing, TimingRequest};
-use super::{Elector, SharedConnection};
+use super::{Elector, SharedConnection, SharedLease};
 
 /// The longest role or node id accepted, in bytes.
 pub const MAX_ROLE_BYTES: usize = 255;
@@ -187,6 +187,7 @@ pub struct ElectorBuilder {
     backend: Backend,
     listen_via: Option<ConnectOptions>,
     shared_connection: Option<SharedConnection>,
+    shared_lease: Option<SharedLease>,
     priority: i32,
 }
 
@@ -202,6 +203,7 @@ impl ElectorBuilder {
             backend: Backend::default(),
             listen_via: None,
             shared_connection: None,
+            shared_lease: None,
             priority: 0,
         }
     }
@@ -414,6 +416,36 @@ impl ElectorBuilder {
         self
     }
 
+    /// Lease backend: send this candidate's statements over `client`,
+    /// batched with those of the candidates of other roles, instead of over
+    /// a connection of its own (see [`SharedLease`]). `build()` refuses it
+    /// for the session backend, with a `listen_via` connection (the client
+    /// polls at least every `retry_every`), for another database or schema,
+    /// and for a second candidate of the same role on the client.
+    ///
+    /// ```
+    /// use pgelect::{Backend, ConnectOptions, Elector, SharedLease};
+    /// let options = ConnectOptions::from_url("postgres://app@db/app").unwrap();
+    /// let client = SharedLease::new(&options);
+    /// let elector = Elector::builder(options.clone(), "shard-1")
+    ///     .backend(Backend::Lease)
+    ///     .shared_lease(&client)
+    ///     .build()
+    ///     .unwrap();
+    /// assert_eq!(elector.backend(), Backend::Lease);
+    /// // One candidate per role on a client.
+    /// let err = Elector::builder(options, "shard-1")
+    ///     .backend(Backend::Lease)
+    ///     .shared_lease(&client)
+    ///     .build()
+    ///     .unwrap_err();
+    /// assert!(err.to_string().contains("already has a candidate"), "{err}");
+    /// ```
+    pub fn shared_lease(mut self, client: &SharedLease) -> Self {
+        self.shared_lease = Some(client.clone());
+        self
+    }
+
     /// How a standby waits. Default: [`StandbyMode::Blocking`].
     pub fn standby(mut self, mode: StandbyMode) -> Self {
         self.standby = mode;
@@ -504,6 +536,33 @@ impl ElectorBuilder {
                 Some(c.claim(&self.role)?)
             }
         };
+        let lease_claim = match &self.shared_lease {
+            None => None,
+            Some(c) => {
+                if self.backend != Backend::Lease {
+                    return Err(Error::config(
+                        "a shared lease client is for the lease backend; use a shared connection (ElectorBuilder::shared_connection) for the session backend",
+                    ));
+                }
+                if self.listen_via.is_some() {
+                    return Err(Error::config(
+                        "listen_via is not used by candidates on a shared lease client; leave it unset",
+                    ));
+                }
+                if c.options().target() != self.options.target()
+                    || c.options().schema_name() != self.options.schema_name()
+                {
+                    return Err(Error::config(format!(
+                        "the shared lease client goes to {} (schema {:?}), the elector to {} (schema {:?}); they must match",
+                        c.options().target(),
+                        c.options().schema_name().as_str(),
+                        self.options.target(),
+                        self.options.schema_name().as_str()
+                    )));
+                }
+                Some(c.claim(&self.role)?)
+            }
+        };
         let key = role_key(self.options.schema_name().as_str(), &self.role);
         Ok(Elector::from_parts(
             self.priority,
@@ -517,6 +576,7 @@ impl ElectorBuilder {
             self.backend,
             self.listen_via,
             claim,
+            lease_claim,
         ))
     }
 }
@@ -698,6 +758,52 @@ mod tests {
         );
         refused(
             ElectorBuilder::new(o.clone().schema("other").unwrap(), "a").shared_connection(&c),
+            "must match",
+        );
+    }
+
+    /// What `build()` refuses on a shared lease client, each next to the
+    /// same builder that it accepts.
+    #[test]
+    fn build_refuses_what_a_shared_lease_client_cannot_carry() {
+        let o = options("postgres://app@db/app");
+        let c = SharedLease::new(&o);
+        let lease = |role: &str| ElectorBuilder::new(o.clone(), role).backend(Backend::Lease);
+        let refused = |b: ElectorBuilder, needle: &str| {
+            let e = b.build().expect_err("accepted");
+            assert!(
+                matches!(e, Error::Config(_)) && e.to_string().contains(needle),
+                "{e}"
+            );
+        };
+        let first = lease("ok")
+            .shared_lease(&c)
+            .build()
+            .expect("a lease-backend candidate fits");
+        refused(lease("ok").shared_lease(&c), "already has a candidate");
+        drop(first);
+        let _again = lease("ok")
+            .shared_lease(&c)
+            .build()
+            .expect("the role is free again once the first elector is gone");
+        refused(
+            ElectorBuilder::new(o.clone(), "a").shared_lease(&c),
+            "lease backend",
+        );
+        refused(
+            lease("a").listen_via(o.clone()).shared_lease(&c),
+            "listen_via",
+        );
+        refused(
+            ElectorBuilder::new(options("postgres://app@other/app"), "a")
+                .backend(Backend::Lease)
+                .shared_lease(&c),
+            "must match",
+        );
+        refused(
+            ElectorBuilder::new(o.clone().schema("other").unwrap(), "a")
+                .backend(Backend::Lease)
+                .shared_lease(&c),
             "must match",
         );
     }

@@ -221,6 +221,7 @@ pub use backend::lease::{lease_sql, LeaseSql};
 #[cfg(feature = "test-hooks")]
 pub use backend::shared::shared_renew_sql;
 pub use backend::shared::SharedConnection;
+pub use backend::shared_lease::SharedLease;
 pub use config::{Backend, ElectorBuilder, StandbyMode, MAX_ROLE_BYTES};
 pub use leadership::{LeaderContext, Leadership, LossReason, Term};
 pub(crate) use timing::default_tcp_for;
@@ -228,6 +229,7 @@ pub use timing::Profile;
 pub use watch::{current_leader, request_resign, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 
 use self::backend::shared::RoleClaim;
+use self::backend::shared_lease::LeaseClaim;
 use self::timing::Timing;
 
 /// Stands for election of one role.
@@ -316,8 +318,11 @@ pub(crate) struct LeaseState {
     /// Notifications received on the `LISTEN` connection.
     pub(crate) notices: tokio::sync::broadcast::Sender<Notice>,
     listener: Mutex<Option<CancellationToken>>,
-    /// Statements sent (acquire, renew, release, connect probe).
+    /// Statements sent (acquire, renew, release, connect probe); not
+    /// those a [`SharedLease`] sends for this elector.
     pub(crate) statements: std::sync::atomic::AtomicU64,
+    /// The shared lease client this candidate stands on.
+    pub(crate) host: Option<LeaseClaim>,
 }
 
 /// The moment a connection of an elector last got an answer from the
@@ -528,6 +533,7 @@ impl Elector {
         backend: Backend,
         listen_via: Option<ConnectOptions>,
         host: Option<RoleClaim>,
+        lease_host: Option<LeaseClaim>,
     ) -> Elector {
         Elector {
             shared: Arc::new(Shared {
@@ -552,6 +558,7 @@ impl Elector {
                         notices: tokio::sync::broadcast::Sender::new(64),
                         listener: Mutex::new(None),
                         statements: std::sync::atomic::AtomicU64::new(0),
+                        host: lease_host,
                     }),
                 },
                 contact: Contact::new(),

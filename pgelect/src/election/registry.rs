@@ -172,7 +172,19 @@ pub(crate) fn register_sql(s: &str, waits: Waits) -> String {
 /// (jsonb), `$7` hint payload (text). One row: rows deleted (int8), rows
 /// upserted, hints sent.
 pub(crate) fn batch_register_sql(s: &str) -> String {
-    let backend = Waits::Polling.backend();
+    batch_register_sql_for(s, Waits::Polling)
+}
+
+/// [`batch_register_sql`] for candidates that wait as `waits`: with
+/// [`Waits::Lease`] (a [`SharedLease`](crate::SharedLease)'s standbys) the
+/// rows carry no backend pid, as [`register_sql`] writes them for one
+/// lease-backend candidate.
+pub(crate) fn batch_register_sql_for(s: &str, waits: Waits) -> String {
+    let backend = waits.backend();
+    let pid = match waits {
+        Waits::Lease => "NULL::int4",
+        Waits::Blocking | Waits::Polling => "pg_catalog.pg_backend_pid()",
+    };
     format!(
         "WITH r AS (
              SELECT * FROM unnest($1::text[], $2::text[], $3::int4[], $4::text[], $5::jsonb[],
@@ -182,7 +194,7 @@ pub(crate) fn batch_register_sql(s: &str) -> String {
              INSERT INTO {s}.candidates AS c
                     (role, node, backend_pid, priority, backend, standby, timing, meta,
                      db_user, registered_at, seen_at)
-             SELECT r.role, r.node, pg_catalog.pg_backend_pid(), r.priority, '{backend}', r.standby,
+             SELECT r.role, r.node, {pid}, r.priority, '{backend}', r.standby,
                     r.timing, r.meta, session_user, now(), now()
                FROM r
              ON CONFLICT (role, node) DO UPDATE

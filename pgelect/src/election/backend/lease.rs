@@ -48,6 +48,8 @@ use crate::election::timing::Timing;
 use crate::election::watch::{LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 use crate::election::{LeaseState, Shared, Term};
 
+use super::shared_lease::{renewal_answer, RenewMember, SharedLease};
+
 /// The largest jitter added to a standby's wake-up after the lease's
 /// server-reported expiry, so that standbys do not all fire at once. A
 /// twentieth of the TTL below a TTL of 1 s (25 ms at 500 ms), so that a
@@ -362,6 +364,11 @@ async fn exec(
 /// returned.
 pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
     let span = tracing::info_span!("pgelect.campaign", role = %shared.role, node = %shared.node, backend = "lease");
+    if let Some(host) = &lease_state(shared).host {
+        return campaign_shared(shared, host.client())
+            .instrument(span)
+            .await;
+    }
     async {
         let schema = shared.options.schema_name().clone();
         let s = schema.as_str();
@@ -468,7 +475,7 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
                         }
                         if let Some(l) = elected(
                             shared,
-                            conn.take(),
+                            Carrier::Own(conn.take()),
                             &sql,
                             Term::new(term),
                             sent,
@@ -537,12 +544,62 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
     .await
 }
 
+/// Campaigns on a [`SharedLease`]: the client's batched acquire tries the
+/// role at every poll; the first win that arrives in time is kept, with
+/// this elector's renewals in the client's batched renewal.
+async fn campaign_shared(shared: &Arc<Shared>, client: SharedLease) -> Result<Leadership> {
+    let sql = Arc::new(lease_sql(shared.options.schema_name()));
+    let mut failures = 0u32;
+    loop {
+        let mut member = client.join_standbys(shared);
+        let won = match member.won().await {
+            Ok(won) => won,
+            Err(e) if is_transient(&e) => {
+                // The client's task is gone (never while it lives): wait
+                // and stand again.
+                failures = failures.saturating_add(1);
+                tokio::time::sleep(backoff(failures).min(shared.timing.retry_every)).await;
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        drop(member);
+        if won.prev_holder.is_some() && won.prev_backend.as_deref() == Some("session") {
+            tracing::warn!(previous = ?won.prev_holder, "took over an expired lease of a session-backend leader: all candidates of a role should use one backend");
+        }
+        if let Some(l) = elected(
+            shared,
+            Carrier::Shared(client.clone()),
+            &sql,
+            Term::new(won.term),
+            won.sent,
+            won.acquired_at,
+            won.lease_until,
+        )
+        .await
+        {
+            return Ok(l);
+        }
+    }
+}
+
+/// What carries a new leader's statements.
+// Built once per election and consumed at once: the size difference
+// between the variants costs nothing.
+#[allow(clippy::large_enum_variant)]
+enum Carrier {
+    /// Its own connection, reopened at will.
+    Own(Option<DedicatedConnection>),
+    /// A shared lease client's batched renewal.
+    Shared(SharedLease),
+}
+
 /// The lease was won by a statement sent at `sent`: starts the keeper task
 /// and returns the handle, or `None` if the answer came so late that the
 /// local deadline already passed (the lease is then released unused).
 async fn elected(
     shared: &Arc<Shared>,
-    mut conn: Option<DedicatedConnection>,
+    carrier: Carrier,
     sql: &Arc<LeaseSql>,
     term: Term,
     sent: Instant,
@@ -557,7 +614,17 @@ async fn elected(
         Some(Action::Activate) => {}
         other => {
             tracing::warn!(term = term.get(), action = ?other, "won the lease past the local deadline; releasing it unused");
-            let _ = release(shared, &mut conn, sql, term.get()).await;
+            match carrier {
+                Carrier::Own(mut conn) => {
+                    let _ = release(shared, &mut conn, sql, term.get()).await;
+                    if let Some(c) = conn {
+                        c.close().await;
+                    }
+                }
+                Carrier::Shared(client) => {
+                    let _ = client.release(shared, term.get()).await;
+                }
+            }
             return None;
         }
     }
@@ -593,7 +660,13 @@ async fn elected(
         shared: shared.clone(),
         backend: LeaseKeep {
             shared: shared.clone(),
-            conn: Mutex::new(conn),
+            via: match carrier {
+                Carrier::Own(conn) => Via::Own(Mutex::new(conn)),
+                Carrier::Shared(client) => {
+                    let member = client.join_renewals(shared, term.get());
+                    Via::Shared { client, member }
+                }
+            },
             sql: sql.clone(),
             term: term.get(),
         },
@@ -616,23 +689,57 @@ async fn elected(
 /// statement timeout; failures are retried until the deadline.
 struct LeaseKeep {
     shared: Arc<Shared>,
-    /// The connection between two statements; a statement in flight holds
-    /// it, and gives it back when done.
-    conn: Mutex<Option<DedicatedConnection>>,
+    via: Via,
     sql: Arc<LeaseSql>,
     term: i64,
 }
 
+/// What carries a leader's renewals.
+enum Via {
+    /// Its own connection between two statements; a statement in flight
+    /// holds it, and gives it back when done.
+    Own(Mutex<Option<DedicatedConnection>>),
+    /// A shared lease client: this leader's place in its batched renewal.
+    Shared {
+        client: SharedLease,
+        member: RenewMember,
+    },
+}
+
 impl LeaseKeep {
     fn take_conn(&self) -> Option<DedicatedConnection> {
-        self.conn
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
+        match &self.via {
+            Via::Own(conn) => conn.lock().unwrap_or_else(PoisonError::into_inner).take(),
+            Via::Shared { .. } => None,
+        }
     }
 
     fn put_conn(&self, conn: Option<DedicatedConnection>) {
-        *self.conn.lock().unwrap_or_else(PoisonError::into_inner) = conn;
+        if let Via::Own(slot) = &self.via {
+            *slot.lock().unwrap_or_else(PoisonError::into_inner) = conn;
+        }
+    }
+
+    /// The renewal through the shared client's batch: asks for a batch sent
+    /// within the member's share wait and takes its outcome with the batch's
+    /// own send time (taken by the batch task right before it sent the
+    /// statement). Bounded like a renewal of its own, plus the share wait
+    /// and one batch ahead of it.
+    async fn renew_shared(&self, member: &RenewMember) -> (Instant, Result<Answer>) {
+        let requested = Instant::now();
+        let bound = self.shared.timing.heartbeat_timeout * 2;
+        match tokio::time::timeout(bound, member.renewal(requested)).await {
+            Ok(Some((sent, r))) => {
+                if matches!(r, super::shared_lease::Renewal::Renewed { .. }) {
+                    tracing::trace!("lease renewed in a batch");
+                }
+                (sent, renewal_answer(r))
+            }
+            _ => (
+                requested,
+                Err(Error::connection_lost(LeaseOp::Renew.operation())),
+            ),
+        }
     }
 }
 
@@ -641,6 +748,9 @@ impl KeepBackend for LeaseKeep {
 
     fn renew(&self) -> Statement<'_> {
         Box::pin(async move {
+            if let Via::Shared { member, .. } = &self.via {
+                return self.renew_shared(member).await;
+            }
             let shared = &self.shared;
             let mut conn = self.take_conn();
             let ttl_ms = shared.timing.ttl.as_millis() as i64;
@@ -688,6 +798,16 @@ impl KeepBackend for LeaseKeep {
         })
     }
 
+    async fn pushed(&self) -> (Instant, Result<Answer>) {
+        match &self.via {
+            Via::Shared { member, .. } => {
+                let (sent, r) = member.pushed().await;
+                (sent, renewal_answer(r))
+            }
+            Via::Own(_) => std::future::pending().await,
+        }
+    }
+
     fn heartbeat(&self) -> Statement<'_> {
         // Never asked for: a lease has no session to keep alive.
         Box::pin(std::future::ready((Instant::now(), Ok(Answer::Alive))))
@@ -714,7 +834,11 @@ impl KeepBackend for LeaseKeep {
 
     fn let_go(&self, _reason: Option<LossReason>) {
         // Nothing to drop: the lease expires on its own, after the local
-        // deadline, unless released.
+        // deadline, unless released. A shared client's batch stops
+        // renewing it at once.
+        if let Via::Shared { member, .. } = &self.via {
+            member.leave();
+        }
     }
 
     fn releasable_after(&self, reason: LossReason) -> bool {
@@ -725,6 +849,18 @@ impl KeepBackend for LeaseKeep {
     }
 
     async fn release(self, ended: Option<LossReason>) -> Result<()> {
+        if let Via::Shared { client, member } = &self.via {
+            member.leave();
+            let result = if ended == Some(LossReason::Preempted) {
+                Ok(())
+            } else {
+                client.release(&self.shared, self.term).await.map(|_| ())
+            };
+            if let Err(e) = &result {
+                tracing::warn!(error = %e, "clean release failed; the lease will expire on its own");
+            }
+            return result;
+        }
         let mut conn = self.take_conn();
         let result = if ended == Some(LossReason::Preempted) {
             Ok(())
@@ -743,6 +879,9 @@ impl KeepBackend for LeaseKeep {
     }
 
     async fn close(self) {
+        if let Via::Shared { member, .. } = &self.via {
+            member.leave();
+        }
         if let Some(c) = self.take_conn() {
             c.close().await;
         }

@@ -10,7 +10,10 @@
 //!   transaction pooler).
 //! * [`shared`]: one lock connection for the session-backend candidates of
 //!   many roles, and its shared heartbeat.
+//! * [`shared_lease`]: one connection for the lease-backend candidates of
+//!   many roles, with batched renewals, acquires and registrations.
 
 pub(crate) mod lease;
 pub(crate) mod session;
 pub(crate) mod shared;
+pub(crate) mod shared_lease;

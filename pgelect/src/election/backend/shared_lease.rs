@@ -1,0 +1,1399 @@
+//! One connection for the lease-backend candidates of many roles.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::{oneshot, watch, Mutex as AsyncMutex, Notify};
+use tokio::time::Instant;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::Row;
+use tokio_util::sync::CancellationToken;
+
+use crate::conn::{ConnectOptions, DedicatedConnection};
+use crate::error::{Error, Result};
+use crate::schema::check_schema;
+
+use crate::election::backend::shared::Registration;
+use crate::election::config::random_u64;
+use crate::election::registry::{self, Register, Waits};
+use crate::election::support::{backoff, is_transient};
+use crate::election::term::next_term_sql;
+use crate::election::watch::LEADER_CHANNEL;
+use crate::election::Shared;
+
+use super::lease::{lease_sql, LeaseSql};
+
+/// One connection that carries the statements of the lease-backend
+/// candidates of many roles in one process, batched: a process standing
+/// for thousands of roles holds one connection and sends a few statements
+/// a second, not one connection and several statements a second per role.
+///
+/// The name says what it shares: the lease backend's traffic, as
+/// [`SharedConnection`](crate::SharedConnection) shares the session
+/// backend's session. Unlike that one, nothing lives in the connection's
+/// session: every statement is one transaction, the connection is reopened
+/// at will after a failure, and it works through PgBouncer in transaction
+/// mode, as the lease backend does.
+///
+/// What goes over it, for every candidate built with
+/// [`ElectorBuilder::shared_lease`](crate::ElectorBuilder::shared_lease):
+///
+/// * **Renewals**: one `UPDATE … FROM unnest(…)` renews every leader on
+///   the client (in chunks of 2,000), each for its own TTL, and tells each
+///   role on its own whether its row was still its own: a role whose row
+///   was taken is lost alone. Leaders renewed by one statement ask again
+///   together, so at steady state one statement per renewal period serves
+///   them all. Each role keeps its own term and its own local deadline,
+///   counted from the moment that statement was sent.
+/// * **Standbys**: one batched acquire per poll tries every standby role
+///   (in chunks of 5,000) and takes those whose lease is free or expired
+///   on the server's clock, under the rules of a single candidate's
+///   acquire (a ready candidate of strictly higher priority goes first; a
+///   role held by a session-backend leader is refused). A poll is sent at
+///   the earliest server-reported expiry among the standbys, at least
+///   every `retry_every` (1 s by default).
+/// * **Registrations** in the candidate registry: one statement per
+///   `ttl / 2` for all standbys.
+/// * **Releases**: one statement per role.
+///
+/// Only one statement is in flight at a time: a renewal waits behind one
+/// chunk of polls at most.
+///
+/// # Takeover bound
+///
+/// A lease has no server session whose end the server would notice: when
+/// the process of a `SharedLease` dies (or loses its database), each of its
+/// roles is taken over once its lease expired on the server, that is
+/// within `ttl` after its last renewal, plus one poll of the other
+/// candidates (`retry_every` at most, plus a few milliseconds of jitter).
+///
+/// # Cost
+///
+/// One connection. At steady state, per process: one renewal statement per
+/// `renew_every` per 2,000 leaders, one acquire per `retry_every` per 5,000
+/// standbys and one registration per `ttl / 2` per 2,000 standbys.
+///
+/// A role may have only one candidate per `SharedLease`:
+/// [`ElectorBuilder::build`](crate::ElectorBuilder::build) refuses a second
+/// one while the first elector, or a leadership it handed out, lives.
+///
+/// ```no_run
+/// # async fn example() -> pgelect::Result<()> {
+/// use std::time::Duration;
+/// use pgelect::{Backend, ConnectOptions, Elector, SharedLease};
+/// // Through PgBouncer in transaction mode, if need be.
+/// let options = ConnectOptions::from_url("postgres://app@pgbouncer:6432/app")?;
+/// let client = SharedLease::new(&options);
+/// let mut shards = Vec::new();
+/// for shard in 0..1000 {
+///     let elector = Elector::builder(options.clone(), &format!("shard-{shard}"))
+///         .backend(Backend::Lease)
+///         .ttl(Duration::from_secs(15))
+///         .shared_lease(&client)
+///         .build()?;
+///     shards.push(tokio::spawn(async move {
+///         let leadership = elector.leadership().await?;
+///         leadership.lost().await;
+///         Ok::<_, pgelect::Error>(())
+///     }));
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct SharedLease {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    options: ConnectOptions,
+    /// Part of the connection's `application_name`, unique per client.
+    id: String,
+    /// The connection between two statements; a statement holds the lock
+    /// while in flight, so one statement at a time is sent.
+    conn: AsyncMutex<Option<DedicatedConnection>>,
+    /// Roles with a live elector on this client.
+    roles: Mutex<HashSet<String>>,
+    /// The leaders on this client, by role: every batched renewal renews
+    /// them all.
+    leaders: Mutex<HashMap<String, Leader>>,
+    /// The earliest moment by which a leader wants its renewal sent.
+    renew_wanted: watch::Sender<Option<Instant>>,
+    /// The standbys on this client, by role: every batched acquire tries
+    /// them all.
+    standbys: Mutex<HashMap<String, Standby>>,
+    /// Wakes the standby task when a standby joins.
+    joined: Arc<Notify>,
+    /// The tokens of the last batched acquires that got no answer (timed
+    /// out, connection lost): one of them may have committed, leaving
+    /// leases with our node's name that nobody acts on. The next polls may
+    /// take those again at once.
+    unanswered: Mutex<VecDeque<i64>>,
+    sql: Statements,
+    started: AtomicBool,
+    /// Cancelled when the last handle is dropped: ends the tasks.
+    stop: CancellationToken,
+    /// Statements sent on the connection.
+    statements: AtomicU64,
+    /// Tells standbys apart across a role's re-joins.
+    next_standby: AtomicU64,
+    /// How many standbys the next acquire chunk carries: halved after a
+    /// chunk that got no answer in time, doubled back after one that did.
+    acquire_rows: std::sync::atomic::AtomicUsize,
+    /// Where in role order this client's polls start (random): candidates
+    /// that start together take different roles first instead of queueing
+    /// behind each other's inserts of the same rows.
+    offset: usize,
+}
+
+struct Statements {
+    renew: String,
+    acquire: String,
+    register: String,
+    lease: LeaseSql,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// How many rows one chunk of a batched renewal or registration carries
+/// at most (see the session backend's `RENEW_ROWS`: a chunk must stay well
+/// under the heartbeat timeout on a loaded machine).
+const CHUNK_ROWS: usize = 2000;
+
+/// How many standbys one chunk of the batched acquire tries at most. At
+/// steady state the acquire only reads the rows of led roles (one index
+/// probe each), and it is sent every `retry_every`: with 10,000 roles over
+/// 3 candidates, chunks of 2,000 would make 4 acquires a second per
+/// candidate, chunks of 5,000 make 2 (as the session backend's polls).
+const ACQUIRE_ROWS: usize = 5000;
+
+/// The fewest standbys an acquire chunk is cut down to after timeouts.
+const MIN_ACQUIRE_ROWS: usize = 250;
+
+/// How long a new standby waits for others to share its first poll.
+const NEW_STANDBY_WAIT: Duration = Duration::from_millis(20);
+
+/// How many unanswered acquire tokens are remembered.
+const UNANSWERED_TOKENS: usize = 16;
+
+/// The least time allowed for connecting and for a standby's statement.
+const PATIENT_BOUND: Duration = Duration::from_secs(2);
+
+/// The statements of the client, for errors and bounds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    Renew,
+    Acquire,
+    Register,
+    Release,
+}
+
+impl Op {
+    fn operation(self) -> &'static str {
+        match self {
+            Op::Renew => "renew the lease",
+            Op::Acquire => "take the lease",
+            Op::Register => "register as a candidate",
+            Op::Release => "release the lease",
+        }
+    }
+}
+
+impl SharedLease {
+    /// A shared lease client for `options`' database; it connects on first
+    /// use (and again after any failure).
+    pub fn new(options: &ConnectOptions) -> SharedLease {
+        let schema = options.schema_name();
+        let s = schema.as_str();
+        SharedLease {
+            inner: Arc::new(Inner {
+                options: options.clone(),
+                id: format!("{:08x}", random_u64() as u32),
+                conn: AsyncMutex::new(None),
+                roles: Mutex::new(HashSet::new()),
+                leaders: Mutex::new(HashMap::new()),
+                renew_wanted: watch::Sender::new(None),
+                standbys: Mutex::new(HashMap::new()),
+                joined: Arc::new(Notify::new()),
+                unanswered: Mutex::new(VecDeque::new()),
+                sql: Statements {
+                    renew: batch_renew_sql(s),
+                    acquire: batch_acquire_sql(s),
+                    register: registry::batch_register_sql_for(s, Waits::Lease),
+                    lease: lease_sql(schema),
+                },
+                started: AtomicBool::new(false),
+                stop: CancellationToken::new(),
+                statements: AtomicU64::new(0),
+                next_standby: AtomicU64::new(0),
+                acquire_rows: std::sync::atomic::AtomicUsize::new(ACQUIRE_ROWS),
+                offset: random_u64() as usize,
+            }),
+        }
+    }
+
+    /// The `application_name` of the client's connection (unless the
+    /// connection options set one): `pgelect:shared-lease:<8 hex digits>`,
+    /// unique per client.
+    pub fn application_name(&self) -> String {
+        format!("pgelect:{}", self.purpose())
+    }
+
+    /// The number of statements sent on the connection so far (renewals,
+    /// acquires, registrations, releases; not the schema check of a new
+    /// connection).
+    pub fn statements(&self) -> u64 {
+        self.inner.statements.load(Ordering::Relaxed)
+    }
+
+    /// The server process id of the current connection, if one is open
+    /// (through a pooler: the pooler's id for the client connection).
+    pub async fn backend_pid(&self) -> Option<i32> {
+        let conn = self.inner.conn.lock().await;
+        conn.as_ref().filter(|c| !c.is_closed()).map(|c| c.pid())
+    }
+
+    fn purpose(&self) -> String {
+        format!("shared-lease:{}", self.inner.id)
+    }
+
+    pub(crate) fn options(&self) -> &ConnectOptions {
+        &self.inner.options
+    }
+
+    /// Claims `role` for one elector; refused while another holds it.
+    pub(crate) fn claim(&self, role: &str) -> Result<LeaseClaim> {
+        // Only inserted into and removed from: a poisoned lock left the set
+        // consistent.
+        let mut roles = self
+            .inner
+            .roles
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if !roles.insert(role.to_owned()) {
+            return Err(Error::config(format!(
+                "role {role:?} already has a candidate on this shared lease client; the batched statements carry one candidate per role"
+            )));
+        }
+        Ok(LeaseClaim {
+            inner: self.inner.clone(),
+            role: role.to_owned(),
+        })
+    }
+
+    /// Starts the renewal and standby tasks, once.
+    fn ensure_started(&self) {
+        if self.inner.started.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let weak = Arc::downgrade(&self.inner);
+        let stop = self.inner.stop.clone();
+        tokio::spawn(renew_batches(
+            weak.clone(),
+            self.inner.renew_wanted.subscribe(),
+            stop.clone(),
+        ));
+        tokio::spawn(standby_batches(weak, self.inner.joined.clone(), stop));
+    }
+
+    /// Runs one statement, (re)connecting first if needed, bounded by
+    /// `bound` (connecting by at least [`PATIENT_BOUND`]). Returns the
+    /// moment the statement was handed to the connection — taken right
+    /// before it, never later — and its rows. On a timeout or a connection
+    /// failure the connection is dropped (the running statement cancelled),
+    /// so the next statement starts on a fresh one.
+    async fn exec(
+        &self,
+        op: Op,
+        bound: Duration,
+        sql: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> (Instant, Result<Vec<Row>>) {
+        let inner = &self.inner;
+        let schema = inner.options.schema_name();
+        let operation = op.operation();
+        let mut conn = inner.conn.lock().await;
+        if conn.as_ref().is_some_and(|c| c.is_closed()) {
+            conn.take();
+        }
+        if conn.is_none() {
+            let purpose = self.purpose();
+            let open = async {
+                let c = inner.options.connect(&purpose).await?;
+                let checked = check_schema(c.client(), schema).await;
+                c.kept_if(checked)
+            };
+            match tokio::time::timeout(bound.max(PATIENT_BOUND), open).await {
+                Ok(Ok(c)) => *conn = Some(c),
+                Ok(Err(e)) => return (Instant::now(), Err(e)),
+                Err(_) => return (Instant::now(), Err(Error::connection_lost(operation))),
+            }
+        }
+        let c = conn.as_ref().expect("BUG: connected above");
+        inner.statements.fetch_add(1, Ordering::Relaxed);
+        crate::metrics::lease_statement("", op_kind(op));
+        // Taken before the statement is written to the socket: the
+        // server's `now()` in it is at or after this moment.
+        let sent = Instant::now();
+        let run = async {
+            c.client()
+                .query_typed(sql, params)
+                .await
+                .map_err(|e| Error::db(operation, schema.as_str(), e))
+        };
+        let r = match tokio::time::timeout(bound, run).await {
+            Ok(Ok(rows)) => Ok(rows),
+            Ok(Err(e)) => {
+                if is_transient(&e) {
+                    if let Some(c) = conn.take() {
+                        c.kill();
+                    }
+                }
+                Err(e)
+            }
+            Err(_) => {
+                if let Some(c) = conn.take() {
+                    // The statement may still run on the server: ask it to
+                    // stop.
+                    let cancel = c.canceller();
+                    tokio::spawn(async move {
+                        let _ = cancel.cancel().await;
+                    });
+                    c.kill();
+                }
+                Err(Error::connection_lost(operation))
+            }
+        };
+        (sent, r)
+    }
+
+    /// Enters the leader of `shared`'s role, with `term`, into the batched
+    /// renewal.
+    pub(crate) fn join_renewals(&self, shared: &Shared, term: i64) -> RenewMember {
+        self.ensure_started();
+        let (tx, rx) = watch::channel(None);
+        self.inner.leaders().insert(
+            shared.role.clone(),
+            Leader {
+                node: shared.node.clone(),
+                term,
+                ttl_ms: shared.timing.ttl.as_millis() as i64,
+                priority: shared.priority,
+                bound: shared.timing.heartbeat_timeout,
+                outcome: tx,
+            },
+        );
+        // As on a shared connection: a short wait for others to share the
+        // statement, a small part of the answer limit.
+        let share_wait = (shared.timing.heartbeat_timeout / 10).min(Duration::from_millis(20));
+        RenewMember {
+            client: self.clone(),
+            role: shared.role.clone(),
+            term,
+            outcome: rx,
+            fed: Mutex::new(None),
+            share_wait,
+        }
+    }
+
+    /// Enters the standby of `shared`'s role into the batched acquire
+    /// (and registration); its first poll is sent within
+    /// [`NEW_STANDBY_WAIT`].
+    pub(crate) fn join_standbys(&self, shared: &Arc<Shared>) -> StandbyMember {
+        self.ensure_started();
+        let s = shared.options.schema_name().as_str();
+        let (tx, rx) = oneshot::channel();
+        let id = self.inner.next_standby.fetch_add(1, Ordering::Relaxed);
+        let first = Instant::now() + NEW_STANDBY_WAIT;
+        let register = Register::new(shared, Waits::Lease);
+        self.inner.standbys().insert(
+            shared.role.clone(),
+            Standby {
+                id,
+                node: shared.node.clone(),
+                meta: shared.meta.clone(),
+                ttl_ms: shared.timing.ttl.as_millis() as i64,
+                ttl: shared.timing.ttl,
+                priority: shared.priority,
+                payload: format!("{s}:elected:{}", shared.role),
+                retry_every: shared.timing.retry_every,
+                due: first,
+                register_due: first,
+                registration: register.entry(shared),
+                shared: Arc::downgrade(shared),
+                won: Some(tx),
+            },
+        );
+        self.inner.joined.notify_one();
+        StandbyMember {
+            client: self.clone(),
+            role: shared.role.clone(),
+            id,
+            outcome: rx,
+        }
+    }
+
+    /// Clears the holder where holder and term are still ours, with a
+    /// NOTIFY in the same transaction; up to three attempts (transient
+    /// failures). Returns whether the row was still ours.
+    pub(crate) async fn release(&self, shared: &Shared, term: i64) -> Result<bool> {
+        self.release_role(
+            &shared.role,
+            &shared.node,
+            term,
+            shared.timing.heartbeat_timeout,
+        )
+        .await
+    }
+
+    async fn release_role(
+        &self,
+        role: &str,
+        node: &str,
+        term: i64,
+        bound: Duration,
+    ) -> Result<bool> {
+        let s = self.inner.options.schema_name().as_str();
+        let payload = format!("{s}:released:{role}");
+        let role = role.to_owned();
+        let node = node.to_owned();
+        let mut failures = 0;
+        loop {
+            let (_, r) = self
+                .exec(
+                    Op::Release,
+                    bound,
+                    &self.inner.sql.lease.release,
+                    &[
+                        (&role, Type::TEXT),
+                        (&node, Type::TEXT),
+                        (&term, Type::INT8),
+                        (&payload, Type::TEXT),
+                    ],
+                )
+                .await;
+            match r {
+                Ok(rows) => {
+                    let cleared: i64 = rows
+                        .first()
+                        .map(|r| r.try_get(0))
+                        .transpose()
+                        .map_err(|e| Error::db(Op::Release.operation(), s, e))?
+                        .unwrap_or(0);
+                    if cleared == 0 {
+                        tracing::warn!(
+                            role,
+                            term,
+                            "the lease row no longer named this leader at release"
+                        );
+                    }
+                    return Ok(cleared > 0);
+                }
+                Err(e) if is_transient(&e) && failures < 2 => {
+                    failures += 1;
+                    tokio::time::sleep(backoff(failures)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+fn op_kind(op: Op) -> &'static str {
+    match op {
+        Op::Renew => "renew",
+        Op::Acquire => "acquire",
+        Op::Release => "release",
+        Op::Register => "other",
+    }
+}
+
+impl Inner {
+    fn leaders(&self) -> std::sync::MutexGuard<'_, HashMap<String, Leader>> {
+        // Entries are inserted and removed whole: a poisoned lock left the
+        // map consistent.
+        self.leaders.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn standbys(&self) -> std::sync::MutexGuard<'_, HashMap<String, Standby>> {
+        // As for `leaders`; fields are updated one by one, each consistent.
+        self.standbys.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn unanswered(&self) -> std::sync::MutexGuard<'_, VecDeque<i64>> {
+        self.unanswered
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl fmt::Debug for SharedLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedLease")
+            .field("target", &self.inner.options.target())
+            .field("application_name", &self.application_name())
+            .field(
+                "roles",
+                &self.inner.roles.lock().map(|r| r.len()).unwrap_or(0),
+            )
+            .field("leaders", &self.inner.leaders().len())
+            .field("standbys", &self.inner.standbys().len())
+            .field("statements", &self.statements())
+            .finish()
+    }
+}
+
+/// A role's place on a shared lease client, given back when dropped.
+pub(crate) struct LeaseClaim {
+    inner: Arc<Inner>,
+    role: String,
+}
+
+impl LeaseClaim {
+    pub(crate) fn client(&self) -> SharedLease {
+        SharedLease {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl Drop for LeaseClaim {
+    fn drop(&mut self) {
+        if let Ok(mut roles) = self.inner.roles.lock() {
+            roles.remove(&self.role);
+        }
+    }
+}
+
+/// A leader's entry in the batched renewal.
+struct Leader {
+    node: String,
+    term: i64,
+    ttl_ms: i64,
+    priority: i32,
+    /// The leader's statement bound (its heartbeat timeout).
+    bound: Duration,
+    /// The last batch that included this leader: when it was sent and
+    /// what it found for this role.
+    outcome: watch::Sender<Option<(Instant, Renewal)>>,
+}
+
+/// What one batched renewal found for one role.
+#[derive(Clone, Debug)]
+pub(crate) enum Renewal {
+    /// The row still named this leader and term, and was renewed.
+    Renewed {
+        row: (SystemTime, SystemTime),
+        resign_requested: bool,
+        /// A ready candidate of strictly higher priority.
+        ready: Option<String>,
+    },
+    /// The row no longer names this leader and term.
+    NotOurs,
+    /// The row still names this leader and term but was locked (a fenced
+    /// transaction's `FOR SHARE`): not renewed this time.
+    Busy,
+    /// The statement failed or got no answer.
+    Failed,
+}
+
+/// A leader's place in the batched renewal; leaves it when dropped.
+pub(crate) struct RenewMember {
+    client: SharedLease,
+    role: String,
+    term: i64,
+    outcome: watch::Receiver<Option<(Instant, Renewal)>>,
+    /// The send time of the last outcome handed to the keeper.
+    fed: Mutex<Option<Instant>>,
+    /// How long a renewal request waits for others to share its statement.
+    share_wait: Duration,
+}
+
+impl RenewMember {
+    /// The outcome of a batched renewal sent at or after `requested`
+    /// (asking for one within the member's share wait), with its send
+    /// time; `None` when the client ended first. The caller bounds the
+    /// wait.
+    pub(crate) async fn renewal(&self, requested: Instant) -> Option<(Instant, Renewal)> {
+        let by = requested + self.share_wait;
+        self.client
+            .inner
+            .renew_wanted
+            .send_modify(|w| *w = Some(w.map_or(by, |x| x.min(by))));
+        let mut outcome = self.outcome.clone();
+        let found = outcome
+            .wait_for(|o| o.as_ref().is_some_and(|(sent, _)| *sent >= requested))
+            .await
+            .ok()
+            .and_then(|o| o.clone());
+        if let Some((sent, _)) = &found {
+            self.set_fed(*sent);
+        }
+        found
+    }
+
+    /// Completes with an outcome of a batch this leader did not ask for
+    /// that the keeper has not been given yet; failures are not pushed
+    /// (the leader's own next renewal meets them).
+    pub(crate) async fn pushed(&self) -> (Instant, Renewal) {
+        let mut outcome = self.outcome.clone();
+        let fed = *self.fed.lock().unwrap_or_else(PoisonError::into_inner);
+        let found = outcome
+            .wait_for(|o| {
+                o.as_ref().is_some_and(|(sent, r)| {
+                    fed.is_none_or(|f| *sent > f) && !matches!(r, Renewal::Failed)
+                })
+            })
+            .await
+            .map(|o| o.clone());
+        match found {
+            Ok(Some((sent, r))) => {
+                self.set_fed(sent);
+                (sent, r)
+            }
+            _ => std::future::pending().await,
+        }
+    }
+
+    fn set_fed(&self, sent: Instant) {
+        let mut fed = self.fed.lock().unwrap_or_else(PoisonError::into_inner);
+        if fed.is_none_or(|f| sent > f) {
+            *fed = Some(sent);
+        }
+    }
+
+    /// Leaves the batch at once: no later batch renews this role's row.
+    pub(crate) fn leave(&self) {
+        let mut leaders = self.client.inner.leaders();
+        if leaders.get(&self.role).is_some_and(|l| l.term == self.term) {
+            leaders.remove(&self.role);
+        }
+    }
+}
+
+impl Drop for RenewMember {
+    fn drop(&mut self) {
+        self.leave();
+    }
+}
+
+/// A standby's entry in the batched acquire and registration.
+struct Standby {
+    id: u64,
+    node: String,
+    meta: Option<serde_json::Value>,
+    ttl_ms: i64,
+    ttl: Duration,
+    priority: i32,
+    payload: String,
+    retry_every: Duration,
+    /// When the next acquire of this role is due.
+    due: Instant,
+    /// When the next registration of this standby is due.
+    register_due: Instant,
+    registration: Registration,
+    /// For the elector's last-contact time.
+    shared: Weak<Shared>,
+    /// Where a win (or a refusal) goes; taken when sent.
+    won: Option<oneshot::Sender<Result<Won>>>,
+}
+
+/// A lease won by a batched acquire.
+#[derive(Debug)]
+pub(crate) struct Won {
+    /// When the statement that won it was sent.
+    pub(crate) sent: Instant,
+    pub(crate) term: i64,
+    pub(crate) acquired_at: SystemTime,
+    pub(crate) lease_until: SystemTime,
+    /// The row as it was before: holder and backend.
+    pub(crate) prev_holder: Option<String>,
+    pub(crate) prev_backend: Option<String>,
+}
+
+/// A standby's place in the batched acquire; leaves it when dropped.
+pub(crate) struct StandbyMember {
+    client: SharedLease,
+    role: String,
+    id: u64,
+    outcome: oneshot::Receiver<Result<Won>>,
+}
+
+impl StandbyMember {
+    /// Completes when a batched acquire won the role's lease, or with the
+    /// error that refused the role to this standby.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a lease won after the member was dropped is released
+    /// by the client.
+    pub(crate) async fn won(&mut self) -> Result<Won> {
+        match (&mut self.outcome).await {
+            Ok(r) => r,
+            // The client's task ended (never while a handle lives).
+            Err(_) => Err(Error::connection_lost("take the lease")),
+        }
+    }
+}
+
+impl Drop for StandbyMember {
+    fn drop(&mut self) {
+        let mut standbys = self.client.inner.standbys();
+        if standbys.get(&self.role).is_some_and(|s| s.id == self.id) {
+            standbys.remove(&self.role);
+        }
+    }
+}
+
+/// Waits for the earliest moment a task is wanted at, following requests
+/// that want it sooner; false once stopped.
+async fn until_wanted(
+    wanted: &mut watch::Receiver<Option<Instant>>,
+    stop: &CancellationToken,
+) -> bool {
+    loop {
+        let by = *wanted.borrow_and_update();
+        let changed = tokio::select! {
+            _ = stop.cancelled() => return false,
+            r = wanted.changed() => r,
+            _ = async {
+                match by {
+                    Some(by) => tokio::time::sleep_until(by).await,
+                    None => std::future::pending().await,
+                }
+            } => return true,
+        };
+        if changed.is_err() {
+            return false;
+        }
+    }
+}
+
+/// The index ranges of `len` items taken `size` at a time, in order.
+fn chunks(len: usize, size: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    (0..len)
+        .step_by(size.max(1))
+        .map(move |at| at..(at + size).min(len))
+}
+
+/// The batched renewal: for each given (role, node, term), what a single
+/// lease renewal does (`lease_sql().renew`): where the row still names the
+/// node with the term, extends the lease to the server's `now()` + the
+/// role's TTL, never moving it back (`greatest`, as the single renewal),
+/// and returns the remaining ms, the resign mark and the node of a ready
+/// candidate of strictly higher priority. A row still ours but locked (a
+/// fenced transaction holds it `FOR SHARE`) is skipped, not waited for
+/// (one locked row would otherwise hold up every role's renewal), and
+/// returned with `renewed` false. Roles not returned are no longer ours.
+///
+/// Parameters, one array element per leader: `$1` role, `$2` node, `$3`
+/// term, `$4` ttl ms, `$5` priority. Rows: role, remaining ms (float8),
+/// resign_requested, preferred ready node, renewed_at, lease_until,
+/// renewed.
+fn batch_renew_sql(s: &str) -> String {
+    let pref = registry::preferred_lease_sql(s, "m.role", "m.node", "m.priority");
+    format!(
+        "WITH m AS (
+             SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::int8[], $5::int4[])
+                        AS m(role, node, term, ttl_ms, priority)
+         ), o AS (
+             SELECT l.role
+               FROM {s}.leaders l JOIN m
+                 ON l.role = m.role AND l.holder = m.node AND l.term = m.term
+                FOR NO KEY UPDATE OF l SKIP LOCKED
+         ), u AS (
+             UPDATE {s}.leaders l
+                SET renewed_at = greatest(l.renewed_at, now()),
+                    lease_until = greatest(l.lease_until, now() + m.ttl_ms * interval '1 millisecond')
+               FROM m, o
+              WHERE l.role = m.role AND l.role = o.role
+             RETURNING l.role, l.renewed_at, l.lease_until, l.resign_requested
+         )
+         SELECT u.role, (extract(epoch FROM u.lease_until - now()) * 1000)::float8,
+                u.resign_requested, {pref}, u.renewed_at, u.lease_until, true AS renewed
+           FROM u JOIN m ON m.role = u.role
+         UNION ALL
+         SELECT l.role, NULL::float8, false, NULL::text, l.renewed_at, l.lease_until, false
+           FROM {s}.leaders l JOIN m
+             ON l.role = m.role AND l.holder = m.node AND l.term = m.term
+          WHERE l.role NOT IN (SELECT u.role FROM u)"
+    )
+}
+
+/// The batched acquire: for each given standby, what a single acquire
+/// (`lease_sql().acquire`) does. A role is tried when its row is missing,
+/// has no holder, or its lease expired on the server's clock, and no ready
+/// candidate of strictly higher priority is registered; or when its row
+/// names the standby's node with the token of one of this client's
+/// acquires that got no answer (`$8`: nobody acts on such a lease). The
+/// upsert re-checks the same conditions on the latest row version (READ
+/// COMMITTED), so of concurrent candidates exactly one wins a role. Rows
+/// that are held are only read, never locked or written: a poll of
+/// thousands of led roles writes nothing.
+///
+/// Parameters, one array element per standby: `$1` role, `$2` node, `$3`
+/// meta (jsonb), `$4` ttl ms, `$5` NOTIFY payload, `$6` priority; then
+/// `$7` this poll's token (int8) and `$8` the unanswered tokens (int8[]).
+/// One row per role: role, won term (NULL if not won), acquired_at,
+/// lease_until, the row as it was before (holder, backend, remaining ms),
+/// the NOTIFY (one per win) and the preferred candidate it deferred to.
+fn batch_acquire_sql(s: &str) -> String {
+    let (first, next) = (next_term_sql("0"), next_term_sql("l.term"));
+    let pref = registry::preferred_lease_sql(s, "a.role", "a.node", "a.priority");
+    format!(
+        "WITH a AS (
+             SELECT * FROM unnest($1::text[], $2::text[], $3::jsonb[], $4::int8[], $5::text[],
+                                  $6::int4[])
+                        AS a(role, node, meta, ttl_ms, payload, priority)
+         ), cur AS (
+             SELECT a.role, l.holder, l.backend, l.lease_until,
+                    (l.role IS NULL OR l.holder IS NULL OR l.lease_until IS NULL
+                     OR l.lease_until < now()) AS free,
+                    coalesce(l.holder = a.node AND l.lease_token = ANY($8::int8[]), false) AS lost
+               FROM a LEFT JOIN {s}.leaders l ON l.role = a.role
+         ), try AS (
+             SELECT a.*, cur.lost, CASE WHEN cur.free THEN {pref} END AS pref
+               FROM a JOIN cur ON cur.role = a.role
+              WHERE cur.free OR cur.lost
+         ), up AS (
+             INSERT INTO {s}.leaders AS l
+                    (role, holder, holder_meta, term, backend, holder_pid,
+                     acquired_at, renewed_at, lease_until, resign_requested, lease_token)
+             SELECT t.role, t.node, t.meta, {first}, 'lease', NULL, now(), now(),
+                    now() + t.ttl_ms * interval '1 millisecond', false, $7
+               FROM try t
+              WHERE t.pref IS NULL OR t.lost
+              ORDER BY t.role
+             ON CONFLICT (role) DO UPDATE
+                SET holder = EXCLUDED.holder, holder_meta = EXCLUDED.holder_meta,
+                    term = {next}, backend = 'lease', holder_pid = NULL,
+                    acquired_at = EXCLUDED.acquired_at, renewed_at = EXCLUDED.renewed_at,
+                    lease_until = EXCLUDED.lease_until, resign_requested = false,
+                    lease_token = EXCLUDED.lease_token
+              WHERE (l.holder IS NULL OR l.lease_until IS NULL OR l.lease_until < now())
+                 -- a lease taken by one of our own unanswered acquires:
+                 -- nobody acts on it, take it again with a new term
+                 OR (l.holder = EXCLUDED.holder AND l.lease_token = ANY($8::int8[]))
+             RETURNING l.role, l.term, l.acquired_at, l.lease_until
+         )
+         SELECT a.role, up.term, up.acquired_at, up.lease_until,
+                cur.holder, cur.backend,
+                (extract(epoch FROM cur.lease_until - now()) * 1000)::float8,
+                CASE WHEN up.term IS NOT NULL
+                     THEN pg_catalog.pg_notify('{LEADER_CHANNEL}', a.payload)::text END,
+                CASE WHEN up.term IS NULL THEN try.pref END
+           FROM a LEFT JOIN up ON up.role = a.role
+                  LEFT JOIN cur ON cur.role = a.role
+                  LEFT JOIN try ON try.role = a.role"
+    )
+}
+
+/// The renewal task: when the earliest renewal request wants it, sends one
+/// statement per chunk renewing every leader on the client, and hands each
+/// its outcome with the statement's send time; ends with the client.
+async fn renew_batches(
+    inner: Weak<Inner>,
+    mut wanted: watch::Receiver<Option<Instant>>,
+    stop: CancellationToken,
+) {
+    loop {
+        if !until_wanted(&mut wanted, &stop).await {
+            return;
+        }
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        let client = SharedLease { inner };
+        client.inner.renew_wanted.send_replace(None);
+        let mut leaders: Vec<(String, String, i64, i64, i32, Duration, watch::Sender<_>)> = client
+            .inner
+            .leaders()
+            .iter()
+            .map(|(role, l)| {
+                (
+                    role.clone(),
+                    l.node.clone(),
+                    l.term,
+                    l.ttl_ms,
+                    l.priority,
+                    l.bound,
+                    l.outcome.clone(),
+                )
+            })
+            .collect();
+        if leaders.is_empty() {
+            continue;
+        }
+        leaders.sort_by(|a, b| a.0.cmp(&b.0));
+        for chunk in chunks(leaders.len(), CHUNK_ROWS) {
+            let part = &leaders[chunk];
+            let roles: Vec<&str> = part.iter().map(|l| l.0.as_str()).collect();
+            let nodes: Vec<&str> = part.iter().map(|l| l.1.as_str()).collect();
+            let terms: Vec<i64> = part.iter().map(|l| l.2).collect();
+            let ttls: Vec<i64> = part.iter().map(|l| l.3).collect();
+            let priorities: Vec<i32> = part.iter().map(|l| l.4).collect();
+            let bound = part
+                .iter()
+                .map(|l| l.5)
+                .min()
+                .expect("BUG: chunks are not empty");
+            let (sent, rows) = client
+                .exec(
+                    Op::Renew,
+                    bound,
+                    &client.inner.sql.renew,
+                    &[
+                        (&roles, Type::TEXT_ARRAY),
+                        (&nodes, Type::TEXT_ARRAY),
+                        (&terms, Type::INT8_ARRAY),
+                        (&ttls, Type::INT8_ARRAY),
+                        (&priorities, Type::INT4_ARRAY),
+                    ],
+                )
+                .await;
+            tracing::debug!(leaders = part.len(), took = ?sent.elapsed(), "batched lease renewal");
+            let mut found: HashMap<String, Renewal> = HashMap::new();
+            let failed = match rows {
+                Ok(rows) => rows
+                    .iter()
+                    .try_for_each(|row| {
+                        let role: String = row.try_get(0)?;
+                        if !row.try_get::<_, bool>(6)? {
+                            found.insert(role, Renewal::Busy);
+                            return Ok(());
+                        }
+                        let r = Renewal::Renewed {
+                            row: (row.try_get(4)?, row.try_get(5)?),
+                            resign_requested: row.try_get(2)?,
+                            ready: row.try_get(3)?,
+                        };
+                        found.insert(role, r);
+                        Ok::<_, tokio_postgres::Error>(())
+                    })
+                    .is_err(),
+                Err(e) => {
+                    tracing::warn!(error = %e, leaders = part.len(), "the batched lease renewal failed; retrying until each leader's deadline");
+                    true
+                }
+            };
+            for (role, _, _, _, _, _, tx) in part {
+                let r = match failed {
+                    true => Renewal::Failed,
+                    false => found.remove(role).unwrap_or(Renewal::NotOurs),
+                };
+                tx.send_replace(Some((sent, r)));
+            }
+        }
+    }
+}
+
+/// The standby task: registers the standbys that are due and sends the
+/// batched acquire for all standbys when the earliest one is due; ends
+/// with the client.
+async fn standby_batches(inner: Weak<Inner>, joined: Arc<Notify>, stop: CancellationToken) {
+    let mut failures = 0u32;
+    loop {
+        let next = match inner.upgrade() {
+            Some(i) => {
+                let standbys = i.standbys();
+                standbys.values().map(|s| s.due.min(s.register_due)).min()
+            }
+            None => return,
+        };
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = joined.notified() => continue,
+            _ = async {
+                match next {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            } => {}
+        }
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        let client = SharedLease { inner };
+        register_due(&client).await;
+        let now = Instant::now();
+        let due = client.inner.standbys().values().any(|s| s.due <= now);
+        if !due {
+            continue;
+        }
+        if acquire_all(&client).await {
+            failures = 0;
+        } else {
+            failures = failures.saturating_add(1);
+            let wait = backoff(failures);
+            let now = Instant::now();
+            for s in client.inner.standbys().values_mut() {
+                s.due = now + wait.min(s.retry_every);
+            }
+        }
+    }
+}
+
+/// Registers (upserts in the registry) every standby whose registration
+/// is due within a quarter of its TTL, in chunks.
+async fn register_due(client: &SharedLease) {
+    let now = Instant::now();
+    let mut due: Vec<(String, Registration)> = client
+        .inner
+        .standbys()
+        .iter()
+        .filter(|(_, s)| s.register_due <= now + s.ttl / 4)
+        .map(|(role, s)| {
+            let r = &s.registration;
+            (
+                role.clone(),
+                Registration {
+                    role: r.role.clone(),
+                    node: r.node.clone(),
+                    priority: r.priority,
+                    standby: r.standby,
+                    timing: r.timing.clone(),
+                    meta: r.meta.clone(),
+                    payload: r.payload.clone(),
+                },
+            )
+        })
+        .collect();
+    if due.is_empty() {
+        return;
+    }
+    // In role order, so that concurrent registrations lock rows in one
+    // order.
+    due.sort_by(|a, b| a.0.cmp(&b.0));
+    for chunk in chunks(due.len(), CHUNK_ROWS) {
+        let part = &due[chunk];
+        let roles: Vec<&str> = part.iter().map(|r| r.1.role.as_str()).collect();
+        let nodes: Vec<&str> = part.iter().map(|r| r.1.node.as_str()).collect();
+        let priorities: Vec<i32> = part.iter().map(|r| r.1.priority).collect();
+        let standbys: Vec<Option<&str>> = part.iter().map(|r| r.1.standby).collect();
+        let timings: Vec<&serde_json::Value> = part.iter().map(|r| &r.1.timing).collect();
+        let metas: Vec<Option<&serde_json::Value>> =
+            part.iter().map(|r| r.1.meta.as_ref()).collect();
+        let payloads: Vec<&str> = part.iter().map(|r| r.1.payload.as_str()).collect();
+        let (sent, r) = client
+            .exec(
+                Op::Register,
+                PATIENT_BOUND,
+                &client.inner.sql.register,
+                &[
+                    (&roles, Type::TEXT_ARRAY),
+                    (&nodes, Type::TEXT_ARRAY),
+                    (&priorities, Type::INT4_ARRAY),
+                    (&standbys, Type::TEXT_ARRAY),
+                    (&timings, Type::JSONB_ARRAY),
+                    (&metas, Type::JSONB_ARRAY),
+                    (&payloads, Type::TEXT_ARRAY),
+                ],
+            )
+            .await;
+        tracing::debug!(candidates = part.len(), took = ?sent.elapsed(), "batched lease registration");
+        let mut standbys = client.inner.standbys();
+        for (role, _) in part {
+            if let Some(s) = standbys.get_mut(role) {
+                s.register_due = match &r {
+                    // Readiness is "seen within ttl" on the server's clock.
+                    Ok(_) => sent + s.ttl / 2,
+                    Err(_) => Instant::now() + s.retry_every,
+                };
+            }
+        }
+        if let Err(e) = r {
+            tracing::warn!(error = %e, candidates = part.len(), "the batched registration failed; retrying");
+        }
+    }
+}
+
+/// One standby's row of a batched acquire, decoded.
+struct Acquired {
+    role: String,
+    won: Option<(i64, SystemTime, SystemTime)>,
+    prev_holder: Option<String>,
+    prev_backend: Option<String>,
+    prev_remaining: Option<f64>,
+    deferred_to: Option<String>,
+}
+
+fn decode_acquired(row: &Row) -> std::result::Result<Acquired, tokio_postgres::Error> {
+    let term: Option<i64> = row.try_get(1)?;
+    let won = match term {
+        Some(term) => Some((term, row.try_get(2)?, row.try_get(3)?)),
+        None => None,
+    };
+    Ok(Acquired {
+        role: row.try_get(0)?,
+        won,
+        prev_holder: row.try_get(4)?,
+        prev_backend: row.try_get(5)?,
+        prev_remaining: row.try_get(6)?,
+        deferred_to: row.try_get(8)?,
+    })
+}
+
+fn ms(f: f64) -> Duration {
+    if f.is_finite() && f > 0.0 {
+        Duration::from_secs_f64((f / 1000.0).min(1e9))
+    } else {
+        Duration::ZERO
+    }
+}
+
+/// Up to 50 ms (a twentieth of the TTL below 1 s) after an expiry, so that
+/// the candidates do not all fire at once.
+fn jitter(ttl: Duration) -> Duration {
+    let max = super::lease::MAX_JITTER.min(ttl / 20);
+    Duration::from_millis(random_u64() % (max.as_millis() as u64 + 1))
+}
+
+/// Sends the batched acquire for every standby, in chunks; hands each won
+/// role to its standby and schedules the others' next attempt. False when
+/// a statement failed.
+async fn acquire_all(client: &SharedLease) -> bool {
+    let s = client.inner.options.schema_name().as_str();
+    type Entry = (String, String, Option<serde_json::Value>, i64, String, i32);
+    let mut entries: Vec<Entry> = client
+        .inner
+        .standbys()
+        .iter()
+        .map(|(role, s)| {
+            (
+                role.clone(),
+                s.node.clone(),
+                s.meta.clone(),
+                s.ttl_ms,
+                s.payload.clone(),
+                s.priority,
+            )
+        })
+        .collect();
+    if entries.is_empty() {
+        return true;
+    }
+    // From this client's own place in role order (see `offset`); each chunk
+    // is sorted again below, so every statement locks its rows in role
+    // order and concurrent acquires cannot deadlock.
+    entries.sort_by(|a, b| a.0.cmp(&b.0));
+    let at = client.inner.offset % entries.len();
+    entries.rotate_left(at);
+    // The statement's bound: a third of the shortest TTL, within 2 to 5 s
+    // (renewals wait behind it).
+    let bound = {
+        let standbys = client.inner.standbys();
+        let ttl = standbys.values().map(|s| s.ttl).min().unwrap_or_default();
+        (ttl / 3).clamp(PATIENT_BOUND, Duration::from_secs(5))
+    };
+    let mut ok = true;
+    let size = client.inner.acquire_rows.load(Ordering::Relaxed);
+    for chunk in chunks(entries.len(), size) {
+        let part = &mut entries[chunk];
+        part.sort_by(|a, b| a.0.cmp(&b.0));
+        let part = &*part;
+        let roles: Vec<&str> = part.iter().map(|e| e.0.as_str()).collect();
+        let nodes: Vec<&str> = part.iter().map(|e| e.1.as_str()).collect();
+        let metas: Vec<Option<&serde_json::Value>> = part.iter().map(|e| e.2.as_ref()).collect();
+        let ttls: Vec<i64> = part.iter().map(|e| e.3).collect();
+        let payloads: Vec<&str> = part.iter().map(|e| e.4.as_str()).collect();
+        let priorities: Vec<i32> = part.iter().map(|e| e.5).collect();
+        let token = random_u64() as i64;
+        let unanswered: Vec<i64> = client.inner.unanswered().iter().copied().collect();
+        let (sent, r) = client
+            .exec(
+                Op::Acquire,
+                bound,
+                &client.inner.sql.acquire,
+                &[
+                    (&roles, Type::TEXT_ARRAY),
+                    (&nodes, Type::TEXT_ARRAY),
+                    (&metas, Type::JSONB_ARRAY),
+                    (&ttls, Type::INT8_ARRAY),
+                    (&payloads, Type::TEXT_ARRAY),
+                    (&priorities, Type::INT4_ARRAY),
+                    (&token, Type::INT8),
+                    (&unanswered, Type::INT8_ARRAY),
+                ],
+            )
+            .await;
+        tracing::debug!(standbys = part.len(), took = ?sent.elapsed(), "batched lease acquire");
+        let rows = match r {
+            Ok(rows) => rows,
+            Err(e) => {
+                // Unless the server answered with an error (nothing
+                // committed), the statement may have committed: the leases
+                // it took name our nodes and nobody acts on them.
+                let answered =
+                    matches!(&e, Error::Database { source, .. } if source.as_db_error().is_some());
+                if !answered {
+                    let mut u = client.inner.unanswered();
+                    if u.len() >= UNANSWERED_TOKENS {
+                        u.pop_front();
+                    }
+                    u.push_back(token);
+                    // Smaller chunks hold fewer rows for less time.
+                    let smaller = (part.len() / 2).max(MIN_ACQUIRE_ROWS);
+                    client.inner.acquire_rows.store(smaller, Ordering::Relaxed);
+                }
+                tracing::warn!(error = %e, standbys = part.len(), "the batched lease acquire failed; retrying");
+                ok = false;
+                break;
+            }
+        };
+        let decoded: std::result::Result<Vec<Acquired>, _> =
+            rows.iter().map(decode_acquired).collect();
+        let decoded = match decoded {
+            Ok(d) => d,
+            Err(e) => {
+                // Never: the statement's columns are ours. Whatever it won
+                // expires unused after a TTL.
+                tracing::warn!(error = %Error::db(Op::Acquire.operation(), s, e), "could not read the batched acquire's rows");
+                ok = false;
+                break;
+            }
+        };
+        let grown = (size * 2).min(ACQUIRE_ROWS);
+        client.inner.acquire_rows.store(grown, Ordering::Relaxed);
+        let now = Instant::now();
+        let mut unclaimed = Vec::new();
+        {
+            let mut standbys = client.inner.standbys();
+            for a in decoded {
+                let entry = standbys.get_mut(&a.role);
+                if let Some(shared) = entry.as_ref().and_then(|e| e.shared.upgrade()) {
+                    shared.contact.touch();
+                }
+                match (a.won, entry) {
+                    (Some((term, acquired_at, lease_until)), Some(e)) => {
+                        let node = e.node.clone();
+                        let tx = e.won.take();
+                        standbys.remove(&a.role);
+                        let won = Won {
+                            sent,
+                            term,
+                            acquired_at,
+                            lease_until,
+                            prev_holder: a.prev_holder,
+                            prev_backend: a.prev_backend,
+                        };
+                        if tx.is_none_or(|tx| tx.send(Ok(won)).is_err()) {
+                            unclaimed.push((a.role, node, term));
+                        }
+                    }
+                    (Some((term, _, _)), None) => {
+                        // The standby left while the statement ran.
+                        let node = part
+                            .iter()
+                            .find(|e| e.0 == a.role)
+                            .map(|e| e.1.clone())
+                            .unwrap_or_default();
+                        unclaimed.push((a.role, node, term));
+                    }
+                    (None, None) => {}
+                    (None, Some(e)) => {
+                        let remaining = a.prev_remaining.unwrap_or(0.0);
+                        if a.prev_holder.is_some()
+                            && a.prev_backend.as_deref() == Some("session")
+                            && remaining > 0.0
+                        {
+                            let err = Error::config(format!(
+                                "role {:?} is held by {:?}, a leader using the session backend, but this candidate uses the lease backend: all candidates of a role must use the same backend",
+                                a.role,
+                                a.prev_holder.unwrap_or_default()
+                            ));
+                            if let Some(tx) = e.won.take() {
+                                let _ = tx.send(Err(err));
+                            }
+                            standbys.remove(&a.role);
+                            continue;
+                        }
+                        let wait = if a.deferred_to.is_some() {
+                            // Left to a candidate of higher priority seen
+                            // within its TTL; its registration goes stale
+                            // within a TTL if it never takes the lease.
+                            e.retry_every
+                        } else {
+                            let left = if a.prev_holder.is_some() {
+                                ms(remaining)
+                            } else {
+                                Duration::ZERO
+                            };
+                            (left + jitter(e.ttl)).min(e.retry_every)
+                        };
+                        e.due = now + wait;
+                    }
+                }
+            }
+        }
+        for (role, node, term) in unclaimed {
+            let bound = PATIENT_BOUND;
+            tracing::debug!(
+                role,
+                term,
+                "a lease won for a standby that left; releasing it"
+            );
+            if let Err(e) = client.release_role(&role, &node, term, bound).await {
+                tracing::warn!(role, error = %e, "could not release a lease won for a standby that left; it expires on its own");
+            }
+        }
+    }
+    ok
+}
+
+/// Keeps the renewal's answer for the keeper: `Renewal` to the driver's
+/// `Answer`, or the error the keeper retries on.
+pub(crate) fn renewal_answer(r: Renewal) -> Result<crate::election::driver::Answer> {
+    use crate::election::driver::{Answer, Preferred};
+    match r {
+        Renewal::Renewed {
+            row,
+            resign_requested,
+            ready,
+        } => Ok(Answer::Renewed {
+            row: Some(row),
+            resign_requested,
+            preferred: Preferred {
+                ready,
+                pending: false,
+            },
+        }),
+        Renewal::NotOurs => Ok(Answer::NotOurs),
+        Renewal::Busy => Ok(Answer::Busy),
+        Renewal::Failed => Err(Error::connection_lost(Op::Renew.operation())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batched_statements_keep_the_single_statements_rules() {
+        let renew = batch_renew_sql("pgelect");
+        assert!(renew.contains("greatest(l.lease_until, now()"), "{renew}");
+        assert!(
+            renew.contains("l.holder = m.node AND l.term = m.term"),
+            "{renew}"
+        );
+        let acquire = batch_acquire_sql("pgelect");
+        assert!(acquire.contains("l.lease_until < now()"), "{acquire}");
+        assert!(acquire.contains("c.priority > a.priority"), "{acquire}");
+        assert!(acquire.contains("pg_notify"), "{acquire}");
+        for s in [&renew, &acquire] {
+            assert!(!s.contains(';'), "one statement each: {s}");
+        }
+    }
+
+    #[test]
+    fn chunks_cover_every_item_once() {
+        assert_eq!(chunks(0, 3).count(), 0);
+        assert_eq!(chunks(7, 3).collect::<Vec<_>>(), vec![0..3, 3..6, 6..7]);
+        assert_eq!(chunks(4000, CHUNK_ROWS).count(), 2);
+    }
+}
