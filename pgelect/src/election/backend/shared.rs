@@ -569,7 +569,7 @@ impl SharedSession {
 /// Waits for the earliest moment a task of a shared session is wanted at,
 /// following requests that want it sooner; false once the connection
 /// closed or the session is gone.
-async fn until_wanted(
+pub(crate) async fn until_wanted(
     wanted: &mut watch::Receiver<Option<Instant>>,
     closed: &tokio_util::sync::CancellationToken,
 ) -> bool {
@@ -1193,7 +1193,7 @@ const BATCH_ROWS: usize = 200;
 
 /// The index ranges of `len` items taken `size` at a time (the last one
 /// shorter), in order: the chunks a batched statement goes in.
-fn chunks(len: usize, size: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+pub(crate) fn chunks(len: usize, size: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
     (0..len)
         .step_by(size.max(1))
         .map(move |at| at..(at + size).min(len))

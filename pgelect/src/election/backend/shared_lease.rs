@@ -16,7 +16,7 @@ use crate::conn::{ConnectOptions, DedicatedConnection};
 use crate::error::{Error, Result};
 use crate::schema::check_schema;
 
-use crate::election::backend::shared::Registration;
+use crate::election::backend::shared::{chunks, until_wanted, Registration};
 use crate::election::config::random_u64;
 use crate::election::registry::{self, Register, Waits};
 use crate::election::support::{backoff, is_transient};
@@ -751,37 +751,6 @@ impl Drop for StandbyMember {
     }
 }
 
-/// Waits for the earliest moment a task is wanted at, following requests
-/// that want it sooner; false once stopped.
-async fn until_wanted(
-    wanted: &mut watch::Receiver<Option<Instant>>,
-    stop: &CancellationToken,
-) -> bool {
-    loop {
-        let by = *wanted.borrow_and_update();
-        let changed = tokio::select! {
-            _ = stop.cancelled() => return false,
-            r = wanted.changed() => r,
-            _ = async {
-                match by {
-                    Some(by) => tokio::time::sleep_until(by).await,
-                    None => std::future::pending().await,
-                }
-            } => return true,
-        };
-        if changed.is_err() {
-            return false;
-        }
-    }
-}
-
-/// The index ranges of `len` items taken `size` at a time, in order.
-fn chunks(len: usize, size: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
-    (0..len)
-        .step_by(size.max(1))
-        .map(move |at| at..(at + size).min(len))
-}
-
 /// The batched renewal: for each given (role, node, term), what a single
 /// lease renewal does (`lease_sql().renew`): where the row still names the
 /// node with the term, extends the lease to the server's `now()` + the
@@ -1392,8 +1361,6 @@ mod tests {
 
     #[test]
     fn chunks_cover_every_item_once() {
-        assert_eq!(chunks(0, 3).count(), 0);
-        assert_eq!(chunks(7, 3).collect::<Vec<_>>(), vec![0..3, 3..6, 6..7]);
         assert_eq!(chunks(4000, CHUNK_ROWS).count(), 2);
     }
 }
