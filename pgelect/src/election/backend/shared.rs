@@ -35,7 +35,7 @@ use crate::election::watch::{
 /// alone). Each role keeps its own term and its own local deadline,
 /// counted from the moment that statement was sent. The standbys on it are
 /// batched too: one statement per polling interval tries all their locks
-/// (in chunks of a few thousand), one registers up to 200 new standbys, one
+/// (in chunks of 10,000), one registers up to 200 new standbys, one
 /// elects up to 200 granted roles, and one per poll looks for zombie
 /// leaders of every vacant role; only one of these is in flight at a time,
 /// so a leader's renewal or heartbeat waits behind one at most.
