@@ -692,8 +692,10 @@ impl Elector {
         // and alerts see every candidate, not only those that have led.
         crate::metrics::standing(&self.shared.role);
         match self.shared.backend() {
-            Backend::Session => backend::session::campaign(&self.shared).await,
-            Backend::Lease => backend::lease::campaign(&self.shared).await,
+            // Boxed: a waiting candidate's future holds its backend's
+            // campaign only (thousands wait on a shared connection).
+            Backend::Session => Box::pin(backend::session::campaign(&self.shared)).await,
+            Backend::Lease => Box::pin(backend::lease::campaign(&self.shared)).await,
         }
     }
 

@@ -11,13 +11,13 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Row;
 use tracing::Instrument;
 
-use crate::conn::DedicatedConnection;
+use crate::conn::{DedicatedConnection, Notice};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::lock::holders::{query_holders, SquatWatch};
@@ -50,7 +50,7 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
         let mut failures = 0u32;
         let mut yields = 0u32;
         loop {
-            match attempt(shared).await {
+            match Box::pin(attempt(shared)).await {
                 Ok(Attempt::Elected(l)) => return Ok(l),
                 Ok(Attempt::Again) => {
                     // Lost during the handover delay: stand again at once.
@@ -236,12 +236,12 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
         },
     );
     let conn = match &session.host {
-        Some(host) => LockConn::Shared(host.connection().get().await?),
+        Some(host) => LockConn::Shared(Box::pin(host.connection().get()).await?),
         // The connection of this elector's last clean release, if it is
         // still open: warmed up and checked already, no backend to start.
         None => LockConn::Own(match session.take_spare() {
             Some(conn) => conn,
-            None => lock_connection(shared, &elect).await?,
+            None => Box::pin(lock_connection(shared, &elect)).await?,
         }),
     };
     let mut guard = KillOnDrop {
@@ -254,7 +254,7 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
     let args: Vec<(&(dyn ToSql + Sync), Type)> = params.iter().map(|p| p.as_sql()).collect();
     let wait_started = Instant::now();
     match session.standby {
-        StandbyMode::Blocking => wait_blocking(shared, &conn, &register).await?,
+        StandbyMode::Blocking => Box::pin(wait_blocking(shared, &conn, &register)).await?,
         StandbyMode::Polling { interval } => {
             match &conn {
                 // On a shared connection, one statement registers the
@@ -265,15 +265,17 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
                 LockConn::Shared(session) => {
                     if !session.register(register.entry(shared)).await {
                         let _turn = session.campaign_turn().await;
-                        register.run(shared, &conn).await?;
+                        Box::pin(register.run(shared, &conn)).await?;
                     }
                 }
-                LockConn::Own(_) => register.run(shared, &conn).await?,
+                LockConn::Own(_) => Box::pin(register.run(shared, &conn)).await?,
             }
             match &conn {
-                LockConn::Own(own) => poll_for_lock(shared, own, interval, &args, true).await?,
+                LockConn::Own(own) => {
+                    Box::pin(poll_for_lock(shared, own, interval, &args, true)).await?
+                }
                 LockConn::Shared(session) => {
-                    poll_in_batch(shared, session, interval, &args).await?
+                    Box::pin(poll_in_batch(shared, session, interval, &args)).await?
                 }
             }
         }
@@ -292,11 +294,17 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
             // The three requests are pipelined (sent in this order in one
             // go, run in order by the server): one round trip, not three.
             let listen = format!("BEGIN; LISTEN {RESIGN_CHANNEL}");
-            let (begun, elected, committed) = tokio::join!(
-                own.client().batch_execute(&listen),
-                elect.run(shared, own),
-                own.client().batch_execute("COMMIT"),
-            );
+            // Boxed, as the other long or rare steps of an attempt: a
+            // standby's future, thousands of them on a shared connection,
+            // holds only the step it waits in.
+            let (begun, elected, committed) = Box::pin(async {
+                tokio::join!(
+                    own.client().batch_execute(&listen),
+                    elect.run(shared, own),
+                    own.client().batch_execute("COMMIT"),
+                )
+            })
+            .await;
             begun.map_err(|e| Error::db("record the new term", s, e))?;
             let elected = elected?;
             committed.map_err(|e| Error::db("record the new term", s, e))?;
@@ -327,7 +335,7 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
                     // error (a failed statement wrote nothing).
                     let _turn = c.campaign_turn().await;
                     let sent_at = Instant::now();
-                    let elected = elect.run(shared, c).await?;
+                    let elected = Box::pin(elect.run(shared, c)).await?;
                     (elected, hints, sent_at)
                 }
             }
@@ -349,9 +357,7 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
                 LockConn::Shared(c) => Some(c.campaign_turn().await),
                 LockConn::Own(_) => None,
             };
-            let unlocked: bool = conn
-                .client()
-                .query_typed_one(&unlock, &args)
+            let unlocked: bool = Box::pin(conn.client().query_typed_one(&unlock, &args))
                 .await
                 .and_then(|row| row.try_get(0))
                 .map_err(|e| Error::db("unlock the leader's lock", s, e))?;
@@ -394,6 +400,28 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
         holder_pid: Some(conn.pid()),
     }));
 
+    guard.conn = None;
+    drop(guard);
+    let timing = (sent_at, answered, granted_at, unclean);
+    let (leadership, activated_rx) = start_keep(shared, conn, elected.term, notices, timing);
+    match activated_rx.await {
+        Ok(true) => Ok(Attempt::Elected(leadership)),
+        _ => Ok(Attempt::Again),
+    }
+}
+
+/// Starts the keep task of a new term and returns the leadership and
+/// the receiver of its activation (after the handover delay). Not async:
+/// none of what it builds lives in the campaign's future, which thousands
+/// of standbys of a shared connection each hold.
+fn start_keep(
+    shared: &Arc<Shared>,
+    conn: LockConn,
+    term: Term,
+    notices: broadcast::Receiver<Notice>,
+    (sent_at, answered, granted_at, unclean): (Instant, Instant, Instant, bool),
+) -> (Leadership, oneshot::Receiver<bool>) {
+    let schema = shared.options.schema_name();
     let keeper = Keeper::new(
         shared.timing,
         Liveness::session(&shared.timing),
@@ -405,18 +433,16 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
     let state = Arc::new(LeaderState {
         role: shared.role.clone(),
         schema: schema.clone(),
-        term: elected.term,
+        term,
         token: tokio_util::sync::CancellationToken::new(),
         reason: Mutex::new(None),
     });
     let (commands, rx) = mpsc::unbounded_channel();
     let (activated_tx, activated_rx) = oneshot::channel();
-    guard.conn = None;
-    drop(guard);
-    let span = tracing::info_span!("pgelect.leader", role = %shared.role, node = %shared.node, term = elected.term.get());
+    let span = tracing::info_span!("pgelect.leader", role = %shared.role, node = %shared.node, term = term.get());
     let keep = Keep {
         shared: shared.clone(),
-        backend: SessionKeep::new(shared.clone(), conn, elected.term.get()),
+        backend: SessionKeep::new(shared.clone(), conn, term.get()),
         keeper,
         state: state.clone(),
         commands: rx,
@@ -432,10 +458,7 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
         context: LeaderContext::new(state),
         commands,
     };
-    match activated_rx.await {
-        Ok(true) => Ok(Attempt::Elected(leadership)),
-        _ => Ok(Attempt::Again),
-    }
+    (leadership, activated_rx)
 }
 
 /// Where a blocking standby waits.
@@ -720,14 +743,26 @@ struct Elected {
 /// The statement that records a new term: bumps the term and writes the
 /// lease row naming this candidate, returns the previous holder (set when
 /// the last leader did not release cleanly) and notifies watchers.
+///
+/// The statement's text is built when it runs alone (on a connection of
+/// the candidate's own, or after a failed batch): a shared connection's
+/// thousands of candidates elect in its batched statement.
 struct ElectStatement {
-    sql: String,
     ttl_ms: i64,
     payload: String,
 }
 
 impl ElectStatement {
     fn new(shared: &Shared) -> Self {
+        let s = shared.options.schema_name().as_str();
+        ElectStatement {
+            ttl_ms: shared.timing.ttl.as_millis() as i64,
+            payload: format!("{s}:elected:{}", shared.role),
+        }
+    }
+
+    /// The single election statement of `shared`'s role.
+    fn sql(shared: &Shared) -> String {
         let s = shared.options.schema_name().as_str();
         // No FOR UPDATE in `old`: a row locked after `up` updated it in the
         // same statement is skipped, which hid the previous holder (and with
@@ -738,7 +773,7 @@ impl ElectStatement {
         // pg_locks in this very statement; if there is one, nothing is
         // written and the lock is given back.
         let pref = registry::preferred_session_sql(s, shared.key, "$1", "$2", "$6", true);
-        let sql = format!(
+        format!(
             "WITH pref AS (
                  SELECT {pref} AS node
              ), old AS (
@@ -765,12 +800,7 @@ impl ElectStatement {
                     CASE WHEN up.term IS NOT NULL THEN pg_notify('{LEADER_CHANNEL}', $5)::text END,
                     (SELECT node FROM pref)
                FROM (SELECT 1) AS one LEFT JOIN up ON true"
-        );
-        ElectStatement {
-            sql,
-            ttl_ms: shared.timing.ttl.as_millis() as i64,
-            payload: format!("{s}:elected:{}", shared.role),
-        }
+        )
     }
 
     fn args<'a>(&'a self, shared: &'a Shared) -> [(&'a (dyn ToSql + Sync), Type); 6] {
@@ -792,7 +822,10 @@ impl ElectStatement {
     async fn warm_up(&self, shared: &Shared, conn: &DedicatedConnection) -> Result<()> {
         let s = shared.options.schema_name().as_str();
         conn.client()
-            .query_typed(&format!("EXPLAIN {}", self.sql), &self.args(shared))
+            .query_typed(
+                &format!("EXPLAIN {}", Self::sql(shared)),
+                &self.args(shared),
+            )
             .await
             .map_err(|e| Error::db("prepare the election statement", s, e))?;
         Ok(())
@@ -802,7 +835,7 @@ impl ElectStatement {
         let s = shared.options.schema_name().as_str();
         let row = conn
             .client()
-            .query_typed_one(&self.sql, &self.args(shared))
+            .query_typed_one(&Self::sql(shared), &self.args(shared))
             .await
             .map_err(|e| Error::db("record the new term", s, e))?;
         self.outcome(shared, &row, 0)

@@ -2,6 +2,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
@@ -233,6 +234,9 @@ pub(crate) struct SharedSession {
     standbys: Mutex<HashMap<String, Standby>>,
     /// The earliest moment by which a standby wants a poll sent.
     poll_wanted: watch::Sender<Option<Instant>>,
+    /// Whether the next poll tries every standby's lock (asked for, or a
+    /// release announced) rather than only the new standbys'.
+    poll_all: AtomicBool,
     /// The batched poll statement.
     poll_sql: String,
     /// The polling standbys' registrations waiting for the batched
@@ -261,7 +265,7 @@ pub(crate) struct SharedSession {
     /// leader hears its own role's, not every notification of the
     /// connection (with a thousand leaders, every election's notification
     /// would otherwise wake all of them).
-    hints: Mutex<HashMap<String, broadcast::Sender<Notice>>>,
+    hints: Mutex<Hints>,
     /// The send time of the latest statement answered on this connection:
     /// proof that its server session (and every lock it holds) lived then.
     /// A leader whose own statement waits behind others' counts its answer
@@ -273,13 +277,42 @@ pub(crate) struct SharedSession {
 /// once.
 const CAMPAIGN_TURNS: usize = 8;
 
+/// The resign hint senders of a shared session's leaders, by payload.
+#[derive(Default)]
+struct Hints {
+    by_payload: HashMap<String, broadcast::Sender<Notice>>,
+    /// How many entries the last sweep left.
+    swept: usize,
+}
+
+impl Hints {
+    /// Drops the senders nobody listens to any more once the map has
+    /// doubled since the last sweep: a sweep at every subscription made
+    /// 10,000 elections cost 50 million visits (6 % of a candidate's CPU
+    /// at a start).
+    fn sweep(&mut self) {
+        if self.by_payload.len() >= (2 * self.swept).max(64) {
+            self.by_payload.retain(|_, tx| tx.receiver_count() > 0);
+            self.swept = self.by_payload.len();
+        }
+    }
+}
+
 /// A polling standby's entry in its session's batched poll.
 struct Standby {
     node: String,
     key: i64,
     /// The key as `pg_locks` shows it (classid, objid, objsubid).
     lock_ids: (u32, u32, i16),
-    refresh_ms: i64,
+    /// How often its registry row's `seen_at` is refreshed.
+    refresh: Duration,
+    /// When the row's `seen_at` was last set (its registration, then the
+    /// polls that refreshed it): the poll refreshes it once `refresh` has
+    /// passed, and names only those rows (a join of every standby with the
+    /// whole registry at every poll cost more than the locks).
+    refreshed: Instant,
+    /// Not polled yet: a poll asked for by new standbys tries only theirs.
+    fresh: bool,
     interval: Duration,
     /// How long a lock holder the row does not name must have been idle
     /// before it is preempted (the role's TTL).
@@ -382,6 +415,7 @@ impl SharedSession {
             renew_sql: batch_renew_sql(schema.as_str()),
             standbys: Mutex::new(HashMap::new()),
             poll_wanted: watch::Sender::new(None),
+            poll_all: AtomicBool::new(false),
             poll_sql: batch_poll_sql(schema.as_str()),
             registrations: Queue::default(),
             register_sql: registry::batch_register_sql(schema.as_str()),
@@ -390,7 +424,7 @@ impl SharedSession {
             preempt_sql: batch_preempt_sql(schema.as_str()),
             campaign_lane: AsyncMutex::new(()),
             campaign_turns: Semaphore::new(CAMPAIGN_TURNS),
-            hints: Mutex::new(HashMap::new()),
+            hints: Mutex::new(Hints::default()),
             answered: watch::Sender::new(None),
         });
         tokio::spawn(register_batches(Arc::downgrade(&session)));
@@ -454,14 +488,16 @@ impl SharedSession {
                 node: node.to_owned(),
                 key,
                 lock_ids,
-                refresh_ms,
+                refresh: Duration::from_millis(refresh_ms.max(0) as u64),
+                refreshed: Instant::now(),
+                fresh: true,
                 interval,
                 grace_ms: grace.as_millis().min(i64::MAX as u128) as i64,
                 known: None,
                 outcome: tx,
             },
         );
-        self.poll_soon(NEW_STANDBY_WAIT);
+        self.poll_wanted_by(Instant::now() + NEW_STANDBY_WAIT);
         PollMember {
             session: self.clone(),
             role: role.to_owned(),
@@ -470,9 +506,15 @@ impl SharedSession {
         }
     }
 
-    /// Asks for a batched poll sent within `wait`.
+    /// Asks for a batched poll of every standby sent within `wait`.
     pub(crate) fn poll_soon(&self, wait: Duration) {
-        let by = Instant::now() + wait;
+        self.poll_all.store(true, Ordering::Relaxed);
+        self.poll_wanted_by(Instant::now() + wait);
+    }
+
+    /// Asks for a poll sent by `by`: of every standby if one was asked for
+    /// ([`poll_soon`](Self::poll_soon)) or is due, else of the new ones.
+    fn poll_wanted_by(&self, by: Instant) {
         self.poll_wanted
             .send_modify(|w| *w = Some(w.map_or(by, |x| x.min(by))));
     }
@@ -481,8 +523,9 @@ impl SharedSession {
     /// whose payload is `payload`, from now on.
     pub(crate) fn hints(&self, payload: &str) -> broadcast::Receiver<Notice> {
         let mut hints = self.hints.lock().unwrap_or_else(PoisonError::into_inner);
-        hints.retain(|_, tx| tx.receiver_count() > 0);
+        hints.sweep();
         hints
+            .by_payload
             .entry(payload.to_owned())
             .or_insert_with(|| broadcast::channel(4).0)
             .subscribe()
@@ -893,23 +936,21 @@ impl Drop for PollMember {
     }
 }
 
-/// The batched poll: refreshes the standbys' registry rows that are due
-/// (as a single standby's poll does), tries every standby's lock, and
-/// returns the granted roles and, for the others, the leader row where it
-/// changed since last reported or its lease expired.
+/// The batched poll: refreshes the registry rows of the standbys whose
+/// refresh is due (`$6`, `$7`: role, node; as a single standby's poll
+/// does), tries every standby's lock, and returns the granted roles and,
+/// for the others, the leader row where it changed since last reported or
+/// its lease expired.
 fn batch_poll_sql(s: &str) -> String {
     format!(
         "WITH w AS (
-             SELECT *, pg_catalog.pg_backend_pid() AS me
-               FROM unnest($1::text[], $2::text[], $3::int8[], $4::int8[],
-                                             $5::int8[], $6::text[])
-                        AS w(role, node, key, refresh_ms, known_term, known_holder)
+             SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::int8[], $5::text[])
+                        AS w(role, node, key, known_term, known_holder)
          ), seen AS (
              UPDATE {s}.candidates c SET seen_at = now()
-               FROM w
-              WHERE c.role = w.role AND c.node = w.node
-                AND c.backend_pid = w.me
-                AND c.seen_at < now() - w.refresh_ms * interval '1 millisecond'
+               FROM unnest($6::text[], $7::text[]) AS f(role, node)
+              WHERE c.role = f.role AND c.node = f.node
+                AND c.backend_pid = pg_catalog.pg_backend_pid()
              RETURNING 1
          ), t AS (
              -- Volatile: run once per standby, never inlined or repeated.
@@ -942,6 +983,8 @@ async fn poll_batches(session: std::sync::Weak<SharedSession>, schema: String) {
     // a flood costs at most the wake limit's rate.
     let mut wakes = WakeLimit::default();
     let mut round = 0u64;
+    // When every standby is polled next.
+    let mut regular: Option<Instant> = None;
     loop {
         loop {
             let by = *wanted.borrow_and_update();
@@ -965,8 +1008,8 @@ async fn poll_batches(session: std::sync::Weak<SharedSession>, schema: String) {
                     if early && by.is_none_or(|b| b > Instant::now()) {
                         let at = wakes.reserve(Instant::now());
                         if let Some(s) = session.upgrade() {
-                            s.poll_wanted
-                                .send_modify(|w| *w = Some(w.map_or(at, |x| x.min(at))));
+                            s.poll_all.store(true, Ordering::Relaxed);
+                            s.poll_wanted_by(at);
                         }
                     }
                     true
@@ -985,26 +1028,42 @@ async fn poll_batches(session: std::sync::Weak<SharedSession>, schema: String) {
         let Some(s) = session.upgrade() else {
             return;
         };
+        // Every standby at the regular poll and when asked; between them,
+        // only the new ones (thousands that join at a start would
+        // otherwise each bring a poll of all that joined before them).
+        let now = Instant::now();
+        let all = s.poll_all.swap(false, Ordering::Relaxed) || regular.is_none_or(|r| now >= r);
         let mut roles = Vec::new();
         let mut nodes = Vec::new();
         let mut keys = Vec::new();
-        let mut refresh = Vec::new();
+        let mut due = Vec::new();
         let mut terms = Vec::new();
         let mut holders = Vec::new();
         let mut interval: Option<Duration> = None;
-        for (role, w) in s.standbys().iter() {
+        for (role, w) in s.standbys().iter_mut() {
+            interval = Some(interval.map_or(w.interval, |i| i.min(w.interval)));
+            if !(all || w.fresh) {
+                continue;
+            }
+            w.fresh = false;
             roles.push(role.clone());
             nodes.push(w.node.clone());
             keys.push(w.key);
-            refresh.push(w.refresh_ms);
+            due.push(now >= w.refreshed + w.refresh);
             let (term, holder) = w.known.clone().unwrap_or((Some(-1), Some(String::new())));
             terms.push(term);
             holders.push(holder);
-            interval = Some(interval.map_or(w.interval, |i| i.min(w.interval)));
         }
         // The next regular poll; sooner when asked for meanwhile.
-        s.poll_wanted
-            .send_replace(interval.map(|i| Instant::now() + i));
+        let next = interval.map(|i| now + i);
+        regular = match all {
+            true => next,
+            false => match (regular, next) {
+                (Some(r), Some(n)) => Some(r.min(n)),
+                (r, n) => r.or(n),
+            },
+        };
+        s.poll_wanted.send_replace(regular);
         wanted.borrow_and_update();
         if roles.is_empty() {
             continue;
@@ -1012,10 +1071,16 @@ async fn poll_batches(session: std::sync::Weak<SharedSession>, schema: String) {
         round += 1;
         let mut found = PollFound::new();
         let mut failed: HashSet<String> = HashSet::new();
+        let mut refreshed: Vec<Option<Instant>> = vec![None; roles.len()];
         // In chunks, one in flight at a time: a leader's renewal or
         // heartbeat waits behind one chunk, not behind every standby's
         // lock.
         for chunk in chunks(roles.len(), POLL_ROWS) {
+            let (mut seen_roles, mut seen_nodes) = (Vec::new(), Vec::new());
+            for i in chunk.clone().filter(|&i| due[i]) {
+                seen_roles.push(roles[i].as_str());
+                seen_nodes.push(nodes[i].as_str());
+            }
             let lane = s.lane().await;
             let sent = Instant::now();
             let rows = s
@@ -1027,9 +1092,10 @@ async fn poll_batches(session: std::sync::Weak<SharedSession>, schema: String) {
                         (&&roles[chunk.clone()], Type::TEXT_ARRAY),
                         (&&nodes[chunk.clone()], Type::TEXT_ARRAY),
                         (&&keys[chunk.clone()], Type::INT8_ARRAY),
-                        (&&refresh[chunk.clone()], Type::INT8_ARRAY),
                         (&&terms[chunk.clone()], Type::INT8_ARRAY),
                         (&&holders[chunk.clone()], Type::TEXT_ARRAY),
+                        (&seen_roles, Type::TEXT_ARRAY),
+                        (&seen_nodes, Type::TEXT_ARRAY),
                     ],
                 )
                 .await;
@@ -1061,7 +1127,12 @@ async fn poll_batches(session: std::sync::Weak<SharedSession>, schema: String) {
                     .collect::<std::result::Result<Vec<_>, tokio_postgres::Error>>()
             });
             match decoded {
-                Ok(rows) => found.extend(rows),
+                Ok(rows) => {
+                    found.extend(rows);
+                    for i in chunk.filter(|&i| due[i]) {
+                        refreshed[i] = Some(sent);
+                    }
+                }
                 Err(e) => {
                     // Locks this chunk took stay taken (session locks
                     // outlive a failed statement); its standbys poll alone,
@@ -1073,13 +1144,16 @@ async fn poll_batches(session: std::sync::Weak<SharedSession>, schema: String) {
         }
         preempt_vacant(&s, &mut found).await;
         let mut standbys = s.standbys();
-        for role in &roles {
+        for (role, refreshed) in roles.iter().zip(refreshed) {
             // A standby that left while the poll ran may have been granted
             // its lock: its campaign's clean-up unlocks it (it runs after
             // this statement on the same connection).
             let Some(w) = standbys.get_mut(role) else {
                 continue;
             };
+            if let Some(at) = refreshed {
+                w.refreshed = at;
+            }
             let polled = if failed.contains(role) {
                 Polled::Failed
             } else {
@@ -1144,7 +1218,7 @@ async fn dispatch_hints(session: std::sync::Weak<SharedSession>) {
                     return;
                 };
                 let hints = s.hints.lock().unwrap_or_else(PoisonError::into_inner);
-                if let Some(tx) = hints.get(&n.payload) {
+                if let Some(tx) = hints.by_payload.get(&n.payload) {
                     let _ = tx.send(n);
                 }
                 false
@@ -1171,7 +1245,7 @@ async fn dispatch_hints(session: std::sync::Weak<SharedSession>) {
             return;
         };
         let hints = s.hints.lock().unwrap_or_else(PoisonError::into_inner);
-        for (payload, tx) in hints.iter() {
+        for (payload, tx) in hints.by_payload.iter() {
             let _ = tx.send(Notice {
                 channel: RESIGN_CHANNEL.to_owned(),
                 payload: payload.clone(),
