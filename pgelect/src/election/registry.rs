@@ -29,6 +29,7 @@
 //! Rows of candidates that died are harmless (never ready) and are deleted
 //! opportunistically by the next registration of the role.
 
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio_postgres::types::{ToSql, Type};
@@ -51,6 +52,29 @@ const LEASE_ROW_STALE_TTLS: i64 = 10;
 /// object as [`TimingReport::to_json`](crate::TimingReport::to_json).
 pub(crate) fn timing_json(t: &Timing) -> serde_json::Value {
     t.report().to_json()
+}
+
+/// The `timing` a candidate registers: [`timing_json`], with a polling
+/// standby's `poll_interval_ms`. The candidates of a process mostly share
+/// one timing: the last one built is kept and shared (10,000 roles built
+/// it 10,000 times, 6 % of a candidate's CPU at a start).
+fn registered_timing(t: &Timing, interval: Option<Duration>) -> Arc<serde_json::Value> {
+    type Last = Option<((Timing, Option<Duration>), Arc<serde_json::Value>)>;
+    static LAST: Mutex<Last> = Mutex::new(None);
+    let key = (*t, interval);
+    let mut last = LAST.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some((k, v)) = last.as_ref() {
+        if *k == key {
+            return v.clone();
+        }
+    }
+    let mut json = timing_json(t);
+    if let Some(interval) = interval {
+        json["poll_interval_ms"] = serde_json::json!(interval.as_millis() as u64);
+    }
+    let json = Arc::new(json);
+    *last = Some((key, json.clone()));
+    json
 }
 
 /// How often at most a polling standby's poll also refreshes its row's
@@ -335,43 +359,42 @@ pub(crate) fn yield_pause(yields: u32) -> Duration {
 /// A candidate's registration in the registry (see
 /// [`registry`](crate::election::registry)).
 pub(crate) struct Register {
-    sql: String,
+    waits: Waits,
     standby: Option<&'static str>,
-    timing: serde_json::Value,
+    timing: Arc<serde_json::Value>,
     payload: String,
 }
 
 impl Register {
     pub(crate) fn new(shared: &Shared, waits: Waits) -> Register {
         let s = shared.options.schema_name().as_str();
+        let interval = match shared.session().map(|x| x.standby) {
+            Some(StandbyMode::Polling { interval }) => Some(interval),
+            _ => None,
+        };
         Register {
-            sql: register_sql(s, waits),
+            waits,
             standby: waits.standby(),
-            timing: {
-                let mut t = timing_json(&shared.timing);
-                if let Some(StandbyMode::Polling { interval }) = shared.session().map(|x| x.standby)
-                {
-                    t["poll_interval_ms"] = serde_json::json!(interval.as_millis() as u64);
-                }
-                t
-            },
+            timing: registered_timing(&shared.timing, interval),
             payload: hint_payload(s, &shared.role),
         }
     }
 
-    /// The statement and its parameters.
+    /// The statement and its parameters. The statement's text is built
+    /// here, when a candidate registers alone: on a shared connection
+    /// thousands register in one batched statement.
     pub(crate) fn statement<'a>(
         &'a self,
         shared: &'a Shared,
-    ) -> (&'a str, [(&'a (dyn ToSql + Sync), Type); 7]) {
+    ) -> (String, [(&'a (dyn ToSql + Sync), Type); 7]) {
         (
-            &self.sql,
+            register_sql(shared.options.schema_name().as_str(), self.waits),
             [
                 (&shared.role, Type::TEXT),
                 (&shared.node, Type::TEXT),
                 (&shared.priority, Type::INT4),
                 (&self.standby, Type::TEXT),
-                (&self.timing, Type::JSONB),
+                (&*self.timing, Type::JSONB),
                 (&shared.meta, Type::JSONB),
                 (&self.payload, Type::TEXT),
             ],
@@ -398,7 +421,7 @@ impl Register {
         let (sql, args) = self.statement(shared);
         let row = conn
             .client()
-            .query_typed_one(sql, &args)
+            .query_typed_one(&sql, &args)
             .await
             .map_err(|e| Error::db("register as a candidate", s, e))?;
         let stale: i64 = row

@@ -422,7 +422,7 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
                 }
                 if registered_at.is_none_or(|t| t.elapsed() >= shared.timing.ttl / 2) {
                     let (sql, args) = register.statement(shared);
-                    exec(shared, &mut conn, LeaseOp::Register, sql, &args).await?;
+                    exec(shared, &mut conn, LeaseOp::Register, &sql, &args).await?;
                     registered_at = Some(Instant::now());
                 }
                 let sent = Instant::now();

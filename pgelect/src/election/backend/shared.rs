@@ -1350,7 +1350,7 @@ pub(crate) struct Registration {
     pub(crate) node: String,
     pub(crate) priority: i32,
     pub(crate) standby: Option<&'static str>,
-    pub(crate) timing: serde_json::Value,
+    pub(crate) timing: Arc<serde_json::Value>,
     pub(crate) meta: Option<serde_json::Value>,
     pub(crate) payload: String,
 }
@@ -1452,7 +1452,7 @@ async fn register_batches(session: std::sync::Weak<SharedSession>) {
             nodes.push(r.node.as_str());
             priorities.push(r.priority);
             standbys.push(r.standby);
-            timings.push(&r.timing);
+            timings.push(&*r.timing);
             metas.push(r.meta.as_ref());
             payloads.push(r.payload.as_str());
         }

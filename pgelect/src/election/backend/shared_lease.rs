@@ -1057,7 +1057,7 @@ async fn register_due(client: &SharedLease) {
         let nodes: Vec<&str> = part.iter().map(|r| r.1.node.as_str()).collect();
         let priorities: Vec<i32> = part.iter().map(|r| r.1.priority).collect();
         let standbys: Vec<Option<&str>> = part.iter().map(|r| r.1.standby).collect();
-        let timings: Vec<&serde_json::Value> = part.iter().map(|r| &r.1.timing).collect();
+        let timings: Vec<&serde_json::Value> = part.iter().map(|r| &*r.1.timing).collect();
         let metas: Vec<Option<&serde_json::Value>> =
             part.iter().map(|r| r.1.meta.as_ref()).collect();
         let payloads: Vec<&str> = part.iter().map(|r| r.1.payload.as_str()).collect();
