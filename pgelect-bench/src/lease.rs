@@ -226,22 +226,6 @@ struct Load {
     xact_per_s: f64,
 }
 
-async fn xact_commit(observer: &tokio_postgres::Client) -> Result<i64, String> {
-    // Flush this backend's own counters first; other backends flush theirs
-    // within a second or so (PostgreSQL 15+), which the window absorbs.
-    let _ = observer
-        .batch_execute("SELECT pg_stat_force_next_flush()")
-        .await;
-    observer
-        .query_typed_one(
-            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
-            &[],
-        )
-        .await
-        .map(|r| r.get::<_, i64>(0))
-        .map_err(|e| e.to_string())
-}
-
 /// One leader and two standbys for `window` seconds: statements per second.
 async fn load(
     options: &ConnectOptions,
@@ -274,7 +258,7 @@ async fn load(
         .collect();
     // Let the standbys settle into their rhythm.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let x0 = xact_commit(observer).await?;
+    let x0 = crate::roles::xacts(observer).await?;
     let xt0 = Instant::now();
     let l0 = leader.lease_statements();
     let s0: Vec<u64> = standbys.iter().map(|s| s.lease_statements()).collect();
@@ -284,7 +268,7 @@ async fn load(
     let l1 = leader.lease_statements();
     let s1: Vec<u64> = standbys.iter().map(|s| s.lease_statements()).collect();
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    let x1 = xact_commit(observer).await?;
+    let x1 = crate::roles::xacts(observer).await?;
     // Both reads lag the other backends' flushes alike: the delta covers
     // about the time between the reads.
     let xel = xt0.elapsed().as_secs_f64();

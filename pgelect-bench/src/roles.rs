@@ -590,25 +590,9 @@ fn child(args: &[String]) -> Result<(), String> {
 }
 
 /// Transactions committed and rolled back in the observer's database so
-/// far (its own pending counts flushed first, PostgreSQL 15+).
+/// far ([`pgelect_testkit::stats::transactions`]).
 pub(crate) async fn xacts(c: &tokio_postgres::Client) -> Result<i64, String> {
-    c.batch_execute(
-        "SELECT pg_stat_clear_snapshot();
-         DO $$ BEGIN
-             IF to_regproc('pg_stat_force_next_flush') IS NOT NULL THEN
-                 PERFORM pg_stat_force_next_flush();
-             END IF;
-         END $$",
-    )
-    .await
-    .map_err(|e| e.to_string())?;
-    let row = c
-        .query_one(
-            "SELECT (xact_commit + xact_rollback)::int8 FROM pg_stat_database
-              WHERE datname = current_database()",
-            &[],
-        )
+    pgelect_testkit::stats::transactions(c)
         .await
-        .map_err(|e| e.to_string())?;
-    Ok(row.get(0))
+        .map_err(|e| e.to_string())
 }

@@ -119,6 +119,7 @@ mod cluster;
 mod pgbouncer;
 mod proxy;
 mod replica;
+pub mod stats;
 mod testdb;
 mod tls;
 mod util;

@@ -463,6 +463,40 @@ impl Error {
     pub(crate) fn config(msg: impl Into<String>) -> Error {
         Error::Config(msg.into())
     }
+
+    /// A copy of an error that carries no driver error (a driver error
+    /// cannot be copied): the schema's state, a configuration or name
+    /// refused, a pooler found. `None` for the others.
+    pub(crate) fn copied(&self) -> Option<Error> {
+        Some(match self {
+            Error::Config(m) => Error::Config(m.clone()),
+            Error::Pooler(m) => Error::Pooler(m.clone()),
+            Error::InvalidName {
+                what,
+                shown,
+                reason,
+            } => Error::InvalidName {
+                what,
+                shown: shown.clone(),
+                reason: reason.clone(),
+            },
+            Error::SchemaMissing { schema } => Error::SchemaMissing {
+                schema: schema.clone(),
+            },
+            Error::SchemaVersion {
+                schema,
+                found,
+                expected,
+                hint,
+            } => Error::SchemaVersion {
+                schema: schema.clone(),
+                found: *found,
+                expected: *expected,
+                hint,
+            },
+            _ => return None,
+        })
+    }
 }
 
 /// True when an I/O error is somewhere in `e`'s source chain.

@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use tokio_postgres::{Client, NoTls};
 
 mod support;
-use support::{migrated, Log};
+use support::{migrated, transactions, Log};
 
 const STANDBYS: usize = 20;
 
@@ -70,19 +70,6 @@ async fn backends(admin: &Client) -> i64 {
             "SELECT count(*) FROM pg_stat_activity
               WHERE datname = current_database() AND pid <> pg_backend_pid()
                 AND backend_type = 'client backend'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0)
-}
-
-/// Transactions committed and rolled back in the test database so far.
-async fn transactions(admin: &Client) -> i64 {
-    admin
-        .query_one(
-            "SELECT (xact_commit + xact_rollback)::int8 FROM pg_stat_database
-              WHERE datname = current_database()",
             &[],
         )
         .await

@@ -14,7 +14,7 @@ use pgelect_testkit::{Cluster, FaultProxy, PgBouncer, PoolMode, TestDb};
 use tokio_postgres::types::Type;
 
 mod support;
-use support::{term_of, Candidate, Interval, Intervals};
+use support::{fast_lease as fast, term_of, Candidate, Interval, Intervals};
 
 fn options(url: &str) -> ConnectOptions {
     ConnectOptions::from_url(url).expect("test URL parses")
@@ -32,20 +32,6 @@ async fn setup(hint: &str) -> (TestDb, ConnectOptions, ConnectOptions, PgBouncer
     let bouncer = PgBouncer::start(cluster, PoolMode::Transaction).expect("pgbouncer starts");
     let pooled = options(&bouncer.url(db.name()));
     (db, pooled, direct, bouncer)
-}
-
-/// Short timings: ttl 2 s (local deadline 1.6 s), renew every 500 ms,
-/// statements (with a reconnection: SCRAM in a debug build is slow) bounded
-/// by 600 ms, standbys retry at least every 200 ms.
-fn fast(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
-    Elector::builder(o.clone(), role)
-        .backend(Backend::Lease)
-        .node_id(node)
-        .ttl(Duration::from_secs(2))
-        .renew_every(Duration::from_millis(500))
-        .heartbeat_timeout(Duration::from_millis(600))
-        .retry_every(Duration::from_millis(200))
-        .check_every(Duration::from_millis(200))
 }
 
 /// The role's row: holder, term, lease_until.

@@ -10,26 +10,12 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use pgelect::{Backend, ConnectOptions, Elector, ElectorBuilder, LossReason, SharedLease};
+use pgelect::{ConnectOptions, Elector, LossReason, SharedLease};
 use pgelect_testkit::{Cluster, PgBouncer, PoolMode, TestDb};
 use tokio::sync::mpsc;
-use tokio_postgres::types::Type;
 
 mod support;
-use support::migrated;
-
-/// Short lease timings: ttl 2 s (local deadline 1.6 s), renew every
-/// 500 ms, statements bounded by 600 ms, standbys poll at least every
-/// 200 ms.
-fn fast(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
-    Elector::builder(o.clone(), role)
-        .backend(Backend::Lease)
-        .node_id(node)
-        .ttl(Duration::from_secs(2))
-        .renew_every(Duration::from_millis(500))
-        .heartbeat_timeout(Duration::from_millis(600))
-        .retry_every(Duration::from_millis(200))
-}
+use support::{connections_named, fast_lease as fast, migrated, transactions};
 
 fn role(i: usize) -> String {
     format!("shard-{i}")
@@ -112,42 +98,6 @@ async fn all_led(leaders: &Leaders, roles: &[String], within: Duration) -> Durat
         )
     });
     start.elapsed()
-}
-
-/// Transactions committed and rolled back in this database so far, as the
-/// server's statistics say (as `scale.rs` reads them).
-async fn transactions(observer: &tokio_postgres::Client) -> i64 {
-    observer
-        .batch_execute(
-            "SELECT pg_stat_clear_snapshot();
-             DO $$ BEGIN
-                 IF to_regproc('pg_stat_force_next_flush') IS NOT NULL THEN
-                     PERFORM pg_stat_force_next_flush();
-                 END IF;
-             END $$",
-        )
-        .await
-        .unwrap();
-    observer
-        .query_typed_one(
-            "SELECT (xact_commit + xact_rollback)::int8 FROM pg_stat_database
-              WHERE datname = current_database()",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0)
-}
-
-async fn connections_named(admin: &tokio_postgres::Client, app: &str) -> i64 {
-    admin
-        .query_typed_one(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
-            &[(&app, Type::TEXT)],
-        )
-        .await
-        .unwrap()
-        .get(0)
 }
 
 /// The roles whose row names a holder with a live lease on the server.
@@ -550,4 +500,41 @@ async fn a_role_held_by_a_session_backend_leader_is_refused_to_a_shared_lease_ca
         .expect("the other role is led");
     assert!(!held.is_lost());
     assert!(!l.is_lost());
+}
+
+/// Each candidate's `leadership()` on `client` (roles `shard-0..n`),
+/// bounded: a candidate that neither leads nor fails within 20 s hangs.
+async fn outcomes(
+    o: &ConnectOptions,
+    client: &SharedLease,
+    n: usize,
+) -> Vec<pgelect::Result<pgelect::Leadership>> {
+    let electors: Vec<Elector> = (0..n)
+        .map(|i| fast(o, &role(i), "a").shared_lease(client).build().unwrap())
+        .collect();
+    let started = Instant::now();
+    let all = futures_util::future::join_all(electors.iter().map(|e| e.leadership()));
+    let out = tokio::time::timeout(Duration::from_secs(20), all)
+        .await
+        .expect("every candidate answers: none retries a refusal forever");
+    println!("{n} candidates answered within {:?}", started.elapsed());
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_schema_is_returned_to_every_candidate_of_the_client() {
+    let db = TestDb::new("lease_shared_noschema").await;
+    let o = ConnectOptions::from_url(&db.url()).unwrap();
+    let client = SharedLease::new(&o);
+    for r in outcomes(&o, &client, 5).await {
+        let e = r.expect_err("no schema, no leadership");
+        assert!(e.is_schema(), "{e:?}");
+        assert!(e.to_string().contains("pgelect migrate"), "{e}");
+    }
+    // Once migrated, the same client serves new candidates.
+    pgelect::migrate(&o).await.unwrap();
+    for r in outcomes(&o, &client, 5).await {
+        let l = r.expect("led once the schema is there");
+        l.resign().await.unwrap();
+    }
 }

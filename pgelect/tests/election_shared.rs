@@ -10,29 +10,15 @@ use std::time::{Duration, Instant};
 use pgelect::{
     ConnectOptions, ElectorBuilder, Error, Leadership, SharedConnection, StandbyMode, TcpTimeouts,
 };
-use pgelect_testkit::TestDb;
 
 mod support;
-use support::{fast_session, migrated, Intervals};
+use support::{connections_named, fast_session, migrated, transactions, Intervals};
 
 /// The session test timings (support::fast_session), polling every 200 ms.
 fn fast(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
     fast_session(o, role, node).standby(StandbyMode::Polling {
         interval: Duration::from_millis(200),
     })
-}
-
-async fn connections_named(db: &TestDb, app: &str) -> i64 {
-    db.connect()
-        .await
-        .query_typed_one(
-            "SELECT count(*) FROM pg_stat_activity
-              WHERE application_name = $1 AND datname = current_database()",
-            &[(&app, tokio_postgres::types::Type::TEXT)],
-        )
-        .await
-        .unwrap()
-        .get(0)
 }
 
 const ROLES: usize = 12;
@@ -60,7 +46,10 @@ async fn many_roles_share_one_backend_and_fail_over_together() {
         electors_a.push(e);
     }
     let pid_a = host_a.backend_pid().await.expect("connected");
-    assert_eq!(connections_named(&db, "pgelect:shared").await, 1);
+    assert_eq!(
+        connections_named(&db.connect().await, "pgelect:shared").await,
+        1
+    );
 
     // B stands for every role on its own shared connection.
     let logs: Vec<Intervals> = (0..ROLES).map(|_| Intervals::default()).collect();
@@ -90,7 +79,10 @@ async fn many_roles_share_one_backend_and_fail_over_together() {
         );
     }
     assert!(standbys.iter().all(|s| !s.is_finished()));
-    assert_eq!(connections_named(&db, "pgelect:shared").await, 2);
+    assert_eq!(
+        connections_named(&db.connect().await, "pgelect:shared").await,
+        2
+    );
 
     // A resigns one role: B takes it within the polling wake-up.
     let resigned = led.remove(3);
@@ -281,34 +273,6 @@ async fn a_shared_connection_through_a_transaction_pool_is_refused() {
     assert!(host.backend_pid().await.is_none(), "no connection kept");
 }
 
-/// Transactions committed in this test's database, as the server counts
-/// them (other backends flush their counts within about a second).
-async fn commits(c: &tokio_postgres::Client) -> i64 {
-    // PostgreSQL 15+ (shared-memory statistics): flush our own counts.
-    // Before 15 the statistics collector lags by up to about a second,
-    // alike at both ends of a steady measurement.
-    let can_flush: bool = c
-        .query_typed_one(
-            "SELECT to_regproc('pg_stat_force_next_flush') IS NOT NULL",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    if can_flush {
-        c.batch_execute("SELECT pg_stat_force_next_flush()")
-            .await
-            .unwrap();
-    }
-    c.query_typed_one(
-        "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
-        &[],
-    )
-    .await
-    .unwrap()
-    .get(0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leaders_on_a_shared_connection_share_its_heartbeat() {
     let (db, o) = migrated("shared_beat").await;
@@ -326,10 +290,10 @@ async fn leaders_on_a_shared_connection_share_its_heartbeat() {
     let c = db.connect().await;
     // Let the heartbeats fall into step, then count for 5 s.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let c0 = commits(&c).await;
+    let c0 = transactions(&c).await;
     let t0 = Instant::now();
     tokio::time::sleep(Duration::from_secs(5)).await;
-    let c1 = commits(&c).await;
+    let c1 = transactions(&c).await;
     let rate = (c1 - c0) as f64 / t0.elapsed().as_secs_f64();
     // 12 leaders renew every 500 ms and want a heartbeat every 200 ms:
     // 24 + 48 statements/s if each sent its own; one batched renewal per

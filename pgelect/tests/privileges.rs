@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use pgelect::{
     Backend, ConnectOptions, Elector, ElectorBuilder, Error, LossReason, SharedConnection,
-    StandbyMode, TcpTimeouts,
+    SharedLease, StandbyMode, TcpTimeouts,
 };
 use pgelect_testkit::TestDb;
 use tokio_postgres::error::SqlState;
@@ -190,6 +190,61 @@ async fn each_candidate_grant_is_needed() {
                 "{backend:?} without {privilege} on leaders: {e:?}"
             );
         }
+    }
+}
+
+/// The candidates of a shared lease client whose user lacks a grant get
+/// the permission error, each of them, as a lone candidate does: not a
+/// retry loop. Without `candidates` the batched registration is refused;
+/// without `INSERT, UPDATE` on `leaders` the batched acquire is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_candidate_of_a_shared_lease_client_gets_a_missing_grant() {
+    let (db, _) = migrated("priv_shared_lease").await;
+    let cases = [
+        ("no_registry", "pgelect.candidates"),
+        ("no_writes", "INSERT, UPDATE ON pgelect.leaders"),
+    ];
+    for (name, left_out) in cases {
+        let grants: Vec<String> = CANDIDATE
+            .iter()
+            .map(|g| match left_out {
+                "pgelect.candidates" if g.contains(left_out) => {
+                    "GRANT USAGE ON SCHEMA pgelect TO {r}".to_owned()
+                }
+                _ if g.contains("ON pgelect.leaders") && left_out.contains("leaders") => {
+                    "GRANT SELECT ON pgelect.leaders TO {r}".to_owned()
+                }
+                _ => g.to_string(),
+            })
+            .collect();
+        let grants: Vec<&str> = grants.iter().map(String::as_str).collect();
+        let o = user(&db, name, &grants).await;
+        let client = SharedLease::new(&o);
+        let electors: Vec<Elector> = (0..4)
+            .map(|i| {
+                Elector::builder(o.clone(), &format!("shard-{i}"))
+                    .backend(Backend::Lease)
+                    .node_id("a")
+                    .ttl(Duration::from_secs(2))
+                    .renew_every(Duration::from_millis(500))
+                    .retry_every(Duration::from_millis(200))
+                    .shared_lease(&client)
+                    .build()
+                    .unwrap()
+            })
+            .collect();
+        let all = futures_util::future::join_all(electors.iter().map(|e| e.leadership()));
+        let outcomes = tokio::time::timeout(Duration::from_secs(20), all)
+            .await
+            .unwrap_or_else(|_| panic!("without {left_out}: a candidate retried forever"));
+        for r in outcomes {
+            let e = r.expect_err(left_out);
+            assert!(
+                matches!(e, Error::Permission { .. }),
+                "without {left_out}: {e:?}"
+            );
+        }
+        println!("without {left_out}: each of 4 candidates got the permission error");
     }
 }
 

@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 use tokio_postgres::types::Type;
 
 mod support;
-use support::migrated;
+use support::{migrated, transactions};
 
 const ROLES: usize = 1000;
 const NODES: [&str; 3] = ["a", "b", "c"];
@@ -81,34 +81,6 @@ async fn connections(db: &TestDb, observer: &tokio_postgres::Client) -> (i64, i6
         .await
         .unwrap();
     (row.get(0), row.get(1))
-}
-
-/// Transactions committed and rolled back in this database so far, as the
-/// server's statistics say (flushed by each backend at least once a
-/// second while it works, and when it goes idle).
-async fn transactions(observer: &tokio_postgres::Client) -> i64 {
-    // PostgreSQL 15+: flush our own counts first (others flush theirs
-    // within about a second while they work).
-    observer
-        .batch_execute(
-            "SELECT pg_stat_clear_snapshot();
-             DO $$ BEGIN
-                 IF to_regproc('pg_stat_force_next_flush') IS NOT NULL THEN
-                     PERFORM pg_stat_force_next_flush();
-                 END IF;
-             END $$",
-        )
-        .await
-        .unwrap();
-    observer
-        .query_typed_one(
-            "SELECT (xact_commit + xact_rollback)::int8 FROM pg_stat_database
-              WHERE datname = current_database()",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

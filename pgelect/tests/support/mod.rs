@@ -199,6 +199,21 @@ pub fn fast_session(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilde
         .check_every(Duration::from_millis(200))
 }
 
+/// Short lease-backend timings for tests: ttl 2 s (local deadline 1.6 s),
+/// renew every 500 ms, statements (with a reconnection: SCRAM in a debug
+/// build is slow) bounded by 600 ms, standbys retry and the row is read
+/// at least every 200 ms.
+pub fn fast_lease(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
+    Elector::builder(o.clone(), role)
+        .backend(pgelect::Backend::Lease)
+        .node_id(node)
+        .ttl(Duration::from_secs(2))
+        .renew_every(Duration::from_millis(500))
+        .heartbeat_timeout(Duration::from_millis(600))
+        .retry_every(Duration::from_millis(200))
+        .check_every(Duration::from_millis(200))
+}
+
 /// The library's log, captured as text (no colour) for assertions.
 #[derive(Clone, Default)]
 pub struct Log(Arc<Mutex<Vec<u8>>>);
@@ -353,4 +368,18 @@ pub async fn server_state(c: &tokio_postgres::Client, role: &str) -> String {
 pub fn tail(text: &str, n: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Transactions committed and rolled back in `c`'s database so far
+/// ([`pgelect_testkit::stats::transactions`]).
+pub async fn transactions(c: &tokio_postgres::Client) -> i64 {
+    pgelect_testkit::stats::transactions(c).await.unwrap()
+}
+
+/// Connections to `c`'s database named `app`
+/// ([`pgelect_testkit::stats::connections_named`]).
+pub async fn connections_named(c: &tokio_postgres::Client, app: &str) -> i64 {
+    pgelect_testkit::stats::connections_named(c, app)
+        .await
+        .unwrap()
 }

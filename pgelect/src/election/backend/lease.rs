@@ -314,16 +314,11 @@ async fn exec(
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
     metrics::lease_statement(&shared.role, op.metric_kind());
-    if conn.as_ref().is_some_and(|c| c.is_closed()) {
-        conn.take();
-    }
-    if conn.is_none() {
+    let open = async {
         let purpose = format!("lease:{}:{}", shared.role, shared.node);
-        match tokio::time::timeout(patient, shared.options.connect(&purpose)).await {
-            Ok(c) => *conn = Some(c?),
-            Err(_) => return Err(Error::connection_lost(operation)),
-        }
-    }
+        shared.options.connect(&purpose).await
+    };
+    reopen(conn, patient, operation, open).await?;
     let c = conn.as_ref().expect("BUG: connected above");
     let run = async {
         c.client()
@@ -331,11 +326,43 @@ async fn exec(
             .await
             .map_err(|e| Error::db(operation, schema, e))
     };
-    match tokio::time::timeout(bound, run).await {
-        Ok(Ok(rows)) => {
-            shared.contact.touch();
-            Ok(rows)
+    let r = tokio::time::timeout(bound, run).await;
+    let rows = settle(conn, operation, r)?;
+    shared.contact.touch();
+    Ok(rows)
+}
+
+/// Opens a lease connection with `open`, bounded by `bound`, unless one is
+/// open.
+pub(super) async fn reopen(
+    conn: &mut Option<DedicatedConnection>,
+    bound: Duration,
+    operation: &'static str,
+    open: impl std::future::Future<Output = Result<DedicatedConnection>>,
+) -> Result<()> {
+    if conn.as_ref().is_some_and(|c| c.is_closed()) {
+        conn.take();
+    }
+    if conn.is_none() {
+        match tokio::time::timeout(bound, open).await {
+            Ok(c) => *conn = Some(c?),
+            Err(_) => return Err(Error::connection_lost(operation)),
         }
+    }
+    Ok(())
+}
+
+/// The result of a statement run on a lease connection within its bound.
+/// After a timeout or a transient failure the connection is dropped (a
+/// statement still running is cancelled on the server), so the next
+/// statement starts on a fresh one.
+pub(super) fn settle<T>(
+    conn: &mut Option<DedicatedConnection>,
+    operation: &'static str,
+    r: std::result::Result<Result<T>, tokio::time::error::Elapsed>,
+) -> Result<T> {
+    match r {
+        Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => {
             if is_transient(&e) {
                 if let Some(c) = conn.take() {

@@ -12,7 +12,12 @@
 //!   many roles, and its shared heartbeat.
 //! * [`shared_lease`]: one connection for the lease-backend candidates of
 //!   many roles, with batched renewals, acquires and registrations.
+//! * [`claim`]: one candidate per role on either of those two.
+//! * [`batch`]: a leader's place in the batched renewal of either of those
+//!   two.
 
+mod batch;
+mod claim;
 pub(crate) mod lease;
 pub(crate) mod session;
 pub(crate) mod shared;

@@ -236,7 +236,7 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
         },
     );
     let conn = match &session.host {
-        Some(host) => LockConn::Shared(Box::pin(host.connection().get()).await?),
+        Some(host) => LockConn::Shared(Box::pin(host.client().get()).await?),
         // The connection of this elector's last clean release, if it is
         // still open: warmed up and checked already, no backend to start.
         None => LockConn::Own(match session.take_spare() {

@@ -17,6 +17,9 @@ use crate::error::{Error, Result};
 use crate::schema::{check_schema, SchemaName};
 
 use crate::election::support::WakeLimit;
+
+use super::batch::{remove_if_term, Batch, Member, Outcome, Termed};
+use super::claim::{Claim, Roles};
 use crate::election::term::next_term_sql;
 use crate::election::watch::{
     leader_info_at, parse_leader_event, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
@@ -83,7 +86,7 @@ struct Inner {
     /// The live connection, opened on first use and again after it died.
     current: AsyncMutex<Option<Arc<SharedSession>>>,
     /// Roles with a live elector on this connection.
-    roles: Mutex<HashSet<String>>,
+    roles: Roles,
 }
 
 impl SharedConnection {
@@ -97,7 +100,7 @@ impl SharedConnection {
                 options: options.clone(),
                 tcp,
                 current: AsyncMutex::new(None),
-                roles: Mutex::new(HashSet::new()),
+                roles: Roles::default(),
             }),
         }
     }
@@ -119,22 +122,11 @@ impl SharedConnection {
 
     /// Claims `role` for one elector; refused while another holds it.
     pub(crate) fn claim(&self, role: &str) -> Result<RoleClaim> {
-        // The set is only inserted into and removed from: a panic elsewhere
-        // that poisoned the lock left it consistent.
-        let mut roles = self
-            .inner
-            .roles
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if !roles.insert(role.to_owned()) {
-            return Err(Error::config(format!(
-                "role {role:?} already has a candidate on this shared connection; advisory locks are re-entrant within a session, so a second one would win too"
-            )));
-        }
-        Ok(RoleClaim {
-            inner: self.inner.clone(),
-            role: role.to_owned(),
-        })
+        self.inner.roles.claim(
+            self.clone(),
+            role,
+            "already has a candidate on this shared connection; advisory locks are re-entrant within a session, so a second one would win too",
+        )
     }
 
     /// The live connection, opened (and checked) if there is none.
@@ -176,35 +168,13 @@ impl fmt::Debug for SharedConnection {
         f.debug_struct("SharedConnection")
             .field("target", &self.inner.options.target())
             .field("tcp", &self.inner.tcp)
-            .field(
-                "roles",
-                &self.inner.roles.lock().map(|r| r.len()).unwrap_or(0),
-            )
+            .field("roles", &self.inner.roles.len())
             .finish()
     }
 }
 
 /// A role's place on a shared connection, given back when dropped.
-pub(crate) struct RoleClaim {
-    inner: Arc<Inner>,
-    role: String,
-}
-
-impl RoleClaim {
-    pub(crate) fn connection(&self) -> SharedConnection {
-        SharedConnection {
-            inner: self.inner.clone(),
-        }
-    }
-}
-
-impl Drop for RoleClaim {
-    fn drop(&mut self) {
-        if let Ok(mut roles) = self.inner.roles.lock() {
-            roles.remove(&self.role);
-        }
-    }
-}
+pub(crate) type RoleClaim = Claim<SharedConnection>;
 
 /// A live shared connection and its one heartbeat.
 ///
@@ -385,15 +355,32 @@ pub(crate) enum Batched {
 
 /// A leader's place in its session's batched renewal; leaves it when
 /// dropped.
-pub(crate) struct BatchMember {
-    session: Arc<SharedSession>,
-    role: String,
-    term: i64,
-    outcome: watch::Receiver<Option<(Instant, Batched)>>,
-    /// The send time of the last outcome handed to the keeper.
-    fed: Mutex<Option<Instant>>,
-    /// How long a renewal request waits for others to share its statement.
-    share_wait: Duration,
+pub(crate) type BatchMember = Member<Arc<SharedSession>, Batched>;
+
+impl Outcome for Batched {
+    fn failed(&self) -> bool {
+        matches!(self, Batched::Failed)
+    }
+}
+
+impl Termed for Leader {
+    fn term(&self) -> i64 {
+        self.term
+    }
+}
+
+impl Batch for Arc<SharedSession> {
+    fn renewals_wanted(&self) -> &watch::Sender<Option<Instant>> {
+        &self.renew_wanted
+    }
+
+    fn closed(&self) -> Option<&tokio_util::sync::CancellationToken> {
+        Some(self.conn.closed())
+    }
+
+    fn leave(&self, role: &str, term: i64) {
+        remove_if_term(&mut self.leaders(), role, term);
+    }
 }
 
 impl std::ops::Deref for SharedSession {
@@ -577,14 +564,7 @@ impl SharedSession {
                 outcome: tx,
             },
         );
-        BatchMember {
-            session: self.clone(),
-            role: role.to_owned(),
-            term,
-            outcome: rx,
-            fed: Mutex::new(None),
-            share_wait,
-        }
+        Member::new(self.clone(), role, term, rx, share_wait)
     }
 
     fn leaders(&self) -> std::sync::MutexGuard<'_, HashMap<String, Leader>> {
@@ -660,76 +640,6 @@ async fn beat(session: std::sync::Weak<SharedSession>) {
         if !ok {
             return;
         }
-    }
-}
-
-impl BatchMember {
-    /// The outcome of a batched renewal sent at or after `requested`
-    /// (asking for one within the member's share wait), or `None` when the
-    /// session ended first.
-    pub(crate) async fn renewal(&self, requested: Instant) -> Option<(Instant, Batched)> {
-        let by = requested + self.share_wait;
-        self.session
-            .renew_wanted
-            .send_modify(|w| *w = Some(w.map_or(by, |x| x.min(by))));
-        let mut outcome = self.outcome.clone();
-        let found = tokio::select! {
-            o = outcome.wait_for(|o| o.as_ref().is_some_and(|(sent, _)| *sent >= requested)) => {
-                o.ok().and_then(|o| o.clone())
-            }
-            _ = self.session.conn.closed().cancelled() => None,
-        };
-        if let Some((sent, _)) = &found {
-            self.set_fed(*sent);
-        }
-        found
-    }
-
-    /// Completes with an outcome of a batch this leader did not ask for
-    /// (another leader's request sent it) that the keeper has not been
-    /// given yet: a renewal, or the news that the row is no longer ours.
-    /// Failures are not pushed: the leader's own next renewal meets them.
-    pub(crate) async fn pushed(&self) -> (Instant, Batched) {
-        let mut outcome = self.outcome.clone();
-        let fed = *self.fed.lock().unwrap_or_else(PoisonError::into_inner);
-        let found = outcome
-            .wait_for(|o| {
-                o.as_ref().is_some_and(|(sent, b)| {
-                    fed.is_none_or(|f| *sent > f) && !matches!(b, Batched::Failed)
-                })
-            })
-            .await
-            .map(|o| o.clone());
-        match found {
-            Ok(Some((sent, b))) => {
-                self.set_fed(sent);
-                (sent, b)
-            }
-            // The session is gone: the connection's end tells the keeper.
-            _ => std::future::pending().await,
-        }
-    }
-
-    fn set_fed(&self, sent: Instant) {
-        let mut fed = self.fed.lock().unwrap_or_else(PoisonError::into_inner);
-        if fed.is_none_or(|f| sent > f) {
-            *fed = Some(sent);
-        }
-    }
-
-    /// Leaves the batch at once (the lock is being let go of or released):
-    /// no later batch renews this role's row.
-    pub(crate) fn leave(&self) {
-        let mut leaders = self.session.leaders();
-        if leaders.get(&self.role).is_some_and(|l| l.term == self.term) {
-            leaders.remove(&self.role);
-        }
-    }
-}
-
-impl Drop for BatchMember {
-    fn drop(&mut self) {
-        self.leave();
     }
 }
 

@@ -1,6 +1,6 @@
 //! One connection for the lease-backend candidates of many roles.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -24,7 +24,9 @@ use crate::election::term::next_term_sql;
 use crate::election::watch::LEADER_CHANNEL;
 use crate::election::Shared;
 
-use super::lease::{lease_sql, LeaseSql};
+use super::batch::{remove_if_term, Batch, Member, Outcome, Termed};
+use super::claim::{Claim, Roles};
+use super::lease::{lease_sql, reopen, settle, LeaseSql};
 
 /// One connection that carries the statements of the lease-backend
 /// candidates of many roles in one process, batched: a process standing
@@ -115,7 +117,7 @@ struct Inner {
     /// while in flight, so one statement at a time is sent.
     conn: AsyncMutex<Option<DedicatedConnection>>,
     /// Roles with a live elector on this client.
-    roles: Mutex<HashSet<String>>,
+    roles: Roles,
     /// The leaders on this client, by role: every batched renewal renews
     /// them all.
     leaders: Mutex<HashMap<String, Leader>>,
@@ -216,7 +218,7 @@ impl SharedLease {
                 options: options.clone(),
                 id: format!("{:08x}", random_u64() as u32),
                 conn: AsyncMutex::new(None),
-                roles: Mutex::new(HashSet::new()),
+                roles: Roles::default(),
                 leaders: Mutex::new(HashMap::new()),
                 renew_wanted: watch::Sender::new(None),
                 standbys: Mutex::new(HashMap::new()),
@@ -269,22 +271,11 @@ impl SharedLease {
 
     /// Claims `role` for one elector; refused while another holds it.
     pub(crate) fn claim(&self, role: &str) -> Result<LeaseClaim> {
-        // Only inserted into and removed from: a poisoned lock left the set
-        // consistent.
-        let mut roles = self
-            .inner
-            .roles
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if !roles.insert(role.to_owned()) {
-            return Err(Error::config(format!(
-                "role {role:?} already has a candidate on this shared lease client; the batched statements carry one candidate per role"
-            )));
-        }
-        Ok(LeaseClaim {
-            inner: self.inner.clone(),
-            role: role.to_owned(),
-        })
+        self.inner.roles.claim(
+            self.clone(),
+            role,
+            "already has a candidate on this shared lease client; the batched statements carry one candidate per role",
+        )
     }
 
     /// Starts the renewal and standby tasks, once.
@@ -319,21 +310,13 @@ impl SharedLease {
         let schema = inner.options.schema_name();
         let operation = op.operation();
         let mut conn = inner.conn.lock().await;
-        if conn.as_ref().is_some_and(|c| c.is_closed()) {
-            conn.take();
-        }
-        if conn.is_none() {
-            let purpose = self.purpose();
-            let open = async {
-                let c = inner.options.connect(&purpose).await?;
-                let checked = check_schema(c.client(), schema).await;
-                c.kept_if(checked)
-            };
-            match tokio::time::timeout(bound.max(PATIENT_BOUND), open).await {
-                Ok(Ok(c)) => *conn = Some(c),
-                Ok(Err(e)) => return (Instant::now(), Err(e)),
-                Err(_) => return (Instant::now(), Err(Error::connection_lost(operation))),
-            }
+        let open = async {
+            let c = inner.options.connect(&self.purpose()).await?;
+            let checked = check_schema(c.client(), schema).await;
+            c.kept_if(checked)
+        };
+        if let Err(e) = reopen(&mut conn, bound.max(PATIENT_BOUND), operation, open).await {
+            return (Instant::now(), Err(e));
         }
         let c = conn.as_ref().expect("BUG: connected above");
         inner.statements.fetch_add(1, Ordering::Relaxed);
@@ -359,29 +342,8 @@ impl SharedLease {
                 .and_then(|rows| committed.map(|()| rows))
                 .map_err(|e| Error::db(operation, schema.as_str(), e))
         };
-        let r = match tokio::time::timeout(bound, run).await {
-            Ok(Ok(rows)) => Ok(rows),
-            Ok(Err(e)) => {
-                if is_transient(&e) {
-                    if let Some(c) = conn.take() {
-                        c.kill();
-                    }
-                }
-                Err(e)
-            }
-            Err(_) => {
-                if let Some(c) = conn.take() {
-                    // The statement may still run on the server: ask it to
-                    // stop.
-                    let cancel = c.canceller();
-                    tokio::spawn(async move {
-                        let _ = cancel.cancel().await;
-                    });
-                    c.kill();
-                }
-                Err(Error::connection_lost(operation))
-            }
-        };
+        let r = tokio::time::timeout(bound, run).await;
+        let r = settle(&mut conn, operation, r);
         (sent, r)
     }
 
@@ -404,14 +366,7 @@ impl SharedLease {
         // As on a shared connection: a short wait for others to share the
         // statement, a small part of the answer limit.
         let share_wait = (shared.timing.heartbeat_timeout / 10).min(Duration::from_millis(20));
-        RenewMember {
-            client: self.clone(),
-            role: shared.role.clone(),
-            term,
-            outcome: rx,
-            fed: Mutex::new(None),
-            share_wait,
-        }
+        Member::new(self.clone(), &shared.role, term, rx, share_wait)
     }
 
     /// Enters the standby of `shared`'s role into the batched acquire
@@ -550,10 +505,7 @@ impl fmt::Debug for SharedLease {
         f.debug_struct("SharedLease")
             .field("target", &self.inner.options.target())
             .field("application_name", &self.application_name())
-            .field(
-                "roles",
-                &self.inner.roles.lock().map(|r| r.len()).unwrap_or(0),
-            )
+            .field("roles", &self.inner.roles.len())
             .field("leaders", &self.inner.leaders().len())
             .field("standbys", &self.inner.standbys().len())
             .field("statements", &self.statements())
@@ -562,26 +514,7 @@ impl fmt::Debug for SharedLease {
 }
 
 /// A role's place on a shared lease client, given back when dropped.
-pub(crate) struct LeaseClaim {
-    inner: Arc<Inner>,
-    role: String,
-}
-
-impl LeaseClaim {
-    pub(crate) fn client(&self) -> SharedLease {
-        SharedLease {
-            inner: self.inner.clone(),
-        }
-    }
-}
-
-impl Drop for LeaseClaim {
-    fn drop(&mut self) {
-        if let Ok(mut roles) = self.inner.roles.lock() {
-            roles.remove(&self.role);
-        }
-    }
-}
+pub(crate) type LeaseClaim = Claim<SharedLease>;
 
 /// A leader's entry in the batched renewal.
 struct Leader {
@@ -616,82 +549,32 @@ pub(crate) enum Renewal {
 }
 
 /// A leader's place in the batched renewal; leaves it when dropped.
-pub(crate) struct RenewMember {
-    client: SharedLease,
-    role: String,
-    term: i64,
-    outcome: watch::Receiver<Option<(Instant, Renewal)>>,
-    /// The send time of the last outcome handed to the keeper.
-    fed: Mutex<Option<Instant>>,
-    /// How long a renewal request waits for others to share its statement.
-    share_wait: Duration,
-}
+pub(crate) type RenewMember = Member<SharedLease, Renewal>;
 
-impl RenewMember {
-    /// The outcome of a batched renewal sent at or after `requested`
-    /// (asking for one within the member's share wait), with its send
-    /// time; `None` when the client ended first. The caller bounds the
-    /// wait.
-    pub(crate) async fn renewal(&self, requested: Instant) -> Option<(Instant, Renewal)> {
-        let by = requested + self.share_wait;
-        self.client
-            .inner
-            .renew_wanted
-            .send_modify(|w| *w = Some(w.map_or(by, |x| x.min(by))));
-        let mut outcome = self.outcome.clone();
-        let found = outcome
-            .wait_for(|o| o.as_ref().is_some_and(|(sent, _)| *sent >= requested))
-            .await
-            .ok()
-            .and_then(|o| o.clone());
-        if let Some((sent, _)) = &found {
-            self.set_fed(*sent);
-        }
-        found
-    }
-
-    /// Completes with an outcome of a batch this leader did not ask for
-    /// that the keeper has not been given yet; failures are not pushed
-    /// (the leader's own next renewal meets them).
-    pub(crate) async fn pushed(&self) -> (Instant, Renewal) {
-        let mut outcome = self.outcome.clone();
-        let fed = *self.fed.lock().unwrap_or_else(PoisonError::into_inner);
-        let found = outcome
-            .wait_for(|o| {
-                o.as_ref().is_some_and(|(sent, r)| {
-                    fed.is_none_or(|f| *sent > f) && !matches!(r, Renewal::Failed)
-                })
-            })
-            .await
-            .map(|o| o.clone());
-        match found {
-            Ok(Some((sent, r))) => {
-                self.set_fed(sent);
-                (sent, r)
-            }
-            _ => std::future::pending().await,
-        }
-    }
-
-    fn set_fed(&self, sent: Instant) {
-        let mut fed = self.fed.lock().unwrap_or_else(PoisonError::into_inner);
-        if fed.is_none_or(|f| sent > f) {
-            *fed = Some(sent);
-        }
-    }
-
-    /// Leaves the batch at once: no later batch renews this role's row.
-    pub(crate) fn leave(&self) {
-        let mut leaders = self.client.inner.leaders();
-        if leaders.get(&self.role).is_some_and(|l| l.term == self.term) {
-            leaders.remove(&self.role);
-        }
+impl Outcome for Renewal {
+    fn failed(&self) -> bool {
+        matches!(self, Renewal::Failed)
     }
 }
 
-impl Drop for RenewMember {
-    fn drop(&mut self) {
-        self.leave();
+impl Termed for Leader {
+    fn term(&self) -> i64 {
+        self.term
+    }
+}
+
+impl Batch for SharedLease {
+    fn renewals_wanted(&self) -> &watch::Sender<Option<Instant>> {
+        &self.inner.renew_wanted
+    }
+
+    fn closed(&self) -> Option<&CancellationToken> {
+        // Reconnects at will: no end but the client's own.
+        None
+    }
+
+    fn leave(&self, role: &str, term: i64) {
+        remove_if_term(&mut self.inner.leaders(), role, term);
     }
 }
 
@@ -1053,6 +936,26 @@ async fn register_due(client: &SharedLease) {
     due.sort_by(|a, b| a.0.cmp(&b.0));
     for chunk in chunks(due.len(), CHUNK_ROWS) {
         let part = &due[chunk];
+        match register_chunk(client, part).await {
+            Ok(()) => {}
+            Err(e) if is_transient(&e) => {
+                tracing::warn!(error = %e, candidates = part.len(), "the batched registration failed; retrying");
+            }
+            Err(e) => {
+                let roles: Vec<&str> = part.iter().map(|r| r.0.as_str()).collect();
+                let alone = |i: usize| register_chunk(client, &part[i..=i]);
+                if !refuse(client, &roles, e, alone).await {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Registers the standbys of `part`, and schedules their next
+/// registration; returns the statement's error.
+async fn register_chunk(client: &SharedLease, part: &[(String, Registration)]) -> Result<()> {
+    {
         let roles: Vec<&str> = part.iter().map(|r| r.1.role.as_str()).collect();
         let nodes: Vec<&str> = part.iter().map(|r| r.1.node.as_str()).collect();
         let priorities: Vec<i32> = part.iter().map(|r| r.1.priority).collect();
@@ -1088,8 +991,49 @@ async fn register_due(client: &SharedLease) {
                 };
             }
         }
-        if let Err(e) = r {
-            tracing::warn!(error = %e, candidates = part.len(), "the batched registration failed; retrying");
+        r.map(drop)
+    }
+}
+
+/// A batched statement for the standbys of `roles` failed in a way that
+/// retrying does not cure (a missing schema or privilege, a refused
+/// login): each of them is handed the error, as a lone candidate's
+/// `leadership()` returns it, and leaves. An error that carries no driver
+/// error names the client's setup and is copied to each. Any other is
+/// learnt by each standby with a statement of its own (`alone(i)` for
+/// `roles[i]`, one after another), so that each gets its own error and
+/// one standby's fault is not blamed on the others; a failed statement
+/// took nothing. False when a transient failure cut that short.
+async fn refuse<F, Fut>(client: &SharedLease, roles: &[&str], e: Error, mut alone: F) -> bool
+where
+    F: FnMut(usize) -> Fut,
+    Fut: std::future::Future<Output = Result<()>>,
+{
+    tracing::warn!(error = %e, standbys = roles.len(), "a batched lease statement was refused; its candidates get the error");
+    if e.copied().is_some() {
+        for role in roles {
+            if let Some(e) = e.copied() {
+                refuse_one(client, role, e);
+            }
+        }
+        return true;
+    }
+    for (i, role) in roles.iter().enumerate() {
+        match alone(i).await {
+            Ok(()) => {}
+            Err(e) if is_transient(&e) => return false,
+            Err(e) => refuse_one(client, role, e),
+        }
+    }
+    true
+}
+
+/// Hands `e` to the standby of `role`, which leaves the batch.
+fn refuse_one(client: &SharedLease, role: &str, e: Error) {
+    let mut standbys = client.inner.standbys();
+    if let Some(mut s) = standbys.remove(role) {
+        if let Some(tx) = s.won.take() {
+            let _ = tx.send(Err(e));
         }
     }
 }
@@ -1139,8 +1083,6 @@ fn jitter(ttl: Duration) -> Duration {
 /// role to its standby and schedules the others' next attempt. False when
 /// a statement failed.
 async fn acquire_all(client: &SharedLease) -> bool {
-    let s = client.inner.options.schema_name().as_str();
-    type Entry = (String, String, Option<serde_json::Value>, i64, String, i32);
     let mut entries: Vec<Entry> = client
         .inner
         .standbys()
@@ -1172,159 +1114,180 @@ async fn acquire_all(client: &SharedLease) -> bool {
         let ttl = standbys.values().map(|s| s.ttl).min().unwrap_or_default();
         (ttl / 3).clamp(PATIENT_BOUND, Duration::from_secs(5))
     };
-    let mut ok = true;
     let size = client.inner.acquire_rows.load(Ordering::Relaxed);
     for chunk in chunks(entries.len(), size) {
         let part = &mut entries[chunk];
         part.sort_by(|a, b| a.0.cmp(&b.0));
         let part = &*part;
-        let roles: Vec<&str> = part.iter().map(|e| e.0.as_str()).collect();
-        let nodes: Vec<&str> = part.iter().map(|e| e.1.as_str()).collect();
-        let metas: Vec<Option<&serde_json::Value>> = part.iter().map(|e| e.2.as_ref()).collect();
-        let ttls: Vec<i64> = part.iter().map(|e| e.3).collect();
-        let payloads: Vec<&str> = part.iter().map(|e| e.4.as_str()).collect();
-        let priorities: Vec<i32> = part.iter().map(|e| e.5).collect();
-        let token = random_u64() as i64;
-        let unanswered: Vec<i64> = client.inner.unanswered().iter().copied().collect();
-        let (sent, r) = client
-            .exec(
-                Op::Acquire,
-                bound,
-                &client.inner.sql.acquire,
-                &[
-                    (&roles, Type::TEXT_ARRAY),
-                    (&nodes, Type::TEXT_ARRAY),
-                    (&metas, Type::JSONB_ARRAY),
-                    (&ttls, Type::INT8_ARRAY),
-                    (&payloads, Type::TEXT_ARRAY),
-                    (&priorities, Type::INT4_ARRAY),
-                    (&token, Type::INT8),
-                    (&unanswered, Type::INT8_ARRAY),
-                ],
-            )
-            .await;
-        tracing::debug!(standbys = part.len(), took = ?sent.elapsed(), "batched lease acquire");
-        let rows = match r {
-            Ok(rows) => rows,
+        match acquire_chunk(client, part, bound).await {
+            Ok(()) => {}
+            Err(e) if is_transient(&e) => return false,
             Err(e) => {
-                // Unless the server answered with an error (nothing
-                // committed), the statement may have committed: the leases
-                // it took name our nodes and nobody acts on them.
-                let answered =
-                    matches!(&e, Error::Database { source, .. } if source.as_db_error().is_some());
-                if !answered {
-                    let mut u = client.inner.unanswered();
-                    if u.len() >= UNANSWERED_TOKENS {
-                        u.pop_front();
-                    }
-                    u.push_back(token);
-                    // Smaller chunks hold fewer rows for less time.
-                    let smaller = (part.len() / 2).max(MIN_ACQUIRE_ROWS);
-                    client.inner.acquire_rows.store(smaller, Ordering::Relaxed);
+                let roles: Vec<&str> = part.iter().map(|e| e.0.as_str()).collect();
+                let alone = |i: usize| acquire_chunk(client, &part[i..=i], bound);
+                if !refuse(client, &roles, e, alone).await {
+                    return false;
                 }
-                tracing::warn!(error = %e, standbys = part.len(), "the batched lease acquire failed; retrying");
-                ok = false;
-                break;
             }
-        };
-        let decoded: std::result::Result<Vec<Acquired>, _> =
-            rows.iter().map(decode_acquired).collect();
-        let decoded = match decoded {
-            Ok(d) => d,
-            Err(e) => {
-                // Never: the statement's columns are ours. Whatever it won
-                // expires unused after a TTL.
-                tracing::warn!(error = %Error::db(Op::Acquire.operation(), s, e), "could not read the batched acquire's rows");
-                ok = false;
-                break;
-            }
-        };
-        let grown = (size * 2).min(ACQUIRE_ROWS);
-        client.inner.acquire_rows.store(grown, Ordering::Relaxed);
-        let now = Instant::now();
-        let mut unclaimed = Vec::new();
-        {
-            let mut standbys = client.inner.standbys();
-            for a in decoded {
-                let entry = standbys.get_mut(&a.role);
-                if let Some(shared) = entry.as_ref().and_then(|e| e.shared.upgrade()) {
-                    shared.contact.touch();
+        }
+    }
+    true
+}
+
+/// A standby's entry in a batched acquire: role, node, meta, TTL in
+/// milliseconds, notification payload, priority.
+type Entry = (String, String, Option<serde_json::Value>, i64, String, i32);
+
+/// Sends the batched acquire for `part`; hands each won role to its
+/// standby and schedules the others' next attempt. Returns the statement's
+/// error.
+async fn acquire_chunk(client: &SharedLease, part: &[Entry], bound: Duration) -> Result<()> {
+    let s = client.inner.options.schema_name().as_str();
+    let roles: Vec<&str> = part.iter().map(|e| e.0.as_str()).collect();
+    let nodes: Vec<&str> = part.iter().map(|e| e.1.as_str()).collect();
+    let metas: Vec<Option<&serde_json::Value>> = part.iter().map(|e| e.2.as_ref()).collect();
+    let ttls: Vec<i64> = part.iter().map(|e| e.3).collect();
+    let payloads: Vec<&str> = part.iter().map(|e| e.4.as_str()).collect();
+    let priorities: Vec<i32> = part.iter().map(|e| e.5).collect();
+    let token = random_u64() as i64;
+    let unanswered: Vec<i64> = client.inner.unanswered().iter().copied().collect();
+    let (sent, r) = client
+        .exec(
+            Op::Acquire,
+            bound,
+            &client.inner.sql.acquire,
+            &[
+                (&roles, Type::TEXT_ARRAY),
+                (&nodes, Type::TEXT_ARRAY),
+                (&metas, Type::JSONB_ARRAY),
+                (&ttls, Type::INT8_ARRAY),
+                (&payloads, Type::TEXT_ARRAY),
+                (&priorities, Type::INT4_ARRAY),
+                (&token, Type::INT8),
+                (&unanswered, Type::INT8_ARRAY),
+            ],
+        )
+        .await;
+    tracing::debug!(standbys = part.len(), took = ?sent.elapsed(), "batched lease acquire");
+    let rows = match r {
+        Ok(rows) => rows,
+        Err(e) => {
+            // Unless the server answered with an error (nothing
+            // committed), the statement may have committed: the leases
+            // it took name our nodes and nobody acts on them.
+            let answered =
+                matches!(&e, Error::Database { source, .. } if source.as_db_error().is_some());
+            if !answered {
+                let mut u = client.inner.unanswered();
+                if u.len() >= UNANSWERED_TOKENS {
+                    u.pop_front();
                 }
-                match (a.won, entry) {
-                    (Some((term, acquired_at, lease_until)), Some(e)) => {
-                        let node = e.node.clone();
-                        let tx = e.won.take();
-                        standbys.remove(&a.role);
-                        let won = Won {
-                            sent,
-                            term,
-                            acquired_at,
-                            lease_until,
-                            prev_holder: a.prev_holder,
-                            prev_backend: a.prev_backend,
-                        };
-                        if tx.is_none_or(|tx| tx.send(Ok(won)).is_err()) {
-                            unclaimed.push((a.role, node, term));
-                        }
-                    }
-                    (Some((term, _, _)), None) => {
-                        // The standby left while the statement ran.
-                        let node = part
-                            .iter()
-                            .find(|e| e.0 == a.role)
-                            .map(|e| e.1.clone())
-                            .unwrap_or_default();
+                u.push_back(token);
+                // Smaller chunks hold fewer rows for less time.
+                let smaller = (part.len() / 2).max(MIN_ACQUIRE_ROWS);
+                client.inner.acquire_rows.store(smaller, Ordering::Relaxed);
+            }
+            tracing::warn!(error = %e, standbys = part.len(), "the batched lease acquire failed");
+            return Err(e);
+        }
+    };
+    let decoded: std::result::Result<Vec<Acquired>, _> = rows.iter().map(decode_acquired).collect();
+    let decoded = match decoded {
+        Ok(d) => d,
+        Err(e) => {
+            // Never: the statement's columns are ours. Whatever it won
+            // expires unused after a TTL.
+            let e = Error::db(Op::Acquire.operation(), s, e);
+            tracing::warn!(error = %e, "could not read the batched acquire's rows");
+            return Err(e);
+        }
+    };
+    let size = client.inner.acquire_rows.load(Ordering::Relaxed);
+    let grown = (size * 2).min(ACQUIRE_ROWS);
+    client.inner.acquire_rows.store(grown, Ordering::Relaxed);
+    let now = Instant::now();
+    let mut unclaimed = Vec::new();
+    {
+        let mut standbys = client.inner.standbys();
+        for a in decoded {
+            let entry = standbys.get_mut(&a.role);
+            if let Some(shared) = entry.as_ref().and_then(|e| e.shared.upgrade()) {
+                shared.contact.touch();
+            }
+            match (a.won, entry) {
+                (Some((term, acquired_at, lease_until)), Some(e)) => {
+                    let node = e.node.clone();
+                    let tx = e.won.take();
+                    standbys.remove(&a.role);
+                    let won = Won {
+                        sent,
+                        term,
+                        acquired_at,
+                        lease_until,
+                        prev_holder: a.prev_holder,
+                        prev_backend: a.prev_backend,
+                    };
+                    if tx.is_none_or(|tx| tx.send(Ok(won)).is_err()) {
                         unclaimed.push((a.role, node, term));
                     }
-                    (None, None) => {}
-                    (None, Some(e)) => {
-                        let remaining = a.prev_remaining.unwrap_or(0.0);
-                        if a.prev_holder.is_some()
-                            && a.prev_backend.as_deref() == Some("session")
-                            && remaining > 0.0
-                        {
-                            let err = Error::config(format!(
+                }
+                (Some((term, _, _)), None) => {
+                    // The standby left while the statement ran.
+                    let node = part
+                        .iter()
+                        .find(|e| e.0 == a.role)
+                        .map(|e| e.1.clone())
+                        .unwrap_or_default();
+                    unclaimed.push((a.role, node, term));
+                }
+                (None, None) => {}
+                (None, Some(e)) => {
+                    let remaining = a.prev_remaining.unwrap_or(0.0);
+                    if a.prev_holder.is_some()
+                        && a.prev_backend.as_deref() == Some("session")
+                        && remaining > 0.0
+                    {
+                        let err = Error::config(format!(
                                 "role {:?} is held by {:?}, a leader using the session backend, but this candidate uses the lease backend: all candidates of a role must use the same backend",
                                 a.role,
                                 a.prev_holder.unwrap_or_default()
                             ));
-                            if let Some(tx) = e.won.take() {
-                                let _ = tx.send(Err(err));
-                            }
-                            standbys.remove(&a.role);
-                            continue;
+                        if let Some(tx) = e.won.take() {
+                            let _ = tx.send(Err(err));
                         }
-                        let wait = if a.deferred_to.is_some() {
-                            // Left to a candidate of higher priority seen
-                            // within its TTL; its registration goes stale
-                            // within a TTL if it never takes the lease.
-                            e.retry_every
-                        } else {
-                            let left = if a.prev_holder.is_some() {
-                                ms(remaining)
-                            } else {
-                                Duration::ZERO
-                            };
-                            (left + jitter(e.ttl)).min(e.retry_every)
-                        };
-                        e.due = now + wait;
+                        standbys.remove(&a.role);
+                        continue;
                     }
+                    let wait = if a.deferred_to.is_some() {
+                        // Left to a candidate of higher priority seen
+                        // within its TTL; its registration goes stale
+                        // within a TTL if it never takes the lease.
+                        e.retry_every
+                    } else {
+                        let left = if a.prev_holder.is_some() {
+                            ms(remaining)
+                        } else {
+                            Duration::ZERO
+                        };
+                        (left + jitter(e.ttl)).min(e.retry_every)
+                    };
+                    e.due = now + wait;
                 }
             }
         }
-        for (role, node, term) in unclaimed {
-            let bound = PATIENT_BOUND;
-            tracing::debug!(
-                role,
-                term,
-                "a lease won for a standby that left; releasing it"
-            );
-            if let Err(e) = client.release_role(&role, &node, term, bound).await {
-                tracing::warn!(role, error = %e, "could not release a lease won for a standby that left; it expires on its own");
-            }
+    }
+    for (role, node, term) in unclaimed {
+        let bound = PATIENT_BOUND;
+        tracing::debug!(
+            role,
+            term,
+            "a lease won for a standby that left; releasing it"
+        );
+        if let Err(e) = client.release_role(&role, &node, term, bound).await {
+            tracing::warn!(role, error = %e, "could not release a lease won for a standby that left; it expires on its own");
         }
     }
-    ok
+    Ok(())
 }
 
 /// Keeps the renewal's answer for the keeper: `Renewal` to the driver's

@@ -1,0 +1,146 @@
+//! A leader's place in a batched renewal, for both clients that batch
+//! renewals: a shared connection's session ([`super::shared`]) and a
+//! shared lease client ([`super::shared_lease`]). Each renewal statement
+//! renews every leader in the batch; a member asks for one within its
+//! share wait and takes its own outcome from it.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// What one batched renewal found for one leader.
+pub(crate) trait Outcome: Clone {
+    /// The statement failed: the leader's own next renewal meets the
+    /// failure, so it is never pushed to a leader that did not ask.
+    fn failed(&self) -> bool;
+}
+
+/// The client a batch runs on.
+pub(crate) trait Batch {
+    /// Where renewal requests go: the earliest moment one is wanted at.
+    fn renewals_wanted(&self) -> &watch::Sender<Option<Instant>>;
+
+    /// Cancelled when no later batch can be sent (the connection closed);
+    /// `None` when the client reconnects at will.
+    fn closed(&self) -> Option<&CancellationToken>;
+
+    /// Takes `role` out of the batch if its entry is still that of `term`.
+    fn leave(&self, role: &str, term: i64);
+}
+
+/// A batch's entry for one leader: its term, among other things.
+pub(crate) trait Termed {
+    fn term(&self) -> i64;
+}
+
+/// Removes `role` from a batch's leaders if its entry is still that of
+/// `term` (a newer term's entry stays).
+pub(crate) fn remove_if_term<L: Termed>(leaders: &mut HashMap<String, L>, role: &str, term: i64) {
+    if leaders.get(role).is_some_and(|l| l.term() == term) {
+        leaders.remove(role);
+    }
+}
+
+/// A leader's place in a batched renewal; leaves it when dropped.
+pub(crate) struct Member<B: Batch, O: Outcome> {
+    batch: B,
+    role: String,
+    term: i64,
+    outcome: watch::Receiver<Option<(Instant, O)>>,
+    /// The send time of the last outcome handed to the keeper.
+    fed: Mutex<Option<Instant>>,
+    /// How long a renewal request waits for others to share its statement.
+    share_wait: Duration,
+}
+
+impl<B: Batch, O: Outcome> Member<B, O> {
+    /// The member of `role` at `term`, whose outcomes arrive on `outcome`.
+    pub(crate) fn new(
+        batch: B,
+        role: &str,
+        term: i64,
+        outcome: watch::Receiver<Option<(Instant, O)>>,
+        share_wait: Duration,
+    ) -> Self {
+        Member {
+            batch,
+            role: role.to_owned(),
+            term,
+            outcome,
+            fed: Mutex::new(None),
+            share_wait,
+        }
+    }
+
+    /// The outcome of a batched renewal sent at or after `requested`
+    /// (asking for one within the member's share wait), with its send
+    /// time; `None` when the batch ended first. The caller bounds the
+    /// wait.
+    pub(crate) async fn renewal(&self, requested: Instant) -> Option<(Instant, O)> {
+        let by = requested + self.share_wait;
+        self.batch
+            .renewals_wanted()
+            .send_modify(|w| *w = Some(w.map_or(by, |x| x.min(by))));
+        let mut outcome = self.outcome.clone();
+        let answered = outcome.wait_for(|o| o.as_ref().is_some_and(|(sent, _)| *sent >= requested));
+        let found = match self.batch.closed() {
+            Some(closed) => tokio::select! {
+                o = answered => o.ok().and_then(|o| o.clone()),
+                _ = closed.cancelled() => None,
+            },
+            None => answered.await.ok().and_then(|o| o.clone()),
+        };
+        if let Some((sent, _)) = &found {
+            self.set_fed(*sent);
+        }
+        found
+    }
+
+    /// Completes with an outcome of a batch this leader did not ask for
+    /// (another leader's request sent it) that the keeper has not been
+    /// given yet: a renewal, or the news that the row is no longer ours.
+    /// Failures are not pushed (see [`Outcome::failed`]); once the batch is
+    /// gone, never completes (the connection's end, or the leader's own
+    /// renewal, tells the keeper).
+    pub(crate) async fn pushed(&self) -> (Instant, O) {
+        let mut outcome = self.outcome.clone();
+        let fed = *self.fed.lock().unwrap_or_else(PoisonError::into_inner);
+        let found = outcome
+            .wait_for(|o| {
+                o.as_ref()
+                    .is_some_and(|(sent, r)| fed.is_none_or(|f| *sent > f) && !r.failed())
+            })
+            .await
+            .map(|o| o.clone());
+        match found {
+            Ok(Some((sent, r))) => {
+                self.set_fed(sent);
+                (sent, r)
+            }
+            _ => std::future::pending().await,
+        }
+    }
+
+    fn set_fed(&self, sent: Instant) {
+        let mut fed = self.fed.lock().unwrap_or_else(PoisonError::into_inner);
+        if fed.is_none_or(|f| sent > f) {
+            *fed = Some(sent);
+        }
+    }
+
+    /// Leaves the batch at once (the leadership is being let go of or
+    /// released): no later batch renews this role's row.
+    pub(crate) fn leave(&self) {
+        self.batch.leave(&self.role, self.term);
+    }
+}
+
+impl<B: Batch, O: Outcome> Drop for Member<B, O> {
+    fn drop(&mut self) {
+        self.leave();
+    }
+}
