@@ -538,3 +538,119 @@ async fn a_missing_schema_is_returned_to_every_candidate_of_the_client() {
         l.resign().await.unwrap();
     }
 }
+
+/// With `listen_via` (a direct connection beside PgBouncer in transaction
+/// mode), a shared lease client's standbys hear a leader's release: two
+/// roles resigned one after the other are each taken over well within
+/// `retry_every` (10 s here). Without it a standby learns of a release only
+/// at its next poll, and the second release, made just after the poll
+/// that took the first, would wait about 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_listen_via_released_roles_are_taken_over_at_once_through_pgbouncer() {
+    const ROLES: usize = 20;
+    let cluster = tokio::task::spawn_blocking(Cluster::shared).await.unwrap();
+    let db = TestDb::on(cluster, "lease_shared_listen").await;
+    let direct = ConnectOptions::from_url(&db.url()).unwrap();
+    pgelect::migrate(&direct).await.expect("migrate");
+    let bouncer = PgBouncer::start(cluster, PoolMode::Transaction).expect("pgbouncer starts");
+    let pooled = ConnectOptions::from_url(&bouncer.url(db.name())).unwrap();
+    let admin = db.connect().await;
+    let slow = |client: &SharedLease, r: &str, node: &str| {
+        fast(&pooled, r, node)
+            .ttl(Duration::from_secs(20))
+            .renew_every(Duration::from_secs(2))
+            .retry_every(Duration::from_secs(10))
+            .shared_lease(client)
+            .build()
+            .unwrap()
+    };
+    // a leads every role.
+    let a = SharedLease::new(&pooled);
+    let a_electors: Vec<Elector> = (0..ROLES).map(|i| slow(&a, &role(i), "a")).collect();
+    let mut led = Vec::new();
+    for e in &a_electors {
+        led.push(Some(e.leadership().await.unwrap()));
+    }
+    // b stands for every role and listens directly.
+    let b = SharedLease::new(&pooled)
+        .listen_via(direct.clone())
+        .unwrap();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let b_tasks: Vec<_> = (0..ROLES)
+        .map(|i| {
+            let e = slow(&b, &role(i), "b");
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let l = e.leadership().await.expect("b leads");
+                let _ = tx.send((i, Instant::now()));
+                l.lost().await;
+            })
+        })
+        .collect();
+    // Until b listens and has polled once.
+    let listen_name = format!("{}-listen", b.application_name());
+    tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let listening: i64 = admin
+                .query_typed_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+                    &[(&listen_name, tokio_postgres::types::Type::TEXT)],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if listening == 1 && b.statements() > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("b's LISTEN connection, named after the client");
+    for i in [3, 7] {
+        let resigned = Instant::now();
+        led[i].take().unwrap().resign().await.unwrap();
+        let (taken, at) = tokio::time::timeout(Duration::from_secs(15), rx.recv())
+            .await
+            .expect("b takes the released role")
+            .unwrap();
+        assert_eq!(taken, i, "only the released role changes hands");
+        let took = at - resigned;
+        println!("role {i} taken over by b {took:?} after a resigned it (retry_every 10 s)");
+        assert!(
+            took < Duration::from_secs(3),
+            "the release NOTIFY brought b's acquire forward: {took:?}"
+        );
+    }
+    assert!(rx.try_recv().is_err(), "a still leads the other roles");
+    assert!(led.iter().flatten().all(|l| !l.is_lost()));
+
+    // Anyone may NOTIFY: 300 forged announcements of a release of a role b
+    // waits for (each in a transaction of its own: the server folds equal
+    // ones in one transaction) cost b at most the wake limit's acquires
+    // (a burst of 5, then 10 a second), not one each.
+    let before = b.statements();
+    let flood_started = Instant::now();
+    for _ in 0..300 {
+        admin
+            .batch_execute("SELECT pg_notify('pgelect_leader', 'pgelect:released:shard-1')")
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let window = flood_started.elapsed().as_secs_f64();
+    let spent = b.statements() - before;
+    let bound = 5.0 + 10.0 * window + 5.0;
+    println!(
+        "300 forged announcements in {window:.2} s cost b {spent} statements (bound {bound:.0})"
+    );
+    assert!(
+        (spent as f64) <= bound,
+        "{spent} statements for a flood of 300 announcements in {window:.2} s"
+    );
+    assert!(rx.try_recv().is_err(), "no role changed hands");
+    for t in b_tasks {
+        t.abort();
+    }
+}

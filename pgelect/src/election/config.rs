@@ -419,9 +419,10 @@ impl ElectorBuilder {
     /// Lease backend: send this candidate's statements over `client`,
     /// batched with those of the candidates of other roles, instead of over
     /// a connection of its own (see [`SharedLease`]). `build()` refuses it
-    /// for the session backend, with a `listen_via` connection (the client
-    /// polls at least every `retry_every`), for another database or schema,
-    /// and for a second candidate of the same role on the client.
+    /// for the session backend, with a `listen_via` connection of the
+    /// elector's own (set it on the client:
+    /// [`SharedLease::listen_via`]), for another database or schema, and
+    /// for a second candidate of the same role on the client.
     ///
     /// ```
     /// use pgelect::{Backend, ConnectOptions, Elector, SharedLease};
@@ -546,7 +547,7 @@ impl ElectorBuilder {
                 }
                 if self.listen_via.is_some() {
                     return Err(Error::config(
-                        "listen_via is not used by candidates on a shared lease client; leave it unset",
+                        "listen_via is not used by candidates on a shared lease client: set it once on the client (SharedLease::listen_via), whose one LISTEN connection serves all its candidates",
                     ));
                 }
                 if c.options().target() != self.options.target()

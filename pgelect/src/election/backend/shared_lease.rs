@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, SystemTime};
 
-use tokio::sync::{oneshot, watch, Mutex as AsyncMutex, Notify};
+use tokio::sync::{broadcast, oneshot, watch, Mutex as AsyncMutex, Notify};
 use tokio::time::Instant;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Row;
@@ -19,9 +19,9 @@ use crate::schema::check_schema;
 use crate::election::backend::shared::{chunks, until_wanted, Registration};
 use crate::election::config::random_u64;
 use crate::election::registry::{self, Register, Waits};
-use crate::election::support::{backoff, is_transient};
+use crate::election::support::{backoff, is_transient, Reconnect, WakeLimit};
 use crate::election::term::next_term_sql;
-use crate::election::watch::LEADER_CHANNEL;
+use crate::election::watch::{parse_leader_event, LEADER_CHANNEL};
 use crate::election::Shared;
 
 use super::batch::{remove_if_term, Batch, Member, Outcome, Termed};
@@ -56,7 +56,9 @@ use super::lease::{lease_sql, reopen, settle, LeaseSql};
 ///   acquire (a ready candidate of strictly higher priority goes first; a
 ///   role held by a session-backend leader is refused). A poll is sent at
 ///   the earliest server-reported expiry among the standbys, at least
-///   every `retry_every` (1 s by default).
+///   every `retry_every` (1 s by default), and, with
+///   [`listen_via`](SharedLease::listen_via), at once when a leader
+///   announces the release of a role one of them waits for.
 /// * **Registrations** in the candidate registry: one statement per
 ///   `ttl / 2` for all standbys.
 /// * **Releases**: one statement per role.
@@ -74,7 +76,8 @@ use super::lease::{lease_sql, reopen, settle, LeaseSql};
 ///
 /// # Cost
 ///
-/// One connection. At steady state, per process: one renewal statement per
+/// One connection, and one more used only to `LISTEN` with
+/// [`listen_via`](SharedLease::listen_via). At steady state, per process: one renewal statement per
 /// `renew_every` per 2,000 leaders, one acquire per `retry_every` per 5,000
 /// standbys and one registration per `ttl / 2` per 2,000 standbys.
 ///
@@ -135,6 +138,11 @@ struct Inner {
     unanswered: Mutex<VecDeque<i64>>,
     sql: Statements,
     started: AtomicBool,
+    /// Where the client listens for release announcements, if anywhere
+    /// ([`SharedLease::listen_via`]).
+    listen_via: Mutex<Option<ConnectOptions>>,
+    /// Set once the listening task runs.
+    listening: AtomicBool,
     /// Cancelled when the last handle is dropped: ends the tasks.
     stop: CancellationToken,
     /// Statements sent on the connection.
@@ -231,6 +239,8 @@ impl SharedLease {
                     lease: lease_sql(schema),
                 },
                 started: AtomicBool::new(false),
+                listen_via: Mutex::new(None),
+                listening: AtomicBool::new(false),
                 stop: CancellationToken::new(),
                 statements: AtomicU64::new(0),
                 next_standby: AtomicU64::new(0),
@@ -291,6 +301,71 @@ impl SharedLease {
             stop.clone(),
         ));
         tokio::spawn(standby_batches(weak, self.inner.joined.clone(), stop));
+        self.start_listening();
+    }
+
+    /// Listens on a connection that bypasses the pooler (directly to
+    /// PostgreSQL, or through a session-mode pool) for the releases that
+    /// leaders announce: a release of a role that one of this client's
+    /// standbys waits for brings the next batched acquire forward, so a
+    /// voluntary release is taken over in milliseconds instead of within
+    /// `retry_every`. One connection for all the client's candidates, used
+    /// only to `LISTEN` (through a pooler in transaction mode `LISTEN` does
+    /// not work); losing it never affects leadership, and it is reopened
+    /// with backoff. Anyone who can connect may `NOTIFY`: a flood of
+    /// announcements costs at most ten acquires a second.
+    ///
+    /// Refused for another schema than the client's.
+    ///
+    /// ```no_run
+    /// # fn example() -> pgelect::Result<()> {
+    /// use pgelect::{ConnectOptions, SharedLease};
+    /// let pooled = ConnectOptions::from_url("postgres://app@pgbouncer:6432/app")?;
+    /// let direct = ConnectOptions::from_url("postgres://app@db:5432/app")?;
+    /// let client = SharedLease::new(&pooled).listen_via(direct)?;
+    /// # let _ = client;
+    /// # Ok(()) }
+    /// ```
+    pub fn listen_via(self, options: ConnectOptions) -> Result<SharedLease> {
+        if options.schema_name() != self.inner.options.schema_name() {
+            return Err(Error::config(format!(
+                "listen_via uses schema {:?} but the shared lease client uses {:?}; they must match",
+                options.schema_name().as_str(),
+                self.inner.options.schema_name().as_str()
+            )));
+        }
+        *self
+            .inner
+            .listen_via
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(options);
+        if self.inner.started.load(Ordering::Acquire) {
+            self.start_listening();
+        }
+        Ok(self)
+    }
+
+    /// Starts the listening task, once, if the client listens.
+    fn start_listening(&self) {
+        let options = self
+            .inner
+            .listen_via
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let Some(options) = options else {
+            return;
+        };
+        if self.inner.listening.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let purpose = format!("{}-listen", self.purpose());
+        tokio::spawn(listen_releases(
+            Arc::downgrade(&self.inner),
+            options,
+            purpose,
+            self.inner.stop.clone(),
+        ));
     }
 
     /// Runs one statement, (re)connecting first if needed, bounded by
@@ -900,6 +975,117 @@ async fn standby_batches(inner: Weak<Inner>, joined: Arc<Notify>, stop: Cancella
                 s.due = now + wait.min(s.retry_every);
             }
         }
+    }
+}
+
+/// The listening task of [`SharedLease::listen_via`]: `LISTEN`s for
+/// leader events and brings the standbys' next acquire forward when a
+/// role one of them waits for is announced released; ends with the client.
+async fn listen_releases(
+    inner: Weak<Inner>,
+    options: ConnectOptions,
+    purpose: String,
+    stop: CancellationToken,
+) {
+    let schema = options.schema_name().as_str().to_owned();
+    let mut reconnect = Reconnect::default();
+    let mut wakes = Wakes::default();
+    loop {
+        let Some(conn) = reconnect
+            .connect(&options, &purpose, &stop, "LISTEN connection")
+            .await
+        else {
+            return;
+        };
+        let mut rx = conn.notices();
+        let listened = conn
+            .client()
+            .batch_execute(&format!("LISTEN {LEADER_CHANNEL}"))
+            .await;
+        match listened {
+            Ok(()) => {
+                reconnect.succeeded();
+                // A release announced before the LISTEN took effect was
+                // not heard: poll as if it had been.
+                if !wakes.wake(&inner, None) {
+                    return;
+                }
+                loop {
+                    let woken = tokio::select! {
+                        _ = stop.cancelled() => {
+                            conn.close().await;
+                            return;
+                        }
+                        _ = conn.closed().cancelled() => break,
+                        n = rx.recv() => match n {
+                            Ok(n) if n.channel == LEADER_CHANNEL => {
+                                match parse_leader_event(&schema, &n.payload) {
+                                    Some(("released", role)) => wakes.wake(&inner, Some(role)),
+                                    _ => true,
+                                }
+                            }
+                            Ok(_) => true,
+                            // Missed announcements: poll as if one was ours.
+                            Err(broadcast::error::RecvError::Lagged(_)) => wakes.wake(&inner, None),
+                            Err(broadcast::error::RecvError::Closed) => break,
+                        },
+                    };
+                    if !woken {
+                        conn.close().await;
+                        return;
+                    }
+                }
+                tracing::debug!("LISTEN connection lost; reconnecting");
+            }
+            Err(e) => tracing::debug!(error = %e, "LISTEN failed; retrying"),
+        }
+        conn.kill();
+        if !reconnect.back_off(&stop).await {
+            return;
+        }
+    }
+}
+
+/// Early acquires brought by release announcements, within the wake-up
+/// limit.
+#[derive(Default)]
+struct Wakes {
+    limit: WakeLimit,
+    /// The early acquire already scheduled: it tries every standby, so
+    /// announcements until then need no other.
+    pending: Option<Instant>,
+}
+
+impl Wakes {
+    /// Brings the next batched acquire forward for the standby of `role`
+    /// (for any standby when `None`), if there is one; false once the
+    /// client is gone.
+    fn wake(&mut self, inner: &Weak<Inner>, role: Option<&str>) -> bool {
+        let Some(inner) = inner.upgrade() else {
+            return false;
+        };
+        let now = Instant::now();
+        if self.pending.is_some_and(|p| p > now) {
+            return true;
+        }
+        {
+            let mut standbys = inner.standbys();
+            let standby = match role {
+                Some(r) => standbys.get_mut(r),
+                None => standbys.values_mut().min_by_key(|s| s.due),
+            };
+            let Some(standby) = standby else {
+                return true;
+            };
+            if standby.due <= now {
+                return true;
+            }
+            let at = self.limit.reserve(now);
+            self.pending = Some(at);
+            standby.due = standby.due.min(at);
+        }
+        inner.joined.notify_one();
+        true
     }
 }
 
