@@ -6,7 +6,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use pgelect::{Backend, ConnectOptions, Elector, Leadership, LossReason, Term};
+use pgelect::{Backend, ConnectOptions, Elector, Leadership, LossReason, SharedLease, Term};
 use pgelect_testkit::{Cluster, ReplicaSet, Replication, TestDb, SUPERUSER, TEST_PASSWORD};
 use tokio::time::timeout;
 use tokio_postgres::{Client, NoTls};
@@ -64,6 +64,18 @@ fn fast(o: &ConnectOptions, role: &str, node: &str, backend: Backend) -> Elector
             .build()
             .unwrap(),
     }
+}
+
+/// The lease backend on a shared lease client of its own, with the
+/// timings of `fast`.
+fn fast_shared_lease(o: &ConnectOptions, role: &str, node: &str) -> Elector {
+    fast_session(o, role, node)
+        .backend(Backend::Lease)
+        .heartbeat_timeout(Duration::from_millis(600))
+        .retry_every(Duration::from_millis(200))
+        .shared_lease(&SharedLease::new(o))
+        .build()
+        .unwrap()
 }
 
 /// The lost-bump scenario of issue 14, session backend: a term committed
@@ -212,13 +224,21 @@ async fn fence_read_only(cluster: &Cluster, on: bool) {
 /// over there (every elect fails with 25006 and it reconnects), and takes
 /// over once the server accepts writes again.
 async fn leader_on_a_fenced_server_steps_down(backend: Backend, hint: &str) {
+    fenced_server(backend, hint, |o, r, n| fast(o, r, n, backend)).await;
+}
+
+async fn fenced_server(
+    backend: Backend,
+    hint: &str,
+    fast: impl Fn(&ConnectOptions, &str, &str) -> Elector,
+) {
     let cluster = tokio::task::block_in_place(Cluster::start).expect("cluster");
     let db = TestDb::on(&cluster, hint).await;
     let o = ConnectOptions::from_url(&cluster.url(db.name())).unwrap();
     pgelect::migrate(&o).await.expect("migrate");
     let role = "fenced";
-    let a = fast(&o, role, "node-a", backend);
-    let b = fast(&o, role, "node-b", backend);
+    let a = fast(&o, role, "node-a");
+    let b = fast(&o, role, "node-b");
     let leader = elected(&a, Duration::from_secs(10)).await;
     let standing = tokio::spawn(async move {
         let l = b.leadership().await;
@@ -281,6 +301,14 @@ async fn session_leader_on_a_fenced_server_steps_down_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_leader_on_a_fenced_server_steps_down_at_once() {
     leader_on_a_fenced_server_steps_down(Backend::Lease, "ha_fenced_lease").await;
+}
+
+/// The same on shared lease clients: the batched renewal's refusal
+/// (SQLSTATE 25006) reaches each leader as such, not as a lost connection
+/// ridden out until the deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_lease_leader_on_a_fenced_server_steps_down_at_once() {
+    fenced_server(Backend::Lease, "ha_fenced_shared_lease", fast_shared_lease).await;
 }
 
 /// libpq's `target_session_attrs`: `primary` (like `read-write`) skips a

@@ -18,6 +18,7 @@
 //! (no heartbeats, each statement bounded here).
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, SystemTime};
 
@@ -48,7 +49,7 @@ use crate::election::timing::Timing;
 use crate::election::watch::{LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 use crate::election::{LeaseState, Shared, Term};
 
-use super::shared_lease::{renewal_answer, RenewMember, SharedLease};
+use super::shared_lease::{renewal_answer, RenewMember, Renewal, SharedLease};
 
 /// The largest jitter added to a standby's wake-up after the lease's
 /// server-reported expiry, so that standbys do not all fire at once. A
@@ -309,9 +310,7 @@ async fn exec(
     let patient = patient(&shared.timing);
     let bound = op.bound(&shared.timing);
     if let Some(lease) = shared.lease() {
-        lease
-            .statements
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        lease.statements.fetch_add(1, AtomicOrdering::Relaxed);
     }
     metrics::lease_statement(&shared.role, op.metric_kind());
     let open = async {
@@ -696,6 +695,7 @@ async fn elected(
             },
             sql: sql.clone(),
             term: term.get(),
+            refused_read_only: AtomicBool::new(false),
         },
         keeper,
         state: state.clone(),
@@ -719,6 +719,10 @@ struct LeaseKeep {
     via: Via,
     sql: Arc<LeaseSql>,
     term: i64,
+    /// A shared client's batched renewal was refused by a server that
+    /// accepts no writes: the error the keeper gets for it (the batch's
+    /// own error went to the whole batch) is to be taken as such.
+    refused_read_only: AtomicBool,
 }
 
 /// What carries a leader's renewals.
@@ -757,8 +761,12 @@ impl LeaseKeep {
         let bound = self.shared.timing.heartbeat_timeout * 2;
         match tokio::time::timeout(bound, member.renewal(requested)).await {
             Ok(Some((sent, r))) => {
-                if matches!(r, super::shared_lease::Renewal::Renewed { .. }) {
-                    tracing::trace!("lease renewed in a batch");
+                match r {
+                    Renewal::Renewed { .. } => tracing::trace!("lease renewed in a batch"),
+                    Renewal::Failed { read_only: true } => {
+                        self.refused_read_only.store(true, AtomicOrdering::Relaxed);
+                    }
+                    _ => {}
                 }
                 (sent, renewal_answer(r))
             }
@@ -846,7 +854,7 @@ impl KeepBackend for LeaseKeep {
     }
 
     fn failed(&self, error: &Error, failures: u32) -> Failed {
-        if is_read_only(error) {
+        if is_read_only(error) || self.refused_read_only.swap(false, AtomicOrdering::Relaxed) {
             // Not an outage to ride out: the lease is on a server that
             // cannot renew it (demoted or fenced); the next campaign opens
             // a new connection.

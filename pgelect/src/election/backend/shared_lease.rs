@@ -19,7 +19,7 @@ use crate::schema::check_schema;
 use crate::election::backend::shared::{chunks, until_wanted, Registration};
 use crate::election::config::random_u64;
 use crate::election::registry::{self, Register, Waits};
-use crate::election::support::{backoff, is_transient, Reconnect, WakeLimit};
+use crate::election::support::{backoff, is_read_only, is_transient, Reconnect, WakeLimit};
 use crate::election::term::next_term_sql;
 use crate::election::watch::{parse_leader_event, LEADER_CHANNEL};
 use crate::election::Shared;
@@ -619,8 +619,9 @@ pub(crate) enum Renewal {
     /// The row still names this leader and term but was locked (a fenced
     /// transaction's `FOR SHARE`): not renewed this time.
     Busy,
-    /// The statement failed or got no answer.
-    Failed,
+    /// The statement failed or got no answer; `read_only` when the server
+    /// refused it as accepting no writes (SQLSTATE 25006).
+    Failed { read_only: bool },
 }
 
 /// A leader's place in the batched renewal; leaves it when dropped.
@@ -628,7 +629,7 @@ pub(crate) type RenewMember = Member<SharedLease, Renewal>;
 
 impl Outcome for Renewal {
     fn failed(&self) -> bool {
-        matches!(self, Renewal::Failed)
+        matches!(self, Renewal::Failed { .. })
     }
 }
 
@@ -898,7 +899,7 @@ async fn renew_batches(
                 .await;
             tracing::debug!(leaders = part.len(), took = ?sent.elapsed(), "batched lease renewal");
             let mut found: HashMap<String, Renewal> = HashMap::new();
-            let failed = match rows {
+            let failed: Option<bool> = match rows {
                 Ok(rows) => rows
                     .iter()
                     .try_for_each(|row| {
@@ -915,16 +916,17 @@ async fn renew_batches(
                         found.insert(role, r);
                         Ok::<_, tokio_postgres::Error>(())
                     })
-                    .is_err(),
+                    .err()
+                    .map(|_| false),
                 Err(e) => {
-                    tracing::warn!(error = %e, leaders = part.len(), "the batched lease renewal failed; retrying until each leader's deadline");
-                    true
+                    tracing::warn!(error = %e, leaders = part.len(), "the batched lease renewal failed");
+                    Some(is_read_only(&e))
                 }
             };
             for (role, _, _, _, _, _, tx) in part {
                 let r = match failed {
-                    true => Renewal::Failed,
-                    false => found.remove(role).unwrap_or(Renewal::NotOurs),
+                    Some(read_only) => Renewal::Failed { read_only },
+                    None => found.remove(role).unwrap_or(Renewal::NotOurs),
                 };
                 tx.send_replace(Some((sent, r)));
             }
@@ -1495,7 +1497,7 @@ pub(crate) fn renewal_answer(r: Renewal) -> Result<crate::election::driver::Answ
         }),
         Renewal::NotOurs => Ok(Answer::NotOurs),
         Renewal::Busy => Ok(Answer::Busy),
-        Renewal::Failed => Err(Error::connection_lost(Op::Renew.operation())),
+        Renewal::Failed { .. } => Err(Error::connection_lost(Op::Renew.operation())),
     }
 }
 
