@@ -218,6 +218,60 @@ impl Reconnect {
     }
 }
 
+/// Keeps a connection to `options` that `LISTEN`s on `channels` (reopened
+/// with backoff, never affecting anything but the notices it hands on)
+/// until `stop` is cancelled or `heard` returns false. `heard(Some(n))`
+/// gets each notification; `heard(None)` says that some may have been
+/// missed: once each time the `LISTEN` took effect (one sent before it
+/// was not heard) and whenever the connection's notice channel lagged.
+/// Failures are logged at debug level.
+pub(crate) async fn listen_for(
+    options: &ConnectOptions,
+    purpose: &str,
+    channels: &[&str],
+    stop: &CancellationToken,
+    mut heard: impl FnMut(Option<Notice>) -> bool,
+) {
+    let listen: String = channels.iter().map(|c| format!("LISTEN {c};")).collect();
+    let mut reconnect = Reconnect::default();
+    loop {
+        let Some(conn) = reconnect
+            .connect(options, purpose, stop, "LISTEN connection")
+            .await
+        else {
+            return;
+        };
+        let mut rx = conn.notices();
+        match conn.client().batch_execute(&listen).await {
+            Ok(()) => {
+                reconnect.succeeded();
+                let mut go_on = heard(None);
+                while go_on {
+                    go_on = tokio::select! {
+                        _ = stop.cancelled() => false,
+                        _ = conn.closed().cancelled() => break,
+                        n = rx.recv() => match n {
+                            Ok(n) => heard(Some(n)),
+                            Err(broadcast::error::RecvError::Lagged(_)) => heard(None),
+                            Err(broadcast::error::RecvError::Closed) => break,
+                        },
+                    };
+                }
+                if !go_on {
+                    conn.close().await;
+                    return;
+                }
+                tracing::debug!("LISTEN connection lost; reconnecting");
+            }
+            Err(e) => tracing::debug!(error = %e, "LISTEN failed; retrying"),
+        }
+        conn.kill();
+        if !reconnect.back_off(stop).await {
+            return;
+        }
+    }
+}
+
 /// Counts itself in one of the elector's [`Activity`] counters (standing
 /// standbys, live leaderships) for as long as it lives.
 pub(crate) struct Counted<'a> {

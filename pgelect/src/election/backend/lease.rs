@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, SystemTime};
 
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Row;
@@ -42,7 +42,7 @@ use crate::election::keeper::{Action, Keeper, Liveness};
 use crate::election::leadership::{LeaderContext, LeaderState, Leadership, LossReason};
 use crate::election::registry::{self, Register, Waits};
 use crate::election::support::{
-    backoff, is_read_only, is_transient, nap, NapEnd, Reconnect, WakeLimit, WakeOn,
+    backoff, is_read_only, is_transient, listen_for, nap, NapEnd, WakeLimit, WakeOn,
 };
 use crate::election::term::next_term_sql;
 use crate::election::timing::Timing;
@@ -980,72 +980,26 @@ pub(crate) async fn listen(shared: Weak<Shared>, options: ConnectOptions, stop: 
         Some(s) => format!("listen:{}:{}", s.role, s.node),
         None => return,
     };
-    let mut reconnect = Reconnect::default();
-    loop {
-        let Some(conn) = reconnect
-            .connect(&options, &purpose, &stop, "LISTEN connection")
-            .await
-        else {
-            return;
+    let channels = [LEADER_CHANNEL, RESIGN_CHANNEL];
+    listen_for(&options, &purpose, &channels, &stop, |n| {
+        let Some(s) = shared.upgrade() else {
+            return false;
         };
-        let mut rx = conn.notices();
-        let listened = conn
-            .client()
-            .batch_execute(&format!("LISTEN {LEADER_CHANNEL}; LISTEN {RESIGN_CHANNEL}"))
-            .await;
-        match listened {
-            Ok(()) => {
-                reconnect.succeeded();
-                // A release sent before this LISTEN took effect (the first
-                // one, or after a reconnection) was not heard: a standby
-                // that found the lease held would sleep until its next
-                // retry. Wake it as if it had been heard; it reads the row
-                // again (a hint like any other, within the wake-up limit).
-                match shared.upgrade() {
-                    Some(s) => {
-                        if let Some(lease) = s.lease() {
-                            let _ = lease.notices.send(Notice {
-                                channel: LEADER_CHANNEL.to_owned(),
-                                payload: format!(
-                                    "{}:released:{}",
-                                    s.options.schema_name().as_str(),
-                                    s.role
-                                ),
-                            });
-                        }
-                    }
-                    None => return,
-                }
-                loop {
-                    tokio::select! {
-                        _ = stop.cancelled() => {
-                            conn.close().await;
-                            return;
-                        }
-                        _ = conn.closed().cancelled() => break,
-                        n = rx.recv() => match n {
-                            Ok(n) => match shared.upgrade() {
-                                Some(s) => {
-                                    if let Some(lease) = s.lease() {
-                                        let _ = lease.notices.send(n);
-                                    }
-                                }
-                                None => return,
-                            },
-                            Err(broadcast::error::RecvError::Lagged(_)) => {}
-                            Err(broadcast::error::RecvError::Closed) => break,
-                        },
-                    }
-                }
-                tracing::debug!("LISTEN connection lost; reconnecting");
-            }
-            Err(e) => tracing::debug!(error = %e, "LISTEN failed; retrying"),
+        // A release sent before the LISTEN took effect (the first one, or
+        // after a reconnection), or missed, was not heard: a standby that
+        // found the lease held would sleep until its next retry. Wake it
+        // as if it had been heard; it reads the row again (a hint like any
+        // other, within the wake-up limit).
+        let n = n.unwrap_or_else(|| Notice {
+            channel: LEADER_CHANNEL.to_owned(),
+            payload: format!("{}:released:{}", s.options.schema_name().as_str(), s.role),
+        });
+        if let Some(lease) = s.lease() {
+            let _ = lease.notices.send(n);
         }
-        conn.kill();
-        if !reconnect.back_off(&stop).await {
-            return;
-        }
-    }
+        true
+    })
+    .await
 }
 
 #[cfg(test)]

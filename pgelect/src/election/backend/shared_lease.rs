@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, SystemTime};
 
-use tokio::sync::{broadcast, oneshot, watch, Mutex as AsyncMutex, Notify};
+use tokio::sync::{oneshot, watch, Mutex as AsyncMutex, Notify};
 use tokio::time::Instant;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Row;
@@ -19,7 +19,7 @@ use crate::schema::check_schema;
 use crate::election::backend::shared::{chunks, until_wanted, Registration};
 use crate::election::config::random_u64;
 use crate::election::registry::{self, Register, Waits};
-use crate::election::support::{backoff, is_read_only, is_transient, Reconnect, WakeLimit};
+use crate::election::support::{backoff, is_read_only, is_transient, listen_for, WakeLimit};
 use crate::election::term::next_term_sql;
 use crate::election::watch::{parse_leader_event, LEADER_CHANNEL};
 use crate::election::Shared;
@@ -990,62 +990,19 @@ async fn listen_releases(
     stop: CancellationToken,
 ) {
     let schema = options.schema_name().as_str().to_owned();
-    let mut reconnect = Reconnect::default();
     let mut wakes = Wakes::default();
-    loop {
-        let Some(conn) = reconnect
-            .connect(&options, &purpose, &stop, "LISTEN connection")
-            .await
-        else {
-            return;
-        };
-        let mut rx = conn.notices();
-        let listened = conn
-            .client()
-            .batch_execute(&format!("LISTEN {LEADER_CHANNEL}"))
-            .await;
-        match listened {
-            Ok(()) => {
-                reconnect.succeeded();
-                // A release announced before the LISTEN took effect was
-                // not heard: poll as if it had been.
-                if !wakes.wake(&inner, None) {
-                    return;
-                }
-                loop {
-                    let woken = tokio::select! {
-                        _ = stop.cancelled() => {
-                            conn.close().await;
-                            return;
-                        }
-                        _ = conn.closed().cancelled() => break,
-                        n = rx.recv() => match n {
-                            Ok(n) if n.channel == LEADER_CHANNEL => {
-                                match parse_leader_event(&schema, &n.payload) {
-                                    Some(("released", role)) => wakes.wake(&inner, Some(role)),
-                                    _ => true,
-                                }
-                            }
-                            Ok(_) => true,
-                            // Missed announcements: poll as if one was ours.
-                            Err(broadcast::error::RecvError::Lagged(_)) => wakes.wake(&inner, None),
-                            Err(broadcast::error::RecvError::Closed) => break,
-                        },
-                    };
-                    if !woken {
-                        conn.close().await;
-                        return;
-                    }
-                }
-                tracing::debug!("LISTEN connection lost; reconnecting");
+    listen_for(&options, &purpose, &[LEADER_CHANNEL], &stop, |n| match n {
+        // Missed (before the LISTEN took effect, or the notices lagged):
+        // poll as if one was ours.
+        None => wakes.wake(&inner, None),
+        Some(n) => match parse_leader_event(&schema, &n.payload) {
+            Some(("released", role)) if n.channel == LEADER_CHANNEL => {
+                wakes.wake(&inner, Some(role))
             }
-            Err(e) => tracing::debug!(error = %e, "LISTEN failed; retrying"),
-        }
-        conn.kill();
-        if !reconnect.back_off(&stop).await {
-            return;
-        }
-    }
+            _ => inner.strong_count() > 0,
+        },
+    })
+    .await
 }
 
 /// Early acquires brought by release announcements, within the wake-up
