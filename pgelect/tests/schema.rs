@@ -223,6 +223,66 @@ async fn unknown_database_is_named_in_the_error() {
     assert!(e.to_string().contains("no_such_database_here"), "{e}");
 }
 
+/// A candidate pointed at a database that does not exist, or with a wrong
+/// password, gets that error from `leadership()`, with every backend and
+/// on a shared client: not a retry loop that never says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_candidate_on_a_missing_database_or_with_a_wrong_password_gets_the_error() {
+    use pgelect::{Backend, Elector, SharedConnection, SharedLease, StandbyMode, TcpTimeouts};
+    let db = TestDb::new("elector_wrong_db").await;
+    let mut config = db.config();
+    config.dbname("no_such_database_here");
+    let wrong_db = ConnectOptions::from_config(config);
+    let wrong_pw =
+        ConnectOptions::from_url(&db.url().replace(TEST_PASSWORD, "not-the-Secret-9")).unwrap();
+    for (o, says) in [
+        (&wrong_db, "no_such_database_here"),
+        (&wrong_pw, "password authentication failed"),
+    ] {
+        let polling = StandbyMode::Polling {
+            interval: Duration::from_millis(200),
+        };
+        let electors = [
+            ("session", Elector::builder(o.clone(), "r").build()),
+            (
+                "lease",
+                Elector::builder(o.clone(), "r")
+                    .backend(Backend::Lease)
+                    .build(),
+            ),
+            (
+                "shared connection",
+                Elector::builder(o.clone(), "r")
+                    .ttl(Duration::from_secs(10))
+                    .standby(polling)
+                    .shared_connection(&SharedConnection::new(o, TcpTimeouts::default()))
+                    .build(),
+            ),
+            (
+                "shared lease",
+                Elector::builder(o.clone(), "r")
+                    .backend(Backend::Lease)
+                    .shared_lease(&SharedLease::new(o))
+                    .build(),
+            ),
+        ];
+        for (what, e) in electors {
+            let e = e.unwrap();
+            let started = Instant::now();
+            let r = tokio::time::timeout(Duration::from_secs(20), e.leadership())
+                .await
+                .unwrap_or_else(|_| panic!("{what}: still retrying after 20 s ({says})"));
+            let err = r.expect_err(what);
+            println!("{what}: {err} (after {:?})", started.elapsed());
+            assert!(err.to_string().contains(says), "{what}: {err}");
+            assert!(
+                !err.to_string().contains("not-the-Secret-9"),
+                "{what}: {err}"
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn user_without_rights_gets_a_permission_error() {
     let db = TestDb::new("no_rights").await;

@@ -51,7 +51,12 @@ pub(crate) fn is_transient(e: &Error) -> bool {
         return true;
     }
     match e {
-        Error::Connect { .. } | Error::ConnectTimeout { .. } | Error::ConnectionLost { .. } => true,
+        // A database that does not exist (SQLSTATE 3D000) is a wrong name,
+        // not an outage: returned, as a refused login is.
+        Error::Connect { source, .. } => {
+            source.code() != Some(&tokio_postgres::error::SqlState::INVALID_CATALOG_NAME)
+        }
+        Error::ConnectTimeout { .. } | Error::ConnectionLost { .. } => true,
         Error::Database { source, .. } => {
             source.is_closed()
                 || source.as_db_error().is_none()
