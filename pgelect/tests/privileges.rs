@@ -248,6 +248,52 @@ async fn each_candidate_of_a_shared_lease_client_gets_a_missing_grant() {
     }
 }
 
+/// The same for polling candidates on a shared connection: without
+/// `candidates` (registration) or without `UPDATE` on `leaders` (the
+/// election), each candidate gets the permission error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_candidate_of_a_shared_connection_gets_a_missing_grant() {
+    let (db, _) = migrated("priv_shared_conn").await;
+    for (name, left_out) in [("nr", "pgelect.candidates"), ("nu", "pgelect.leaders")] {
+        let grants: Vec<String> = CANDIDATE
+            .iter()
+            .map(|g| match g.contains(left_out) {
+                true if left_out == "pgelect.leaders" => {
+                    "GRANT SELECT, INSERT ON pgelect.leaders TO {r}".to_owned()
+                }
+                true => "GRANT USAGE ON SCHEMA pgelect TO {r}".to_owned(),
+                false => g.to_string(),
+            })
+            .collect();
+        let grants: Vec<&str> = grants.iter().map(String::as_str).collect();
+        let o = user(&db, name, &grants).await;
+        let host = SharedConnection::new(&o, TcpTimeouts::default());
+        let electors: Vec<Elector> = (0..4)
+            .map(|i| {
+                fast(&o, &format!("shard-{i}"), "a")
+                    .standby(StandbyMode::Polling {
+                        interval: Duration::from_millis(100),
+                    })
+                    .shared_connection(&host)
+                    .build()
+                    .unwrap()
+            })
+            .collect();
+        let all = futures_util::future::join_all(electors.iter().map(|e| e.leadership()));
+        let outcomes = tokio::time::timeout(Duration::from_secs(20), all)
+            .await
+            .unwrap_or_else(|_| panic!("without {left_out}: a candidate retried forever"));
+        for r in outcomes {
+            let e = r.expect_err(left_out);
+            assert!(
+                matches!(e, Error::Permission { .. }),
+                "without {left_out}: {e:?}"
+            );
+        }
+        println!("without {left_out}: each of 4 candidates got the permission error");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fencing_application_needs_usage_and_execute_on_fence_only() {
     let (db, owner) = migrated("priv_fence").await;
