@@ -269,11 +269,14 @@ async fn sigterm_while_waiting_exits_75_and_withdraws_the_wait() {
     assert_eq!(queued.wait(LIMIT).await, Some(75), "{}", queued.output());
     assert_eq!(head.wait(LIMIT).await, Some(75), "{}", head.output());
     assert!(queued.output().contains("SIGTERM"), "{}", queued.output());
-    assert_eq!(
-        advisory_locks(&admin).await,
-        before,
-        "the waits left nothing behind"
-    );
+    // The server ends an exited client's backend, and drops its locks, a
+    // moment after the process is gone (a CI run on PostgreSQL 18 still
+    // saw them at once): wait for it, bounded.
+    let took = wait_until("the waits to leave nothing behind", START, || async {
+        advisory_locks(&admin).await == before
+    })
+    .await;
+    println!("the waits' locks were gone {took:?} after both exited");
     assert!(!dir.join("ran").exists());
 }
 
