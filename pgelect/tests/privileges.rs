@@ -193,46 +193,35 @@ async fn each_candidate_grant_is_needed() {
     }
 }
 
-/// The candidates of a shared lease client whose user lacks a grant get
-/// the permission error, each of them, as a lone candidate does: not a
-/// retry loop. Without `candidates` the batched registration is refused;
-/// without `INSERT, UPDATE` on `leaders` the batched acquire is.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn each_candidate_of_a_shared_lease_client_gets_a_missing_grant() {
-    let (db, _) = migrated("priv_shared_lease").await;
+/// The candidates of a shared client whose user lacks a grant get the
+/// permission error, each of them, as a lone candidate does: not a retry
+/// loop. Without `candidates` the batched registration is refused; with
+/// only `SELECT` on `leaders` the batched election (or acquire) is.
+/// `electors` builds four candidates of different roles on one client.
+async fn each_candidate_gets_a_missing_grant(
+    hint: &str,
+    electors: impl Fn(&ConnectOptions) -> Vec<Elector>,
+) {
+    let (db, _) = migrated(hint).await;
     let cases = [
-        ("no_registry", "pgelect.candidates"),
-        ("no_writes", "INSERT, UPDATE ON pgelect.leaders"),
+        (
+            "nr",
+            "pgelect.candidates",
+            "GRANT USAGE ON SCHEMA pgelect TO {r}",
+        ),
+        (
+            "nw",
+            "pgelect.leaders",
+            "GRANT SELECT ON pgelect.leaders TO {r}",
+        ),
     ];
-    for (name, left_out) in cases {
-        let grants: Vec<String> = CANDIDATE
+    for (name, left_out, instead) in cases {
+        let grants: Vec<&str> = CANDIDATE
             .iter()
-            .map(|g| match left_out {
-                "pgelect.candidates" if g.contains(left_out) => {
-                    "GRANT USAGE ON SCHEMA pgelect TO {r}".to_owned()
-                }
-                _ if g.contains("ON pgelect.leaders") && left_out.contains("leaders") => {
-                    "GRANT SELECT ON pgelect.leaders TO {r}".to_owned()
-                }
-                _ => g.to_string(),
-            })
+            .map(|g| if g.contains(left_out) { instead } else { g })
             .collect();
-        let grants: Vec<&str> = grants.iter().map(String::as_str).collect();
         let o = user(&db, name, &grants).await;
-        let client = SharedLease::new(&o);
-        let electors: Vec<Elector> = (0..4)
-            .map(|i| {
-                Elector::builder(o.clone(), &format!("shard-{i}"))
-                    .backend(Backend::Lease)
-                    .node_id("a")
-                    .ttl(Duration::from_secs(2))
-                    .renew_every(Duration::from_millis(500))
-                    .retry_every(Duration::from_millis(200))
-                    .shared_lease(&client)
-                    .build()
-                    .unwrap()
-            })
-            .collect();
+        let electors = electors(&o);
         let all = futures_util::future::join_all(electors.iter().map(|e| e.leadership()));
         let outcomes = tokio::time::timeout(Duration::from_secs(20), all)
             .await
@@ -248,29 +237,35 @@ async fn each_candidate_of_a_shared_lease_client_gets_a_missing_grant() {
     }
 }
 
-/// The same for polling candidates on a shared connection: without
-/// `candidates` (registration) or without `UPDATE` on `leaders` (the
-/// election), each candidate gets the permission error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_candidate_of_a_shared_lease_client_gets_a_missing_grant() {
+    each_candidate_gets_a_missing_grant("priv_shared_lease", |o| {
+        let client = SharedLease::new(o);
+        (0..4)
+            .map(|i| {
+                Elector::builder(o.clone(), &format!("shard-{i}"))
+                    .backend(Backend::Lease)
+                    .node_id("a")
+                    .ttl(Duration::from_secs(2))
+                    .renew_every(Duration::from_millis(500))
+                    .retry_every(Duration::from_millis(200))
+                    .shared_lease(&client)
+                    .build()
+                    .unwrap()
+            })
+            .collect()
+    })
+    .await;
+}
+
+/// The same for polling candidates on a shared connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_candidate_of_a_shared_connection_gets_a_missing_grant() {
-    let (db, _) = migrated("priv_shared_conn").await;
-    for (name, left_out) in [("nr", "pgelect.candidates"), ("nu", "pgelect.leaders")] {
-        let grants: Vec<String> = CANDIDATE
-            .iter()
-            .map(|g| match g.contains(left_out) {
-                true if left_out == "pgelect.leaders" => {
-                    "GRANT SELECT, INSERT ON pgelect.leaders TO {r}".to_owned()
-                }
-                true => "GRANT USAGE ON SCHEMA pgelect TO {r}".to_owned(),
-                false => g.to_string(),
-            })
-            .collect();
-        let grants: Vec<&str> = grants.iter().map(String::as_str).collect();
-        let o = user(&db, name, &grants).await;
-        let host = SharedConnection::new(&o, TcpTimeouts::default());
-        let electors: Vec<Elector> = (0..4)
+    each_candidate_gets_a_missing_grant("priv_shared_conn", |o| {
+        let host = SharedConnection::new(o, TcpTimeouts::default());
+        (0..4)
             .map(|i| {
-                fast(&o, &format!("shard-{i}"), "a")
+                fast(o, &format!("shard-{i}"), "a")
                     .standby(StandbyMode::Polling {
                         interval: Duration::from_millis(100),
                     })
@@ -278,20 +273,9 @@ async fn each_candidate_of_a_shared_connection_gets_a_missing_grant() {
                     .build()
                     .unwrap()
             })
-            .collect();
-        let all = futures_util::future::join_all(electors.iter().map(|e| e.leadership()));
-        let outcomes = tokio::time::timeout(Duration::from_secs(20), all)
-            .await
-            .unwrap_or_else(|_| panic!("without {left_out}: a candidate retried forever"));
-        for r in outcomes {
-            let e = r.expect_err(left_out);
-            assert!(
-                matches!(e, Error::Permission { .. }),
-                "without {left_out}: {e:?}"
-            );
-        }
-        println!("without {left_out}: each of 4 candidates got the permission error");
-    }
+            .collect()
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
