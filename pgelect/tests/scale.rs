@@ -23,15 +23,25 @@ use support::{migrated, transactions};
 const ROLES: usize = 1000;
 const NODES: [&str; 3] = ["a", "b", "c"];
 
-/// Timings for many roles: ttl 6 s, renewals every 2 s, heartbeats every
-/// second (handover delay 2 s), standbys poll every second.
+/// Timings for many roles: ttl 12 s, renewals every 4 s, heartbeats every
+/// second answered within 3 s (handover delay 4.5 s), standbys poll every
+/// second.
+///
+/// The heartbeat timeout is not the default 1 s: in CI this debug-built
+/// process runs 3,000 candidates beside other tests on 2 cores, and a
+/// survivor taking over a thousand roles once saw a heartbeat answered
+/// after more than 1 s. A leader that hears nothing on its connection for
+/// that long must take it for dead, and every role on the connection goes
+/// with it (the library's conservative choice); the test is about what
+/// many roles cost and how they are taken over, not about a starved 1 s
+/// bound.
 fn many(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
     Elector::builder(o.clone(), role)
         .node_id(node)
-        .ttl(Duration::from_secs(6))
-        .renew_every(Duration::from_secs(2))
+        .ttl(Duration::from_secs(12))
+        .renew_every(Duration::from_secs(4))
         .heartbeat(Duration::from_secs(1))
-        .heartbeat_timeout(Duration::from_secs(1))
+        .heartbeat_timeout(Duration::from_secs(3))
         .standby(StandbyMode::Polling {
             interval: Duration::from_secs(1),
         })
@@ -52,6 +62,9 @@ enum Event {
     },
 }
 
+/// The candidate whose connection the test ends, once chosen.
+static VICTIM: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+
 /// The library's log, printed if the test fails.
 struct ShownOnFailure(Option<support::Log>);
 
@@ -59,9 +72,24 @@ impl Drop for ShownOnFailure {
     fn drop(&mut self) {
         if let (true, Some(log)) = (std::thread::panicking(), &self.0) {
             let text = log.text();
+            let path =
+                std::env::temp_dir().join(format!("pgelect-scale-{}.log", std::process::id()));
+            if std::fs::write(&path, &text).is_ok() {
+                eprintln!("the whole library log: {}", path.display());
+            }
             let lines: Vec<&str> = text.lines().filter(|l| !l.contains(" INFO ")).collect();
-            eprintln!("library log, warnings and up ({} lines):", lines.len());
-            for l in lines.iter().take(200) {
+            // The killed candidate's warnings come by the thousand; the
+            // others' campaigns say why anything else went wrong.
+            let victim = format!(" node={}", VICTIM.get().unwrap_or(&"-"));
+            let (others, rest): (Vec<&str>, Vec<&str>) = lines
+                .iter()
+                .partition(|l| l.contains("pgelect.campaign") && !l.contains(&victim));
+            eprintln!(
+                "library log, warnings and up: {} lines of the survivors' campaigns, then the first of {} others",
+                others.len(),
+                rest.len()
+            );
+            for l in others.iter().take(300).chain(rest.iter().take(40)) {
                 eprintln!("{l}");
             }
         }
@@ -191,27 +219,39 @@ async fn a_thousand_roles_over_three_candidates_cost_three_connections_and_a_few
         "no leadership changed at steady state"
     );
 
-    // Candidate a's connection ends (as when its process is killed): all
-    // its roles are lost at once and taken over by b and c.
-    let pid_a = hosts[0].backend_pid().await.expect("a is connected");
-    let a_roles: HashSet<usize> = leader
+    // The connection of the candidate that leads the most roles ends (as
+    // when its process is killed): all its roles are lost at once and taken
+    // over by the other two. (Which candidate wins most at the start is a
+    // race; one may even win them all.)
+    let (v, victim) = NODES
         .iter()
-        .filter(|(_, (n, _))| *n == "a")
+        .enumerate()
+        .max_by_key(|(_, n)| share[*n])
+        .map(|(i, n)| (i, *n))
+        .unwrap();
+    let _ = VICTIM.set(victim);
+    let pid = hosts[v]
+        .backend_pid()
+        .await
+        .expect("the victim is connected");
+    let victim_roles: HashSet<usize> = leader
+        .iter()
+        .filter(|(_, (n, _))| *n == victim)
         .map(|(r, _)| *r)
         .collect();
-    assert!(!a_roles.is_empty());
+    assert!(!victim_roles.is_empty());
     let killed_at = Instant::now();
     observer
-        .query_typed("SELECT pg_terminate_backend($1)", &[(&pid_a, Type::INT4)])
+        .query_typed("SELECT pg_terminate_backend($1)", &[(&pid, Type::INT4)])
         .await
         .unwrap();
     let mut lost = HashSet::new();
     let mut taken: HashMap<usize, (&'static str, i64, Instant)> = HashMap::new();
     tokio::time::timeout(Duration::from_secs(60), async {
-        while lost.len() < a_roles.len() || taken.len() < a_roles.len() {
+        while lost.len() < victim_roles.len() || taken.len() < victim_roles.len() {
             match rx.recv().await.unwrap() {
                 Event::Lost { role, node, at } => {
-                    assert_eq!(node, "a", "only a's roles are lost");
+                    assert_eq!(node, victim, "only {victim}'s roles are lost");
                     assert!(lost.insert(role));
                     // No role is taken over before its old leader knew.
                     assert!(!taken.contains_key(&role) || taken[&role].2 >= at);
@@ -223,7 +263,7 @@ async fn a_thousand_roles_over_three_candidates_cost_three_connections_and_a_few
                     at,
                 } => {
                     assert!(
-                        a_roles.contains(&role),
+                        victim_roles.contains(&role),
                         "role {role} of {node} changed hands"
                     );
                     assert!(term > leader[&role].1, "the term of role {role} rises");
@@ -235,8 +275,8 @@ async fn a_thousand_roles_over_three_candidates_cost_three_connections_and_a_few
     .await
     .unwrap_or_else(|_| {
         panic!(
-            "a's {} roles lost and taken over: {} lost, {} taken",
-            a_roles.len(),
+            "{victim}'s {} roles lost and taken over: {} lost, {} taken",
+            victim_roles.len(),
             lost.len(),
             taken.len()
         )
@@ -244,12 +284,13 @@ async fn a_thousand_roles_over_three_candidates_cost_three_connections_and_a_few
     let first = taken.values().map(|t| t.2 - killed_at).min().unwrap();
     let last = taken.values().map(|t| t.2 - killed_at).max().unwrap();
     println!(
-        "a's {} roles taken over {first:?}..{last:?} after its connection ended (handover delay 2 s); by b: {}, by c: {}",
-        a_roles.len(),
+        "{victim}'s {} roles taken over {first:?}..{last:?} after its connection ended (handover delay 4.5 s); by a: {}, by b: {}, by c: {}",
+        victim_roles.len(),
+        taken.values().filter(|t| t.0 == "a").count(),
         taken.values().filter(|t| t.0 == "b").count(),
         taken.values().filter(|t| t.0 == "c").count()
     );
-    assert!(last < Duration::from_secs(2 + 30), "{last:?}");
+    assert!(last < Duration::from_millis(4_500 + 30_000), "{last:?}");
     for t in tasks {
         t.abort();
     }

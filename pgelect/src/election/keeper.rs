@@ -212,12 +212,21 @@ impl Keeper {
                 }
             }
         }
-        if let Some((_, sent)) = self.in_flight {
-            if self
+        if let Some((probe, sent)) = self.in_flight {
+            if let Some(limit) = self
                 .liveness
                 .answer_within
-                .is_some_and(|limit| now >= sent + limit)
+                .filter(|limit| now >= sent + *limit)
             {
+                // How late this check ran says whether the process, not the
+                // connection, was slow: a starved runtime polls late.
+                tracing::warn!(
+                    ?probe,
+                    ?limit,
+                    unanswered_for = ?now.saturating_duration_since(sent),
+                    checked_late_by = ?now.saturating_duration_since(sent + limit),
+                    "no answer on the lock connection in time; taking it for dead"
+                );
                 self.in_flight = None;
                 return Some(self.fail_connection());
             }

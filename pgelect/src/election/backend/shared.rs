@@ -632,7 +632,7 @@ async fn beat(session: std::sync::Weak<SharedSession>) {
         s.wanted.send_replace(None);
         let sent = Instant::now();
         let ok = s.conn.client().simple_query("SELECT 1").await.is_ok();
-        tracing::debug!(took = ?sent.elapsed(), "heartbeat");
+        tracing::debug!(pid = s.conn.pid(), took = ?sent.elapsed(), "heartbeat");
         if ok {
             s.answered(sent);
         }
@@ -768,7 +768,7 @@ async fn renew_batches(session: std::sync::Weak<SharedSession>) {
                     ],
                 )
                 .await;
-            tracing::debug!(leaders = chunk.len(), took = ?sent.elapsed(), "batched renewal");
+            tracing::debug!(pid = s.conn.pid(), leaders = chunk.len(), took = ?sent.elapsed(), "batched renewal");
             if rows.is_ok() {
                 s.answered(sent);
             }
@@ -1010,7 +1010,7 @@ async fn poll_batches(session: std::sync::Weak<SharedSession>, schema: String) {
                 )
                 .await;
             drop(lane);
-            tracing::debug!(standbys = chunk.len(), took = ?sent.elapsed(), "batched poll");
+            tracing::debug!(pid = s.conn.pid(), standbys = chunk.len(), took = ?sent.elapsed(), "batched poll");
             if rows.is_ok() {
                 s.answered(sent);
             }
@@ -1393,7 +1393,7 @@ async fn register_batches(session: std::sync::Weak<SharedSession>) {
             )
             .await;
         drop(lane);
-        tracing::debug!(candidates = batch.len(), took = ?sent.elapsed(), "batched registration");
+        tracing::debug!(pid = s.conn.pid(), candidates = batch.len(), took = ?sent.elapsed(), "batched registration");
         if r.is_ok() {
             s.answered(sent);
         }
@@ -1486,7 +1486,7 @@ async fn elect_batches(session: std::sync::Weak<SharedSession>) {
             )
             .await;
         drop(lane);
-        tracing::debug!(candidates = batch.len(), took = ?sent.elapsed(), "batched election");
+        tracing::debug!(pid = s.conn.pid(), candidates = batch.len(), took = ?sent.elapsed(), "batched election");
         if r.is_ok() {
             s.answered(sent);
         }
@@ -1666,7 +1666,7 @@ async fn preempt_vacant(s: &SharedSession, found: &mut PollFound) {
         )
         .await;
     drop(lane);
-    tracing::debug!(roles = roles.len(), took = ?sent.elapsed(), "batched zombie preemption");
+    tracing::debug!(pid = s.conn.pid(), roles = roles.len(), took = ?sent.elapsed(), "batched zombie preemption");
     type Found = (String, i32, i64, String, bool, bool, bool);
     let decoded = r.and_then(|rows| {
         rows.iter()
