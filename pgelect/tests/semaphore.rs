@@ -190,7 +190,7 @@ async fn never_more_than_n_holders_among_many_tasks() {
                 };
                 let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
                 most_inside.fetch_max(now, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(3)).await;
+                tokio::time::sleep(Duration::from_millis(10)).await;
                 inside.fetch_sub(1, Ordering::SeqCst);
                 assert!(permit.release().await.unwrap());
             }
@@ -215,9 +215,12 @@ async fn never_more_than_n_holders_among_many_tasks() {
         most_seen <= LIMIT as i64,
         "pg_locks showed {most_seen} slots held"
     );
-    assert_eq!(
-        most_inside, LIMIT as usize,
-        "the limit was reached (else the test shows little)"
+    // Either count shows the limit reached, else the test shows little.
+    // (Each can miss it: in CI, with holders holding 3 ms, the tasks' own
+    // count once peaked at 2 while pg_locks showed 3; they hold 10 ms now.)
+    assert!(
+        most_inside == LIMIT as usize || most_seen == LIMIT as i64,
+        "the limit was never reached: {most_inside} (tasks), {most_seen} (pg_locks)"
     );
     assert_eq!(slots_held(&admin, &sem).await, 0);
 }
