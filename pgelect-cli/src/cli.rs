@@ -224,7 +224,9 @@ backend's supervisors (--no-pooler: not). Against your database the lease
 backend goes through --pooler-url if given. The session backend never goes
 through a pooler, nor do the lease backend's LISTEN connections and the
 workers' fenced writes. Against your database it uses roles named chaos-<seed>-<backend>
-(refused if one already has a leader) and a table pgelect_chaos_<seed>,
+(refused if one has a live leader: a session leader whose backend is
+still connected, or a lease that is still renewed after one TTL's wait;
+a dead run's last leader is no reason) and a table pgelect_chaos_<seed>,
 dropped at the end.
 Exit codes: 0 when no violation was found, 70 when one was (each printed
 with the events that prove it).")]

@@ -126,6 +126,70 @@ async fn chaos_refuses_a_role_that_already_has_a_leader() {
     held.resign().await.unwrap();
 }
 
+/// A dead run's last leader leaves its row, lease still running, behind
+/// (a SIGKILLed supervisor here): that is no leader to refuse for. CI once
+/// failed `chaos_finds_no_violation_writes_json_and_cleans_up` this way,
+/// when its second run with the same seed began half a second after the
+/// first, whose last leader had not released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_runs_on_a_role_whose_last_leader_died() {
+    let db = TestDb::new("chaos_dead").await;
+    let o = pgelect::ConnectOptions::from_url(&db.url()).unwrap();
+    pgelect::migrate(&o).await.unwrap();
+    let mut cmd = pgelect(["run", "--role", "chaos-6-session", "--id", "gone"]);
+    cmd.args(["--database-url", &db.url(), "--", "sleep", "600"]);
+    let mut sup = support::Background::spawn("gone", cmd);
+    support::wait_until("the supervisor leads", Duration::from_secs(30), || {
+        let o = o.clone();
+        async move {
+            pgelect::current_leader(&o, "chaos-6-session")
+                .await
+                .ok()
+                .flatten()
+                .is_some()
+        }
+    })
+    .await;
+    let pid = pgelect::current_leader(&o, "chaos-6-session")
+        .await
+        .unwrap()
+        .unwrap()
+        .holder_pid
+        .expect("a session leader names its backend");
+    sup.kill().await;
+    let c = db.connect().await;
+    support::wait_until("its backend ends", Duration::from_secs(15), || {
+        let c = &c;
+        async move {
+            !c.query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)",
+                &[&pid],
+            )
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+        }
+    })
+    .await;
+    let row = pgelect::current_leader(&o, "chaos-6-session")
+        .await
+        .unwrap()
+        .expect("the dead leader's row stays");
+    assert!(!row.lease_expired, "its lease still runs: {row:?}");
+
+    let r = run(
+        chaos(
+            &db,
+            &["--duration", "2s", "--seed", "6", "--backends", "session"],
+        ),
+        CHAOS,
+    )
+    .await;
+    println!("{}", r.stdout);
+    r.assert_code(0);
+    assert!(r.stdout.contains("fenced writes committed"), "{}", r.stdout);
+}
+
 /// The names of this machine's network namespaces and links that carry
 /// `pid` the way `pgelect chaos` names its own.
 fn netns_leftovers(pid: &str) -> Vec<String> {

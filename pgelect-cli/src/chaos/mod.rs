@@ -2093,10 +2093,11 @@ async fn chaos(
     };
     let options = pgelect::ConnectOptions::from_url(&url)?.schema(&global.schema)?;
     pgelect::migrate(&options).await?;
-    // Refuse before touching anything if a role of ours has a leader.
+    // Refuse before touching anything if a role of ours has a live leader
+    // (a dead run's last leader, whose row outlives it, is no reason).
     for &backend in &args.backends {
         let role = format!("chaos-{seed:x}-{}", backend_name(backend));
-        if let Some(l) = pgelect::current_leader(&options, &role).await? {
+        if let Some(l) = live_leader(&options, &role).await? {
             return Err(Failure::new(
                 exit::USAGE,
                 format!(
@@ -2468,6 +2469,57 @@ async fn create_table(admin: &Admin, table: &str) -> Result<(), Failure> {
         ))
         .await
         .map_err(|e| fail(format!("cannot create the table {table}: {e}")))
+}
+
+/// The leader of `role` if one is alive: its lease runs, and (session
+/// backend) its lock connection is still a server backend. A lease that
+/// runs without such proof (a lease-backend leader, or a row whose pid
+/// cannot be checked) is waited out once, for at most its TTL and a
+/// margin: a live leader renews it, a dead one leaves it to expire.
+async fn live_leader(
+    options: &pgelect::ConnectOptions,
+    role: &str,
+) -> Result<Option<pgelect::LeaderInfo>, Failure> {
+    let Some(l) = pgelect::current_leader(options, role).await? else {
+        return Ok(None);
+    };
+    if l.lease_expired {
+        return Ok(None);
+    }
+    if let (Some("session"), Some(pid)) = (l.backend.as_deref(), l.holder_pid) {
+        let (client, _notices) = crate::db::connect(options, "pgelect:chaos-check").await?;
+        let alive = client
+            .query_typed_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_activity WHERE pid = $1)",
+                &[(&pid, Type::INT4)],
+            )
+            .await
+            .and_then(|r| r.try_get::<_, bool>(0));
+        drop(client);
+        return match alive {
+            Ok(true) => Ok(Some(l)),
+            Ok(false) => Ok(None),
+            Err(e) => Err(Failure::new(
+                exit::SOFTWARE,
+                format!("cannot tell whether the leader of {role:?} is alive: {e}"),
+            )),
+        };
+    }
+    let ttl = l
+        .lease_until
+        .duration_since(l.renewed_at)
+        .unwrap_or_default()
+        .min(Duration::from_secs(60));
+    println!(
+        "  role {role:?} has a leader ({}, term {}) whose lease runs: waiting up to {:.1} s for it to end",
+        l.holder,
+        l.term,
+        (ttl + Duration::from_millis(500)).as_secs_f64()
+    );
+    tokio::time::sleep(ttl + Duration::from_millis(500)).await;
+    Ok(pgelect::current_leader(options, role)
+        .await?
+        .filter(|l| !l.lease_expired))
 }
 
 fn backend_name(b: BackendArg) -> &'static str {
