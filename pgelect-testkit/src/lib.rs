@@ -134,6 +134,31 @@ pub use pgbouncer::{pgbouncer_available, BouncerTls, PgBouncer, PoolMode};
 pub use proxy::FaultProxy;
 pub use replica::{ReplicaSet, Replication, REPLICA_NAME};
 pub use testdb::TestDb;
+
+/// Polls `condition` every 10 ms until it holds, and returns how long that
+/// took; panics with `what` after `limit`: a bounded wait for an event a
+/// test cannot be told of directly.
+pub async fn wait_until<F, Fut>(
+    what: &str,
+    limit: std::time::Duration,
+    mut condition: F,
+) -> std::time::Duration
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let started = std::time::Instant::now();
+    loop {
+        if condition().await {
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
 pub use tls::{CertFiles, TestCerts, TlsMode, DEFAULT_SERVER_NAMES};
 
 /// Superuser password of every throwaway cluster (and of the pgbouncer

@@ -654,3 +654,136 @@ async fn with_listen_via_released_roles_are_taken_over_at_once_through_pgbouncer
         t.abort();
     }
 }
+
+/// A release announced while an acquire is in flight is not lost: that
+/// acquire read the row before the release, and its outcome used to put
+/// the standby's next try off by `retry_every` (10 s here), the
+/// announcement having been taken as answered by it. CI once saw such a
+/// takeover take 10.01 s. Here the acquire is held in flight by a free
+/// row another transaction has locked, and the release is announced
+/// meanwhile; the role is taken over soon after the lock goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_release_announced_while_an_acquire_is_in_flight_is_not_lost() {
+    const ROLES: usize = 5;
+    let (db, direct) = migrated("lease_shared_rewake").await;
+    let admin = db.connect().await;
+    let slow = |client: &SharedLease, r: &str, node: &str| {
+        fast(&direct, r, node)
+            .ttl(Duration::from_secs(20))
+            .renew_every(Duration::from_secs(2))
+            .retry_every(Duration::from_secs(10))
+            .shared_lease(client)
+            .build()
+            .unwrap()
+    };
+    // a leads every role, and releases "blocker": a free row.
+    let a = SharedLease::new(&direct);
+    let a_electors: Vec<Elector> = (0..ROLES).map(|i| slow(&a, &role(i), "a")).collect();
+    let mut led = Vec::new();
+    for e in &a_electors {
+        led.push(Some(e.leadership().await.unwrap()));
+    }
+    let blocker = slow(&a, "blocker", "a");
+    blocker.leadership().await.unwrap().resign().await.unwrap();
+    drop(blocker);
+
+    let b = SharedLease::new(&direct)
+        .listen_via(direct.clone())
+        .unwrap();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let mut b_tasks: Vec<_> = (0..ROLES)
+        .map(|i| {
+            let e = slow(&b, &role(i), "b");
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let l = e.leadership().await.expect("b leads");
+                let _ = tx.send((role(i), Instant::now()));
+                l.lost().await;
+            })
+        })
+        .collect();
+    let listen_name = format!("{}-listen", b.application_name());
+    pgelect_testkit::wait_until(
+        "b listens and has polled",
+        Duration::from_secs(10),
+        || async {
+            let listening: i64 = admin
+                .query_typed_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                  WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+                    &[(&listen_name, tokio_postgres::types::Type::TEXT)],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            listening == 1 && b.statements() > 0
+        },
+    )
+    .await;
+
+    // Another transaction locks the free row; b's standby for it brings
+    // an acquire of all b's standbys, which waits on that lock.
+    let locker = db.connect().await;
+    locker
+        .batch_execute("BEGIN; SELECT 1 FROM pgelect.leaders WHERE role = 'blocker' FOR UPDATE")
+        .await
+        .unwrap();
+    let e = slow(&b, "blocker", "b");
+    let blocker_tx = tx.clone();
+    b_tasks.push(tokio::spawn(async move {
+        let l = e.leadership().await.expect("b leads blocker");
+        let _ = blocker_tx.send(("blocker".to_owned(), Instant::now()));
+        l.lost().await;
+    }));
+    let name = b.application_name();
+    pgelect_testkit::wait_until(
+        "b's acquire waits on the lock",
+        Duration::from_secs(10),
+        || async {
+            admin
+                .query_typed_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                  WHERE application_name = $1 AND wait_event_type = 'Lock'",
+                    &[(&name, tokio_postgres::types::Type::TEXT)],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+                == 1
+        },
+    )
+    .await;
+
+    // Role 3 is released while that acquire is in flight, and b hears it.
+    let heard = b.releases_heard();
+    let resigned = Instant::now();
+    led[3].take().unwrap().resign().await.unwrap();
+    pgelect_testkit::wait_until("b hears the release", Duration::from_secs(10), || async {
+        b.releases_heard() > heard
+    })
+    .await;
+    locker.batch_execute("COMMIT").await.unwrap();
+
+    let mut taken = HashMap::new();
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while taken.len() < 2 {
+            let (r, at) = rx.recv().await.unwrap();
+            assert!(taken.insert(r, at).is_none());
+        }
+    })
+    .await
+    .expect("b takes blocker and the released role");
+    let took = taken[&role(3)] - resigned;
+    println!(
+        "role 3 taken over by b {took:?} after a resigned it during b's acquire (retry_every 10 s)"
+    );
+    assert!(
+        took < Duration::from_secs(3),
+        "the release heard during an acquire was acted on: {took:?}"
+    );
+    assert!(taken.contains_key("blocker"));
+    assert!(rx.try_recv().is_err(), "a still leads the other roles");
+    for t in b_tasks {
+        t.abort();
+    }
+}

@@ -151,25 +151,7 @@ async fn read_all(mut pipe: impl tokio::io::AsyncRead + Unpin) -> String {
     String::from_utf8_lossy(&buf).into_owned()
 }
 
-/// Polls `condition` every 10 ms until it holds; panics with `what` after
-/// `limit`.
-pub async fn wait_until<F, Fut>(what: &str, limit: Duration, mut condition: F) -> Duration
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let started = Instant::now();
-    loop {
-        if condition().await {
-            return started.elapsed();
-        }
-        assert!(
-            started.elapsed() < limit,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
+pub use pgelect_testkit::wait_until;
 
 /// Waits for `path` to exist (a marker the command writes once running).
 pub async fn wait_for_file(path: &Path, limit: Duration) -> Duration {

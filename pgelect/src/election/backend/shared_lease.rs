@@ -147,6 +147,8 @@ struct Inner {
     stop: CancellationToken,
     /// Statements sent on the connection.
     statements: AtomicU64,
+    /// Release announcements heard on the listen connection.
+    releases_heard: AtomicU64,
     /// Tells standbys apart across a role's re-joins.
     next_standby: AtomicU64,
     /// How many standbys the next acquire chunk carries: halved after a
@@ -188,6 +190,12 @@ const MIN_ACQUIRE_ROWS: usize = 250;
 
 /// How long a new standby waits for others to share its first poll.
 const NEW_STANDBY_WAIT: Duration = Duration::from_millis(20);
+
+/// How soon a standby tries again when its role was announced released
+/// while an acquire that included it was in flight (that acquire may have
+/// read the row before the release). At most one such retry follows each
+/// acquire, so forged announcements cost at most 10 acquires a second.
+const REWAKE_GAP: Duration = Duration::from_millis(100);
 
 /// How many unanswered acquire tokens are remembered.
 const UNANSWERED_TOKENS: usize = 16;
@@ -243,6 +251,7 @@ impl SharedLease {
                 listening: AtomicBool::new(false),
                 stop: CancellationToken::new(),
                 statements: AtomicU64::new(0),
+                releases_heard: AtomicU64::new(0),
                 next_standby: AtomicU64::new(0),
                 acquire_rows: std::sync::atomic::AtomicUsize::new(ACQUIRE_ROWS),
                 offset: random_u64() as usize,
@@ -262,6 +271,13 @@ impl SharedLease {
     /// connection).
     pub fn statements(&self) -> u64 {
         self.inner.statements.load(Ordering::Relaxed)
+    }
+
+    /// The number of release announcements (for any role) heard so far on
+    /// the connection of [`listen_via`](SharedLease::listen_via); always 0
+    /// without one.
+    pub fn releases_heard(&self) -> u64 {
+        self.inner.releases_heard.load(Ordering::Relaxed)
     }
 
     /// The server process id of the current connection, if one is open
@@ -467,6 +483,7 @@ impl SharedLease {
                 retry_every: shared.timing.retry_every,
                 due: first,
                 register_due: first,
+                woken_at: None,
                 registration: register.entry(shared),
                 shared: Arc::downgrade(shared),
                 won: Some(tx),
@@ -668,6 +685,9 @@ struct Standby {
     due: Instant,
     /// When the next registration of this standby is due.
     register_due: Instant,
+    /// When its role was last announced released (or announcements may
+    /// have been missed): an acquire sent before then may not have seen it.
+    woken_at: Option<Instant>,
     registration: Registration,
     /// For the elector's last-contact time.
     shared: Weak<Shared>,
@@ -997,7 +1017,11 @@ async fn listen_releases(
         None => wakes.wake(&inner, None),
         Some(n) => match parse_leader_event(&schema, &n.payload) {
             Some(("released", role)) if n.channel == LEADER_CHANNEL => {
-                wakes.wake(&inner, Some(role))
+                let alive = wakes.wake(&inner, Some(role));
+                if let Some(i) = inner.upgrade() {
+                    i.releases_heard.fetch_add(1, Ordering::Relaxed);
+                }
+                alive
             }
             _ => inner.strong_count() > 0,
         },
@@ -1024,6 +1048,20 @@ impl Wakes {
             return false;
         };
         let now = Instant::now();
+        {
+            // Marked in every case: an acquire in flight now may have read
+            // the row before the release, and its outcome would put the
+            // next try off by up to `retry_every`.
+            let mut standbys = inner.standbys();
+            match role {
+                Some(r) => {
+                    if let Some(s) = standbys.get_mut(r) {
+                        s.woken_at = Some(now);
+                    }
+                }
+                None => standbys.values_mut().for_each(|s| s.woken_at = Some(now)),
+            }
+        }
         if self.pending.is_some_and(|p| p > now) {
             return true;
         }
@@ -1415,6 +1453,12 @@ async fn acquire_chunk(client: &SharedLease, part: &[Entry], bound: Duration) ->
                             Duration::ZERO
                         };
                         (left + jitter(e.ttl)).min(e.retry_every)
+                    };
+                    // Announced released after this statement was sent:
+                    // it may have read the row before the release.
+                    let wait = match e.woken_at.take() {
+                        Some(w) if w >= sent => wait.min(REWAKE_GAP),
+                        _ => wait,
                     };
                     e.due = now + wait;
                 }
