@@ -35,6 +35,57 @@ use tls::TlsSettings;
 /// The driver's connection over pgelect's TLS connector.
 type TlsConnection = Connection<Socket, <MakeRustlsConnect as MakeTlsConnect<Socket>>::Stream>;
 
+/// Runs one connection attempt (TCP connect, TLS handshake, password
+/// exchange, startup), bounded by `bound`, on a thread of tokio's blocking
+/// pool rather than on the caller's task.
+///
+/// The SCRAM password exchange hashes the password 4,096 times in one poll
+/// of the driver's connect future (65-95 ms in a debug build here, a few
+/// milliseconds in a release build), and a TLS handshake is also work done
+/// in a poll. Polled on a runtime worker, that poll holds the worker, and
+/// a task polled in the same select (a leader's keeper reconnecting) or
+/// waiting for that worker (a keeper whose local deadline passes, a
+/// leadership's `lost()`) is late by as much. A leader that learns of its
+/// deadline late acts past it: that overlap was seen in CI (170 ms) when
+/// three lease candidates reconnected at once through a restarted
+/// PgBouncer. Off the workers, the deadline timers fire on time.
+///
+/// The attempt runs on the runtime's IO and timer drivers (a
+/// `current_thread` runtime drives them while the caller awaits). Dropping
+/// the returned future ends the attempt at its next poll: the half-open
+/// connection is dropped.
+///
+/// `Err(Elapsed)` when `bound` passed.
+async fn connect_off_the_workers(
+    config: Config,
+    tls: MakeRustlsConnect,
+    bound: Duration,
+) -> std::result::Result<
+    std::result::Result<(Client, TlsConnection), tokio_postgres::Error>,
+    tokio::time::error::Elapsed,
+> {
+    let handle = tokio::runtime::Handle::current();
+    // Dropped with the returned future: ends the attempt on the pool.
+    let (_abandon, abandoned) = tokio::sync::oneshot::channel::<()>();
+    let attempt = tokio::task::spawn_blocking(move || {
+        handle.block_on(async move {
+            tokio::select! {
+                r = tokio::time::timeout(bound, config.connect(tls)) => Some(r),
+                _ = abandoned => None,
+            }
+        })
+    });
+    match attempt.await {
+        Ok(Some(r)) => r,
+        // Only when the caller dropped this future, which then awaits no
+        // more; or the runtime shuts down. Either way nobody waits for it.
+        Ok(None) => std::future::pending().await,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        // The runtime is shutting down and cancelled the attempt.
+        Err(_) => std::future::pending().await,
+    }
+}
+
 /// Default bound on establishing a connection.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -426,9 +477,8 @@ impl ConnectOptions {
         let mut last = None;
         for (i, ssl) in attempts.iter().enumerate() {
             config.ssl_mode(*ssl);
-            let connecting = config.connect(tls.clone());
             let bound = self.connect_timeout + Duration::from_secs(1);
-            let e = match tokio::time::timeout(bound, connecting).await {
+            let e = match connect_off_the_workers(config.clone(), tls.clone(), bound).await {
                 Err(_) => {
                     return Err(Error::ConnectTimeout {
                         target: self.target(),
