@@ -544,7 +544,11 @@ async fn demo_keep_keeps_its_server_until_sigterm_and_leaves_nothing_behind() {
     cmd.env("DATABASE_URL", "postgres://prod:secret@192.0.2.1:5432/prod");
     let mut demo = Background::spawn("demo", cmd);
     let data = demo
-        .next_line("the throwaway server", START, |l| l.contains("(data in "))
+        // initdb and a first start: slower than a command's start on a
+        // loaded machine (CI once took over 15 s).
+        .next_line("the throwaway server", START * 2, |l| {
+            l.contains("(data in ")
+        })
         .await;
     let data = std::path::PathBuf::from(
         data.split_once("(data in ")

@@ -359,6 +359,13 @@ BEGIN
 END
 $fn$;
 COMMENT ON FUNCTION {s}.fence(text, bigint) IS 'pgelect: call inside a transaction; fails unless p_term is the current term of p_role; caps idle_in_transaction_session_timeout for this transaction at the lease length';
+"#, // 7: a lease row read on a promoted server may lack the old primary's
+    // last renewals (asynchronous replication). The lease backend re-arms
+    // such a row once per timeline before anyone takes it over, and marks
+    // it here; see election/term.rs.
+    r#"
+ALTER TABLE {s}.leaders ADD COLUMN IF NOT EXISTS lease_timeline integer;
+COMMENT ON COLUMN {s}.leaders.lease_timeline IS 'pgelect: the WAL timeline on which a lease candidate last re-armed this row''s lease after a promotion (NULL: never)';
 "#,
 ];
 

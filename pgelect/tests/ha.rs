@@ -535,3 +535,97 @@ async fn lease_candidates_through_pgbouncer_follow_a_promotion() {
     }
     log.assert_disjoint();
 }
+
+/// The lease backend, when the promoted replica never received the old
+/// primary's last renewals (asynchronous replication): the row it reads
+/// shows a lease that expires seconds before the one the leader renewed.
+/// The leader (which reaches only the old primary) counts on its local
+/// deadline; a standby on the promoted server must not take the role
+/// before that deadline, though the row it reads says it may. The first
+/// standby re-arms the stale row for a full TTL instead (once per
+/// timeline), so the takeover waits for the promotion plus a TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_renewed_only_on_the_lost_primary_is_not_taken_over_early() {
+    stale_lease(false, "ha_stale_lease").await;
+}
+
+/// The same, the standby on a shared lease client (its batched acquire).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_lease_standby_does_not_take_a_stale_lease_early() {
+    stale_lease(true, "ha_stale_shared").await;
+}
+
+async fn stale_lease(shared: bool, hint: &str) {
+    let set = tokio::task::block_in_place(|| ReplicaSet::start(Replication::Async))
+        .expect("primary and async replica");
+    let db = TestDb::on(set.primary(), hint).await;
+    let old = ConnectOptions::from_url(&set.primary().url(db.name())).unwrap();
+    let new = ConnectOptions::from_url(&set.replica().url(db.name())).unwrap();
+    pgelect::migrate(&old).await.expect("migrate");
+    let role = "stale";
+    let lease = |o: &ConnectOptions, node: &str, shared: bool| {
+        let b = fast_session(o, role, node)
+            .ttl(Duration::from_secs(6))
+            .backend(Backend::Lease)
+            .heartbeat_timeout(Duration::from_millis(600))
+            .retry_every(Duration::from_millis(200));
+        let b = if shared {
+            b.shared_lease(&SharedLease::new(o))
+        } else {
+            b
+        };
+        b.build().unwrap()
+    };
+    let a = lease(&old, "a", false);
+    let first = elected(&a, Duration::from_secs(10)).await;
+    tokio::task::block_in_place(|| set.wait_replayed()).expect("replica caught up");
+    set.hold_replication();
+    // a goes on renewing on the old primary only, until its lease there
+    // runs 3 s past the one the replica holds.
+    let primary = connect(set.primary(), db.name()).await;
+    let replica = connect(set.replica(), db.name()).await;
+    let until = "SELECT lease_until FROM pgelect.leaders WHERE role = $1";
+    let on_replica: std::time::SystemTime =
+        replica.query_one(until, &[&role]).await.unwrap().get(0);
+    pgelect_testkit::wait_until(
+        "the old primary's lease to run 3 s past the replica's",
+        Duration::from_secs(20),
+        || async {
+            let on_primary: std::time::SystemTime =
+                primary.query_one(until, &[&role]).await.unwrap().get(0);
+            on_primary
+                .duration_since(on_replica)
+                .is_ok_and(|d| d >= Duration::from_secs(3))
+        },
+    )
+    .await;
+    drop(primary);
+    let died = Instant::now();
+    let promoted = tokio::task::block_in_place(|| set.promote()).expect("promote");
+    let b = lease(&new, "b", shared);
+    let second = elected(&b, Duration::from_secs(30)).await;
+    let began = Instant::now();
+    timeout(Duration::from_secs(10), first.lost())
+        .await
+        .expect("the old primary's leader loses leadership by its deadline");
+    let lost_at = first.lost_at().expect("lost");
+    eprintln!(
+        "stale lease (standby on a shared client: {shared}): promotion took {promoted:?}; a lost term {} {:?} after the primary's death ({:?}); b took term {} {:?} after it",
+        first.term().get(),
+        lost_at - died,
+        first.loss_reason(),
+        second.term().get(),
+        began - died
+    );
+    assert!(
+        lost_at <= began,
+        "overlap: a (term {}) acted until {:?} after b (term {}) began",
+        first.term().get(),
+        lost_at - began,
+        second.term().get()
+    );
+    assert!(second.term() > first.term());
+    assert!(second.term().get() >= 1 << 32, "timeline 2 starts at 2^32");
+    drop(a);
+    second.resign().await.expect("resign on the new primary");
+}

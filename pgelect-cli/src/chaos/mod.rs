@@ -314,8 +314,10 @@ fn bound(fault: Fault, backend: BackendArg, t: &pgelect::TimingReport) -> Durati
         // (backoff: at most RECONNECT_CAP later) and the session leader's
         // successor waits the handover delay (the row names the dead
         // holder). A lease leader renews on the new primary (its row was
-        // replicated) or its lease expires a ttl after its last renewal,
-        // and a standby retries within retry_every.
+        // replicated); otherwise the first standby on the new primary
+        // re-arms the lease row written before the promotion for a ttl
+        // (asynchronous replication may have lost the last renewals) and
+        // takes it over when that ends, retrying within retry_every.
         // Through PgBouncer (lease backend, where installed) in front of
         // the primary address, which chaos re-points once the promotion is
         // done: PgBouncer's logins fail until then, and after a failed one
@@ -330,7 +332,10 @@ fn bound(fault: Fault, backend: BackendArg, t: &pgelect::TimingReport) -> Durati
         // backend's bound covers its pooled path (1 s more when direct).
         (Fault::Promote, Session) => PROMOTE + RECONNECT_CAP + t.handover_delay,
         (Fault::Promote, Lease) => {
-            (PROMOTE + POOLER_LOGIN_RETRY + RECONNECT_CAP).max(lease_gone)
+            PROMOTE
+                + POOLER_LOGIN_RETRY
+                + RECONNECT_CAP
+                + lease_gone
                 + RETRY_EVERY
                 + t.handover_delay
         }

@@ -30,6 +30,54 @@
 pub(crate) const TIMELINE_SQL: &str = "('x' || pg_catalog.substr(pg_catalog.pg_walfile_name(\
      pg_catalog.pg_current_wal_insert_lsn()), 1, 8))::bit(32)::int8";
 
+/// The SQL condition "the lease state of the row `l` may be older than
+/// what the last primary had": the row's term was handed out on an older
+/// timeline than this server's (`timeline`, an SQL expression), and no
+/// candidate re-armed its lease on this timeline since (`lease_timeline`).
+///
+/// Asynchronous replication can lose the old primary's last renewals, or
+/// an election, with the promotion: the row then shows a lease that looks
+/// expired (or released) while its holder still counts on its local
+/// deadline. Such a row is never taken over as it reads; the lease
+/// backend re-arms it first ([`rearm_lease_sql`]), the session backend
+/// counts its takeover as unclean (handover delay). A missing row (`l` of
+/// an outer join, all NULL) is never stale.
+pub(crate) fn stale_row_sql(l: &str, timeline: &str) -> String {
+    format!(
+        "({l}.term IS NOT NULL AND greatest(coalesce({l}.lease_timeline, 0), ({l}.term >> 32) + 1) < ({timeline}))"
+    )
+}
+
+/// The SET list that re-arms the lease of a row `l` that [`stale_row_sql`]
+/// found stale: the lease runs for a full TTL from now (the longer of the
+/// row's last lease length and `$ttl_ms`, the candidate's own TTL), and the
+/// row is marked as re-armed on `timeline`. The holder and the term stay:
+/// a holder that reaches this server renews as before. Now is after the
+/// promotion, and the promotion after the old primary's last renewal, so
+/// any holder's local deadline ends before the re-armed lease does.
+pub(crate) fn rearm_lease_sql(l: &str, ttl_ms: &str, timeline: &str) -> String {
+    format!(
+        "lease_until = greatest({l}.lease_until, now() + greatest(coalesce({l}.lease_until - {l}.renewed_at, interval '0'), ({ttl_ms}) * interval '1 millisecond')),
+         lease_timeline = ({timeline})::int4"
+    )
+}
+
+/// The previous holder a session-backend election reports for the row
+/// `l` (an SQL expression): the holder it names, or, for a row that
+/// [`stale_row_sql`] finds stale and that names nobody, a placeholder. Either
+/// way the takeover counts as unclean and waits the handover delay: a
+/// released row read on a promoted server may be older than an election
+/// the old primary committed and never sent.
+pub(crate) fn previous_holder_sql(l: &str) -> String {
+    format!(
+        "CASE WHEN {} THEN coalesce({l}.holder, '{STALE_HOLDER}') ELSE {l}.holder END",
+        stale_row_sql(l, TIMELINE_SQL)
+    )
+}
+
+/// What [`previous_holder_sql`] reports for a stale row that names nobody.
+pub(crate) const STALE_HOLDER: &str = "(unknown: the row was written before a promotion)";
+
 /// The SQL expression of the term that follows the term `old` (an SQL
 /// expression; `0` for a role without a row yet) on this server: see the
 /// module docs.

@@ -44,7 +44,7 @@ use crate::election::registry::{self, Register, Waits};
 use crate::election::support::{
     backoff, is_read_only, is_transient, listen_for, nap, NapEnd, WakeLimit, WakeOn,
 };
-use crate::election::term::next_term_sql;
+use crate::election::term::{next_term_sql, rearm_lease_sql, stale_row_sql, TIMELINE_SQL};
 use crate::election::timing::Timing;
 use crate::election::watch::{LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 use crate::election::{LeaseState, Shared, Term};
@@ -104,24 +104,42 @@ pub fn lease_sql(schema: &SchemaName) -> LeaseSql {
     // of concurrent candidates exactly one wins, whatever `cur` showed.
     let (first, next) = (next_term_sql("0"), next_term_sql("l.term"));
     let pref = registry::preferred_lease_sql(s, "$1", "$2", "$8");
+    // `stale`: the row may lack the old primary's last writes (a promoted
+    // server): it is re-armed for a full TTL instead of taken over, once
+    // per timeline (see term.rs). `lost` rows (our own unanswered attempt)
+    // are taken again as before: nobody acts on them.
+    let tl = "(SELECT t FROM tl)";
+    let stale_cur = stale_row_sql("l", tl);
+    let rearm = rearm_lease_sql("l", "$4", tl);
     let acquire = format!(
-        "WITH pref AS (
+        "WITH tl AS (
+             SELECT {TIMELINE_SQL} AS t
+         ), pref AS (
              SELECT {pref} AS node
          ), cur AS (
-             SELECT holder, backend, lease_until FROM {s}.leaders WHERE role = $1
+             SELECT l.holder, l.backend, l.lease_until,
+                    {stale_cur} AND NOT coalesce(l.holder = $2 AND l.lease_token = ANY($7), false) AS stale
+               FROM {s}.leaders l WHERE l.role = $1
+         ), rearm AS (
+             UPDATE {s}.leaders AS l SET {rearm}
+              WHERE l.role = $1 AND coalesce((SELECT stale FROM cur), false) AND {stale_cur}
+             RETURNING l.lease_until
          ), up AS (
              INSERT INTO {s}.leaders AS l
                     (role, holder, holder_meta, term, backend, holder_pid,
                      acquired_at, renewed_at, lease_until, resign_requested, lease_token)
-             VALUES ($1, $2, $3, {first}, 'lease', NULL, now(), now(),
-                     now() + $4 * interval '1 millisecond', false, $6)
+             SELECT $1, $2, $3, {first}, 'lease', NULL, now(), now(),
+                    now() + $4 * interval '1 millisecond', false, $6
+              WHERE NOT coalesce((SELECT stale FROM cur), false)
              ON CONFLICT (role) DO UPDATE
                 SET holder = EXCLUDED.holder, holder_meta = EXCLUDED.holder_meta,
                     term = {next}, backend = 'lease', holder_pid = NULL,
                     acquired_at = EXCLUDED.acquired_at, renewed_at = EXCLUDED.renewed_at,
                     lease_until = EXCLUDED.lease_until, resign_requested = false,
                     lease_token = EXCLUDED.lease_token
-              WHERE ((l.holder IS NULL OR l.lease_until IS NULL OR l.lease_until < now())
+              WHERE ((l.holder IS NULL AND l.lease_timeline IS DISTINCT FROM {tl}
+                      OR l.lease_until IS NULL OR l.lease_until < now())
+                     AND NOT {stale_cur}
                      -- a preferred candidate stands: leave the lease to it
                      AND (SELECT node FROM pref) IS NULL)
                  -- a lease taken by one of our own unanswered attempts:
@@ -131,13 +149,16 @@ pub fn lease_sql(schema: &SchemaName) -> LeaseSql {
          )
          SELECT up.term, up.acquired_at, up.lease_until,
                 (extract(epoch FROM up.lease_until - now()) * 1000)::float8,
-                cur.holder, cur.backend,
-                (extract(epoch FROM cur.lease_until - now()) * 1000)::float8,
+                CASE WHEN rearm.lease_until IS NOT NULL THEN coalesce(cur.holder, '') ELSE cur.holder END,
+                cur.backend,
+                (extract(epoch FROM coalesce(rearm.lease_until, cur.lease_until) - now()) * 1000)::float8,
                 CASE WHEN up.term IS NOT NULL THEN pg_notify('{LEADER_CHANNEL}', $5)::text END,
-                CASE WHEN up.term IS NULL THEN (SELECT node FROM pref) END
+                CASE WHEN up.term IS NULL THEN (SELECT node FROM pref) END,
+                rearm.lease_until IS NOT NULL
            FROM (SELECT 1) AS one
            LEFT JOIN up ON true
-           LEFT JOIN cur ON true"
+           LEFT JOIN cur ON true
+           LEFT JOIN rearm ON true"
     );
     // `greatest`: a renewal that was given up on the client but ran late on
     // the server (after a retry on a new connection) never moves the lease
@@ -187,6 +208,9 @@ struct Acquired {
     prev_remaining: Option<f64>,
     /// Not won because this ready candidate of higher priority stands.
     deferred_to: Option<String>,
+    /// Not won because the row was last written before this server's
+    /// promotion: its lease was re-armed for a full TTL.
+    rearmed: bool,
 }
 
 impl Acquired {
@@ -201,6 +225,7 @@ impl Acquired {
                 prev_backend: None,
                 prev_remaining: None,
                 deferred_to: None,
+                rearmed: false,
             });
         };
         let term: Option<i64> = row.try_get(0)?;
@@ -214,6 +239,7 @@ impl Acquired {
             prev_backend: row.try_get(5)?,
             prev_remaining: row.try_get(6)?,
             deferred_to: row.try_get(8)?,
+            rearmed: row.try_get::<_, Option<bool>>(9)?.unwrap_or(false),
         })
     }
 }
@@ -486,7 +512,7 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
             let wait = match outcome {
                 Ok((sent, rows)) => {
                     failures = 0;
-                    let Acquired { won, prev_holder, prev_backend, prev_remaining, deferred_to } = match Acquired::decode(&rows) {
+                    let Acquired { won, prev_holder, prev_backend, prev_remaining, deferred_to, rearmed } = match Acquired::decode(&rows) {
                         Ok(a) => a,
                         Err(e) => {
                             if let Some(c) = conn.take() {
@@ -521,6 +547,9 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
                         shared.timing.retry_every
                     } else {
                         let remaining = prev_remaining.unwrap_or(0.0);
+                        if rearmed {
+                            tracing::info!(holder = ?prev_holder, lease = ?ms(remaining), "the lease row was last written before this server's promotion and may lack the old primary's last renewals: re-armed it for a full TTL before anyone takes it over");
+                        }
                         if prev_holder.is_some()
                             && prev_backend.as_deref() == Some("session")
                             && remaining > 0.0

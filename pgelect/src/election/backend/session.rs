@@ -36,7 +36,7 @@ use crate::election::support::{
     backoff, check_not_transaction_pooled, is_read_only, is_transient, nap, Counted, WakeLimit,
     WakeOn,
 };
-use crate::election::term::next_term_sql;
+use crate::election::term::{next_term_sql, previous_holder_sql};
 use crate::election::watch::{
     preempt_zombie, read_leader, read_leader_and_mode, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
 };
@@ -773,11 +773,12 @@ impl ElectStatement {
         // pg_locks in this very statement; if there is one, nothing is
         // written and the lock is given back.
         let pref = registry::preferred_session_sql(s, shared.key, "$1", "$2", "$6", true);
+        let previous = previous_holder_sql("l");
         format!(
             "WITH pref AS (
                  SELECT {pref} AS node
              ), old AS (
-                 SELECT holder FROM {s}.leaders WHERE role = $1
+                 SELECT {previous} AS holder FROM {s}.leaders l WHERE l.role = $1
              ), up AS (
                  INSERT INTO {s}.leaders AS l
                         (role, holder, holder_meta, term, backend, holder_pid, acquired_at, renewed_at, lease_until)

@@ -20,7 +20,7 @@ use crate::election::support::WakeLimit;
 
 use super::batch::{remove_if_term, Batch, Member, Outcome, Termed};
 use super::claim::{Claim, Roles};
-use crate::election::term::next_term_sql;
+use crate::election::term::{next_term_sql, previous_holder_sql};
 use crate::election::watch::{
     leader_info_at, parse_leader_event, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
 };
@@ -1532,6 +1532,7 @@ fn batch_elect_sql(s: &str) -> String {
     let (first, next) = (next_term_sql("0"), next_term_sql("l.term"));
     let ids = ("e.classid", "e.objid", "e.objsubid");
     let pref = registry::preferred_session_sql_for(s, ids, "e.role", "e.node", "e.priority", true);
+    let previous = previous_holder_sql("l");
     format!(
         "WITH e AS (
              SELECT * FROM unnest($1::text[], $2::text[], $3::jsonb[], $4::int8[], $5::text[],
@@ -1540,7 +1541,7 @@ fn batch_elect_sql(s: &str) -> String {
          ), pe AS (
              SELECT e.*, {pref} AS pref FROM e
          ), old AS (
-             SELECT l.role, l.holder FROM {s}.leaders l JOIN e ON e.role = l.role
+             SELECT l.role, {previous} AS holder FROM {s}.leaders l JOIN e ON e.role = l.role
          ), up AS (
              INSERT INTO {s}.leaders AS l
                     (role, holder, holder_meta, term, backend, holder_pid, acquired_at, renewed_at, lease_until)

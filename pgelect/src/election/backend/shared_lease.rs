@@ -20,7 +20,7 @@ use crate::election::backend::shared::{chunks, until_wanted, Registration};
 use crate::election::config::random_u64;
 use crate::election::registry::{self, Register, Waits};
 use crate::election::support::{backoff, is_read_only, is_transient, listen_for, WakeLimit};
-use crate::election::term::next_term_sql;
+use crate::election::term::{next_term_sql, rearm_lease_sql, stale_row_sql, TIMELINE_SQL};
 use crate::election::watch::{parse_leader_event, LEADER_CHANNEL};
 use crate::election::Shared;
 
@@ -806,21 +806,35 @@ fn batch_renew_sql(s: &str) -> String {
 fn batch_acquire_sql(s: &str) -> String {
     let (first, next) = (next_term_sql("0"), next_term_sql("l.term"));
     let pref = registry::preferred_lease_sql(s, "a.role", "a.node", "a.priority");
+    // `stale`: rows that may lack the old primary's last writes (a promoted
+    // server) are re-armed for a full TTL instead of taken over, once per
+    // timeline, as the single acquire does (see term.rs).
+    let tl = "(SELECT t FROM tl)";
+    let stale = stale_row_sql("l", tl);
+    let rearm = rearm_lease_sql("l", "c.ttl_ms", tl);
     format!(
-        "WITH a AS (
+        "WITH tl AS (
+             SELECT {TIMELINE_SQL} AS t
+         ), a AS (
              SELECT * FROM unnest($1::text[], $2::text[], $3::jsonb[], $4::int8[], $5::text[],
                                   $6::int4[])
                         AS a(role, node, meta, ttl_ms, payload, priority)
          ), cur AS (
-             SELECT a.role, l.holder, l.backend, l.lease_until,
-                    (l.role IS NULL OR l.holder IS NULL OR l.lease_until IS NULL
-                     OR l.lease_until < now()) AS free,
-                    coalesce(l.holder = a.node AND l.lease_token = ANY($8::int8[]), false) AS lost
+             SELECT a.role, a.ttl_ms, l.holder, l.backend, l.lease_until,
+                    (l.role IS NULL OR l.holder IS NULL AND l.lease_timeline IS DISTINCT FROM {tl}
+                     OR l.lease_until IS NULL OR l.lease_until < now()) AS free,
+                    coalesce(l.holder = a.node AND l.lease_token = ANY($8::int8[]), false) AS lost,
+                    coalesce({stale}, false) AS stale
                FROM a LEFT JOIN {s}.leaders l ON l.role = a.role
+         ), rearm AS (
+             UPDATE {s}.leaders AS l SET {rearm}
+               FROM cur c
+              WHERE l.role = c.role AND c.stale AND NOT c.lost AND {stale}
+             RETURNING l.role, l.lease_until
          ), try AS (
              SELECT a.*, cur.lost, CASE WHEN cur.free THEN {pref} END AS pref
                FROM a JOIN cur ON cur.role = a.role
-              WHERE cur.free OR cur.lost
+              WHERE (cur.free AND NOT cur.stale) OR cur.lost
          ), up AS (
              INSERT INTO {s}.leaders AS l
                     (role, holder, holder_meta, term, backend, holder_pid,
@@ -836,21 +850,25 @@ fn batch_acquire_sql(s: &str) -> String {
                     acquired_at = EXCLUDED.acquired_at, renewed_at = EXCLUDED.renewed_at,
                     lease_until = EXCLUDED.lease_until, resign_requested = false,
                     lease_token = EXCLUDED.lease_token
-              WHERE (l.holder IS NULL OR l.lease_until IS NULL OR l.lease_until < now())
+              WHERE ((l.holder IS NULL AND l.lease_timeline IS DISTINCT FROM {tl}
+                      OR l.lease_until IS NULL OR l.lease_until < now())
+                     AND NOT {stale})
                  -- a lease taken by one of our own unanswered acquires:
                  -- nobody acts on it, take it again with a new term
                  OR (l.holder = EXCLUDED.holder AND l.lease_token = ANY($8::int8[]))
              RETURNING l.role, l.term, l.acquired_at, l.lease_until
          )
          SELECT a.role, up.term, up.acquired_at, up.lease_until,
-                cur.holder, cur.backend,
-                (extract(epoch FROM cur.lease_until - now()) * 1000)::float8,
+                CASE WHEN rearm.lease_until IS NOT NULL THEN coalesce(cur.holder, '') ELSE cur.holder END,
+                cur.backend,
+                (extract(epoch FROM coalesce(rearm.lease_until, cur.lease_until) - now()) * 1000)::float8,
                 CASE WHEN up.term IS NOT NULL
                      THEN pg_catalog.pg_notify('{LEADER_CHANNEL}', a.payload)::text END,
                 CASE WHEN up.term IS NULL THEN try.pref END
            FROM a LEFT JOIN up ON up.role = a.role
                   LEFT JOIN cur ON cur.role = a.role
-                  LEFT JOIN try ON try.role = a.role"
+                  LEFT JOIN try ON try.role = a.role
+                  LEFT JOIN rearm ON rearm.role = a.role"
     )
 }
 
