@@ -55,7 +55,9 @@ type TlsConnection = Connection<Socket, <MakeRustlsConnect as MakeTlsConnect<Soc
 /// the returned future ends the attempt at its next poll: the half-open
 /// connection is dropped.
 ///
-/// `Err(Elapsed)` when `bound` passed.
+/// `Err(Elapsed)` when `bound` passed, counted from the call (a pool busy
+/// with the application's blocking work delays the start of the attempt,
+/// never the bound).
 async fn connect_off_the_workers(
     config: Config,
     tls: MakeRustlsConnect,
@@ -75,7 +77,13 @@ async fn connect_off_the_workers(
             }
         })
     });
-    match attempt.await {
+    // The pool may be busy with the application's own blocking work: the
+    // attempt is bounded from here too, queueing included.
+    let attempt = match tokio::time::timeout(bound, attempt).await {
+        Ok(joined) => joined,
+        Err(elapsed) => return Err(elapsed),
+    };
+    match attempt {
         Ok(Some(r)) => r,
         // Only when the caller dropped this future, which then awaits no
         // more; or the runtime shuts down. Either way nobody waits for it.

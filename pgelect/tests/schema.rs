@@ -402,3 +402,37 @@ async fn connecting_does_not_hold_the_runtime() {
         "a 5 ms timer was late by {worst:?} while connecting (fastest connection {fastest:?}): the connection held the runtime"
     );
 }
+
+/// A blocking pool taken up by the application's own work delays a
+/// connection attempt (which runs there) but never past its bound: the
+/// attempt ends with a timeout error, not a hang.
+#[test]
+fn a_busy_blocking_pool_ends_a_connection_attempt_at_its_bound() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .max_blocking_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let db = TestDb::new("connect_busy_pool").await;
+        let o = options(&db)
+            .connect_timeout(Duration::from_secs(1))
+            .unwrap();
+        let (free, hold) = std::sync::mpsc::channel::<()>();
+        let busy = tokio::task::spawn_blocking(move || hold.recv());
+        let t = Instant::now();
+        let r = o.connect_plain("pgelect:test").await;
+        let took = t.elapsed();
+        free.send(()).unwrap();
+        busy.await.unwrap().unwrap();
+        println!("with the blocking pool busy, the attempt ended after {took:?}");
+        let Err(e) = r else {
+            panic!("connected although the blocking pool was busy");
+        };
+        assert!(e.is_timeout(), "{e:?}");
+        assert!(took < Duration::from_secs(10), "{took:?}");
+        // The pool free again, the same options connect.
+        let (_client, _connection) = o.connect_plain("pgelect:test").await.expect("connect");
+    });
+}
