@@ -555,22 +555,10 @@ async fn with_listen_via_released_roles_are_taken_over_at_once_through_pgbouncer
     let bouncer = PgBouncer::start(cluster, PoolMode::Transaction).expect("pgbouncer starts");
     let pooled = ConnectOptions::from_url(&bouncer.url(db.name())).unwrap();
     let admin = db.connect().await;
-    let slow = |client: &SharedLease, r: &str, node: &str| {
-        fast(&pooled, r, node)
-            .ttl(Duration::from_secs(20))
-            .renew_every(Duration::from_secs(2))
-            .retry_every(Duration::from_secs(10))
-            .shared_lease(client)
-            .build()
-            .unwrap()
-    };
+    let slow = |client: &SharedLease, r: &str, node: &str| slow_lease(&pooled, client, r, node);
     // a leads every role.
     let a = SharedLease::new(&pooled);
-    let a_electors: Vec<Elector> = (0..ROLES).map(|i| slow(&a, &role(i), "a")).collect();
-    let mut led = Vec::new();
-    for e in &a_electors {
-        led.push(Some(e.leadership().await.unwrap()));
-    }
+    let (_a_electors, mut led) = lead_roles(&a, &pooled, ROLES).await;
     // b stands for every role and listens directly.
     let b = SharedLease::new(&pooled)
         .listen_via(direct.clone())
@@ -587,27 +575,7 @@ async fn with_listen_via_released_roles_are_taken_over_at_once_through_pgbouncer
             })
         })
         .collect();
-    // Until b listens and has polled once.
-    let listen_name = format!("{}-listen", b.application_name());
-    tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            let listening: i64 = admin
-                .query_typed_one(
-                    "SELECT count(*) FROM pg_stat_activity
-                      WHERE application_name = $1 AND query LIKE 'LISTEN%'",
-                    &[(&listen_name, tokio_postgres::types::Type::TEXT)],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            if listening == 1 && b.statements() > 0 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await
-    .expect("b's LISTEN connection, named after the client");
+    until_listening(&admin, &b).await;
     for i in [3, 7] {
         let resigned = Instant::now();
         led[i].take().unwrap().resign().await.unwrap();
@@ -667,22 +635,10 @@ async fn a_release_announced_while_an_acquire_is_in_flight_is_not_lost() {
     const ROLES: usize = 5;
     let (db, direct) = migrated("lease_shared_rewake").await;
     let admin = db.connect().await;
-    let slow = |client: &SharedLease, r: &str, node: &str| {
-        fast(&direct, r, node)
-            .ttl(Duration::from_secs(20))
-            .renew_every(Duration::from_secs(2))
-            .retry_every(Duration::from_secs(10))
-            .shared_lease(client)
-            .build()
-            .unwrap()
-    };
+    let slow = |client: &SharedLease, r: &str, node: &str| slow_lease(&direct, client, r, node);
     // a leads every role, and releases "blocker": a free row.
     let a = SharedLease::new(&direct);
-    let a_electors: Vec<Elector> = (0..ROLES).map(|i| slow(&a, &role(i), "a")).collect();
-    let mut led = Vec::new();
-    for e in &a_electors {
-        led.push(Some(e.leadership().await.unwrap()));
-    }
+    let (_a_electors, mut led) = lead_roles(&a, &direct, ROLES).await;
     let blocker = slow(&a, "blocker", "a");
     blocker.leadership().await.unwrap().resign().await.unwrap();
     drop(blocker);
@@ -702,24 +658,7 @@ async fn a_release_announced_while_an_acquire_is_in_flight_is_not_lost() {
             })
         })
         .collect();
-    let listen_name = format!("{}-listen", b.application_name());
-    pgelect_testkit::wait_until(
-        "b listens and has polled",
-        Duration::from_secs(10),
-        || async {
-            let listening: i64 = admin
-                .query_typed_one(
-                    "SELECT count(*) FROM pg_stat_activity
-                  WHERE application_name = $1 AND query LIKE 'LISTEN%'",
-                    &[(&listen_name, tokio_postgres::types::Type::TEXT)],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            listening == 1 && b.statements() > 0
-        },
-    )
-    .await;
+    until_listening(&admin, &b).await;
 
     // Another transaction locks the free row; b's standby for it brings
     // an acquire of all b's standbys, which waits on that lock.
@@ -786,4 +725,57 @@ async fn a_release_announced_while_an_acquire_is_in_flight_is_not_lost() {
     for t in b_tasks {
         t.abort();
     }
+}
+
+/// A candidate of `r` on `client` with a 20 s TTL, renewing every 2 s and
+/// trying a held role every 10 s: a standby that takes a released role
+/// within seconds was woken by its announcement.
+fn slow_lease(options: &ConnectOptions, client: &SharedLease, r: &str, node: &str) -> Elector {
+    fast(options, r, node)
+        .ttl(Duration::from_secs(20))
+        .renew_every(Duration::from_secs(2))
+        .retry_every(Duration::from_secs(10))
+        .shared_lease(client)
+        .build()
+        .unwrap()
+}
+
+/// Node "a" on `client` leads roles 0..`roles`; the electors, and each
+/// leadership (taken when the test resigns it).
+async fn lead_roles(
+    client: &SharedLease,
+    options: &ConnectOptions,
+    roles: usize,
+) -> (Vec<Elector>, Vec<Option<pgelect::Leadership>>) {
+    let electors: Vec<Elector> = (0..roles)
+        .map(|i| slow_lease(options, client, &role(i), "a"))
+        .collect();
+    let mut led = Vec::new();
+    for e in &electors {
+        led.push(Some(e.leadership().await.unwrap()));
+    }
+    (electors, led)
+}
+
+/// Waits (bounded) until `b` listens on its own connection, named after
+/// the client, and has sent a statement.
+async fn until_listening(admin: &tokio_postgres::Client, b: &SharedLease) {
+    let listen_name = format!("{}-listen", b.application_name());
+    pgelect_testkit::wait_until(
+        "b's LISTEN connection, named after the client, and its first poll",
+        Duration::from_secs(10),
+        || async {
+            let listening: i64 = admin
+                .query_typed_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+                    &[(&listen_name, tokio_postgres::types::Type::TEXT)],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            listening == 1 && b.statements() > 0
+        },
+    )
+    .await;
 }
