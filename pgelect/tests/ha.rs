@@ -629,3 +629,68 @@ async fn stale_lease(shared: bool, hint: &str) {
     drop(a);
     second.resign().await.expect("resign on the new primary");
 }
+
+/// A released row from before a promotion: the promoted server shows the
+/// role free (holder NULL, a term of timeline 1), but the old primary may
+/// have elected someone since and never sent it. A session candidate
+/// counts the takeover as unclean and waits the handover delay; a lease
+/// candidate re-arms the row for a TTL first. Both then lead with a term
+/// of the new timeline. (The row is written by hand on the promoted
+/// server, as such a lost election leaves it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_row_from_before_a_promotion_is_not_taken_at_once() {
+    let log = Log::install_global(tracing::Level::INFO).expect("the only test in its process");
+    let set = tokio::task::block_in_place(|| ReplicaSet::start(Replication::Async))
+        .expect("primary and async replica");
+    let db = TestDb::on(set.primary(), "ha_stale_released").await;
+    pgelect::migrate(&ConnectOptions::from_url(&set.primary().url(db.name())).unwrap())
+        .await
+        .expect("migrate");
+    tokio::task::block_in_place(|| set.wait_replayed()).expect("replica caught up");
+    tokio::task::block_in_place(|| set.promote()).expect("promote");
+    let new = ConnectOptions::from_url(&set.replica().url(db.name())).unwrap();
+    let admin = connect(set.replica(), db.name()).await;
+    for (backend, role) in [
+        (Backend::Session, "released-s"),
+        (Backend::Lease, "released-l"),
+    ] {
+        admin
+            .execute(
+                "INSERT INTO pgelect.leaders (role, holder, term, backend, acquired_at, renewed_at, lease_until)
+                 VALUES ($1, NULL, 5, $2, now() - interval '1 minute', now() - interval '1 second', now() - interval '1 second')",
+                &[&role, &if backend == Backend::Session { "session" } else { "lease" }],
+            )
+            .await
+            .unwrap();
+        let e = fast(&new, role, "n", backend);
+        let started = Instant::now();
+        let l = elected(&e, Duration::from_secs(20)).await;
+        let took = started.elapsed();
+        // What the wait is for: the handover delay (session) or a TTL
+        // from the re-arm (lease, 2 s in `fast`).
+        let least = match backend {
+            Backend::Session => e.handover_delay(),
+            _ => e.timing().ttl,
+        };
+        eprintln!(
+            "{backend:?}: a released row from before the promotion was taken after {took:?} (at least {least:?}), term {}",
+            l.term().get()
+        );
+        assert!(
+            took >= least,
+            "{backend:?}: taken after {took:?}, before {least:?}"
+        );
+        assert!(l.term().get() >= 1 << 32, "a term of timeline 2");
+        l.resign().await.expect("resign");
+    }
+    let text = log.text();
+    assert!(
+        text.contains("elected after an unclean loss")
+            && text.contains("unknown: the row was written before a promotion"),
+        "the session candidate says why it waits:\n{text}"
+    );
+    assert!(
+        text.contains("re-armed it for a full TTL"),
+        "the lease candidate says why it waits:\n{text}"
+    );
+}
