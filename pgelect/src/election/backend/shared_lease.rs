@@ -1067,10 +1067,10 @@ impl Wakes {
         };
         let now = Instant::now();
         {
+            let mut standbys = inner.standbys();
             // Marked in every case: an acquire in flight now may have read
             // the row before the release, and its outcome would put the
             // next try off by up to `retry_every`.
-            let mut standbys = inner.standbys();
             match role {
                 Some(r) => {
                     if let Some(s) = standbys.get_mut(r) {
@@ -1079,12 +1079,9 @@ impl Wakes {
                 }
                 None => standbys.values_mut().for_each(|s| s.woken_at = Some(now)),
             }
-        }
-        if self.pending.is_some_and(|p| p > now) {
-            return true;
-        }
-        {
-            let mut standbys = inner.standbys();
+            if self.pending.is_some_and(|p| p > now) {
+                return true;
+            }
             let standby = match role {
                 Some(r) => standbys.get_mut(r),
                 None => standbys.values_mut().min_by_key(|s| s.due),
