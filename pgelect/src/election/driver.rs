@@ -209,8 +209,19 @@ impl<B: KeepBackend> Keep<B> {
         let mut release_reply: Option<(LossReason, oneshot::Sender<Result<()>>)> = None;
         let mut ended: Option<LossReason> = None;
         let mut rechecks = 0u8;
+        // Once the user is told of the leadership, its deadline is also
+        // watched by a thread that does not depend on this task being
+        // polled in time.
+        if was_active {
+            super::watchdog::watch(&state);
+        }
 
         'outer: loop {
+            if state.reason().is_some() {
+                // Only the watchdog thread (or a handle reading the clock)
+                // ends a live keeper's state: its deadline passed.
+                keeper.expired_elsewhere();
+            }
             let now = Instant::now();
             while let Some(action) = keeper.poll(now) {
                 match action {
@@ -221,6 +232,7 @@ impl<B: KeepBackend> Keep<B> {
                             continue;
                         };
                         was_active = true;
+                        super::watchdog::watch(&state);
                         let took = granted_at.map_or(Duration::ZERO, |g| g.elapsed());
                         metrics::leader_on(&shared.role, term, took);
                         tracing::info!(takeover = ?took, "leadership begins");
@@ -264,8 +276,11 @@ impl<B: KeepBackend> Keep<B> {
                 .next_wake()
                 .expect("BUG: a live keeper has a wake time");
             let mut answered = None;
+            let live = matches!(keeper.phase(), Phase::Pending | Phase::Active);
             tokio::select! {
                 biased;
+                // Ended by the watchdog: let go at once (the top of the loop).
+                _ = state.token.cancelled(), if live => {}
                 _ = backend.closed() => keeper.connection_lost(),
                 cmd = commands.recv() => match cmd {
                     None => {
@@ -326,6 +341,7 @@ impl<B: KeepBackend> Keep<B> {
                     failures = 0;
                     shared.contact.touch();
                     keeper.renewed(sent, now);
+                    state.set_deadline(keeper.deadline());
                     let remaining = keeper.deadline().saturating_duration_since(now);
                     metrics::renewed(&shared.role, now - sent, remaining);
                     tracing::trace!(deadline_in = ?remaining, "renewed");
@@ -450,8 +466,6 @@ mod tests {
     use std::collections::VecDeque;
     use std::sync::Mutex;
 
-    use tokio_util::sync::CancellationToken;
-
     use super::*;
     use crate::election::keeper::Liveness;
     use crate::election::timing::TimingRequest;
@@ -464,6 +478,9 @@ mod tests {
     struct Scripted {
         answers: Mutex<VecDeque<Answer>>,
         log: Arc<Mutex<Vec<String>>>,
+        /// Each renewal holds its worker thread this long in one poll (CPU
+        /// work in a poll, as a debug build's SCRAM exchange was).
+        hold_worker: Duration,
     }
 
     impl Scripted {
@@ -478,6 +495,7 @@ mod tests {
         fn renew(&self) -> Statement<'_> {
             Box::pin(async move {
                 let sent = Instant::now();
+                std::thread::sleep(self.hold_worker);
                 tokio::time::sleep(Duration::from_millis(5)).await;
                 self.note("renew".into());
                 let answer = self.answers.lock().unwrap().pop_front();
@@ -529,6 +547,10 @@ mod tests {
     }
 
     fn start(answers: Vec<Answer>) -> Running {
+        start_holding(answers, Duration::ZERO)
+    }
+
+    fn start_holding(answers: Vec<Answer>, hold_worker: Duration) -> Running {
         let options = ConnectOptions::from_url("postgres://app@localhost/app").unwrap();
         let elector = Elector::builder(options, "r")
             .backend(Backend::Lease)
@@ -544,13 +566,12 @@ mod tests {
         .unwrap();
         let now = Instant::now();
         let keeper = Keeper::new(timing, Liveness::statements(), now, now, false);
-        let state = Arc::new(LeaderState {
-            role: "r".into(),
-            schema: SchemaName::default(),
-            term: Term::new(1),
-            token: CancellationToken::new(),
-            reason: Mutex::new(None),
-        });
+        let state = Arc::new(LeaderState::new(
+            "r".into(),
+            SchemaName::default(),
+            Term::new(1),
+            keeper.deadline(),
+        ));
         let (commands, rx) = mpsc::unbounded_channel();
         let (notices_tx, notices) = broadcast::channel(4);
         let log = Arc::new(Mutex::new(Vec::new()));
@@ -559,6 +580,7 @@ mod tests {
             backend: Scripted {
                 answers: Mutex::new(answers.into()),
                 log: log.clone(),
+                hold_worker,
             },
             keeper,
             state: state.clone(),
@@ -684,5 +706,44 @@ mod tests {
         let log = r.log.lock().unwrap().clone();
         assert_eq!(log.first().map(String::as_str), Some("renew"));
         assert_eq!(log.last().map(String::as_str), Some("release after None"));
+    }
+
+    /// A keeper task held up in one long poll (3 s of CPU in a renewal)
+    /// cannot keep the leadership past its deadline: the watchdog thread
+    /// ends it on time, and the keeper lets go once it runs.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_keeper_held_up_in_a_long_poll_still_ends_the_leadership_at_its_deadline() {
+        let start = Instant::now();
+        let r = start_holding(Vec::new(), Duration::from_secs(3));
+        let context = crate::election::LeaderContext::new(r.state.clone());
+        // ttl 2 s: the local deadline is 1.6 s after the electing statement.
+        let budget = Duration::from_millis(1600);
+        tokio::time::timeout(Duration::from_secs(10), context.lost())
+            .await
+            .expect("leadership ends");
+        let lost = start.elapsed();
+        println!("lost {lost:?} after the start (deadline {budget:?}; the renewal's poll holds its worker until 3.5 s)");
+        assert_eq!(r.state.reason(), Some(LossReason::Deadline));
+        assert!(lost >= budget, "lost before the deadline: {lost:?}");
+        assert!(
+            lost < Duration::from_millis(2500),
+            "lost only when the keeper ran again: {lost:?}"
+        );
+        // The keeper, once its poll returned, let go of the lock.
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while !r
+                .log
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|l| l.starts_with("let go"))
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the keeper lets go");
+        let log = r.log.lock().unwrap().clone();
+        assert!(log.contains(&"let go Some(Deadline)".to_owned()), "{log:?}");
     }
 }

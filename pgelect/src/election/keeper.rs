@@ -367,6 +367,18 @@ impl Keeper {
         self.pending_action = Some(self.fail_connection());
     }
 
+    /// The leadership was ended outside this task: the clock said its
+    /// deadline passed while the keeper task had not run
+    /// ([`LeaderState::expire_if_due`](super::leadership::LeaderState::expire_if_due)).
+    /// Lost for good, as if this keeper had seen the deadline pass, even if
+    /// an answer it took in meanwhile moved its own deadline.
+    pub(crate) fn expired_elsewhere(&mut self) {
+        if matches!(self.phase, Phase::Pending | Phase::Active) {
+            self.in_flight = None;
+            self.pending_action = Some(self.lose(LossReason::Deadline, true));
+        }
+    }
+
     /// The server accepts no writes (demoted or fenced): leadership ends at
     /// once, and the lock connection goes.
     pub(crate) fn server_read_only(&mut self) {

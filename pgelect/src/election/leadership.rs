@@ -4,6 +4,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
 use tokio_postgres::types::Type;
 use tokio_postgres::GenericClient;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
@@ -119,9 +120,64 @@ pub(crate) struct LeaderState {
     pub(crate) token: CancellationToken,
     /// The first reason, and when the token was cancelled for it.
     pub(crate) reason: Mutex<Option<(LossReason, std::time::Instant)>>,
+    /// The keeper's local deadline, published at every move (see
+    /// [`expire_if_due`](Self::expire_if_due)).
+    deadline: Mutex<Instant>,
 }
 
 impl LeaderState {
+    pub(crate) fn new(role: String, schema: SchemaName, term: Term, deadline: Instant) -> Self {
+        LeaderState {
+            role,
+            schema,
+            term,
+            token: CancellationToken::new(),
+            reason: Mutex::new(None),
+            deadline: Mutex::new(deadline),
+        }
+    }
+
+    /// Publishes the keeper's deadline after it moved.
+    pub(crate) fn set_deadline(&self, deadline: Instant) {
+        *self.deadline.lock().unwrap_or_else(PoisonError::into_inner) = deadline;
+    }
+
+    /// The keeper's deadline as last published.
+    pub(crate) fn deadline(&self) -> Instant {
+        *self.deadline.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// True once the leadership ended. Ends it ([`LossReason::Deadline`])
+    /// when the clock says its local deadline passed, even if the keeper
+    /// task has not run since: a keeper is a task, and a long poll on its
+    /// worker (CPU-bound work in the application or a starved runtime)
+    /// would otherwise delay the loss past the point where a standby may
+    /// take over. Called by the [watchdog](super::watchdog) thread at the
+    /// deadline, and by
+    /// `is_lost` and the fences before they answer (`noticed_by` says
+    /// which, in the log). The keeper, once it runs, finds the state ended
+    /// and lets go; it reports its own lateness if it was late.
+    pub(crate) fn expire_if_due(&self, noticed_by: &'static str) -> bool {
+        if self.token.is_cancelled() {
+            return true;
+        }
+        let deadline = self.deadline();
+        let now = Instant::now();
+        if now < deadline {
+            return false;
+        }
+        if self.end_counted(LossReason::Deadline, true) {
+            tracing::warn!(
+                role = %self.role,
+                term = self.term.get(),
+                reason = %LossReason::Deadline,
+                noticed_by,
+                late = ?now.saturating_duration_since(deadline),
+                "leadership lost"
+            );
+        }
+        true
+    }
     /// Records the first reason and cancels the token (in that order, so a
     /// woken waiter always finds the reason).
     pub(crate) fn end(&self, reason: LossReason) -> bool {
@@ -145,8 +201,10 @@ impl LeaderState {
         first
     }
 
-    /// Fails with [`Error::LeadershipLost`] once the leadership ended.
+    /// Fails with [`Error::LeadershipLost`] once the leadership ended (or
+    /// its local deadline passed).
     fn ensure_live(&self) -> Result<()> {
+        self.expire_if_due("fence");
         match self.reason() {
             Some(reason) => Err(Error::LeadershipLost {
                 role: self.role.clone(),
@@ -208,12 +266,18 @@ impl LeaderContext {
         self.state.token.child_token()
     }
 
-    /// True once leadership has ended.
+    /// True once leadership has ended. It reads the clock too: once the
+    /// local deadline passed it is true (and the leadership ends with
+    /// [`LossReason::Deadline`]) even if the task that keeps the
+    /// leadership was not polled in time.
     pub fn is_lost(&self) -> bool {
-        self.state.token.is_cancelled()
+        self.state.expire_if_due("is_lost")
     }
 
-    /// Completes when leadership ends, for any reason.
+    /// Completes when leadership ends, for any reason. At the local
+    /// deadline it completes even when the task that keeps the leadership
+    /// is held up (a long poll on its worker): a thread of the library
+    /// watches every leader's deadline.
     ///
     /// # Cancel safety
     /// Cancel safe: it only waits.

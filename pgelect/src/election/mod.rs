@@ -202,6 +202,7 @@ mod support;
 mod term;
 mod timing;
 mod watch;
+mod watchdog;
 
 use std::fmt;
 use std::future::Future;

@@ -701,13 +701,12 @@ async fn elected(
         lease_expired: false,
         holder_pid: None,
     }));
-    let state = Arc::new(LeaderState {
-        role: shared.role.clone(),
-        schema: shared.options.schema_name().clone(),
+    let state = Arc::new(LeaderState::new(
+        shared.role.clone(),
+        shared.options.schema_name().clone(),
         term,
-        token: CancellationToken::new(),
-        reason: Mutex::new(None),
-    });
+        keeper.deadline(),
+    ));
     let (commands, rx) = mpsc::unbounded_channel();
     let notices = lease_state(shared).notices.subscribe();
     let span = tracing::info_span!("pgelect.leader", role = %shared.role, node = %shared.node, term = term.get(), backend = "lease");

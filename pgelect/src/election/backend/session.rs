@@ -8,7 +8,7 @@
 //! [`Keeper`](crate::election::keeper::Keeper).
 
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::{broadcast, mpsc, oneshot};
@@ -430,13 +430,12 @@ fn start_keep(
         unclean,
     )
     .handover_counted_from(granted_at);
-    let state = Arc::new(LeaderState {
-        role: shared.role.clone(),
-        schema: schema.clone(),
+    let state = Arc::new(LeaderState::new(
+        shared.role.clone(),
+        schema.clone(),
         term,
-        token: tokio_util::sync::CancellationToken::new(),
-        reason: Mutex::new(None),
-    });
+        keeper.deadline(),
+    ));
     let (commands, rx) = mpsc::unbounded_channel();
     let (activated_tx, activated_rx) = oneshot::channel();
     let span = tracing::info_span!("pgelect.leader", role = %shared.role, node = %shared.node, term = term.get());
