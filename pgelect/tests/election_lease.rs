@@ -719,6 +719,70 @@ async fn sigkilled_leader_process_is_replaced_within_the_ttl() {
     println!("SIGKILL failover (ttl 1 s): {took_all:?}");
 }
 
+/// A leader whose runtime is held (every worker busy in a long poll, so no
+/// task and no tokio timer runs there) still stops at its local deadline:
+/// the library's watchdog thread ends the leadership, and a task on another
+/// runtime waiting in `lost()` wakes before a standby takes over the expired
+/// lease. Without that thread the leader learnt of its loss only when its
+/// runtime was free again, seconds after the standby began.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_runtime_is_held_stops_at_its_deadline_before_a_standby_acts() {
+    let (_db, _pooled, direct, _bouncer) = setup("lease_held_runtime").await;
+    let leader_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let elector = fast(&direct, "held", "leader").build().unwrap();
+    let leadership = leader_rt
+        .spawn(async move { elector.leadership().await.unwrap() })
+        .await
+        .unwrap();
+    let context = leadership.context();
+    // Both workers of the leader's runtime are held for 5 s.
+    let hold = Duration::from_secs(5);
+    let held_at = Instant::now();
+    for _ in 0..2 {
+        leader_rt.spawn(async move { std::thread::sleep(hold) });
+    }
+    let standby = fast(&direct, "held", "standby").build().unwrap();
+    let taken = tokio::spawn(async move { (standby.leadership().await.unwrap(), Instant::now()) });
+    tokio::time::timeout(Duration::from_secs(10), context.lost())
+        .await
+        .expect("the held leader's loss is reported");
+    // When the token was cancelled (this task may wake later on a loaded
+    // machine).
+    let lost = context.lost_at().expect("lost");
+    let (l, taken_at) = tokio::time::timeout(Duration::from_secs(10), taken)
+        .await
+        .expect("the standby takes over")
+        .unwrap();
+    println!(
+        "runtime held for {hold:?}: leader lost after {:?} ({:?}), standby acting after {:?}",
+        lost - held_at,
+        context.loss_reason(),
+        taken_at - held_at
+    );
+    assert_eq!(context.loss_reason(), Some(LossReason::Deadline));
+    assert!(context.is_lost());
+    // ttl 2 s: the local deadline is at most 1.6 s after the last renewal
+    // sent before the hold, so well before the hold ends.
+    assert!(
+        lost - held_at < Duration::from_millis(3000),
+        "lost only after {:?}",
+        lost - held_at
+    );
+    assert!(
+        lost < taken_at,
+        "overlap: the standby acted {:?} before the held leader learnt of its loss",
+        lost - taken_at
+    );
+    assert!(l.term() > leadership.term());
+    l.resign().await.unwrap();
+    drop(leadership);
+    leader_rt.shutdown_background();
+}
+
 /// A release `NOTIFY` sent while a standby's LISTEN connection is not up
 /// yet (or reconnecting) is not heard; once LISTEN is in place the standby
 /// looks at the row again instead of sleeping out `retry_every`.

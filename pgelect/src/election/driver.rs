@@ -182,7 +182,16 @@ fn report_late(role: &str, reason: LossReason, now: Instant, deadline: Instant) 
     }
 }
 
-impl<B: KeepBackend> Keep<B> {
+impl<B: KeepBackend + 'static> Keep<B> {
+    /// Starts the leader's task in `span`. A leadership the user is told of
+    /// at once is watched from here: the task may not be polled in time.
+    pub(crate) fn spawn(self, span: tracing::Span) {
+        if matches!(self.activation, Activation::Done) {
+            super::watchdog::watch(&self.state);
+        }
+        tokio::spawn(tracing::Instrument::instrument(self.run(), span));
+    }
+
     /// The leader's task: carries out the keeper's actions until leadership
     /// ends, then releases when asked to.
     pub(crate) async fn run(self) {
@@ -209,12 +218,6 @@ impl<B: KeepBackend> Keep<B> {
         let mut release_reply: Option<(LossReason, oneshot::Sender<Result<()>>)> = None;
         let mut ended: Option<LossReason> = None;
         let mut rechecks = 0u8;
-        // Once the user is told of the leadership, its deadline is also
-        // watched by a thread that does not depend on this task being
-        // polled in time.
-        if was_active {
-            super::watchdog::watch(&state);
-        }
 
         'outer: loop {
             if state.reason().is_some() {
@@ -232,6 +235,9 @@ impl<B: KeepBackend> Keep<B> {
                             continue;
                         };
                         was_active = true;
+                        // From now on the deadline is also watched by a
+                        // thread that does not depend on this task being
+                        // polled in time.
                         super::watchdog::watch(&state);
                         let took = granted_at.map_or(Duration::ZERO, |g| g.elapsed());
                         metrics::leader_on(&shared.role, term, took);
@@ -589,7 +595,7 @@ mod tests {
             activation: Activation::Done,
             count_leading: false,
         };
-        tokio::spawn(keep.run());
+        keep.spawn(tracing::Span::none());
         Running {
             state,
             commands,

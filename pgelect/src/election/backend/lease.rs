@@ -732,7 +732,7 @@ async fn elected(
         activation: Activation::Done,
         count_leading: false,
     };
-    tokio::spawn(keep.run().instrument(span));
+    keep.spawn(span);
     Some(Leadership {
         context: LeaderContext::new(state),
         commands,

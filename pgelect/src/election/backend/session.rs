@@ -452,7 +452,7 @@ fn start_keep(
         },
         count_leading: true,
     };
-    tokio::spawn(keep.run().instrument(span));
+    keep.spawn(span);
     let leadership = Leadership {
         context: LeaderContext::new(state),
         commands,
