@@ -409,7 +409,11 @@ async fn a_blocking_standby_leaves_a_server_that_turned_read_only() {
         .wait_slice(Duration::from_secs(30))
         .build()
         .unwrap();
-    // A session on the old server holds the role's lock for good.
+    // A session on the old server holds the role's lock for good. It stays
+    // busy: an idle session of the same database user that holds a role's
+    // lock with no lease row is a zombie after a TTL, which the standby
+    // rightly ends (and a CI run, slow to reach the fence, saw the standby
+    // then elected on the old server before the fence took effect).
     let squatter = connect(&old, db_old.name()).await;
     let pgelect::LockKey::Single(key) = b.lock_key() else {
         panic!("role keys are single keys")
@@ -418,6 +422,9 @@ async fn a_blocking_standby_leaves_a_server_that_turned_read_only() {
         .execute("SELECT pg_advisory_lock($1)", &[&key])
         .await
         .unwrap();
+    let busy = tokio::spawn(async move {
+        let _ = squatter.execute("SELECT pg_sleep(3600)", &[]).await;
+    });
     let standing = tokio::spawn(async move {
         let l = b.leadership().await;
         (b, l, Instant::now())
@@ -438,6 +445,7 @@ async fn a_blocking_standby_leaves_a_server_that_turned_read_only() {
     assert_eq!(row_term(&on_new, role).await, l.term().get());
     l.resign().await.unwrap();
     fence_read_only(&old, false).await;
+    busy.abort();
 }
 
 /// The lease backend through PgBouncer (transaction mode) across a primary
