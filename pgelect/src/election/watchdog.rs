@@ -14,6 +14,12 @@
 //! wakes whoever waits in `lost()`. The keeper, once it runs again, finds
 //! the leadership ended and lets go of the lock.
 //!
+//! The thread reads the real monotonic clock. Deadlines taken under tokio's
+//! paused test clock (`start_paused`) are instants of that clock, which
+//! runs ahead of real time when it auto-advances and stops when it does
+//! not: the library's own paused-clock tests of the keep loop run it
+//! without the watchdog.
+//!
 //! Entries are weak: a leadership that ended or was dropped leaves its
 //! entry to be discarded at its deadline. The thread costs one wake per
 //! leadership per deadline budget (about every 12 s per role at the
