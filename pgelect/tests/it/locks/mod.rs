@@ -1,0 +1,6 @@
+//! Advisory locks: keys, session locks, transaction locks and semaphores.
+
+mod keys;
+mod semaphore;
+mod session;
+mod transaction;
