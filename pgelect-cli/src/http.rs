@@ -163,7 +163,7 @@ async fn accept_loop(listener: TcpListener, handle: PrometheusHandle, status: St
                 backoff = (backoff * 2)
                     .max(Duration::from_millis(10))
                     .min(MAX_ACCEPT_BACKOFF);
-                if failures == 1 || failures % 60 == 0 {
+                if failures == 1 || failures.is_multiple_of(60) {
                     tracing::warn!(error = %e, failures, ?backoff, "cannot accept a metrics connection; backing off");
                 }
                 tokio::time::sleep(backoff).await;

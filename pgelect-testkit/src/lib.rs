@@ -112,8 +112,6 @@
 //!   [`std::env::temp_dir`]).
 //! * `PGELECT_TEST_NO_TEMPLATE`: disable the initdb template cache.
 //! * `PGELECT_TESTKIT_DEBUG`: print how long each cluster took to start.
-#![forbid(unsafe_code)]
-#![deny(missing_docs)]
 
 mod cluster;
 mod pgbouncer;

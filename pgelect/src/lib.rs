@@ -71,8 +71,6 @@
 //! leadership.lost().await; // do the work until this fires
 //! # Ok(()) }
 //! ```
-#![forbid(unsafe_code)]
-#![deny(missing_docs)]
 
 mod conn;
 pub mod election;

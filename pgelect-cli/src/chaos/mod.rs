@@ -450,7 +450,7 @@ pub async fn worker(global: &Global, args: WorkerArgs) -> Result<u8, Failure> {
             _ = ticks.tick() => {
                 line("tick");
                 n = n.wrapping_add(1);
-                if n % WRITE_EVERY != 0 {
+                if !n.is_multiple_of(WRITE_EVERY) {
                     continue;
                 }
                 seq += 1;
