@@ -576,7 +576,16 @@ fn crash_helper() {
 fn reaper_cleans_up_after_crash() {
     require_pgbouncer();
     let out = Command::new(std::env::current_exe().unwrap())
-        .args(["crash_helper", "--exact", "--nocapture", "--test-threads=1"])
+        .args([
+            // The helper's full name in this binary (`kit::crash_helper`).
+            &format!(
+                "{}::crash_helper",
+                module_path!().split_once("::").unwrap().1
+            ),
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("PGELECT_TESTKIT_CRASH_HELPER", "1")
         .output()
         .unwrap();

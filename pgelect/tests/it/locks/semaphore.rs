@@ -255,7 +255,11 @@ fn spawn_holder(index: usize, spec: &str, lines: mpsc::Sender<(usize, String)>) 
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "holder_process",
+            // The full name in this binary: `locks::semaphore::holder_process`.
+            &format!(
+                "{}::holder_process",
+                module_path!().split_once("::").unwrap().1
+            ),
             "--nocapture",
             "--test-threads",
             "1",
