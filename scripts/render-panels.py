@@ -6,7 +6,7 @@ library only.
   scripts/render-panels.py record --pgelect target/debug/pgelect \\
       --database-url-file FILE --samples /tmp/samples.jsonl
   scripts/render-panels.py render --samples /tmp/samples.jsonl \\
-      --out deploy/grafana/panels.svg
+      --out docs/src/images/dashboard-panels.svg
 
 `record` runs a scenario against the database named in FILE (for example
 the one `pgelect demo --keep` prints): role "scheduler" (session backend,
@@ -466,7 +466,7 @@ def main():
                    "Prometheus file_sd JSON, before starting them")
     d = sub.add_parser("render", help="draw the panels from a samples file")
     d.add_argument("--samples", required=True)
-    d.add_argument("--out", default="deploy/grafana/panels.svg")
+    d.add_argument("--out", default="docs/src/images/dashboard-panels.svg")
     args = p.parse_args()
     record(args) if args.cmd == "record" else render(args)
 

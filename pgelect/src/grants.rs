@@ -34,7 +34,7 @@ pub enum UserKind {
 }
 
 impl UserKind {
-    /// Every kind, in the README's order.
+    /// Every kind, in the order of the book's privileges chapter.
     pub const ALL: [UserKind; 5] = [
         UserKind::Owner,
         UserKind::Candidate,
@@ -99,8 +99,8 @@ pub struct Grant {
 }
 
 /// The statements that give database user `user` exactly what `kind`
-/// needs on the pgelect schema `schema`, as the README's "Privileges"
-/// section lists them. The user name is quoted as an identifier (`"app"`,
+/// needs on the pgelect schema `schema`, as the book's "Privileges"
+/// chapter lists them. The user name is quoted as an identifier (`"app"`,
 /// `"O""Brien"`), so any name PostgreSQL accepts comes out valid; the
 /// owner's grant names the current database at run time (a `DO` block),
 /// so the statements need no database name.

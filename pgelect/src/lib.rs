@@ -27,23 +27,94 @@
 //! * **Schema** ([`migrate`]): installs the `pgelect` schema (idempotent,
 //!   concurrency-safe).
 //!
-//! # Where the code is
+//! # The book
 //!
-//! * `lock/`: advisory locks (session locks on a connection pgelect owns,
-//!   transaction locks on yours, who holds a key).
-//! * `election/`: the elector. Pure rules in `election/timing.rs` (the
-//!   safety inequalities) and `election/keeper.rs` (the leader's state
-//!   machine, no I/O); the one loop that keeps a leadership, for every
-//!   backend, in `election/driver.rs`; each backend's SQL and behaviour in
-//!   `election/backend/` (`session.rs`, `lease.rs`, `shared.rs` for
-//!   [`SharedConnection`]); observers in `election/watch.rs`; shared
-//!   utilities (backoff, transient errors, waiting for a release `NOTIFY`,
-//!   reconnecting, pooler detection) in `election/support.rs`. The
-//!   [`election`] module's docs have the full map.
-//! * `conn.rs`: connecting (options, TCP timeouts, the dedicated connection
-//!   type); `error.rs`: [`Error`]; `key.rs`: [`LockKey`]; `schema.rs`:
-//!   migrations; `server.rs`: what older PostgreSQL versions lack (logged
-//!   once, never fatal); `metrics.rs`: metric names.
+//! This is the API reference. The guide is a book in `docs/` of the
+//! repository (`scripts/docs` builds both into one folder, where these
+//! links resolve): [getting started](../../book/getting-started.html),
+//! [concepts](../../book/concepts/index.html) (roles, terms and fencing, the
+//! two backends, [timing and guarantees](../../book/concepts/timing.html)),
+//! the [library guide](../../book/guide/index.html), the
+//! [command reference](../../book/reference/index.html),
+//! [operations](../../book/operations/index.html) (privileges, TLS,
+//! PostgreSQL failover, PgBouncer, troubleshooting),
+//! [security](../../book/security.html), the [proof](../../book/proof/index.html)
+//! (chaos, model check), [measurements](../../book/measurements.html) and the
+//! [design notes](../../book/design.html).
+//!
+//! # Code map
+//!
+//! Every module of the crate, by file (a unit test fails when a file or
+//! folder under `src/` is missing here). Public modules are marked *pub*.
+//!
+//! * `lib.rs`: these docs and the re-exports.
+//! * `conn.rs`: connection settings ([`ConnectOptions`], [`TcpTimeouts`],
+//!   [`SslMode`]) and the dedicated connections pgelect owns; `conn/`:
+//!   * `conn/params.rs`: takes the settings pgelect handles itself (TLS,
+//!     `target_session_attrs`) out of a URL or `key=value` string;
+//!   * `conn/passfile.rs`: libpq's password file (`PGPASSFILE`, `~/.pgpass`);
+//!   * `conn/tls.rs`: TLS with libpq's settings (rustls, no system OpenSSL).
+//! * `error.rs`: the one [`Error`] type and its classification (`is_*`).
+//! * `key.rs`: [`LockKey`], advisory-lock keys (names hashed as SQL
+//!   `pgelect.key(name)` hashes them).
+//! * `grants.rs`: the privileges each kind of database user needs
+//!   ([`grant_statements`]), the one list the command and the tests use.
+//! * `schema.rs`: the `pgelect` schema's versioned, idempotent migrations
+//!   ([`migrate`]).
+//! * `server.rs`: what each PostgreSQL major version supports (logged once,
+//!   never fatal).
+//! * `metrics.rs` (*pub* [`metrics`]): metric names, as constants.
+//! * `lock/` (*pub* [`lock`]): advisory locks.
+//!   * `lock/mod.rs`: the module's docs and re-exports;
+//!   * `lock/session.rs`: [`LockSession`] and [`LockGuard`], session locks
+//!     on a dedicated connection;
+//!   * `lock/xact.rs`: transaction locks on the caller's tokio-postgres
+//!     transaction ([`xact_lock`], …);
+//!   * `lock/sqlx.rs` (*pub*, feature `sqlx`): the same on sqlx;
+//!   * `lock/semaphore.rs`: [`Semaphore`] and [`Permit`], at most N holders;
+//!   * `lock/holders.rs`: who holds a key ([`lock_holders`]).
+//! * `election/` (*pub* [`election`]): the elector.
+//!   * `election/mod.rs`: [`Elector`] and its shared state;
+//!   * `election/config.rs`: [`ElectorBuilder`], every default documented,
+//!     validated in `build()`;
+//!   * `election/leadership.rs`: [`Leadership`], [`Term`], [`LossReason`];
+//!   * `election/timing.rs`: pure rules: timing defaults, [`Profile`] and
+//!     the safety inequalities;
+//!   * `election/keeper.rs`: pure rules: the leader's keep-alive state
+//!     machine (when to renew, heartbeat, act, stop), no I/O;
+//!   * `election/driver.rs`: the one loop that keeps a leadership, for
+//!     every backend;
+//!   * `election/watchdog.rs`: one thread per process that ends every
+//!     leadership whose deadline passed, even when the runtime is held;
+//!   * `election/term.rs`: how a new term is computed (the WAL timeline in
+//!     the high bits);
+//!   * `election/registry.rs`: the candidate registry and the readiness
+//!     rules of preferred leaders;
+//!   * `election/watch.rs`: observers ([`current_leader`],
+//!     [`request_resign`], zombie preemption);
+//!   * `election/support.rs`: backoff, transient errors, the rate-limited
+//!     wait for a release `NOTIFY`, reconnecting, pooler detection;
+//!   * `election/model.rs` (tests only): the model check (stateright) of the
+//!     protocol, driving the real keeper;
+//!   * `election/sim.rs` (tests only): a randomized simulation of the
+//!     session backend in virtual time;
+//!   * `election/backend/`: each backend's SQL and behaviour:
+//!     * `election/backend/mod.rs`: the small trait the driver calls;
+//!     * `election/backend/session.rs`: the session backend (lock wait,
+//!       term bump, handover delay, renewal, heartbeat, release);
+//!     * `election/backend/lease.rs`: the lease backend (acquire, renew,
+//!       release, the `LISTEN` connection);
+//!     * `election/backend/shared.rs`: [`SharedConnection`], one lock
+//!       connection for many roles, with batched statements;
+//!     * `election/backend/shared_lease.rs`: [`SharedLease`], the same for
+//!       the lease backend;
+//!     * `election/backend/batch.rs`: a leader's place in a batched renewal;
+//!     * `election/backend/claim.rs`: one candidate per role on a shared
+//!       client.
+//! * `partitions/` (*pub* [`partitions`]): balanced partitions.
+//!   * `partitions/mod.rs`: [`PartitionGroup`] and its events;
+//!   * `partitions/plan.rs`: the pure rules (who should lead what);
+//!   * `partitions/driver.rs`: a member's loop that applies the plan.
 //!
 //! # Guarantees, in short
 //!
@@ -116,3 +187,79 @@ pub use schema::{
 #[doc = include_str!("../../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
+
+/// The book's Rust snippets (`docs/src`), compiled as doc tests, one item
+/// per chapter that has any; `scripts/check-docs.sh` fails on a chapter
+/// with a Rust snippet that is missing here.
+#[cfg(doctest)]
+pub mod book_doctests {
+    #[doc = include_str!("../../docs/src/getting-started.md")]
+    pub struct GettingStarted;
+    #[doc = include_str!("../../docs/src/concepts/roles-terms-fencing.md")]
+    pub struct ConceptsRolesTermsFencing;
+    #[doc = include_str!("../../docs/src/guide/elections.md")]
+    pub struct GuideElections;
+    #[doc = include_str!("../../docs/src/guide/locks.md")]
+    pub struct GuideLocks;
+    #[doc = include_str!("../../docs/src/guide/many-roles.md")]
+    pub struct GuideManyRoles;
+    #[doc = include_str!("../../docs/src/guide/partitions.md")]
+    pub struct GuidePartitions;
+    #[doc = include_str!("../../docs/src/guide/errors.md")]
+    pub struct GuideErrors;
+}
+
+#[cfg(test)]
+mod code_map_tests {
+    use std::path::Path;
+
+    /// The `//!` lines of `lib.rs`: the crate docs, code map included.
+    fn crate_docs(src: &Path) -> String {
+        std::fs::read_to_string(src.join("lib.rs"))
+            .expect("BUG: lib.rs is readable")
+            .lines()
+            .filter_map(|l| l.trim_start().strip_prefix("//!"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Every `.rs` file and folder under `dir`, as paths relative to `src`
+    /// with `/` separators (folders end with `/`).
+    fn modules(src: &Path, dir: &Path, out: &mut Vec<String>) {
+        let mut entries: Vec<_> = std::fs::read_dir(dir)
+            .expect("BUG: src/ is readable")
+            .map(|e| e.expect("BUG: a directory entry").path())
+            .collect();
+        entries.sort();
+        for path in entries {
+            let rel = path
+                .strip_prefix(src)
+                .expect("BUG: under src")
+                .to_string_lossy()
+                .replace('\\', "/");
+            if path.is_dir() {
+                out.push(format!("{rel}/"));
+                modules(src, &path, out);
+            } else if rel.ends_with(".rs") {
+                out.push(rel);
+            }
+        }
+    }
+
+    #[test]
+    fn every_module_file_and_folder_is_named_in_the_code_map() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let docs = crate_docs(&src);
+        let mut all = Vec::new();
+        modules(&src, &src, &mut all);
+        assert!(all.len() > 10, "found too few modules: {all:?}");
+        let missing: Vec<_> = all
+            .iter()
+            .filter(|m| !docs.contains(&format!("`{m}`")))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "name these in the code map of pgelect/src/lib.rs: {missing:?}"
+        );
+    }
+}

@@ -3,6 +3,15 @@
 //! pgelect records nothing unless the application installs a recorder (for
 //! example `metrics-exporter-prometheus`). Every metric carries the label
 //! `role`; losses also carry `reason`.
+//!
+//! ```
+//! // The names, for dashboards and alerts (deploy/ uses exactly these).
+//! assert_eq!(pgelect::metrics::IS_LEADER, "pgelect_is_leader");
+//! assert_eq!(pgelect::metrics::TERM, "pgelect_term");
+//! ```
+//!
+//! The book's [dashboards chapter](../../../book/operations/dashboards.html)
+//! shows them on a Grafana dashboard and in Prometheus alerts.
 
 /// Gauge: 1 while this process leads the role (after the handover delay),
 /// 0 otherwise.

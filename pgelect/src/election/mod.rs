@@ -8,6 +8,11 @@
 //! a candidate that finds a live leader of the other one fails with
 //! [`Error::Config`](crate::Error::Config).
 //!
+//! The book explains the ideas behind it: [roles, terms and
+//! fencing](../../../book/concepts/roles-terms-fencing.html), [the two
+//! backends](../../../book/concepts/backends.html) and [timing and
+//! guarantees](../../../book/concepts/timing.html).
+//!
 //! # Which backend
 //!
 //! | | session (default) | lease |
@@ -156,21 +161,8 @@
 //!
 //! # Where the code is
 //!
-//! Read from the file names (all private modules):
-//!
-//! | file | what it holds |
-//! |---|---|
-//! | `mod.rs`, `config.rs`, `leadership.rs` | the public API: [`Elector`], [`ElectorBuilder`], [`Leadership`] |
-//! | `timing.rs` | pure rules: timing defaults and the safety inequalities ([`ElectorBuilder::build`] checks them) |
-//! | `keeper.rs` | pure rules: the leader's keep-alive state machine (when to renew, heartbeat, act, stop); no I/O, clock, logging or metrics |
-//! | `driver.rs` | the one loop that keeps a leadership for every backend: carries out and reports the keeper's decisions, commands, resign hints, release |
-//! | `backend/session.rs` | the session backend's SQL and behaviour: lock wait, term bump, renewal, heartbeat, release |
-//! | `backend/lease.rs` | the lease backend's SQL and behaviour: acquire, renew, release, the `LISTEN` connection |
-//! | `backend/shared.rs` | [`SharedConnection`]: one lock connection for many roles, one heartbeat for all its leaders |
-//! | `registry.rs` | the candidate registry: registration, the readiness rules for preferred leaders, the timing stored for observers |
-//! | `watch.rs` | observers: [`current_leader`], [`request_resign`], the background observer, zombie preemption |
-//! | `support.rs` | shared utilities: backoff, transient errors, the rate-limited wait for a release `NOTIFY`, reconnecting, pooler detection |
-//! | `sim.rs` | a simulation (tests only) that drives the real keeper in virtual time through crashes and partitions |
+//! The crate's front page has the one code map (every file of this module
+//! included).
 //!
 //! ```no_run
 //! # async fn f() -> Result<(), pgelect::Error> {
@@ -381,8 +373,8 @@ impl Activity {
     /// leaders), and never while this
     /// elector leads with the session backend: the leader publishes its own
     /// state, and a leader process then holds one server backend, not two
-    /// (the failover benchmark measured the second backend: the dead
-    /// leader's lock was granted later when its process held more of them).
+    /// (a dead leader's lock is granted later when its process held more;
+    /// see the book's design notes, "Session failover").
     pub(crate) fn wants_observer(&self) -> bool {
         self.leading == 0 && (self.watched || self.standing > 0)
     }

@@ -2688,7 +2688,7 @@ mod tests {
     /// drifting two ticks apart, a leader whose backend was terminated
     /// (goodbye lost) still acts by its slow clock when its successor, by
     /// its fast one, has waited out the handover delay. A limit of the
-    /// design, stated in the README: scheduling delay or clock-rate drift
+    /// design, stated in the book (model check chapter): scheduling delay or clock-rate drift
     /// beyond the slack is a pause, which only the fence covers.
     #[test]
     fn clock_drift_beyond_the_handover_slack_is_caught() {

@@ -25,6 +25,27 @@
 //! All use the keys of [`LockKey`], and share key
 //! spaces with any other client that calls `pg_advisory_lock` and friends.
 //!
+//! ```no_run
+//! use std::time::Duration;
+//! use pgelect::{ConnectOptions, LockKey, LockSession};
+//!
+//! # async fn f(client: &mut tokio_postgres::Client) -> pgelect::Result<()> {
+//! let options = ConnectOptions::from_url("postgres://app@db/app")?;
+//! // A session lock, on a connection pgelect owns: one nightly report at a time.
+//! let locks = LockSession::connect(&options).await?;
+//! if let Some(guard) = locks.try_lock(LockKey::from_name("nightly-report")?).await? {
+//!     // ... the work, stopping if guard.lost() fires ...
+//!     guard.release().await?;
+//! }
+//! // A transaction lock, on your transaction: released at its end.
+//! let tx = client.transaction().await.expect("a transaction");
+//! pgelect::xact_lock_timeout(&tx, LockKey::from(42i64), Duration::from_secs(5)).await?;
+//! tx.commit().await.expect("commit");
+//! # Ok(()) }
+//! ```
+//!
+//! The book's [locks chapter](../../../book/guide/locks.html) has more.
+//!
 //! # Sharp edges
 //! * Advisory locks are per database: the same key in two databases of one
 //!   cluster is two different locks.

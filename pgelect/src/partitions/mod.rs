@@ -1,6 +1,7 @@
 //! Balanced partitions: a group of N partitions spread over the live
 //! members of a fleet, each partition led by exactly one member with its
 //! own fencing term.
+//! (The book: [balanced partitions](../../../book/guide/partitions.html).)
 //!
 //! Partition `p` of group `G` is an ordinary role, `G/p`: it has its own
 //! row in `pgelect.leaders`, its own term, and works with

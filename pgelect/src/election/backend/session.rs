@@ -1113,13 +1113,12 @@ async fn check_squatters(
 /// The row is locked with `SKIP LOCKED`, never waited for: a fenced
 /// transaction of this leader's own (`pgelect.fence` holds the row `FOR
 /// SHARE` until it ends) would otherwise hold the renewal back for as long
-/// as it runs, and under the fast profile's 25 ms answer limit a leader
-/// whose worker was in a slow fenced transaction gave its connection up
-/// (`pgelect chaos --profile fast --faults term`: about a third of the
-/// terms ended with `connection_lost` at the first renewal). A row that
-/// is still ours but locked comes back with `renewed` false: the
-/// connection answered, the lease was not extended, and the keeper
-/// retries soon ([`Answer::Busy`]). No row at all means it is not ours.
+/// as it runs, past the fast profile's 25 ms answer limit (the chaos run
+/// that showed it: the book's design notes, "Renewals and fenced
+/// transactions"). A row that is still ours but locked comes back with
+/// `renewed` false: the connection answered, the lease was not extended,
+/// and the keeper retries soon ([`Answer::Busy`]). No row at all means it
+/// is not ours.
 fn renew_sql(shared: &Shared) -> String {
     let s = shared.options.schema_name().as_str();
     let ready = registry::preferred_session_sql(s, shared.key, "$1", "$2", "$5", true);
@@ -1150,12 +1149,9 @@ fn renew_sql(shared: &Shared) -> String {
 /// Plans the renewal without running it (`EXPLAIN`), before the lock
 /// wait, for the reason [`ElectStatement::warm_up`] gives: the first
 /// renewal on a new backend otherwise also loads the registry's catalog
-/// entries. Under the fast profile's 25 ms answer limit leaders often lost
-/// at their first renewal (`pgelect chaos --profile fast --faults term
-/// --duration 40s`: 17 losses with `connection_lost` 0.62-0.69 s after
-/// election, at `ttl / 3`, in 39 terms); with this, 10 and 12 in 36 and
-/// 38. The rest was the worker's fenced transactions holding the row
-/// (see [`renew_sql`]): with both, none in 37.
+/// entries, which under the fast profile's 25 ms answer limit cost
+/// leaders their first renewal (the book's design notes, "Renewals and
+/// fenced transactions").
 async fn warm_up_renewal(shared: &Shared, conn: &DedicatedConnection) -> Result<()> {
     let s = shared.options.schema_name().as_str();
     let ttl_ms = shared.timing.ttl.as_millis() as i64;

@@ -653,17 +653,12 @@ async fn beat(session: std::sync::Weak<SharedSession>) {
 /// longer ours.
 ///
 /// This backend's pid is a column of `m` (`me`), so that "held by this
-/// backend" is a join condition, not a filter on `leaders` alone: a new
-/// backend's pid is in no statistics, so the planner estimated the rows it
-/// holds at about one, joined them in a nested loop that rescanned `m`
-/// for each, and a renewal of 3,000 roles took half a second or more.
-/// The same holds for the poll's `w`.
-///
-/// The rows skipped as locked are found with `NOT IN` over `u`, which the
-/// planner runs as one hashed sub-plan: `u`'s size is unknown to it (it
-/// guesses one row), and as `NOT EXISTS` it chose a nested anti-join that
-/// rescanned `u` for every row (3 million comparisons, 380 ms, for 2,471
-/// leaders).
+/// backend" is a join condition, not a filter on `leaders` alone (a new
+/// backend's pid is in no statistics, and as a filter the planner chose a
+/// nested loop). The same holds for the poll's `w`. The rows skipped as
+/// locked are found with `NOT IN` over `u`, which the planner runs as one
+/// hashed sub-plan, not a nested anti-join. (The plans that were measured:
+/// the book's design notes, "The planner and the batched statements".)
 fn batch_renew_sql(s: &str) -> String {
     let ids = ("m.classid", "m.objid", "1");
     let ready = registry::preferred_session_sql_for(s, ids, "m.role", "m.node", "m.priority", true);
@@ -1087,13 +1082,10 @@ async fn poll_batches(session: std::sync::Weak<SharedSession>, schema: String) {
 
 /// How many notifications a shared connection keeps for a task that has
 /// not read them yet. Every election of every role is announced on it, up
-/// to 200 in one commit of each candidate: with the 256 of other
-/// connections, the hint dispatcher lagged while 10,000 roles started or
-/// were taken over on a loaded machine, every lag made every leader check
-/// its row (a batched renewal of all of them each second), and the
-/// elections queued behind those renewals (a start of 12.7 s and a
-/// takeover of 24.9 s where 2 s and 4.5 s were the rule). 16,384 slots
-/// cost about a megabyte, once per shared connection.
+/// to 200 in one commit of each candidate; a lag makes every leader check
+/// its row, so the buffer must hold a start of thousands of roles (why 256
+/// was too few: the book's design notes, "Scaling to 10,000 roles").
+/// 16,384 slots cost about a megabyte, once per shared connection.
 const NOTICES: usize = 16_384;
 
 /// How often at most a shared session's leaders are all told to check
@@ -1166,13 +1158,10 @@ async fn dispatch_hints(session: std::sync::Weak<SharedSession>) {
 
 /// How many roles one batched registration or election statement carries
 /// at most: a heartbeat or renewal sent meanwhile waits behind one such
-/// statement (some tens of milliseconds), never behind every role's. With
-/// 1,000, 10,000 roles over 3 candidates started with about 60 statements
-/// instead of 220 (2.2 s against 2.3 s on a loaded machine, a takeover
-/// 3.6 s against 4.7 s), but in CI one candidate that took over 1,000 roles
-/// at once elected them in one statement that outlasted a 1 s heartbeat
-/// timeout, and the connection was given up (`scale.rs`, the 1,000-role
-/// test). 200 keeps every statement well under such a timeout.
+/// statement (some tens of milliseconds), never behind every role's, and
+/// 200 keeps every statement well under a 1 s heartbeat timeout (the sizes
+/// that were tried: the book's design notes, "The planner and the batched
+/// statements").
 const BATCH_ROWS: usize = 200;
 
 /// The index ranges of `len` items taken `size` at a time (the last one
@@ -1183,25 +1172,18 @@ pub(crate) fn chunks(len: usize, size: usize) -> impl Iterator<Item = std::ops::
         .map(move |at| at..(at + size).min(len))
 }
 
-/// How many leaders one chunk of the batched renewal renews at most: the
-/// leaders of one connection renew together, and 6,667 of them (a
-/// survivor of three candidates for 10,000 roles, after a takeover) took
-/// 0.8 s in one statement on a loaded machine, longer, with a poll queued
-/// behind it, than the default 1 s heartbeat timeout, and every leader on
-/// the connection gave it up. A chunk of 2,000 takes 0.1-0.25 s there;
-/// each chunk's answer shows the session alive to the leaders whose own
-/// chunk is still to come. With 1,000, the renewals of 3,334 leaders cost
-/// 0.8 statements a second at the default 5 s period instead of 0.4.
+/// How many leaders one chunk of the batched renewal renews at most, so
+/// that no renewal statement outlasts a heartbeat timeout; each chunk's
+/// answer shows the session alive to the leaders whose own chunk is still
+/// to come (measured chunk sizes: the book's design notes, "The planner and
+/// the batched statements").
 const RENEW_ROWS: usize = 2000;
 
 /// How many standbys one chunk of the batched poll tries at most, for the
 /// same reason. A lock try costs much less than an election, and every
-/// chunk is a statement each polling interval: with 10,000 roles over 3
-/// candidates, chunks of 2,000 made 4 statements a second per candidate
-/// for the polls alone (the benchmark's steady state: 5.2 a second per
-/// candidate), chunks of 5,000 made 2 for the 6,667 standbys of each; at
-/// 10,000 it is one, of 0.1-0.4 s (idle to loaded), well within a
-/// heartbeat timeout.
+/// chunk is a statement each polling interval, so the chunk is large (the
+/// sizes measured: the book's design notes, "The planner and the batched
+/// statements").
 const POLL_ROWS: usize = 10_000;
 
 /// How long a registration or election waits for others to share its
