@@ -30,11 +30,11 @@ case "${1:-}" in
     echo "test names: $(wc -l <"$now") now, $(wc -l <"$list") in $list"
     if [ -n "$new" ]; then
       echo "new tests, not yet in $list (scripts/test-names.sh --update adds them):"
-      sed 's/^/  + /' <<<"$new"
+      printf '%s\n' "$new" | sed 's/^/  + /'
     fi
     if [ -n "$gone" ]; then
       echo "tests in $list that no longer exist (a rename or a move updates the list, a deletion says why in its commit):" >&2
-      sed 's/^/  - /' <<<"$gone" >&2
+      printf '%s\n' "$gone" | sed 's/^/  - /' >&2
       exit 1
     fi
     ;;

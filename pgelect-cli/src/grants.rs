@@ -1,5 +1,5 @@
 //! `pgelect grants`: the GRANT statements a database user needs, printed
-//! from the library's list (the one the README and the tests use); no
+//! from the library's list (the one the book and the tests use); no
 //! database connection.
 
 use clap::{Args, ValueEnum};

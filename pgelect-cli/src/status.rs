@@ -617,7 +617,7 @@ fn to_table(roles: &[RoleStatus], locks: &[HeldLock]) -> String {
     for r in roles {
         for q in &r.squatters {
             out.push_str(&format!(
-                "WARNING: role {} is blocked: its lock is held by {}, which is not the leader its lease row names{}; no candidate can take over until that session lets go. Advisory keys are database-wide: end it with pg_terminate_backend({}) and isolate pgelect (README: security)\n",
+                "WARNING: role {} is blocked: its lock is held by {}, which is not the leader its lease row names{}; no candidate can take over until that session lets go. Advisory keys are database-wide: end it with pg_terminate_backend({}) and isolate pgelect (see the book's security chapter, docs/src/security.md)\n",
                 escape(&r.role),
                 describe(q),
                 if q.application_name.starts_with("pgelect:") {

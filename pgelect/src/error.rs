@@ -105,7 +105,7 @@ pub enum Error {
     },
 
     /// The database user lacks a privilege the operation needs.
-    #[error("permission denied while trying to {operation}: {}; grant the role the needed privileges (see the README's section on privileges)", driver_text(.source))]
+    #[error("permission denied while trying to {operation}: {}; grant the role the needed privileges (see the book's privileges chapter, docs/src/operations/privileges.md, or `pgelect grants`)", driver_text(.source))]
     Permission {
         /// What pgelect was doing.
         operation: &'static str,
@@ -129,7 +129,7 @@ pub enum Error {
     /// `migrate` waited its bound for the migration lock, which another
     /// session holds.
     #[error(
-        "timed out after {} waiting for the migration lock of schema \"{schema}\": {}; another `pgelect migrate` may be running, or another database user took the key (advisory locks are database-wide): end that session with pg_terminate_backend(pid), or give pgelect a database of its own (see the README's security section)",
+        "timed out after {} waiting for the migration lock of schema \"{schema}\": {}; another `pgelect migrate` may be running, or another database user took the key (advisory locks are database-wide): end that session with pg_terminate_backend(pid), or give pgelect a database of its own (see the book's security chapter, docs/src/security.md)",
         rounded(*.waited), crate::lock::holders::describe(.holders)
     )]
     MigrationLockTimeout {

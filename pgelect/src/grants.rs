@@ -1,6 +1,6 @@
 //! The privileges each kind of database user needs: the one list that the
-//! README's "Privileges" section, `pgelect grants` and the privilege tests
-//! share.
+//! book's privileges chapter (`docs/src/operations/privileges.md`),
+//! `pgelect grants` and the privilege tests share.
 
 use std::fmt;
 

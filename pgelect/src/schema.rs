@@ -181,7 +181,7 @@ COMMENT ON FUNCTION {s}.lock_wait_slice(bigint, integer) IS 'pgelect: waits up t
     // fences needs USAGE on the schema and EXECUTE on fence, nothing on the
     // table. Every function has a fixed search_path (objects a caller
     // creates cannot hijack names) and nothing is executable by PUBLIC:
-    // grants are explicit (see the README's section on privileges).
+    // grants are explicit (see the book's privileges chapter).
     r#"
 CREATE OR REPLACE FUNCTION {s}.fence(p_role text, p_term bigint) RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$

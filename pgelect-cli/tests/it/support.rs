@@ -241,7 +241,7 @@ pub struct AdvisoryLock {
 /// The advisory locks (held and awaited) in the current database, except
 /// the roles' watch keys held (a blocking standby of the default priority
 /// holds its role's while it waits for the role's lock, the others wait
-/// for it: see the README's "Many candidates of one role"; so each standby
+/// for it: see the book's "Many candidates of one role"; so each standby
 /// still shows as one waiting lock). A watch key is recognised by its
 /// holder's `application_name` (`pgelect:<role>:<node>`).
 pub async fn advisory_locks(admin: &Client) -> Vec<AdvisoryLock> {

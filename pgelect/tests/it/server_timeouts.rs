@@ -35,7 +35,7 @@ const HOLD: Duration = Duration::from_millis(2500);
 
 const PASSWORD: &str = "timeouts-pw";
 
-/// What a candidate needs (the README's grants).
+/// What a candidate needs (the grants the book lists).
 const CANDIDATE: &[&str] = &[
     "GRANT USAGE ON SCHEMA pgelect TO {r}",
     "GRANT SELECT ON pgelect.migrations TO {r}",
@@ -79,7 +79,7 @@ async fn has_setting(c: &tokio_postgres::Client, s: &str) -> bool {
 /// A migrated database whose sessions get each of `settings` = [`TIMEOUT`]
 /// at `level`, and its users, all subject to the settings. At the database
 /// level both are the superuser; at the role level the candidate has the
-/// README's grants only, and the owner is a non-superuser with `CREATE` on
+/// grants the book lists only, and the owner is a non-superuser with `CREATE` on
 /// the database that migrated it and gave those grants. The settings are
 /// shown to be in effect for both (where the server has them).
 async fn set_up(hint: &str, settings: &[&str], level: Level) -> (TestDb, Users) {

@@ -657,7 +657,7 @@ async fn wait_blocking(shared: &Arc<Shared>, conn: &LockConn, register: &Registe
                         // in the role's queue itself, as before watches.
                         if !warned_watch_squatter {
                             warned_watch_squatter = true;
-                            tracing::warn!(role = %shared.role, pid, "the watch key of role {:?} is held by pid {pid}, a session of another database user; this standby waits in the role's lock queue directly, with an observer connection. Advisory keys are public and database-wide (see the README's security section)", shared.role);
+                            tracing::warn!(role = %shared.role, pid, "the watch key of role {:?} is held by pid {pid}, a session of another database user; this standby waits in the role's lock queue directly, with an observer connection. Advisory keys are public and database-wide (see the book's security chapter, docs/src/security.md)", shared.role);
                         }
                         place = Place::Direct;
                     }
@@ -1060,7 +1060,7 @@ async fn poll_in_batch(
 /// Looks up who holds the role's lock while this standby waits, and warns
 /// (once per pid) about a holder that is not the leader the lease row names
 /// (`row_pid`): another database user, or a stray session, that took the
-/// role's public key. Advisory locks are database-wide; see the README's
+/// role's public key. Advisory locks are database-wide; see the book's
 /// security section.
 ///
 /// Only a lost connection is returned as an error; other failures of the
@@ -1097,7 +1097,7 @@ async fn check_squatters(
             user = ?h.user,
             application_name = ?h.application_name,
             client_addr = ?h.client_addr,
-            "the lock of role {:?} is held by {h}, which is not the leader the lease row names: {claim}; this standby waits until it lets go. Advisory keys are public and database-wide: end that session with pg_terminate_backend({}) and isolate pgelect (see the README's security section)",
+            "the lock of role {:?} is held by {h}, which is not the leader the lease row names: {claim}; this standby waits until it lets go. Advisory keys are public and database-wide: end that session with pg_terminate_backend({}) and isolate pgelect (see the book's security chapter, docs/src/security.md)",
             shared.role,
             h.pid
         );

@@ -39,7 +39,7 @@ async fn connect(url: &str) -> Client {
     client
 }
 
-/// A user with CONNECT only, and one granted what the README lists for an
+/// A user with CONNECT only, and one granted what the book lists for an
 /// operator who resigns (the library call needs no SELECT).
 async fn users(db: &TestDb) -> (Client, ConnectOptions) {
     let attacker = connect(&db.create_role("mallory", ATTACKER_PASSWORD, false).await).await;

@@ -1,5 +1,5 @@
 //! Least privilege (issue 9, item 5): login roles with exactly the grants
-//! the README lists for candidates, fencing applications, observers and
+//! the book lists for candidates, fencing applications, observers and
 //! operators who resign, each shown to work, and each grant shown to be
 //! needed where that can be shown.
 

@@ -1,6 +1,6 @@
 //! Least privilege (issue 11, item 3): the schema migrated by an owner who
 //! is not a superuser, every other user given exactly the grants of
-//! `pgelect::grant_statements` (the README's list, checked here line by
+//! `pgelect::grant_statements` (the book's list, checked here line by
 //! line) by that owner, a representative run of the election and lock
 //! behaviour as those users, and zombie preemption with and without
 //! `pg_signal_backend`.
@@ -109,20 +109,17 @@ impl Setup {
     }
 }
 
-/// The README's privilege list and the library's are the same statements:
-/// each `GRANT` line of the README's "Privileges" section, for the users
-/// it names (`app`, `fencer`, `ops`, `watcher`), is the library's output
-/// for that kind, in order.
+/// The book's privilege list and the library's are the same statements:
+/// each `GRANT` line of the privileges chapter
+/// (`docs/src/operations/privileges.md`), for the users it names (`app`,
+/// `fencer`, `ops`, `watcher`), is the library's output for that kind, in
+/// order.
 #[test]
-fn the_readme_lists_the_librarys_grants() {
-    let readme = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"));
-    let section = readme
-        .split("\n## Privileges")
-        .nth(1)
-        .expect("a Privileges section")
-        .split("\n## ")
-        .next()
-        .unwrap();
+fn the_book_lists_the_librarys_grants() {
+    let section = include_str!(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/src/operations/privileges.md"
+    ));
     let grants: Vec<String> = section
         .lines()
         .map(str::trim)
