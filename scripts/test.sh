@@ -67,7 +67,9 @@ if [ ${#versions[@]} -eq 0 ] && [ -z "$subset" ] && [ ${#extra[@]} -eq 0 ]; then
   cargo build "${features[@]}" --all-targets
   if have_nextest; then
     # Each test runs in its own process with its own throwaway cluster.
-    cargo nextest run "${features[@]}" --no-fail-fast --test-threads "${PGELECT_TEST_THREADS:-4}"
+    # Six at a time: the suite mostly waits on timers (about one core busy
+    # on two at six; the load tests run alone, see .config/nextest.toml).
+    cargo nextest run "${features[@]}" --no-fail-fast --test-threads "${PGELECT_TEST_THREADS:-6}"
   else
     cargo test "${features[@]}" --no-fail-fast
   fi
@@ -106,7 +108,7 @@ run() { # label, then the environment for this run
   start=$(date +%s)
   status=0
   env "$@" cargo nextest run "${features[@]}" --no-fail-fast \
-    --test-threads "${PGELECT_TEST_THREADS:-4}" "${filter[@]}" "${extra[@]}" 2>&1 | tee "$log" \
+    --test-threads "${PGELECT_TEST_THREADS:-6}" "${filter[@]}" "${extra[@]}" 2>&1 | tee "$log" \
     || status=$?
   secs=$(($(date +%s) - start))
   # nextest's closing line: "Summary [ 1.2s] 10 tests run: 9 passed, 1 failed, 3 skipped"
