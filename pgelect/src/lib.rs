@@ -40,10 +40,14 @@
 //!   utilities (backoff, transient errors, waiting for a release `NOTIFY`,
 //!   reconnecting, pooler detection) in `election/support.rs`. The
 //!   [`election`] module's docs have the full map.
-//! * `conn.rs`: connecting (options, TCP timeouts, the dedicated connection
-//!   type); `error.rs`: [`Error`]; `key.rs`: [`LockKey`]; `schema.rs`:
-//!   migrations; `server.rs`: what older PostgreSQL versions lack (logged
-//!   once, never fatal); `metrics.rs`: metric names.
+//! * `conn/`: connecting ([`ConnectOptions`] in `options.rs`, establishing
+//!   a connection in `connect.rs`, the dedicated connection in
+//!   `dedicated.rs`, cancelling in `cancel.rs`, [`TcpTimeouts`] in
+//!   `tcp.rs`; libpq's parameters, password file and TLS in `params.rs`,
+//!   `passfile.rs`, `tls.rs`); `error.rs`: [`Error`]; `key.rs`:
+//!   [`LockKey`]; `schema.rs`: migrations; `server.rs`: what older
+//!   PostgreSQL versions lack (logged once, never fatal); `metrics.rs`:
+//!   metric names.
 //!
 //! # Guarantees, in short
 //!
