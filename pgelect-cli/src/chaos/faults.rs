@@ -1,10 +1,17 @@
-//! The faults chaos injects, and the one table of bounds on the time until
-//! the next leader acts after each.
+//! The faults chaos injects, the one table of bounds on the time until the
+//! next leader acts after each, and how each is injected.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use clap::ValueEnum;
+use rand::rngs::StdRng;
+use rand::Rng;
 
+use super::admin::terminate_backends;
+use super::candidates::{signal, Run, Supervisor};
+use super::events::{now_ns, Event};
+use super::{fail, PROMOTE_NEEDS_THROWAWAY};
+use crate::exit::Failure;
 use crate::run::BackendArg;
 
 /// A fault the command injects.
@@ -125,8 +132,8 @@ pub(super) const SLACK: Duration = Duration::from_secs(3);
 pub(super) const RETRY_EVERY: Duration = Duration::from_secs(1);
 
 /// A starved leader runs STARVE_ON of every STARVE_OFF + STARVE_ON.
-pub(super) const STARVE_ON: Duration = Duration::from_millis(1);
-pub(super) const STARVE_OFF: Duration = Duration::from_millis(9);
+const STARVE_ON: Duration = Duration::from_millis(1);
+const STARVE_OFF: Duration = Duration::from_millis(9);
 
 /// The longest a restart of the throwaway server may take (stop, crash
 /// recovery, start) on a loaded machine.
@@ -241,6 +248,203 @@ pub(super) fn bound(fault: Fault, backend: BackendArg, t: &pgelect::TimingReport
         }
     };
     mechanism + SLACK
+}
+
+/// What injecting a fault left to know.
+#[derive(Default)]
+pub(super) struct Effect {
+    /// For a pause: the frozen worker's pid and when it was continued.
+    pub(super) paused: Option<(u32, u128)>,
+    /// For a promotion: see [`Injected::unreplicated`].
+    pub(super) unreplicated: Option<(u128, u128)>,
+    /// Why the fault could not run here.
+    pub(super) skipped: Option<String>,
+    /// The next leader's start, for faults that last until the next leader
+    /// acts (and so find it themselves).
+    pub(super) found: Option<Option<Event>>,
+}
+
+/// Injects `fault` on the leader (the worker `leader` of supervisor
+/// `sups[i]`) and, where the fault has a duration, waits it out and ends
+/// it. A supervisor killed or terminated is replaced by a new one.
+/// `durable`: for a promotion, since when the replica has everything
+/// acknowledged.
+// Eight arguments, one call site: a struct of them would only name them
+// again.
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn inject(
+    fault: Fault,
+    run: &mut Run<'_>,
+    sups: &mut Vec<Supervisor>,
+    i: usize,
+    leader: &Event,
+    timing: &pgelect::TimingReport,
+    rng: &mut StdRng,
+    durable: Option<u128>,
+) -> Result<Effect, Failure> {
+    let args = run.args;
+    let admin = run.admin;
+    let mut effect = Effect::default();
+    match fault {
+        Fault::Kill => {
+            let mut s = sups.remove(i);
+            let _ = s.child.start_kill();
+            let _ = s.child.wait().await;
+            run.retire(s);
+            sups.push(run.spawn().await?);
+        }
+        Fault::Term => {
+            let mut s = sups.remove(i);
+            signal(s.child.id(), nix::sys::signal::Signal::SIGTERM);
+            if tokio::time::timeout(Duration::from_secs(15), s.child.wait())
+                .await
+                .is_err()
+            {
+                let _ = s.child.start_kill();
+            }
+            run.retire(s);
+            sups.push(run.spawn().await?);
+        }
+        Fault::Stop => {
+            let sup = sups[i].child.id();
+            signal(sup, nix::sys::signal::Signal::SIGSTOP);
+            signal(Some(leader.pid), nix::sys::signal::Signal::SIGSTOP);
+            tokio::time::sleep(args.ttl * 3 / 2).await;
+            signal(sup, nix::sys::signal::Signal::SIGCONT);
+            signal(Some(leader.pid), nix::sys::signal::Signal::SIGCONT);
+            effect.paused = Some((leader.pid, now_ns()));
+        }
+        Fault::Blackhole | Fault::Latency => match &sups[i].proxies[..] {
+            [] => {
+                effect.skipped =
+                    Some("the URL is not a single-host postgres:// URL: no proxy".to_owned())
+            }
+            proxies => {
+                // One draw, as before there were two proxies: a seed
+                // replays the same schedule.
+                let delay = (fault == Fault::Latency).then(|| {
+                    let t = timing.heartbeat_timeout;
+                    let lo = (t / 4).as_millis() as u64;
+                    let hi = (t * 2).as_millis() as u64;
+                    Duration::from_millis(rng.random_range(lo..=hi))
+                });
+                for p in proxies {
+                    match delay {
+                        None => p.blackhole(true),
+                        Some(d) => p.delay(d),
+                    }
+                }
+                tokio::time::sleep(args.ttl * 3 / 2).await;
+                for p in proxies {
+                    p.blackhole(false);
+                    p.delay(Duration::ZERO);
+                }
+            }
+        },
+        Fault::Terminate => {
+            match terminate_backends(&*admin.get().await?, &run.role, &leader.node).await {
+                Ok(0) => effect.skipped = Some("no backend of the leader found".to_owned()),
+                Ok(_) => {}
+                Err(e) => effect.skipped = Some(format!("pg_terminate_backend refused: {e}")),
+            }
+        }
+        Fault::Starve => {
+            // SIGSTOP/SIGCONT duty cycle rather than cgroup cpu.max:
+            // it needs no root nor a delegated cgroup, and touches
+            // exactly these two processes.
+            let pids = [sups[i].child.id(), Some(leader.pid)];
+            let until = Instant::now() + args.ttl * 3 / 2;
+            while Instant::now() < until {
+                for p in pids {
+                    signal(p, nix::sys::signal::Signal::SIGSTOP);
+                }
+                tokio::time::sleep(STARVE_OFF).await;
+                for p in pids {
+                    signal(p, nix::sys::signal::Signal::SIGCONT);
+                }
+                tokio::time::sleep(STARVE_ON).await;
+            }
+            for p in pids {
+                signal(p, nix::sys::signal::Signal::SIGCONT);
+            }
+        }
+        Fault::ClockJump => match &sups[i].clock {
+            None => {
+                effect.skipped = Some(
+                    "libfaketime is not installed (Debian: apt-get install faketime)".to_owned(),
+                )
+            }
+            Some(file) => {
+                let offset = if rng.random_bool(0.5) {
+                    "+3600"
+                } else {
+                    "-3600"
+                };
+                let set = |o: &str| {
+                    std::fs::write(file, format!("{o}\n"))
+                        .map_err(|e| fail(format!("cannot write {}: {e}", file.display())))
+                };
+                set(offset)?;
+                tokio::time::sleep(args.ttl * 3 / 2).await;
+                set("+0")?;
+            }
+        },
+        Fault::RestartFast | Fault::RestartImmediate => match run.server {
+            None => {
+                effect.skipped = Some(
+                    "restarts need the throwaway server: run without --database-url".to_owned(),
+                )
+            }
+            Some(server) => server.restart(fault == Fault::RestartImmediate)?,
+        },
+        Fault::Promote => match (run.replicas.as_deref_mut(), durable) {
+            (Some(pair), Some(durable)) => {
+                let (died, took) = pair.promote()?;
+                effect.unreplicated = Some((durable, died));
+                println!(
+                    "  (primary killed, replica promoted: accepted a write {:.1} ms after the death)",
+                    took.as_secs_f64() * 1e3
+                );
+            }
+            _ => effect.skipped = Some(PROMOTE_NEEDS_THROWAWAY.to_owned()),
+        },
+        Fault::PgbouncerRestart => match &run.pooler {
+            Err(why) => effect.skipped = Some(why.clone()),
+            Ok(p) => match p.not_restartable() {
+                Some(why) => effect.skipped = Some(why),
+                None => p.restart().await?,
+            },
+        },
+        Fault::Partition | Fault::PartitionNoPreempt => {
+            match (run.net.as_deref(), sups[i].ns.as_ref()) {
+                (Some(netted), Some(ns)) => {
+                    let nopreempt = fault == Fault::PartitionNoPreempt;
+                    if nopreempt {
+                        netted.set_preempt(admin, false).await?;
+                    }
+                    let cut = netted.net.set_cut(ns, true);
+                    // Cut off until a new leader acts (bounded):
+                    // the old one must be freed by timers alone.
+                    let next = match &cut {
+                        Ok(()) => {
+                            run.next_start(leader.term, leader.at, Duration::from_secs(60))
+                                .await
+                        }
+                        Err(_) => None,
+                    };
+                    let healed = netted.net.set_cut(ns, false);
+                    if nopreempt {
+                        netted.set_preempt(admin, true).await?;
+                    }
+                    cut.and(healed)
+                        .map_err(|e| fail(format!("partition: {e}")))?;
+                    effect.found = Some(next);
+                }
+                _ => effect.skipped = Some("the candidates are not in network namespaces".into()),
+            }
+        }
+    }
+    Ok(effect)
 }
 
 #[cfg(test)]

@@ -8,13 +8,13 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::Rng;
 
-use super::admin::{stuck_state, terminate_backends};
+use super::admin::stuck_state;
 use super::args::timing;
 use super::candidates::{signal, Run, Supervisor};
 
-use super::events::{moved_before, now_ns, Event};
-use super::faults::{bound, Fault, STARVE_OFF, STARVE_ON};
-use super::{fail, PROMOTE_NEEDS_THROWAWAY};
+use super::events::{moved_before, now_ns};
+use super::fail;
+use super::faults::{bound, inject, Effect, Fault};
 use crate::exit::Failure;
 
 /// One injected fault and what followed.
@@ -136,166 +136,12 @@ pub(super) async fn schedule(
                     leader.node
                 )));
             };
-            let mut paused = None;
-            let mut unreplicated = None;
-            let mut skipped = None;
-            // Faults that last until the next leader acts find it themselves.
-            let mut found: Option<Option<Event>> = None;
-            match fault {
-                Fault::Kill => {
-                    let mut s = sups.remove(i);
-                    let _ = s.child.start_kill();
-                    let _ = s.child.wait().await;
-                    run.retire(s);
-                    sups.push(run.spawn().await?);
-                }
-                Fault::Term => {
-                    let mut s = sups.remove(i);
-                    signal(s.child.id(), nix::sys::signal::Signal::SIGTERM);
-                    if tokio::time::timeout(Duration::from_secs(15), s.child.wait())
-                        .await
-                        .is_err()
-                    {
-                        let _ = s.child.start_kill();
-                    }
-                    run.retire(s);
-                    sups.push(run.spawn().await?);
-                }
-                Fault::Stop => {
-                    let sup = sups[i].child.id();
-                    signal(sup, nix::sys::signal::Signal::SIGSTOP);
-                    signal(Some(leader.pid), nix::sys::signal::Signal::SIGSTOP);
-                    tokio::time::sleep(args.ttl * 3 / 2).await;
-                    signal(sup, nix::sys::signal::Signal::SIGCONT);
-                    signal(Some(leader.pid), nix::sys::signal::Signal::SIGCONT);
-                    paused = Some((leader.pid, now_ns()));
-                }
-                Fault::Blackhole | Fault::Latency => match &sups[i].proxies[..] {
-                    [] => {
-                        skipped = Some(
-                            "the URL is not a single-host postgres:// URL: no proxy".to_owned(),
-                        )
-                    }
-                    proxies => {
-                        // One draw, as before there were two proxies: a seed
-                        // replays the same schedule.
-                        let delay = (fault == Fault::Latency).then(|| {
-                            let t = timing.heartbeat_timeout;
-                            let lo = (t / 4).as_millis() as u64;
-                            let hi = (t * 2).as_millis() as u64;
-                            Duration::from_millis(rng.random_range(lo..=hi))
-                        });
-                        for p in proxies {
-                            match delay {
-                                None => p.blackhole(true),
-                                Some(d) => p.delay(d),
-                            }
-                        }
-                        tokio::time::sleep(args.ttl * 3 / 2).await;
-                        for p in proxies {
-                            p.blackhole(false);
-                            p.delay(Duration::ZERO);
-                        }
-                    }
-                },
-                Fault::Terminate => match terminate_backends(&*admin.get().await?, &run.role, &leader.node).await {
-                    Ok(0) => skipped = Some("no backend of the leader found".to_owned()),
-                    Ok(_) => {}
-                    Err(e) => skipped = Some(format!("pg_terminate_backend refused: {e}")),
-                },
-                Fault::Starve => {
-                    // SIGSTOP/SIGCONT duty cycle rather than cgroup cpu.max:
-                    // it needs no root nor a delegated cgroup, and touches
-                    // exactly these two processes.
-                    let pids = [sups[i].child.id(), Some(leader.pid)];
-                    let until = Instant::now() + args.ttl * 3 / 2;
-                    while Instant::now() < until {
-                        for p in pids {
-                            signal(p, nix::sys::signal::Signal::SIGSTOP);
-                        }
-                        tokio::time::sleep(STARVE_OFF).await;
-                        for p in pids {
-                            signal(p, nix::sys::signal::Signal::SIGCONT);
-                        }
-                        tokio::time::sleep(STARVE_ON).await;
-                    }
-                    for p in pids {
-                        signal(p, nix::sys::signal::Signal::SIGCONT);
-                    }
-                }
-                Fault::ClockJump => match &sups[i].clock {
-                    None => {
-                        skipped = Some(
-                            "libfaketime is not installed (Debian: apt-get install faketime)"
-                                .to_owned(),
-                        )
-                    }
-                    Some(file) => {
-                        let offset = if rng.random_bool(0.5) { "+3600" } else { "-3600" };
-                        let set = |o: &str| {
-                            std::fs::write(file, format!("{o}\n"))
-                                .map_err(|e| fail(format!("cannot write {}: {e}", file.display())))
-                        };
-                        set(offset)?;
-                        tokio::time::sleep(args.ttl * 3 / 2).await;
-                        set("+0")?;
-                    }
-                },
-                Fault::RestartFast | Fault::RestartImmediate => match run.server {
-                    None => {
-                        skipped = Some(
-                            "restarts need the throwaway server: run without --database-url"
-                                .to_owned(),
-                        )
-                    }
-                    Some(server) => server.restart(fault == Fault::RestartImmediate)?,
-                },
-                Fault::Promote => match (run.replicas.as_deref_mut(), durable) {
-                    (Some(pair), Some(durable)) => {
-                        let (died, took) = pair.promote()?;
-                        unreplicated = Some((durable, died));
-                        println!(
-                            "  (primary killed, replica promoted: accepted a write {:.1} ms after the death)",
-                            took.as_secs_f64() * 1e3
-                        );
-                    }
-                    _ => skipped = Some(PROMOTE_NEEDS_THROWAWAY.to_owned()),
-                },
-                Fault::PgbouncerRestart => match &run.pooler {
-                    Err(why) => skipped = Some(why.clone()),
-                    Ok(p) => match p.not_restartable() {
-                        Some(why) => skipped = Some(why),
-                        None => p.restart().await?,
-                    },
-                },
-                Fault::Partition | Fault::PartitionNoPreempt => {
-                    match (run.net.as_deref(), sups[i].ns.as_ref()) {
-                        (Some(netted), Some(ns)) => {
-                            let nopreempt = fault == Fault::PartitionNoPreempt;
-                            if nopreempt {
-                                netted.set_preempt(admin, false).await?;
-                            }
-                            let cut = netted.net.set_cut(ns, true);
-                            // Cut off until a new leader acts (bounded):
-                            // the old one must be freed by timers alone.
-                            let next = match &cut {
-                                Ok(()) => {
-                                    run.next_start(leader.term, leader.at, Duration::from_secs(60))
-                                        .await
-                                }
-                                Err(_) => None,
-                            };
-                            let healed = netted.net.set_cut(ns, false);
-                            if nopreempt {
-                                netted.set_preempt(admin, true).await?;
-                            }
-                            cut.and(healed).map_err(|e| fail(format!("partition: {e}")))?;
-                            found = Some(next);
-                        }
-                        _ => skipped = Some("the candidates are not in network namespaces".into()),
-                    }
-                }
-            }
+            let Effect {
+                paused,
+                unreplicated,
+                mut skipped,
+                found,
+            } = inject(fault, run, &mut sups, i, &leader, &timing, rng, durable).await?;
             let next = if let Some(found) = found {
                 found
             } else if skipped.is_some() {
