@@ -48,8 +48,13 @@
 //! folder under `src/` is missing here). Public modules are marked *pub*.
 //!
 //! * `lib.rs`: these docs and the re-exports.
-//! * `conn.rs`: connection settings ([`ConnectOptions`], [`TcpTimeouts`],
-//!   [`SslMode`]) and the dedicated connections pgelect owns; `conn/`:
+//! * `conn/`: connecting to the server; `conn/mod.rs` re-exports only:
+//!   * `conn/options.rs`: connection settings ([`ConnectOptions`],
+//!     [`SslMode`]);
+//!   * `conn/connect.rs`: establishing a connection off the runtime's workers;
+//!   * `conn/dedicated.rs`: the dedicated connections pgelect owns;
+//!   * `conn/cancel.rs`: cancelling a statement in flight;
+//!   * `conn/tcp.rs`: [`TcpTimeouts`] (keepalives, user timeout);
 //!   * `conn/params.rs`: takes the settings pgelect handles itself (TLS,
 //!     `target_session_attrs`) out of a URL or `key=value` string;
 //!   * `conn/passfile.rs`: libpq's password file (`PGPASSFILE`, `~/.pgpass`);
@@ -94,8 +99,17 @@
 //!     [`request_resign`], zombie preemption);
 //!   * `election/support.rs`: backoff, transient errors, the rate-limited
 //!     wait for a release `NOTIFY`, reconnecting, pooler detection;
-//!   * `election/model.rs` (tests only): the model check (stateright) of the
-//!     protocol, driving the real keeper;
+//!   * `election/model/` (tests only): the model check of the protocol,
+//!     driving the real keeper:
+//!     * `election/model/mod.rs`: the model's entry points;
+//!     * `election/model/scenario.rs`: what a run sets up;
+//!     * `election/model/state.rs`, `election/model/actions.rs`,
+//!       `election/model/server.rs`, `election/model/candidate.rs`: the
+//!       world and its steps (the candidate drives the real keeper);
+//!     * `election/model/properties.rs`: what must hold in every state;
+//!     * `election/model/explorer.rs`: the breadth-first search;
+//!     * `election/model/scenarios.rs`, `election/model/tests.rs`: the
+//!       scenarios CI checks;
 //!   * `election/sim.rs` (tests only): a randomized simulation of the
 //!     session backend in virtual time;
 //!   * `election/backend/`: each backend's SQL and behaviour:

@@ -23,8 +23,11 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{fail, UrlParts};
+use super::candidates::write_private;
+use super::fail;
+use super::url::UrlParts;
 use crate::exit::{self, Failure};
+use crate::run::BackendArg;
 
 /// The pooler the lease backend's supervisors connect through.
 pub(super) struct Pooler {
@@ -60,7 +63,7 @@ impl Pooler {
                 format!("--pooler-url is not a URL pgelect can use: {e}"),
             )
         })?;
-        super::write_private(&file, url)?;
+        write_private(&file, url)?;
         let parts = UrlParts::parse(url).await;
         let describe = match &parts {
             Some(p) => format!("the pooler at {} (--pooler-url)", p.addr),
@@ -159,7 +162,7 @@ async fn start_kit(
         )
     })?;
     let url = bouncer.tcp_url("postgres");
-    super::write_private(&file, &url)?;
+    write_private(&file, &url)?;
     let parts = UrlParts::parse(&url).await;
     Ok(Ok(Pooler {
         describe: format!(
@@ -225,4 +228,21 @@ fn restart_own(own: &Own) -> Result<(), Failure> {
 #[cfg(not(feature = "throwaway"))]
 fn restart_own(own: &Own) -> Result<(), Failure> {
     match *own {}
+}
+
+/// The pooler `backend`'s candidates connect through, or why they connect
+/// directly: the lease backend only (the session backend refuses
+/// transaction pooling).
+pub(super) fn pooler_for(
+    backend: BackendArg,
+    pooler: &Result<Pooler, String>,
+) -> Result<&Pooler, String> {
+    match (backend, pooler) {
+        (BackendArg::Session, _) => Err(
+            "the session backend never connects through a pooler (it refuses transaction pooling)"
+                .to_owned(),
+        ),
+        (BackendArg::Lease, Ok(p)) => Ok(p),
+        (BackendArg::Lease, Err(why)) => Err(why.clone()),
+    }
 }

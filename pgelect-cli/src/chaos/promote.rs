@@ -133,7 +133,7 @@ mod own {
         /// Starts the two servers (the superuser's password random) and
         /// their fronts.
         pub async fn start() -> Result<Pair, Failure> {
-            let password = crate::chaos::random_hex()?;
+            let password = crate::chaos::candidates::random_hex();
             let pw = password.clone();
             let set = tokio::task::spawn_blocking(move || {
                 ReplicaSet::start_with_password(Replication::Async, &pw)

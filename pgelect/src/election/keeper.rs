@@ -97,7 +97,7 @@ pub(crate) enum Probe {
 /// Invariants: the deadline only moves forward, and only on a successful
 /// renewal, to `send time + ttl - margin`; once past it, leadership is lost
 /// for good, whatever answers arrive later; a loss is reported once.
-// Clone under test: the model checker (`election/model.rs`) copies states.
+// Clone under test: the model checker (`election/model/`) copies states.
 #[cfg_attr(test, derive(Clone))]
 #[derive(Debug)]
 pub(crate) struct Keeper {

@@ -217,7 +217,6 @@ pub use backend::shared::SharedConnection;
 pub use backend::shared_lease::SharedLease;
 pub use config::{Backend, ElectorBuilder, StandbyMode, MAX_ROLE_BYTES};
 pub use leadership::{LeaderContext, Leadership, LossReason, Term};
-pub(crate) use timing::default_tcp_for;
 pub use timing::Profile;
 pub use watch::{current_leader, request_resign, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 

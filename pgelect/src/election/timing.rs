@@ -134,27 +134,6 @@ pub(crate) const DEFAULT_RETRY_EVERY: Duration = Duration::from_secs(1);
 /// Default slice of a blocking standby's lock wait.
 pub(crate) const DEFAULT_WAIT_SLICE: Duration = Duration::from_secs(20);
 
-/// The TCP timeouts used when none are given: derived from the TTL so that
-/// the server cannot declare a silent client gone (and release its lock)
-/// before `ttl` has passed, and not long after.
-///
-/// Server-side keepalive settings have whole-second granularity, so the
-/// keepalive path is computed in whole seconds and always ends after `ttl`;
-/// `TCP_USER_TIMEOUT` (milliseconds) is exactly `ttl`.
-pub(crate) fn default_tcp_for(ttl: Duration) -> TcpTimeouts {
-    let t = ttl.as_secs_f64().ceil().max(1.0) as u64;
-    let idle = (t / 3).max(1);
-    let interval = (t / 6).max(1);
-    // Probes needed so that idle + interval * count > t.
-    let count = ((t.saturating_sub(idle)) / interval + 1).max(1);
-    TcpTimeouts {
-        keepalive_idle: Duration::from_secs(idle),
-        keepalive_interval: Duration::from_secs(interval),
-        keepalive_count: count.min(u32::MAX as u64) as u32,
-        user_timeout: ttl,
-    }
-}
-
 /// The earliest time after the last packet it received from a client at
 /// which the *server* can declare that client gone and release its locks,
 /// with the settings `connect_for_locks` sends (whole seconds, at least 1,
@@ -263,7 +242,7 @@ impl TimingRequest {
                 "{what} {heartbeat_timeout:?} must be shorter than ttl - safety_margin = {budget:?}"
             ));
         }
-        let tcp = self.tcp.unwrap_or_else(|| default_tcp_for(ttl));
+        let tcp = self.tcp.unwrap_or_else(|| TcpTimeouts::for_ttl(ttl));
         let handover_delay = match takeover {
             Takeover::OnDisconnect => check_disconnect_takeover(
                 self,
@@ -482,7 +461,7 @@ mod tests {
             100, 999, 1000, 1001, 2000, 2500, 5000, 15_000, 60_000, 86_400_000,
         ] {
             let ttl = ms(ttl_ms);
-            let tcp = default_tcp_for(ttl);
+            let tcp = TcpTimeouts::for_ttl(ttl);
             assert!(server_release_min(&tcp) >= ttl, "ttl {ttl:?} tcp {tcp:?}");
             let t = TimingRequest {
                 ttl: Some(ttl),
@@ -508,7 +487,7 @@ mod tests {
             (ms(1_500), 1, 1, 2),
             (ms(100), 1, 1, 1),
         ] {
-            let tcp = default_tcp_for(ttl);
+            let tcp = TcpTimeouts::for_ttl(ttl);
             assert_eq!(
                 tcp,
                 TcpTimeouts {

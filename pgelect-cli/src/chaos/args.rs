@@ -1,0 +1,132 @@
+//! The command's arguments (`pgelect chaos`, and the hidden
+//! `chaos-worker`'s), and the timing they give the candidates.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+
+use super::faults::Fault;
+use crate::exit::Failure;
+use crate::run::{BackendArg, ProfileArg};
+
+#[derive(Debug, Args)]
+pub struct ChaosArgs {
+    /// Supervisors standing at once (each a separate `pgelect run`).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(3..=16))]
+    pub candidates: u8,
+    /// How long faults are injected, per backend.
+    #[arg(long, value_parser = crate::duration::parse_positive, default_value = "60s", value_name = "DURATION")]
+    pub duration: Duration,
+    /// Seed of the fault schedule (printed; give it again to replay).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// The candidates' --ttl.
+    #[arg(long, value_parser = crate::duration::parse_positive, default_value = "2s", value_name = "DURATION")]
+    pub ttl: Duration,
+    /// The candidates' --profile.
+    #[arg(long, value_enum, default_value_t = ProfileArg::Standard)]
+    pub profile: ProfileArg,
+    /// Backends to run, one after the other.
+    #[arg(long, value_enum, value_delimiter = ',', default_values = ["session", "lease"])]
+    pub backends: Vec<BackendArg>,
+    /// Faults to draw from.
+    #[arg(long, value_enum, value_delimiter = ',', default_values = ["kill", "stop", "term", "terminate", "blackhole", "latency", "starve", "clock-jump", "restart-fast", "restart-immediate", "pgbouncer-restart", "partition", "partition-nopreempt", "promote"])]
+    pub faults: Vec<Fault>,
+    /// The lease backend's supervisors and their workers connect through
+    /// this pooler (e.g. PgBouncer in transaction mode in front of the
+    /// --database-url server); their LISTEN connection connects directly.
+    /// The session backend never uses it. Default: on its own throwaway
+    /// server, a PgBouncer in transaction mode it starts; against your
+    /// database, none. A password here is visible to every local user:
+    /// prefer --pooler-url-file.
+    #[arg(long, value_name = "URL", conflicts_with = "no_pooler")]
+    pub pooler_url: Option<String>,
+    /// Read the --pooler-url URL from this file (a trailing newline is
+    /// ignored). Keep it private (mode 0600).
+    #[arg(long, value_name = "PATH", conflicts_with = "no_pooler")]
+    pub pooler_url_file: Option<PathBuf>,
+    /// On the throwaway server, run the lease backend directly, without the
+    /// PgBouncer chaos would start in front of it (and, for promote, in
+    /// front of the primary address).
+    #[arg(long)]
+    pub no_pooler: bool,
+    /// Write one JSON object per fault and backend to this file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Go on past --duration until every fault kind was injected at least
+    /// once (per backend and phase).
+    #[arg(long)]
+    pub every_fault: bool,
+    /// Keep the histories in DIR (a directory per backend: each worker's
+    /// log and each supervisor's warnings), for a failing run's evidence.
+    /// Default: a private directory removed at the end.
+    #[arg(long, value_name = "DIR")]
+    pub logs: Option<PathBuf>,
+    /// Test only: also run a worker outside any supervisor, acting all the
+    /// time with term 1, so that the checker must report violations.
+    #[arg(long, hide = true)]
+    pub rogue: bool,
+}
+
+/// The hidden worker: `pgelect chaos-worker --log FILE --table NAME`.
+#[derive(Debug, Args)]
+pub struct WorkerArgs {
+    #[arg(long)]
+    pub log: PathBuf,
+    #[arg(long)]
+    pub table: String,
+    /// `idle_in_transaction_session_timeout` of its connection, in
+    /// milliseconds (0: the server's).
+    #[arg(long, default_value_t = 0)]
+    pub idle_in_transaction_ms: u64,
+}
+
+/// The timing the candidates run with (what `pgelect run` derives from
+/// --ttl and --profile).
+pub(super) fn timing(
+    args: &ChaosArgs,
+    backend: BackendArg,
+) -> Result<pgelect::TimingReport, Failure> {
+    let profile = match args.profile {
+        ProfileArg::Standard => pgelect::Profile::Standard,
+        ProfileArg::Fast => pgelect::Profile::Fast,
+    };
+    let o = pgelect::ConnectOptions::from_url("postgres://chaos@127.0.0.1/chaos")?;
+    let b = pgelect::Elector::builder(o, "chaos").ttl(args.ttl);
+    let b = match backend {
+        BackendArg::Session => b.profile(profile),
+        BackendArg::Lease => b.backend(pgelect::Backend::Lease),
+    };
+    Ok(b.build()?.timing())
+}
+
+pub(super) fn backend_name(b: BackendArg) -> &'static str {
+    match b {
+        BackendArg::Session => "session",
+        BackendArg::Lease => "lease",
+    }
+}
+
+/// The timing of the candidates of a default run on `backend`, for the
+/// tests.
+#[cfg(test)]
+pub(super) fn standard_timing(backend: BackendArg) -> pgelect::TimingReport {
+    let args = ChaosArgs {
+        candidates: 3,
+        duration: Duration::from_secs(1),
+        seed: None,
+        ttl: Duration::from_secs(2),
+        profile: ProfileArg::Standard,
+        backends: vec![backend],
+        faults: vec![],
+        json: None,
+        pooler_url: None,
+        pooler_url_file: None,
+        no_pooler: false,
+        every_fault: false,
+        logs: None,
+        rogue: false,
+    };
+    timing(&args, backend).unwrap()
+}

@@ -1,0 +1,294 @@
+//! The schedule of one phase: candidates started, faults drawn in seeded
+//! rounds and injected on the leader, and what followed each (the next
+//! leader's start, or why the fault was skipped).
+
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::Rng;
+
+use super::admin::stuck_state;
+use super::args::timing;
+use super::candidates::{signal, Run, Supervisor};
+
+use super::events::{moved_before, now_ns};
+use super::fail;
+use super::faults::{bound, inject, Effect, Fault};
+use crate::exit::Failure;
+
+/// One injected fault and what followed.
+#[derive(Clone, Debug)]
+pub(super) struct Injected {
+    pub(super) fault: Fault,
+    pub(super) at: u128,
+    pub(super) node: String,
+    pub(super) term: i64,
+    /// The next start of a higher term, if any.
+    pub(super) next_start: Option<u128>,
+    /// For a pause: the frozen worker's pid and when it was continued.
+    pub(super) paused: Option<(u32, u128)>,
+    /// For a promotion: from when the replica may have missed a commit
+    /// (everything acknowledged before had reached it) until the primary
+    /// died. An acknowledged write of that window may be lost with the
+    /// primary (asynchronous replication): not a violation.
+    pub(super) unreplicated: Option<(u128, u128)>,
+    /// For a promotion: the first fenced write acknowledged after the
+    /// primary died (necessarily by the promoted server), if one came
+    /// within the bound. A lease leader may keep its term through a
+    /// promotion: then this, not a new term, shows it acting again.
+    pub(super) resumed: Option<u128>,
+    pub(super) skipped: Option<String>,
+}
+
+impl Injected {
+    /// A fault that could not run here: one skipped trial with the reason,
+    /// so that the table and the JSON say so.
+    pub(super) fn not_run(fault: Fault, why: &str) -> Injected {
+        Injected {
+            fault,
+            at: now_ns(),
+            node: "-".to_owned(),
+            term: 0,
+            next_start: None,
+            paused: None,
+            unreplicated: None,
+            resumed: None,
+            skipped: Some(why.to_owned()),
+        }
+    }
+}
+
+/// so that a short run still injects every kind and a replay draws the same.
+pub(super) struct Draw {
+    pub(super) kinds: Vec<Fault>,
+    pub(super) round: Vec<Fault>,
+    /// How many were drawn so far.
+    pub(super) drawn: usize,
+}
+
+impl Draw {
+    pub(super) fn new(kinds: Vec<Fault>) -> Draw {
+        Draw {
+            kinds,
+            round: Vec::new(),
+            drawn: 0,
+        }
+    }
+
+    pub(super) fn next(&mut self, rng: &mut StdRng) -> Option<Fault> {
+        if self.round.is_empty() {
+            self.round = self.kinds.clone();
+            self.round.shuffle(rng);
+        }
+        self.drawn += 1;
+        self.round.pop()
+    }
+}
+
+/// Runs one phase of one backend's schedule, drawing from `kinds`; returns
+/// the faults injected.
+pub(super) async fn schedule(
+    run: &mut Run<'_>,
+    kinds: Vec<Fault>,
+    rng: &mut StdRng,
+) -> Result<Vec<Injected>, Failure> {
+    let args = run.args;
+    let admin = run.admin;
+    let timing = timing(args, run.backend)?;
+    let phase_start = now_ns();
+    let mut sups: Vec<Supervisor> = Vec::new();
+    let mut rogue = None;
+    let outcome = async {
+        for _ in 0..args.candidates {
+            sups.push(run.spawn().await?);
+        }
+        if args.rogue {
+            rogue = Some(run.spawn_rogue()?);
+        }
+        let mut injected = Vec::new();
+        let mut leader = run
+            .next_start(0, phase_start, Duration::from_secs(60))
+            .await
+            .ok_or_else(|| fail("no leader within 60 s of the start"))?;
+        let mut draw = Draw::new(kinds);
+        let end = Instant::now() + args.duration;
+        // With --every-fault, at least one full round.
+        while Instant::now() < end || (args.every_fault && draw.drawn < draw.kinds.len()) {
+            // Let the leader settle and write for a while.
+            tokio::time::sleep(Duration::from_millis(rng.random_range(500..1500))).await;
+            let Some(fault) = draw.next(rng) else { break };
+            // A promotion needs a replica that has everything acknowledged
+            // so far; making one takes seconds, which are not the fault's.
+            let durable = match (fault, run.replicas.as_deref_mut()) {
+                (Fault::Promote, Some(pair)) => Some(pair.prepare()?),
+                _ => None,
+            };
+            // Leadership may have moved after the last fault's window (a
+            // lease leader that lost its deadline during a restart).
+            if let Some(e) = run.latest_start().filter(|e| e.term > leader.term) {
+                leader = e;
+            }
+            let at = now_ns();
+            let Some(i) = sups.iter().position(|s| s.node == leader.node) else {
+                return Err(fail(format!(
+                    "the leader {} is not one of ours",
+                    leader.node
+                )));
+            };
+            let Effect {
+                paused,
+                unreplicated,
+                mut skipped,
+                found,
+            } = inject(fault, run, &mut sups, i, &leader, &timing, rng, durable).await?;
+            let next = if let Some(found) = found {
+                found
+            } else if skipped.is_some() {
+                None
+            } else if fault.must_fail_over(run.backend) {
+                run.next_start(leader.term, leader.at, Duration::from_secs(60))
+                    .await
+            } else {
+                // The leader may stay in place: a new term counts only if it
+                // began while the fault was on or right after (after a
+                // restart of the server or the pooler, within a ttl: a leader that could not renew
+                // meanwhile loses by then). A later move is followed before
+                // the next fault.
+                let window = match fault {
+                    Fault::RestartFast
+                    | Fault::RestartImmediate
+                    | Fault::PgbouncerRestart
+                    | Fault::Promote => args.ttl,
+                    _ => Duration::ZERO,
+                };
+                run.next_start(leader.term, leader.at, window + Duration::from_millis(500))
+                    .await
+            };
+            // A start of a newer term that the logs showed only after the
+            // leader was chosen, but that was stamped before the fault: the
+            // fault hit a candidate that no longer led (its worker wrote
+            // `start` between the last look and the fault). It proves
+            // nothing about the fault; the new leader is followed.
+            if let Some(why) = moved_before(next.as_ref(), at) {
+                skipped = Some(why);
+            }
+            // After a promotion, writes must be acknowledged again (by the
+            // new primary) within the bound, whether or not the term moved.
+            let resumed = match (unreplicated, &skipped) {
+                (Some((_, died)), None) => {
+                    let within = bound(fault, run.backend, &timing)
+                        .saturating_sub(Duration::from_nanos(now_ns().saturating_sub(at) as u64));
+                    run.next_write_ok(died, within).await
+                }
+                _ => None,
+            };
+            injected.push(Injected {
+                fault,
+                at,
+                node: leader.node.clone(),
+                term: leader.term,
+                next_start: next.as_ref().map(|e| e.at),
+                paused,
+                unreplicated,
+                resumed,
+                skipped,
+            });
+            if let Some(f) = injected.last() {
+                let outcome = match (&f.skipped, f.next_start) {
+                    (Some(why), _) => format!("skipped: {why}"),
+                    (None, Some(n)) => {
+                        let gap = Duration::from_nanos(n.saturating_sub(f.at) as u64);
+                        let b = bound(f.fault, run.backend, &timing);
+                        format!(
+                            "term {} began {:.1} ms later (bound {} ms{})",
+                            next.as_ref().map(|e| e.term).unwrap_or_default(),
+                            gap.as_secs_f64() * 1e3,
+                            b.as_millis(),
+                            if gap > b { ": OVER" } else { "" }
+                        )
+                    }
+                    (None, None) => "no new term".to_owned(),
+                };
+                let outcome = match (f.unreplicated, f.resumed, &f.skipped) {
+                    (Some(_), Some(w), None) => format!(
+                        "{outcome}; writes acknowledged again {:.1} ms after the fault",
+                        w.saturating_sub(f.at) as f64 / 1e6
+                    ),
+                    (Some(_), None, None) => format!("{outcome}; no write acknowledged again"),
+                    _ => outcome,
+                };
+                println!(
+                    "  {:<9} on {} (term {}): {outcome}",
+                    f.fault.name(),
+                    f.node,
+                    f.term
+                );
+            }
+            match next {
+                Some(e) => leader = e,
+                None if injected
+                    .last()
+                    .is_some_and(|f| f.skipped.is_some() || !f.fault.must_fail_over(run.backend)) => {}
+                None => {
+                    return Err(fail(format!(
+                        "no new leader within 60 s of {} on {} (term {}); what the server and the logs show:\n{}",
+                        fault.name(),
+                        leader.node,
+                        leader.term,
+                        stuck_state(admin, run).await
+                    )))
+                }
+            }
+        }
+        Ok(injected)
+    }
+    .await;
+    if let Some(mut r) = rogue {
+        let _ = r.start_kill();
+        let _ = r.wait().await;
+    }
+    for s in &sups {
+        signal(s.child.id(), nix::sys::signal::Signal::SIGTERM);
+    }
+    for mut s in sups {
+        if tokio::time::timeout(Duration::from_secs(15), s.child.wait())
+            .await
+            .is_err()
+        {
+            let _ = s.child.start_kill();
+            let _ = s.child.wait().await;
+        }
+        run.retire(s);
+    }
+    outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::SeedableRng;
+
+    use super::*;
+
+    #[test]
+    fn the_draw_injects_every_kind_each_round_and_replays_with_the_seed() {
+        let kinds = vec![Fault::Kill, Fault::Stop, Fault::Partition, Fault::Latency];
+        let drawn = |seed| {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let mut d = Draw::new(kinds.clone());
+            (0..12)
+                .map(|_| d.next(&mut rng).unwrap())
+                .collect::<Vec<_>>()
+        };
+        let a = drawn(7);
+        for round in a.chunks(4) {
+            let mut r = round.to_vec();
+            r.sort();
+            let mut k = kinds.clone();
+            k.sort();
+            assert_eq!(r, k, "{a:?}");
+        }
+        assert_eq!(a, drawn(7));
+        assert_ne!(a, drawn(8));
+    }
+}

@@ -1,0 +1,33 @@
+//! Connection settings and the dedicated connections pgelect owns.
+//!
+//! Locks and leadership live on connections that pgelect opens itself and
+//! never returns to a pool. Each one is driven by a background task that reads
+//! the socket all the time, so the server's goodbye (a terminated backend, a
+//! restart) is noticed within milliseconds with no query in flight; the task
+//! also forwards `LISTEN` notifications.
+//!
+//! * [`options`]: [`ConnectOptions`], read from a URL, a key/value string,
+//!   the environment or a driver configuration;
+//! * [`connect`]: establishing a connection (TLS as libpq, bounded, off the
+//!   runtime's workers), and [`PlainConnection`] for tools;
+//! * [`dedicated`]: the connections pgelect owns, their driver task and
+//!   the session settings they start with;
+//! * [`cancel`]: cancelling the statement running on one;
+//! * [`tcp`]: [`TcpTimeouts`] on both ends of a lock connection;
+//! * [`params`], [`passfile`], [`tls`]: libpq's connection parameters,
+//!   password file and TLS settings.
+
+mod cancel;
+mod connect;
+mod dedicated;
+mod options;
+mod params;
+mod passfile;
+mod tcp;
+mod tls;
+
+pub use connect::PlainConnection;
+pub(crate) use dedicated::{DedicatedConnection, Notice};
+pub use options::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT};
+pub use tcp::TcpTimeouts;
+pub use tls::SslMode;
