@@ -10,24 +10,12 @@ use crate::support;
 use std::time::Duration;
 
 use pgelect_testkit::{free_port, FaultProxy, TestDb, TEST_PASSWORD};
-use support::{pgelect, run, Run};
+use support::{pgelect, run, schema_exists, Run};
 
 /// Bound for commands that need no database.
 const QUICK: Duration = Duration::from_secs(10);
 /// Bound for commands that talk to the test database.
 const DB_RUN: Duration = Duration::from_secs(30);
-
-async fn schema_exists(db: &TestDb, schema: &str) -> bool {
-    db.connect()
-        .await
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)",
-            &[&schema],
-        )
-        .await
-        .expect("query pg_namespace")
-        .get(0)
-}
 
 /// A URL for `db` with `password` instead of the real one.
 fn with_password(db: &TestDb, password: &str) -> String {

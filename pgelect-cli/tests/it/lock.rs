@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use pgelect::{ConnectOptions, LockKey, LockSession};
 use pgelect_testkit::TestDb;
 use support::{
-    advisory_locks, await_advisory_locks, finish, pgelect, process_alive, run, send_signal,
-    wait_for_file, wait_until, TempDir,
+    advisory_locks, await_advisory_locks, finish, pgelect, process_alive, run, schema_exists,
+    send_signal, wait_for_file, wait_until, TempDir,
 };
 use tokio::process::Command;
 
@@ -76,18 +76,6 @@ fn read_pid(dir: &TempDir) -> u32 {
         .trim()
         .parse()
         .expect("pid file holds a number")
-}
-
-async fn schema_exists(db: &TestDb, schema: &str) -> bool {
-    db.connect()
-        .await
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)",
-            &[&schema],
-        )
-        .await
-        .expect("query pg_namespace")
-        .get(0)
 }
 
 #[tokio::test]

@@ -221,6 +221,19 @@ pub async fn migrate(url: &str) {
     pgelect::migrate(&options).await.expect("migrate");
 }
 
+/// Whether `schema` exists in `db`.
+pub async fn schema_exists(db: &TestDb, schema: &str) -> bool {
+    db.connect()
+        .await
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)",
+            &[&schema],
+        )
+        .await
+        .expect("query pg_namespace")
+        .get(0)
+}
+
 /// A fresh database with pgelect's schema, and a scratch directory.
 pub async fn setup(hint: &str) -> (TestDb, TempDir) {
     let db = TestDb::new(hint).await;

@@ -19,6 +19,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use crate::support::CANDIDATE;
 use pgelect::{
     Backend, ConnectOptions, Elector, ElectorBuilder, Error, LockKey, LockSession, StandbyMode,
 };
@@ -34,15 +35,6 @@ const TIMEOUT: &str = "300ms";
 const HOLD: Duration = Duration::from_millis(2500);
 
 const PASSWORD: &str = "timeouts-pw";
-
-/// What a candidate needs (the grants the book lists).
-const CANDIDATE: &[&str] = &[
-    "GRANT USAGE ON SCHEMA pgelect TO {r}",
-    "GRANT SELECT ON pgelect.migrations TO {r}",
-    "GRANT SELECT, INSERT, UPDATE ON pgelect.leaders TO {r}",
-    "GRANT SELECT, INSERT, UPDATE, DELETE ON pgelect.candidates TO {r}",
-    "GRANT EXECUTE ON FUNCTION pgelect.lock_wait_slice(bigint, integer) TO {r}",
-];
 
 /// Where the setting is made.
 #[derive(Clone, Copy, Debug)]

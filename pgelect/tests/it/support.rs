@@ -180,6 +180,18 @@ pub async fn migrated(hint: &str) -> (TestDb, ConnectOptions) {
     (db, o)
 }
 
+/// What a candidate needs (both backends, blocking and polling standbys,
+/// the shared connection; its observer reads the row), written out by hand
+/// as the book lists it, so that the privilege tests check the library's
+/// list against an independent one. `{r}` is the user.
+pub const CANDIDATE: &[&str] = &[
+    "GRANT USAGE ON SCHEMA pgelect TO {r}",
+    "GRANT SELECT ON pgelect.migrations TO {r}",
+    "GRANT SELECT, INSERT, UPDATE ON pgelect.leaders TO {r}",
+    "GRANT SELECT, INSERT, UPDATE, DELETE ON pgelect.candidates TO {r}",
+    "GRANT EXECUTE ON FUNCTION pgelect.lock_wait_slice(bigint, integer) TO {r}",
+];
+
 /// The options of a test URL.
 pub fn options(url: &str) -> ConnectOptions {
     ConnectOptions::from_url(url).expect("test URL parses")

@@ -15,19 +15,9 @@ use tokio_postgres::types::Type;
 use tokio_postgres::{Client, NoTls};
 
 use crate::support;
-use support::{fast_session as fast, migrated};
+use support::{fast_session as fast, migrated, CANDIDATE};
 
 const PASSWORD: &str = "least-privilege-pw";
-
-/// What a candidate needs (both backends, blocking and polling standbys,
-/// the shared connection; its observer reads the row). `{r}` is the user.
-const CANDIDATE: &[&str] = &[
-    "GRANT USAGE ON SCHEMA pgelect TO {r}",
-    "GRANT SELECT ON pgelect.migrations TO {r}",
-    "GRANT SELECT, INSERT, UPDATE ON pgelect.leaders TO {r}",
-    "GRANT SELECT, INSERT, UPDATE, DELETE ON pgelect.candidates TO {r}",
-    "GRANT EXECUTE ON FUNCTION pgelect.lock_wait_slice(bigint, integer) TO {r}",
-];
 
 /// What an application that only fences needs.
 const FENCING: &[&str] = &[
