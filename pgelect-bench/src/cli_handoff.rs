@@ -21,7 +21,7 @@
 //! the same `target/release`). The supervised command is this binary again:
 //! `cli-handoff --child started`.
 //!
-//! Targets (issue 13): command median ≤ 50 ms (session), ≤ 100 ms (lease
+//! Targets: command median ≤ 50 ms (session), ≤ 100 ms (lease
 //! with a LISTEN connection).
 
 use crate::common::{connect, Rows, Stats};

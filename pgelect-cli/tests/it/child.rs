@@ -296,7 +296,7 @@ async fn a_wrong_password_exits_77_everywhere() {
         let out = run(cmd, LIMIT).await;
         out.assert_code(77);
         // Commands that connect through the library name the cause (the
-        // others' "db error" is another part of issue 9).
+        // others' "db error" is covered elsewhere).
         if matches!(args[0], "migrate" | "lock") {
             assert!(
                 out.stderr.contains("authentication"),

@@ -1,4 +1,4 @@
-//! The command as an operator meets it (issue 12): `run` narrates at the
+//! The command as an operator meets it : `run` narrates at the
 //! default level without colour on a pipe; errors name their cause and the
 //! next step; `status` and `resign` refuse unknown roles; `forget` removes a
 //! stale role and refuses a live one; `pgelect lock` has flock's habits and

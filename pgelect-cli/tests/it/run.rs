@@ -752,8 +752,8 @@ async fn bad_input_fails_fast_with_a_clear_message() {
         "permission denied",
     )
     .await;
-    // None of these stood for election: the role is unknown (issue 12:
-    // `status --role` of an unknown role exits 66; it was 0 and an empty list).
+    // None of these stood for election: the role is unknown
+    // (`status --role` of an unknown role exits 66; it was 0 and an empty list).
     let out = run(
         pgelect([
             "status",

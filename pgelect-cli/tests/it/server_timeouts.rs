@@ -1,9 +1,9 @@
-//! The `pgelect` command under a database's session timeouts (issue 11,
-//! item 4): with `idle_session_timeout`, `statement_timeout`,
+//! The `pgelect` command under a database's session timeouts: with
+//! `idle_session_timeout`, `statement_timeout`,
 //! `idle_in_transaction_session_timeout` and `lock_timeout` at 300 ms,
-//! `status --watch` keeps watching (its connection sits idle between
-//! reads), `lock` waits seconds for a held key and `run` leads and hands
-//! over as with stock settings.
+//! `status --watch` keeps watching (its connection sits idle between reads),
+//! `lock` waits seconds for a held key and `run` leads and hands over as
+//! with stock settings.
 
 use crate::support;
 

@@ -157,7 +157,7 @@ async fn status_shows_the_holder_and_the_waiting_candidate_as_a_table_and_as_jso
         .expect("candidates[]")
         .iter()
         .map(|c| {
-            // Issue 12: the server's backend pid, named as such (was "pid").
+            // The server's backend pid, named as such (was "pid").
             assert!(c["backend_pid"].as_i64().is_some_and(|p| p > 0), "{c}");
             (
                 c["node"].as_str().expect("node").to_owned(),
@@ -179,7 +179,7 @@ async fn status_shows_the_holder_and_the_waiting_candidate_as_a_table_and_as_jso
         QUICK,
     )
     .await;
-    // Issue 12: an unknown role is an error naming the known ones (was
+    // An unknown role is an error naming the known ones (was
     // exit 0 with an empty list).
     other.assert_code(66);
     assert!(other.stdout.is_empty(), "{}", other.stdout);
@@ -420,7 +420,7 @@ async fn resign_hands_over_to_the_standby_and_prints_the_new_term() {
 #[tokio::test]
 async fn resign_of_a_role_nobody_has_led_fails_and_says_so() {
     let (db, _dir) = setup("resign_nobody").await;
-    // Issue 12: a typo must not pass for success (was exit 0, "has no leader").
+    // A typo must not pass for success (was exit 0, "has no leader").
     for role in ["never-led", ROLE] {
         let out = run(command(&db, &["resign", "--role", role]), QUICK).await;
         out.assert_code(66);

@@ -1,15 +1,15 @@
-//! Server-side session timeouts never cost a leader its lock (issue 11,
-//! item 4). A database or a role may set `idle_session_timeout`,
-//! `statement_timeout`, `idle_in_transaction_session_timeout` or
-//! `lock_timeout` for every session (managed services often do). Each test
-//! sets one of them to 300 ms, first with `ALTER DATABASE … SET`, then with
-//! `ALTER ROLE … SET` for a least-privilege candidate, and runs the same
-//! scenario as with stock settings: session-backend leader with a blocking
-//! and a polling standby, lease-backend leader with `LISTEN` and a standby,
-//! an idle `LockSession` holder with exclusive and shared waiters, and a
-//! migration that waits for its lock. Leaders keep their term for many
-//! multiples of the timeout, waiters that waited longer than it are granted,
-//! and no connection pgelect owns is ended by the server.
+//! Server-side session timeouts never cost a leader its lock. A database or
+//! a role may set `idle_session_timeout`, `statement_timeout`,
+//! `idle_in_transaction_session_timeout` or `lock_timeout` for every session
+//! (managed services often do). Each test sets one of them to 300 ms, first
+//! with `ALTER DATABASE … SET`, then with `ALTER ROLE … SET` for a
+//! least-privilege candidate, and runs the same scenario as with stock
+//! settings: session-backend leader with a blocking and a polling standby,
+//! lease-backend leader with `LISTEN` and a standby, an idle `LockSession`
+//! holder with exclusive and shared waiters, and a migration that waits for
+//! its lock. Leaders keep their term for many multiples of the timeout,
+//! waiters that waited longer than it are granted, and no connection pgelect
+//! owns is ended by the server.
 //!
 //! Transaction locks run in the caller's transaction, under the caller's
 //! settings: a test shows that pgelect leaves them as they were and what a

@@ -182,7 +182,7 @@ async fn lock_no_wait_and_timeout_name_the_holder() {
     println!("{}", out.stderr);
     assert!(
         out.stderr
-            // Issue 12 (item 4) changed the wording, as flock users expect.
+            // The wording flock users expect.
             .contains("timed out after 0.5s waiting for lock \"nightly\" (not acquired), held by "),
         "a rounded duration and the lock's name: {}",
         out.stderr

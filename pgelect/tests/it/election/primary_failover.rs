@@ -78,7 +78,7 @@ fn fast_shared_lease(o: &ConnectOptions, role: &str, node: &str) -> Elector {
         .unwrap()
 }
 
-/// The lost-bump scenario of issue 14, session backend: a term committed
+/// The lost-bump scenario, session backend: a term committed
 /// on the old primary and never replicated must not be handed out again by
 /// the new primary.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,4 +1,4 @@
-//! Preferred leaders (issue 13, item 4): a candidate of strictly higher
+//! Preferred leaders: a candidate of strictly higher
 //! priority that stands and is ready to take the lock makes the leader hand
 //! over cleanly (new term, no overlap); equal priorities never flap; a
 //! registered candidate that does not wait, and anything another database

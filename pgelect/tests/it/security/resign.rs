@@ -1,4 +1,4 @@
-//! Resign requests are authenticated by the database (issue 9, item 1).
+//! Resign requests are authenticated by the database.
 //!
 //! Anyone who can connect may `NOTIFY pgelect_resign`; a leader treats the
 //! notification as a hint only: it renews early and steps down only when

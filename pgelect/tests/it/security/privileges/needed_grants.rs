@@ -1,4 +1,4 @@
-//! Least privilege (issue 9, item 5): login roles with exactly the grants
+//! Least privilege: login roles with exactly the grants
 //! the book lists for candidates, fencing applications, observers and
 //! operators who resign, each shown to work, and each grant shown to be
 //! needed where that can be shown.

@@ -1,4 +1,4 @@
-//! Least privilege (issue 11, item 3): the schema migrated by an owner who
+//! Least privilege: the schema migrated by an owner who
 //! is not a superuser, every other user given exactly the grants of
 //! `pgelect::grant_statements` (the book's list, checked here line by
 //! line) by that owner, a representative run of the election and lock
