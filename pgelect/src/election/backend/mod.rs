@@ -14,7 +14,7 @@
 //!   many roles, with batched renewals, acquires and registrations.
 //! * [`claim`]: one candidate per role on either of those two.
 //! * [`batch`]: a leader's place in the batched renewal of either of those
-//!   two.
+//!   two, and the utilities both batch with (`chunks`, `until_wanted`).
 
 mod batch;
 mod claim;

@@ -16,7 +16,7 @@ use crate::conn::{ConnectOptions, DedicatedConnection};
 use crate::error::{Error, Result};
 use crate::schema::check_schema;
 
-use crate::election::backend::shared::{chunks, until_wanted, Registration};
+use crate::election::backend::shared::Registration;
 use crate::election::config::random_u64;
 use crate::election::registry::{self, Register, Waits};
 use crate::election::support::{backoff, is_read_only, is_transient, listen_for, WakeLimit};
@@ -24,7 +24,7 @@ use crate::election::term::{next_term_sql, rearm_lease_sql, stale_row_sql, TIMEL
 use crate::election::watch::{parse_leader_event, LEADER_CHANNEL};
 use crate::election::Shared;
 
-use super::batch::{remove_if_term, Batch, Member, Outcome, Termed};
+use super::batch::{chunks, remove_if_term, until_wanted, Batch, Member, Outcome, Termed};
 use super::claim::{Claim, Roles};
 use super::lease::{lease_sql, reopen, settle, LeaseSql};
 
