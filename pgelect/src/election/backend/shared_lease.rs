@@ -1,4 +1,8 @@
-//! One connection for the lease-backend candidates of many roles.
+//! The lease backend's engine: one connection for the lease-backend
+//! candidates of many roles, with batched acquires, registrations and
+//! renewals. A candidate not built on a shared client gets a client of its
+//! own that carries it alone: a single candidate is a batch of one, and
+//! every lease statement ([`LeaseSql`]) is sent from here.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -23,10 +27,10 @@ use crate::election::support::{backoff, is_read_only, is_transient, listen_for, 
 use crate::election::term::{next_term_sql, rearm_lease_sql, stale_row_sql, TIMELINE_SQL};
 use crate::election::watch::{parse_leader_event, LEADER_CHANNEL};
 use crate::election::Shared;
+use crate::schema::SchemaName;
 
 use super::batch::{chunks, remove_if_term, until_wanted, Batch, Member, Outcome, Termed};
 use super::claim::{Claim, Roles};
-use super::lease::{lease_sql, reopen, settle, LeaseSql};
 
 /// One connection that carries the statements of the lease-backend
 /// candidates of many roles in one process, batched: a process standing
@@ -81,6 +85,10 @@ use super::lease::{lease_sql, reopen, settle, LeaseSql};
 /// `renew_every` per 2,000 leaders, one acquire per `retry_every` per 5,000
 /// standbys and one registration per `ttl / 2` per 2,000 standbys.
 ///
+/// A lease-backend candidate built without a `SharedLease` stands on a
+/// client of its own, the same engine carrying that one role on a
+/// connection named `pgelect:lease:<role>:<node>`.
+///
 /// A role may have only one candidate per `SharedLease`:
 /// [`ElectorBuilder::build`](crate::ElectorBuilder::build) refuses a second
 /// one while the first elector, or a leadership it handed out, lives.
@@ -114,8 +122,16 @@ pub struct SharedLease {
 
 struct Inner {
     options: ConnectOptions,
-    /// Part of the connection's `application_name`, unique per client.
-    id: String,
+    /// The connection's `application_name` without the `pgelect:` prefix:
+    /// `shared-lease:<8 hex digits>`, unique per client, or
+    /// `lease:<role>:<node>` for a candidate's own client.
+    purpose: String,
+    /// The `role` label of the statement metric: empty on a shared client,
+    /// the role on a candidate's own.
+    metric_role: String,
+    /// Whether requests wait a moment for others to share their statement:
+    /// not on a candidate's own client, which carries one role.
+    shares: bool,
     /// The connection between two statements; a statement holds the lock
     /// while in flight, so one statement at a time is sent.
     conn: AsyncMutex<Option<DedicatedConnection>>,
@@ -143,6 +159,8 @@ struct Inner {
     listen_via: Mutex<Option<ConnectOptions>>,
     /// Set once the listening task runs.
     listening: AtomicBool,
+    /// Early acquires brought by release announcements.
+    wakes: Mutex<Wakes>,
     /// Cancelled when the last handle is dropped: ends the tasks.
     stop: CancellationToken,
     /// Statements sent on the connection.
@@ -160,11 +178,11 @@ struct Inner {
     offset: usize,
 }
 
+/// The client's statements: the lease backend's, one SQL text per
+/// operation, each taking one array element per role (see [`LeaseSql`]).
 struct Statements {
-    renew: String,
-    acquire: String,
+    sql: LeaseSql,
     register: String,
-    lease: LeaseSql,
 }
 
 impl Drop for Inner {
@@ -197,11 +215,22 @@ const NEW_STANDBY_WAIT: Duration = Duration::from_millis(20);
 /// acquire, so forged announcements cost at most 10 acquires a second.
 const REWAKE_GAP: Duration = Duration::from_millis(100);
 
+/// How soon a leader whose row a fenced transaction held is tried again
+/// (see [`renew_batches`]): a fencing transaction's end is followed by
+/// the leader's renewal within this, plus a round trip.
+const BUSY_RETRY: Duration = Duration::from_millis(25);
+
 /// How many unanswered acquire tokens are remembered.
 const UNANSWERED_TOKENS: usize = 16;
 
 /// The least time allowed for connecting and for a standby's statement.
 const PATIENT_BOUND: Duration = Duration::from_secs(2);
+
+/// The largest jitter added to a standby's next acquire after the lease's
+/// server-reported expiry, so that standbys do not all fire at once. A
+/// twentieth of the TTL below a TTL of 1 s (25 ms at 500 ms), so that a
+/// short lease is taken over within `ttl` + 50 ms, round trips included.
+const MAX_JITTER: Duration = Duration::from_millis(50);
 
 /// The statements of the client, for errors and bounds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -227,12 +256,31 @@ impl SharedLease {
     /// A shared lease client for `options`' database; it connects on first
     /// use (and again after any failure).
     pub fn new(options: &ConnectOptions) -> SharedLease {
+        let purpose = format!("shared-lease:{:08x}", random_u64() as u32);
+        SharedLease::with(options, purpose, String::new(), true)
+    }
+
+    /// The client of a lone candidate (one not built on a shared client):
+    /// the same engine carrying one role, on a connection of its own named
+    /// `pgelect:lease:<role>:<node>`, with no wait for others to share a
+    /// statement.
+    pub(crate) fn own(options: &ConnectOptions, role: &str, node: &str) -> SharedLease {
+        SharedLease::with(
+            options,
+            format!("lease:{role}:{node}"),
+            role.to_owned(),
+            false,
+        )
+    }
+
+    fn with(options: &ConnectOptions, purpose: String, metric_role: String, shares: bool) -> Self {
         let schema = options.schema_name();
-        let s = schema.as_str();
         SharedLease {
             inner: Arc::new(Inner {
                 options: options.clone(),
-                id: format!("{:08x}", random_u64() as u32),
+                purpose,
+                metric_role,
+                shares,
                 conn: AsyncMutex::new(None),
                 roles: Roles::default(),
                 leaders: Mutex::new(HashMap::new()),
@@ -241,14 +289,13 @@ impl SharedLease {
                 joined: Arc::new(Notify::new()),
                 unanswered: Mutex::new(VecDeque::new()),
                 sql: Statements {
-                    renew: batch_renew_sql(s),
-                    acquire: batch_acquire_sql(s),
-                    register: registry::batch_register_sql_for(s, Waits::Lease),
-                    lease: lease_sql(schema),
+                    sql: lease_sql(schema),
+                    register: registry::batch_register_sql_for(schema.as_str(), Waits::Lease),
                 },
                 started: AtomicBool::new(false),
                 listen_via: Mutex::new(None),
                 listening: AtomicBool::new(false),
+                wakes: Mutex::new(Wakes::default()),
                 stop: CancellationToken::new(),
                 statements: AtomicU64::new(0),
                 releases_heard: AtomicU64::new(0),
@@ -288,7 +335,7 @@ impl SharedLease {
     }
 
     fn purpose(&self) -> String {
-        format!("shared-lease:{}", self.inner.id)
+        self.inner.purpose.clone()
     }
 
     pub(crate) fn options(&self) -> &ConnectOptions {
@@ -411,7 +458,7 @@ impl SharedLease {
         }
         let c = conn.as_ref().expect("BUG: connected above");
         inner.statements.fetch_add(1, Ordering::Relaxed);
-        crate::metrics::lease_statement("", op_kind(op));
+        crate::metrics::lease_statement(&inner.metric_role, op_kind(op));
         // Taken before the statement is written to the socket: the
         // server's `now()` in it is at or after this moment.
         let sent = Instant::now();
@@ -456,7 +503,11 @@ impl SharedLease {
         );
         // As on a shared connection: a short wait for others to share the
         // statement, a small part of the answer limit.
-        let share_wait = (shared.timing.heartbeat_timeout / 10).min(Duration::from_millis(20));
+        let share_wait = if self.inner.shares {
+            (shared.timing.heartbeat_timeout / 10).min(Duration::from_millis(20))
+        } else {
+            Duration::ZERO
+        };
         Member::new(self.clone(), &shared.role, term, rx, share_wait)
     }
 
@@ -468,7 +519,12 @@ impl SharedLease {
         let s = shared.options.schema_name().as_str();
         let (tx, rx) = oneshot::channel();
         let id = self.inner.next_standby.fetch_add(1, Ordering::Relaxed);
-        let first = Instant::now() + NEW_STANDBY_WAIT;
+        let first = Instant::now()
+            + if self.inner.shares {
+                NEW_STANDBY_WAIT
+            } else {
+                Duration::ZERO
+            };
         let register = Register::new(shared, Waits::Lease);
         self.inner.standbys().insert(
             shared.role.clone(),
@@ -520,20 +576,19 @@ impl SharedLease {
     ) -> Result<bool> {
         let s = self.inner.options.schema_name().as_str();
         let payload = format!("{s}:released:{role}");
-        let role = role.to_owned();
-        let node = node.to_owned();
+        let (roles, nodes, terms, payloads) = (vec![role], vec![node], vec![term], vec![payload]);
         let mut failures = 0;
         loop {
             let (_, r) = self
                 .exec(
                     Op::Release,
                     bound,
-                    &self.inner.sql.lease.release,
+                    &self.inner.sql.sql.release,
                     &[
-                        (&role, Type::TEXT),
-                        (&node, Type::TEXT),
-                        (&term, Type::INT8),
-                        (&payload, Type::TEXT),
+                        (&roles, Type::TEXT_ARRAY),
+                        (&nodes, Type::TEXT_ARRAY),
+                        (&terms, Type::INT8_ARRAY),
+                        (&payloads, Type::TEXT_ARRAY),
                     ],
                 )
                 .await;
@@ -560,6 +615,59 @@ impl SharedLease {
                 }
                 Err(e) => return Err(e),
             }
+        }
+    }
+}
+
+/// Opens a lease connection with `open`, bounded by `bound`, unless one is
+/// open.
+async fn reopen(
+    conn: &mut Option<DedicatedConnection>,
+    bound: Duration,
+    operation: &'static str,
+    open: impl std::future::Future<Output = Result<DedicatedConnection>>,
+) -> Result<()> {
+    if conn.as_ref().is_some_and(|c| c.is_closed()) {
+        conn.take();
+    }
+    if conn.is_none() {
+        match tokio::time::timeout(bound, open).await {
+            Ok(c) => *conn = Some(c?),
+            Err(_) => return Err(Error::connection_lost(operation)),
+        }
+    }
+    Ok(())
+}
+
+/// The result of a statement run on a lease connection within its bound.
+/// After a timeout or a transient failure the connection is dropped (a
+/// statement still running is cancelled on the server), so the next
+/// statement starts on a fresh one.
+fn settle<T>(
+    conn: &mut Option<DedicatedConnection>,
+    operation: &'static str,
+    r: std::result::Result<Result<T>, tokio::time::error::Elapsed>,
+) -> Result<T> {
+    match r {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => {
+            if is_transient(&e) {
+                if let Some(c) = conn.take() {
+                    c.kill();
+                }
+            }
+            Err(e)
+        }
+        Err(_) => {
+            if let Some(c) = conn.take() {
+                // The statement may still run on the server: ask it to stop.
+                let cancel = c.canceller();
+                tokio::spawn(async move {
+                    let _ = cancel.cancel().await;
+                });
+                c.kill();
+            }
+            Err(Error::connection_lost(operation))
         }
     }
 }
@@ -742,73 +850,71 @@ impl Drop for StandbyMember {
     }
 }
 
-/// The batched renewal: for each given (role, node, term), what a single
-/// lease renewal does (`lease_sql().renew`): where the row still names the
-/// node with the term, extends the lease to the server's `now()` + the
-/// role's TTL, never moving it back (`greatest`, as the single renewal),
-/// and returns the remaining ms, the resign mark and the node of a ready
-/// candidate of strictly higher priority. A row still ours but locked (a
-/// fenced transaction holds it `FOR SHARE`) is skipped, not waited for
-/// (one locked row would otherwise hold up every role's renewal), and
-/// returned with `renewed` false. Roles not returned are no longer ours.
+/// The lease backend's statements, exactly as the client sends them: one
+/// SQL text per operation, each taking one array element per role, for a
+/// lone candidate (a batch of one) as for thousands on a shared client.
 ///
-/// Parameters, one array element per leader: `$1` role, `$2` node, `$3`
-/// term, `$4` ttl ms, `$5` priority. Rows: role, remaining ms (float8),
-/// resign_requested, preferred ready node, renewed_at, lease_until,
-/// renewed.
-fn batch_renew_sql(s: &str) -> String {
-    let pref = registry::preferred_lease_sql(s, "m.role", "m.node", "m.priority");
-    format!(
-        "WITH m AS (
-             SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::int8[], $5::int4[])
-                        AS m(role, node, term, ttl_ms, priority)
-         ), o AS (
-             SELECT l.role
-               FROM {s}.leaders l JOIN m
-                 ON l.role = m.role AND l.holder = m.node AND l.term = m.term
-                FOR NO KEY UPDATE OF l SKIP LOCKED
-         ), u AS (
-             UPDATE {s}.leaders l
-                SET renewed_at = greatest(l.renewed_at, now()),
-                    lease_until = greatest(l.lease_until, now() + m.ttl_ms * interval '1 millisecond')
-               FROM m, o
-              WHERE l.role = m.role AND l.role = o.role
-             RETURNING l.role, l.renewed_at, l.lease_until, l.resign_requested
-         )
-         SELECT u.role, (extract(epoch FROM u.lease_until - now()) * 1000)::float8,
-                u.resign_requested, {pref}, u.renewed_at, u.lease_until, true AS renewed
-           FROM u JOIN m ON m.role = u.role
-         UNION ALL
-         SELECT l.role, NULL::float8, false, NULL::text, l.renewed_at, l.lease_until, false
-           FROM {s}.leaders l JOIN m
-             ON l.role = m.role AND l.holder = m.node AND l.term = m.term
-          WHERE l.role NOT IN (SELECT u.role FROM u)"
-    )
+/// Exposed (hidden from the docs) so that integration tests run the very
+/// statements the client runs. Parameters and rows:
+///
+/// * `acquire`: `$1` roles (text[]), `$2` nodes (text[]), `$3` holder
+///   metas (jsonb[]), `$4` TTLs in ms (int8[]), `$5` NOTIFY payloads
+///   (text[]), `$6` priorities (int4[]); then `$7` this attempt's random
+///   token (int8) and `$8` the tokens of this client's earlier attempts
+///   that got no answer (int8[]): a lease one of them took (it names the
+///   same node) is taken again. A role is taken when its row is missing,
+///   has no holder, or its lease expired on the server's clock, and no
+///   ready candidate of strictly higher priority is registered. One row
+///   per role: won term (int8, NULL if not won), acquired_at, lease_until,
+///   remaining ms of the new lease (float8), then the row as it was
+///   before: holder, backend, remaining ms (float8, negative if expired);
+///   then the NOTIFY (text), the preferred candidate it deferred to (text,
+///   NULL if none), whether the row was re-armed instead (bool) and the
+///   role (text).
+/// * `renew`: `$1` roles, `$2` nodes, `$3` terms (int8[]), `$4` TTLs in ms,
+///   `$5` priorities. A row per role whose lease is still its node's with
+///   its term: role, remaining ms (float8), resign_requested, the node of a
+///   ready candidate of strictly higher priority (or NULL), renewed_at,
+///   lease_until, renewed (bool: false when a fenced transaction holds the
+///   row, which is then skipped, not waited for). No row: not ours.
+/// * `release`: `$1` roles, `$2` nodes, `$3` terms, `$4` NOTIFY payloads.
+///   One row: the number of rows cleared (int8).
+#[doc(hidden)]
+#[derive(Clone, Debug)]
+pub struct LeaseSql {
+    /// Takes the leases that are free or expired (inserting missing rows
+    /// with term 1).
+    pub acquire: String,
+    /// Renews the leases whose holder and term are still the given ones.
+    pub renew: String,
+    /// Clears the holders whose holder and term are still the given ones.
+    pub release: String,
 }
 
-/// The batched acquire: for each given standby, what a single acquire
-/// (`lease_sql().acquire`) does. A role is tried when its row is missing,
-/// has no holder, or its lease expired on the server's clock, and no ready
-/// candidate of strictly higher priority is registered; or when its row
-/// names the standby's node with the token of one of this client's
-/// acquires that got no answer (`$8`: nobody acts on such a lease). The
-/// upsert re-checks the same conditions on the latest row version (READ
-/// COMMITTED), so of concurrent candidates exactly one wins a role. Rows
-/// that are held are only read, never locked or written: a poll of
-/// thousands of led roles writes nothing.
-///
-/// Parameters, one array element per standby: `$1` role, `$2` node, `$3`
-/// meta (jsonb), `$4` ttl ms, `$5` NOTIFY payload, `$6` priority; then
-/// `$7` this poll's token (int8) and `$8` the unanswered tokens (int8[]).
-/// One row per role: role, won term (NULL if not won), acquired_at,
-/// lease_until, the row as it was before (holder, backend, remaining ms),
-/// the NOTIFY (one per win) and the preferred candidate it deferred to.
-fn batch_acquire_sql(s: &str) -> String {
+/// The lease statements for `schema`; see [`LeaseSql`].
+#[doc(hidden)]
+pub fn lease_sql(schema: &SchemaName) -> LeaseSql {
+    let s = schema.as_str();
+    LeaseSql {
+        acquire: acquire_sql(s),
+        renew: renew_sql(s),
+        release: release_sql(s),
+    }
+}
+
+/// The acquire (see [`LeaseSql::acquire`]). `cur` reads the rows as of the
+/// statement's snapshot; the upsert locks the latest version and re-checks
+/// its WHERE on it (READ COMMITTED), so of concurrent candidates exactly
+/// one wins a role, whatever `cur` showed. Rows that are held are only
+/// read, never locked or written: a poll of thousands of led roles writes
+/// nothing.
+fn acquire_sql(s: &str) -> String {
     let (first, next) = (next_term_sql("0"), next_term_sql("l.term"));
     let pref = registry::preferred_lease_sql(s, "a.role", "a.node", "a.priority");
     // `stale`: rows that may lack the old primary's last writes (a promoted
     // server) are re-armed for a full TTL instead of taken over, once per
-    // timeline, as the single acquire does (see term.rs).
+    // timeline (see term.rs). `lost` rows (our own unanswered attempt) are
+    // taken again as before: nobody acts on them.
     let tl = "(SELECT t FROM tl)";
     let stale = stale_row_sql("l", tl);
     let rearm = rearm_lease_sql("l", "c.ttl_ms", tl);
@@ -858,13 +964,16 @@ fn batch_acquire_sql(s: &str) -> String {
                  OR (l.holder = EXCLUDED.holder AND l.lease_token = ANY($8::int8[]))
              RETURNING l.role, l.term, l.acquired_at, l.lease_until
          )
-         SELECT a.role, up.term, up.acquired_at, up.lease_until,
+         SELECT up.term, up.acquired_at, up.lease_until,
+                (extract(epoch FROM up.lease_until - now()) * 1000)::float8,
                 CASE WHEN rearm.lease_until IS NOT NULL THEN coalesce(cur.holder, '') ELSE cur.holder END,
                 cur.backend,
                 (extract(epoch FROM coalesce(rearm.lease_until, cur.lease_until) - now()) * 1000)::float8,
                 CASE WHEN up.term IS NOT NULL
                      THEN pg_catalog.pg_notify('{LEADER_CHANNEL}', a.payload)::text END,
-                CASE WHEN up.term IS NULL THEN try.pref END
+                CASE WHEN up.term IS NULL THEN try.pref END,
+                rearm.lease_until IS NOT NULL,
+                a.role
            FROM a LEFT JOIN up ON up.role = a.role
                   LEFT JOIN cur ON cur.role = a.role
                   LEFT JOIN try ON try.role = a.role
@@ -872,27 +981,128 @@ fn batch_acquire_sql(s: &str) -> String {
     )
 }
 
+/// The renewal (see [`LeaseSql::renew`]): where a row still names the node
+/// with the term, extends the lease to the server's `now()` + the role's
+/// TTL. `greatest`: a renewal that was given up on the client but ran late
+/// on the server (after a retry on a new connection) never moves the lease
+/// back in time below what a later renewal promised.
+///
+/// A row still ours but locked (a fenced transaction of the leader's own
+/// holds it `FOR SHARE` until it ends) is skipped, not waited for, and
+/// returned with `renewed` false: the keeper retries soon
+/// ([`Answer::Busy`](crate::election::driver::Answer::Busy)), as the
+/// session backend's renewal does. Waiting would hold up every role of a
+/// batch behind one application transaction, and a lone leader's
+/// renewal behind a transaction that may outlast its statement bound.
+///
+/// The skipped rows are found with `NOT IN` over `u`, which the planner
+/// runs as one hashed sub-plan (it guesses one row for `u`); as `NOT
+/// EXISTS` it chose a nested anti-join that rescanned `u` for every row
+/// (see the shared connection's renewal).
+fn renew_sql(s: &str) -> String {
+    let pref = registry::preferred_lease_sql(s, "m.role", "m.node", "m.priority");
+    format!(
+        "WITH m AS (
+             SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::int8[], $5::int4[])
+                        AS m(role, node, term, ttl_ms, priority)
+         ), o AS (
+             SELECT l.role
+               FROM {s}.leaders l JOIN m
+                 ON l.role = m.role AND l.holder = m.node AND l.term = m.term
+                FOR NO KEY UPDATE OF l SKIP LOCKED
+         ), u AS (
+             UPDATE {s}.leaders l
+                SET renewed_at = greatest(l.renewed_at, now()),
+                    lease_until = greatest(l.lease_until, now() + m.ttl_ms * interval '1 millisecond')
+               FROM m, o
+              WHERE l.role = m.role AND l.role = o.role
+             RETURNING l.role, l.renewed_at, l.lease_until, l.resign_requested
+         )
+         SELECT u.role, (extract(epoch FROM u.lease_until - now()) * 1000)::float8,
+                u.resign_requested, {pref}, u.renewed_at, u.lease_until, true AS renewed
+           FROM u JOIN m ON m.role = u.role
+         UNION ALL
+         SELECT l.role, NULL::float8, false, NULL::text, l.renewed_at, l.lease_until, false
+           FROM {s}.leaders l JOIN m
+             ON l.role = m.role AND l.holder = m.node AND l.term = m.term
+          WHERE l.role NOT IN (SELECT u.role FROM u)"
+    )
+}
+
+/// The release (see [`LeaseSql::release`]): clears the holder where holder
+/// and term are still the given ones, with a NOTIFY per cleared row in the
+/// same transaction.
+fn release_sql(s: &str) -> String {
+    format!(
+        "WITH m AS (
+             SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::text[])
+                        AS m(role, node, term, payload)
+         ), c AS (
+             UPDATE {s}.leaders l
+                SET holder = NULL, holder_pid = NULL, holder_meta = NULL, lease_token = NULL,
+                    renewed_at = now(), lease_until = now(), resign_requested = false
+               FROM m
+              WHERE l.role = m.role AND l.holder = m.node AND l.term = m.term
+             RETURNING m.payload
+         )
+         SELECT count(*), count(pg_catalog.pg_notify('{LEADER_CHANNEL}', c.payload)::text)
+           FROM c"
+    )
+}
+
 /// The renewal task: when the earliest renewal request wants it, sends one
 /// statement per chunk renewing every leader on the client, and hands each
 /// its outcome with the statement's send time; ends with the client.
+///
+/// A leader whose row a fenced transaction holds (the statement skips it,
+/// see [`renew_sql`]) is not handed `Busy` at once: it is tried again alone
+/// every [`BUSY_RETRY`], its outcome held back, until renewed or until
+/// half its statement bound has passed since it was first found busy. So a
+/// leader whose application fences in short transactions is renewed right
+/// after one ends, as a renewal that waited for the lock would be, without
+/// holding up the other leaders' renewals.
 async fn renew_batches(
     inner: Weak<Inner>,
     mut wanted: watch::Receiver<Option<Instant>>,
     stop: CancellationToken,
 ) {
+    // Leaders found busy and not handed their outcome yet: role -> term and
+    // the send time of the statement that first found the row held.
+    let mut busy: HashMap<String, (i64, Instant)> = HashMap::new();
     loop {
-        if !until_wanted(&mut wanted, &stop).await {
-            return;
-        }
+        let all = if busy.is_empty() {
+            if !until_wanted(&mut wanted, &stop).await {
+                return;
+            }
+            true
+        } else {
+            tokio::select! {
+                w = until_wanted(&mut wanted, &stop) => {
+                    if !w {
+                        return;
+                    }
+                    true
+                }
+                _ = tokio::time::sleep(BUSY_RETRY) => false,
+            }
+        };
         let Some(inner) = inner.upgrade() else {
             return;
         };
         let client = SharedLease { inner };
-        client.inner.renew_wanted.send_replace(None);
+        if all {
+            client.inner.renew_wanted.send_replace(None);
+        }
+        // Leaders that left (or lead with another term now) wait no more.
+        {
+            let leaders = client.inner.leaders();
+            busy.retain(|role, (term, _)| leaders.get(role).is_some_and(|l| l.term == *term));
+        }
         let mut leaders: Vec<(String, String, i64, i64, i32, Duration, watch::Sender<_>)> = client
             .inner
             .leaders()
             .iter()
+            .filter(|(role, _)| all || busy.contains_key(*role))
             .map(|(role, l)| {
                 (
                     role.clone(),
@@ -925,7 +1135,7 @@ async fn renew_batches(
                 .exec(
                     Op::Renew,
                     bound,
-                    &client.inner.sql.renew,
+                    &client.inner.sql.sql.renew,
                     &[
                         (&roles, Type::TEXT_ARRAY),
                         (&nodes, Type::TEXT_ARRAY),
@@ -961,11 +1171,21 @@ async fn renew_batches(
                     Some(is_read_only(&e))
                 }
             };
-            for (role, _, _, _, _, _, tx) in part {
+            for (role, _, term, _, _, bound, tx) in part {
                 let r = match failed {
                     Some(read_only) => Renewal::Failed { read_only },
                     None => found.remove(role).unwrap_or(Renewal::NotOurs),
                 };
+                if matches!(r, Renewal::Busy) {
+                    let first = busy.entry(role.clone()).or_insert((*term, sent));
+                    if first.0 != *term {
+                        *first = (*term, sent);
+                    }
+                    if sent.saturating_duration_since(first.1) < *bound / 2 {
+                        continue;
+                    }
+                }
+                busy.remove(role);
                 tx.send_replace(Some((sent, r)));
             }
         }
@@ -1028,14 +1248,20 @@ async fn listen_releases(
     stop: CancellationToken,
 ) {
     let schema = options.schema_name().as_str().to_owned();
-    let mut wakes = Wakes::default();
+    let wake = |role: Option<&str>| match inner.upgrade() {
+        Some(i) => {
+            SharedLease { inner: i }.wake_standbys(role);
+            true
+        }
+        None => false,
+    };
     listen_for(&options, &purpose, &[LEADER_CHANNEL], &stop, |n| match n {
         // Missed (before the LISTEN took effect, or the notices lagged):
         // poll as if one was ours.
-        None => wakes.wake(&inner, None),
+        None => wake(None),
         Some(n) => match parse_leader_event(&schema, &n.payload) {
             Some(("released", role)) if n.channel == LEADER_CHANNEL => {
-                let alive = wakes.wake(&inner, Some(role));
+                let alive = wake(Some(role));
                 if let Some(i) = inner.upgrade() {
                     i.releases_heard.fetch_add(1, Ordering::Relaxed);
                 }
@@ -1057,16 +1283,15 @@ struct Wakes {
     pending: Option<Instant>,
 }
 
-impl Wakes {
-    /// Brings the next batched acquire forward for the standby of `role`
-    /// (for any standby when `None`), if there is one; false once the
-    /// client is gone.
-    fn wake(&mut self, inner: &Weak<Inner>, role: Option<&str>) -> bool {
-        let Some(inner) = inner.upgrade() else {
-            return false;
-        };
+impl SharedLease {
+    /// Brings the next acquire forward for the standby of `role` (for any
+    /// standby when `None`: announcements may have been missed), if there
+    /// is one, within the wake-up limit: its role was announced released.
+    pub(crate) fn wake_standbys(&self, role: Option<&str>) {
+        let inner = &self.inner;
         let now = Instant::now();
         {
+            let mut wakes = inner.wakes.lock().unwrap_or_else(PoisonError::into_inner);
             let mut standbys = inner.standbys();
             // Marked in every case: an acquire in flight now may have read
             // the row before the release, and its outcome would put the
@@ -1079,25 +1304,24 @@ impl Wakes {
                 }
                 None => standbys.values_mut().for_each(|s| s.woken_at = Some(now)),
             }
-            if self.pending.is_some_and(|p| p > now) {
-                return true;
+            if wakes.pending.is_some_and(|p| p > now) {
+                return;
             }
             let standby = match role {
                 Some(r) => standbys.get_mut(r),
                 None => standbys.values_mut().min_by_key(|s| s.due),
             };
             let Some(standby) = standby else {
-                return true;
+                return;
             };
             if standby.due <= now {
-                return true;
+                return;
             }
-            let at = self.limit.reserve(now);
-            self.pending = Some(at);
+            let at = wakes.limit.reserve(now);
+            wakes.pending = Some(at);
             standby.due = standby.due.min(at);
         }
         inner.joined.notify_one();
-        true
     }
 }
 
@@ -1236,32 +1460,43 @@ fn refuse_one(client: &SharedLease, role: &str, e: Error) {
     }
 }
 
-/// One standby's row of a batched acquire, decoded.
+/// One role's row of the acquire ([`LeaseSql::acquire`]), decoded.
 struct Acquired {
     role: String,
+    /// Won: the new term, `acquired_at` and `lease_until`.
     won: Option<(i64, SystemTime, SystemTime)>,
+    /// The row as it was before: holder, backend, remaining ms.
     prev_holder: Option<String>,
     prev_backend: Option<String>,
     prev_remaining: Option<f64>,
+    /// Not won because this ready candidate of higher priority stands.
     deferred_to: Option<String>,
+    /// Not won because the row was last written before this server's
+    /// promotion: its lease was re-armed for a full TTL.
+    rearmed: bool,
 }
 
-fn decode_acquired(row: &Row) -> std::result::Result<Acquired, tokio_postgres::Error> {
-    let term: Option<i64> = row.try_get(1)?;
-    let won = match term {
-        Some(term) => Some((term, row.try_get(2)?, row.try_get(3)?)),
-        None => None,
-    };
-    Ok(Acquired {
-        role: row.try_get(0)?,
-        won,
-        prev_holder: row.try_get(4)?,
-        prev_backend: row.try_get(5)?,
-        prev_remaining: row.try_get(6)?,
-        deferred_to: row.try_get(8)?,
-    })
+impl Acquired {
+    fn decode(row: &Row) -> std::result::Result<Acquired, tokio_postgres::Error> {
+        let term: Option<i64> = row.try_get(0)?;
+        let won = match term {
+            Some(term) => Some((term, row.try_get(1)?, row.try_get(2)?)),
+            None => None,
+        };
+        Ok(Acquired {
+            won,
+            prev_holder: row.try_get(4)?,
+            prev_backend: row.try_get(5)?,
+            prev_remaining: row.try_get(6)?,
+            deferred_to: row.try_get(8)?,
+            rearmed: row.try_get::<_, Option<bool>>(9)?.unwrap_or(false),
+            role: row.try_get(10)?,
+        })
+    }
 }
 
+/// Server-reported milliseconds as a duration; zero for a negative or
+/// non-finite value.
 fn ms(f: f64) -> Duration {
     if f.is_finite() && f > 0.0 {
         Duration::from_secs_f64((f / 1000.0).min(1e9))
@@ -1270,11 +1505,16 @@ fn ms(f: f64) -> Duration {
     }
 }
 
-/// Up to 50 ms (a twentieth of the TTL below 1 s) after an expiry, so that
-/// the candidates do not all fire at once.
+/// The largest jitter for `ttl`: [`MAX_JITTER`], a twentieth of the TTL
+/// below 1 s.
+fn max_jitter(ttl: Duration) -> Duration {
+    MAX_JITTER.min(ttl / 20)
+}
+
+/// Up to [`max_jitter`] after an expiry, so that the candidates do not all
+/// fire at once.
 fn jitter(ttl: Duration) -> Duration {
-    let max = super::lease::MAX_JITTER.min(ttl / 20);
-    Duration::from_millis(random_u64() % (max.as_millis() as u64 + 1))
+    Duration::from_millis(random_u64() % (max_jitter(ttl).as_millis() as u64 + 1))
 }
 
 /// Sends the batched acquire for every standby, in chunks; hands each won
@@ -1353,7 +1593,7 @@ async fn acquire_chunk(client: &SharedLease, part: &[Entry], bound: Duration) ->
         .exec(
             Op::Acquire,
             bound,
-            &client.inner.sql.acquire,
+            &client.inner.sql.sql.acquire,
             &[
                 (&roles, Type::TEXT_ARRAY),
                 (&nodes, Type::TEXT_ARRAY),
@@ -1389,7 +1629,8 @@ async fn acquire_chunk(client: &SharedLease, part: &[Entry], bound: Duration) ->
             return Err(e);
         }
     };
-    let decoded: std::result::Result<Vec<Acquired>, _> = rows.iter().map(decode_acquired).collect();
+    let decoded: std::result::Result<Vec<Acquired>, _> =
+        rows.iter().map(Acquired::decode).collect();
     let decoded = match decoded {
         Ok(d) => d,
         Err(e) => {
@@ -1441,6 +1682,9 @@ async fn acquire_chunk(client: &SharedLease, part: &[Entry], bound: Duration) ->
                 (None, None) => {}
                 (None, Some(e)) => {
                     let remaining = a.prev_remaining.unwrap_or(0.0);
+                    if a.rearmed {
+                        tracing::info!(role = a.role, holder = ?a.prev_holder, lease = ?ms(remaining), "the lease row was last written before this server's promotion and may lack the old primary's last renewals: re-armed it for a full TTL before anyone takes it over");
+                    }
                     if a.prev_holder.is_some()
                         && a.prev_backend.as_deref() == Some("session")
                         && remaining > 0.0
@@ -1522,24 +1766,50 @@ mod tests {
     use super::*;
 
     #[test]
-    fn batched_statements_keep_the_single_statements_rules() {
-        let renew = batch_renew_sql("pgelect");
-        assert!(renew.contains("greatest(l.lease_until, now()"), "{renew}");
-        assert!(
-            renew.contains("l.holder = m.node AND l.term = m.term"),
-            "{renew}"
-        );
-        let acquire = batch_acquire_sql("pgelect");
-        assert!(acquire.contains("l.lease_until < now()"), "{acquire}");
-        assert!(acquire.contains("c.priority > a.priority"), "{acquire}");
-        assert!(acquire.contains("pg_notify"), "{acquire}");
-        for s in [&renew, &acquire] {
-            assert!(!s.contains(';'), "one statement each: {s}");
+    fn server_reported_milliseconds_are_clamped() {
+        assert_eq!(ms(-5.0), Duration::ZERO);
+        assert_eq!(ms(f64::NAN), Duration::ZERO);
+        assert_eq!(ms(1500.0), Duration::from_millis(1500));
+        for _ in 0..100 {
+            assert!(jitter(Duration::from_secs(15)) <= MAX_JITTER);
+            assert!(jitter(Duration::from_millis(500)) <= Duration::from_millis(25));
         }
+        assert_eq!(max_jitter(Duration::from_secs(1)), MAX_JITTER);
     }
 
     #[test]
     fn chunks_cover_every_item_once() {
         assert_eq!(chunks(4000, CHUNK_ROWS).count(), 2);
+    }
+
+    #[test]
+    fn statements_are_scoped_to_holder_and_term() {
+        let sql = lease_sql(&SchemaName::default());
+        assert!(
+            sql.renew.contains("greatest(l.lease_until, now()"),
+            "{}",
+            sql.renew
+        );
+        for s in [&sql.renew, &sql.release] {
+            assert!(
+                s.contains("l.role = m.role AND l.holder = m.node AND l.term = m.term"),
+                "{s}"
+            );
+        }
+        assert!(sql.renew.contains("SKIP LOCKED"), "{}", sql.renew);
+        assert!(
+            sql.acquire.contains("l.lease_until < now()"),
+            "{}",
+            sql.acquire
+        );
+        assert!(
+            sql.acquire.contains("c.priority > a.priority"),
+            "{}",
+            sql.acquire
+        );
+        assert!(sql.acquire.contains("pg_notify"), "{}", sql.acquire);
+        for s in [&sql.acquire, &sql.renew, &sql.release] {
+            assert!(!s.contains(';'), "one statement each: {s}");
+        }
     }
 }
