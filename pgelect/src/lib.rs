@@ -35,7 +35,7 @@
 //!   safety inequalities) and `election/keeper.rs` (the leader's state
 //!   machine, no I/O); the one loop that keeps a leadership, for every
 //!   backend, in `election/driver.rs`; each backend's SQL and behaviour in
-//!   `election/backend/` (`session.rs`, `lease.rs`, `shared.rs` for
+//!   `election/backend/` (`session.rs`, `lease/`, `shared.rs` for
 //!   [`SharedConnection`]); observers in `election/watch.rs`; shared
 //!   utilities (backoff, transient errors, waiting for a release `NOTIFY`,
 //!   reconnecting, pooler detection) in `election/support.rs`. The

@@ -165,7 +165,7 @@
 //! | `keeper.rs` | pure rules: the leader's keep-alive state machine (when to renew, heartbeat, act, stop); no I/O, clock, logging or metrics |
 //! | `driver.rs` | the one loop that keeps a leadership for every backend: carries out and reports the keeper's decisions, commands, resign hints, release |
 //! | `backend/session.rs` | the session backend's SQL and behaviour: lock wait, term bump, renewal, heartbeat, release |
-//! | `backend/lease.rs` | the lease backend's SQL and behaviour: acquire, renew, release, the `LISTEN` connection |
+//! | `backend/lease/` | the lease backend in one engine, [`SharedLease`] (a lone candidate is a batch of one): the client (`mod.rs`), its statements behind one seam (`sql.rs`: acquire, renew, release, register), gaining leadership (`campaign.rs`), keeping it (`keep.rs`), the `LISTEN` connections (`listen.rs`) |
 //! | `backend/shared.rs` | [`SharedConnection`]: one lock connection for many roles, one heartbeat for all its leaders |
 //! | `registry.rs` | the candidate registry: registration, the readiness rules for preferred leaders, the timing stored for observers |
 //! | `watch.rs` | observers: [`current_leader`], [`request_resign`], the background observer, zombie preemption |
@@ -216,21 +216,21 @@ use crate::conn::{ConnectOptions, DedicatedConnection, Notice};
 use crate::error::Result;
 use crate::key::LockKey;
 
+pub use backend::lease::SharedLease;
+#[doc(hidden)]
+#[cfg(feature = "test-hooks")]
+pub use backend::lease::{lease_sql, LeaseSql};
 #[cfg(feature = "test-hooks")]
 pub use backend::shared::shared_renew_sql;
 pub use backend::shared::SharedConnection;
-pub use backend::shared_lease::SharedLease;
-#[doc(hidden)]
-#[cfg(feature = "test-hooks")]
-pub use backend::shared_lease::{lease_sql, LeaseSql};
 pub use config::{Backend, ElectorBuilder, StandbyMode, MAX_ROLE_BYTES};
 pub use leadership::{LeaderContext, Leadership, LossReason, Term};
 pub(crate) use timing::default_tcp_for;
 pub use timing::Profile;
 pub use watch::{current_leader, request_resign, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 
+use self::backend::lease::LeaseClaim;
 use self::backend::shared::RoleClaim;
-use self::backend::shared_lease::LeaseClaim;
 use self::timing::Timing;
 
 /// Stands for election of one role.
