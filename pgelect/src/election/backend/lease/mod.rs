@@ -61,10 +61,8 @@ pub use sql::lease_sql;
 #[cfg(feature = "test-hooks")]
 pub use sql::LeaseSql;
 
-use campaign::standby_batches;
-use campaign::{Standby, ACQUIRE_ROWS};
-use keep::renew_batches;
-use keep::Leader;
+use campaign::{standby_batches, Standby, ACQUIRE_ROWS};
+use keep::{renew_batches, Leader};
 use listen::Wakes;
 use sql::Statements;
 
@@ -89,12 +87,14 @@ use sql::Statements;
 ///   was taken is lost alone. Leaders renewed by one statement ask again
 ///   together, so at steady state one statement per renewal period serves
 ///   them all. Each role keeps its own term and its own local deadline,
-///   counted from the moment that statement was sent.
+///   counted from the moment that statement was sent. A row that a fenced
+///   transaction holds is skipped, not waited for, and tried again alone
+///   every 25 ms for up to half the leader's statement bound: one
+///   application's transaction never holds up the other roles' renewals.
 /// * **Standbys**: one batched acquire per poll tries every standby role
 ///   (in chunks of 5,000) and takes those whose lease is free or expired
-///   on the server's clock, under the rules of a single candidate's
-///   acquire (a ready candidate of strictly higher priority goes first; a
-///   role held by a session-backend leader is refused). A poll is sent at
+///   on the server's clock (a ready candidate of strictly higher priority
+///   goes first; a role held by a session-backend leader is refused). A poll is sent at
 ///   the earliest server-reported expiry among the standbys, at least
 ///   every `retry_every` (1 s by default), and, with
 ///   [`listen_via`](SharedLease::listen_via), at once when a leader
