@@ -116,13 +116,18 @@
 //!     * `election/backend/mod.rs`: the small trait the driver calls;
 //!     * `election/backend/session.rs`: the session backend (lock wait,
 //!       term bump, handover delay, renewal, heartbeat, release);
-//!     * `election/backend/lease.rs`: the lease backend (acquire, renew,
-//!       release, the `LISTEN` connection);
+//!     * `election/backend/lease/`: the lease backend in one engine,
+//!       [`SharedLease`] (a lone candidate is a batch of one):
+//!       * `election/backend/lease/mod.rs`: the client;
+//!       * `election/backend/lease/sql.rs`: its statements behind one seam
+//!         (acquire, renew, release, register);
+//!       * `election/backend/lease/campaign.rs`: gaining leadership;
+//!       * `election/backend/lease/keep.rs`: keeping it;
+//!       * `election/backend/lease/listen.rs`: the `LISTEN` connections;
 //!     * `election/backend/shared.rs`: [`SharedConnection`], one lock
 //!       connection for many roles, with batched statements;
-//!     * `election/backend/shared_lease.rs`: [`SharedLease`], the same for
-//!       the lease backend;
-//!     * `election/backend/batch.rs`: a leader's place in a batched renewal;
+//!     * `election/backend/batch.rs`: batching utilities (chunks of a
+//!       batched statement, a leader's place in a batched renewal);
 //!     * `election/backend/claim.rs`: one candidate per role on a shared
 //!       client.
 //! * `partitions/` (*pub* [`partitions`]): balanced partitions.

@@ -208,20 +208,20 @@ use crate::conn::{ConnectOptions, DedicatedConnection, Notice};
 use crate::error::Result;
 use crate::key::LockKey;
 
+pub use backend::lease::SharedLease;
 #[doc(hidden)]
 #[cfg(feature = "test-hooks")]
 pub use backend::lease::{lease_sql, LeaseSql};
 #[cfg(feature = "test-hooks")]
 pub use backend::shared::shared_renew_sql;
 pub use backend::shared::SharedConnection;
-pub use backend::shared_lease::SharedLease;
 pub use config::{Backend, ElectorBuilder, StandbyMode, MAX_ROLE_BYTES};
 pub use leadership::{LeaderContext, Leadership, LossReason, Term};
 pub use timing::Profile;
 pub use watch::{current_leader, request_resign, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 
+use self::backend::lease::LeaseClaim;
 use self::backend::shared::RoleClaim;
-use self::backend::shared_lease::LeaseClaim;
 use self::timing::Timing;
 
 /// Stands for election of one role.
@@ -310,11 +310,11 @@ pub(crate) struct LeaseState {
     /// Notifications received on the `LISTEN` connection.
     pub(crate) notices: tokio::sync::broadcast::Sender<Notice>,
     listener: Mutex<Option<CancellationToken>>,
-    /// Statements sent (acquire, renew, release, connect probe); not
-    /// those a [`SharedLease`] sends for this elector.
-    pub(crate) statements: std::sync::atomic::AtomicU64,
-    /// The shared lease client this candidate stands on.
-    pub(crate) host: Option<LeaseClaim>,
+    /// The client that carries this candidate's statements: the
+    /// [`SharedLease`] it was built on, or one of its own.
+    pub(crate) client: LeaseClaim,
+    /// Whether `client` is this candidate's own (built for it alone).
+    own_client: bool,
 }
 
 /// The moment a connection of an elector last got an answer from the
@@ -527,6 +527,28 @@ impl Elector {
         host: Option<RoleClaim>,
         lease_host: Option<LeaseClaim>,
     ) -> Elector {
+        let per_backend = match backend {
+            Backend::Session => PerBackend::Session(SessionState {
+                standby,
+                spare: Mutex::new(None),
+                host,
+            }),
+            Backend::Lease => {
+                let own_client = lease_host.is_none();
+                let client = lease_host.unwrap_or_else(|| {
+                    SharedLease::own(&options, &role, &node)
+                        .claim(&role)
+                        .expect("BUG: a new client carries no role yet")
+                });
+                PerBackend::Lease(LeaseState {
+                    listen_via,
+                    notices: tokio::sync::broadcast::Sender::new(64),
+                    listener: Mutex::new(None),
+                    client,
+                    own_client,
+                })
+            }
+        };
         Elector {
             shared: Arc::new(Shared {
                 options,
@@ -539,20 +561,7 @@ impl Elector {
                 leader: tokio::sync::watch::Sender::new(None),
                 activity: tokio::sync::watch::Sender::new(Activity::default()),
                 observer: Mutex::new(None),
-                per_backend: match backend {
-                    Backend::Session => PerBackend::Session(SessionState {
-                        standby,
-                        spare: Mutex::new(None),
-                        host,
-                    }),
-                    Backend::Lease => PerBackend::Lease(LeaseState {
-                        listen_via,
-                        notices: tokio::sync::broadcast::Sender::new(64),
-                        listener: Mutex::new(None),
-                        statements: std::sync::atomic::AtomicU64::new(0),
-                        host: lease_host,
-                    }),
-                },
+                per_backend,
                 contact: Contact::new(),
                 preemption_refused: Arc::default(),
                 server_read_only: tokio::sync::Notify::new(),
@@ -606,14 +615,16 @@ impl Elector {
 
     /// Lease backend: the number of statements this elector (and the
     /// leaderships it handed out) has sent to the database so far —
-    /// acquire attempts, renewals, releases — for capacity planning (also
-    /// recorded as the metric
+    /// registrations, acquire attempts, renewals, releases — for capacity
+    /// planning (also recorded as the metric
     /// [`LEASE_STATEMENTS`](crate::metrics::LEASE_STATEMENTS)). Always 0
-    /// for the session backend.
+    /// for the session backend and for a candidate on a [`SharedLease`]
+    /// (see [`SharedLease::statements`]).
     pub fn lease_statements(&self) -> u64 {
-        self.shared.lease().map_or(0, |l| {
-            l.statements.load(std::sync::atomic::Ordering::Relaxed)
-        })
+        self.shared
+            .lease()
+            .filter(|l| l.own_client)
+            .map_or(0, |l| l.client.client().statements())
     }
 
     /// How long ago one of this elector's connections (lock or lease

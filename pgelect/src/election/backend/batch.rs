@@ -1,8 +1,9 @@
 //! A leader's place in a batched renewal, for both clients that batch
 //! renewals: a shared connection's session ([`super::shared`]) and a
-//! shared lease client ([`super::shared_lease`]). Each renewal statement
+//! lease client ([`super::lease`]). Each renewal statement
 //! renews every leader in the batch; a member asks for one within its
-//! share wait and takes its own outcome from it.
+//! share wait and takes its own outcome from it. Also the utilities both
+//! clients batch with: [`chunks`] and [`until_wanted`].
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
@@ -142,5 +143,51 @@ impl<B: Batch, O: Outcome> Member<B, O> {
 impl<B: Batch, O: Outcome> Drop for Member<B, O> {
     fn drop(&mut self) {
         self.leave();
+    }
+}
+
+/// The index ranges of `len` items taken `size` at a time (the last one
+/// shorter), in order: the chunks a batched statement goes in.
+pub(crate) fn chunks(len: usize, size: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    (0..len)
+        .step_by(size.max(1))
+        .map(move |at| at..(at + size).min(len))
+}
+
+/// Waits for the earliest moment a batch's task is wanted at,
+/// following requests that want it sooner; false once the connection
+/// closed or the client is gone.
+pub(crate) async fn until_wanted(
+    wanted: &mut watch::Receiver<Option<Instant>>,
+    closed: &tokio_util::sync::CancellationToken,
+) -> bool {
+    loop {
+        let by = *wanted.borrow_and_update();
+        let changed = tokio::select! {
+            _ = closed.cancelled() => return false,
+            r = wanted.changed() => r,
+            _ = async {
+                match by {
+                    Some(by) => tokio::time::sleep_until(by).await,
+                    None => std::future::pending().await,
+                }
+            } => return true,
+        };
+        if changed.is_err() {
+            return false;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chunks;
+
+    #[test]
+    fn chunks_cover_every_item_once_in_order() {
+        assert_eq!(chunks(0, 3).count(), 0);
+        assert_eq!(chunks(7, 3).collect::<Vec<_>>(), vec![0..3, 3..6, 6..7]);
+        assert_eq!(chunks(6, 3).collect::<Vec<_>>(), vec![0..3, 3..6]);
+        assert_eq!(chunks(2, 2000).collect::<Vec<_>>(), vec![0..2]);
     }
 }

@@ -6,19 +6,22 @@
 //!
 //! * [`session`]: a session advisory lock on a dedicated connection (or on
 //!   a [`SharedConnection`](crate::SharedConnection)), plus the lease row.
-//! * [`lease`]: the lease row only, one statement per step (works through a
-//!   transaction pooler).
+//! * [`lease`]: the lease row only (works through a transaction pooler),
+//!   in one engine, [`SharedLease`](crate::SharedLease): one connection for
+//!   the lease-backend candidates of many roles, with batched acquires,
+//!   registrations and renewals; a lone candidate is a batch of one on a
+//!   client of its own. Split by what it does: the client, `sql`,
+//!   `campaign`, `keep`, `listen`.
 //! * [`shared`]: one lock connection for the session-backend candidates of
 //!   many roles, and its shared heartbeat.
-//! * [`shared_lease`]: one connection for the lease-backend candidates of
-//!   many roles, with batched renewals, acquires and registrations.
-//! * [`claim`]: one candidate per role on either of those two.
-//! * [`batch`]: a leader's place in the batched renewal of either of those
-//!   two.
+//! * [`claim`]: one candidate per role on a shared connection or a shared
+//!   lease client.
+//! * [`batch`]: a leader's place in a batched renewal (a shared
+//!   connection's or a lease client's), and the utilities both batch with
+//!   (`chunks`, `until_wanted`).
 
 mod batch;
 mod claim;
 pub(crate) mod lease;
 pub(crate) mod session;
 pub(crate) mod shared;
-pub(crate) mod shared_lease;

@@ -18,7 +18,7 @@ use crate::schema::{check_schema, SchemaName};
 
 use crate::election::support::WakeLimit;
 
-use super::batch::{remove_if_term, Batch, Member, Outcome, Termed};
+use super::batch::{chunks, remove_if_term, until_wanted, Batch, Member, Outcome, Termed};
 use super::claim::{Claim, Roles};
 use crate::election::term::{next_term_sql, previous_holder_sql};
 use crate::election::watch::{
@@ -589,31 +589,6 @@ impl SharedSession {
     }
 }
 
-/// Waits for the earliest moment a task of a shared session is wanted at,
-/// following requests that want it sooner; false once the connection
-/// closed or the session is gone.
-pub(crate) async fn until_wanted(
-    wanted: &mut watch::Receiver<Option<Instant>>,
-    closed: &tokio_util::sync::CancellationToken,
-) -> bool {
-    loop {
-        let by = *wanted.borrow_and_update();
-        let changed = tokio::select! {
-            _ = closed.cancelled() => return false,
-            r = wanted.changed() => r,
-            _ = async {
-                match by {
-                    Some(by) => tokio::time::sleep_until(by).await,
-                    None => std::future::pending().await,
-                }
-            } => return true,
-        };
-        if changed.is_err() {
-            return false;
-        }
-    }
-}
-
 /// The heartbeat task of a shared session: sends `SELECT 1` when the
 /// earliest pending request wants it, for every request pending then; ends
 /// with the session or at the first failure.
@@ -1164,14 +1139,6 @@ async fn dispatch_hints(session: std::sync::Weak<SharedSession>) {
 /// statements").
 const BATCH_ROWS: usize = 200;
 
-/// The index ranges of `len` items taken `size` at a time (the last one
-/// shorter), in order: the chunks a batched statement goes in.
-pub(crate) fn chunks(len: usize, size: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
-    (0..len)
-        .step_by(size.max(1))
-        .map(move |at| at..(at + size).min(len))
-}
-
 /// How many leaders one chunk of the batched renewal renews at most, so
 /// that no renewal statement outlasts a heartbeat timeout; each chunk's
 /// answer shows the session alive to the leaders whose own chunk is still
@@ -1699,18 +1666,5 @@ async fn preempt_vacant(s: &SharedSession, found: &mut PollFound) {
                 alone(found, role);
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::chunks;
-
-    #[test]
-    fn chunks_cover_every_item_once_in_order() {
-        assert_eq!(chunks(0, 3).count(), 0);
-        assert_eq!(chunks(7, 3).collect::<Vec<_>>(), vec![0..3, 3..6, 6..7]);
-        assert_eq!(chunks(6, 3).collect::<Vec<_>>(), vec![0..3, 3..6]);
-        assert_eq!(chunks(2, 2000).collect::<Vec<_>>(), vec![0..2]);
     }
 }

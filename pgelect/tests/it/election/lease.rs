@@ -179,14 +179,14 @@ async fn statements_scope_to_holder_and_term_and_terms_rise() {
                 .query_typed_one(
                     &sql.acquire,
                     &[
-                        (&role, Type::TEXT),
-                        (&node, Type::TEXT),
-                        (meta, Type::JSONB),
-                        (&ttl, Type::INT8),
-                        (&"pgelect:elected:sql", Type::TEXT),
+                        (&vec![role], Type::TEXT_ARRAY),
+                        (&vec![node], Type::TEXT_ARRAY),
+                        (&vec![meta], Type::JSONB_ARRAY),
+                        (&vec![ttl], Type::INT8_ARRAY),
+                        (&vec!["pgelect:elected:sql"], Type::TEXT_ARRAY),
+                        (&vec![0i32], Type::INT4_ARRAY),
                         (&token, Type::INT8),
                         (&unanswered, Type::INT8_ARRAY),
-                        (&0i32, Type::INT4),
                     ],
                 )
                 .await
@@ -204,11 +204,11 @@ async fn statements_scope_to_holder_and_term_and_terms_rise() {
             c.query_typed(
                 &sql.renew,
                 &[
-                    (&role, Type::TEXT),
-                    (&node, Type::TEXT),
-                    (&term, Type::INT8),
-                    (&ttl, Type::INT8),
-                    (&0i32, Type::INT4),
+                    (&vec![role], Type::TEXT_ARRAY),
+                    (&vec![node], Type::TEXT_ARRAY),
+                    (&vec![term], Type::INT8_ARRAY),
+                    (&vec![ttl], Type::INT8_ARRAY),
+                    (&vec![0i32], Type::INT4_ARRAY),
                 ],
             )
             .await
@@ -223,10 +223,10 @@ async fn statements_scope_to_holder_and_term_and_terms_rise() {
             c.query_typed_one(
                 &sql.release,
                 &[
-                    (&role, Type::TEXT),
-                    (&node, Type::TEXT),
-                    (&term, Type::INT8),
-                    (&"pgelect:released:sql", Type::TEXT),
+                    (&vec![role], Type::TEXT_ARRAY),
+                    (&vec![node], Type::TEXT_ARRAY),
+                    (&vec![term], Type::INT8_ARRAY),
+                    (&vec!["pgelect:released:sql"], Type::TEXT_ARRAY),
                 ],
             )
             .await

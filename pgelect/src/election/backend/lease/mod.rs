@@ -1,0 +1,526 @@
+//! The lease backend: the lease row only. Every step is one statement,
+//! hence one transaction, so the backend works through PgBouncer in
+//! transaction mode: no session state (no advisory lock, no `SET`, no named
+//! prepared statement) is relied upon between two statements. Every time
+//! comparison uses the server's `now()`, and the remaining lease is
+//! computed by the server, so the candidates' clocks never need to agree.
+//!
+//! One engine sends every statement: [`SharedLease`], one connection for
+//! the lease-backend candidates of many roles, with batched acquires,
+//! registrations and renewals. A candidate not built on a shared client
+//! stands on a client of its own that carries it alone: a single candidate
+//! is a batch of one. The leader's loop is the shared
+//! [`driver`](crate::election::driver); all decisions about the leader's
+//! deadline are taken by the pure [`Keeper`](crate::election::keeper::Keeper),
+//! with [`Liveness::statements`](crate::election::keeper::Liveness::statements)
+//! (no heartbeats, each statement bounded by the client).
+//!
+//! * this module: the client itself: its connection (reopened at will),
+//!   how a statement is sent and bounded, the roles it carries.
+//! * [`sql`]: the statements, one SQL text per operation, each taking one
+//!   array element per role, and the typed calls that send them and decode
+//!   their rows: the one seam every caller goes through.
+//! * [`campaign`]: gaining leadership: an elector's campaign and the
+//!   client's standby task (registrations, acquires, refusals).
+//! * [`keep`]: keeping it: the leader's [`KeepBackend`](crate::election::driver::KeepBackend)
+//!   and the client's renewal task, and the release.
+//! * [`listen`]: the `LISTEN` connections (an elector's own, a client's
+//!   [`listen_via`](SharedLease::listen_via)) and the early acquires a
+//!   release announcement brings.
+
+mod campaign;
+mod keep;
+mod listen;
+mod sql;
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::{watch, Mutex as AsyncMutex, Notify};
+use tokio::time::Instant;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::Row;
+use tokio_util::sync::CancellationToken;
+
+use crate::conn::{ConnectOptions, DedicatedConnection};
+use crate::error::{Error, Result};
+use crate::schema::check_schema;
+
+use crate::election::config::random_u64;
+use crate::election::registry::{self, Waits};
+use crate::election::support::is_transient;
+
+use super::claim::{Claim, Roles};
+
+pub(crate) use campaign::campaign;
+pub(crate) use listen::listen;
+pub use sql::lease_sql;
+#[cfg(feature = "test-hooks")]
+pub use sql::LeaseSql;
+
+use campaign::{standby_batches, Standby, ACQUIRE_ROWS};
+use keep::{renew_batches, Leader};
+use listen::Wakes;
+use sql::Statements;
+
+/// One connection that carries the statements of the lease-backend
+/// candidates of many roles in one process, batched: a process standing
+/// for thousands of roles holds one connection and sends a few statements
+/// a second, not one connection and several statements a second per role.
+///
+/// The name says what it shares: the lease backend's traffic, as
+/// [`SharedConnection`](crate::SharedConnection) shares the session
+/// backend's session. Unlike that one, nothing lives in the connection's
+/// session: every statement is one transaction, the connection is reopened
+/// at will after a failure, and it works through PgBouncer in transaction
+/// mode, as the lease backend does.
+///
+/// What goes over it, for every candidate built with
+/// [`ElectorBuilder::shared_lease`](crate::ElectorBuilder::shared_lease):
+///
+/// * **Renewals**: one `UPDATE … FROM unnest(…)` renews every leader on
+///   the client (in chunks of 2,000), each for its own TTL, and tells each
+///   role on its own whether its row was still its own: a role whose row
+///   was taken is lost alone. Leaders renewed by one statement ask again
+///   together, so at steady state one statement per renewal period serves
+///   them all. Each role keeps its own term and its own local deadline,
+///   counted from the moment that statement was sent. A row that a fenced
+///   transaction holds is skipped, not waited for, and tried again alone
+///   every 25 ms for up to half the leader's statement bound: one
+///   application's transaction never holds up the other roles' renewals.
+/// * **Standbys**: one batched acquire per poll tries every standby role
+///   (in chunks of 5,000) and takes those whose lease is free or expired
+///   on the server's clock (a ready candidate of strictly higher priority
+///   goes first; a role held by a session-backend leader is refused). A poll is sent at
+///   the earliest server-reported expiry among the standbys, at least
+///   every `retry_every` (1 s by default), and, with
+///   [`listen_via`](SharedLease::listen_via), at once when a leader
+///   announces the release of a role one of them waits for.
+/// * **Registrations** in the candidate registry: one statement per
+///   `ttl / 2` for all standbys.
+/// * **Releases**: one statement per role.
+///
+/// Only one statement is in flight at a time: a renewal waits behind one
+/// chunk of polls at most.
+///
+/// # Takeover bound
+///
+/// A lease has no server session whose end the server would notice: when
+/// the process of a `SharedLease` dies (or loses its database), each of its
+/// roles is taken over once its lease expired on the server, that is
+/// within `ttl` after its last renewal, plus one poll of the other
+/// candidates (`retry_every` at most, plus a few milliseconds of jitter).
+///
+/// # Cost
+///
+/// One connection, and one more used only to `LISTEN` with
+/// [`listen_via`](SharedLease::listen_via). At steady state, per process: one renewal statement per
+/// `renew_every` per 2,000 leaders, one acquire per `retry_every` per 5,000
+/// standbys and one registration per `ttl / 2` per 2,000 standbys.
+///
+/// A lease-backend candidate built without a `SharedLease` stands on a
+/// client of its own, the same engine carrying that one role on a
+/// connection named `pgelect:lease:<role>:<node>`.
+///
+/// A role may have only one candidate per `SharedLease`:
+/// [`ElectorBuilder::build`](crate::ElectorBuilder::build) refuses a second
+/// one while the first elector, or a leadership it handed out, lives.
+///
+/// ```no_run
+/// # async fn example() -> pgelect::Result<()> {
+/// use std::time::Duration;
+/// use pgelect::{Backend, ConnectOptions, Elector, SharedLease};
+/// // Through PgBouncer in transaction mode, if need be.
+/// let options = ConnectOptions::from_url("postgres://app@pgbouncer:6432/app")?;
+/// let client = SharedLease::new(&options);
+/// let mut shards = Vec::new();
+/// for shard in 0..1000 {
+///     let elector = Elector::builder(options.clone(), &format!("shard-{shard}"))
+///         .backend(Backend::Lease)
+///         .ttl(Duration::from_secs(15))
+///         .shared_lease(&client)
+///         .build()?;
+///     shards.push(tokio::spawn(async move {
+///         let leadership = elector.leadership().await?;
+///         leadership.lost().await;
+///         Ok::<_, pgelect::Error>(())
+///     }));
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct SharedLease {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    options: ConnectOptions,
+    /// The connection's `application_name` without the `pgelect:` prefix:
+    /// `shared-lease:<8 hex digits>`, unique per client, or
+    /// `lease:<role>:<node>` for a candidate's own client.
+    purpose: String,
+    /// The `role` label of the statement metric: empty on a shared client,
+    /// the role on a candidate's own.
+    metric_role: String,
+    /// Whether requests wait a moment for others to share their statement:
+    /// not on a candidate's own client, which carries one role.
+    shares: bool,
+    /// The connection between two statements; a statement holds the lock
+    /// while in flight, so one statement at a time is sent.
+    conn: AsyncMutex<Option<DedicatedConnection>>,
+    /// Roles with a live elector on this client.
+    roles: Roles,
+    /// The leaders on this client, by role: every batched renewal renews
+    /// them all.
+    leaders: Mutex<HashMap<String, Leader>>,
+    /// The earliest moment by which a leader wants its renewal sent.
+    renew_wanted: watch::Sender<Option<Instant>>,
+    /// The standbys on this client, by role: every batched acquire tries
+    /// them all.
+    standbys: Mutex<HashMap<String, Standby>>,
+    /// Wakes the standby task when a standby joins.
+    joined: Arc<Notify>,
+    /// The tokens of the last batched acquires that got no answer (timed
+    /// out, connection lost): one of them may have committed, leaving
+    /// leases with our node's name that nobody acts on. The next polls may
+    /// take those again at once.
+    unanswered: Mutex<VecDeque<i64>>,
+    sql: Statements,
+    started: AtomicBool,
+    /// Where the client listens for release announcements, if anywhere
+    /// ([`SharedLease::listen_via`]).
+    listen_via: Mutex<Option<ConnectOptions>>,
+    /// Set once the listening task runs.
+    listening: AtomicBool,
+    /// Early acquires brought by release announcements.
+    wakes: Mutex<Wakes>,
+    /// Cancelled when the last handle is dropped: ends the tasks.
+    stop: CancellationToken,
+    /// Statements sent on the connection.
+    statements: AtomicU64,
+    /// Release announcements heard on the listen connection.
+    releases_heard: AtomicU64,
+    /// Tells standbys apart across a role's re-joins.
+    next_standby: AtomicU64,
+    /// How many standbys the next acquire chunk carries: halved after a
+    /// chunk that got no answer in time, doubled back after one that did.
+    acquire_rows: std::sync::atomic::AtomicUsize,
+    /// Where in role order this client's polls start (random): candidates
+    /// that start together take different roles first instead of queueing
+    /// behind each other's inserts of the same rows.
+    offset: usize,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// How many rows one chunk of a batched renewal or registration carries
+/// at most (see the session backend's `RENEW_ROWS`: a chunk must stay well
+/// under the heartbeat timeout on a loaded machine).
+const CHUNK_ROWS: usize = 2000;
+
+/// The least time allowed for connecting and for a standby's statement.
+const PATIENT_BOUND: Duration = Duration::from_secs(2);
+
+/// The statements of the client, for errors and bounds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    Renew,
+    Acquire,
+    Register,
+    Release,
+}
+
+impl Op {
+    fn operation(self) -> &'static str {
+        match self {
+            Op::Renew => "renew the lease",
+            Op::Acquire => "take the lease",
+            Op::Register => "register as a candidate",
+            Op::Release => "release the lease",
+        }
+    }
+}
+
+impl SharedLease {
+    /// A shared lease client for `options`' database; it connects on first
+    /// use (and again after any failure).
+    pub fn new(options: &ConnectOptions) -> SharedLease {
+        let purpose = format!("shared-lease:{:08x}", random_u64() as u32);
+        SharedLease::with(options, purpose, String::new(), true)
+    }
+
+    /// The client of a lone candidate (one not built on a shared client):
+    /// the same engine carrying one role, on a connection of its own named
+    /// `pgelect:lease:<role>:<node>`, with no wait for others to share a
+    /// statement.
+    pub(crate) fn own(options: &ConnectOptions, role: &str, node: &str) -> SharedLease {
+        SharedLease::with(
+            options,
+            format!("lease:{role}:{node}"),
+            role.to_owned(),
+            false,
+        )
+    }
+
+    fn with(options: &ConnectOptions, purpose: String, metric_role: String, shares: bool) -> Self {
+        let schema = options.schema_name();
+        SharedLease {
+            inner: Arc::new(Inner {
+                options: options.clone(),
+                purpose,
+                metric_role,
+                shares,
+                conn: AsyncMutex::new(None),
+                roles: Roles::default(),
+                leaders: Mutex::new(HashMap::new()),
+                renew_wanted: watch::Sender::new(None),
+                standbys: Mutex::new(HashMap::new()),
+                joined: Arc::new(Notify::new()),
+                unanswered: Mutex::new(VecDeque::new()),
+                sql: Statements {
+                    sql: lease_sql(schema),
+                    register: registry::batch_register_sql_for(schema.as_str(), Waits::Lease),
+                },
+                started: AtomicBool::new(false),
+                listen_via: Mutex::new(None),
+                listening: AtomicBool::new(false),
+                wakes: Mutex::new(Wakes::default()),
+                stop: CancellationToken::new(),
+                statements: AtomicU64::new(0),
+                releases_heard: AtomicU64::new(0),
+                next_standby: AtomicU64::new(0),
+                acquire_rows: std::sync::atomic::AtomicUsize::new(ACQUIRE_ROWS),
+                offset: random_u64() as usize,
+            }),
+        }
+    }
+
+    /// The `application_name` of the client's connection (unless the
+    /// connection options set one): `pgelect:shared-lease:<8 hex digits>`,
+    /// unique per client.
+    pub fn application_name(&self) -> String {
+        format!("pgelect:{}", self.purpose())
+    }
+
+    /// The number of statements sent on the connection so far (renewals,
+    /// acquires, registrations, releases; not the schema check of a new
+    /// connection).
+    pub fn statements(&self) -> u64 {
+        self.inner.statements.load(Ordering::Relaxed)
+    }
+
+    /// The number of release announcements (for any role) heard so far on
+    /// the connection of [`listen_via`](SharedLease::listen_via); always 0
+    /// without one.
+    pub fn releases_heard(&self) -> u64 {
+        self.inner.releases_heard.load(Ordering::Relaxed)
+    }
+
+    /// The server process id of the current connection, if one is open
+    /// (through a pooler: the pooler's id for the client connection).
+    pub async fn backend_pid(&self) -> Option<i32> {
+        let conn = self.inner.conn.lock().await;
+        conn.as_ref().filter(|c| !c.is_closed()).map(|c| c.pid())
+    }
+
+    fn purpose(&self) -> String {
+        self.inner.purpose.clone()
+    }
+
+    pub(crate) fn options(&self) -> &ConnectOptions {
+        &self.inner.options
+    }
+
+    /// Claims `role` for one elector; refused while another holds it.
+    pub(crate) fn claim(&self, role: &str) -> Result<LeaseClaim> {
+        self.inner.roles.claim(
+            self.clone(),
+            role,
+            "already has a candidate on this shared lease client; the batched statements carry one candidate per role",
+        )
+    }
+
+    /// Starts the renewal and standby tasks, once.
+    fn ensure_started(&self) {
+        if self.inner.started.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let weak = Arc::downgrade(&self.inner);
+        let stop = self.inner.stop.clone();
+        tokio::spawn(renew_batches(
+            weak.clone(),
+            self.inner.renew_wanted.subscribe(),
+            stop.clone(),
+        ));
+        tokio::spawn(standby_batches(weak, self.inner.joined.clone(), stop));
+        self.start_listening();
+    }
+
+    /// Runs one statement, (re)connecting first if needed, bounded by
+    /// `bound` (connecting by at least [`PATIENT_BOUND`]). Returns the
+    /// moment the statement was handed to the connection — taken right
+    /// before it, never later — and its rows. On a timeout or a connection
+    /// failure the connection is dropped (the running statement cancelled),
+    /// so the next statement starts on a fresh one.
+    async fn exec(
+        &self,
+        op: Op,
+        bound: Duration,
+        sql: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> (Instant, Result<Vec<Row>>) {
+        let inner = &self.inner;
+        let schema = inner.options.schema_name();
+        let operation = op.operation();
+        let mut conn = inner.conn.lock().await;
+        let open = async {
+            let c = inner.options.connect(&self.purpose()).await?;
+            let checked = check_schema(c.client(), schema).await;
+            c.kept_if(checked)
+        };
+        if let Err(e) = reopen(&mut conn, bound.max(PATIENT_BOUND), operation, open).await {
+            return (Instant::now(), Err(e));
+        }
+        let c = conn.as_ref().expect("BUG: connected above");
+        inner.statements.fetch_add(1, Ordering::Relaxed);
+        crate::metrics::lease_statement(&inner.metric_role, op_kind(op));
+        // Taken before the statement is written to the socket: the
+        // server's `now()` in it is at or after this moment.
+        let sent = Instant::now();
+        // In a transaction of its own with JIT off: the planner costs the
+        // batched statements' joins of thousands of rows high, and past
+        // `jit_above_cost` the server compiled an acquire of 2,000 roles
+        // for 2.2 s of its 2.8 (a 10,000-role start took 5 s on one
+        // client). `SET LOCAL` ends with the transaction, so through a
+        // pooler in transaction mode no other client's session is changed.
+        // The three are pipelined: one round trip.
+        let run = async {
+            let (begun, rows, committed) = tokio::join!(
+                c.client().batch_execute("BEGIN; SET LOCAL jit = off"),
+                c.client().query_typed(sql, params),
+                c.client().batch_execute("COMMIT"),
+            );
+            begun
+                .and(rows)
+                .and_then(|rows| committed.map(|()| rows))
+                .map_err(|e| Error::db(operation, schema.as_str(), e))
+        };
+        let r = tokio::time::timeout(bound, run).await;
+        let r = settle(&mut conn, operation, r);
+        (sent, r)
+    }
+}
+
+/// Opens a lease connection with `open`, bounded by `bound`, unless one is
+/// open.
+async fn reopen(
+    conn: &mut Option<DedicatedConnection>,
+    bound: Duration,
+    operation: &'static str,
+    open: impl std::future::Future<Output = Result<DedicatedConnection>>,
+) -> Result<()> {
+    if conn.as_ref().is_some_and(|c| c.is_closed()) {
+        conn.take();
+    }
+    if conn.is_none() {
+        match tokio::time::timeout(bound, open).await {
+            Ok(c) => *conn = Some(c?),
+            Err(_) => return Err(Error::connection_lost(operation)),
+        }
+    }
+    Ok(())
+}
+
+/// The result of a statement run on a lease connection within its bound.
+/// After a timeout or a transient failure the connection is dropped (a
+/// statement still running is cancelled on the server), so the next
+/// statement starts on a fresh one.
+fn settle<T>(
+    conn: &mut Option<DedicatedConnection>,
+    operation: &'static str,
+    r: std::result::Result<Result<T>, tokio::time::error::Elapsed>,
+) -> Result<T> {
+    match r {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => {
+            if is_transient(&e) {
+                if let Some(c) = conn.take() {
+                    c.kill();
+                }
+            }
+            Err(e)
+        }
+        Err(_) => {
+            if let Some(c) = conn.take() {
+                // The statement may still run on the server: ask it to stop.
+                let cancel = c.canceller();
+                tokio::spawn(async move {
+                    let _ = cancel.cancel().await;
+                });
+                c.kill();
+            }
+            Err(Error::connection_lost(operation))
+        }
+    }
+}
+
+fn op_kind(op: Op) -> &'static str {
+    match op {
+        Op::Renew => "renew",
+        Op::Acquire => "acquire",
+        Op::Release => "release",
+        Op::Register => "other",
+    }
+}
+
+impl Inner {
+    fn leaders(&self) -> std::sync::MutexGuard<'_, HashMap<String, Leader>> {
+        // Entries are inserted and removed whole: a poisoned lock left the
+        // map consistent.
+        self.leaders.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn standbys(&self) -> std::sync::MutexGuard<'_, HashMap<String, Standby>> {
+        // As for `leaders`; fields are updated one by one, each consistent.
+        self.standbys.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn unanswered(&self) -> std::sync::MutexGuard<'_, VecDeque<i64>> {
+        self.unanswered
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl fmt::Debug for SharedLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedLease")
+            .field("target", &self.inner.options.target())
+            .field("application_name", &self.application_name())
+            .field("roles", &self.inner.roles.len())
+            .field("leaders", &self.inner.leaders().len())
+            .field("standbys", &self.inner.standbys().len())
+            .field("statements", &self.statements())
+            .finish()
+    }
+}
+
+/// A role's place on a shared lease client, given back when dropped.
+pub(crate) type LeaseClaim = Claim<SharedLease>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_every_item_once() {
+        assert_eq!(super::super::batch::chunks(4000, CHUNK_ROWS).count(), 2);
+    }
+}

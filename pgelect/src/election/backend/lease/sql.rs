@@ -1,0 +1,518 @@
+//! The lease backend's statements: one SQL text per operation (acquire,
+//! renew, release; the registration is the registry's batched one), each
+//! taking one array element per role, for a lone candidate (a batch of one)
+//! as for thousands on a shared client. Behind one seam: the client's
+//! [`acquire`](SharedLease::acquire), [`renew`](SharedLease::renew),
+//! [`clear`](SharedLease::clear) and [`register`](SharedLease::register),
+//! which bind the parameters, send the statement (see `SharedLease::exec`)
+//! and decode its rows; every caller goes through them.
+
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime};
+
+use tokio::time::Instant;
+use tokio_postgres::types::Type;
+use tokio_postgres::Row;
+
+use crate::election::backend::shared::Registration;
+use crate::error::{Error, Result};
+
+use crate::election::registry;
+use crate::election::term::{next_term_sql, rearm_lease_sql, stale_row_sql, TIMELINE_SQL};
+use crate::election::watch::LEADER_CHANNEL;
+use crate::schema::SchemaName;
+
+use super::keep::Renewal;
+use super::{Op, SharedLease};
+
+/// The client's statements: the lease backend's, one SQL text per
+/// operation, each taking one array element per role (see [`LeaseSql`]).
+pub(super) struct Statements {
+    pub(super) sql: LeaseSql,
+    pub(super) register: String,
+}
+
+/// The lease backend's statements, exactly as the client sends them: one
+/// SQL text per operation, each taking one array element per role, for a
+/// lone candidate (a batch of one) as for thousands on a shared client.
+///
+/// Exposed (hidden from the docs) so that integration tests run the very
+/// statements the client runs. Parameters and rows:
+///
+/// * `acquire`: `$1` roles (text[]), `$2` nodes (text[]), `$3` holder
+///   metas (jsonb[]), `$4` TTLs in ms (int8[]), `$5` NOTIFY payloads
+///   (text[]), `$6` priorities (int4[]); then `$7` this attempt's random
+///   token (int8) and `$8` the tokens of this client's earlier attempts
+///   that got no answer (int8[]): a lease one of them took (it names the
+///   same node) is taken again. A role is taken when its row is missing,
+///   has no holder, or its lease expired on the server's clock, and no
+///   ready candidate of strictly higher priority is registered. One row
+///   per role: won term (int8, NULL if not won), acquired_at, lease_until,
+///   remaining ms of the new lease (float8), then the row as it was
+///   before: holder, backend, remaining ms (float8, negative if expired);
+///   then the NOTIFY (text), the preferred candidate it deferred to (text,
+///   NULL if none), whether the row was re-armed instead (bool) and the
+///   role (text).
+/// * `renew`: `$1` roles, `$2` nodes, `$3` terms (int8[]), `$4` TTLs in ms,
+///   `$5` priorities. A row per role whose lease is still its node's with
+///   its term: role, remaining ms (float8), resign_requested, the node of a
+///   ready candidate of strictly higher priority (or NULL), renewed_at,
+///   lease_until, renewed (bool: false when a fenced transaction holds the
+///   row, which is then skipped, not waited for). No row: not ours.
+/// * `release`: `$1` roles, `$2` nodes, `$3` terms, `$4` NOTIFY payloads.
+///   One row: the number of rows cleared (int8).
+#[doc(hidden)]
+#[derive(Clone, Debug)]
+pub struct LeaseSql {
+    /// Takes the leases that are free or expired (inserting missing rows
+    /// with term 1).
+    pub acquire: String,
+    /// Renews the leases whose holder and term are still the given ones.
+    pub renew: String,
+    /// Clears the holders whose holder and term are still the given ones.
+    pub release: String,
+}
+
+/// The lease statements for `schema`; see [`LeaseSql`].
+#[doc(hidden)]
+pub fn lease_sql(schema: &SchemaName) -> LeaseSql {
+    let s = schema.as_str();
+    LeaseSql {
+        acquire: acquire_sql(s),
+        renew: renew_sql(s),
+        release: release_sql(s),
+    }
+}
+
+/// `<l>.role = ANY (ARRAY(SELECT role FROM <batch>))`: the condition by
+/// which every statement reaches the leaders' rows of its batch. The array
+/// is an init plan whose size the planner cannot know (it assumes a few
+/// elements), so it probes the primary key whatever the batch's size.
+/// Joined on the batch alone, whose size it reads from the parameter, it
+/// scanned the whole table instead, from a batch of 100 roles in 10,000
+/// (see the `election::plans` test).
+fn among(l: &str, batch: &str) -> String {
+    format!("{l}.role = ANY (ARRAY(SELECT {batch}.role FROM {batch}))")
+}
+
+/// The acquire (see [`LeaseSql::acquire`]). `cur` reads the rows as of the
+/// statement's snapshot; the upsert locks the latest version and re-checks
+/// its WHERE on it (READ COMMITTED), so of concurrent candidates exactly
+/// one wins a role, whatever `cur` showed. Rows that are held are only
+/// read, never locked or written: a poll of thousands of led roles writes
+/// nothing.
+fn acquire_sql(s: &str) -> String {
+    let (first, next) = (next_term_sql("0"), next_term_sql("l.term"));
+    let pref = registry::preferred_lease_sql(s, "a.role", "a.node", "a.priority");
+    // `stale`: rows that may lack the old primary's last writes (a promoted
+    // server) are re-armed for a full TTL instead of taken over, once per
+    // timeline (see term.rs). `lost` rows (our own unanswered attempt) are
+    // taken again as before: nobody acts on them.
+    let tl = "(SELECT t FROM tl)";
+    let stale = stale_row_sql("l", tl);
+    let rearm = rearm_lease_sql("l", "c.ttl_ms", tl);
+    let (of_a, of_stale) = (among("l", "a"), among("l", "cur"));
+    format!(
+        "WITH tl AS (
+             SELECT {TIMELINE_SQL} AS t
+         ), a AS (
+             SELECT * FROM unnest($1::text[], $2::text[], $3::jsonb[], $4::int8[], $5::text[],
+                                  $6::int4[])
+                        AS a(role, node, meta, ttl_ms, payload, priority)
+         ), cur AS (
+             SELECT a.role, a.ttl_ms, l.holder, l.backend, l.lease_until,
+                    (l.role IS NULL OR l.holder IS NULL AND l.lease_timeline IS DISTINCT FROM {tl}
+                     OR l.lease_until IS NULL OR l.lease_until < now()) AS free,
+                    coalesce(l.holder = a.node AND l.lease_token = ANY($8::int8[]), false) AS lost,
+                    coalesce({stale}, false) AS stale
+               FROM a LEFT JOIN {s}.leaders l ON l.role = a.role AND {of_a}
+         ), rearm AS (
+             UPDATE {s}.leaders AS l SET {rearm}
+               FROM cur c
+              WHERE l.role = c.role AND c.stale AND NOT c.lost AND {stale} AND {of_stale}
+             RETURNING l.role, l.lease_until
+         ), try AS (
+             SELECT a.*, cur.lost, CASE WHEN cur.free THEN {pref} END AS pref
+               FROM a JOIN cur ON cur.role = a.role
+              WHERE (cur.free AND NOT cur.stale) OR cur.lost
+         ), up AS (
+             INSERT INTO {s}.leaders AS l
+                    (role, holder, holder_meta, term, backend, holder_pid,
+                     acquired_at, renewed_at, lease_until, resign_requested, lease_token)
+             SELECT t.role, t.node, t.meta, {first}, 'lease', NULL, now(), now(),
+                    now() + t.ttl_ms * interval '1 millisecond', false, $7
+               FROM try t
+              WHERE t.pref IS NULL OR t.lost
+              ORDER BY t.role
+             ON CONFLICT (role) DO UPDATE
+                SET holder = EXCLUDED.holder, holder_meta = EXCLUDED.holder_meta,
+                    term = {next}, backend = 'lease', holder_pid = NULL,
+                    acquired_at = EXCLUDED.acquired_at, renewed_at = EXCLUDED.renewed_at,
+                    lease_until = EXCLUDED.lease_until, resign_requested = false,
+                    lease_token = EXCLUDED.lease_token
+              WHERE ((l.holder IS NULL AND l.lease_timeline IS DISTINCT FROM {tl}
+                      OR l.lease_until IS NULL OR l.lease_until < now())
+                     AND NOT {stale})
+                 -- a lease taken by one of our own unanswered acquires:
+                 -- nobody acts on it, take it again with a new term
+                 OR (l.holder = EXCLUDED.holder AND l.lease_token = ANY($8::int8[]))
+             RETURNING l.role, l.term, l.acquired_at, l.lease_until
+         )
+         SELECT up.term, up.acquired_at, up.lease_until,
+                (extract(epoch FROM up.lease_until - now()) * 1000)::float8,
+                CASE WHEN rearm.lease_until IS NOT NULL THEN coalesce(cur.holder, '') ELSE cur.holder END,
+                cur.backend,
+                (extract(epoch FROM coalesce(rearm.lease_until, cur.lease_until) - now()) * 1000)::float8,
+                CASE WHEN up.term IS NOT NULL
+                     THEN pg_catalog.pg_notify('{LEADER_CHANNEL}', a.payload)::text END,
+                CASE WHEN up.term IS NULL THEN try.pref END,
+                rearm.lease_until IS NOT NULL,
+                a.role
+           FROM a LEFT JOIN up ON up.role = a.role
+                  LEFT JOIN cur ON cur.role = a.role
+                  LEFT JOIN try ON try.role = a.role
+                  LEFT JOIN rearm ON rearm.role = a.role"
+    )
+}
+
+/// The renewal (see [`LeaseSql::renew`]): where a row still names the node
+/// with the term, extends the lease to the server's `now()` + the role's
+/// TTL. `greatest`: a renewal that was given up on the client but ran late
+/// on the server (after a retry on a new connection) never moves the lease
+/// back in time below what a later renewal promised.
+///
+/// A row still ours but locked (a fenced transaction of the leader's own
+/// holds it `FOR SHARE` until it ends) is skipped, not waited for, and
+/// returned with `renewed` false: the keeper retries soon
+/// ([`Answer::Busy`](crate::election::driver::Answer::Busy)), as the
+/// session backend's renewal does. Waiting would hold up every role of a
+/// batch behind one application transaction, and a lone leader's
+/// renewal behind a transaction that may outlast its statement bound.
+///
+/// The skipped rows are found with `NOT IN` over `u`, which the planner
+/// runs as one hashed sub-plan (it guesses one row for `u`); as `NOT
+/// EXISTS` it chose a nested anti-join that rescanned `u` for every row
+/// (see the shared connection's renewal).
+fn renew_sql(s: &str) -> String {
+    let pref = registry::preferred_lease_sql(s, "m.role", "m.node", "m.priority");
+    let (of_m, of_o) = (among("l", "m"), among("l", "o"));
+    format!(
+        "WITH m AS (
+             SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::int8[], $5::int4[])
+                        AS m(role, node, term, ttl_ms, priority)
+         ), o AS (
+             SELECT l.role, m.ttl_ms
+               FROM {s}.leaders l JOIN m
+                 ON l.role = m.role AND l.holder = m.node AND l.term = m.term
+              WHERE {of_m}
+                FOR NO KEY UPDATE OF l SKIP LOCKED
+         ), u AS (
+             UPDATE {s}.leaders l
+                SET renewed_at = greatest(l.renewed_at, now()),
+                    lease_until = greatest(l.lease_until, now() + o.ttl_ms * interval '1 millisecond')
+               FROM o
+              WHERE l.role = o.role AND {of_o}
+             RETURNING l.role, l.renewed_at, l.lease_until, l.resign_requested
+         )
+         SELECT u.role, (extract(epoch FROM u.lease_until - now()) * 1000)::float8,
+                u.resign_requested, {pref}, u.renewed_at, u.lease_until, true AS renewed
+           FROM u JOIN m ON m.role = u.role
+         UNION ALL
+         SELECT l.role, NULL::float8, false, NULL::text, l.renewed_at, l.lease_until, false
+           FROM {s}.leaders l JOIN m
+             ON l.role = m.role AND l.holder = m.node AND l.term = m.term
+          WHERE {of_m} AND l.role NOT IN (SELECT u.role FROM u)"
+    )
+}
+
+/// The release (see [`LeaseSql::release`]): clears the holder where holder
+/// and term are still the given ones, with a NOTIFY per cleared row in the
+/// same transaction.
+fn release_sql(s: &str) -> String {
+    let of_m = among("l", "m");
+    format!(
+        "WITH m AS (
+             SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::text[])
+                        AS m(role, node, term, payload)
+         ), c AS (
+             UPDATE {s}.leaders l
+                SET holder = NULL, holder_pid = NULL, holder_meta = NULL, lease_token = NULL,
+                    renewed_at = now(), lease_until = now(), resign_requested = false
+               FROM m
+              WHERE l.role = m.role AND l.holder = m.node AND l.term = m.term AND {of_m}
+             RETURNING m.payload
+         )
+         SELECT count(*), count(pg_catalog.pg_notify('{LEADER_CHANNEL}', c.payload)::text)
+           FROM c"
+    )
+}
+
+/// A standby's entry in a batched acquire: role, node, meta, TTL in
+/// milliseconds, notification payload, priority.
+pub(super) type Entry = (String, String, Option<serde_json::Value>, i64, String, i32);
+
+/// A leader's values in a renewal.
+pub(super) struct Renewing<'a> {
+    pub(super) role: &'a str,
+    pub(super) node: &'a str,
+    pub(super) term: i64,
+    pub(super) ttl_ms: i64,
+    pub(super) priority: i32,
+}
+
+impl SharedLease {
+    /// Sends the acquire ([`LeaseSql::acquire`]) for the standbys of `part`,
+    /// with this attempt's `token` and the `unanswered` tokens, bounded by
+    /// `bound`: its send time and each role's row.
+    pub(super) async fn acquire(
+        &self,
+        part: &[Entry],
+        token: i64,
+        unanswered: &[i64],
+        bound: Duration,
+    ) -> (Instant, Result<Vec<Acquired>>) {
+        let roles: Vec<&str> = part.iter().map(|e| e.0.as_str()).collect();
+        let nodes: Vec<&str> = part.iter().map(|e| e.1.as_str()).collect();
+        let metas: Vec<Option<&serde_json::Value>> = part.iter().map(|e| e.2.as_ref()).collect();
+        let ttls: Vec<i64> = part.iter().map(|e| e.3).collect();
+        let payloads: Vec<&str> = part.iter().map(|e| e.4.as_str()).collect();
+        let priorities: Vec<i32> = part.iter().map(|e| e.5).collect();
+        let (sent, r) = self
+            .exec(
+                Op::Acquire,
+                bound,
+                &self.inner.sql.sql.acquire,
+                &[
+                    (&roles, Type::TEXT_ARRAY),
+                    (&nodes, Type::TEXT_ARRAY),
+                    (&metas, Type::JSONB_ARRAY),
+                    (&ttls, Type::INT8_ARRAY),
+                    (&payloads, Type::TEXT_ARRAY),
+                    (&priorities, Type::INT4_ARRAY),
+                    (&token, Type::INT8),
+                    (&unanswered, Type::INT8_ARRAY),
+                ],
+            )
+            .await;
+        // A row that cannot be read (never: the columns are ours) fails
+        // the whole answer; whatever it won expires unused after a TTL.
+        let decoded = r.and_then(|rows| {
+            rows.iter()
+                .map(Acquired::decode)
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(|e| self.read_error(Op::Acquire, e))
+        });
+        (sent, decoded)
+    }
+
+    /// Sends the renewal ([`LeaseSql::renew`]) for the leaders of `part`,
+    /// bounded by `bound`: its send time and what it found for each role
+    /// still its leader's, [`Renewal::Renewed`] or [`Renewal::Busy`]; a
+    /// role not in the map is no longer ours.
+    pub(super) async fn renew(
+        &self,
+        part: &[Renewing<'_>],
+        bound: Duration,
+    ) -> (Instant, Result<HashMap<String, Renewal>>) {
+        let roles: Vec<&str> = part.iter().map(|l| l.role).collect();
+        let nodes: Vec<&str> = part.iter().map(|l| l.node).collect();
+        let terms: Vec<i64> = part.iter().map(|l| l.term).collect();
+        let ttls: Vec<i64> = part.iter().map(|l| l.ttl_ms).collect();
+        let priorities: Vec<i32> = part.iter().map(|l| l.priority).collect();
+        let (sent, r) = self
+            .exec(
+                Op::Renew,
+                bound,
+                &self.inner.sql.sql.renew,
+                &[
+                    (&roles, Type::TEXT_ARRAY),
+                    (&nodes, Type::TEXT_ARRAY),
+                    (&terms, Type::INT8_ARRAY),
+                    (&ttls, Type::INT8_ARRAY),
+                    (&priorities, Type::INT4_ARRAY),
+                ],
+            )
+            .await;
+        let found = r.and_then(|rows| {
+            rows.iter()
+                .map(|row| {
+                    let role: String = row.try_get(0)?;
+                    if !row.try_get::<_, bool>(6)? {
+                        return Ok((role, Renewal::Busy));
+                    }
+                    let renewed = Renewal::Renewed {
+                        row: (row.try_get(4)?, row.try_get(5)?),
+                        resign_requested: row.try_get(2)?,
+                        ready: row.try_get(3)?,
+                    };
+                    Ok((role, renewed))
+                })
+                .collect::<std::result::Result<HashMap<_, _>, tokio_postgres::Error>>()
+                .map_err(|e| self.read_error(Op::Renew, e))
+        });
+        (sent, found)
+    }
+
+    /// Sends the release ([`LeaseSql::release`]) of `role`'s lease where it
+    /// still names `node` with `term`, bounded by `bound`: its send time
+    /// and whether the row was still ours (and is cleared now).
+    pub(super) async fn clear(
+        &self,
+        role: &str,
+        node: &str,
+        term: i64,
+        bound: Duration,
+    ) -> (Instant, Result<bool>) {
+        let s = self.inner.options.schema_name().as_str();
+        let payload = format!("{s}:released:{role}");
+        let (roles, nodes, terms, payloads) = (vec![role], vec![node], vec![term], vec![payload]);
+        let (sent, r) = self
+            .exec(
+                Op::Release,
+                bound,
+                &self.inner.sql.sql.release,
+                &[
+                    (&roles, Type::TEXT_ARRAY),
+                    (&nodes, Type::TEXT_ARRAY),
+                    (&terms, Type::INT8_ARRAY),
+                    (&payloads, Type::TEXT_ARRAY),
+                ],
+            )
+            .await;
+        let cleared = r.and_then(|rows| {
+            rows.first()
+                .map(|r| r.try_get::<_, i64>(0))
+                .transpose()
+                .map(|n| n.unwrap_or(0) > 0)
+                .map_err(|e| self.read_error(Op::Release, e))
+        });
+        (sent, cleared)
+    }
+
+    /// Sends the registration (the registry's batched upsert, see
+    /// [`registry::batch_register_sql_for`]) of the standbys of `part`,
+    /// bounded by `bound`: its send time and its outcome.
+    pub(super) async fn register(
+        &self,
+        part: &[&Registration],
+        bound: Duration,
+    ) -> (Instant, Result<()>) {
+        let roles: Vec<&str> = part.iter().map(|r| r.role.as_str()).collect();
+        let nodes: Vec<&str> = part.iter().map(|r| r.node.as_str()).collect();
+        let priorities: Vec<i32> = part.iter().map(|r| r.priority).collect();
+        let standbys: Vec<Option<&str>> = part.iter().map(|r| r.standby).collect();
+        let timings: Vec<&serde_json::Value> = part.iter().map(|r| &*r.timing).collect();
+        let metas: Vec<Option<&serde_json::Value>> = part.iter().map(|r| r.meta.as_ref()).collect();
+        let payloads: Vec<&str> = part.iter().map(|r| r.payload.as_str()).collect();
+        let (sent, r) = self
+            .exec(
+                Op::Register,
+                bound,
+                &self.inner.sql.register,
+                &[
+                    (&roles, Type::TEXT_ARRAY),
+                    (&nodes, Type::TEXT_ARRAY),
+                    (&priorities, Type::INT4_ARRAY),
+                    (&standbys, Type::TEXT_ARRAY),
+                    (&timings, Type::JSONB_ARRAY),
+                    (&metas, Type::JSONB_ARRAY),
+                    (&payloads, Type::TEXT_ARRAY),
+                ],
+            )
+            .await;
+        (sent, r.map(drop))
+    }
+
+    /// A row of `op`'s answer that could not be read.
+    fn read_error(&self, op: Op, e: tokio_postgres::Error) -> Error {
+        Error::db(op.operation(), self.inner.options.schema_name().as_str(), e)
+    }
+}
+
+/// One role's row of the acquire ([`LeaseSql::acquire`]), decoded.
+pub(super) struct Acquired {
+    pub(super) role: String,
+    /// Won: the new term, `acquired_at` and `lease_until`.
+    pub(super) won: Option<(i64, SystemTime, SystemTime)>,
+    /// The row as it was before: holder, backend, remaining ms.
+    pub(super) prev_holder: Option<String>,
+    pub(super) prev_backend: Option<String>,
+    pub(super) prev_remaining: Option<f64>,
+    /// Not won because this ready candidate of higher priority stands.
+    pub(super) deferred_to: Option<String>,
+    /// Not won because the row was last written before this server's
+    /// promotion: its lease was re-armed for a full TTL.
+    pub(super) rearmed: bool,
+}
+
+impl Acquired {
+    pub(super) fn decode(row: &Row) -> std::result::Result<Acquired, tokio_postgres::Error> {
+        let term: Option<i64> = row.try_get(0)?;
+        let won = match term {
+            Some(term) => Some((term, row.try_get(1)?, row.try_get(2)?)),
+            None => None,
+        };
+        Ok(Acquired {
+            won,
+            prev_holder: row.try_get(4)?,
+            prev_backend: row.try_get(5)?,
+            prev_remaining: row.try_get(6)?,
+            deferred_to: row.try_get(8)?,
+            rearmed: row.try_get::<_, Option<bool>>(9)?.unwrap_or(false),
+            role: row.try_get(10)?,
+        })
+    }
+}
+
+/// Server-reported milliseconds as a duration; zero for a negative or
+/// non-finite value.
+pub(super) fn ms(f: f64) -> Duration {
+    if f.is_finite() && f > 0.0 {
+        Duration::from_secs_f64((f / 1000.0).min(1e9))
+    } else {
+        Duration::ZERO
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_reported_milliseconds_are_clamped() {
+        assert_eq!(ms(-5.0), Duration::ZERO);
+        assert_eq!(ms(f64::NAN), Duration::ZERO);
+        assert_eq!(ms(1500.0), Duration::from_millis(1500));
+    }
+
+    #[test]
+    fn statements_are_scoped_to_holder_and_term() {
+        let sql = lease_sql(&SchemaName::default());
+        assert!(
+            sql.renew.contains("greatest(l.lease_until, now()"),
+            "{}",
+            sql.renew
+        );
+        for s in [&sql.renew, &sql.release] {
+            assert!(
+                s.contains("l.role = m.role AND l.holder = m.node AND l.term = m.term"),
+                "{s}"
+            );
+        }
+        assert!(sql.renew.contains("SKIP LOCKED"), "{}", sql.renew);
+        assert!(
+            sql.acquire.contains("l.lease_until < now()"),
+            "{}",
+            sql.acquire
+        );
+        assert!(
+            sql.acquire.contains("c.priority > a.priority"),
+            "{}",
+            sql.acquire
+        );
+        assert!(sql.acquire.contains("pg_notify"), "{}", sql.acquire);
+        for s in [&sql.acquire, &sql.renew, &sql.release] {
+            assert!(!s.contains(';'), "one statement each: {s}");
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! The plans of the lease backend's statements at scale: against 10,000
+//! leader rows and as many registered candidates, the statements the lease
+//! client sends (`lease_sql`), for a batch of one and for full chunks, reach
+//! their rows by index. A sequential scan of the leaders or candidates
+//! table, or a `NOT IN` run as a plain subplan (once per row, as one did
+//! before), fails the test with the plan.
+
+use pgelect::SchemaName;
+use serde_json::Value;
+use tokio_postgres::types::{ToSql, Type};
+
+use crate::support::migrated;
+
+const ROWS: usize = 10_000;
+
+/// The largest batch of each statement the client sends: renewals and
+/// releases in chunks of 2,000, acquires in chunks of 5,000.
+const RENEW_ROWS: usize = 2_000;
+const ACQUIRE_ROWS: usize = 5_000;
+
+/// What in `plan` (an `EXPLAIN (FORMAT JSON)` node) reads a whole table
+/// of pgelect's, or runs a subplan per row where a hashed one belongs.
+fn regressions(plan: &Value, found: &mut Vec<String>) {
+    match plan {
+        Value::Object(node) => {
+            let kind = node.get("Node Type").and_then(Value::as_str);
+            let relation = node.get("Relation Name").and_then(Value::as_str);
+            if kind == Some("Seq Scan") && matches!(relation, Some("leaders" | "candidates")) {
+                found.push(format!(
+                    "sequential scan of {}",
+                    relation.unwrap_or_default()
+                ));
+            }
+            if kind == Some("Nested Loop")
+                && node.get("Join Type").and_then(Value::as_str) == Some("Anti")
+            {
+                found.push("a nested anti-join (rescans its inner side for every row)".to_owned());
+            }
+            for key in ["Filter", "Join Filter", "Hash Cond"] {
+                if let Some(f) = node.get(key).and_then(Value::as_str) {
+                    if f.contains("NOT ") && f.contains("SubPlan") && !f.contains("hashed SubPlan")
+                    {
+                        found.push(format!("{key} runs a subplan per row: {f}"));
+                    }
+                }
+            }
+            node.values().for_each(|v| regressions(v, found));
+        }
+        Value::Array(items) => items.iter().for_each(|v| regressions(v, found)),
+        _ => {}
+    }
+}
+
+/// Plans `sql` with `params` (a custom plan, as for the client's unnamed
+/// statements) and fails on a regression.
+async fn assert_indexed(
+    c: &tokio_postgres::Client,
+    what: &str,
+    sql: &str,
+    params: &[(&(dyn ToSql + Sync), Type)],
+) {
+    let row = c
+        .query_typed_one(&format!("EXPLAIN (FORMAT JSON) {sql}"), params)
+        .await
+        .unwrap_or_else(|e| panic!("{what}: EXPLAIN failed: {e}"));
+    let plan: Value = row.get(0);
+    let mut found = Vec::new();
+    regressions(&plan, &mut found);
+    assert!(
+        found.is_empty(),
+        "{what}: {found:?}\n{}",
+        serde_json::to_string_pretty(&plan).unwrap()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_statements_reach_their_rows_by_index_at_ten_thousand_roles() {
+    let (db, _options) = migrated("lease_plans").await;
+    let c = db.connect().await;
+    // 10,000 leased roles held by `n` with term 1, and a lease candidate of
+    // lower priority registered for each (the priority check reads them).
+    c.batch_execute(&format!(
+        "INSERT INTO pgelect.leaders
+                (role, holder, term, backend, acquired_at, renewed_at, lease_until)
+         SELECT 'r-' || i, 'n', 1, 'lease', now(), now(), now() + interval '1 hour'
+           FROM generate_series(1, {ROWS}) AS i;
+         INSERT INTO pgelect.candidates (role, node, priority, backend, timing)
+         SELECT 'r-' || i, 'm', 0, 'lease', '{{\"ttl_ms\": 15000}}'
+           FROM generate_series(1, {ROWS}) AS i;
+         ANALYZE pgelect.leaders;
+         ANALYZE pgelect.candidates;"
+    ))
+    .await
+    .unwrap();
+    let sql = pgelect::lease_sql(&SchemaName::default());
+    for n in [1, 100, RENEW_ROWS, ACQUIRE_ROWS] {
+        // Every n-th role, across the table.
+        let roles: Vec<String> = (0..n)
+            .map(|i| format!("r-{}", 1 + i * (ROWS / n)))
+            .collect();
+        let nodes = vec!["n"; n];
+        let terms = vec![1i64; n];
+        let ttls = vec![15_000i64; n];
+        let priorities = vec![0i32; n];
+        let payloads = vec!["pgelect:released:r"; n];
+        let metas: Vec<Option<Value>> = vec![None; n];
+        if n <= RENEW_ROWS {
+            assert_indexed(
+                &c,
+                &format!("renew of {n}"),
+                &sql.renew,
+                &[
+                    (&roles, Type::TEXT_ARRAY),
+                    (&nodes, Type::TEXT_ARRAY),
+                    (&terms, Type::INT8_ARRAY),
+                    (&ttls, Type::INT8_ARRAY),
+                    (&priorities, Type::INT4_ARRAY),
+                ],
+            )
+            .await;
+            assert_indexed(
+                &c,
+                &format!("release of {n}"),
+                &sql.release,
+                &[
+                    (&roles, Type::TEXT_ARRAY),
+                    (&nodes, Type::TEXT_ARRAY),
+                    (&terms, Type::INT8_ARRAY),
+                    (&payloads, Type::TEXT_ARRAY),
+                ],
+            )
+            .await;
+        }
+        // Standbys of held roles (the steady state) and of roles without a
+        // row yet (a first start).
+        let fresh: Vec<String> = (0..n).map(|i| format!("new-{i}")).collect();
+        for (kind, roles) in [("held", &roles), ("new", &fresh)] {
+            let standbys = vec!["s"; n];
+            assert_indexed(
+                &c,
+                &format!("acquire of {n} {kind} roles"),
+                &sql.acquire,
+                &[
+                    (roles, Type::TEXT_ARRAY),
+                    (&standbys, Type::TEXT_ARRAY),
+                    (&metas, Type::JSONB_ARRAY),
+                    (&ttls, Type::INT8_ARRAY),
+                    (&payloads, Type::TEXT_ARRAY),
+                    (&priorities, Type::INT4_ARRAY),
+                    (&7i64, Type::INT8),
+                    (&vec![5i64, 6], Type::INT8_ARRAY),
+                ],
+            )
+            .await;
+        }
+    }
+}
