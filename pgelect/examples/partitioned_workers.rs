@@ -83,22 +83,24 @@ async fn main() -> Result<(), BoxError> {
         .build()?;
     let mut events = group.join()?;
     println!("{member} joined example-queue ({PARTITIONS} partitions)");
-    let stop = async {
+    // Leaving hands every partition over at once (no handover delay). It
+    // runs beside the event loop, which keeps handling the Lost events.
+    let leave = async {
         match seconds {
             Some(s) => tokio::time::sleep(Duration::from_secs(s)).await,
             None => drop(tokio::signal::ctrl_c().await),
         }
+        group.leave().await
     };
-    tokio::pin!(stop);
-    let (mut gained, mut lost, mut leaving) = (0, 0, false);
+    tokio::pin!(leave);
+    let (mut gained, mut lost, mut left) = (0, 0, false);
     let mut workers = tokio::task::JoinSet::new();
     loop {
         let event = tokio::select! {
             event = events.recv() => event,
-            _ = &mut stop, if !leaving => {
-                // Hands every partition over at once; the Lost events follow.
-                leaving = true;
-                group.leave().await?;
+            result = &mut leave, if !left => {
+                left = true;
+                result?;
                 continue;
             }
         };
