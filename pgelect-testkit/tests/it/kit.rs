@@ -10,20 +10,10 @@ use pgelect_testkit::{
     TEST_PASSWORD,
 };
 use tokio::time::timeout;
+
+use crate::support::{connect, scalar};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, Config, NoTls, SimpleQueryMessage};
-
-/// Connects (bounded) and spawns the connection task.
-async fn connect(config: &Config) -> Client {
-    let (client, connection) = timeout(Duration::from_secs(10), config.connect(NoTls))
-        .await
-        .expect("connect timed out")
-        .expect("connect failed");
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    client
-}
 
 /// Runs `sql` (simple protocol, works through transaction pooling) and
 /// returns the first column of every row.
@@ -38,14 +28,6 @@ async fn column(client: &Client, sql: &str) -> Vec<String> {
             _ => None,
         })
         .collect()
-}
-
-async fn scalar(client: &Client, sql: &str) -> String {
-    column(client, sql)
-        .await
-        .into_iter()
-        .next()
-        .expect("no row")
 }
 
 /// Rows of a pgbouncer admin console `SHOW` command, as (name, value) maps.

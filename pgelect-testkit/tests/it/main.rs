@@ -1,6 +1,8 @@
 //! Integration tests of the test kit itself: throwaway clusters, PgBouncer,
 //! the fault proxy, replicas and TLS.
 
+mod support;
+
 mod kit;
 mod replica;
 mod tls;

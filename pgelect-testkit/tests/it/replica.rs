@@ -5,31 +5,8 @@ use std::time::{Duration, Instant};
 
 use pgelect_testkit::{ReplicaSet, Replication, REPLICA_NAME};
 use tokio::time::timeout;
-use tokio_postgres::{Client, Config, NoTls, SimpleQueryMessage};
 
-async fn connect(config: &Config) -> Client {
-    let (client, connection) = timeout(Duration::from_secs(10), config.connect(NoTls))
-        .await
-        .expect("connect timed out")
-        .expect("connect failed");
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    client
-}
-
-async fn scalar(client: &Client, sql: &str) -> String {
-    timeout(Duration::from_secs(10), client.simple_query(sql))
-        .await
-        .expect("query timed out")
-        .expect("query failed")
-        .into_iter()
-        .find_map(|m| match m {
-            SimpleQueryMessage::Row(row) => Some(row.get(0).unwrap_or("").to_owned()),
-            _ => None,
-        })
-        .expect("no row")
-}
+use crate::support::{connect, scalar};
 
 fn start(mode: Replication) -> ReplicaSet {
     let t0 = Instant::now();

@@ -14,6 +14,8 @@ use pgelect_testkit::{
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::time::timeout;
+
+use crate::support::scalar;
 use tokio_postgres::config::SslMode;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, Config, NoTls, SimpleQueryMessage};
@@ -79,21 +81,6 @@ async fn connect_plain(config: &Config) -> Result<Client, tokio_postgres::Error>
         let _ = connection.await;
     });
     Ok(client)
-}
-
-/// First column of the first row (simple protocol: works through
-/// transaction pooling).
-async fn scalar(client: &Client, sql: &str) -> String {
-    timeout(Duration::from_secs(10), client.simple_query(sql))
-        .await
-        .expect("query timed out")
-        .expect("query failed")
-        .into_iter()
-        .find_map(|m| match m {
-            SimpleQueryMessage::Row(row) => Some(row.get(0).unwrap_or("").to_owned()),
-            _ => None,
-        })
-        .expect("no row")
 }
 
 /// Whether this session's connection to the server is TLS.
