@@ -18,11 +18,17 @@ use crate::conn::{ConnectOptions, DedicatedConnection, TcpTimeouts};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 
-const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(1);
-const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
+// A lock session's defaults, documented on `LockSessionBuilder`. They are
+// not the elector's (`election/timing.rs`: a 1 s heartbeat timeout and a
+// 20 s wait slice, chosen to fit the TTL's inequalities), so they carry
+// names of their own.
+/// Default interval between two heartbeats of a lock session.
+const LOCK_SESSION_HEARTBEAT: Duration = Duration::from_secs(1);
+/// Default bound on a heartbeat's answer before the session is given up.
+const LOCK_SESSION_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
 const DEFAULT_NAME: &str = "locks";
 /// Default slice of an unbounded lock wait.
-const DEFAULT_WAIT_SLICE: Duration = Duration::from_secs(10);
+const LOCK_SESSION_WAIT_SLICE: Duration = Duration::from_secs(10);
 /// A lock wait longer than this looks, on a connection of its own, for who
 /// holds the key and logs it at warning level; then again every
 /// [`WAIT_RECHECK`], naming only holders not named before.
@@ -190,11 +196,11 @@ impl LockSession {
     pub fn builder(options: &ConnectOptions) -> LockSessionBuilder {
         LockSessionBuilder {
             options: options.clone(),
-            heartbeat: DEFAULT_HEARTBEAT,
-            heartbeat_timeout: DEFAULT_HEARTBEAT_TIMEOUT,
+            heartbeat: LOCK_SESSION_HEARTBEAT,
+            heartbeat_timeout: LOCK_SESSION_HEARTBEAT_TIMEOUT,
             tcp: TcpTimeouts::default(),
             name: DEFAULT_NAME.to_owned(),
-            wait_slice: DEFAULT_WAIT_SLICE,
+            wait_slice: LOCK_SESSION_WAIT_SLICE,
         }
     }
 
@@ -1043,7 +1049,7 @@ async fn warn_about_holders(options: ConnectOptions, waiter: i32, key: LockKey) 
             conn.close().await;
             holders
         };
-        match tokio::time::timeout(DEFAULT_HEARTBEAT_TIMEOUT, found).await {
+        match tokio::time::timeout(LOCK_SESSION_HEARTBEAT_TIMEOUT, found).await {
             Ok(Ok(holders)) => {
                 let new: Vec<LockHolder> = holders
                     .into_iter()
