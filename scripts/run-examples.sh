@@ -33,6 +33,9 @@ rm -rf "$logs"
 mkdir -p "$logs"
 
 # The throwaway server; a short demo (two candidates, ttl 2s) before it is kept.
+# Created here, not by the redirect below: the background process opens it
+# after the fork, and the first read of it may come before that.
+: >"$logs/server.log"
 "$bin/pgelect" demo --keep --candidates 2 --ttl 2s >"$logs/server.log" 2>&1 &
 server=$!
 background=() # examples running in the background, stopped on exit too
