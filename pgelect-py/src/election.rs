@@ -25,7 +25,7 @@ impl Elector {
     #[new]
     #[pyo3(signature = (url, role, *, backend="session", ttl=None, renew_every=None, retry_every=None,
                         handover_delay=None, safety_margin=None, check_every=None, node_id=None,
-                        priority=None, profile=None, schema=None, meta=None, connect_timeout=None))]
+                        priority=None, profile=None, schema=None, meta=None, connect_timeout=None, listen_url=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         url: &str,
@@ -43,6 +43,7 @@ impl Elector {
         schema: Option<&str>,
         meta: Option<&str>,
         connect_timeout: Option<f64>,
+        listen_url: Option<&str>,
     ) -> PyResult<Self> {
         let options = options(url, schema, connect_timeout)?;
         let schema = options.schema_name().as_str().to_owned();
@@ -95,6 +96,9 @@ impl Elector {
             let value =
                 serde_json::from_str(m).map_err(|e| config(format!("meta must be JSON: {e}")))?;
             b = b.meta(value);
+        }
+        if let Some(u) = listen_url {
+            b = b.listen_via(options_for_listen(u, &schema, connect_timeout)?);
         }
         let _entered = runtime()?.enter();
         let elector = b.build().map_err(errors::to_py)?;
@@ -312,6 +316,14 @@ pub(crate) fn fence_error(
         _ => return None,
     };
     Some(errors::to_py_object(py, e))
+}
+
+fn options_for_listen(
+    url: &str,
+    schema: &str,
+    connect_timeout: Option<f64>,
+) -> PyResult<pgelect::ConnectOptions> {
+    options(url, Some(schema), connect_timeout)
 }
 
 pub(crate) fn config_error(message: String) -> pgelect::Error {

@@ -102,7 +102,9 @@ class Elector:
     PgBouncer in transaction mode). Durations are seconds (or
     ``timedelta``); unset ones take the library's defaults, and the
     combination is checked (a ``ttl`` that breaks the timing inequalities
-    raises :class:`~pgelect.errors.ConfigurationError`).
+    raises :class:`~pgelect.errors.ConfigurationError`). Through PgBouncer
+    in transaction mode, ``listen_url`` (a direct connection to the server)
+    lets lease standbys hear a release at once instead of polling.
 
     Use it from the process that made it: in a child of ``os.fork()`` every
     method raises :class:`~pgelect.errors.ForkError`; make a new one there.
@@ -126,6 +128,7 @@ class Elector:
         schema: Optional[str] = None,
         meta: Optional[Dict[str, Any]] = None,
         connect_timeout: Optional[Seconds] = None,
+        listen_url: Optional[str] = None,
     ) -> None:
         self._native = _native.Elector(
             url,
@@ -143,6 +146,7 @@ class Elector:
             schema=schema,
             meta=None if meta is None else json.dumps(meta),
             connect_timeout=seconds(connect_timeout),
+            listen_url=listen_url,
         )
 
     @property
