@@ -11,8 +11,9 @@
 #   scripts/test.sh --pg 13 -- -E 'test(/^locks::/)'   # anything after -- goes to nextest
 #
 # With --pg the servers are the fetched binaries (PGELECT_PG_BIN); PgBouncer
-# stays the system's. The doc tests, which need no server, run only without
-# --pg. --pg and --subset need cargo-nextest.
+# stays the system's. The doc tests, which need no server, and the Python
+# package's tests (pgelect-py/test.sh) run only without --pg. --pg and
+# --subset need cargo-nextest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -74,6 +75,14 @@ if [ ${#versions[@]} -eq 0 ] && [ -z "$subset" ] && [ ${#extra[@]} -eq 0 ]; then
     cargo test "${features[@]}" --no-fail-fast
   fi
   cargo test "${features[@]}" --doc
+  # The Python package: builds its wheel (maturin, debug build) and runs its
+  # pytest suite and the Python examples on a throwaway PostgreSQL and
+  # PgBouncer (pgelect-py/test.sh; PGELECT_SKIP_PYTHON=1 leaves it out).
+  if [ -z "${PGELECT_SKIP_PYTHON:-}" ]; then
+    start=$(date +%s)
+    pgelect-py/test.sh
+    echo "scripts/test.sh: the Python package's build and tests took $(($(date +%s) - start)) s"
+  fi
   exit 0
 fi
 
