@@ -58,7 +58,7 @@ pub(crate) fn current_leader(
     let options = options(url, schema, connect_timeout)?;
     let role = role.to_owned();
     spawn(async move {
-        let info = pgelect::current_leader(&options, &role).await?;
+        let info = pgelect::election::current_leader(&options, &role).await?;
         Ok(Value(move |py: Python<'_>| leader_info(py, info)))
     })
 }
@@ -76,12 +76,12 @@ pub(crate) fn request_resign(
     let options = options(url, schema, connect_timeout)?;
     let role = role.to_owned();
     spawn(async move {
-        let info = pgelect::request_resign(&options, &role).await?;
+        let info = pgelect::election::request_resign(&options, &role).await?;
         Ok(Value(move |py: Python<'_>| leader_info(py, info)))
     })
 }
 
-fn leader_info(py: Python<'_>, info: Option<pgelect::LeaderInfo>) -> PyResult<Py<PyAny>> {
+fn leader_info(py: Python<'_>, info: Option<pgelect::election::LeaderInfo>) -> PyResult<Py<PyAny>> {
     let Some(info) = info else {
         return Ok(py.None());
     };

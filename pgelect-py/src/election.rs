@@ -49,8 +49,8 @@ impl Elector {
         let schema = options.schema_name().as_str().to_owned();
         let config = |m: String| errors::to_py(config_error(m));
         let mut b = pgelect::Elector::builder(options, role).backend(match backend {
-            "session" => pgelect::Backend::Session,
-            "lease" => pgelect::Backend::Lease,
+            "session" => pgelect::election::Backend::Session,
+            "lease" => pgelect::election::Backend::Lease,
             other => {
                 return Err(config(format!(
                     "backend must be \"session\" or \"lease\", got {other:?}"
@@ -59,8 +59,8 @@ impl Elector {
         });
         if let Some(p) = profile {
             b = b.profile(match p {
-                "standard" => pgelect::Profile::Standard,
-                "fast" => pgelect::Profile::Fast,
+                "standard" => pgelect::election::Profile::Standard,
+                "fast" => pgelect::election::Profile::Fast,
                 other => {
                     return Err(config(format!(
                         "profile must be \"standard\" or \"fast\", got {other:?}"
@@ -305,11 +305,11 @@ pub(crate) fn fence_error(
     message: &str,
 ) -> Option<Py<PyAny>> {
     let e = match sqlstate? {
-        pgelect::SQLSTATE_STALE_TERM => pgelect::Error::StaleTerm {
+        pgelect::schema::SQLSTATE_STALE_TERM => pgelect::Error::StaleTerm {
             role: role.to_owned(),
             message: message.to_owned(),
         },
-        pgelect::SQLSTATE_NO_LEADER => pgelect::Error::NoLeader {
+        pgelect::schema::SQLSTATE_NO_LEADER => pgelect::Error::NoLeader {
             role: role.to_owned(),
             message: message.to_owned(),
         },

@@ -44,7 +44,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(admin::migrate, m)?)?;
     m.add_function(wrap_pyfunction!(admin::current_leader, m)?)?;
     m.add_function(wrap_pyfunction!(admin::request_resign, m)?)?;
-    m.add("SCHEMA_VERSION", pgelect::SCHEMA_VERSION)?;
+    m.add("SCHEMA_VERSION", pgelect::schema::SCHEMA_VERSION)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

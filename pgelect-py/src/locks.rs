@@ -86,7 +86,7 @@ impl Outcome for Connected {
 }
 
 /// A guard, or `None` from a try that found the key taken.
-struct Guard(Option<pgelect::LockGuard>);
+struct Guard(Option<pgelect::lock::LockGuard>);
 
 impl Outcome for Guard {
     fn into_py(self: Box<Self>, py: Python<'_>) -> PyResult<Py<PyAny>> {
@@ -109,7 +109,7 @@ impl Outcome for Guard {
     }
 }
 
-struct Granted(Option<pgelect::Permit>);
+struct Granted(Option<pgelect::lock::Permit>);
 
 impl Outcome for Granted {
     fn into_py(self: Box<Self>, py: Python<'_>) -> PyResult<Py<PyAny>> {
@@ -234,7 +234,7 @@ impl LockSession {
 /// A held session lock (the library's `LockGuard`).
 #[pyclass(frozen, module = "pgelect._native")]
 pub(crate) struct Lock {
-    inner: Owned<pgelect::LockGuard>,
+    inner: Owned<pgelect::lock::LockGuard>,
     lost: tokio_util::sync::CancellationToken,
     key: String,
 }
@@ -272,7 +272,7 @@ impl Lock {
 /// A semaphore: at most `limit` holders of its permits at once.
 #[pyclass(frozen, module = "pgelect._native")]
 pub(crate) struct Semaphore {
-    inner: pgelect::Semaphore,
+    inner: pgelect::lock::Semaphore,
 }
 
 #[pymethods]
@@ -280,7 +280,7 @@ impl Semaphore {
     #[new]
     fn new(name: String, limit: u32) -> PyResult<Self> {
         Ok(Semaphore {
-            inner: pgelect::Semaphore::new(name, limit).map_err(errors::to_py)?,
+            inner: pgelect::lock::Semaphore::new(name, limit).map_err(errors::to_py)?,
         })
     }
 
@@ -296,7 +296,7 @@ impl Semaphore {
 /// A held permit (the library's `Permit`).
 #[pyclass(frozen, module = "pgelect._native")]
 pub(crate) struct Permit {
-    inner: Owned<pgelect::Permit>,
+    inner: Owned<pgelect::lock::Permit>,
     lost: tokio_util::sync::CancellationToken,
     semaphore: String,
     slot: u32,

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 import pgelect
-from conftest import child, connect, eventually
+from pgelect_support import child, connect, eventually
 
 BACKENDS = ["session", "lease"]
 

@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 import pgelect
-from conftest import connect, eventually, with_database, with_user
+from pgelect_support import connect, eventually, with_database, with_user
 
 
 # ---- bad input: the library's own clear errors ------------------------------

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 import pgelect
-from conftest import connect
+from pgelect_support import connect
 
 
 def test_session_lock_excludes_and_releases(url: str, role: str) -> None:

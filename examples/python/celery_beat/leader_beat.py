@@ -29,7 +29,11 @@ os.makedirs(broker_dir, exist_ok=True)
 app = Celery(
     "leader_beat",
     broker="filesystem://",
-    broker_transport_options={"data_folder_in": broker_dir, "data_folder_out": broker_dir},
+    broker_transport_options={
+        "data_folder_in": broker_dir,
+        "data_folder_out": broker_dir,
+        "control_folder": os.path.join(broker_dir, "control"),
+    },
 )
 app.conf.beat_schedule = {"tick": {"task": "leader_beat.tick", "schedule": 0.2}}
 

@@ -90,5 +90,5 @@ def test_beat_runs_on_the_leader_only_across_a_rolling_restart(url: str, tmp_pat
     # The rolling restart restarted the leader at least once: handed over.
     assert len(by_term) >= 2, by_term
     # Every send reached the broker.
-    assert len(list(broker.glob("*.msg"))) == len(events)
+    assert len(list(broker.glob("*.celery.msg"))) == len(events)
     print(f"{len(events)} sends by {len(by_term)} leaders in turn: {sorted(by_term.items())}")
