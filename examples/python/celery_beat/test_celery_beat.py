@@ -1,5 +1,5 @@
-"""CI run of the Celery example: three replicas, then a rolling restart of
-all three; at every moment at most one of them sends, terms only rise,
+"""CI run of the Celery example: two replicas, then a rolling restart of
+both; at every moment at most one of them sends, terms only rise,
 and the schedule goes on across the restart."""
 
 from __future__ import annotations
@@ -67,10 +67,10 @@ def wait_for_sends(replicas: List[Replica], events: List[Tuple[float, str, int]]
 def test_beat_runs_on_the_leader_only_across_a_rolling_restart(url: str, tmp_path: Path) -> None:
     events: List[Tuple[float, str, int]] = []
     broker = tmp_path / "broker"
-    replicas = [Replica(f"r{i}", url, broker, events) for i in (1, 2, 3)]
+    replicas = [Replica(f"r{i}", url, broker, events) for i in (1, 2)]
     try:
         wait_for_sends(replicas, events, 2)
-        for i in (1, 2, 3):
+        for i in (1, 2):
             old = replicas[i - 1]
             old.stop()
             replicas[i - 1] = Replica(f"r{i}b", url, broker, events)
