@@ -100,7 +100,11 @@ impl NodeState {
     /// Settled in a state that takes writes: `primary`, `wait_primary` (a
     /// primary with no standby in sync: after its standby died) or `single`.
     pub fn accepts_writes(&self) -> bool {
-        self.is_settled() && matches!(self.reported.as_str(), "primary" | "wait_primary" | "single")
+        self.is_settled()
+            && matches!(
+                self.reported.as_str(),
+                "primary" | "wait_primary" | "single"
+            )
     }
 
     /// Reported and assigned the same state: not in a transition.
@@ -520,9 +524,7 @@ impl AutoFailover {
                 &format!("{name} to join the formation"),
                 START_TIMEOUT.saturating_sub(started.elapsed()),
                 |s| {
-                    s.len() == want
-                        && s.iter().all(NodeState::is_settled)
-                        && s[0].reported == first
+                    s.len() == want && s.iter().all(NodeState::is_settled) && s[0].reported == first
                 },
             )?;
         }
@@ -661,7 +663,10 @@ log_line_prefix = '%m [%p] %q%u@%d '
             Some(s) => Err(err(format!("{what} failed ({s}): {}", tail(&errs, 15)))),
             None => Err(io::Error::new(
                 io::ErrorKind::TimedOut,
-                format!("{what} did not finish within {COMMAND_TIMEOUT:?}: {}", tail(&errs, 15)),
+                format!(
+                    "{what} did not finish within {COMMAND_TIMEOUT:?}: {}",
+                    tail(&errs, 15)
+                ),
             )),
         }
     }
@@ -817,8 +822,7 @@ log_line_prefix = '%m [%p] %q%u@%d '
     pub fn wait_stable(&self, timeout: Duration) -> io::Result<NodeIndex> {
         let s = self.wait_for("one primary and settled secondaries", timeout, |s| {
             s.iter().filter(|n| n.is_primary()).count() == 1
-                && s
-                    .iter()
+                && s.iter()
                     .all(|n| n.is_primary() || (n.reported == "secondary" && n.is_settled()))
         })?;
         Ok(s.iter().position(NodeState::is_primary).expect("checked"))
@@ -835,11 +839,8 @@ log_line_prefix = '%m [%p] %q%u@%d '
     /// `pg_autoctl perform switchover`: the monitor demotes the primary
     /// and promotes a standby; returns when the manager reports it done.
     pub fn perform_switchover(&self) -> io::Result<()> {
-        self.monitor_command(
-            &["perform", "switchover"],
-            "pg_autoctl perform switchover",
-        )
-        .map(|_| ())
+        self.monitor_command(&["perform", "switchover"], "pg_autoctl perform switchover")
+            .map(|_| ())
     }
 
     /// `pg_autoctl perform failover`: as a switchover, ordered as a
@@ -956,8 +957,12 @@ fn tail(text: &str, n: usize) -> String {
 /// Parses `pg_autoctl show state --json` into nodes ordered by `ports`
 /// (nodes on other ports are left out).
 fn parse_state(json: &str, ports: &[u16]) -> io::Result<Vec<NodeState>> {
-    let value: serde_json::Value = serde_json::from_str(json)
-        .map_err(|e| err(format!("pg_autoctl show state --json: {e}: {}", tail(json, 5))))?;
+    let value: serde_json::Value = serde_json::from_str(json).map_err(|e| {
+        err(format!(
+            "pg_autoctl show state --json: {e}: {}",
+            tail(json, 5)
+        ))
+    })?;
     let nodes = value
         .as_array()
         .ok_or_else(|| err("pg_autoctl show state --json: not an array"))?;

@@ -62,7 +62,10 @@ async fn formation_settings_switchover_node_death_and_cleanup() {
         assert_eq!(scalar(&n0, &sql).await, want, "{setting}");
     }
     let sync = scalar(&n0, "SELECT current_setting('synchronous_standby_names')").await;
-    assert!(sync.starts_with("ANY 1"), "synchronous replication: {sync:?}");
+    assert!(
+        sync.starts_with("ANY 1"),
+        "synchronous replication: {sync:?}"
+    );
     let n1 = connect(&haf.node_config(1, "postgres")).await;
     assert_eq!(scalar(&n1, "SELECT pg_is_in_recovery()").await, "t");
     drop((n0, n1));
@@ -75,7 +78,10 @@ async fn formation_settings_switchover_node_death_and_cleanup() {
     haf.create_database("kit_haf").unwrap();
     let url: tokio_postgres::Config = haf.url("kit_haf").parse().unwrap();
     let c = connect(&url).await;
-    assert_eq!(scalar(&c, "SELECT current_setting('port')").await, haf.ports()[0].to_string());
+    assert_eq!(
+        scalar(&c, "SELECT current_setting('port')").await,
+        haf.ports()[0].to_string()
+    );
     drop(c);
     let haf = std::sync::Arc::new(haf);
     let h = haf.clone();
@@ -92,7 +98,10 @@ async fn formation_settings_switchover_node_death_and_cleanup() {
         .unwrap();
     assert_eq!(primary, 1);
     let c = connect(&url).await;
-    assert_eq!(scalar(&c, "SELECT current_setting('port')").await, haf.ports()[1].to_string());
+    assert_eq!(
+        scalar(&c, "SELECT current_setting('port')").await,
+        haf.ports()[1].to_string()
+    );
     drop(c);
 
     // The primary's machine dies: the monitor promotes the other node.
@@ -100,7 +109,9 @@ async fn formation_settings_switchover_node_death_and_cleanup() {
     let t = Instant::now();
     let promoted = tokio::task::spawn_blocking(move || {
         h.kill_node(1)?;
-        h.wait_for("node 0 promoted", Duration::from_secs(60), |s| s[0].accepts_writes())
+        h.wait_for("node 0 promoted", Duration::from_secs(60), |s| {
+            s[0].accepts_writes()
+        })
     })
     .await
     .unwrap()
@@ -130,7 +141,10 @@ async fn formation_settings_switchover_node_death_and_cleanup() {
     .expect("a primary again after a postmaster kill");
     let pid_now: u32 = scalar(&c, "SELECT pg_backend_pid()").await.parse().unwrap();
     assert_ne!(pid_now, pid);
-    assert_eq!(scalar(&c, "SELECT current_setting('port')").await, haf.ports()[0].to_string());
+    assert_eq!(
+        scalar(&c, "SELECT current_setting('port')").await,
+        haf.ports()[0].to_string()
+    );
     drop(c);
 
     // Nothing left once dropped.
