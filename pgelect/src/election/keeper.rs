@@ -117,9 +117,10 @@ pub(crate) struct Keeper {
     last_renew_sent: Option<Instant>,
     /// How a dead connection shows (heartbeats, statement timeout).
     liveness: Liveness,
-    /// The last renewal was refused by a server that accepts no writes
-    /// ([`Keeper::renew_refused_read_only`]): a loss at the deadline is
-    /// then [`LossReason::ServerReadOnly`].
+    /// A renewal since the last successful one was refused by a server
+    /// that accepts no writes ([`Keeper::renew_refused_read_only`]): a loss
+    /// at the deadline is then [`LossReason::ServerReadOnly`] (later
+    /// attempts may have failed otherwise, timing out on a reconnection).
     read_only: bool,
 }
 
@@ -322,7 +323,6 @@ impl Keeper {
     /// A renewal failed with a non-connection error: not renewed, retry soon.
     pub(crate) fn renew_failed(&mut self, now: Instant) {
         self.in_flight = None;
-        self.read_only = false;
         // Retry at the heartbeat pace; the deadline stays where it was.
         self.next_renew = now + self.timing.heartbeat.min(self.timing.renew_every);
     }
@@ -343,7 +343,6 @@ impl Keeper {
     /// there is room for it.
     pub(crate) fn renew_retry(&mut self, now: Instant, wait: Duration) {
         self.in_flight = None;
-        self.read_only = false;
         let mut at = now + wait;
         let room = self.deadline.saturating_duration_since(now);
         // Halve the room left, but not below 10 ms (no storm of attempts

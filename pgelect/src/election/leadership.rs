@@ -72,11 +72,11 @@ pub enum LossReason {
     /// finding `transaction_read_only` on. Session backend: the lock there
     /// protects nothing, so leadership ends at once and the candidate
     /// reconnects (with several hosts and `target_session_attrs=read-write`,
-    /// to the primary). Lease backend: the leader keeps renewing on new
-    /// connections until its local deadline, since an HA manager's
-    /// switchover promotes a standby that holds the replicated lease row
-    /// within seconds; it ends with this reason if the deadline comes while
-    /// the server still refuses.
+    /// to the primary). Lease backend: the same with one host; with a
+    /// multi-host URL the leader keeps renewing on new connections until its
+    /// local deadline, since an HA manager's switchover promotes a standby
+    /// that holds the replicated lease row within seconds, and it ends with
+    /// this reason if the deadline comes after such a refusal.
     ServerReadOnly,
     /// Handed over to a preferred candidate: one of strictly higher
     /// [priority](crate::ElectorBuilder::priority) stands and is ready to

@@ -3,4 +3,5 @@
 //! (`manager`; the slow cases run with `PGELECT_HA_TESTS=1`, see
 //! `scripts/ha-tests.sh`).
 
+mod manager;
 mod reconnect;
