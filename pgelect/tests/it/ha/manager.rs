@@ -19,7 +19,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pgelect::{Backend, ConnectOptions, Elector, Leadership};
+use pgelect::{election::Backend, ConnectOptions, Elector, Leadership};
 use pgelect_testkit::{autofailover_available, AutoFailover};
 use tokio::time::timeout;
 use tokio_postgres::{Client, NoTls};

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use pgelect::{Backend, ConnectOptions, Elector};
+use pgelect::{election::Backend, ConnectOptions, Elector};
 use pgelect_testkit::{free_port, ReplicaSet, Replication, TestDb, SUPERUSER, TEST_PASSWORD};
 use tokio::time::timeout;
 
