@@ -27,7 +27,7 @@ trap 'rm -f "$log"' EXIT
 status=0
 filter=(-E 'test(/^ha::manager::/)')
 [ ${#extra[@]} -gt 0 ] && filter=()
-PGELECT_HA_TESTS=1 cargo nextest run -p pgelect --test it --no-capture --test-threads 1 \
+PGELECT_HA_TESTS=1 cargo nextest run -p pgelect --test it --no-capture --test-threads 1 --no-fail-fast \
   "${filter[@]}" "${extra[@]}" 2>&1 | tee "$log" || status=$?
 echo
 echo "== availability under pg_auto_failover (leader acting again after the new primary accepted a write) =="
