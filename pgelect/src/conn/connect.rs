@@ -395,9 +395,7 @@ mod tests {
             .iter()
             .enumerate()
         {
-            let rest = text
-                .replace("host=h1,/run/pg port=5433,5434", host)
-                .replace("load_balance_hosts=random", "load_balance_hosts=random");
+            let rest = text.replace("host=h1,/run/pg port=5433,5434", host);
             let want: Config = rest.parse().unwrap();
             assert_eq!(
                 format!("{:?}", single_host(&config, i)),
