@@ -22,6 +22,16 @@ have_pg() {
   compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null
 }
 have_pgbouncer() { command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ]; }
+# pg_auto_failover (the HA manager the tests under pgelect-testkit's
+# AutoFailover run): its command and its extension for the installed server.
+pg_major() {
+  local bin
+  for bin in /usr/lib/postgresql/*/bin; do [ -x "$bin/initdb" ] && basename "$(dirname "$bin")"; done | sort -n | tail -1
+}
+have_autofailover() {
+  command -v pg_autoctl >/dev/null 2>&1 || return 1
+  compgen -G "/usr/share/postgresql/*/extension/pgautofailover.control" >/dev/null
+}
 
 missing=()
 if $only_promtool; then
@@ -58,6 +68,27 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 $only_promtool && exit 0
+
+# pg_auto_failover, for the tests under a real HA manager (pgelect-testkit's
+# AutoFailover; those tests are skipped, saying so, without it): Debian's
+# pg-auto-failover-cli and the extension for the newest installed server.
+if ! have_autofailover; then
+  major=$(pg_major || true)
+  pkgs=(pg-auto-failover-cli)
+  [ -n "$major" ] && pkgs+=("postgresql-$major-auto-failover")
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing ${pkgs[*]} (for the tests under pg_auto_failover)" >&2
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+      trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+    fi
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${pkgs[@]}" >/dev/null \
+      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${pkgs[@]}" >/dev/null; } \
+      || echo "setup: could not install ${pkgs[*]}; the tests under pg_auto_failover will be skipped" >&2
+  else
+    echo "setup: pg_auto_failover is missing (optional: the tests under it are skipped; sudo apt-get install ${pkgs[*]})" >&2
+  fi
+fi
 
 # libfaketime, for `pgelect chaos`'s clock-jump fault only (Debian's
 # `faketime`): installed where we can, otherwise that fault is reported

@@ -968,7 +968,7 @@ fn discard_template(template: &Path) {
 /// `<base_dir>/pgelect-testkit-template-v1-<version>-uid<uid>-<hash>`. When
 /// several processes race, one rename wins and the others discard their
 /// copy.
-fn template(bin: &Path) -> io::Result<PathBuf> {
+pub(crate) fn template(bin: &Path) -> io::Result<PathBuf> {
     let out = Command::new(bin.join("postgres"))
         .arg("-V")
         .stdin(Stdio::null())

@@ -22,6 +22,12 @@
 //!   and PgBouncers that speak TLS ([`Cluster::start_with`] with a
 //!   [`TlsMode`], [`PgBouncer::start_with`] with a [`BouncerTls`]).
 //!
+//! * [`AutoFailover`]: a pg_auto_failover formation (a monitor and two or
+//!   three data nodes, synchronous replication) on loopback, with the
+//!   manager's switchover and failover and the kill of a postmaster or of
+//!   a whole node; needs Debian's `pg-auto-failover-cli` and
+//!   `postgresql-<version>-auto-failover` (`scripts/setup.sh`).
+//!
 //! # TLS servers
 //!
 //! ```no_run
@@ -107,12 +113,14 @@
 //!   any PostgreSQL from 13 on (see [`pg_bin_dir`]; `scripts/fetch-pg.sh`
 //!   fetches 13 to 18).
 //! * `PGELECT_PGBOUNCER`: path of the pgbouncer binary.
+//! * `PGELECT_PG_AUTOCTL`: path of pg_auto_failover's `pg_autoctl`.
 //! * `PGELECT_TEST_TMPDIR`: parent directory of the servers' directories and
 //!   of the template (default: `/dev/shm` if a roomy tmpfs, else
 //!   [`std::env::temp_dir`]).
 //! * `PGELECT_TEST_NO_TEMPLATE`: disable the initdb template cache.
 //! * `PGELECT_TESTKIT_DEBUG`: print how long each cluster took to start.
 
+mod autofailover;
 mod cluster;
 mod pgbouncer;
 mod proxy;
@@ -127,6 +135,9 @@ use std::net::{Ipv4Addr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+pub use autofailover::{
+    autofailover_available, AutoFailover, AutoFailoverOptions, NodeIndex, NodeState,
+};
 pub use cluster::{Cluster, ClusterOptions};
 pub use pgbouncer::{pgbouncer_available, BouncerTls, PgBouncer, PoolMode};
 pub use proxy::FaultProxy;

@@ -576,6 +576,11 @@ fn connect_hint(e: &tokio_postgres::Error) -> &'static str {
         Some("3D000") => "check the database name",
         Some(c) if c.starts_with("28") => "check the user name and password",
         Some(_) => "see the server's message",
+        // The driver's refusal of a server that accepts no writes under
+        // target_session_attrs=read-write.
+        None if io_kind_in_chain(e, std::io::ErrorKind::PermissionDenied) => {
+            "it is a standby or read-only and target_session_attrs asks for a primary: during a failover one appears when the HA manager promotes a standby; otherwise list the primary's host in the URL"
+        }
         None => "check that PostgreSQL is running there and that the URL is right",
     }
 }

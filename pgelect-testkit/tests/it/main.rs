@@ -3,6 +3,7 @@
 
 mod support;
 
+mod autofailover;
 mod kit;
 mod replica;
 mod tls;

@@ -5,13 +5,13 @@
 use std::fmt;
 use std::time::Duration;
 
-use tokio_postgres::config::Host;
 use tokio_postgres::config::SslMode as DriverSsl;
+use tokio_postgres::config::{Host, LoadBalanceHosts};
 use tokio_postgres::tls::MakeTlsConnect;
 use tokio_postgres::{AsyncMessage, Client, Config, Connection, Socket};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::options::ConnectOptions;
+use super::options::{target_of, ConnectOptions};
 use super::tls::{self, SslMode};
 use crate::error::{Error, Result};
 
@@ -100,16 +100,71 @@ impl ConnectOptions {
         Ok((client, PlainConnection { connection }))
     }
 
-    /// Connects with `config`, bounding the whole attempt (TCP connect and
-    /// startup): the driver's `connect_timeout` covers the TCP connect
-    /// only, so a server that accepts and never answers is caught by the
-    /// outer bound.
+    /// Connects with `config`: to its one host, or to each host of a
+    /// multi-host configuration in turn (in a random order with
+    /// `load_balance_hosts=random`) until one accepts the connection and
+    /// its `target_session_attrs`, as libpq does.
+    ///
+    /// pgelect tries the hosts itself, rather than leaving it to the
+    /// driver, so that a failure names the host that failed: the driver
+    /// reports the last host's error alone, and the message used to name
+    /// the first host of the URL whatever happened there (a standby that
+    /// answered, while the second host refused). The error returned is a
+    /// refused login or a TLS failure if a host gave one (settings to fix),
+    /// else the last host's; its target names that host, followed by what
+    /// the other hosts answered.
+    pub(super) async fn open(&self, config: Config) -> Result<(Client, TlsConnection)> {
+        let count = config.get_hosts().len().max(config.get_hostaddrs().len());
+        if count <= 1 {
+            return self.open_one(config, self.target()).await;
+        }
+        let mut order: Vec<usize> = (0..count).collect();
+        if config.get_load_balance_hosts() == LoadBalanceHosts::Random {
+            rand::seq::SliceRandom::shuffle(order.as_mut_slice(), &mut rand::rng());
+        }
+        let mut failed: Vec<(String, Error)> = Vec::with_capacity(count);
+        for i in order {
+            let target = target_of(&config, Some(i));
+            match self.open_one(single_host(&config, i), target.clone()).await {
+                Ok(pair) => {
+                    if !failed.is_empty() {
+                        tracing::debug!(host = %target, tried_before = %others(&failed, None), "connected to a later host of the URL");
+                    }
+                    return Ok(pair);
+                }
+                Err(e) => failed.push((target, e)),
+            }
+        }
+        let pick = failed
+            .iter()
+            .position(|(_, e)| matches!(e, Error::Auth { .. } | Error::Tls { .. }))
+            .unwrap_or(failed.len() - 1);
+        let also = others(&failed, Some(pick));
+        let (_, mut e) = failed.swap_remove(pick);
+        if let Error::Connect { target, .. }
+        | Error::ConnectTimeout { target, .. }
+        | Error::Auth { target, .. }
+        | Error::Tls { target, .. } = &mut e
+        {
+            target.push_str(&format!(" (the other hosts: {also})"));
+        }
+        Err(e)
+    }
+
+    /// One connection attempt at `config` (a single host), named `target`
+    /// in errors, bounding the whole attempt (TCP connect and startup): the
+    /// driver's `connect_timeout` covers the TCP connect only, so a server
+    /// that accepts and never answers is caught by the outer bound.
     ///
     /// TLS follows libpq: `allow` tries plain text and then TLS if the
     /// server refused; `prefer` tries TLS and then plain text if the
     /// handshake or the server refused; the other modes try once. Unix
     /// sockets never use TLS (the server does not offer it there).
-    pub(super) async fn open(&self, mut config: Config) -> Result<(Client, TlsConnection)> {
+    async fn open_one(
+        &self,
+        mut config: Config,
+        target: String,
+    ) -> Result<(Client, TlsConnection)> {
         config.connect_timeout(self.connect_timeout);
         let unix_only = !config.get_hosts().is_empty()
             && config.get_hostaddrs().is_empty()
@@ -136,14 +191,14 @@ impl ConnectOptions {
             let e = match connect_off_the_workers(config.clone(), tls.clone(), bound).await {
                 Err(_) => {
                     return Err(Error::ConnectTimeout {
-                        target: self.target(),
+                        target,
                         timeout: self.connect_timeout,
                         source: None,
                     })
                 }
                 Ok(Ok(pair)) => {
                     if i > 0 {
-                        tracing::debug!(sslmode = %mode, target = %self.target(), "connected on the second try, {}", if *ssl == DriverSsl::Disable { "without TLS" } else { "with TLS" });
+                        tracing::debug!(sslmode = %mode, target = %target, "connected on the second try, {}", if *ssl == DriverSsl::Disable { "without TLS" } else { "with TLS" });
                     }
                     return Ok(pair);
                 }
@@ -159,12 +214,12 @@ impl ConnectOptions {
         }
         let e = last.expect("BUG: at least one connection attempt");
         Err(self
-            .tls_error(&e, mode)
-            .unwrap_or_else(|| Error::from_connect(self.target(), self.connect_timeout, e)))
+            .tls_error(&e, mode, &target)
+            .unwrap_or_else(|| Error::from_connect(target, self.connect_timeout, e)))
     }
 
     /// A failed connection explained in terms of TLS, when TLS is why.
-    fn tls_error(&self, e: &tokio_postgres::Error, mode: SslMode) -> Option<Error> {
+    fn tls_error(&self, e: &tokio_postgres::Error, mode: SslMode, target: &str) -> Option<Error> {
         let reason = if let Some(r) = tls::rustls_error_in(e) {
             format!(
                 "{} (sslmode={mode} from {}, {})",
@@ -189,10 +244,100 @@ impl ConnectOptions {
             return None;
         };
         Some(Error::Tls {
-            target: self.target(),
+            target: target.to_owned(),
             reason,
             source: None,
         })
+    }
+}
+
+/// Host `i` of a multi-host `config` as a configuration of its own, every
+/// other setting kept (the driver's `Config` cannot drop hosts).
+fn single_host(config: &Config, i: usize) -> Config {
+    let mut c = Config::new();
+    if let Some(v) = config.get_user() {
+        c.user(v);
+    }
+    if let Some(v) = config.get_password() {
+        c.password(v);
+    }
+    if let Some(v) = config.get_dbname() {
+        c.dbname(v);
+    }
+    if let Some(v) = config.get_options() {
+        c.options(v);
+    }
+    if let Some(v) = config.get_application_name() {
+        c.application_name(v);
+    }
+    c.ssl_mode(config.get_ssl_mode());
+    c.ssl_negotiation(config.get_ssl_negotiation());
+    match config.get_hosts().get(i) {
+        Some(Host::Tcp(h)) => {
+            c.host(h);
+        }
+        Some(Host::Unix(p)) => {
+            c.host_path(p);
+        }
+        None => {}
+    }
+    if let Some(a) = config.get_hostaddrs().get(i) {
+        c.hostaddr(*a);
+    }
+    let ports = config.get_ports();
+    if let Some(p) = ports.get(i).or(ports.first()) {
+        c.port(*p);
+    }
+    if let Some(v) = config.get_connect_timeout() {
+        c.connect_timeout(*v);
+    }
+    if let Some(v) = config.get_tcp_user_timeout() {
+        c.tcp_user_timeout(*v);
+    }
+    c.keepalives(config.get_keepalives());
+    c.keepalives_idle(config.get_keepalives_idle());
+    if let Some(v) = config.get_keepalives_interval() {
+        c.keepalives_interval(v);
+    }
+    if let Some(v) = config.get_keepalives_retries() {
+        c.keepalives_retries(v);
+    }
+    c.target_session_attrs(config.get_target_session_attrs());
+    c.channel_binding(config.get_channel_binding());
+    c.load_balance_hosts(config.get_load_balance_hosts());
+    c
+}
+
+/// What the hosts in `failed` other than `except` answered, for a message:
+/// `h1:5432: a standby (accepts no writes); h3:5432: connection refused`.
+fn others(failed: &[(String, Error)], except: Option<usize>) -> String {
+    failed
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| Some(*i) != except)
+        .map(|(_, (target, e))| {
+            let host = target.split('/').next().unwrap_or(target);
+            format!("{host}: {}", short_reason(e))
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Why one host's connection failed, in a few words.
+fn short_reason(e: &Error) -> String {
+    match e {
+        Error::Connect { source, .. } | Error::Auth { source, .. } => {
+            if crate::error::driver_text(source).contains("does not allow writes") {
+                "a standby or read-only (accepts no writes)".into()
+            } else {
+                crate::error::driver_text(source)
+            }
+        }
+        Error::ConnectTimeout { timeout, .. } => {
+            format!("no answer within {}", crate::error::rounded(*timeout))
+        }
+        Error::Tls { reason, .. } => reason.clone(),
+        other => other.to_string(),
     }
 }
 
@@ -229,5 +374,45 @@ impl std::future::Future for PlainConnection {
 impl fmt::Debug for PlainConnection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PlainConnection").finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every setting of a multi-host configuration survives the split (a
+    /// setting the driver adds would show in `Debug` and fail this).
+    #[test]
+    fn single_host_keeps_every_other_setting() {
+        let text = "host=h1,/run/pg port=5433,5434 user=u password=p dbname=d options=-cx=1 \
+                    application_name=app connect_timeout=3 tcp_user_timeout=4 keepalives=0 \
+                    keepalives_idle=5 keepalives_interval=6 keepalives_retries=7 \
+                    target_session_attrs=read-write channel_binding=require \
+                    load_balance_hosts=random sslmode=require";
+        let config: Config = text.parse().unwrap();
+        for (i, host) in ["host=h1 port=5433", "host=/run/pg port=5434"]
+            .iter()
+            .enumerate()
+        {
+            let rest = text.replace("host=h1,/run/pg port=5433,5434", host);
+            let want: Config = rest.parse().unwrap();
+            assert_eq!(
+                format!("{:?}", single_host(&config, i)),
+                format!("{want:?}"),
+                "host {i}"
+            );
+        }
+        // hostaddr and one port for every host.
+        let config: Config = "host=a,b hostaddr=127.0.0.1,127.0.0.2 port=7 user=u"
+            .parse()
+            .unwrap();
+        let want: Config = "host=b hostaddr=127.0.0.2 port=7 user=u".parse().unwrap();
+        assert_eq!(
+            format!("{:?}", single_host(&config, 1)),
+            format!("{want:?}")
+        );
+        assert_eq!(target_of(&config, Some(1)), "b:7/u user=u");
+        assert_eq!(target_of(&config, None), "a:7,b:7/u user=u");
     }
 }

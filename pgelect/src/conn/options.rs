@@ -275,22 +275,49 @@ impl ConnectOptions {
         &self.config
     }
 
-    /// `host:port/database user=NAME`, for messages. Never holds the password.
+    /// How many hosts the connection string names (a multi-host URL names
+    /// several, tried in turn).
+    pub(crate) fn host_count(&self) -> usize {
+        self.config
+            .get_hosts()
+            .len()
+            .max(self.config.get_hostaddrs().len())
+            .max(1)
+    }
+
+    /// `host:port/database user=NAME`, for messages (every host of a
+    /// multi-host URL: `h1:5432,h2:5432/app user=app`). Never holds the
+    /// password.
     pub fn target(&self) -> String {
-        let host = match self.config.get_hosts().first() {
+        target_of(&self.config, None)
+    }
+}
+
+/// `host:port/database user=NAME` of `config`: of its host `only` (an
+/// index into its hosts), or of every host, comma-separated.
+pub(super) fn target_of(config: &Config, only: Option<usize>) -> String {
+    let hosts = config.get_hosts();
+    let ports = config.get_ports();
+    let count = hosts.len().max(config.get_hostaddrs().len()).max(1);
+    let one = |i: usize| {
+        let host = match hosts.get(i) {
             Some(Host::Tcp(h)) => h.clone(),
             Some(Host::Unix(p)) => p.display().to_string(),
-            None => "localhost".into(),
+            None => config
+                .get_hostaddrs()
+                .get(i)
+                .map_or_else(|| "localhost".into(), |a| a.to_string()),
         };
-        let port = self.config.get_ports().first().copied().unwrap_or(5432);
-        let db = self
-            .config
-            .get_dbname()
-            .or(self.config.get_user())
-            .unwrap_or("?");
-        let user = self.config.get_user().unwrap_or("?");
-        format!("{host}:{port}/{db} user={user}")
-    }
+        let port = ports.get(i).or(ports.first()).copied().unwrap_or(5432);
+        format!("{host}:{port}")
+    };
+    let hosts = match only {
+        Some(i) => one(i),
+        None => (0..count).map(one).collect::<Vec<_>>().join(","),
+    };
+    let db = config.get_dbname().or(config.get_user()).unwrap_or("?");
+    let user = config.get_user().unwrap_or("?");
+    format!("{hosts}/{db} user={user}")
 }
 
 /// Parses a URL or key/value string, refusing an ambiguous URL and keeping

@@ -86,6 +86,10 @@ pub(crate) enum Failed {
     RetrySoon,
     /// Not renewed; retry after this wait, until the deadline.
     RetryAfter(Duration),
+    /// Refused by a server that accepts no writes (SQLSTATE 25006); retry
+    /// after this wait on a new connection, until the deadline, which then
+    /// ends leadership as [`LossReason::ServerReadOnly`].
+    ReadOnlyRetryAfter(Duration),
 }
 
 /// The backend-specific part of keeping a leadership.
@@ -409,6 +413,10 @@ impl<B: KeepBackend + 'static> Keep<B> {
                         Failed::RetrySoon => {
                             tracing::warn!(error = %e, "renewal failed; retrying until the deadline");
                             keeper.renew_failed(now);
+                        }
+                        Failed::ReadOnlyRetryAfter(wait) => {
+                            tracing::warn!(error = %e, retry_in = ?wait, deadline_in = ?keeper.deadline().saturating_duration_since(now), "the server accepts no writes (demoted or fenced); retrying on a new connection until the deadline");
+                            keeper.renew_refused_read_only(now, wait);
                         }
                         Failed::RetryAfter(wait) => {
                             tracing::warn!(error = %e, retry_in = ?wait, deadline_in = ?keeper.deadline().saturating_duration_since(now), "renewal failed; retrying until the deadline");

@@ -117,6 +117,11 @@ pub(crate) struct Keeper {
     last_renew_sent: Option<Instant>,
     /// How a dead connection shows (heartbeats, statement timeout).
     liveness: Liveness,
+    /// A renewal since the last successful one was refused by a server
+    /// that accepts no writes ([`Keeper::renew_refused_read_only`]): a loss
+    /// at the deadline is then [`LossReason::ServerReadOnly`] (later
+    /// attempts may have failed otherwise, timing out on a reconnection).
+    read_only: bool,
 }
 
 impl Keeper {
@@ -157,6 +162,7 @@ impl Keeper {
             early_check: None,
             last_renew_sent: None,
             liveness,
+            read_only: false,
         }
     }
 
@@ -199,7 +205,12 @@ impl Keeper {
             Phase::Done => return None,
             Phase::Pending | Phase::Active => {
                 if now >= self.deadline {
-                    return Some(self.lose(LossReason::Deadline, true));
+                    let reason = if self.read_only {
+                        LossReason::ServerReadOnly
+                    } else {
+                        LossReason::Deadline
+                    };
+                    return Some(self.lose(reason, true));
                 }
             }
             Phase::LameDuck => {
@@ -289,6 +300,7 @@ impl Keeper {
     /// The renewal sent at `sent_at` found the row still ours.
     pub(crate) fn renewed(&mut self, sent_at: Instant, now: Instant) {
         self.in_flight = None;
+        self.read_only = false;
         if self.phase == Phase::Done {
             return;
         }
@@ -339,6 +351,17 @@ impl Keeper {
             at = now + room / 2;
         }
         self.next_renew = at;
+    }
+
+    /// Lease backend: the renewal was refused by a server that accepts no
+    /// writes (SQLSTATE 25006: a primary being demoted by an HA manager, or
+    /// fenced). Retried as [`Keeper::renew_retry`] until the deadline (a
+    /// new connection reaches the promoted primary, where the replicated
+    /// row still names this leader); if the deadline comes first, the loss
+    /// is [`LossReason::ServerReadOnly`].
+    pub(crate) fn renew_refused_read_only(&mut self, now: Instant, wait: Duration) {
+        self.renew_retry(now, wait);
+        self.read_only = true;
     }
 
     /// Another statement on the same connection, sent at `sent`, was
@@ -1031,6 +1054,54 @@ mod tests {
         k.poll(t0);
         k.renewed(deadline - ms(100), deadline - Duration::from_nanos(1));
         assert_eq!(k.deadline(), deadline - ms(100) + t.deadline_budget());
+    }
+
+    #[test]
+    fn a_lease_refused_read_only_is_retried_until_the_deadline() {
+        let t = lease_timing();
+        let t0 = Instant::now();
+        // Refused until the deadline: lost then, as ServerReadOnly.
+        let mut k = Keeper::new(t, Liveness::statements(), t0, t0, false);
+        k.poll(t0);
+        let deadline = k.deadline();
+        let mut lost = None;
+        while let Some(now) = k.next_wake() {
+            match k.poll(now) {
+                Some(Action::Renew) => k.renew_refused_read_only(now, ms(50)),
+                Some(Action::Lose { reason, .. }) => {
+                    lost = Some((reason, now));
+                    break;
+                }
+                _ => {}
+            }
+        }
+        assert_eq!(lost, Some((LossReason::ServerReadOnly, deadline)));
+        // Renewed once the promoted server answers: kept, with a new
+        // deadline; a later deadline loss is a plain one.
+        let mut k = Keeper::new(t, Liveness::statements(), t0, t0, false);
+        k.poll(t0);
+        let first = k.next_wake().unwrap();
+        assert_eq!(k.poll(first), Some(Action::Renew));
+        k.renew_refused_read_only(first, ms(50));
+        let again = k.next_wake().unwrap();
+        assert_eq!(k.poll(again), Some(Action::Renew));
+        k.renewed(again, again + ms(5));
+        assert_eq!(k.deadline(), again + t.deadline_budget());
+        let next = k.next_wake().unwrap();
+        assert_eq!(k.poll(next), Some(Action::Renew));
+        k.renew_retry(next, ms(50));
+        let mut reason = None;
+        while let Some(now) = k.next_wake() {
+            match k.poll(now) {
+                Some(Action::Renew) => k.renew_retry(now, ms(50)),
+                Some(Action::Lose { reason: r, .. }) => {
+                    reason = Some(r);
+                    break;
+                }
+                _ => {}
+            }
+        }
+        assert_eq!(reason, Some(LossReason::Deadline));
     }
 
     #[test]

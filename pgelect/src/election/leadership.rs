@@ -69,9 +69,14 @@ pub enum LossReason {
     /// (in recovery) or fenced read-only (`default_transaction_read_only`),
     /// found by a renewal failing with SQLSTATE 25006
     /// (`read_only_sql_transaction`) or, session backend, a heartbeat
-    /// finding `transaction_read_only` on. A lock or lease there protects
-    /// nothing: leadership ends at once and the candidate reconnects (with
-    /// several hosts and `target_session_attrs=read-write`, to the primary).
+    /// finding `transaction_read_only` on. Session backend: the lock there
+    /// protects nothing, so leadership ends at once and the candidate
+    /// reconnects (with several hosts and `target_session_attrs=read-write`,
+    /// to the primary). Lease backend: the same with one host; with a
+    /// multi-host URL the leader keeps renewing on new connections until its
+    /// local deadline, since an HA manager's switchover promotes a standby
+    /// that holds the replicated lease row within seconds, and it ends with
+    /// this reason if the deadline comes after such a refusal.
     ServerReadOnly,
     /// Handed over to a preferred candidate: one of strictly higher
     /// [priority](crate::ElectorBuilder::priority) stands and is ready to

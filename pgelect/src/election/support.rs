@@ -29,6 +29,42 @@ pub(crate) fn backoff(failures: u32) -> Duration {
     half + Duration::from_millis(jitter)
 }
 
+/// Consecutive failures over which a multi-host URL is retried fast
+/// ([`retry_backoff`]): about a minute at [`FAST_RETRY_CAP`], longer than
+/// an HA manager's switchover or failover (pg_auto_failover's node-death
+/// failover takes about 50 s with its default timeouts).
+pub(crate) const FAST_RETRIES: u32 = 300;
+
+/// The longest wait between two retries of a multi-host URL during
+/// [`FAST_RETRIES`].
+pub(crate) const FAST_RETRY_CAP: Duration = Duration::from_millis(250);
+
+/// The wait before retrying to connect (or to campaign) through `options`
+/// after `failures` consecutive failures.
+///
+/// With one host: [`backoff`], growing to 5 s. With several (a multi-host
+/// URL, `target_session_attrs=read-write` following the primary of an HA
+/// pair), a failure means that no host accepted us right now: the primary
+/// went away and a standby is being promoted, which the HA manager does
+/// within seconds. Growing the wait toward 5 s would leave the candidate
+/// asleep for seconds after the new primary accepts writes, so the first
+/// retry goes at once (0-25 ms) and later ones every 125-250 ms for
+/// [`FAST_RETRIES`] failures (each retry tries every host: refused
+/// connections and standbys' answers cost the servers little), then the
+/// usual backoff.
+pub(crate) fn retry_backoff(options: &ConnectOptions, failures: u32) -> Duration {
+    if options.host_count() < 2 || failures > FAST_RETRIES {
+        return backoff(failures);
+    }
+    if failures <= 1 {
+        return Duration::from_millis(random_u64() % 26);
+    }
+    let exp = failures.saturating_sub(1).min(6);
+    let d = Duration::from_millis(100 * (1u64 << exp)).min(FAST_RETRY_CAP);
+    let half = d / 2;
+    half + Duration::from_millis(random_u64() % (half.as_millis() as u64 + 1))
+}
+
 /// True when the server refused a write because it accepts none (SQLSTATE
 /// 25006, `read_only_sql_transaction`): a standby, a demoted primary, or one
 /// fenced with `default_transaction_read_only`.
@@ -216,7 +252,13 @@ impl Reconnect {
                 Ok(conn) => return Some(conn),
                 Err(e) => tracing::debug!(error = %e, "{what} cannot connect; retrying"),
             }
-            if !self.back_off(stop).await {
+            self.failures = self.failures.saturating_add(1);
+            let wait = retry_backoff(options, self.failures);
+            let slept = tokio::select! {
+                _ = stop.cancelled() => false,
+                _ = tokio::time::sleep(wait) => true,
+            };
+            if !slept {
                 return None;
             }
         }
@@ -372,6 +414,23 @@ mod tests {
         }
         assert!(backoff(1) <= Duration::from_millis(100));
         assert!(backoff(10) >= Duration::from_millis(2500));
+    }
+
+    #[test]
+    fn a_multi_host_url_is_retried_fast_for_a_while() {
+        let one = ConnectOptions::from_url("postgres://u@h1/db").unwrap();
+        let two = ConnectOptions::from_url("postgres://u@h1,h2/db?target_session_attrs=read-write")
+            .unwrap();
+        assert!(retry_backoff(&one, 10) >= Duration::from_millis(2500));
+        assert!(retry_backoff(&two, 1) <= Duration::from_millis(25));
+        for n in 2..=FAST_RETRIES {
+            let d = retry_backoff(&two, n);
+            assert!(d <= FAST_RETRY_CAP, "{n}: {d:?}");
+            assert!(d >= Duration::from_millis(50), "{n}: {d:?}");
+        }
+        assert!(retry_backoff(&two, 10) >= FAST_RETRY_CAP / 2);
+        // Then the usual backoff: a long outage is not hammered.
+        assert!(retry_backoff(&two, FAST_RETRIES + 1) >= Duration::from_millis(2500));
     }
 
     #[test]

@@ -6,6 +6,7 @@
 
 mod api;
 mod election;
+mod ha;
 mod locks;
 mod partitions;
 mod schema;

@@ -33,8 +33,8 @@ use crate::election::keeper::{Keeper, Liveness};
 use crate::election::leadership::{LeaderContext, LeaderState, Leadership, LossReason};
 use crate::election::registry::{self, yield_pause, Register, Waits};
 use crate::election::support::{
-    backoff, check_not_transaction_pooled, is_read_only, is_transient, nap, Counted, WakeLimit,
-    WakeOn,
+    check_not_transaction_pooled, is_read_only, is_transient, nap, retry_backoff, Counted,
+    WakeLimit, WakeOn,
 };
 use crate::election::term::{next_term_sql, previous_holder_sql};
 use crate::election::watch::{
@@ -66,7 +66,7 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
                 }
                 Err(e) if is_transient(&e) => {
                     failures = failures.saturating_add(1);
-                    let wait = backoff(failures);
+                    let wait = retry_backoff(&shared.options, failures);
                     tracing::warn!(error = %e, retry_in = ?wait, "campaign interrupted; reconnecting");
                     tokio::time::sleep(wait).await;
                 }

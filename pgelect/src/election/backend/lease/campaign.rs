@@ -22,7 +22,7 @@ use crate::election::driver::{Activation, Keep};
 use crate::election::keeper::{Action, Keeper, Liveness};
 use crate::election::leadership::{LeaderContext, LeaderState, Leadership};
 use crate::election::registry::{Register, Waits};
-use crate::election::support::{backoff, is_transient};
+use crate::election::support::{is_transient, retry_backoff};
 use crate::election::watch::{parse_leader_event, LeaderInfo, LEADER_CHANNEL};
 use crate::election::{LeaseState, Shared, Term};
 
@@ -80,7 +80,7 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
                     // The client's task is gone (never while it lives): wait
                     // and stand again.
                     failures = failures.saturating_add(1);
-                    tokio::time::sleep(backoff(failures).min(shared.timing.retry_every)).await;
+                    tokio::time::sleep(retry_backoff(&shared.options, failures).min(shared.timing.retry_every)).await;
                     continue;
                 }
                 Err(e) => return Err(e),
@@ -359,7 +359,7 @@ pub(super) async fn standby_batches(
             failures = 0;
         } else {
             failures = failures.saturating_add(1);
-            let wait = backoff(failures);
+            let wait = retry_backoff(&client.inner.options, failures);
             let now = Instant::now();
             for s in client.inner.standbys().values_mut() {
                 s.due = now + wait.min(s.retry_every);

@@ -102,16 +102,30 @@ impl KeepBackend for LeaseKeep {
     }
 
     fn failed(&self, error: &Error, failures: u32) -> Failed {
+        // A server that accepts no writes: a primary being demoted by an HA
+        // manager's switchover, or fenced. With a multi-host URL
+        // (`target_session_attrs=read-write`), retried like an outage until
+        // the local deadline: the client dropped that connection, and the
+        // next renewal reconnects, reaching the promoted primary, where
+        // the replicated lease row still names this leader and term. So a
+        // switchover shorter than the time left costs no term; giving up at
+        // the first refusal made the successor wait out the whole lease on
+        // the promoted server. Safety is as in any outage: the keeper stops
+        // acting at its local deadline, which falls before the row's expiry
+        // that any successor waits for; a deadline reached after such a
+        // refusal ends as `ServerReadOnly`. With one host, reconnecting
+        // reaches the same server: leadership ends at once.
+        let cap = (self.shared.timing.renew_every / 4).max(Duration::from_millis(50));
+        let wait = backoff(failures).min(cap);
         if is_read_only(error) || self.refused_read_only.swap(false, AtomicOrdering::Relaxed) {
-            // Not an outage to ride out: the lease is on a server that
-            // cannot renew it (demoted or fenced); the client dropped that
-            // connection, and the next campaign opens a new one.
-            return Failed::ServerReadOnly;
+            if self.shared.options.host_count() < 2 {
+                return Failed::ServerReadOnly;
+            }
+            return Failed::ReadOnlyRetryAfter(wait);
         }
         // Retries are cheap (one statement or a refused connection): keep
         // them frequent, so that a short outage is ridden out.
-        let cap = (self.shared.timing.renew_every / 4).max(Duration::from_millis(50));
-        Failed::RetryAfter(backoff(failures).min(cap))
+        Failed::RetryAfter(wait)
     }
 
     fn let_go(&self, _reason: Option<LossReason>) {
