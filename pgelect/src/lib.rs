@@ -6,10 +6,15 @@
 //!
 //! * **Locks** ([`lock`]): session advisory locks on a connection pgelect
 //!   owns ([`LockSession`], [`LockGuard`] with [`lost()`](LockGuard::lost)),
-//!   and transaction locks on *your* transaction ([`xact_lock`],
-//!   [`xact_lock_timeout`], …; sqlx behind the `sqlx` feature). Shared and
-//!   exclusive, try / wait / bounded wait. Semaphores ([`Semaphore`],
-//!   [`Permit`]): at most N holders at once, waiters served in order.
+//!   and transaction locks on *your* transaction ([`xact_lock`]; sqlx
+//!   behind the `sqlx` feature). One call shape: a key, a [`LockMode`]
+//!   (shared or exclusive) and a [`Wait`](lock::Wait) policy (not at all, forever, at
+//!   most a duration). Semaphores ([`Semaphore`], [`Permit`]): at most N
+//!   holders at once, waiters served in order.
+//! * **Loss** ([`loss`]): one API on every handle that can be lost
+//!   (leadership, held partition, lock session, lock guard, permit):
+//!   `lost()`, `token()`, `is_lost()` and `loss()` (the [`LossReason`] and
+//!   when).
 //! * **Keys** ([`LockKey`]): from integers, pairs, names (hashed the same way
 //!   as SQL `pgelect.key(name)`) and UUIDs.
 //! * **Election** ([`election`]): [`Elector`] and the [`Leadership`] handle
@@ -69,12 +74,15 @@
 //! * `server.rs`: what each PostgreSQL major version supports (logged once,
 //!   never fatal).
 //! * `metrics.rs` (*pub* [`metrics`]): metric names, as constants.
+//! * `loss.rs` (*pub* [`loss`]): the loss API every losable handle shares
+//!   ([`loss::Loss`], [`LossReason`], [`loss::Lost`]).
 //! * `lock/` (*pub* [`lock`]): advisory locks.
 //!   * `lock/mod.rs`: the module's docs and re-exports;
 //!   * `lock/session.rs`: [`LockSession`] and [`LockGuard`], session locks
 //!     on a dedicated connection;
+//!   * `lock/wait.rs`: [`Wait`](lock::Wait), how long an acquisition may wait;
 //!   * `lock/xact.rs`: transaction locks on the caller's tokio-postgres
-//!     transaction ([`xact_lock`], …);
+//!     transaction ([`xact_lock`]);
 //!   * `lock/sqlx.rs` (*pub*, feature `sqlx`): the same on sqlx;
 //!   * `lock/semaphore.rs`: [`Semaphore`] and [`Permit`], at most N holders;
 //!   * `lock/holders.rs`: who holds a key ([`lock_holders`]).
@@ -82,7 +90,8 @@
 //!   * `election/mod.rs`: [`Elector`] and its shared state;
 //!   * `election/config.rs`: [`ElectorBuilder`], every default documented,
 //!     validated in `build()`;
-//!   * `election/leadership.rs`: [`Leadership`], [`Term`], [`LossReason`];
+//!   * `election/leadership.rs`: [`Leadership`], [`LeaderContext`],
+//!     [`Term`];
 //!   * `election/timing.rs`: pure rules: timing defaults, [`Profile`] and
 //!     the safety inequalities;
 //!   * `election/keeper.rs`: pure rules: the leader's keep-alive state
@@ -168,6 +177,7 @@ mod error;
 mod grants;
 mod key;
 pub mod lock;
+pub mod loss;
 pub mod metrics;
 pub mod partitions;
 mod schema;
@@ -176,8 +186,8 @@ mod server;
 pub use conn::{ConnectOptions, PlainConnection, SslMode, TcpTimeouts, DEFAULT_CONNECT_TIMEOUT};
 pub use election::{
     current_leader, request_resign, Backend, Elector, ElectorBuilder, LeaderContext, LeaderInfo,
-    Leadership, LossReason, Profile, SharedConnection, SharedLease, StandbyMode, Term,
-    TimingReport, LEADER_CHANNEL, MAX_ROLE_BYTES, RESIGN_CHANNEL,
+    Leadership, Profile, SharedConnection, SharedLease, StandbyMode, Term, TimingReport,
+    LEADER_CHANNEL, MAX_ROLE_BYTES, RESIGN_CHANNEL,
 };
 /// Test hook, not API (feature `test-hooks`): the lease backend's statements
 /// and the shared connection's batched renewal.
@@ -188,11 +198,10 @@ pub use error::{Error, Result, SQLSTATE_NO_LEADER, SQLSTATE_STALE_TERM};
 pub use grants::{grant_statements, preemption_grant, Grant, UserKind, MAX_USER_NAME_BYTES};
 pub use key::{LockKey, MAX_KEY_NAME_BYTES};
 pub use lock::{
-    lock_holders, try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared,
-    xact_lock_shared_timeout, xact_lock_timeout, LockGuard, LockHolder, LockMode, LockSession,
-    LockSessionBuilder,
+    lock_holders, xact_lock, LockGuard, LockHolder, LockMode, LockSession, LockSessionBuilder,
 };
 pub use lock::{semaphore_holders, Permit, PermitHolder, Semaphore, MAX_SEMAPHORE_LIMIT};
+pub use loss::LossReason;
 pub use partitions::{
     partition_assignment, partition_role, HeldPartition, PartitionAssignment, PartitionEvent,
     PartitionEvents, PartitionGroup, PartitionGroupBuilder, PartitionLeader, MAX_PARTITIONS,

@@ -207,6 +207,7 @@ use tokio_util::sync::CancellationToken;
 use crate::conn::{ConnectOptions, DedicatedConnection, Notice};
 use crate::error::Result;
 use crate::key::LockKey;
+use crate::loss::LossReason;
 
 pub use backend::lease::SharedLease;
 #[doc(hidden)]
@@ -216,7 +217,7 @@ pub use backend::lease::{lease_sql, LeaseSql};
 pub use backend::shared::shared_renew_sql;
 pub use backend::shared::SharedConnection;
 pub use config::{Backend, ElectorBuilder, StandbyMode, MAX_ROLE_BYTES};
-pub use leadership::{LeaderContext, Leadership, LossReason, Term};
+pub use leadership::{LeaderContext, Leadership, Term};
 pub use timing::Profile;
 pub use watch::{current_leader, request_resign, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 
