@@ -357,7 +357,10 @@ async fn a_renewal_that_finds_its_role_taken_loses_that_role_alone() {
         .await
         .expect("the taken role is lost");
     println!("the taken role was lost after {:?}", since.elapsed());
-    assert_eq!(led[7].loss_reason(), Some(LossReason::Preempted));
+    assert_eq!(
+        led[7].loss().map(|l| l.reason()),
+        Some(LossReason::Preempted)
+    );
 
     // Two more renewals of every other role, seen on the server.
     let first = rows(&admin).await;

@@ -346,7 +346,7 @@ async fn an_operator_needs_usage_and_execute_on_request_resign() {
     tokio::time::timeout(Duration::from_secs(5), l.lost())
         .await
         .expect("the leader steps down");
-    assert_eq!(l.loss_reason(), Some(LossReason::Resigned));
+    assert_eq!(l.loss().map(|l| l.reason()), Some(LossReason::Resigned));
     l.resign().await.unwrap();
     // No leader: nothing marked, nothing returned.
     assert_eq!(pgelect::request_resign(&o, "jobs").await.unwrap(), None);
