@@ -18,7 +18,7 @@
 //! * **Keys** ([`LockKey`]): from integers, pairs, names (hashed the same way
 //!   as SQL `pgelect.key(name)`) and UUIDs.
 //! * **Election** ([`election`]): [`Elector`] and the [`Leadership`] handle
-//!   with its fencing [`Term`], [`Leadership::fence`] for your transactions,
+//!   with its fencing [`Term`], [`LeaderContext::fence`] for your transactions,
 //!   observers ([`Elector::watch`], [`current_leader`]) and resign requests
 //!   from other processes ([`request_resign`]). Two backends
 //!   ([`Backend`]): `Session` (advisory lock: fast failover) and `Lease`

@@ -173,7 +173,7 @@ pub enum StandbyMode {
 ///
 /// A process that is *paused* (stopped, swapped out, a long GC) cannot run
 /// any timer: writes that must never overlap use the fence
-/// ([`Leadership::fence`](crate::Leadership::fence)), which the takeover's
+/// ([`LeaderContext::fence`](crate::LeaderContext::fence)), which the takeover's
 /// term bump defeats.
 #[derive(Clone, Debug)]
 #[must_use = "a builder does nothing until `build` is called"]

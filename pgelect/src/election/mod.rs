@@ -66,7 +66,7 @@
 //! for `ttl > ttl - safety_margin`), and a lease is taken only once expired
 //! or released — so acting intervals do not overlap as long as clocks
 //! advance at about the same rate and no process pauses longer than the
-//! margin. [`Leadership::fence`] serialises writes with leadership even
+//! margin. [`LeaderContext::fence`] serialises writes with leadership even
 //! without those assumptions.
 //!
 //! # The session backend
@@ -105,7 +105,7 @@
 //!   timers run (no pause longer than the margins) and clocks advance at
 //!   about the same rate: see the inequalities enforced by
 //!   [`ElectorBuilder::build`]. Writes made through
-//!   [`Leadership::fence`] are serialised with leadership even without
+//!   [`LeaderContext::fence`] are serialised with leadership even without
 //!   those assumptions (a paused or partitioned old leader's fenced
 //!   transactions fail once a newer term began).
 //! * **Partition.** A leader cut off from the database demotes itself at its
@@ -174,7 +174,7 @@
 //! let leadership = elector.leadership().await?;
 //! println!("leading with term {}", leadership.term());
 //! tokio::select! {
-//!     _ = leadership.lost() => println!("lost: {:?}", leadership.loss_reason()),
+//!     loss = leadership.lost() => println!("lost: {}", loss.reason()),
 //!     _ = tokio::time::sleep(Duration::from_secs(60)) => leadership.resign().await?,
 //! }
 //! # Ok(()) }
@@ -678,7 +678,7 @@ impl Elector {
     ///
     /// Returns only once the handover delay (after an unclean loss) has
     /// passed: from then on the caller may act until
-    /// [`Leadership::lost`] completes.
+    /// [`LeaderContext::lost`] completes.
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future while waiting cancels the lock wait

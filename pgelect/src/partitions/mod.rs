@@ -5,7 +5,7 @@
 //!
 //! Partition `p` of group `G` is an ordinary role, `G/p`: it has its own
 //! row in `pgelect.leaders`, its own term, and works with
-//! `pgelect.fence('G/p', term)` and [`HeldPartition::fence`], `pgelect
+//! `pgelect.fence('G/p', term)` and [`HeldPartition`]'s fence ([`LeaderContext::fence`]), `pgelect
 //! status --role G/p` and [`request_resign`](crate::request_resign). A
 //! member stands for partitions with polling standbys
 //! ([`StandbyMode::Polling`]) on one

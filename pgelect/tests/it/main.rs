@@ -7,6 +7,7 @@
 mod api;
 mod election;
 mod locks;
+mod loss;
 mod partitions;
 mod schema;
 mod security;

@@ -46,7 +46,7 @@ async fn await_advisory_locks(admin: &Client, pid: i32, want: (i64, i64)) {
 }
 
 #[tokio::test]
-async fn try_lock_fails_while_another_session_holds_the_key() {
+async fn a_try_fails_while_another_session_holds_the_key() {
     let (_db, options, _admin) = setup("lock_contention").await;
     let a = LockSession::connect(&options).await.unwrap();
     let b = LockSession::connect(&options).await.unwrap();
@@ -266,7 +266,7 @@ async fn taking_a_held_key_again_is_refused() {
 }
 
 #[tokio::test]
-async fn lock_timeout_gives_up_after_about_the_bound() {
+async fn a_bounded_wait_gives_up_after_about_the_bound() {
     let (_db, options, admin) = setup("lock_timeout").await;
     let a = LockSession::connect(&options).await.unwrap();
     let b = LockSession::connect(&options).await.unwrap();
@@ -327,7 +327,7 @@ async fn lock_timeout_gives_up_after_about_the_bound() {
 }
 
 #[tokio::test]
-async fn lock_timeout_succeeds_when_released_within_the_bound() {
+async fn a_bounded_wait_succeeds_when_released_within_the_bound() {
     let (_db, options, _admin) = setup("lock_timeout_ok").await;
     let a = LockSession::connect(&options).await.unwrap();
     let b = LockSession::connect(&options).await.unwrap();

@@ -42,7 +42,7 @@ async fn await_advisory_waiters(admin: &Client, want: i64) {
 }
 
 #[tokio::test]
-async fn try_xact_lock_contends_and_ends_with_the_transaction() {
+async fn an_xact_lock_try_contends_and_ends_with_the_transaction() {
     let db = TestDb::new("xact_try").await;
     let mut c1 = db.connect().await;
     let mut c2 = db.connect().await;
