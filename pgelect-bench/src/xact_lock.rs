@@ -119,13 +119,13 @@ async fn one_op(client: &mut Client, variant: Variant, key: i64) -> Result<(), S
         }
         Variant::Pgelect => {
             let key = LockKey::from_i64(key);
-            pgelect::xact_lock(&tx, key, LockMode::Exclusive, Wait::Forever)
+            pgelect::lock::xact_lock(&tx, key, LockMode::Exclusive, Wait::Forever)
                 .await
                 .map_err(|e| err(&e))?;
         }
         Variant::PgelectTimeout => {
             let wait = Wait::AtMost(Duration::from_secs(5));
-            pgelect::xact_lock(&tx, LockKey::from_i64(key), LockMode::Exclusive, wait)
+            pgelect::lock::xact_lock(&tx, LockKey::from_i64(key), LockMode::Exclusive, wait)
                 .await
                 .map_err(|e| err(&e))?;
         }

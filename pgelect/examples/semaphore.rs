@@ -22,8 +22,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgelect::lock::Wait;
-use pgelect::{ConnectOptions, LockSession, Semaphore};
+use pgelect::lock::{Semaphore, Wait};
+use pgelect::{ConnectOptions, LockSession};
 
 type BoxError = Box<dyn Error + Send + Sync>;
 

@@ -1,11 +1,11 @@
 //! Losing what you hold: one API for every handle that can be lost.
 //!
 //! A leadership ([`Leadership`](crate::Leadership),
-//! [`LeaderContext`](crate::LeaderContext)), a held partition
-//! ([`HeldPartition`](crate::HeldPartition)), a lock session
+//! [`LeaderContext`](crate::election::LeaderContext)), a held partition
+//! ([`HeldPartition`](crate::partitions::HeldPartition)), a lock session
 //! ([`LockSession`](crate::LockSession)), a session lock
-//! ([`LockGuard`](crate::LockGuard)) and a semaphore permit
-//! ([`Permit`](crate::Permit)) can each end without you asking: the
+//! ([`LockGuard`](crate::lock::LockGuard)) and a semaphore permit
+//! ([`Permit`](crate::lock::Permit)) can each end without you asking: the
 //! connection that holds it dies, a deadline passes, another process takes
 //! over. Each of them answers the same four calls, with the meaning given
 //! here:
@@ -77,7 +77,7 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 pub enum LossReason {
     /// The elector was shut down (the `shutdown` token of
     /// [`Elector::run`](crate::Elector::run) was cancelled), or a partition
-    /// member left its group ([`PartitionGroup::leave`](crate::PartitionGroup::leave)).
+    /// member left its group ([`PartitionGroup::leave`](crate::partitions::PartitionGroup::leave)).
     Shutdown,
     /// The connection that held the lock, the permit or the leadership
     /// ended or stopped answering: the server terminated the backend
@@ -96,7 +96,7 @@ pub enum LossReason {
     Preempted,
     /// Resigned: [`Leadership::resign`](crate::Leadership::resign) was
     /// called, or another process asked with
-    /// [`request_resign`](crate::request_resign).
+    /// [`request_resign`](crate::election::request_resign).
     Resigned,
     /// The server accepts no writes any more: it was demoted to a standby
     /// (in recovery) or fenced read-only (`default_transaction_read_only`),
@@ -113,7 +113,7 @@ pub enum LossReason {
     /// stop the duties, then release
     /// ([`Leadership::resign`](crate::Leadership::resign);
     /// [`Elector::run`](crate::Elector::run) does both; a partition is
-    /// released once its [`HeldPartition`](crate::HeldPartition) is
+    /// released once its [`HeldPartition`](crate::partitions::HeldPartition) is
     /// dropped), and the next holder takes over at once with a new term.
     /// Unreleased, the lock is abandoned after one `ttl`.
     HandedOver,

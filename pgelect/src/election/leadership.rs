@@ -167,7 +167,7 @@ pub(crate) enum Command {
 /// Cheap to clone; handed to the `on_elected` callback of
 /// [`Elector::run`](crate::Elector::run), obtained from
 /// [`Leadership::context`], and what a [`Leadership`] and a
-/// [`HeldPartition`](crate::HeldPartition) dereference to.
+/// [`HeldPartition`](crate::partitions::HeldPartition) dereference to.
 ///
 /// Its loss API (`lost`, `token`, `is_lost`, `loss`) is the one every
 /// losable handle has; the [`loss`](crate::loss) module documents it. At

@@ -4,7 +4,7 @@
 //! PostgreSQL's [advisory locks](https://www.postgresql.org/docs/current/explicit-locking.html#ADVISORY-LOCKS)
 //! come in two scopes, and pgelect offers both:
 //!
-//! * **Session locks** ([`LockSession`], [`LockGuard`]) live as long as the
+//! * **Session locks** ([`LockSession`](crate::LockSession), [`LockGuard`]) live as long as the
 //!   server session that took them. pgelect takes them on a connection it
 //!   opens itself and never hands to a pool, so a lock cannot leak into an
 //!   unrelated request that later borrows the same pooled connection. The
@@ -16,7 +16,7 @@
 //!   With the `sqlx` feature, `pgelect::lock::sqlx::xact_lock` does the same
 //!   over `&mut sqlx::PgConnection`.
 //! * **Semaphores** ([`Semaphore`], [`Permit`]): at most N holders of a
-//!   named resource, each holding a permit on its [`LockSession`] like a
+//!   named resource, each holding a permit on its [`LockSession`](crate::LockSession) like a
 //!   session lock (with [`lost()`](Permit::lost)); waiters are served in
 //!   order of arrival.
 //!
@@ -59,7 +59,7 @@
 //! * Within a database they are shared by every user who can connect, and
 //!   keys are public (a name's key is a hash anyone can compute): any such
 //!   user can take a key pgelect uses and make it wait. Waits therefore say
-//!   who holds their key ([`lock_holders`], [`LockSession::holders`], the
+//!   who holds their key ([`lock_holders`], [`LockSession::holders`](crate::LockSession::holders), the
 //!   holders of [`Error::LockTimeout`](crate::Error::LockTimeout), a warning
 //!   after 5 s); to rule it out, give pgelect a database of its own or
 //!   `REVOKE CONNECT ON DATABASE … FROM PUBLIC`.
@@ -72,15 +72,16 @@
 
 pub(crate) mod holders;
 mod semaphore;
-mod session;
+pub(crate) mod session;
 #[cfg(feature = "sqlx")]
 pub mod sqlx;
 mod wait;
 mod xact;
 
+pub use crate::key::MAX_KEY_NAME_BYTES;
 pub use holders::{lock_holders, LockHolder};
 pub use semaphore::{semaphore_holders, Permit, PermitHolder, Semaphore, MAX_SEMAPHORE_LIMIT};
-pub use session::{LockGuard, LockSession, LockSessionBuilder};
+pub use session::{LockGuard, LockSessionBuilder};
 pub use wait::Wait;
 pub use xact::xact_lock;
 

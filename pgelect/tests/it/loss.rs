@@ -7,9 +7,11 @@
 
 use std::time::{Duration, Instant};
 
+use pgelect::lock::Semaphore;
 use pgelect::lock::{LockMode, Wait};
-use pgelect::loss::{Loss, Lost};
-use pgelect::{LockKey, LockSession, LossReason, PartitionEvent, PartitionGroup, Semaphore};
+use pgelect::loss::{Loss, LossReason, Lost};
+use pgelect::partitions::{PartitionEvent, PartitionGroup};
+use pgelect::{LockKey, LockSession};
 use tokio_postgres::types::Type;
 use tokio_util::sync::CancellationToken;
 

@@ -22,7 +22,8 @@ use std::time::{Duration, Instant};
 use crate::support::CANDIDATE;
 use pgelect::lock::{LockMode, Wait};
 use pgelect::{
-    Backend, ConnectOptions, Elector, ElectorBuilder, Error, LockKey, LockSession, StandbyMode,
+    election::Backend, election::StandbyMode, ConnectOptions, Elector, ElectorBuilder, Error,
+    LockKey, LockSession,
 };
 use pgelect_testkit::{Cluster, PgBouncer, PoolMode, TestDb};
 use tokio_postgres::Client;
@@ -436,7 +437,7 @@ async fn scenario(db: &TestDb, users: &Users, label: &str) {
     // A resign request for the lease leader, heard on its LISTEN connection.
     let t = Instant::now();
     let term_l = ll.term();
-    let asked = pgelect::request_resign(&users.owner, "l")
+    let asked = pgelect::election::request_resign(&users.owner, "l")
         .await
         .unwrap()
         .unwrap();
@@ -545,7 +546,7 @@ async fn transaction_locks_keep_the_callers_timeouts() {
     let settings = "SELECT current_setting('statement_timeout'), current_setting('lock_timeout')";
     let tx = caller.transaction().await.unwrap();
     let t = Instant::now();
-    let e = pgelect::xact_lock(
+    let e = pgelect::lock::xact_lock(
         &tx,
         key,
         LockMode::Exclusive,
@@ -570,7 +571,7 @@ async fn transaction_locks_keep_the_callers_timeouts() {
         g.release().await.unwrap()
     });
     let t = Instant::now();
-    pgelect::xact_lock(
+    pgelect::lock::xact_lock(
         &tx,
         key,
         LockMode::Exclusive,
@@ -650,7 +651,7 @@ async fn the_lease_backend_through_pgbouncer_keeps_its_term() {
     );
 
     let t = Instant::now();
-    pgelect::request_resign(&pooled, "p")
+    pgelect::election::request_resign(&pooled, "p")
         .await
         .unwrap()
         .unwrap();
