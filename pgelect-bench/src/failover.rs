@@ -617,7 +617,7 @@ async fn preferred_trial(options: &ConnectOptions) -> Result<f64, String> {
     let la = a.leadership().await.map_err(|e| e.to_string())?;
     let hand_over = tokio::spawn(async move {
         la.lost().await;
-        let reason = la.loss_reason();
+        let reason = la.loss().map(|l| l.reason());
         let _ = la.resign().await;
         (a, reason)
     });
@@ -625,7 +625,7 @@ async fn preferred_trial(options: &ConnectOptions) -> Result<f64, String> {
     let lb = b.leadership().await.map_err(|e| e.to_string())?;
     let ms = t0.elapsed().as_secs_f64() * 1000.0;
     let (a, reason) = hand_over.await.map_err(|e| e.to_string())?;
-    if reason != Some(pgelect::election::LossReason::HandedOver) {
+    if reason != Some(pgelect::loss::LossReason::HandedOver) {
         return Err(format!(
             "the leader lost leadership as {reason:?}, not HandedOver"
         ));
@@ -731,7 +731,7 @@ async fn statements_per_s(
         .await
         .map_err(|e| format!("cannot read pg_stat_statements: {e}"))?;
     let el = t0.elapsed().as_secs_f64();
-    let lost = l.loss_reason();
+    let lost = l.loss().map(|l| l.reason());
     l.resign().await.map_err(|e| e.to_string())?;
     let by_statement: Vec<(String, f64)> = rows
         .iter()
@@ -789,8 +789,11 @@ fn child(args: &[String]) -> Result<(), String> {
                 println!("ELECTED {}", l.term());
                 l.lost().await;
                 // The parent discards the trial when it reads this.
-                println!("LOST {:?}", l.loss_reason());
-                Err(format!("leadership lost: {:?}", l.loss_reason()))
+                println!("LOST {:?}", l.loss().map(|l| l.reason()));
+                Err(format!(
+                    "leadership lost: {:?}",
+                    l.loss().map(|l| l.reason())
+                ))
             }
             _ => Err(format!("failover --child: bad arguments {args:?}")),
         }

@@ -278,7 +278,7 @@ async fn load(
     if l.is_lost() {
         return Err(format!(
             "the load leader lost its leadership: {:?}",
-            l.loss_reason()
+            l.loss().map(|l| l.reason())
         ));
     }
     l.resign().await.map_err(|e| e.to_string())?;
@@ -344,7 +344,10 @@ fn child(args: &[String]) -> Result<(), String> {
                 let l = e.leadership().await.map_err(|e| e.to_string())?;
                 println!("ELECTED {}", l.term());
                 l.lost().await;
-                Err(format!("leadership lost: {:?}", l.loss_reason()))
+                Err(format!(
+                    "leadership lost: {:?}",
+                    l.loss().map(|l| l.reason())
+                ))
             }
             _ => Err(format!("lease-failover --child: bad arguments {args:?}")),
         }

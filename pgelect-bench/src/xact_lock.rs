@@ -11,6 +11,7 @@
 
 use std::time::{Duration, Instant};
 
+use pgelect::lock::{LockMode, Wait};
 use pgelect::LockKey;
 use tokio_postgres::types::Type;
 use tokio_postgres::Client;
@@ -116,13 +117,17 @@ async fn one_op(client: &mut Client, variant: Variant, key: i64) -> Result<(), S
             .await
             .map_err(|e| err(&e))?;
         }
-        Variant::Pgelect => pgelect::lock::xact_lock(&tx, LockKey::from_i64(key))
-            .await
-            .map_err(|e| err(&e))?,
-        Variant::PgelectTimeout => {
-            pgelect::lock::xact_lock_timeout(&tx, LockKey::from_i64(key), Duration::from_secs(5))
+        Variant::Pgelect => {
+            let key = LockKey::from_i64(key);
+            pgelect::lock::xact_lock(&tx, key, LockMode::Exclusive, Wait::Forever)
                 .await
-                .map_err(|e| err(&e))?
+                .map_err(|e| err(&e))?;
+        }
+        Variant::PgelectTimeout => {
+            let wait = Wait::AtMost(Duration::from_secs(5));
+            pgelect::lock::xact_lock(&tx, LockKey::from_i64(key), LockMode::Exclusive, wait)
+                .await
+                .map_err(|e| err(&e))?;
         }
     }
     tx.commit().await.map_err(|e| err(&e))

@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 use clap::Args;
-use pgelect::{lock::LockGuard, lock::Permit, lock::Semaphore, LockKey, LockSession};
+use pgelect::lock::{LockGuard, LockMode, Permit, Semaphore, Wait};
+use pgelect::{LockKey, LockSession};
 
 use crate::child;
 use crate::cli::Global;
@@ -66,7 +67,7 @@ enum Held {
 }
 
 impl Held {
-    async fn lost(&self) {
+    async fn lost(&self) -> pgelect::loss::Loss {
         match self {
             Held::Lock(g) => g.lost().await,
             Held::Permit(p) => p.lost().await,
@@ -116,16 +117,7 @@ pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
         tracing::info!(key = %args.key, slot = permit.slot(), "permit acquired; starting the command");
         return run_command(&args, &env, &mut signals, Held::Permit(permit)).await;
     }
-    let acquiring = async {
-        match (args.no_wait, args.timeout, args.shared) {
-            (true, _, false) => session.try_lock(key).await,
-            (true, _, true) => session.try_lock_shared(key).await,
-            (false, Some(t), false) => session.lock_timeout(key, t).await.map(Some),
-            (false, Some(t), true) => session.lock_shared_timeout(key, t).await.map(Some),
-            (false, None, false) => session.lock(key).await.map(Some),
-            (false, None, true) => session.lock_shared(key).await.map(Some),
-        }
-    };
+    let acquiring = session.acquire(key, mode(&args), wait(&args));
     let guard = tokio::select! {
         got = acquiring => match got {
             Ok(Some(guard)) => guard,
@@ -148,13 +140,31 @@ pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
             Err(e) => return Err(e.into()),
         },
         sig = signals.recv() => {
-            withdraw_wait(&session, key, args.shared).await;
+            withdraw_wait(&session, key, mode(&args)).await;
             return Err(Failure::new(exit::TEMPFAIL, format!("interrupted by {sig} while waiting for lock {:?}", args.key)));
         }
     };
     tracing::info!(key = %args.key, "lock acquired; starting the command");
     let env = [("PGELECT_LOCK", args.key.clone())];
     run_command(&args, &env, &mut signals, Held::Lock(guard)).await
+}
+
+/// The lock mode the flags ask for.
+fn mode(args: &LockArgs) -> LockMode {
+    if args.shared {
+        LockMode::Shared
+    } else {
+        LockMode::Exclusive
+    }
+}
+
+/// How long the flags let an acquisition wait (`--no-wait`, `--timeout`).
+fn wait(args: &LockArgs) -> Wait {
+    match (args.no_wait, args.timeout) {
+        (true, _) => Wait::Never,
+        (false, Some(t)) => Wait::AtMost(t),
+        (false, None) => Wait::Forever,
+    }
 }
 
 /// Runs the command while `held` lasts; releases it after a normal end.
@@ -210,12 +220,7 @@ async fn acquire_permit(
     args: &LockArgs,
 ) -> Result<Permit, Failure> {
     let conflict = args.conflict_exit_code;
-    let got = match (args.no_wait, args.timeout) {
-        (true, _) => session.try_acquire_permit(semaphore).await,
-        (false, Some(t)) => session.acquire_permit_timeout(semaphore, t).await.map(Some),
-        (false, None) => session.acquire_permit(semaphore).await.map(Some),
-    };
-    match got {
+    match session.acquire_permit(semaphore, wait(args)).await {
         Ok(Some(permit)) => Ok(permit),
         Ok(None) => {
             let holders = session.permit_holders(semaphore).await.unwrap_or_default();
@@ -268,7 +273,7 @@ fn describe_permits(semaphore: &Semaphore, holders: &[pgelect::lock::PermitHolde
 /// what it held.
 async fn withdraw_permit_wait(session: &LockSession, semaphore: &Semaphore) {
     let barrier = async {
-        if let Ok(Some(permit)) = session.try_acquire_permit(semaphore).await {
+        if let Ok(Some(permit)) = session.acquire_permit(semaphore, Wait::Never).await {
             let _ = permit.release().await;
         }
     };
@@ -290,14 +295,9 @@ async fn withdraw_permit_wait(session: &LockSession, semaphore: &Semaphore) {
 /// every later shared request meanwhile. A session runs its operations in
 /// order, so the next one completes only after the cancel: a `try_lock` is
 /// that barrier (and is released at once should it win the lock).
-async fn withdraw_wait(session: &LockSession, key: LockKey, shared: bool) {
+async fn withdraw_wait(session: &LockSession, key: LockKey, mode: LockMode) {
     let barrier = async {
-        let got = if shared {
-            session.try_lock_shared(key).await
-        } else {
-            session.try_lock(key).await
-        };
-        if let Ok(Some(guard)) = got {
+        if let Ok(Some(guard)) = session.acquire(key, mode, Wait::Never).await {
             let _ = guard.release().await;
         }
     };

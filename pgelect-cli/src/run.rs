@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
-use pgelect::{election::LossReason, Elector};
+use pgelect::{loss::LossReason, Elector};
 
 use crate::child::{self, Child};
 use crate::cli::Global;
@@ -412,7 +412,7 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
                 }
                 _ = leadership.lost() => {
                     set_phase(crate::http::Phase::Stopping);
-                    let reason = leadership.loss_reason();
+                    let reason = leadership.loss().map(|l| l.reason());
                     if matches!(reason, Some(LossReason::Resigned | LossReason::HandedOver)) {
                         // Planned: `pgelect resign` (or the library's
                         // request_resign) asked, or a candidate of higher
@@ -618,7 +618,7 @@ async fn stop_gracefully(
             _ = leadership.lost(), if !leadership.is_lost() => {}
         }
         if !matches!(
-            leadership.loss_reason(),
+            leadership.loss().map(|l| l.reason()),
             None | Some(LossReason::Resigned)
                 | Some(LossReason::HandedOver)
                 | Some(LossReason::Shutdown)
@@ -825,7 +825,7 @@ async fn supervise(
                 }
             }
             _ = token.cancelled() => {
-                let status = match held.loss_reason() {
+                let status = match held.loss().map(|l| l.reason()) {
                     Some(LossReason::HandedOver | LossReason::Shutdown | LossReason::Resigned) => {
                         child.stop(grace).await
                     }

@@ -214,7 +214,10 @@ pub(crate) struct Leadership {
 }
 
 fn reason_of(context: &pgelect::election::LeaderContext) -> Option<String> {
-    context.loss_reason().map(|r| r.as_str().to_owned())
+    context
+        .loss()
+        .map(|l| l.reason())
+        .map(|r| r.as_str().to_owned())
 }
 
 #[pymethods]
@@ -277,7 +280,7 @@ impl Leadership {
     /// leadership is known lost (as the library's `fence` does).
     fn fence_statement(&self) -> PyResult<(String, String, i64)> {
         let context = self.context.with(Clone::clone)?;
-        if let Some(reason) = context.loss_reason() {
+        if let Some(reason) = context.loss().map(|l| l.reason()) {
             return Err(errors::to_py(pgelect::Error::LeadershipLost {
                 role: context.role().to_owned(),
                 term: context.term().get(),

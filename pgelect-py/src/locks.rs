@@ -1,5 +1,6 @@
 //! Lock keys, session locks and semaphores.
 
+use pgelect::lock::{LockMode, Wait};
 use std::sync::Arc;
 
 use pyo3::prelude::*;
@@ -85,6 +86,15 @@ impl Outcome for Connected {
     }
 }
 
+/// The lock mode of the binding's `shared` flag.
+fn mode_of(shared: bool) -> LockMode {
+    if shared {
+        LockMode::Shared
+    } else {
+        LockMode::Exclusive
+    }
+}
+
 /// A guard, or `None` from a try that found the key taken.
 struct Guard(Option<pgelect::lock::LockGuard>);
 
@@ -93,7 +103,7 @@ impl Outcome for Guard {
         match self.0 {
             None => Ok(py.None()),
             Some(g) => {
-                let lost = g.lost_token();
+                let lost = g.token();
                 let key = g.key().to_string();
                 Ok(Py::new(
                     py,
@@ -116,7 +126,7 @@ impl Outcome for Granted {
         match self.0 {
             None => Ok(py.None()),
             Some(p) => {
-                let lost = p.lost_token();
+                let lost = p.token();
                 let (semaphore, slot) = (p.semaphore().to_owned(), p.slot());
                 Ok(Py::new(
                     py,
@@ -162,13 +172,8 @@ impl LockSession {
         let session = self.inner.with(Arc::clone)?;
         let timeout = timeout.map(|t| seconds("timeout", t)).transpose()?;
         spawn(async move {
-            let g = match (shared, timeout) {
-                (false, None) => session.lock(key).await?,
-                (true, None) => session.lock_shared(key).await?,
-                (false, Some(t)) => session.lock_timeout(key, t).await?,
-                (true, Some(t)) => session.lock_shared_timeout(key, t).await?,
-            };
-            Ok(Guard(Some(g)))
+            let wait = timeout.map_or(Wait::Forever, Wait::AtMost);
+            Ok(Guard(session.acquire(key, mode_of(shared), wait).await?))
         })
     }
 
@@ -178,12 +183,9 @@ impl LockSession {
         let key = key_of(key)?;
         let session = self.inner.with(Arc::clone)?;
         spawn(async move {
-            let g = if shared {
-                session.try_lock_shared(key).await?
-            } else {
-                session.try_lock(key).await?
-            };
-            Ok(Guard(g))
+            Ok(Guard(
+                session.acquire(key, mode_of(shared), Wait::Never).await?,
+            ))
         })
     }
 
@@ -195,11 +197,8 @@ impl LockSession {
         let sem = semaphore.inner.clone();
         let timeout = timeout.map(|t| seconds("timeout", t)).transpose()?;
         spawn(async move {
-            let p = match timeout {
-                None => session.acquire_permit(&sem).await?,
-                Some(t) => session.acquire_permit_timeout(&sem, t).await?,
-            };
-            Ok(Granted(Some(p)))
+            let wait = timeout.map_or(Wait::Forever, Wait::AtMost);
+            Ok(Granted(session.acquire_permit(&sem, wait).await?))
         })
     }
 
@@ -207,12 +206,12 @@ impl LockSession {
     fn try_acquire_permit(&self, semaphore: &Semaphore) -> PyResult<Call> {
         let session = self.inner.with(Arc::clone)?;
         let sem = semaphore.inner.clone();
-        spawn(async move { Ok(Granted(session.try_acquire_permit(&sem).await?)) })
+        spawn(async move { Ok(Granted(session.acquire_permit(&sem, Wait::Never).await?)) })
     }
 
     /// Set when the session's connection is lost (every lock with it).
     fn lost_signal(&self) -> PyResult<Signal> {
-        let token = self.inner.with(|s| s.lost_token())?;
+        let token = self.inner.with(|s| s.token())?;
         Ok(Signal::new(token, || None))
     }
 

@@ -94,8 +94,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         say(format!("ELECTED {} {}", leadership.term(), unix_ms()));
         loop {
             tokio::select! {
-                _ = leadership.lost() => {
-                    let reason = leadership.loss_reason().map(|r| r.as_str()).unwrap_or("?");
+                loss = leadership.lost() => {
+                    let reason = loss.reason().as_str();
                     say(format!("LOST {reason} {}", unix_ms()));
                     let _ = leadership.resign().await;
                     break;

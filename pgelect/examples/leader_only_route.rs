@@ -61,9 +61,9 @@ async fn campaign(
         let leadership = elector.leadership().await?;
         println!("{} elected, term {}", elector.node_id(), leadership.term());
         leading.send_replace(Some(leadership.context()));
-        leadership.lost().await;
+        let loss = leadership.lost().await;
         leading.send_replace(None);
-        println!("leadership ended: {:?}", leadership.loss_reason());
+        println!("leadership ended: {}", loss.reason());
         leadership.resign().await?; // nothing left to release after a loss
     }
 }

@@ -24,6 +24,7 @@
 use std::error::Error;
 use std::time::Duration;
 
+use pgelect::lock::{LockMode, Wait};
 use pgelect::{ConnectOptions, LockKey, LockSession};
 use tokio_util::sync::CancellationToken;
 
@@ -52,8 +53,10 @@ async fn main() -> Result<(), BoxError> {
 
     let locks = LockSession::connect(&options).await?;
     let key = LockKey::from_name("example-nightly-job")?;
-    let guard = match locks.lock_timeout(key, Duration::from_secs(10)).await {
-        Ok(guard) => guard,
+    let wait = Wait::AtMost(Duration::from_secs(10));
+    let guard = match locks.acquire(key, LockMode::Exclusive, wait).await {
+        Ok(Some(guard)) => guard,
+        Ok(None) => unreachable!("only Wait::Never answers None"),
         Err(e) if e.is_timeout() => {
             println!("another process runs the job: {e}");
             return Ok(());
@@ -70,9 +73,11 @@ async fn main() -> Result<(), BoxError> {
 
     // Cancelled when the lock is lost: hand it to the job (and to whatever
     // tasks it spawns).
-    let done = nightly_job(guard.lost_token()).await;
-    if guard.is_lost() {
-        println!("lock lost after {done} of {STEPS} steps: job cancelled");
+    let done = nightly_job(guard.token()).await;
+    if let Some(loss) = guard.loss() {
+        // `connection_lost`: the only way a lock is lost.
+        let reason = loss.reason();
+        println!("lock lost after {done} of {STEPS} steps: job cancelled ({reason})");
         // Nothing to release: the lock went with its connection. Rerun the
         // job from its last checkpoint under a new lock.
         return if once {

@@ -22,7 +22,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgelect::{lock::Semaphore, ConnectOptions, LockSession};
+use pgelect::lock::{Semaphore, Wait};
+use pgelect::{ConnectOptions, LockSession};
 
 type BoxError = Box<dyn Error + Send + Sync>;
 
@@ -53,8 +54,12 @@ async fn caller(
     in_flight: Arc<InFlight>,
 ) -> Result<bool, BoxError> {
     let session = LockSession::connect(&options).await?;
-    let permit = match session.acquire_permit_timeout(&upstream, budget).await {
-        Ok(permit) => permit,
+    let permit = match session
+        .acquire_permit(&upstream, Wait::AtMost(budget))
+        .await
+    {
+        Ok(Some(permit)) => permit,
+        Ok(None) => unreachable!("only Wait::Never answers None"),
         Err(e) if e.is_timeout() => return Ok(false), // upstream busy: shed the load
         Err(e) => return Err(e.into()),
     };

@@ -100,7 +100,7 @@ async fn main() -> Result<(), BoxError> {
         }
         println!(
             "leadership ended ({:?}): jobs stopped",
-            leadership.loss_reason()
+            leadership.loss().map(|l| l.reason())
         );
         leadership.resign().await?; // nothing left to release after a loss
     }

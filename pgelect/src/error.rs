@@ -178,7 +178,7 @@ pub enum Error {
         /// The term that ended.
         term: i64,
         /// Why it ended.
-        reason: crate::election::LossReason,
+        reason: crate::loss::LossReason,
     },
 
     /// A dedicated connection was lost (terminated, reset, timed out).

@@ -6,14 +6,20 @@
 //!
 //! * **Locks** ([`lock`]): session advisory locks on a connection pgelect
 //!   owns ([`LockSession`], [`LockGuard`](lock::LockGuard) with [`lost()`](lock::LockGuard::lost)),
-//!   and transaction locks on *your* transaction ([`xact_lock`](lock::xact_lock),
-//!   [`xact_lock_timeout`](lock::xact_lock_timeout), …; sqlx behind the `sqlx` feature). Shared and
-//!   exclusive, try / wait / bounded wait. Semaphores ([`Semaphore`](lock::Semaphore),
-//!   [`Permit`](lock::Permit)): at most N holders at once, waiters served in order.
+//!   and transaction locks on *your* transaction ([`xact_lock`](lock::xact_lock);
+//!   sqlx behind the `sqlx` feature). One call shape: a key, a
+//!   [`LockMode`](lock::LockMode) (shared or exclusive) and a
+//!   [`Wait`](lock::Wait) policy (not at all, forever, at most a duration).
+//!   Semaphores ([`Semaphore`](lock::Semaphore), [`Permit`](lock::Permit)):
+//!   at most N holders at once, waiters served in order.
+//! * **Loss** ([`loss`]): one API on every handle that can be lost
+//!   (leadership, held partition, lock session, lock guard, permit):
+//!   `lost()`, `token()`, `is_lost()` and `loss()` (the
+//!   [`LossReason`](loss::LossReason) and when).
 //! * **Keys** ([`LockKey`]): from integers, pairs, names (hashed the same way
 //!   as SQL `pgelect.key(name)`) and UUIDs.
 //! * **Election** ([`election`]): [`Elector`] and the [`Leadership`] handle
-//!   with its fencing [`Term`], [`Leadership::fence`] for your transactions,
+//!   with its fencing [`Term`], [`LeaderContext::fence`](election::LeaderContext::fence) for your transactions,
 //!   observers ([`Elector::watch`], [`current_leader`](election::current_leader)) and resign requests
 //!   from other processes ([`request_resign`](election::request_resign)). Two backends
 //!   ([`Backend`](election::Backend)): `Session` (advisory lock: fast failover) and `Lease`
@@ -75,12 +81,15 @@
 //! * `server.rs`: what each PostgreSQL major version supports (logged once,
 //!   never fatal).
 //! * `metrics.rs` (*pub* [`metrics`]): metric names, as constants.
+//! * `loss.rs` (*pub* [`loss`]): the loss API every losable handle shares
+//!   ([`loss::Loss`], [`loss::LossReason`], [`loss::Lost`]).
 //! * `lock/` (*pub* [`lock`]): advisory locks.
 //!   * `lock/mod.rs`: the module's docs and re-exports;
 //!   * `lock/session.rs`: [`LockSession`] and [`LockGuard`](lock::LockGuard), session locks
 //!     on a dedicated connection;
+//!   * `lock/wait.rs`: [`Wait`](lock::Wait), how long an acquisition may wait;
 //!   * `lock/xact.rs`: transaction locks on the caller's tokio-postgres
-//!     transaction ([`xact_lock`](lock::xact_lock), …);
+//!     transaction ([`xact_lock`](lock::xact_lock));
 //!   * `lock/sqlx.rs` (*pub*, feature `sqlx`): the same on sqlx;
 //!   * `lock/semaphore.rs`: [`Semaphore`](lock::Semaphore) and [`Permit`](lock::Permit), at most N holders;
 //!   * `lock/holders.rs`: who holds a key ([`lock_holders`](lock::lock_holders)).
@@ -90,7 +99,8 @@
 //!   * `election/elector.rs`: [`Elector`] and its shared state;
 //!   * `election/config.rs`: [`ElectorBuilder`], every default documented,
 //!     validated in `build()`;
-//!   * `election/leadership.rs`: [`Leadership`], [`Term`], [`LossReason`](election::LossReason);
+//!   * `election/leadership.rs`: [`Leadership`],
+//!     [`LeaderContext`](election::LeaderContext), [`Term`];
 //!   * `election/timing.rs`: pure rules: timing defaults, [`Profile`](election::Profile) and
 //!     the safety inequalities;
 //!   * `election/keeper.rs`: pure rules: the leader's keep-alive state
@@ -176,6 +186,7 @@ mod error;
 pub mod grants;
 mod key;
 pub mod lock;
+pub mod loss;
 pub mod metrics;
 pub mod partitions;
 pub mod schema;

@@ -14,6 +14,7 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
+use pgelect::lock::{LockMode, Wait};
 use pgelect::{ConnectOptions, LockKey, LockSession};
 use pgelect_testkit::TestDb;
 use support::{
@@ -49,7 +50,11 @@ async fn hold(db: &TestDb, key: &str) -> (LockSession, pgelect::lock::LockGuard)
     let options = ConnectOptions::from_url(&db.url()).expect("test URL parses");
     let session = LockSession::connect(&options).await.expect("connect");
     let guard = session
-        .try_lock(LockKey::from_name(key).expect("valid key"))
+        .acquire(
+            LockKey::from_name(key).expect("valid key"),
+            LockMode::Exclusive,
+            Wait::Never,
+        )
         .await
         .expect("try_lock")
         .expect("the key is free");
@@ -61,7 +66,11 @@ async fn is_free(db: &TestDb, key: &str) -> bool {
     let options = ConnectOptions::from_url(&db.url()).expect("test URL parses");
     let session = LockSession::connect(&options).await.expect("connect");
     let key = LockKey::from_name(key).expect("valid key");
-    match session.try_lock(key).await.expect("try_lock") {
+    match session
+        .acquire(key, LockMode::Exclusive, Wait::Never)
+        .await
+        .expect("try_lock")
+    {
         Some(guard) => {
             guard.release().await.expect("release");
             true

@@ -13,7 +13,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pgelect::{lock::Permit, lock::Semaphore, ConnectOptions, LockKey, LockSession};
+use pgelect::lock::{Permit, Semaphore, Wait};
+use pgelect::{ConnectOptions, LockKey, LockSession};
 use pgelect_testkit::TestDb;
 use support::{
     finish, pgelect, process_alive, run, wait_for_file, wait_until, Background, TempDir,
@@ -43,7 +44,7 @@ async fn hold(db: &TestDb, key: &str, n: u32) -> (LockSession, Permit) {
     let session = LockSession::connect(&options).await.expect("connect");
     let sem = Semaphore::new(key, n).expect("valid semaphore");
     let permit = session
-        .try_acquire_permit(&sem)
+        .acquire_permit(&sem, Wait::Never)
         .await
         .expect("try_acquire_permit")
         .expect("a free permit");

@@ -20,6 +20,7 @@ use super::connect::TlsConnection;
 use super::options::ConnectOptions;
 use super::tcp::TcpTimeouts;
 use crate::error::{Error, Result};
+use crate::loss::{LossReason, LossSignal};
 
 impl ConnectOptions {
     /// Opens a connection that pgelect owns, names it `pgelect:<purpose>`
@@ -149,10 +150,11 @@ pub(crate) struct Notice {
 /// A connection pgelect owns, with its driver task.
 ///
 /// `closed()` is cancelled the moment the driver task sees the connection end
-/// (server FATAL, EOF, reset) or the owner kills it.
+/// (server FATAL, EOF, reset) or the owner kills it; `signal()` records that
+/// moment as a [`LossReason::ConnectionLost`] first (a lock session's loss).
 pub(crate) struct DedicatedConnection {
     client: Client,
-    closed: CancellationToken,
+    closed: LossSignal,
     /// The error the connection ended with, set before `closed` fires.
     ended_by: Arc<OnceLock<Arc<tokio_postgres::Error>>>,
     notices: broadcast::Sender<Notice>,
@@ -178,7 +180,7 @@ impl DedicatedConnection {
         notices: usize,
     ) -> DedicatedConnection {
         crate::server::note_version(connection.parameter("server_version"));
-        let closed = CancellationToken::new();
+        let closed = LossSignal::new();
         let ended_by = Arc::new(OnceLock::new());
         let end = ended_by.clone();
         let (notices, _) = broadcast::channel(notices);
@@ -205,7 +207,7 @@ impl DedicatedConnection {
                     None => break,
                 }
             }
-            done.cancel();
+            done.end(LossReason::ConnectionLost);
         });
         DedicatedConnection {
             client,
@@ -237,6 +239,12 @@ impl DedicatedConnection {
 
     /// Cancelled when the connection has ended.
     pub(crate) fn closed(&self) -> &CancellationToken {
+        self.closed.raw_token()
+    }
+
+    /// The connection's end as a loss ([`LossReason::ConnectionLost`], and
+    /// when): what a lock session and its guards report.
+    pub(crate) fn signal(&self) -> &LossSignal {
         &self.closed
     }
 
@@ -255,7 +263,7 @@ impl DedicatedConnection {
 
     /// True once the connection has ended.
     pub(crate) fn is_closed(&self) -> bool {
-        self.closed.is_cancelled() || self.client.is_closed()
+        self.closed.is_lost() || self.client.is_closed()
     }
 
     /// A receiver of `LISTEN` notifications from now on.
@@ -267,7 +275,7 @@ impl DedicatedConnection {
     /// releases its session locks). Used after a heartbeat timed out.
     pub(crate) fn kill(&self) {
         self.task.abort();
-        self.closed.cancel();
+        self.closed.end(LossReason::ConnectionLost);
     }
 
     /// What it takes to cancel the statement running on this connection:

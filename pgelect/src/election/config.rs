@@ -173,7 +173,7 @@ pub enum StandbyMode {
 ///
 /// A process that is *paused* (stopped, swapped out, a long GC) cannot run
 /// any timer: writes that must never overlap use the fence
-/// ([`Leadership::fence`](crate::Leadership::fence)), which the takeover's
+/// ([`LeaderContext::fence`](crate::election::LeaderContext::fence)), which the takeover's
 /// term bump defeats.
 #[derive(Clone, Debug)]
 #[must_use = "a builder does nothing until `build` is called"]
@@ -222,7 +222,7 @@ impl ElectorBuilder {
     /// The leader checks at every renewal, and at once (at most one check
     /// per 100 ms) when a preferred candidate registers and sends it a hint;
     /// it then ends its leadership with
-    /// [`LossReason::HandedOver`](crate::election::LossReason::HandedOver): the
+    /// [`LossReason::HandedOver`](crate::loss::LossReason::HandedOver): the
     /// duties stop, and releasing (as [`Elector::run`] does, or
     /// [`Leadership::resign`](crate::Leadership::resign)) hands the lock to
     /// the preferred candidate with a new term and no overlap. A lower

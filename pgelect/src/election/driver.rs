@@ -21,10 +21,11 @@ use crate::error::{Error, Result};
 use crate::metrics;
 
 use super::keeper::{Action, Keeper, Phase};
-use super::leadership::{Command, LeaderState, LossReason};
+use super::leadership::{Command, LeaderState};
 use super::support::Counted;
 use super::watch::RESIGN_CHANNEL;
 use super::Shared;
+use crate::loss::LossReason;
 
 /// What a renewal or a heartbeat found.
 pub(crate) enum Answer {
@@ -290,7 +291,7 @@ impl<B: KeepBackend + 'static> Keep<B> {
             tokio::select! {
                 biased;
                 // Ended by the watchdog: let go at once (the top of the loop).
-                _ = state.token.cancelled(), if live => {}
+                _ = state.token().cancelled(), if live => {}
                 _ = backend.closed() => keeper.connection_lost(),
                 cmd = commands.recv() => match cmd {
                     None => {
@@ -629,7 +630,7 @@ mod tests {
             },
             Answer::NotOurs,
         ]);
-        r.state.token.cancelled().await;
+        r.state.token().cancelled().await;
         assert_eq!(r.state.reason(), Some(LossReason::Preempted));
         tokio::time::sleep(Duration::from_millis(10)).await;
         let log = r.log.lock().unwrap().clone();
@@ -648,7 +649,7 @@ mod tests {
         }]);
         // Like a resign request: the duties stop, the lock is kept for a
         // clean release.
-        r.state.token.cancelled().await;
+        r.state.token().cancelled().await;
         assert_eq!(r.state.reason(), Some(LossReason::HandedOver));
         let (reply, answer) = oneshot::channel();
         r.commands
@@ -702,7 +703,7 @@ mod tests {
         // Then back to the schedule (every 500 ms).
         tokio::time::sleep(Duration::from_millis(1000)).await;
         assert_eq!(renewals(&r) - regular - after_hint, 2);
-        assert!(!r.state.token.is_cancelled());
+        assert!(!r.state.token().is_cancelled());
     }
 
     #[tokio::test(start_paused = true)]
@@ -713,7 +714,7 @@ mod tests {
             preferred: Preferred::default(),
         }]);
         // The lease row's mark cancels the token but keeps the lease.
-        r.state.token.cancelled().await;
+        r.state.token().cancelled().await;
         assert_eq!(r.state.reason(), Some(LossReason::Resigned));
         let (reply, answer) = oneshot::channel();
         r.commands

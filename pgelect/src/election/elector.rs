@@ -19,8 +19,9 @@ use super::backend::shared::RoleClaim;
 use super::timing::Timing;
 use super::{
     backend, registry, watch, Backend, ElectorBuilder, LeaderContext, LeaderInfo, Leadership,
-    LossReason, Profile, SharedLease, StandbyMode,
+    Profile, SharedLease, StandbyMode,
 };
+use crate::loss::LossReason;
 /// Stands for election of one role.
 ///
 /// Built with [`Elector::builder`]; see [`ElectorBuilder`] for the timing,
@@ -474,7 +475,7 @@ impl Elector {
     ///
     /// Returns only once the handover delay (after an unclean loss) has
     /// passed: from then on the caller may act until
-    /// [`Leadership::lost`] completes.
+    /// [`LeaderContext::lost`] completes.
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future while waiting cancels the lock wait

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::leadership::LossReason;
 use super::timing::Timing;
+use crate::loss::LossReason;
 
 /// The least time between two renewals when an early one is asked for by a
 /// hint (a resign `NOTIFY`, which anyone who can connect may send): a flood

@@ -1,15 +1,17 @@
-//! The `Leadership` handle, its `Term` and the reasons a leadership ends.
+//! The `Leadership` handle, its `LeaderContext` and its `Term`.
 
 use std::fmt;
+use std::ops::Deref;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_postgres::types::Type;
 use tokio_postgres::GenericClient;
-use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
+use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
+use crate::loss::{Loss, LossReason, LossSignal, Lost};
 use crate::schema::SchemaName;
 
 /// A fencing term: it rises by one at every change of leader of a role and
@@ -43,88 +45,14 @@ impl fmt::Display for Term {
     }
 }
 
-/// Why a leadership ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum LossReason {
-    /// The elector was shut down (the `shutdown` token of
-    /// [`Elector::run`](crate::Elector::run) was cancelled).
-    Shutdown,
-    /// The lock connection ended or stopped answering (server terminated the
-    /// backend, database restart, network failure, heartbeat timeout). The
-    /// server releases the lock with the connection. Session backend only:
-    /// the lease backend retries until its deadline
-    /// ([`LossReason::Deadline`]).
-    ConnectionLost,
-    /// No renewal succeeded within `ttl - safety_margin` of the last
-    /// successful one's sending: leadership was ended by the local timer,
-    /// whether or not the database can be reached.
-    Deadline,
-    /// A renewal found the lease row no longer ours: another candidate leads.
-    Preempted,
-    /// Resigned: [`Leadership::resign`] was called, or another process asked
-    /// with [`request_resign`](crate::election::request_resign).
-    Resigned,
-    /// The server accepts no writes any more: it was demoted to a standby
-    /// (in recovery) or fenced read-only (`default_transaction_read_only`),
-    /// found by a renewal failing with SQLSTATE 25006
-    /// (`read_only_sql_transaction`) or, session backend, a heartbeat
-    /// finding `transaction_read_only` on. Session backend: the lock there
-    /// protects nothing, so leadership ends at once and the candidate
-    /// reconnects (with several hosts and `target_session_attrs=read-write`,
-    /// to the primary). Lease backend: the same with one host; with a
-    /// multi-host URL the leader keeps renewing on new connections until its
-    /// local deadline, since an HA manager's switchover promotes a standby
-    /// that holds the replicated lease row within seconds, and it ends with
-    /// this reason if the deadline comes after such a refusal.
-    ServerReadOnly,
-    /// Handed over to a preferred candidate: one of strictly higher
-    /// [priority](crate::ElectorBuilder::priority) stands and is ready to
-    /// take the lock. Like [`LossReason::Resigned`], the lock is kept for a
-    /// clean release: stop the duties, then release
-    /// ([`Leadership::resign`]; [`Elector::run`](crate::Elector::run) does
-    /// both), and the preferred candidate takes over at once with a new
-    /// term. Unreleased, the lock is abandoned after one `ttl`.
-    HandedOver,
-    /// Every [`Leadership`] handle was dropped without `resign`: the lock
-    /// connection was dropped, and standbys treat it as an unclean loss
-    /// (lease backend: the lease is not released and expires after `ttl`).
-    Dropped,
-}
-
-impl LossReason {
-    /// A short label, used in metrics and logs: `shutdown`,
-    /// `connection_lost`, `deadline`, `preempted`, `resigned`, `dropped`,
-    /// `server_read_only`, `handed_over`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LossReason::Shutdown => "shutdown",
-            LossReason::ConnectionLost => "connection_lost",
-            LossReason::Deadline => "deadline",
-            LossReason::Preempted => "preempted",
-            LossReason::Resigned => "resigned",
-            LossReason::Dropped => "dropped",
-            LossReason::ServerReadOnly => "server_read_only",
-            LossReason::HandedOver => "handed_over",
-        }
-    }
-}
-
-impl fmt::Display for LossReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
 /// State shared between a leadership's keeper task and its handles.
 #[derive(Debug)]
 pub(crate) struct LeaderState {
     pub(crate) role: String,
     pub(crate) schema: SchemaName,
     pub(crate) term: Term,
-    pub(crate) token: CancellationToken,
-    /// The first reason, and when the token was cancelled for it.
-    pub(crate) reason: Mutex<Option<(LossReason, std::time::Instant)>>,
+    /// Lost when the leadership ends: the first reason, then the token.
+    pub(crate) signal: LossSignal,
     /// The keeper's local deadline, published at every move (see
     /// [`expire_if_due`](Self::expire_if_due)).
     deadline: Mutex<Instant>,
@@ -136,8 +64,7 @@ impl LeaderState {
             role,
             schema,
             term,
-            token: CancellationToken::new(),
-            reason: Mutex::new(None),
+            signal: LossSignal::new(),
             deadline: Mutex::new(deadline),
         }
     }
@@ -163,7 +90,7 @@ impl LeaderState {
     /// which, in the log). The keeper, once it runs, finds the state ended
     /// and lets go; it reports its own lateness if it was late.
     pub(crate) fn expire_if_due(&self, noticed_by: &'static str) -> bool {
-        if self.token.is_cancelled() {
+        if self.signal.is_lost() {
             return true;
         }
         let deadline = self.deadline();
@@ -186,14 +113,13 @@ impl LeaderState {
     /// Records the first reason and cancels the token (in that order, so a
     /// woken waiter always finds the reason).
     pub(crate) fn end(&self, reason: LossReason) -> bool {
-        let mut r = self.reason.lock().unwrap_or_else(PoisonError::into_inner);
-        let first = r.is_none();
-        if first {
-            *r = Some((reason, std::time::Instant::now()));
-        }
-        drop(r);
-        self.token.cancel();
-        first
+        self.signal.end(reason)
+    }
+
+    /// The leadership's own token, for pgelect's waits (never cancel it:
+    /// [`end`](Self::end) does).
+    pub(crate) fn token(&self) -> &CancellationToken {
+        self.signal.raw_token()
     }
 
     /// [`end`](Self::end), and the first time, when the user had been told
@@ -221,11 +147,7 @@ impl LeaderState {
     }
 
     pub(crate) fn reason(&self) -> Option<LossReason> {
-        self.ended().map(|(r, _)| r)
-    }
-
-    pub(crate) fn ended(&self) -> Option<(LossReason, std::time::Instant)> {
-        *self.reason.lock().unwrap_or_else(PoisonError::into_inner)
+        self.signal.loss().map(|l| l.reason())
     }
 }
 
@@ -241,13 +163,24 @@ pub(crate) enum Command {
     },
 }
 
-/// What an elected process gets: the term, the token that ends its duties,
-/// and the fence. Cheap to clone; handed to the `on_elected` callback of
-/// [`Elector::run`](crate::Elector::run) and obtained from
-/// [`Leadership::context`].
+/// What an elected process gets: the term, the loss API and the fence.
+/// Cheap to clone; handed to the `on_elected` callback of
+/// [`Elector::run`](crate::Elector::run), obtained from
+/// [`Leadership::context`], and what a [`Leadership`] and a
+/// [`HeldPartition`](crate::partitions::HeldPartition) dereference to.
+///
+/// Its loss API (`lost`, `token`, `is_lost`, `loss`) is the one every
+/// losable handle has; the [`loss`](crate::loss) module documents it. At
+/// the local deadline the leadership is lost even when the task that keeps
+/// it is held up (a long poll on its worker): a thread of the library
+/// watches every leader's deadline, and `is_lost` and `loss` read the clock
+/// too.
 #[derive(Clone)]
 pub struct LeaderContext {
     state: Arc<LeaderState>,
+    /// The leadership's signal, or for a held partition a child of it that
+    /// a handover ends too.
+    signal: LossSignal,
 }
 
 impl LeaderContext {
@@ -261,46 +194,47 @@ impl LeaderContext {
         &self.state.role
     }
 
-    /// A token cancelled the moment leadership ends, for any reason. Stop
-    /// acting as leader when it is.
+    /// Completes with the [`Loss`] when leadership ends, for any reason;
+    /// see [`loss`](crate::loss).
     ///
-    /// It is a child of the leadership's own token: cancelling it (or
-    /// passing it to code that does) cancels only the child, never the
-    /// leadership itself. To step down, call [`Leadership::resign`].
-    pub fn token(&self) -> CancellationToken {
-        self.state.token.child_token()
+    /// # Cancel safety
+    /// Cancel safe: it only observes.
+    pub fn lost(&self) -> Lost {
+        self.signal.lost()
     }
 
-    /// True once leadership has ended. It reads the clock too: once the
+    /// A token cancelled the moment leadership ends, for any reason; see
+    /// [`loss`](crate::loss). Stop acting as leader when it is.
+    ///
+    /// A child token: cancelling it does not end leadership (use
+    /// [`Leadership::resign`] for that).
+    ///
+    /// ```
+    /// # fn f(leadership: &pgelect::Leadership) {
+    /// let token = leadership.token();
+    /// token.cancel(); // cancels this child only
+    /// assert!(!leadership.is_lost());
+    /// # }
+    /// ```
+    pub fn token(&self) -> CancellationToken {
+        self.signal.token()
+    }
+
+    /// True once leadership has ended; see [`loss`](crate::loss). Once the
     /// local deadline passed it is true (and the leadership ends with
     /// [`LossReason::Deadline`]) even if the task that keeps the
     /// leadership was not polled in time.
     pub fn is_lost(&self) -> bool {
-        self.state.expire_if_due("is_lost")
+        self.state.expire_if_due("is_lost");
+        self.signal.is_lost()
     }
 
-    /// Completes when leadership ends, for any reason. At the local
-    /// deadline it completes even when the task that keeps the leadership
-    /// is held up (a long poll on its worker): a thread of the library
-    /// watches every leader's deadline.
-    ///
-    /// # Cancel safety
-    /// Cancel safe: it only waits.
-    pub fn lost(&self) -> WaitForCancellationFuture<'_> {
-        self.state.token.cancelled()
-    }
-
-    /// Why leadership ended; `None` while it lasts.
-    pub fn loss_reason(&self) -> Option<LossReason> {
-        self.state.reason()
-    }
-
-    /// When leadership ended, on this process's monotonic clock: the
-    /// moment the token was cancelled, which is when this process stopped
-    /// believing it leads (tasks waiting on [`lost`](Self::lost) wake a
-    /// little later). `None` while it lasts.
-    pub fn lost_at(&self) -> Option<std::time::Instant> {
-        self.state.ended().map(|(_, at)| at)
+    /// Why and when leadership ended; `None` while it lasts. See
+    /// [`loss`](crate::loss); reads the clock as [`is_lost`](Self::is_lost)
+    /// does.
+    pub fn loss(&self) -> Option<Loss> {
+        self.state.expire_if_due("loss");
+        self.signal.loss()
     }
 
     /// Fences the caller's transaction with this term: runs
@@ -366,7 +300,20 @@ impl LeaderContext {
     }
 
     pub(crate) fn new(state: Arc<LeaderState>) -> LeaderContext {
-        LeaderContext { state }
+        let signal = state.signal.clone();
+        LeaderContext { state, signal }
+    }
+
+    /// A context of the same leadership whose loss API also fires on
+    /// [`end`](LossSignal::end) of the returned signal (a partition's
+    /// handover), and the signal.
+    pub(crate) fn with_child_signal(&self) -> (LeaderContext, LossSignal) {
+        let signal = self.signal.child();
+        let context = LeaderContext {
+            state: self.state.clone(),
+            signal: signal.clone(),
+        };
+        (context, signal)
     }
 }
 
@@ -375,18 +322,25 @@ impl fmt::Debug for LeaderContext {
         f.debug_struct("LeaderContext")
             .field("role", &self.state.role)
             .field("term", &self.state.term)
-            .field("lost", &self.state.reason())
+            .field("loss", &self.signal.loss())
             .finish()
     }
 }
 
 /// The handle of a won election.
 ///
-/// Leadership lasts until [`lost()`](Leadership::lost) completes (its
-/// [`token()`](Leadership::token) is cancelled): on a lost lock connection,
-/// a passed local deadline, a preemption, a resign request from another
-/// process, or [`resign`](Leadership::resign). Every loss is reported; it is
-/// never a silent change of state.
+/// It dereferences to its [`LeaderContext`]: the [term](LeaderContext::term),
+/// the loss API ([`lost`](LeaderContext::lost),
+/// [`token`](LeaderContext::token), [`is_lost`](LeaderContext::is_lost),
+/// [`loss`](LeaderContext::loss); documented in [`loss`](crate::loss)) and
+/// the [fence](LeaderContext::fence). What it adds is ownership: it ends the
+/// leadership when it goes.
+///
+/// Leadership lasts until `lost()` completes (its `token()` is
+/// cancelled): on a lost lock connection, a passed local deadline, a
+/// preemption, a resign request from another process, or
+/// [`resign`](Leadership::resign). Every loss is reported; it is never a
+/// silent change of state.
 ///
 /// # Ending it
 /// * [`resign`](Leadership::resign) cancels the token, then — after your
@@ -417,79 +371,19 @@ pub struct Leadership {
     pub(crate) commands: mpsc::UnboundedSender<Command>,
 }
 
+impl Deref for Leadership {
+    type Target = LeaderContext;
+
+    fn deref(&self) -> &LeaderContext {
+        &self.context
+    }
+}
+
 impl Leadership {
-    /// The fencing term of this leadership.
-    pub fn term(&self) -> Term {
-        self.context.term()
-    }
-
-    /// The role led.
-    pub fn role(&self) -> &str {
-        self.context.role()
-    }
-
-    /// A token cancelled the moment leadership ends, for any reason.
-    ///
-    /// A child of the leadership's own token: cancelling it does not end
-    /// leadership (use [`resign`](Leadership::resign) for that).
-    ///
-    /// ```
-    /// # fn f(leadership: &pgelect::Leadership) {
-    /// let token = leadership.token();
-    /// token.cancel(); // cancels this child only
-    /// assert!(!leadership.is_lost());
-    /// # }
-    /// ```
-    pub fn token(&self) -> CancellationToken {
-        self.context.token()
-    }
-
-    /// Completes when leadership ends, for any reason.
-    ///
-    /// # Cancel safety
-    /// Cancel safe: it only waits.
-    pub fn lost(&self) -> WaitForCancellationFuture<'_> {
-        self.context.lost()
-    }
-
-    /// True once leadership has ended.
-    pub fn is_lost(&self) -> bool {
-        self.context.is_lost()
-    }
-
-    /// Why leadership ended; `None` while it lasts.
-    pub fn loss_reason(&self) -> Option<LossReason> {
-        self.context.loss_reason()
-    }
-
-    /// When leadership ended (see [`LeaderContext::lost_at`]).
-    pub fn lost_at(&self) -> Option<std::time::Instant> {
-        self.context.lost_at()
-    }
-
-    /// A cheap, cloneable view (term, token, fence) to hand to the tasks
+    /// A cheap, cloneable view (term, loss API, fence) to hand to the tasks
     /// doing the leader's work.
     pub fn context(&self) -> LeaderContext {
         self.context.clone()
-    }
-
-    /// Fences the caller's transaction with this term; see
-    /// [`LeaderContext::fence`].
-    ///
-    /// # Cancel safety
-    /// Cancelling drops the statement's future; roll the transaction back.
-    pub async fn fence<C: GenericClient + Sync>(&self, tx: &C) -> Result<()> {
-        self.context.fence(tx).await
-    }
-
-    /// Fences the caller's sqlx transaction with this term; see
-    /// [`LeaderContext::fence_sqlx`]. Feature `sqlx`.
-    ///
-    /// # Cancel safety
-    /// Cancelling drops the statement's future; roll the transaction back.
-    #[cfg(feature = "sqlx")]
-    pub async fn fence_sqlx(&self, conn: &mut ::sqlx::PgConnection) -> Result<()> {
-        self.context.fence_sqlx(conn).await
     }
 
     /// Steps down: cancels the token (reason [`LossReason::Resigned`] unless
@@ -542,7 +436,7 @@ impl fmt::Debug for Leadership {
         f.debug_struct("Leadership")
             .field("role", &self.context.state.role)
             .field("term", &self.context.state.term)
-            .field("lost", &self.context.state.reason())
+            .field("loss", &self.context.signal.loss())
             .finish()
     }
 }

@@ -66,7 +66,7 @@
 //! for `ttl > ttl - safety_margin`), and a lease is taken only once expired
 //! or released — so acting intervals do not overlap as long as clocks
 //! advance at about the same rate and no process pauses longer than the
-//! margin. [`Leadership::fence`] serialises writes with leadership even
+//! margin. [`LeaderContext::fence`] serialises writes with leadership even
 //! without those assumptions.
 //!
 //! # The session backend
@@ -105,7 +105,7 @@
 //!   timers run (no pause longer than the margins) and clocks advance at
 //!   about the same rate: see the inequalities enforced by
 //!   [`ElectorBuilder::build`]. Writes made through
-//!   [`Leadership::fence`] are serialised with leadership even without
+//!   [`LeaderContext::fence`] are serialised with leadership even without
 //!   those assumptions (a paused or partitioned old leader's fenced
 //!   transactions fail once a newer term began).
 //! * **Partition.** A leader cut off from the database demotes itself at its
@@ -174,7 +174,7 @@
 //! let leadership = elector.leadership().await?;
 //! println!("leading with term {}", leadership.term());
 //! tokio::select! {
-//!     _ = leadership.lost() => println!("lost: {:?}", leadership.loss_reason()),
+//!     loss = leadership.lost() => println!("lost: {}", loss.reason()),
 //!     _ = tokio::time::sleep(Duration::from_secs(60)) => leadership.resign().await?,
 //! }
 //! # Ok(()) }
@@ -199,6 +199,8 @@ mod watchdog;
 
 // The elector, its builder, `Leadership` and `Term` are re-exported at the
 // crate root only (the front door); this module names the rest.
+#[cfg(doc)]
+use crate::loss::LossReason;
 pub use backend::lease::SharedLease;
 #[doc(hidden)]
 #[cfg(feature = "test-hooks")]
@@ -208,7 +210,7 @@ pub use backend::shared::shared_renew_sql;
 pub use backend::shared::SharedConnection;
 pub use config::{Backend, StandbyMode, MAX_ROLE_BYTES};
 pub use elector::TimingReport;
-pub use leadership::{LeaderContext, LossReason};
+pub use leadership::LeaderContext;
 pub use timing::Profile;
 pub use watch::{current_leader, request_resign, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 

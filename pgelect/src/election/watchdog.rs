@@ -127,7 +127,7 @@ impl Watchdog {
             let Some(state) = entry.state.upgrade() else {
                 continue;
             };
-            if state.token.is_cancelled() {
+            if state.token().is_cancelled() {
                 continue;
             }
             let at = state.deadline().into_std();

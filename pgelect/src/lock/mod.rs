@@ -9,37 +9,44 @@
 //!   opens itself and never hands to a pool, so a lock cannot leak into an
 //!   unrelated request that later borrows the same pooled connection. The
 //!   guard's [`lost()`](LockGuard::lost) tells you when that connection died
-//!   (and with it the lock, on the server).
-//! * **Transaction locks** ([`xact_lock`], [`try_xact_lock`],
-//!   [`xact_lock_timeout`] and their `_shared` forms) are taken on *your*
-//!   transaction and released by PostgreSQL at its commit or rollback. They
-//!   need no dedicated connection and work through PgBouncer in transaction
-//!   mode. With the `sqlx` feature, the module `pgelect::lock::sqlx` has the same
-//!   functions over `&mut sqlx::PgConnection`.
-//!
+//!   (and with it the lock, on the server); see [`loss`](crate::loss).
+//! * **Transaction locks** ([`xact_lock`]) are taken on *your* transaction
+//!   and released by PostgreSQL at its commit or rollback. They need no
+//!   dedicated connection and work through PgBouncer in transaction mode.
+//!   With the `sqlx` feature, `pgelect::lock::sqlx::xact_lock` does the same
+//!   over `&mut sqlx::PgConnection`.
 //! * **Semaphores** ([`Semaphore`], [`Permit`]): at most N holders of a
 //!   named resource, each holding a permit on its [`LockSession`](crate::LockSession) like a
 //!   session lock (with [`lost()`](Permit::lost)); waiters are served in
 //!   order of arrival.
+//!
+//! Every acquisition has one shape: a key (or a semaphore), a [`LockMode`]
+//! and a [`Wait`] policy (not at all, forever, or at most a duration), and
+//! the same kind of answer: granted, not granted at once (only with
+//! [`Wait::Never`]), or an error ([`Error::LockTimeout`](crate::Error::LockTimeout) when a bounded wait
+//! ran out).
 //!
 //! All use the keys of [`LockKey`], and share key
 //! spaces with any other client that calls `pg_advisory_lock` and friends.
 //!
 //! ```no_run
 //! use std::time::Duration;
+//! use pgelect::lock::{xact_lock, LockMode, Wait};
 //! use pgelect::{ConnectOptions, LockKey, LockSession};
 //!
 //! # async fn f(client: &mut tokio_postgres::Client) -> pgelect::Result<()> {
 //! let options = ConnectOptions::from_url("postgres://app@db/app")?;
 //! // A session lock, on a connection pgelect owns: one nightly report at a time.
 //! let locks = LockSession::connect(&options).await?;
-//! if let Some(guard) = locks.try_lock(LockKey::from_name("nightly-report")?).await? {
+//! let key = LockKey::from_name("nightly-report")?;
+//! if let Some(guard) = locks.acquire(key, LockMode::Exclusive, Wait::Never).await? {
 //!     // ... the work, stopping if guard.lost() fires ...
 //!     guard.release().await?;
 //! }
 //! // A transaction lock, on your transaction: released at its end.
 //! let tx = client.transaction().await.expect("a transaction");
-//! pgelect::lock::xact_lock_timeout(&tx, LockKey::from(42i64), Duration::from_secs(5)).await?;
+//! let wait = Wait::AtMost(Duration::from_secs(5));
+//! xact_lock(&tx, LockKey::from(42i64), LockMode::Exclusive, wait).await?;
 //! tx.commit().await.expect("commit");
 //! # Ok(()) }
 //! ```
@@ -53,7 +60,7 @@
 //!   keys are public (a name's key is a hash anyone can compute): any such
 //!   user can take a key pgelect uses and make it wait. Waits therefore say
 //!   who holds their key ([`lock_holders`], [`LockSession::holders`](crate::LockSession::holders), the
-//!   holders of [`Error::LockTimeout`], a warning
+//!   holders of [`Error::LockTimeout`](crate::Error::LockTimeout), a warning
 //!   after 5 s); to rule it out, give pgelect a database of its own or
 //!   `REVOKE CONNECT ON DATABASE … FROM PUBLIC`.
 //! * A session lock guards nothing by itself once its connection is gone:
@@ -68,20 +75,18 @@ mod semaphore;
 pub(crate) mod session;
 #[cfg(feature = "sqlx")]
 pub mod sqlx;
+mod wait;
 mod xact;
-
-use std::time::Duration;
 
 pub use crate::key::MAX_KEY_NAME_BYTES;
 pub use holders::{lock_holders, LockHolder};
 pub use semaphore::{semaphore_holders, Permit, PermitHolder, Semaphore, MAX_SEMAPHORE_LIMIT};
 pub use session::{LockGuard, LockSessionBuilder};
-pub use xact::{
-    try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, xact_lock_shared_timeout,
-    xact_lock_timeout,
-};
+pub use wait::Wait;
+pub use xact::xact_lock;
 
-use crate::error::{Error, Result};
+pub(crate) use wait::{timeout_millis, wait_millis};
+
 use crate::key::LockKey;
 
 /// The mode of an advisory lock.
@@ -115,28 +120,6 @@ impl LockMode {
     }
 }
 
-/// Converts a bounded wait to whole milliseconds for `lock_timeout`.
-///
-/// Rounds up, so that a sub-millisecond bound never becomes `0` (which
-/// PostgreSQL reads as "no limit"), and refuses zero and values beyond
-/// PostgreSQL's `lock_timeout` range.
-pub(crate) fn timeout_millis(what: &str, timeout: Duration) -> Result<i64> {
-    if timeout.is_zero() {
-        return Err(Error::config(format!(
-            "{what} must be positive; use the try_* function for an immediate answer"
-        )));
-    }
-    let ms = timeout.as_nanos().div_ceil(1_000_000);
-    if ms > i32::MAX as u128 {
-        return Err(Error::config(format!(
-            "{what} of {timeout:?} is longer than PostgreSQL's lock_timeout allows \
-             ({}ms); use the unbounded wait instead",
-            i32::MAX
-        )));
-    }
-    Ok(ms as i64)
-}
-
 /// The key as SQL literals, for the simple-query protocol: `'42'::int8` or
 /// `'1'::int4, '2'::int4`. Integers only, so nothing to escape.
 fn key_literals(key: &LockKey) -> String {
@@ -149,18 +132,6 @@ fn key_literals(key: &LockKey) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn timeout_millis_rounds_up_and_refuses_zero() {
-        assert!(timeout_millis("t", Duration::ZERO).is_err());
-        assert_eq!(timeout_millis("t", Duration::from_nanos(1)).unwrap(), 1);
-        assert_eq!(timeout_millis("t", Duration::from_micros(1500)).unwrap(), 2);
-        assert_eq!(timeout_millis("t", Duration::from_secs(5)).unwrap(), 5000);
-        let max = Duration::from_millis(i32::MAX as u64);
-        assert_eq!(timeout_millis("t", max).unwrap(), i32::MAX as i64);
-        let err = timeout_millis("t", max + Duration::from_millis(1)).unwrap_err();
-        assert!(matches!(err, Error::Config(_)), "{err}");
-    }
 
     #[test]
     fn key_literals_cover_the_extremes() {

@@ -7,13 +7,14 @@ use std::time::{Duration, Instant};
 use tokio::sync::broadcast::error::RecvError;
 use tokio_postgres::types::Type;
 use tokio_postgres::{GenericClient, SimpleQueryMessage};
-use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+use tokio_util::sync::CancellationToken;
 
 use super::holders::LockHolder;
 use super::session::{LockGuard, LockSession, Turn};
-use super::{key_literals, timeout_millis, LockMode};
+use super::{key_literals, wait_millis, LockMode, Wait};
 use crate::error::{Error, Result};
 use crate::key::{hash_in_domain, validate_name, LockKey};
+use crate::loss::{Loss, Lost};
 
 /// The largest limit a [`Semaphore`] may have.
 ///
@@ -40,8 +41,8 @@ const OUTCOME: &str = "pgelect.permit";
 /// of its permits at once, database-wide.
 ///
 /// A `Semaphore` is only a description (name, limit, keys): permits are
-/// taken through a [`LockSession`] ([`try_acquire_permit`],
-/// [`acquire_permit`], [`acquire_permit_timeout`]) and held by that
+/// taken through a [`LockSession`] ([`acquire_permit`], with a [`Wait`]
+/// policy) and held by that
 /// session's connection, so that a crashed holder's permit frees when its
 /// connection ends. A [`Permit`] is watched like a [`LockGuard`]: stop the
 /// work when its [`lost()`](Permit::lost) fires.
@@ -64,7 +65,7 @@ const OUTCOME: &str = "pgelect.permit";
 /// [`poll_every`](Semaphore::poll_every) as a fallback (a crashed holder
 /// sends nothing, and any user may `NOTIFY`). With a slot, it lets go of
 /// the gate in the same statement, and the next waiter becomes the head.
-/// Newcomers, [`try_acquire_permit`] included, take a slot only through
+/// Newcomers, [`Wait::Never`] tries included, take a slot only through
 /// the gate, so they cannot overtake a waiter.
 ///
 /// # The limit is part of the resource
@@ -92,9 +93,7 @@ const OUTCOME: &str = "pgelect.permit";
 /// * The waiting session `LISTEN`s on the channel from its first wait on,
 ///   until it closes.
 ///
-/// [`try_acquire_permit`]: LockSession::try_acquire_permit
 /// [`acquire_permit`]: LockSession::acquire_permit
-/// [`acquire_permit_timeout`]: LockSession::acquire_permit_timeout
 ///
 /// ```
 /// use pgelect::lock::Semaphore;
@@ -153,13 +152,6 @@ pub struct PermitHolder {
     pub slot: u32,
     /// Who holds it.
     pub holder: LockHolder,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Wait {
-    Try,
-    Forever,
-    Bounded(Duration),
 }
 
 impl Semaphore {
@@ -293,104 +285,6 @@ enum Entered {
 }
 
 impl LockSession {
-    /// Takes a permit of `semaphore` if one is free and nobody waits for
-    /// one, without waiting.
-    ///
-    /// `Ok(None)` when all permits are held, or when other sessions wait
-    /// for one (they come first: a `try` does not overtake them).
-    /// [`Error::Config`] when the semaphore is in use with another limit.
-    ///
-    /// One round trip. Permit acquisitions on one session run one after
-    /// another (a second waits for the first to end); use a session per
-    /// concurrent waiter.
-    ///
-    /// # Cancel safety
-    /// Cancel safe: a permit granted after the future was dropped is
-    /// released again in the background.
-    ///
-    /// ```no_run
-    /// # async fn f(session: pgelect::LockSession) -> Result<(), pgelect::Error> {
-    /// let uploads = pgelect::lock::Semaphore::new("s3-uploads", 4)?;
-    /// match session.try_acquire_permit(&uploads).await? {
-    ///     Some(permit) => {
-    ///         tokio::select! {
-    ///             _ = permit.lost() => eprintln!("permit lost, stopping"),
-    ///             _ = async { /* upload */ } => {}
-    ///         }
-    ///         permit.release().await?;
-    ///     }
-    ///     None => eprintln!("4 uploads already running, or others waiting"),
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub async fn try_acquire_permit(&self, semaphore: &Semaphore) -> Result<Option<Permit>> {
-        self.acquire_permit_with(semaphore, Wait::Try).await
-    }
-
-    /// Takes a permit of `semaphore`, waiting as long as it takes.
-    ///
-    /// Waiters are served in the order they arrived (PostgreSQL's queue on
-    /// the semaphore's gate key) within a
-    /// [`wait_slice`](crate::lock::LockSessionBuilder::wait_slice) of the
-    /// session (10 s): the gate wait is re-issued every slice so that it
-    /// does not hold back VACUUM, and a re-issued wait queues again behind
-    /// those that arrived meanwhile. The longest waiter, once at the head,
-    /// keeps its place until it has a permit.
-    ///
-    /// # Cancel safety
-    /// Cancel safe: if the future is dropped, the wait is withdrawn on the
-    /// server (and a permit granted meanwhile released) before the
-    /// session's next statement.
-    ///
-    /// ```no_run
-    /// # async fn f(options: pgelect::ConnectOptions) -> Result<(), pgelect::Error> {
-    /// let session = pgelect::LockSession::connect(&options).await?;
-    /// let upstream = pgelect::lock::Semaphore::new("fragile-upstream", 8)?;
-    /// let permit = session.acquire_permit(&upstream).await?;
-    /// println!("slot {} of {}", permit.slot(), upstream.limit());
-    /// let work = permit.lost_token(); // hand it to the work: cancelled on loss
-    /// # drop(work);
-    /// permit.release().await?;
-    /// # Ok(()) }
-    /// ```
-    pub async fn acquire_permit(&self, semaphore: &Semaphore) -> Result<Permit> {
-        let permit = self.acquire_permit_with(semaphore, Wait::Forever).await?;
-        Ok(permit.expect("BUG: a blocking permit wait returns a permit or an error"))
-    }
-
-    /// Takes a permit of `semaphore`, waiting at most about `timeout`.
-    ///
-    /// As [`acquire_permit`](LockSession::acquire_permit), bounded: when
-    /// the time runs out the error is [`Error::LockTimeout`]
-    /// (`is_timeout()`), naming the semaphore and the sessions that hold
-    /// its permits. A zero `timeout` is refused with [`Error::Config`] (use
-    /// [`try_acquire_permit`](LockSession::try_acquire_permit)).
-    ///
-    /// # Cancel safety
-    /// As for [`acquire_permit`](LockSession::acquire_permit): cancel safe.
-    ///
-    /// ```no_run
-    /// # async fn f(session: pgelect::LockSession) -> Result<(), pgelect::Error> {
-    /// use std::time::Duration;
-    /// let jobs = pgelect::lock::Semaphore::new("nightly-jobs", 3)?;
-    /// match session.acquire_permit_timeout(&jobs, Duration::from_secs(30)).await {
-    ///     Ok(permit) => { /* ... */ permit.release().await?; }
-    ///     Err(e) if e.is_timeout() => eprintln!("{e}"),
-    ///     Err(e) => return Err(e),
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub async fn acquire_permit_timeout(
-        &self,
-        semaphore: &Semaphore,
-        timeout: Duration,
-    ) -> Result<Permit> {
-        let permit = self
-            .acquire_permit_with(semaphore, Wait::Bounded(timeout))
-            .await?;
-        Ok(permit.expect("BUG: a bounded permit wait returns a permit or an error"))
-    }
-
     /// The sessions that hold permits of `semaphore`, by slot (this
     /// session's own included). Runs on this session's connection, so it
     /// queues behind a wait in progress. See also [`semaphore_holders`].
@@ -408,15 +302,70 @@ impl LockSession {
         }
     }
 
-    async fn acquire_permit_with(
+    /// Takes a permit of `semaphore`, waiting as `wait` says:
+    /// `Ok(Some(permit))` when granted; `Ok(None)` only with
+    /// [`Wait::Never`], when all permits are held or other sessions wait
+    /// for one (they come first: a try does not overtake them);
+    /// [`Error::LockTimeout`] (`is_timeout()`) when a [`Wait::AtMost`] wait
+    /// ran out, naming the semaphore and the sessions that hold its
+    /// permits. [`Error::Config`] when the semaphore is in use with another
+    /// limit, or for a zero bound (see [`Wait::AtMost`]).
+    ///
+    /// Waiters are served in the order they arrived (PostgreSQL's queue on
+    /// the semaphore's gate key) within a
+    /// [`wait_slice`](crate::lock::LockSessionBuilder::wait_slice) of the
+    /// session (10 s): the gate wait is re-issued every slice so that it
+    /// does not hold back VACUUM, and a re-issued wait queues again behind
+    /// those that arrived meanwhile. The longest waiter, once at the head,
+    /// keeps its place until it has a permit. A free permit with nobody
+    /// waiting costs one round trip.
+    ///
+    /// Permit acquisitions on one session run one after another (a second
+    /// waits for the first to end); use a session per concurrent waiter.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: if the future is dropped, the wait is withdrawn on the
+    /// server (and a permit granted meanwhile released) before the
+    /// session's next statement.
+    ///
+    /// ```no_run
+    /// # async fn f(session: pgelect::LockSession) -> Result<(), pgelect::Error> {
+    /// use std::time::Duration;
+    /// use pgelect::lock::Wait;
+    /// let uploads = pgelect::Semaphore::new("s3-uploads", 4)?;
+    /// match session.acquire_permit(&uploads, Wait::Never).await? {
+    ///     Some(permit) => {
+    ///         tokio::select! {
+    ///             _ = permit.lost() => eprintln!("permit lost, stopping"),
+    ///             _ = async { /* upload */ } => {}
+    ///         }
+    ///         permit.release().await?;
+    ///     }
+    ///     None => eprintln!("4 uploads already running, or others waiting"),
+    /// }
+    ///
+    /// let jobs = pgelect::Semaphore::new("nightly-jobs", 3)?;
+    /// match session.acquire_permit(&jobs, Wait::AtMost(Duration::from_secs(30))).await {
+    ///     Ok(Some(permit)) => {
+    ///         let work = permit.token(); // hand it to the work: cancelled on loss
+    ///         # drop(work);
+    ///         permit.release().await?;
+    ///     }
+    ///     Ok(None) => unreachable!("only Wait::Never answers None"),
+    ///     Err(e) if e.is_timeout() => eprintln!("{e}"),
+    ///     Err(e) => return Err(e),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn acquire_permit(
         &self,
         semaphore: &Semaphore,
         wait: Wait,
     ) -> Result<Option<Permit>> {
         let started = Instant::now();
         let deadline = match wait {
-            Wait::Bounded(t) => {
-                timeout_millis("the permit wait timeout", t)?;
+            Wait::AtMost(t) => {
+                wait_millis(t)?;
                 Some(started + t)
             }
             _ => None,
@@ -430,10 +379,10 @@ impl LockSession {
             Entered::Head { gate, limit } => (gate, limit),
             Entered::Queue { limit } => {
                 let gate = match deadline {
-                    None => self.lock(semaphore.gate_key()).await,
+                    None => self.gate(semaphore, Wait::Forever).await,
                     Some(d) => match d.checked_duration_since(Instant::now()) {
                         Some(left) if !left.is_zero() => {
-                            self.lock_timeout(semaphore.gate_key(), left).await
+                            self.gate(semaphore, Wait::AtMost(left)).await
                         }
                         _ => Err(timed_out(started)),
                     },
@@ -475,6 +424,14 @@ impl LockSession {
                 }
             }
         }
+    }
+
+    /// Queues on the gate of `semaphore` (`wait` is never [`Wait::Never`]).
+    async fn gate(&self, semaphore: &Semaphore, wait: Wait) -> Result<LockGuard> {
+        let gate = self
+            .acquire(semaphore.gate_key(), LockMode::Exclusive, wait)
+            .await?;
+        Ok(gate.expect("BUG: a wait for the gate returns a guard or an error"))
     }
 
     /// The first statement: takes the limit key, checks the limit, and
@@ -709,7 +666,7 @@ fn enter_sql(semaphore: &Semaphore, wait: Wait, held: impl Fn(LockKey) -> bool) 
     let (classid, objid, _) = semaphore.limit_key().pg_locks_ids();
     let limit = key_literals(&semaphore.limit_key());
     let gate = key_literals(&semaphore.gate_key());
-    let (listen, no_gate, no_slot) = if wait == Wait::Try {
+    let (listen, no_gate, no_slot) = if wait == Wait::Never {
         (
             String::new(),
             format!("PERFORM pg_advisory_unlock_shared({limit}); PERFORM set_config('{OUTCOME}', 'busy', true);"),
@@ -856,24 +813,33 @@ impl Permit {
         self.session.backend_pid()
     }
 
-    /// Resolves when the connection holding the permit has ended: from
-    /// then on the slot is free for another holder. Stop the work.
+    /// Completes with the [`Loss`] when the connection holding the permit
+    /// has ended ([`LossReason::ConnectionLost`](crate::loss::LossReason::ConnectionLost)):
+    /// from then on the slot is free for another holder. Stop the work. See
+    /// [`loss`](crate::loss).
     ///
     /// # Cancel safety
-    /// Cancel safe: the future only observes.
-    pub fn lost(&self) -> WaitForCancellationFutureOwned {
+    /// Cancel safe: it only observes.
+    pub fn lost(&self) -> Lost {
         self.session.lost()
     }
 
-    /// A token cancelled when the connection holding the permit ends.
-    /// Cancelling it yourself affects nothing else.
-    pub fn lost_token(&self) -> CancellationToken {
-        self.session.lost_token()
+    /// A token cancelled when the connection holding the permit ends. A
+    /// child token: cancelling it ends nothing. See [`loss`](crate::loss).
+    pub fn token(&self) -> CancellationToken {
+        self.session.token()
     }
 
-    /// True once the connection holding the permit has ended.
+    /// True once the connection holding the permit has ended; see
+    /// [`loss`](crate::loss).
     pub fn is_lost(&self) -> bool {
         self.session.is_lost()
+    }
+
+    /// Why and when the permit was lost; `None` while it is held. See
+    /// [`loss`](crate::loss).
+    pub fn loss(&self) -> Option<Loss> {
+        self.session.loss()
     }
 
     /// Releases the permit, and wakes the longest waiter with a `NOTIFY`.
@@ -1117,7 +1083,7 @@ mod tests {
     fn statements_skip_held_slots_and_try_does_not_queue() {
         let s = Semaphore::new("x", 3).unwrap();
         let held = s.slot_key(1).unwrap();
-        let sql = enter_sql(&s, Wait::Try, |k| k == held);
+        let sql = enter_sql(&s, Wait::Never, |k| k == held);
         assert!(!sql.contains("LISTEN"), "{sql}");
         assert!(sql.contains("ARRAY[0,2]::int4[]"), "{sql}");
         assert!(!sql.contains("'queue'") && !sql.contains("'head'"), "{sql}");

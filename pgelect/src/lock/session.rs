@@ -10,13 +10,16 @@ use tokio::sync::{oneshot, Mutex as AsyncMutex, OwnedMutexGuard};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
 use tokio_postgres::SimpleQueryMessage;
-use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+use tokio_util::sync::CancellationToken;
 
 use super::holders::{describe, lock_holders, query_holders, LockHolder};
-use super::{key_literals, timeout_millis, LockMode};
+use super::{key_literals, wait_millis, LockMode, Wait};
 use crate::conn::{ConnectOptions, DedicatedConnection, TcpTimeouts};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
+#[cfg(doc)]
+use crate::loss::LossReason;
+use crate::loss::{Loss, LossSignal, Lost};
 
 // A lock session's defaults, documented on `LockSessionBuilder`. They are
 // not the elector's (`election/timing.rs`: a 1 s heartbeat timeout and a
@@ -46,8 +49,9 @@ const WAIT_RECHECK: Duration = Duration::from_secs(30);
 /// server then releases whatever is still held.
 ///
 /// # Losing the connection
-/// [`lost()`](LockSession::lost) (and the same on every guard) resolves when
-/// the connection ends: pushed by the driver task the moment the server's
+/// [`lost()`](LockSession::lost) (and the same on every guard and permit,
+/// with the rest of the [loss API](crate::loss)) resolves when the
+/// connection ends, with [`LossReason::ConnectionLost`]: pushed by the driver task the moment the server's
 /// goodbye or a reset arrives (a terminated backend is seen in milliseconds),
 /// and backed by a heartbeat (`SELECT 1` every
 /// [`heartbeat`](LockSessionBuilder::heartbeat)) that closes the connection
@@ -60,8 +64,8 @@ const WAIT_RECHECK: Duration = Duration::from_secs(30);
 /// A PostgreSQL session runs one statement at a time, and a blocking
 /// `pg_advisory_lock` occupies it until granted. So a `LockSession` runs its
 /// operations one after another, in the order they were called (a fair
-/// queue): while [`lock`](LockSession::lock) or
-/// [`lock_timeout`](LockSession::lock_timeout) waits, a `try_lock` or a
+/// queue): while an [`acquire`](LockSession::acquire) waits
+/// ([`Wait::Forever`], [`Wait::AtMost`]), a [`Wait::Never`] try or a
 /// `release` through the same session waits behind it. The heartbeat skips
 /// its beats during such a wait; the driver task and the TCP timeouts still
 /// watch the connection (a dead peer is noticed within
@@ -74,12 +78,13 @@ const WAIT_RECHECK: Duration = Duration::from_secs(30);
 ///
 /// ```no_run
 /// # async fn f() -> Result<(), pgelect::Error> {
+/// use pgelect::lock::{LockMode, Wait};
 /// use pgelect::{ConnectOptions, LockKey, LockSession};
 ///
 /// let options = ConnectOptions::from_url("postgres://app:secret@localhost/app")?;
 /// let session = LockSession::connect(&options).await?;
 /// let key = LockKey::from_name("nightly-report")?;
-/// if let Some(guard) = session.try_lock(key).await? {
+/// if let Some(guard) = session.acquire(key, LockMode::Exclusive, Wait::Never).await? {
 ///     tokio::select! {
 ///         _ = guard.lost() => eprintln!("lock lost, stopping"),
 ///         _ = async { /* the report */ } => {}
@@ -136,8 +141,6 @@ struct Inner {
     /// span several statements (see `semaphore.rs`).
     permits: Arc<AsyncMutex<()>>,
     state: StdMutex<State>,
-    /// The connection's `closed()` token: cancelled when it ends.
-    lost: CancellationToken,
     /// Bound on every short statement (heartbeat, try, unlock, checks).
     statement_timeout: Duration,
     /// Length of one slice of an unbounded lock wait.
@@ -162,13 +165,6 @@ struct State {
 
 fn is_query_canceled(e: &tokio_postgres::Error) -> bool {
     e.code() == Some(&SqlState::QUERY_CANCELED)
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Wait {
-    Try,
-    Forever,
-    Bounded(Duration),
 }
 
 impl LockSession {
@@ -204,114 +200,87 @@ impl LockSession {
         }
     }
 
-    /// Tries to take `key` exclusively, without waiting.
+    /// Takes `key` in `mode`, waiting as `wait` says: `Ok(Some(guard))`
+    /// when granted; `Ok(None)` only with [`Wait::Never`], when another
+    /// session holds the key in a conflicting mode;
+    /// [`Error::LockTimeout`] when a [`Wait::AtMost`] wait ran out.
+    /// [`Error::AlreadyHeld`] when this session holds the key already (in
+    /// either mode).
     ///
-    /// `Ok(None)` when another session holds it (in any mode).
-    /// [`Error::AlreadyHeld`] when this session holds it already.
+    /// # Waiting
+    /// * [`Wait::Never`]: one `pg_try_advisory_lock[_shared]`.
+    /// * [`Wait::Forever`]: PostgreSQL's own wait (`pg_advisory_lock`): the
+    ///   lock is granted the moment the holder lets go, and waiters are
+    ///   served in order. The wait is re-issued every
+    ///   [`wait_slice`](LockSessionBuilder::wait_slice) (10 s) so that it
+    ///   does not hold back VACUUM; a re-issued wait queues again.
+    /// * [`Wait::AtMost`]: the server bounds the wait (`lock_timeout`, set
+    ///   for this one wait and reset in the same round trip), so no cancel
+    ///   request is needed and the bound holds to the millisecond.
+    ///   PostgreSQL may grant the lock at the very moment the timeout fires
+    ///   and still report the timeout; pgelect then finds the lock in
+    ///   `pg_locks` and returns the guard rather than leak the lock. The
+    ///   timeout error names who held the lock then (`holders` of
+    ///   [`Error::LockTimeout`]). A zero bound is refused with
+    ///   [`Error::Config`] (see [`Wait::AtMost`]).
     ///
-    /// # Cancel safety
-    /// Cancel safe: if the future is dropped after the server granted the
-    /// lock, pgelect releases it again in the background.
-    pub async fn try_lock(&self, key: LockKey) -> Result<Option<LockGuard>> {
-        self.acquire(key, LockMode::Exclusive, Wait::Try).await
-    }
-
-    /// Tries to take `key` in shared mode, without waiting.
-    ///
-    /// `Ok(None)` when another session holds it exclusively.
-    ///
-    /// # Cancel safety
-    /// As for [`try_lock`](LockSession::try_lock): cancel safe.
-    pub async fn try_lock_shared(&self, key: LockKey) -> Result<Option<LockGuard>> {
-        self.acquire(key, LockMode::Shared, Wait::Try).await
-    }
-
-    /// Takes `key` exclusively, waiting as long as it takes.
-    ///
-    /// The wait is PostgreSQL's own (`pg_advisory_lock`): the lock is
-    /// granted the moment the holder lets go, and waiters are served in
-    /// order. The wait is re-issued every
-    /// [`wait_slice`](LockSessionBuilder::wait_slice) (10 s) so that it
-    /// does not hold back VACUUM; a re-issued wait queues again.
-    /// Other operations on this session queue behind the wait (see "One
-    /// statement at a time").
-    ///
-    /// A wait that lasts longer than 5 s looks up who holds the key (on a
-    /// short-lived connection of its own) and logs a warning naming each
-    /// holder's pid, user and application name: advisory keys are public,
-    /// and any user who can connect to the database can hold one.
+    /// Other operations on this session queue behind a wait (see "One
+    /// statement at a time"). A wait that lasts longer than 5 s looks up
+    /// who holds the key (on a short-lived connection of its own) and logs
+    /// a warning naming each holder's pid, user and application name:
+    /// advisory keys are public, and any user who can connect to the
+    /// database can hold one.
     ///
     /// # Cancel safety
     /// Cancel safe: when the future is dropped, pgelect cancels the wait on
     /// the server (a cancel request, as `pg_cancel_backend` would), and if
     /// the lock was granted in the meantime releases it, before the
     /// session's next statement runs.
-    pub async fn lock(&self, key: LockKey) -> Result<LockGuard> {
-        let guard = self
-            .acquire(key, LockMode::Exclusive, Wait::Forever)
-            .await?;
-        Ok(guard.expect("BUG: a blocking wait returns a guard or an error"))
-    }
-
-    /// Takes `key` in shared mode, waiting as long as it takes.
-    ///
-    /// # Cancel safety
-    /// As for [`lock`](LockSession::lock): cancel safe.
-    pub async fn lock_shared(&self, key: LockKey) -> Result<LockGuard> {
-        let guard = self.acquire(key, LockMode::Shared, Wait::Forever).await?;
-        Ok(guard.expect("BUG: a blocking wait returns a guard or an error"))
-    }
-
-    /// Takes `key` exclusively, waiting at most about `timeout`.
-    ///
-    /// The server bounds the wait (`lock_timeout`, set for this one wait and
-    /// reset in the same round trip), so no cancel request is needed and the
-    /// bound holds to the millisecond. When it runs out the error is
-    /// [`Error::LockTimeout`]. PostgreSQL may grant the lock at the very
-    /// moment the timeout fires and still report the timeout; pgelect then
-    /// finds the lock in `pg_locks` and returns the guard rather than leak
-    /// the lock. A zero `timeout` is refused with [`Error::Config`]
-    /// (use [`try_lock`](LockSession::try_lock)); sub-millisecond values
-    /// round up to 1 ms. The timeout error names who held the lock then
-    /// (`holders` of [`Error::LockTimeout`]); a wait longer than 5 s also
-    /// logs the holders at warning level, as [`lock`](LockSession::lock)
-    /// does.
-    ///
-    /// # Cancel safety
-    /// As for [`lock`](LockSession::lock): cancel safe.
     ///
     /// ```no_run
     /// # async fn f(session: pgelect::LockSession) -> Result<(), pgelect::Error> {
     /// use std::time::Duration;
+    /// use pgelect::lock::{LockMode, Wait};
     /// let key = pgelect::LockKey::from_i64(42);
-    /// match session.lock_timeout(key, Duration::from_secs(3)).await {
-    ///     Ok(guard) => { /* ... */ guard.release().await?; }
+    /// match session.acquire(key, LockMode::Exclusive, Wait::AtMost(Duration::from_secs(3))).await {
+    ///     Ok(Some(guard)) => { /* ... */ guard.release().await?; }
+    ///     Ok(None) => unreachable!("only Wait::Never answers None"),
     ///     Err(e) if e.is_timeout() => eprintln!("busy, try later"),
     ///     Err(e) => return Err(e),
     /// }
     /// # Ok(()) }
     /// ```
-    pub async fn lock_timeout(&self, key: LockKey, timeout: Duration) -> Result<LockGuard> {
-        let guard = self
-            .acquire(key, LockMode::Exclusive, Wait::Bounded(timeout))
-            .await?;
-        Ok(guard.expect("BUG: a bounded wait returns a guard or an error"))
-    }
-
-    /// Takes `key` in shared mode, waiting at most about `timeout`.
-    ///
-    /// # Cancel safety
-    /// As for [`lock`](LockSession::lock): cancel safe.
-    pub async fn lock_shared_timeout(&self, key: LockKey, timeout: Duration) -> Result<LockGuard> {
-        let guard = self
-            .acquire(key, LockMode::Shared, Wait::Bounded(timeout))
-            .await?;
-        Ok(guard.expect("BUG: a bounded wait returns a guard or an error"))
+    pub async fn acquire(
+        &self,
+        key: LockKey,
+        mode: LockMode,
+        wait: Wait,
+    ) -> Result<Option<LockGuard>> {
+        wait.check()?;
+        // The statement runs in a task of its own, so that whatever the
+        // caller does with this future, the session ends in a known state:
+        // if the caller goes away, the task cancels the server-side wait and
+        // releases a lock that was granted anyway.
+        let inner = self.inner.clone();
+        let (mut tx, rx) = oneshot::channel();
+        tokio::spawn(async move {
+            let ops = tokio::select! {
+                ops = inner.ops.clone().lock_owned() => ops,
+                _ = tx.closed() => return,
+            };
+            let result = inner.acquire_locked(&ops, key, mode, wait, &mut tx).await;
+            if let Err(Ok(Some(guard))) = tx.send(result) {
+                inner.release_unwanted(&ops, guard).await;
+            }
+        });
+        rx.await.unwrap_or(Err(Error::connection_lost(
+            "acquire a lock (the runtime is shutting down)",
+        )))
     }
 
     /// The other sessions of this database that hold `key` (see
     /// [`lock_holders`](crate::lock::lock_holders)): who to blame after a
-    /// `try_lock` returned `None` or a wait timed out. Runs on this
+    /// [`Wait::Never`] try returned `None` or a wait timed out. Runs on this
     /// session's connection, so it queues behind a wait in progress.
     ///
     /// # Cancel safety
@@ -336,24 +305,32 @@ impl LockSession {
         self.inner.conn.pid()
     }
 
-    /// Resolves when the connection has ended, and with it every lock of
-    /// this session. See "Losing the connection".
+    /// Completes with the [`Loss`] when the connection has ended, and with
+    /// it every lock of this session ([`LossReason::ConnectionLost`]); see
+    /// "Losing the connection" and [`loss`](crate::loss).
     ///
     /// # Cancel safety
-    /// Cancel safe: the future only observes.
-    pub fn lost(&self) -> WaitForCancellationFutureOwned {
-        self.inner.lost.clone().cancelled_owned()
+    /// Cancel safe: it only observes.
+    pub fn lost(&self) -> Lost {
+        self.inner.signal().lost()
     }
 
-    /// A token that is cancelled when the connection ends; hand it to work
-    /// that must stop then. Cancelling it yourself affects nothing else.
-    pub fn lost_token(&self) -> CancellationToken {
-        self.inner.lost.child_token()
+    /// A token cancelled when the connection ends; hand it to work that
+    /// must stop then. A child token: cancelling it ends nothing. See
+    /// [`loss`](crate::loss).
+    pub fn token(&self) -> CancellationToken {
+        self.inner.signal().token()
     }
 
-    /// True once the connection has ended.
+    /// True once the connection has ended; see [`loss`](crate::loss).
     pub fn is_lost(&self) -> bool {
-        self.inner.lost.is_cancelled()
+        self.inner.signal().is_lost()
+    }
+
+    /// Why and when the connection ended; `None` while it lasts. See
+    /// [`loss`](crate::loss).
+    pub fn loss(&self) -> Option<Loss> {
+        self.inner.signal().loss()
     }
 
     /// Test hook, not API, built only with the `test-hooks` feature: runs
@@ -373,31 +350,6 @@ impl LockSession {
         drop(ops);
         Ok(())
     }
-
-    async fn acquire(&self, key: LockKey, mode: LockMode, wait: Wait) -> Result<Option<LockGuard>> {
-        if let Wait::Bounded(t) = wait {
-            timeout_millis("the lock wait timeout", t)?;
-        }
-        // The statement runs in a task of its own, so that whatever the
-        // caller does with this future, the session ends in a known state:
-        // if the caller goes away, the task cancels the server-side wait and
-        // releases a lock that was granted anyway.
-        let inner = self.inner.clone();
-        let (mut tx, rx) = oneshot::channel();
-        tokio::spawn(async move {
-            let ops = tokio::select! {
-                ops = inner.ops.clone().lock_owned() => ops,
-                _ = tx.closed() => return,
-            };
-            let result = inner.acquire_locked(&ops, key, mode, wait, &mut tx).await;
-            if let Err(Ok(Some(guard))) = tx.send(result) {
-                inner.release_unwanted(&ops, guard).await;
-            }
-        });
-        rx.await.unwrap_or(Err(Error::connection_lost(
-            "acquire a lock (the runtime is shutting down)",
-        )))
-    }
 }
 
 /// Exclusive use of a session's connection for one statement of a compound
@@ -414,7 +366,7 @@ impl LockSession {
     pub(crate) async fn turn(&self, operation: &'static str) -> Result<Turn> {
         let ops = self.inner.ops.clone().lock_owned().await;
         self.inner.flush_pending(&ops).await;
-        if self.inner.lost.is_cancelled() {
+        if self.inner.signal().is_lost() {
             return Err(self.inner.conn.lost(operation));
         }
         Ok(Turn {
@@ -527,8 +479,8 @@ impl LockSessionBuilder {
         self
     }
 
-    /// How long one slice of an unbounded wait ([`LockSession::lock`],
-    /// [`LockSession::lock_shared`]) lasts before it is issued again.
+    /// How long one slice of an unbounded wait ([`Wait::Forever`]) lasts
+    /// before it is issued again.
     /// Default: `10s`. Must be positive, at most 24 h.
     ///
     /// A waiting statement holds a snapshot, and the oldest snapshot bounds
@@ -578,7 +530,6 @@ impl LockSessionBuilder {
             ops: Arc::new(AsyncMutex::new(())),
             permits: Arc::new(AsyncMutex::new(())),
             state: StdMutex::new(State::default()),
-            lost: lost.clone(),
             statement_timeout: self.heartbeat_timeout,
             wait_slice: self.wait_slice,
             schema: self.options.schema_name().as_str().to_owned(),
@@ -605,25 +556,33 @@ impl LockGuard {
         self.inner.conn.pid()
     }
 
-    /// Resolves when the connection holding the lock has ended: from then
-    /// on the lock is not held (the server released it, or will as soon as
-    /// it notices). Stop the work the lock protects.
+    /// Completes with the [`Loss`] when the connection holding the lock has
+    /// ended ([`LossReason::ConnectionLost`]): from then on the lock is not
+    /// held (the server released it, or will as soon as it notices). Stop
+    /// the work the lock protects. See [`loss`](crate::loss).
     ///
     /// # Cancel safety
-    /// Cancel safe: the future only observes.
-    pub fn lost(&self) -> WaitForCancellationFutureOwned {
-        self.inner.lost.clone().cancelled_owned()
+    /// Cancel safe: it only observes.
+    pub fn lost(&self) -> Lost {
+        self.inner.signal().lost()
     }
 
-    /// A token cancelled when the connection holding the lock ends.
-    /// Cancelling it yourself affects nothing else.
-    pub fn lost_token(&self) -> CancellationToken {
-        self.inner.lost.child_token()
+    /// A token cancelled when the connection holding the lock ends. A child
+    /// token: cancelling it ends nothing. See [`loss`](crate::loss).
+    pub fn token(&self) -> CancellationToken {
+        self.inner.signal().token()
     }
 
-    /// True once the connection holding the lock has ended.
+    /// True once the connection holding the lock has ended; see
+    /// [`loss`](crate::loss).
     pub fn is_lost(&self) -> bool {
-        self.inner.lost.is_cancelled()
+        self.inner.signal().is_lost()
+    }
+
+    /// Why and when the lock was lost; `None` while it is held. See
+    /// [`loss`](crate::loss).
+    pub fn loss(&self) -> Option<Loss> {
+        self.inner.signal().loss()
     }
 
     /// Releases the lock and reports what PostgreSQL did: `true` when it
@@ -643,7 +602,7 @@ impl LockGuard {
         let inner = self.inner.clone();
         let ops = inner.ops.clone().lock_owned().await;
         inner.flush_pending(&ops).await;
-        if inner.lost.is_cancelled() {
+        if inner.signal().is_lost() {
             inner.state().held.remove(&self.key);
             self.released = true;
             return Err(inner.conn.lost("release a lock"));
@@ -680,7 +639,7 @@ impl Drop for LockGuard {
             return;
         }
         self.inner.state().pending.push((self.key, self.mode));
-        if self.inner.lost.is_cancelled() {
+        if self.inner.signal().is_lost() {
             return;
         }
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
@@ -707,6 +666,11 @@ impl Inner {
 
     fn client(&self) -> &tokio_postgres::Client {
         self.conn.client()
+    }
+
+    /// The connection's end: the session's, its guards' and permits' loss.
+    fn signal(&self) -> &LossSignal {
+        self.conn.signal()
     }
 
     /// [`Error::ConnectionLost`] for a statement that found the connection
@@ -768,7 +732,7 @@ impl Inner {
         caller: &mut oneshot::Sender<Result<Option<LockGuard>>>,
     ) -> Result<Option<LockGuard>> {
         self.flush_pending(ops).await;
-        if self.lost.is_cancelled() {
+        if self.signal().is_lost() {
             return Err(self.conn.lost("acquire a lock"));
         }
         if self.state().held.contains_key(&key) {
@@ -779,7 +743,7 @@ impl Inner {
         let params = key.params();
         let args: Vec<_> = params.iter().map(|p| p.as_sql()).collect();
         match wait {
-            Wait::Try => {
+            Wait::Never => {
                 let sql = format!(
                     "SELECT pg_try_advisory_lock{}({})",
                     mode.suffix(),
@@ -833,8 +797,8 @@ impl Inner {
                 self.wait_for(ops, key, mode, false, statement, caller)
                     .await
             }
-            Wait::Bounded(timeout) => {
-                let ms = timeout_millis("the lock wait timeout", timeout)?;
+            Wait::AtMost(bound) => {
+                let ms = wait_millis(bound)?;
                 // One round trip, one implicit transaction: if the wait
                 // fails, the rollback also undoes the SET, so lock_timeout
                 // is back at 0 either way (a session lock taken inside an
@@ -989,7 +953,7 @@ impl Inner {
         loop {
             let next = self.state().pending.pop();
             let Some((key, mode)) = next else { break };
-            if !self.lost.is_cancelled() {
+            if !self.signal().is_lost() {
                 match self.unlock(ops, key, mode).await {
                     Ok(true) => {}
                     Ok(false) => {
@@ -1094,7 +1058,7 @@ async fn heartbeat(session: Weak<Inner>, lost: CancellationToken, every: Duratio
             continue;
         };
         inner.flush_pending(&ops).await;
-        if inner.lost.is_cancelled() {
+        if inner.signal().is_lost() {
             return;
         }
         if let Err(e) = inner
@@ -1117,7 +1081,7 @@ impl fmt::Debug for LockSession {
             .field("backend_pid", &self.inner.conn.pid())
             .field("held", &state.held)
             .field("waiting", &state.waiting)
-            .field("lost", &self.inner.lost.is_cancelled())
+            .field("lost", &self.inner.signal().is_lost())
             .finish()
     }
 }
@@ -1129,7 +1093,7 @@ impl fmt::Debug for LockGuard {
             .field("mode", &self.mode)
             .field("backend_pid", &self.inner.conn.pid())
             .field("released", &self.released)
-            .field("lost", &self.inner.lost.is_cancelled())
+            .field("lost", &self.inner.signal().is_lost())
             .finish()
     }
 }

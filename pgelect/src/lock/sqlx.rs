@@ -1,8 +1,8 @@
 //! Transaction-level advisory locks on the caller's sqlx connection or
 //! transaction (feature `sqlx`).
 //!
-//! The same functions as [`xact_lock`](crate::lock::xact_lock) and friends, with
-//! the same semantics, over `&mut sqlx::PgConnection`. A
+//! The same function as [`xact_lock`](crate::lock::xact_lock), with the
+//! same semantics, over `&mut sqlx::PgConnection`. A
 //! `sqlx::Transaction<'_, Postgres>` and a pooled connection dereference to
 //! it: pass `&mut *tx`. Statements are sent unprepared
 //! (`persistent(false)`), and nothing is left on the connection after the
@@ -11,94 +11,58 @@
 //!
 //! Unlike tokio-postgres, sqlx cannot cancel a statement on the server: a
 //! dropped future leaves the wait running on the server until it is granted
-//! or the connection closes. Prefer the `_timeout` forms, which the server
+//! or the connection closes. Prefer [`Wait::AtMost`], which the server
 //! itself bounds.
 //!
 //! ```no_run
 //! # async fn f(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 //! use std::time::Duration;
+//! use pgelect::lock::{LockMode, Wait};
 //! use pgelect::LockKey;
 //! let mut tx = pool.begin().await?;
-//! pgelect::lock::sqlx::xact_lock_timeout(&mut *tx, LockKey::from_i64(7), Duration::from_secs(2)).await?;
+//! let wait = Wait::AtMost(Duration::from_secs(2));
+//! pgelect::lock::sqlx::xact_lock(&mut *tx, LockKey::from_i64(7), LockMode::Exclusive, wait).await?;
 //! // ... work serialised on key 7 ...
 //! tx.commit().await?; // releases the lock
 //! # Ok(()) }
 //! ```
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use ::sqlx::PgConnection;
 
 use super::xact::{is_wait_timeout_code, xact_sql, CAP_LOCK_TIMEOUT_SQL, RESTORE_LOCK_TIMEOUT_SQL};
-use super::{timeout_millis, LockMode};
+use super::{wait_millis, LockMode, Wait};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 
-/// Like [`try_xact_lock`](crate::lock::try_xact_lock), on an sqlx connection.
+/// Like [`xact_lock`](crate::lock::xact_lock), on an sqlx connection: takes
+/// `key` in `mode` for the transaction, waiting as `wait` says; `Ok(true)`
+/// when held, `Ok(false)` only with [`Wait::Never`] when another holder has
+/// it, [`Error::LockTimeout`] when a wait ran out (roll back: the
+/// transaction is aborted). [`Wait::AtMost`] caps `lock_timeout` for this
+/// transaction only (keeping a stricter caller value, capping `0`) and
+/// restores the caller's value once the lock is held.
 ///
 /// # Cancel safety
-/// Cancel safe in the sense that a lock taken is held until the transaction
-/// ends, as for the tokio-postgres form.
-pub async fn try_xact_lock(conn: &mut PgConnection, key: LockKey) -> Result<bool> {
-    try_xact(conn, key, LockMode::Exclusive).await
-}
-
-/// Like [`try_xact_lock_shared`](crate::lock::try_xact_lock_shared), on an sqlx
-/// connection.
-///
-/// # Cancel safety
-/// As for [`try_xact_lock`].
-pub async fn try_xact_lock_shared(conn: &mut PgConnection, key: LockKey) -> Result<bool> {
-    try_xact(conn, key, LockMode::Shared).await
-}
-
-/// Like [`xact_lock`](crate::lock::xact_lock), on an sqlx connection.
-///
-/// # Cancel safety
-/// Not cancel safe: a dropped future leaves the wait running on the server
-/// (sqlx has no query cancel). Drop the transaction and its connection
-/// after abandoning a wait, or use [`xact_lock_timeout`].
-pub async fn xact_lock(conn: &mut PgConnection, key: LockKey) -> Result<()> {
-    wait_xact(conn, key, LockMode::Exclusive).await
-}
-
-/// Like [`xact_lock_shared`](crate::lock::xact_lock_shared), on an sqlx connection.
-///
-/// # Cancel safety
-/// As for [`xact_lock`]: not cancel safe.
-pub async fn xact_lock_shared(conn: &mut PgConnection, key: LockKey) -> Result<()> {
-    wait_xact(conn, key, LockMode::Shared).await
-}
-
-/// Like [`xact_lock_timeout`](crate::lock::xact_lock_timeout), on an sqlx
-/// connection: caps `lock_timeout` for this transaction only (keeping a
-/// stricter caller value, capping `0`), restores the caller's value once the
-/// lock is held, and turns SQLSTATE `55P03`/`57014` into
-/// [`Error::LockTimeout`].
-///
-/// # Cancel safety
-/// Dropping the future does not stop a wait already sent, but the server
-/// ends it within `timeout`; if dropped between cap and restore, the capped
-/// value stays until the transaction ends.
-pub async fn xact_lock_timeout(
+/// [`Wait::Never`]: a lock taken is held until the transaction ends, as for
+/// the tokio-postgres form. [`Wait::Forever`]: not cancel safe, a dropped
+/// future leaves the wait running on the server (sqlx has no query
+/// cancel); drop the transaction and its connection after abandoning a
+/// wait. [`Wait::AtMost`]: the server ends a wait already sent within the
+/// bound; if dropped between cap and restore, the capped value stays until
+/// the transaction ends.
+pub async fn xact_lock(
     conn: &mut PgConnection,
     key: LockKey,
-    timeout: Duration,
-) -> Result<()> {
-    bounded_xact(conn, key, LockMode::Exclusive, timeout).await
-}
-
-/// Like [`xact_lock_shared_timeout`](crate::lock::xact_lock_shared_timeout), on an
-/// sqlx connection.
-///
-/// # Cancel safety
-/// As for [`xact_lock_timeout`].
-pub async fn xact_lock_shared_timeout(
-    conn: &mut PgConnection,
-    key: LockKey,
-    timeout: Duration,
-) -> Result<()> {
-    bounded_xact(conn, key, LockMode::Shared, timeout).await
+    mode: LockMode,
+    wait: Wait,
+) -> Result<bool> {
+    match wait {
+        Wait::Never => try_xact(conn, key, mode).await,
+        Wait::Forever => wait_xact(conn, key, mode).await.map(|()| true),
+        Wait::AtMost(bound) => bounded_xact(conn, key, mode, bound).await.map(|()| true),
+    }
 }
 
 fn bind_key<'q, O>(
@@ -151,9 +115,9 @@ async fn bounded_xact(
     conn: &mut PgConnection,
     key: LockKey,
     mode: LockMode,
-    timeout: Duration,
+    bound: std::time::Duration,
 ) -> Result<()> {
-    let ms = timeout_millis("the lock wait timeout", timeout)?;
+    let ms = wait_millis(bound)?;
     // Uncontended, one short statement instead of three (see the
     // tokio-postgres form).
     if try_xact(conn, key, mode).await? {

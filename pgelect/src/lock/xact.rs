@@ -7,7 +7,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
 use tokio_postgres::GenericClient;
 
-use super::{timeout_millis, LockMode};
+use super::{wait_millis, LockMode, Wait};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::schema::DEFAULT_SCHEMA;
@@ -96,163 +96,99 @@ pub(super) fn is_wait_timeout_code(code: &str) -> bool {
     code == SqlState::LOCK_NOT_AVAILABLE.code() || code == SqlState::QUERY_CANCELED.code()
 }
 
-/// Tries to take an exclusive transaction-level advisory lock on `client`,
-/// without waiting.
+/// Takes a transaction-level advisory lock on `key` in `mode`, on the
+/// caller's tokio-postgres client or transaction, waiting as `wait` says.
 ///
-/// Returns `true` when the lock was taken. PostgreSQL releases it when the
-/// transaction ends (commit or rollback); there is no way to release it
-/// earlier. `client` must be inside a transaction: a [`tokio_postgres::Transaction`],
-/// or a `Client` after `BEGIN`. In autocommit mode the lock would be released
-/// again as soon as the statement finishes.
+/// * `Ok(true)`: held until the transaction ends (commit or rollback);
+///   there is no way to release it earlier.
+/// * `Ok(false)`: only with [`Wait::Never`], when another holder has the
+///   key; nothing changed and the transaction is still usable.
+/// * [`Error::LockTimeout`] (`is_timeout()`): the wait ran out, as bounded
+///   by [`Wait::AtMost`] or by the session's own `lock_timeout` or
+///   `statement_timeout` (SQLSTATE `55P03` or `57014`). The transaction is
+///   then aborted, as after any error: roll it back.
 ///
-/// Taking a key the transaction already holds succeeds again (PostgreSQL
-/// counts transaction locks; all are released together at the end).
+/// `client` must be inside a transaction: a [`tokio_postgres::Transaction`],
+/// or a `Client` after `BEGIN`. In autocommit mode the lock would be
+/// released again as soon as the statement finishes. Taking a key the
+/// transaction already holds succeeds again (PostgreSQL counts transaction
+/// locks; all are released together at the end).
 ///
-/// Issues one unnamed statement, so it works through PgBouncer in
-/// transaction mode.
-///
-/// # Cancel safety
-/// Cancel safe in the sense that dropping the future leaves nothing behind
-/// but what the transaction holds: if the statement already ran, the lock is
-/// held until the transaction ends.
-///
-/// ```no_run
-/// # async fn f(client: &mut tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
-/// use pgelect::{lock::try_xact_lock, LockKey};
-/// let tx = client.transaction().await?;
-/// if try_xact_lock(&tx, LockKey::from_name("invoice-42")?).await? {
-///     // ... work that only one transaction may do at a time ...
-/// }
-/// tx.commit().await?;
-/// # Ok(()) }
-/// ```
-pub async fn try_xact_lock<C>(client: &C, key: LockKey) -> Result<bool>
-where
-    C: GenericClient + Sync,
-{
-    try_xact(client, key, LockMode::Exclusive).await
-}
-
-/// Like [`try_xact_lock`], in shared mode: succeeds while no one holds the
-/// key exclusively.
-///
-/// # Cancel safety
-/// As for [`try_xact_lock`].
-pub async fn try_xact_lock_shared<C>(client: &C, key: LockKey) -> Result<bool>
-where
-    C: GenericClient + Sync,
-{
-    try_xact(client, key, LockMode::Shared).await
-}
-
-/// Takes an exclusive transaction-level advisory lock on `client`, waiting as
-/// long as it takes.
-///
-/// The wait is bounded only by the session's own `lock_timeout` or
-/// `statement_timeout`, if any; when one of them fires (SQLSTATE `55P03` or
-/// `57014`) the error is [`Error::LockTimeout`] and the transaction is
-/// aborted: roll it back. For a bound of your own use [`xact_lock_timeout`].
-/// Released by PostgreSQL at commit or rollback. `client` must be inside a
-/// transaction (see [`try_xact_lock`]).
-///
-/// # Cancel safety
-/// Not cancel safe: dropping the future does not stop the wait on the
-/// server. The statement stays in flight on your connection until the lock
-/// is granted or the transaction ends; roll back or drop the transaction (or
-/// the connection) after abandoning a wait. Prefer [`xact_lock_timeout`],
-/// which the server itself bounds.
-///
-/// ```no_run
-/// # async fn f(client: &mut tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
-/// use pgelect::{lock::xact_lock, LockKey};
-/// let tx = client.transaction().await?;
-/// xact_lock(&tx, LockKey::from_i64(7)).await?;
-/// tx.execute("UPDATE accounts SET balance = balance - 1 WHERE id = 7", &[]).await?;
-/// tx.commit().await?; // releases the lock
-/// # Ok(()) }
-/// ```
-pub async fn xact_lock<C>(client: &C, key: LockKey) -> Result<()>
-where
-    C: GenericClient + Sync,
-{
-    wait_xact(client, key, LockMode::Exclusive).await
-}
-
-/// Like [`xact_lock`], in shared mode.
-///
-/// # Cancel safety
-/// As for [`xact_lock`]: not cancel safe.
-pub async fn xact_lock_shared<C>(client: &C, key: LockKey) -> Result<()>
-where
-    C: GenericClient + Sync,
-{
-    wait_xact(client, key, LockMode::Shared).await
-}
-
-/// Takes an exclusive transaction-level advisory lock on `client`, waiting
-/// at most about `timeout`.
-///
-/// The bound is enforced by the server: `lock_timeout` is capped to
-/// `timeout` **for this transaction only** (`set_config(.., true)`), in the
-/// same statement that reads the caller's value, and the caller's value is
-/// put back once the lock is held. A stricter caller value (non-zero and not
-/// longer than `timeout`) is kept; `0` (no limit) is capped. So the wait is
-/// never longer than the caller asked for, and statements after this one run
-/// under the caller's own `lock_timeout` again.
+/// # Waiting
+/// * [`Wait::Never`]: one `pg_try_advisory_xact_lock[_shared]`.
+/// * [`Wait::Forever`]: one `pg_advisory_xact_lock[_shared]`, bounded only
+///   by the session's own `lock_timeout` or `statement_timeout`, if any.
+/// * [`Wait::AtMost`]: the bound is enforced by the server: `lock_timeout`
+///   is capped to it **for this transaction only** (`set_config(.., true)`),
+///   in the same statement that reads the caller's value, and the caller's
+///   value is put back once the lock is held. A stricter caller value
+///   (non-zero and not longer than the bound) is kept; `0` (no limit) is
+///   capped. So the wait is never longer than the caller asked for, and
+///   statements after this one run under the caller's own `lock_timeout`
+///   again. A free lock costs one short statement (`pg_try_advisory_xact_lock`,
+///   which PostgreSQL refuses while a conflicting request waits, so it
+///   never jumps the queue); a held one costs one more, which caps, waits
+///   and restores.
 ///
 /// This runs in the caller's transaction, so pgelect changes no other
 /// setting there: the caller's `statement_timeout` (its own, its role's or
 /// its database's, as managed services often set) still bounds the whole
 /// statement, wait included. Under a 300 ms `statement_timeout` a 5 s bound
 /// ends after about 300 ms with [`Error::LockTimeout`]. To wait longer, lift
-/// it for the transaction first (`SET LOCAL statement_timeout = '10s'`;
-/// `pgelect/tests/server_timeouts.rs` shows both).
+/// it for the transaction first (`SET LOCAL statement_timeout = '10s'`).
 ///
-/// When the wait ends with SQLSTATE `55P03` (lock timeout) or `57014`
-/// (statement timeout or a cancel) the error is [`Error::LockTimeout`]. The
-/// transaction is then aborted, as after any error: roll it back (the
-/// `lock_timeout` change goes with it). A zero `timeout` is refused with
-/// [`Error::Config`]; sub-millisecond values round up to 1 ms.
-///
-/// A free lock costs one short statement (`pg_try_advisory_xact_lock`,
-/// which PostgreSQL refuses while a conflicting request waits, so it never
-/// jumps the queue); a held one costs one more, which caps, waits and
-/// restores. All are unnamed, so it works through PgBouncer in transaction
-/// mode.
+/// Every statement is unnamed, so it works through PgBouncer in
+/// transaction mode.
 ///
 /// # Cancel safety
-/// Dropping the future does not stop a wait already sent, but the server
-/// ends it within `timeout`. If it is dropped after the cap and before the
-/// restore, the transaction keeps the capped `lock_timeout` until it ends.
+/// * [`Wait::Never`]: cancel safe in the sense that dropping the future
+///   leaves nothing behind but what the transaction holds: if the statement
+///   already ran, the lock is held until the transaction ends.
+/// * [`Wait::Forever`]: not cancel safe: dropping the future does not stop
+///   the wait on the server. The statement stays in flight on your
+///   connection until the lock is granted or the transaction ends; roll
+///   back or drop the transaction (or the connection) after abandoning a
+///   wait. Prefer [`Wait::AtMost`], which the server itself bounds.
+/// * [`Wait::AtMost`]: dropping the future does not stop a wait already
+///   sent, but the server ends it within the bound. If it is dropped after
+///   the cap and before the restore, the transaction keeps the capped
+///   `lock_timeout` until it ends.
 ///
 /// ```no_run
 /// # async fn f(client: &mut tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
-/// use pgelect::{lock::xact_lock_timeout, LockKey};
+/// use pgelect::lock::{xact_lock, LockMode, Wait};
+/// use pgelect::LockKey;
+///
+/// // One transaction at a time works on invoice 42, or none waits:
 /// let tx = client.transaction().await?;
-/// match xact_lock_timeout(&tx, LockKey::from_i64(7), Duration::from_secs(2)).await {
-///     Ok(()) => tx.commit().await?,
+/// if xact_lock(&tx, LockKey::from_name("invoice-42")?, LockMode::Exclusive, Wait::Never).await? {
+///     // ... work that only one transaction may do at a time ...
+/// }
+/// tx.commit().await?;
+///
+/// // Wait at most 2 s:
+/// let tx = client.transaction().await?;
+/// let wait = Wait::AtMost(Duration::from_secs(2));
+/// match xact_lock(&tx, LockKey::from_i64(7), LockMode::Exclusive, wait).await {
+///     Ok(_) => {
+///         tx.execute("UPDATE accounts SET balance = balance - 1 WHERE id = 7", &[]).await?;
+///         tx.commit().await? // releases the lock
+///     }
 ///     Err(e) if e.is_timeout() => tx.rollback().await?, // busy: try later
 ///     Err(e) => return Err(e.into()),
 /// }
 /// # Ok(()) }
 /// ```
-pub async fn xact_lock_timeout<C>(client: &C, key: LockKey, timeout: Duration) -> Result<()>
+pub async fn xact_lock<C>(client: &C, key: LockKey, mode: LockMode, wait: Wait) -> Result<bool>
 where
     C: GenericClient + Sync,
 {
-    bounded_xact(client, key, LockMode::Exclusive, timeout).await
-}
-
-/// Like [`xact_lock_timeout`], in shared mode.
-///
-/// # Cancel safety
-/// As for [`xact_lock_timeout`].
-pub async fn xact_lock_shared_timeout<C>(client: &C, key: LockKey, timeout: Duration) -> Result<()>
-where
-    C: GenericClient + Sync,
-{
-    bounded_xact(client, key, LockMode::Shared, timeout).await
+    match wait {
+        Wait::Never => try_xact(client, key, mode).await,
+        Wait::Forever => wait_xact(client, key, mode).await.map(|()| true),
+        Wait::AtMost(bound) => bounded_xact(client, key, mode, bound).await.map(|()| true),
+    }
 }
 
 fn db(operation: &'static str, e: tokio_postgres::Error) -> Error {
@@ -301,7 +237,7 @@ async fn bounded_xact<C>(client: &C, key: LockKey, mode: LockMode, timeout: Dura
 where
     C: GenericClient + Sync,
 {
-    let ms = timeout_millis("the lock wait timeout", timeout)?;
+    let ms = wait_millis(timeout)?;
     // Uncontended, the plain try is all it takes: one short statement, as
     // cheap as a bare `pg_advisory_xact_lock` (the capped wait below costs
     // about twice as much to parse and run). A try never jumps the queue:

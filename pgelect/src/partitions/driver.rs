@@ -12,8 +12,9 @@ use tokio_postgres::types::Type;
 use tokio_postgres::{AsyncMessage, Client};
 use tokio_util::sync::CancellationToken;
 
-use crate::election::{Elector, Leadership, LossReason, SharedConnection, Term, LEADER_CHANNEL};
+use crate::election::{Elector, Leadership, SharedConnection, Term, LEADER_CHANNEL};
 use crate::error::{Error, Result};
+use crate::loss::{LossReason, LossSignal};
 
 use super::plan::{plan, GroupView, PartitionView};
 use super::{Config, HeldPartition, PartitionEvent};
@@ -84,11 +85,9 @@ struct Lead {
     /// Kept so that its role stays claimed on the shared connection until
     /// the release.
     elector: Elector,
-    /// A child of the leadership's token, cancelled by a handover too; the
-    /// application holds children of it.
-    mine: CancellationToken,
-    /// The planned reason, shared with the [`HeldPartition`].
-    stopping: Arc<Mutex<Option<LossReason>>>,
+    /// The [`HeldPartition`]'s loss signal: a child of the leadership's,
+    /// ended by a handover too (with the planned reason).
+    signal: LossSignal,
     /// Resolves when the application dropped its [`HeldPartition`].
     done: oneshot::Receiver<()>,
 }
@@ -191,20 +190,17 @@ impl Driver {
             }
         };
         let term = leadership.term();
-        let mine = leadership.token();
+        let (context, signal) = leadership.with_child_signal();
         let (done_tx, done) = oneshot::channel();
-        let watch = mine.clone();
+        let watch = signal.raw_token().clone();
         let lost = self.lost.clone();
         tokio::spawn(async move {
             watch.cancelled().await;
             let _ = lost.send((p, term));
         });
-        let stopping = Arc::new(Mutex::new(None));
         let held = HeldPartition {
             partition: p,
-            context: leadership.context(),
-            token: mine.clone(),
-            stopping: stopping.clone(),
+            context,
             _done: done_tx,
         };
         self.leading.insert(
@@ -212,8 +208,7 @@ impl Driver {
             Lead {
                 leadership,
                 elector,
-                mine,
-                stopping,
+                signal,
                 done,
             },
         );
@@ -235,8 +230,8 @@ impl Driver {
         {
             let reason = self.leading[&p]
                 .leadership
-                .loss_reason()
-                .unwrap_or(LossReason::Resigned);
+                .loss()
+                .map_or(LossReason::Resigned, |l| l.reason());
             self.hand_over(p, reason);
         }
     }
@@ -248,10 +243,8 @@ impl Driver {
         let Some(lead) = self.leading.remove(&p) else {
             return;
         };
-        if lead.leadership.loss_reason().is_none() {
-            *lead.stopping.lock().unwrap_or_else(PoisonError::into_inner) = Some(reason);
-        }
-        lead.mine.cancel();
+        // A leadership already lost keeps its own (earlier) loss.
+        lead.signal.end(reason);
         let term = lead.leadership.term();
         self.held
             .lock()

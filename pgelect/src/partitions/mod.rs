@@ -5,7 +5,7 @@
 //!
 //! Partition `p` of group `G` is an ordinary role, `G/p`: it has its own
 //! row in `pgelect.leaders`, its own term, and works with
-//! `pgelect.fence('G/p', term)` and [`HeldPartition::fence`], `pgelect
+//! `pgelect.fence('G/p', term)` and [`HeldPartition`]'s fence ([`LeaderContext::fence`]), `pgelect
 //! status --role G/p` and [`request_resign`](crate::election::request_resign). A
 //! member stands for partitions with polling standbys
 //! ([`StandbyMode::Polling`]) on one
@@ -89,18 +89,17 @@ mod plan;
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::ops::Deref;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
-use tokio_postgres::GenericClient;
 use tokio_util::sync::CancellationToken;
 
 use crate::conn::{ConnectOptions, TcpTimeouts};
-use crate::election::{
-    ElectorBuilder, LeaderContext, LossReason, StandbyMode, Term, MAX_ROLE_BYTES,
-};
+use crate::election::{ElectorBuilder, LeaderContext, StandbyMode, Term, MAX_ROLE_BYTES};
 use crate::error::{Error, Result};
+use crate::loss::LossReason;
 
 /// The lease TTL of a partition's elector unless
 /// [`PartitionGroupBuilder::elector`] sets another: 10 s (deadline 8 s,
@@ -533,16 +532,25 @@ pub enum PartitionEvent {
 
 /// A partition this member leads, handed to the application with
 /// [`PartitionEvent::Gained`]. Hold it while working on the partition:
-/// after its token is cancelled by a handover or `leave`, the partition is
-/// released only once this is dropped (or after `release_grace`), so that
-/// the next leader never overlaps the work.
+/// after it is lost to a handover or `leave`, the partition is released
+/// only once this is dropped (or after `release_grace`), so that the next
+/// leader never overlaps the work.
+///
+/// It dereferences to the partition's [`LeaderContext`]: its
+/// [role](LeaderContext::role) (`group/partition`, for `pgelect.fence`),
+/// [term](LeaderContext::term), [fence](LeaderContext::fence) and the loss
+/// API ([`lost`](LeaderContext::lost), [`token`](LeaderContext::token),
+/// [`is_lost`](LeaderContext::is_lost), [`loss`](LeaderContext::loss);
+/// documented in [`loss`](crate::loss)). A held partition is lost when its
+/// leadership is, and also when it is handed over: then the reason is
+/// planned ([`LossReason::HandedOver`], [`LossReason::Shutdown`]) and
+/// leaves time to wind down (the partition is released once this handle
+/// is dropped, at most `release_grace` later); any other reason means the
+/// leadership is already gone: stop at once.
 pub struct HeldPartition {
     partition: u32,
+    /// The leadership's context, with a loss signal that a handover ends too.
     context: LeaderContext,
-    token: CancellationToken,
-    /// Set by the member before it cancels `token` for a handover or
-    /// `leave` (the leadership itself still lives then).
-    stopping: Arc<Mutex<Option<LossReason>>>,
     _done: oneshot::Sender<()>,
 }
 
@@ -551,52 +559,13 @@ impl HeldPartition {
     pub fn partition(&self) -> u32 {
         self.partition
     }
+}
 
-    /// The partition's role (`group/partition`), for `pgelect.fence`.
-    pub fn role(&self) -> &str {
-        self.context.role()
-    }
+impl Deref for HeldPartition {
+    type Target = LeaderContext;
 
-    /// The partition's fencing term.
-    pub fn term(&self) -> Term {
-        self.context.term()
-    }
-
-    /// Cancelled when this member must stop acting on the partition: the
-    /// leadership ended, or it is being handed over. A child token:
-    /// cancelling it ends nothing.
-    pub fn token(&self) -> CancellationToken {
-        self.token.child_token()
-    }
-
-    /// True once the token is cancelled.
-    pub fn is_lost(&self) -> bool {
-        self.token.is_cancelled()
-    }
-
-    /// Why the token was cancelled; `None` while it is not. A planned stop
-    /// ([`LossReason::HandedOver`], [`LossReason::Shutdown`],
-    /// [`LossReason::Resigned`]) leaves time to wind down (the partition is
-    /// released once this handle is dropped, at most `release_grace`
-    /// later); any other reason means the leadership is already gone: stop
-    /// at once.
-    pub fn loss_reason(&self) -> Option<LossReason> {
-        if !self.token.is_cancelled() {
-            return None;
-        }
-        let planned = *self.stopping.lock().unwrap_or_else(PoisonError::into_inner);
-        planned
-            .or_else(|| self.context.loss_reason())
-            .or(Some(LossReason::Resigned))
-    }
-
-    /// Fences the caller's transaction with this partition's term (see
-    /// [`LeaderContext::fence`]).
-    ///
-    /// # Cancel safety
-    /// Cancel safe: one statement in the caller's transaction.
-    pub async fn fence<C: GenericClient + Sync>(&self, tx: &C) -> Result<()> {
-        self.context.fence(tx).await
+    fn deref(&self) -> &LeaderContext {
+        &self.context
     }
 }
 
@@ -605,7 +574,7 @@ impl fmt::Debug for HeldPartition {
         f.debug_struct("HeldPartition")
             .field("role", &self.role())
             .field("term", &self.term())
-            .field("lost", &self.is_lost())
+            .field("loss", &self.loss())
             .finish()
     }
 }

@@ -378,7 +378,7 @@ COMMENT ON COLUMN {s}.leaders.lease_timeline IS 'pgelect: the WAL timeline on wh
 /// When the wait runs out the error is [`Error::MigrationLockTimeout`],
 /// which names the sessions holding the lock (pid, user, application name;
 /// see [`LockHolder`](crate::lock::LockHolder)). The server bounds the wait
-/// (`lock_timeout`, as [`LockSession::lock_timeout`](crate::LockSession::lock_timeout)
+/// (`lock_timeout`, as [`LockSession::acquire`](crate::LockSession::acquire) with [`Wait::AtMost`](crate::lock::Wait::AtMost)
 /// does). A zero bound, or one over PostgreSQL's `lock_timeout` range, is
 /// refused with [`Error::Config`].
 ///

@@ -8,6 +8,7 @@ mod api;
 mod election;
 mod ha;
 mod locks;
+mod loss;
 mod partitions;
 mod schema;
 mod security;

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pgelect::{
-    election::LossReason, partitions::partition_assignment, partitions::PartitionEvent,
+    loss::LossReason, partitions::partition_assignment, partitions::PartitionEvent,
     partitions::PartitionEvents, partitions::PartitionGroup, ConnectOptions, Term,
 };
 use pgelect_testkit::TestDb;

@@ -20,6 +20,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use crate::support::CANDIDATE;
+use pgelect::lock::{LockMode, Wait};
 use pgelect::{
     election::Backend, election::StandbyMode, ConnectOptions, Elector, ElectorBuilder, Error,
     LockKey, LockSession,
@@ -269,8 +270,16 @@ async fn scenario(db: &TestDb, users: &Users, label: &str) {
         .connect()
         .await
         .unwrap();
-    let g1 = holder.lock(k1).await.unwrap();
-    let g2 = holder.lock_shared(k2).await.unwrap();
+    let g1 = holder
+        .acquire(k1, LockMode::Exclusive, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
+    let g2 = holder
+        .acquire(k2, LockMode::Shared, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     let waiter = LockSession::builder(o)
         .name("waiter")
         .wait_slice(Duration::from_secs(1))
@@ -281,8 +290,9 @@ async fn scenario(db: &TestDb, users: &Users, label: &str) {
     // key) and reports when it was granted.
     let waiting_lock = tokio::spawn(async move {
         let g = waiter
-            .lock(k1)
+            .acquire(k1, LockMode::Exclusive, Wait::Forever)
             .await
+            .map(Option::unwrap)
             .expect("the exclusive waiter is granted");
         let at = Instant::now();
         assert!(g.release().await.unwrap());
@@ -295,8 +305,9 @@ async fn scenario(db: &TestDb, users: &Users, label: &str) {
         .unwrap();
     let waiting_bounded = tokio::spawn(async move {
         let g = bounded
-            .lock_shared_timeout(k1, Duration::from_secs(30))
+            .acquire(k1, LockMode::Shared, Wait::AtMost(Duration::from_secs(30)))
             .await
+            .map(Option::unwrap)
             .expect("the bounded shared waiter is granted");
         let at = Instant::now();
         assert!(g.release().await.unwrap());
@@ -307,15 +318,19 @@ async fn scenario(db: &TestDb, users: &Users, label: &str) {
         .connect()
         .await
         .unwrap();
-    let g2b = sharer.lock_shared(k2).await.unwrap();
+    let g2b = sharer
+        .acquire(k2, LockMode::Shared, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
 
     tokio::select! {
         _ = db.wait_for_advisory_waiters(3) => {}
         _ = la.lost() => {
             logged(db, None, "FATAL");
-            panic!("{label}: the session leader was lost while its standbys lined up: {:?}", la.loss_reason())
+            panic!("{label}: the session leader was lost while its standbys lined up: {:?}", la.loss().map(|l| l.reason()))
         }
-        _ = ll.lost() => panic!("{label}: the lease leader was lost while its standbys lined up: {:?}", ll.loss_reason()),
+        _ = ll.lost() => panic!("{label}: the lease leader was lost while its standbys lined up: {:?}", ll.loss().map(|l| l.reason())),
     }
     within(
         "the blocking standby's observer reads the leader",
@@ -347,8 +362,8 @@ async fn scenario(db: &TestDb, users: &Users, label: &str) {
     assert!(
         !la.is_lost() && !ll.is_lost(),
         "{label}: a leader was lost: session {:?}, lease {:?}",
-        la.loss_reason(),
-        ll.loss_reason()
+        la.loss().map(|l| l.reason()),
+        ll.loss().map(|l| l.reason())
     );
     assert_eq!((la.term(), ll.term()), terms);
     assert!(!holder.is_lost() && !sharer.is_lost());
@@ -447,7 +462,11 @@ async fn scenario(db: &TestDb, users: &Users, label: &str) {
 
     // A migration waits for its lock longer than the timeout.
     let migration_lock = LockKey::from_name("pgelect.migrate.pgelect").unwrap();
-    let g = holder.lock(migration_lock).await.unwrap();
+    let g = holder
+        .acquire(migration_lock, LockMode::Exclusive, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     let migrating = {
         let o = users.owner.clone();
         tokio::spawn(async move { pgelect::migrate(&o).await })
@@ -516,16 +535,25 @@ async fn transaction_locks_keep_the_callers_timeouts() {
     let o = users.candidate;
     let key = LockKey::from_i64(7);
     let holder = LockSession::connect(&o).await.unwrap();
-    let g = holder.lock(key).await.unwrap();
+    let g = holder
+        .acquire(key, LockMode::Exclusive, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     let mut caller = db.connect().await;
 
     // pgelect's bound (5 s) is longer than the caller's: the caller's wins.
     let settings = "SELECT current_setting('statement_timeout'), current_setting('lock_timeout')";
     let tx = caller.transaction().await.unwrap();
     let t = Instant::now();
-    let e = pgelect::lock::xact_lock_timeout(&tx, key, Duration::from_secs(5))
-        .await
-        .unwrap_err();
+    let e = pgelect::lock::xact_lock(
+        &tx,
+        key,
+        LockMode::Exclusive,
+        Wait::AtMost(Duration::from_secs(5)),
+    )
+    .await
+    .unwrap_err();
     let waited = t.elapsed();
     println!("xact_lock_timeout(5 s) under the caller's 300 ms: {e} after {waited:?}");
     assert!(matches!(e, Error::LockTimeout { .. }), "{e:?}");
@@ -543,9 +571,14 @@ async fn transaction_locks_keep_the_callers_timeouts() {
         g.release().await.unwrap()
     });
     let t = Instant::now();
-    pgelect::lock::xact_lock_timeout(&tx, key, Duration::from_secs(10))
-        .await
-        .expect("granted when the holder lets go after 1 s");
+    pgelect::lock::xact_lock(
+        &tx,
+        key,
+        LockMode::Exclusive,
+        Wait::AtMost(Duration::from_secs(10)),
+    )
+    .await
+    .expect("granted when the holder lets go after 1 s");
     println!("xact_lock_timeout granted after {:?}", t.elapsed());
     let row = tx.query_one(settings, &[]).await.unwrap();
     assert_eq!(
@@ -680,8 +713,8 @@ async fn lock_timeout_fails_no_renewal_that_waits_for_a_fencing_transaction() {
         println!(
             "lock_timeout = {TIMEOUT} ({level:?}): {fenced} fencing transactions of 450 ms in {:?}; renewals cancelled by lock_timeout: session {cancelled_session}, lease {cancelled_lease} (retried); session leader lost: {:?}, lease leader lost: {:?}",
             started.elapsed(),
-            ls.loss_reason(),
-            ll.loss_reason()
+            ls.loss().map(|l| l.reason()),
+            ll.loss().map(|l| l.reason())
         );
         assert_eq!(
             cancelled_session, 0,

@@ -36,7 +36,7 @@ impl Intervals {
     }
 
     /// Ends interval `i` at `at`: for a lost leadership, the moment the
-    /// library cancelled its token (`Leadership::lost_at`), not the later
+    /// library cancelled its token (`Loss::at`), not the later
     /// moment a test task woke up to it.
     pub fn end_at(&self, i: usize, at: Instant) {
         self.0.lock().unwrap()[i].3 = Some(at);

@@ -30,7 +30,7 @@ use crate::election::driver::{
     Activation, Answer, Failed, Keep, KeepBackend, Preferred, Statement,
 };
 use crate::election::keeper::{Keeper, Liveness};
-use crate::election::leadership::{LeaderContext, LeaderState, Leadership, LossReason};
+use crate::election::leadership::{LeaderContext, LeaderState, Leadership};
 use crate::election::registry::{self, yield_pause, Register, Waits};
 use crate::election::support::{
     check_not_transaction_pooled, is_read_only, is_transient, nap, retry_backoff, Counted,
@@ -41,6 +41,7 @@ use crate::election::watch::{
     preempt_zombie, read_leader, read_leader_and_mode, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
 };
 use crate::election::{Shared, StandbyMode, Term};
+use crate::loss::LossReason;
 
 /// Campaigns until elected. Transient failures are retried with backoff;
 /// configuration, schema, permission and pooler errors are returned.

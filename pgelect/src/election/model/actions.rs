@@ -8,7 +8,7 @@ use super::properties;
 use super::scenario::{Backend, Standby, F_CRASH, F_PARTITION, F_PAUSE, F_RESIGN, F_TERMINATE};
 use super::state::{Cand, ElectionModel, Life, Locks, Msg, Proc, Row, Stage, State, Step};
 use crate::election::keeper::Phase;
-use crate::election::leadership::LossReason;
+use crate::loss::LossReason;
 
 impl ElectionModel {
     /// A fault or other outside event: resets the liveness clock.

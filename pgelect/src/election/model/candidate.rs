@@ -5,7 +5,7 @@
 use super::scenario::{Backend, Place, Standby};
 use super::state::{ElectionModel, Envelope, Life, Msg, Stage, State};
 use crate::election::keeper::{Action, Keeper};
-use crate::election::leadership::LossReason;
+use crate::loss::LossReason;
 
 impl ElectionModel {
     /// The client (an up process) handles a message from the server.

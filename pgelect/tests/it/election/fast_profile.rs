@@ -220,7 +220,7 @@ fn stand(e: Elector, acting: Acting, stop: CancellationToken) -> tokio::task::Jo
             acting.begin(&node, l.term(), Instant::now());
             tokio::select! {
                 _ = l.lost() => {
-                    acting.end(&node, l.lost_at().expect("lost"));
+                    acting.end(&node, l.loss().map(|l| l.at()).expect("lost"));
                     let _ = l.resign().await;
                 }
                 _ = stop.cancelled() => {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use pgelect::{
-    election::Backend, election::LossReason, ConnectOptions, Elector, ElectorBuilder, Error, Term,
+    election::Backend, loss::LossReason, ConnectOptions, Elector, ElectorBuilder, Error, Term,
 };
 use pgelect_testkit::{Cluster, FaultProxy, PgBouncer, PoolMode, TestDb};
 use tokio_postgres::types::Type;
@@ -115,7 +115,7 @@ async fn exactly_one_of_eight_candidates_wins_through_pgbouncer_repeatedly() {
                 if l.term().get() == 1 {
                     ready.wait_for(|r| *r).await.unwrap();
                 }
-                assert!(!l.is_lost(), "{:?}", l.loss_reason());
+                assert!(!l.is_lost(), "{:?}", l.loss().map(|l| l.reason()));
                 active.fetch_sub(1, Ordering::SeqCst);
                 log.end(i);
                 // A release that fails (a loaded machine: three attempts
@@ -350,7 +350,7 @@ async fn partitioned_leader_demotes_before_its_lease_is_taken_over() {
         .await
         .expect("the partitioned leader demotes itself");
     let lost_at = Instant::now();
-    assert_eq!(la.loss_reason(), Some(LossReason::Deadline));
+    assert_eq!(la.loss().map(|l| l.reason()), Some(LossReason::Deadline));
     let (elected_at, lb) = tokio::time::timeout(Duration::from_secs(10), standby)
         .await
         .unwrap()
@@ -494,8 +494,8 @@ fn stand(
                     let i = log.start(e.node_id(), l.term());
                     tokio::select! {
                         _ = l.lost() => {
-                            log.end_at(i, l.lost_at().expect("lost"));
-                            println!("  {} lost term {}: {:?}", e.node_id(), l.term(), l.loss_reason());
+                            log.end_at(i, l.loss().map(|l| l.at()).expect("lost"));
+                            println!("  {} lost term {}: {:?}", e.node_id(), l.term(), l.loss().map(|l| l.reason()));
                             let _ = l.resign().await;
                         }
                         _ = stop.cancelled() => { log.end(i); let _ = l.resign().await; return; }
@@ -750,7 +750,7 @@ async fn a_leader_whose_runtime_is_held_stops_at_its_deadline_before_a_standby_a
         .expect("the held leader's loss is reported");
     // When the token was cancelled (this task may wake later on a loaded
     // machine).
-    let lost = context.lost_at().expect("lost");
+    let lost = context.loss().map(|l| l.at()).expect("lost");
     let (l, taken_at) = tokio::time::timeout(Duration::from_secs(10), taken)
         .await
         .expect("the standby takes over")
@@ -758,10 +758,13 @@ async fn a_leader_whose_runtime_is_held_stops_at_its_deadline_before_a_standby_a
     println!(
         "runtime held for {hold:?}: leader lost after {:?} ({:?}), standby acting after {:?}",
         lost - held_at,
-        context.loss_reason(),
+        context.loss().map(|l| l.reason()),
         taken_at - held_at
     );
-    assert_eq!(context.loss_reason(), Some(LossReason::Deadline));
+    assert_eq!(
+        context.loss().map(|l| l.reason()),
+        Some(LossReason::Deadline)
+    );
     assert!(context.is_lost());
     // ttl 2 s: the local deadline is at most 1.6 s after the last renewal
     // sent before the hold, so well before the hold ends.
@@ -1166,7 +1169,7 @@ async fn resign_requests_reach_a_lease_leader_with_and_without_listen() {
                 async move {
                     let _ = elected_tx.send(ctx.term());
                     ctx.lost().await;
-                    let _ = lost_tx.send((Instant::now(), ctx.loss_reason()));
+                    let _ = lost_tx.send((Instant::now(), ctx.loss().map(|l| l.reason())));
                 }
             },
             || async {},

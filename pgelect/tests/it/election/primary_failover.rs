@@ -7,7 +7,7 @@ use crate::support;
 use std::time::{Duration, Instant};
 
 use pgelect::{
-    election::Backend, election::LossReason, election::SharedLease, ConnectOptions, Elector,
+    election::Backend, election::SharedLease, loss::LossReason, ConnectOptions, Elector,
     Leadership, Term,
 };
 use pgelect_testkit::{Cluster, ReplicaSet, Replication, TestDb, SUPERUSER, TEST_PASSWORD};
@@ -258,7 +258,10 @@ async fn fenced_server(
         .expect("the leader steps down on a read-only server");
     let noticed = fenced.elapsed();
     eprintln!("{backend:?}: leader on the fenced server stepped down after {noticed:?}");
-    assert_eq!(leader.loss_reason(), Some(LossReason::ServerReadOnly));
+    assert_eq!(
+        leader.loss().map(|l| l.reason()),
+        Some(LossReason::ServerReadOnly)
+    );
     // Well before the local deadline (ttl 2 s - margin 0.4 s = 1.6 s):
     // within a heartbeat (session, 200 ms) or a renewal (lease, 500 ms),
     // plus the reload reaching the session.
@@ -619,12 +622,12 @@ async fn stale_lease(shared: bool, hint: &str) {
     timeout(Duration::from_secs(10), first.lost())
         .await
         .expect("the old primary's leader loses leadership by its deadline");
-    let lost_at = first.lost_at().expect("lost");
+    let lost_at = first.loss().map(|l| l.at()).expect("lost");
     eprintln!(
         "stale lease (standby on a shared client: {shared}): promotion took {promoted:?}; a lost term {} {:?} after the primary's death ({:?}); b took term {} {:?} after it",
         first.term().get(),
         lost_at - died,
-        first.loss_reason(),
+        first.loss().map(|l| l.reason()),
         second.term().get(),
         began - died
     );

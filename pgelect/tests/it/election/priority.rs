@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use pgelect::{
-    election::Backend, election::LossReason, election::StandbyMode, ConnectOptions, Elector,
+    election::Backend, election::StandbyMode, loss::LossReason, ConnectOptions, Elector,
     ElectorBuilder,
 };
 use tokio_postgres::types::Type;
@@ -90,8 +90,8 @@ async fn a_higher_priority_candidate_joining_takes_over_with_the_next_term() {
     let ia = log.start("old-a", term_a);
     let a_duties = tokio::spawn(async move {
         la.lost().await;
-        let at = la.lost_at().unwrap();
-        let reason = la.loss_reason();
+        let at = la.loss().map(|l| l.at()).unwrap();
+        let reason = la.loss().map(|l| l.reason());
         la.resign().await.expect("a clean release");
         (reason, at, Instant::now())
     });
@@ -197,7 +197,7 @@ async fn equal_priorities_do_not_flap() {
     assert_eq!(registered, 4);
     // Renewals every 500 ms: six of them, each reading the registry.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    assert!(!la.is_lost(), "{:?}", la.loss_reason());
+    assert!(!la.is_lost(), "{:?}", la.loss().map(|l| l.reason()));
     assert!(standbys.iter().all(|t| !t.is_finished()));
     assert_eq!(
         term_of_row(&admin, role).await,
@@ -299,7 +299,7 @@ async fn a_registered_candidate_that_does_not_wait_moves_nothing() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(!llow.is_lost(), "{:?}", llow.loss_reason());
+    assert!(!llow.is_lost(), "{:?}", llow.loss().map(|l| l.reason()));
     assert_eq!(
         term_of_row(&admin, role).await,
         (Some("low".to_owned()), llow.term().get())
@@ -375,7 +375,7 @@ async fn a_hostile_user_cannot_make_the_leader_hand_over() {
             .unwrap();
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(!la.is_lost(), "{:?}", la.loss_reason());
+    assert!(!la.is_lost(), "{:?}", la.loss().map(|l| l.reason()));
     assert_eq!(
         term_of_row(&admin, role).await,
         (Some("a".to_owned()), term.get())
@@ -400,7 +400,7 @@ async fn a_polling_preferred_candidate_takes_over() {
     await_waiters(&admin, role, 1).await;
     let a_task = tokio::spawn(async move {
         la.lost().await;
-        let reason = la.loss_reason();
+        let reason = la.loss().map(|l| l.reason());
         la.resign().await.unwrap();
         reason
     });
@@ -485,7 +485,7 @@ async fn lease_backend_hands_over_to_a_higher_priority_standby() {
     let term = la.term();
     let a_task = tokio::spawn(async move {
         la.lost().await;
-        let reason = la.loss_reason();
+        let reason = la.loss().map(|l| l.reason());
         la.resign().await.unwrap();
         reason
     });
@@ -547,7 +547,7 @@ async fn a_standby_yields_only_while_the_preferred_candidate_is_ready() {
     let term = la.term();
     let a_task = tokio::spawn(async move {
         la.lost().await;
-        let reason = la.loss_reason();
+        let reason = la.loss().map(|l| l.reason());
         la.resign().await.unwrap();
         reason
     });

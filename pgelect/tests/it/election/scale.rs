@@ -148,7 +148,7 @@ async fn a_thousand_roles_over_three_candidates_cost_three_connections_and_a_few
                 let _ = tx.send(Event::Lost {
                     role: i,
                     node,
-                    at: l.lost_at().unwrap_or_else(Instant::now),
+                    at: l.loss().map(|l| l.at()).unwrap_or_else(Instant::now),
                 });
                 // Stays down: the test counts who leads after a loss.
                 std::future::pending::<()>().await;
@@ -352,7 +352,7 @@ async fn start_many_roles(roles: usize, hint: &str) {
                 let _ = tx.send(Event::Lost {
                     role: i,
                     node,
-                    at: l.lost_at().unwrap_or_else(Instant::now),
+                    at: l.loss().map(|l| l.at()).unwrap_or_else(Instant::now),
                 });
                 std::future::pending::<()>().await;
                 drop(e);

@@ -7,8 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pgelect::{
-    election::LossReason, election::StandbyMode, ConnectOptions, Elector, ElectorBuilder, Error,
-    Term,
+    election::StandbyMode, loss::LossReason, ConnectOptions, Elector, ElectorBuilder, Error, Term,
 };
 use pgelect_testkit::{Cluster, FaultProxy, PgBouncer, PoolMode, TestDb};
 
@@ -45,7 +44,7 @@ async fn exactly_one_of_eight_candidates_leads_repeatedly() {
                 assert_eq!(was, 0, "two leaders at once");
                 let i = log.start(e.node_id(), l.term());
                 tokio::time::sleep(Duration::from_millis(5)).await;
-                assert!(!l.is_lost(), "{:?}", l.loss_reason());
+                assert!(!l.is_lost(), "{:?}", l.loss().map(|l| l.reason()));
                 active.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
                 log.end(i);
                 l.resign().await.expect("resign");
@@ -98,7 +97,7 @@ async fn healthy_leader_is_never_preempted() {
     tokio::select! {
         l = blocking.leadership() => panic!("blocking standby elected: {:?}", l.map(|l| l.term())),
         l = polling.leadership() => panic!("polling standby elected: {:?}", l.map(|l| l.term())),
-        _ = leader.lost() => panic!("healthy leader lost: {:?}", leader.loss_reason()),
+        _ = leader.lost() => panic!("healthy leader lost: {:?}", leader.loss().map(|l| l.reason())),
         _ = tokio::time::sleep(hold) => {}
     }
     let seen = watch.borrow().clone().expect("watchers see the leader");
@@ -391,7 +390,7 @@ async fn stale_leader_renewal_and_fence_fail_after_takeover() {
         .await
         .expect("renewal notices the takeover");
     println!("stale leader noticed the takeover in {:?}", t0.elapsed());
-    assert_eq!(la.loss_reason(), Some(LossReason::Preempted));
+    assert_eq!(la.loss().map(|l| l.reason()), Some(LossReason::Preempted));
     let e = la.fence(&client).await.unwrap_err();
     assert!(
         matches!(
@@ -515,7 +514,7 @@ async fn a_slow_fenced_transaction_does_not_cost_the_leader_its_connection() {
     // waited for the row would miss its limit by far.
     let hold = Duration::from_millis(1700);
     tokio::select! {
-        _ = la.lost() => panic!("the leader lost while its own fenced transaction held the row: {:?}", la.loss_reason()),
+        _ = la.lost() => panic!("the leader lost while its own fenced transaction held the row: {:?}", la.loss().map(|l| l.reason())),
         _ = tokio::time::sleep(hold) => {}
     }
     assert_eq!(
@@ -527,7 +526,7 @@ async fn a_slow_fenced_transaction_does_not_cost_the_leader_its_connection() {
     let t0 = Instant::now();
     let renewed = loop {
         tokio::select! {
-            _ = la.lost() => panic!("the leader lost after the fenced transaction ended: {:?}", la.loss_reason()),
+            _ = la.lost() => panic!("the leader lost after the fenced transaction ended: {:?}", la.loss().map(|l| l.reason())),
             _ = tokio::time::sleep(Duration::from_millis(20)) => {}
         }
         if lease_until().await > held {
@@ -539,7 +538,7 @@ async fn a_slow_fenced_transaction_does_not_cost_the_leader_its_connection() {
         );
     };
     println!("a fenced transaction held the row for {hold:?}: the leader kept term {}, and renewed {renewed:?} after it ended", la.term());
-    assert!(la.loss_reason().is_none());
+    assert!(la.loss().map(|l| l.reason()).is_none());
     la.resign().await.unwrap();
 }
 
@@ -568,12 +567,15 @@ async fn terminated_leader_backend_hands_over_after_the_delay() {
     .await
     .unwrap();
     la.lost().await;
-    log.end_at(ia, la.lost_at().expect("lost"));
+    log.end_at(ia, la.loss().map(|l| l.at()).expect("lost"));
     let noticed = t0.elapsed();
     let (lb, ib) = standby.await.unwrap();
     let took = t0.elapsed();
     println!("terminated backend: leader noticed in {noticed:?}, standby acting after {took:?} (handover delay {:?})", a.handover_delay());
-    assert_eq!(la.loss_reason(), Some(LossReason::ConnectionLost));
+    assert_eq!(
+        la.loss().map(|l| l.reason()),
+        Some(LossReason::ConnectionLost)
+    );
     assert!(noticed < Duration::from_millis(500), "{noticed:?}");
     assert!(
         took >= a.handover_delay(),
@@ -605,7 +607,7 @@ async fn blackholed_leader_demotes_before_the_standby_acts() {
     let t0 = Instant::now();
     proxy.blackhole();
     la.lost().await;
-    log.end_at(ia, la.lost_at().expect("lost"));
+    log.end_at(ia, la.loss().map(|l| l.at()).expect("lost"));
     let noticed = t0.elapsed();
     let (lb, ib) = tokio::time::timeout(Duration::from_secs(20), standby)
         .await
@@ -614,7 +616,7 @@ async fn blackholed_leader_demotes_before_the_standby_acts() {
     let took = t0.elapsed();
     println!(
         "blackhole: leader demoted after {noticed:?} ({:?}), standby acting after {took:?}",
-        la.loss_reason()
+        la.loss().map(|l| l.reason())
     );
     assert!(
         noticed <= a.deadline_budget() + Duration::from_millis(200),
@@ -651,7 +653,7 @@ async fn database_restart_ends_in_exactly_one_leader_with_a_higher_term() {
                 };
                 let i = log.start(e.node_id(), l.term());
                 tokio::select! {
-                    _ = l.lost() => log.end_at(i, l.lost_at().expect("lost")),
+                    _ = l.lost() => log.end_at(i, l.loss().map(|l| l.at()).expect("lost")),
                     _ = stop.cancelled() => { log.end(i); let _ = l.resign().await; return; }
                 }
             }
@@ -718,9 +720,10 @@ async fn run_demotes_after_duties_stop_and_resign_can_be_requested() {
                 ctx.lost().await;
                 // Duties take a while to stop.
                 tokio::time::sleep(Duration::from_millis(100)).await;
-                ev.lock()
-                    .unwrap()
-                    .push(format!("duties stopped {:?}", ctx.loss_reason()));
+                ev.lock().unwrap().push(format!(
+                    "duties stopped {:?}",
+                    ctx.loss().map(|l| l.reason())
+                ));
             }
         },
         move || {
@@ -942,7 +945,10 @@ async fn polling_standbys_take_over_after_a_release_and_after_a_terminated_leade
         .await
         .unwrap();
     lb.lost().await;
-    assert_eq!(lb.loss_reason(), Some(LossReason::ConnectionLost));
+    assert_eq!(
+        lb.loss().map(|l| l.reason()),
+        Some(LossReason::ConnectionLost)
+    );
     let (at, lc) = tokio::time::timeout(Duration::from_secs(10), next)
         .await
         .expect("the second polling standby takes over")

@@ -69,7 +69,7 @@ async fn many_roles_share_one_backend_and_fail_over_together() {
         assert!(
             !l.is_lost(),
             "a healthy leader on a shared connection lost: {:?}",
-            l.loss_reason()
+            l.loss().map(|l| l.reason())
         );
     }
     assert!(standbys.iter().all(|s| !s.is_finished()));
@@ -121,7 +121,7 @@ async fn many_roles_share_one_backend_and_fail_over_together() {
         tokio::time::timeout(Duration::from_secs(5), l.lost())
             .await
             .expect("a leader on the dead connection notices");
-        let at = l.lost_at().expect("lost");
+        let at = l.loss().map(|l| l.at()).expect("lost");
         log.end_at(start, at);
         lost_at.push(at);
     }
@@ -190,7 +190,7 @@ async fn an_abandoned_role_is_released_alone() {
     // The other role on the same connection still leads and renews.
     let renewals = tokio::time::sleep(Duration::from_secs(2));
     tokio::select! {
-        _ = l2.lost() => panic!("the other role was lost: {:?}", l2.loss_reason()),
+        _ = l2.lost() => panic!("the other role was lost: {:?}", l2.loss().map(|l| l.reason())),
         _ = renewals => {}
     }
     let now = pgelect::election::current_leader(&o, "two")
@@ -305,7 +305,7 @@ async fn leaders_on_a_shared_connection_share_its_heartbeat() {
     );
     assert!(rate > 1.5, "{rate:.1}/s: the renewals are missing");
     for l in led {
-        assert!(!l.is_lost(), "{:?}", l.loss_reason());
+        assert!(!l.is_lost(), "{:?}", l.loss().map(|l| l.reason()));
         l.resign().await.unwrap();
     }
 }
@@ -335,13 +335,13 @@ async fn a_resign_request_reaches_only_its_role_on_a_shared_connection() {
         .expect("the asked leader steps down");
     println!("resign request heard after {:?}", t0.elapsed());
     assert_eq!(
-        l1.loss_reason(),
-        Some(pgelect::election::LossReason::Resigned)
+        l1.loss().map(|l| l.reason()),
+        Some(pgelect::loss::LossReason::Resigned)
     );
     l1.resign().await.unwrap();
     // The other role on the connection did not hear it.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(!l2.is_lost(), "{:?}", l2.loss_reason());
+    assert!(!l2.is_lost(), "{:?}", l2.loss().map(|l| l.reason()));
     l2.resign().await.unwrap();
 }
 
@@ -389,8 +389,8 @@ async fn a_fenced_transaction_holds_back_only_its_own_row_in_the_batch() {
     let (held0, held1) = (lease_until("busy-0").await, lease_until("busy-1").await);
     let hold = Duration::from_millis(1700);
     tokio::select! {
-        _ = led[0].lost() => panic!("busy-0 lost: {:?}", led[0].loss_reason()),
-        _ = led[1].lost() => panic!("busy-1 lost: {:?}", led[1].loss_reason()),
+        _ = led[0].lost() => panic!("busy-0 lost: {:?}", led[0].loss().map(|l| l.reason())),
+        _ = led[1].lost() => panic!("busy-1 lost: {:?}", led[1].loss().map(|l| l.reason())),
         _ = tokio::time::sleep(hold) => {}
     }
     assert_eq!(
@@ -409,14 +409,17 @@ async fn a_fenced_transaction_holds_back_only_its_own_row_in_the_batch() {
             t0.elapsed() < Duration::from_secs(10),
             "busy-0 renewed after the commit"
         );
-        assert!(led[0].loss_reason().is_none() && led[1].loss_reason().is_none());
+        assert!(
+            led[0].loss().map(|l| l.reason()).is_none()
+                && led[1].loss().map(|l| l.reason()).is_none()
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     println!(
         "busy-0's row held for {hold:?}: both leaders kept their terms, busy-0 renewed {:?} after the commit",
         t0.elapsed()
     );
-    assert!(led.iter().all(|l| l.loss_reason().is_none()));
+    assert!(led.iter().all(|l| l.loss().map(|l| l.reason()).is_none()));
     for l in led {
         l.resign().await.unwrap();
     }
@@ -470,7 +473,7 @@ async fn a_flood_of_announcements_does_not_make_the_leaders_check_early() {
         first,
         "the leader renewed early: the flood was taken for missed notifications"
     );
-    assert!(!l.is_lost(), "{:?}", l.loss_reason());
+    assert!(!l.is_lost(), "{:?}", l.loss().map(|l| l.reason()));
     l.resign().await.unwrap();
 }
 

@@ -10,7 +10,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use pgelect::{election::LossReason, election::SharedLease, ConnectOptions, Elector};
+use pgelect::{election::SharedLease, loss::LossReason, ConnectOptions, Elector};
 use pgelect_testkit::{Cluster, PgBouncer, PoolMode, TestDb};
 use tokio::sync::mpsc;
 
@@ -357,7 +357,10 @@ async fn a_renewal_that_finds_its_role_taken_loses_that_role_alone() {
         .await
         .expect("the taken role is lost");
     println!("the taken role was lost after {:?}", since.elapsed());
-    assert_eq!(led[7].loss_reason(), Some(LossReason::Preempted));
+    assert_eq!(
+        led[7].loss().map(|l| l.reason()),
+        Some(LossReason::Preempted)
+    );
 
     // Two more renewals of every other role, seen on the server.
     let first = rows(&admin).await;

@@ -177,7 +177,7 @@ async fn candidate(
             let _ = leader.resign().await;
             intervals.end(i);
         } else {
-            intervals.end_at(i, leader.lost_at().unwrap_or_else(Instant::now));
+            intervals.end_at(i, leader.loss().map_or_else(Instant::now, |l| l.at()));
         }
     }
 }

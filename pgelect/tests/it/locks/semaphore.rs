@@ -17,6 +17,7 @@ use pgelect::{lock::Semaphore, ConnectOptions, Error, LockKey, LockSession};
 use tokio_postgres::Client;
 
 use crate::support::database as setup;
+use pgelect::lock::Wait;
 
 /// Granted slot locks of `semaphore`, as one `pg_locks` snapshot counts them.
 async fn slots_held(admin: &Client, semaphore: &Semaphore) -> i64 {
@@ -106,12 +107,12 @@ async fn permits_up_to_the_limit_then_none_until_one_is_released() {
     let c = LockSession::connect(&options).await.unwrap();
 
     let pa = a
-        .try_acquire_permit(&sem)
+        .acquire_permit(&sem, Wait::Never)
         .await
         .unwrap()
         .expect("a free permit");
     let pb = b
-        .try_acquire_permit(&sem)
+        .acquire_permit(&sem, Wait::Never)
         .await
         .unwrap()
         .expect("a free permit");
@@ -120,7 +121,7 @@ async fn permits_up_to_the_limit_then_none_until_one_is_released() {
         pb.slot(),
         "holders at one time hold distinct slots"
     );
-    assert!(c.try_acquire_permit(&sem).await.unwrap().is_none());
+    assert!(c.acquire_permit(&sem, Wait::Never).await.unwrap().is_none());
 
     let mut holders = c.permit_holders(&sem).await.unwrap();
     holders.sort_by_key(|h| h.slot);
@@ -140,15 +141,19 @@ async fn permits_up_to_the_limit_then_none_until_one_is_released() {
         "postgres held and released the slot"
     );
     let pc = c
-        .try_acquire_permit(&sem)
+        .acquire_permit(&sem, Wait::Never)
         .await
         .unwrap()
         .expect("free after release");
     // One session may hold several permits of a semaphore.
-    let pc2 = c.try_acquire_permit(&sem).await.unwrap();
+    let pc2 = c.acquire_permit(&sem, Wait::Never).await.unwrap();
     assert!(pc2.is_none(), "both slots are held (b and c)");
     assert!(pb.release().await.unwrap());
-    let pc2 = c.try_acquire_permit(&sem).await.unwrap().expect("b's slot");
+    let pc2 = c
+        .acquire_permit(&sem, Wait::Never)
+        .await
+        .unwrap()
+        .expect("b's slot");
     assert_ne!(pc.slot(), pc2.slot());
     assert!(pc.release().await.unwrap());
     assert!(pc2.release().await.unwrap());
@@ -175,12 +180,16 @@ async fn never_more_than_n_holders_among_many_tasks() {
             let session = LockSession::connect(&options).await.unwrap();
             for r in 0..ROUNDS {
                 let permit = if (t + r) % 3 == 0 {
-                    match session.try_acquire_permit(&sem).await.unwrap() {
+                    match session.acquire_permit(&sem, Wait::Never).await.unwrap() {
                         Some(p) => p,
                         None => continue,
                     }
                 } else {
-                    session.acquire_permit(&sem).await.unwrap()
+                    session
+                        .acquire_permit(&sem, Wait::Forever)
+                        .await
+                        .map(Option::unwrap)
+                        .unwrap()
                 };
                 let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
                 most_inside.fetch_max(now, Ordering::SeqCst);
@@ -245,7 +254,11 @@ async fn holder_process() {
         .unwrap();
     let session = LockSession::connect(&options).await.unwrap();
     println!("waiting {}", session.backend_pid());
-    let permit = session.acquire_permit(&sem).await.unwrap();
+    let permit = session
+        .acquire_permit(&sem, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     println!("holding {} {}", permit.slot(), permit.backend_pid());
     permit.lost().await;
     println!("lost");
@@ -352,7 +365,11 @@ async fn waiters_are_served_in_order_and_newcomers_do_not_overtake_them() {
     let (db, options, admin) = setup("sem_fair").await;
     let sem = Semaphore::new("one-at-a-time", 1).unwrap();
     let holder = LockSession::connect(&options).await.unwrap();
-    let first = holder.acquire_permit(&sem).await.unwrap();
+    let first = holder
+        .acquire_permit(&sem, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
 
     // Three waiters, each arriving once the one before is queued: the
     // first becomes the head (holds the gate), the others wait for it.
@@ -363,7 +380,11 @@ async fn waiters_are_served_in_order_and_newcomers_do_not_overtake_them() {
         let pid = session.backend_pid();
         let (sem2, tx) = (sem.clone(), served_tx.clone());
         waiters.push(tokio::spawn(async move {
-            let permit = session.acquire_permit(&sem2).await.unwrap();
+            let permit = session
+                .acquire_permit(&sem2, Wait::Forever)
+                .await
+                .map(Option::unwrap)
+                .unwrap();
             tx.send((w, permit)).unwrap();
         }));
         if w == 0 {
@@ -384,7 +405,7 @@ async fn waiters_are_served_in_order_and_newcomers_do_not_overtake_them() {
             let mut tried_tx = Some(tried_tx);
             while !stop.load(Ordering::Relaxed) {
                 tries += 1;
-                if let Some(p) = session.try_acquire_permit(&sem).await.unwrap() {
+                if let Some(p) = session.acquire_permit(&sem, Wait::Never).await.unwrap() {
                     wins += 1;
                     p.release().await.unwrap();
                 }
@@ -429,13 +450,21 @@ async fn a_bounded_wait_times_out_naming_the_holders_and_leaves_nothing_behind()
     let (db, options, admin) = setup("sem_timeout").await;
     let sem = Semaphore::new("reports", 1).unwrap();
     let holder = LockSession::connect(&options).await.unwrap();
-    let held = holder.acquire_permit(&sem).await.unwrap();
+    let held = holder
+        .acquire_permit(&sem, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
 
     // The head waiter's timeout (it polls for a slot)...
     let head = LockSession::connect(&options).await.unwrap();
     let bound = Duration::from_millis(300);
     let t = Instant::now();
-    let err = head.acquire_permit_timeout(&sem, bound).await.unwrap_err();
+    let err = head
+        .acquire_permit(&sem, Wait::AtMost(bound))
+        .await
+        .map(Option::unwrap)
+        .unwrap_err();
     let waited = t.elapsed();
     println!("head waiter timed out after {waited:?} (bound {bound:?}): {err}");
     assert!(err.is_timeout(), "{err}");
@@ -459,13 +488,18 @@ async fn a_bounded_wait_times_out_naming_the_holders_and_leaves_nothing_behind()
     let queued = LockSession::connect(&options).await.unwrap();
     let head_wait = {
         let (head, sem) = (head.clone(), sem.clone());
-        tokio::spawn(async move { head.acquire_permit(&sem).await })
+        tokio::spawn(async move {
+            head.acquire_permit(&sem, Wait::Forever)
+                .await
+                .map(Option::unwrap)
+        })
     };
     await_holds(&admin, head.backend_pid(), sem.gate_key()).await;
     let t = Instant::now();
     let err = queued
-        .acquire_permit_timeout(&sem, bound)
+        .acquire_permit(&sem, Wait::AtMost(bound))
         .await
+        .map(Option::unwrap)
         .unwrap_err();
     let waited = t.elapsed();
     println!("queued waiter timed out after {waited:?}: {err}");
@@ -493,19 +527,27 @@ async fn bad_input_and_a_different_limit_are_refused_clearly() {
     let sem = Semaphore::new("pool", 2).unwrap();
     let a = LockSession::connect(&options).await.unwrap();
     let err = a
-        .acquire_permit_timeout(&sem, Duration::ZERO)
+        .acquire_permit(&sem, Wait::AtMost(Duration::ZERO))
         .await
+        .map(Option::unwrap)
         .unwrap_err();
     assert!(err.is_config(), "{err}");
 
-    let held = a.acquire_permit(&sem).await.unwrap();
+    let held = a
+        .acquire_permit(&sem, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     let b = LockSession::connect(&options).await.unwrap();
     let other = Semaphore::new("pool", 3).unwrap();
     for attempt in 0..2 {
         let err = if attempt == 0 {
-            b.try_acquire_permit(&other).await.unwrap_err()
+            b.acquire_permit(&other, Wait::Never).await.unwrap_err()
         } else {
-            b.acquire_permit(&other).await.unwrap_err()
+            b.acquire_permit(&other, Wait::Forever)
+                .await
+                .map(Option::unwrap)
+                .unwrap_err()
         };
         let text = err.to_string();
         println!("{text}");
@@ -516,7 +558,7 @@ async fn bad_input_and_a_different_limit_are_refused_clearly() {
     assert!(b.held().is_empty());
     // The same name with the same limit is fine.
     let p = b
-        .try_acquire_permit(&sem)
+        .acquire_permit(&sem, Wait::Never)
         .await
         .unwrap()
         .expect("a second permit");
@@ -524,7 +566,7 @@ async fn bad_input_and_a_different_limit_are_refused_clearly() {
     assert!(held.release().await.unwrap());
     // Once nobody uses it, another limit may be used.
     let p = b
-        .try_acquire_permit(&other)
+        .acquire_permit(&other, Wait::Never)
         .await
         .unwrap()
         .expect("free again");
@@ -539,11 +581,20 @@ async fn a_holder_whose_connection_ends_loses_its_permit_to_a_waiter() {
         .poll_every(Duration::from_millis(50))
         .unwrap();
     let holder = LockSession::connect(&options).await.unwrap();
-    let permit = holder.acquire_permit(&sem).await.unwrap();
+    let permit = holder
+        .acquire_permit(&sem, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     let waiter = LockSession::connect(&options).await.unwrap();
     let waiting = {
         let (waiter, sem) = (waiter.clone(), sem.clone());
-        tokio::spawn(async move { waiter.acquire_permit(&sem).await })
+        tokio::spawn(async move {
+            waiter
+                .acquire_permit(&sem, Wait::Forever)
+                .await
+                .map(Option::unwrap)
+        })
     };
     await_holds(&admin, waiter.backend_pid(), sem.gate_key()).await;
     let t = Instant::now();
@@ -573,17 +624,30 @@ async fn an_abandoned_wait_is_withdrawn() {
     let (db, options, admin) = setup("sem_cancel").await;
     let sem = Semaphore::new("cancelled", 1).unwrap();
     let holder = LockSession::connect(&options).await.unwrap();
-    let held = holder.acquire_permit(&sem).await.unwrap();
+    let held = holder
+        .acquire_permit(&sem, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     let head = LockSession::connect(&options).await.unwrap();
     let head_wait = {
         let (head, sem) = (head.clone(), sem.clone());
-        tokio::spawn(async move { head.acquire_permit(&sem).await })
+        tokio::spawn(async move {
+            head.acquire_permit(&sem, Wait::Forever)
+                .await
+                .map(Option::unwrap)
+        })
     };
     await_holds(&admin, head.backend_pid(), sem.gate_key()).await;
     let queued = LockSession::connect(&options).await.unwrap();
     let queued_wait = {
         let (queued, sem) = (queued.clone(), sem.clone());
-        tokio::spawn(async move { queued.acquire_permit(&sem).await })
+        tokio::spawn(async move {
+            queued
+                .acquire_permit(&sem, Wait::Forever)
+                .await
+                .map(Option::unwrap)
+        })
     };
     db.wait_for_advisory_waiters(1).await;
     queued_wait.abort();
@@ -591,13 +655,21 @@ async fn an_abandoned_wait_is_withdrawn() {
     let _ = queued_wait.await;
     let _ = head_wait.await;
     // The sessions' next operations run after the withdrawal and release.
-    assert!(queued.try_acquire_permit(&sem).await.unwrap().is_none());
-    assert!(head.try_acquire_permit(&sem).await.unwrap().is_none());
+    assert!(queued
+        .acquire_permit(&sem, Wait::Never)
+        .await
+        .unwrap()
+        .is_none());
+    assert!(head
+        .acquire_permit(&sem, Wait::Never)
+        .await
+        .unwrap()
+        .is_none());
     assert_eq!(advisory_locks_of(&admin, queued.backend_pid()).await, 0);
     assert_eq!(advisory_locks_of(&admin, head.backend_pid()).await, 0);
     assert!(held.release().await.unwrap());
     let p = queued
-        .try_acquire_permit(&sem)
+        .acquire_permit(&sem, Wait::Never)
         .await
         .unwrap()
         .expect("free, nobody waits");
@@ -612,7 +684,11 @@ async fn latency_uncontended_and_handoff() {
     let mut acquire = Vec::new();
     for _ in 0..50 {
         let t = Instant::now();
-        let p = a.acquire_permit(&sem).await.unwrap();
+        let p = a
+            .acquire_permit(&sem, Wait::Forever)
+            .await
+            .map(Option::unwrap)
+            .unwrap();
         acquire.push(t.elapsed());
         p.release().await.unwrap();
     }
@@ -623,11 +699,19 @@ async fn latency_uncontended_and_handoff() {
     let b = LockSession::connect(&options).await.unwrap();
     let mut handoff = Vec::new();
     for _ in 0..20 {
-        let p = a.acquire_permit(&one).await.unwrap();
+        let p = a
+            .acquire_permit(&one, Wait::Forever)
+            .await
+            .map(Option::unwrap)
+            .unwrap();
         let (b2, one2) = (b.clone(), one.clone());
         let (tx, rx) = tokio::sync::oneshot::channel();
         let waiter = tokio::spawn(async move {
-            let got = b2.acquire_permit(&one2).await.unwrap();
+            let got = b2
+                .acquire_permit(&one2, Wait::Forever)
+                .await
+                .map(Option::unwrap)
+                .unwrap();
             let _ = tx.send(Instant::now());
             got
         });
@@ -659,7 +743,11 @@ async fn queued_waiters_are_all_served_when_their_waits_span_several_slices() {
     let (db, options, _admin) = setup("sem_slices").await;
     let sem = Semaphore::new("sliced", 1).unwrap();
     let holder = LockSession::connect(&options).await.unwrap();
-    let held = holder.acquire_permit(&sem).await.unwrap();
+    let held = holder
+        .acquire_permit(&sem, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     let (tx, mut served) = tokio::sync::mpsc::unbounded_channel();
     for w in 0..4 {
         // Gate waits re-issued every 100 ms: each waits through several.
@@ -670,7 +758,11 @@ async fn queued_waiters_are_all_served_when_their_waits_span_several_slices() {
             .unwrap();
         let (sem, tx) = (sem.clone(), tx.clone());
         tokio::spawn(async move {
-            let permit = session.acquire_permit(&sem).await.unwrap();
+            let permit = session
+                .acquire_permit(&sem, Wait::Forever)
+                .await
+                .map(Option::unwrap)
+                .unwrap();
             tx.send(w).unwrap();
             tokio::time::sleep(Duration::from_millis(20)).await;
             permit.release().await.unwrap();

@@ -12,6 +12,7 @@ use pgelect_testkit::{FaultProxy, TestDb};
 use tokio_postgres::Client;
 
 use crate::support::database as setup;
+use pgelect::lock::Wait;
 
 /// `(granted, waiting)` advisory locks of backend `pid`.
 async fn advisory_locks(admin: &Client, pid: i32) -> (i64, i64) {
@@ -45,20 +46,40 @@ async fn await_advisory_locks(admin: &Client, pid: i32, want: (i64, i64)) {
 }
 
 #[tokio::test]
-async fn try_lock_fails_while_another_session_holds_the_key() {
+async fn a_try_fails_while_another_session_holds_the_key() {
     let (_db, options, _admin) = setup("lock_contention").await;
     let a = LockSession::connect(&options).await.unwrap();
     let b = LockSession::connect(&options).await.unwrap();
     let key = LockKey::from_name("contended").unwrap();
 
-    let held = a.try_lock(key).await.unwrap().expect("free key is taken");
+    let held = a
+        .acquire(key, LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap()
+        .expect("free key is taken");
     assert_eq!(held.mode(), LockMode::Exclusive);
-    assert!(b.try_lock(key).await.unwrap().is_none());
-    assert!(b.try_lock_shared(key).await.unwrap().is_none());
+    assert!(b
+        .acquire(key, LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap()
+        .is_none());
+    assert!(b
+        .acquire(key, LockMode::Shared, Wait::Never)
+        .await
+        .unwrap()
+        .is_none());
 
     assert!(held.release().await.unwrap(), "postgres released the lock");
-    let now_b = b.try_lock(key).await.unwrap().expect("free after release");
-    assert!(a.try_lock(key).await.unwrap().is_none());
+    let now_b = b
+        .acquire(key, LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap()
+        .expect("free after release");
+    assert!(a
+        .acquire(key, LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap()
+        .is_none());
     assert_eq!(b.held(), vec![(key, LockMode::Exclusive)]);
     assert!(now_b.release().await.unwrap());
     assert!(b.held().is_empty());
@@ -73,40 +94,54 @@ async fn shared_locks_coexist_and_exclude_exclusive_ones() {
     let key = LockKey::from_pair(7, -7);
 
     let sa = a
-        .try_lock_shared(key)
+        .acquire(key, LockMode::Shared, Wait::Never)
         .await
         .unwrap()
         .expect("shared on a free key");
     let sb = b
-        .try_lock_shared(key)
+        .acquire(key, LockMode::Shared, Wait::Never)
         .await
         .unwrap()
         .expect("shared + shared");
     assert_eq!(sb.mode(), LockMode::Shared);
     assert!(
-        c.try_lock(key).await.unwrap().is_none(),
+        c.acquire(key, LockMode::Exclusive, Wait::Never)
+            .await
+            .unwrap()
+            .is_none(),
         "shared blocks exclusive"
     );
     let err = c
-        .lock_timeout(key, Duration::from_millis(100))
+        .acquire(
+            key,
+            LockMode::Exclusive,
+            Wait::AtMost(Duration::from_millis(100)),
+        )
         .await
+        .map(Option::unwrap)
         .unwrap_err();
     assert!(matches!(err, Error::LockTimeout { .. }), "{err}");
 
     assert!(sa.release().await.unwrap());
     assert!(
-        c.try_lock(key).await.unwrap().is_none(),
+        c.acquire(key, LockMode::Exclusive, Wait::Never)
+            .await
+            .unwrap()
+            .is_none(),
         "one shared holder is enough"
     );
     assert!(sb.release().await.unwrap());
 
     let ex = c
-        .try_lock(key)
+        .acquire(key, LockMode::Exclusive, Wait::Never)
         .await
         .unwrap()
         .expect("exclusive once shared gone");
     assert!(
-        a.try_lock_shared(key).await.unwrap().is_none(),
+        a.acquire(key, LockMode::Shared, Wait::Never)
+            .await
+            .unwrap()
+            .is_none(),
         "exclusive blocks shared"
     );
     assert!(ex.release().await.unwrap());
@@ -118,12 +153,20 @@ async fn release_reports_what_postgres_did() {
     let a = LockSession::connect(&options).await.unwrap();
     let key = LockKey::from_i64(11);
 
-    let g = a.lock(key).await.unwrap();
+    let g = a
+        .acquire(key, LockMode::Exclusive, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     assert_eq!(advisory_locks(&admin, a.backend_pid()).await, (1, 0));
     assert!(g.release().await.unwrap(), "held, so released");
     assert_eq!(advisory_locks(&admin, a.backend_pid()).await, (0, 0));
 
-    let g = a.lock(key).await.unwrap();
+    let g = a
+        .acquire(key, LockMode::Exclusive, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     a.unlock_all_behind_guards_for_tests().await.unwrap();
     assert!(
         !g.release().await.unwrap(),
@@ -140,10 +183,22 @@ async fn dropping_a_guard_releases_the_lock() {
     let key = LockKey::from_i64(12);
 
     // Another session, already waiting, gets the lock once the guard is gone.
-    let g = a.lock(key).await.unwrap();
+    let g = a
+        .acquire(key, LockMode::Exclusive, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     let waiter = {
         let b = b.clone();
-        tokio::spawn(async move { b.lock_timeout(key, Duration::from_secs(10)).await })
+        tokio::spawn(async move {
+            b.acquire(
+                key,
+                LockMode::Exclusive,
+                Wait::AtMost(Duration::from_secs(10)),
+            )
+            .await
+            .map(Option::unwrap)
+        })
     };
     await_advisory_locks(&admin, b.backend_pid(), (0, 1)).await;
     drop(g);
@@ -153,9 +208,16 @@ async fn dropping_a_guard_releases_the_lock() {
 
     // The same session may take the key again right after a drop: the
     // queued release runs before its next statement.
-    let g = a.lock(key).await.unwrap();
+    let g = a
+        .acquire(key, LockMode::Exclusive, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     drop(g);
-    let again = a.try_lock(key).await.unwrap();
+    let again = a
+        .acquire(key, LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap();
     assert!(again.is_some(), "the dropped guard's key is free again");
     assert_eq!(advisory_locks(&admin, a.backend_pid()).await, (1, 0));
 }
@@ -166,12 +228,26 @@ async fn taking_a_held_key_again_is_refused() {
     let a = LockSession::connect(&options).await.unwrap();
     let key = LockKey::from_i64(13);
 
-    let g = a.lock(key).await.unwrap();
+    let g = a
+        .acquire(key, LockMode::Exclusive, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     for result in [
-        a.try_lock(key).await,
-        a.try_lock_shared(key).await,
-        a.lock_timeout(key, Duration::from_secs(1)).await.map(Some),
-        a.lock(key).await.map(Some),
+        a.acquire(key, LockMode::Exclusive, Wait::Never).await,
+        a.acquire(key, LockMode::Shared, Wait::Never).await,
+        a.acquire(
+            key,
+            LockMode::Exclusive,
+            Wait::AtMost(Duration::from_secs(1)),
+        )
+        .await
+        .map(Option::unwrap)
+        .map(Some),
+        a.acquire(key, LockMode::Exclusive, Wait::Forever)
+            .await
+            .map(Option::unwrap)
+            .map(Some),
     ] {
         let err = result.unwrap_err();
         assert!(matches!(err, Error::AlreadyHeld { .. }), "{err}");
@@ -181,21 +257,33 @@ async fn taking_a_held_key_again_is_refused() {
     assert_eq!(advisory_locks(&admin, a.backend_pid()).await, (1, 0));
     assert!(g.release().await.unwrap());
     assert_eq!(advisory_locks(&admin, a.backend_pid()).await, (0, 0));
-    let shared = a.lock_shared(key).await.unwrap();
+    let shared = a
+        .acquire(key, LockMode::Shared, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     assert!(shared.release().await.unwrap());
 }
 
 #[tokio::test]
-async fn lock_timeout_gives_up_after_about_the_bound() {
+async fn a_bounded_wait_gives_up_after_about_the_bound() {
     let (_db, options, admin) = setup("lock_timeout").await;
     let a = LockSession::connect(&options).await.unwrap();
     let b = LockSession::connect(&options).await.unwrap();
     let key = LockKey::from_i64(14);
-    let held = b.lock(key).await.unwrap();
+    let held = b
+        .acquire(key, LockMode::Exclusive, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
 
     let bound = Duration::from_millis(300);
     let started = Instant::now();
-    let err = a.lock_timeout(key, bound).await.unwrap_err();
+    let err = a
+        .acquire(key, LockMode::Exclusive, Wait::AtMost(bound))
+        .await
+        .map(Option::unwrap)
+        .unwrap_err();
     let took = started.elapsed();
     println!("lock_timeout({bound:?}) gave up after {took:?}: {err}");
     match &err {
@@ -218,8 +306,9 @@ async fn lock_timeout_gives_up_after_about_the_bound() {
     });
     let started = Instant::now();
     let g = a
-        .lock(key)
+        .acquire(key, LockMode::Exclusive, Wait::Forever)
         .await
+        .map(Option::unwrap)
         .expect("unbounded wait after a timed-out one");
     println!(
         "unbounded wait after the timeout took {:?}",
@@ -229,24 +318,33 @@ async fn lock_timeout_gives_up_after_about_the_bound() {
     assert!(release_later.await.unwrap().unwrap());
     assert!(g.release().await.unwrap());
 
-    let zero = a.lock_timeout(key, Duration::ZERO).await.unwrap_err();
+    let zero = a
+        .acquire(key, LockMode::Exclusive, Wait::AtMost(Duration::ZERO))
+        .await
+        .map(Option::unwrap)
+        .unwrap_err();
     assert!(matches!(zero, Error::Config(_)), "{zero}");
 }
 
 #[tokio::test]
-async fn lock_timeout_succeeds_when_released_within_the_bound() {
+async fn a_bounded_wait_succeeds_when_released_within_the_bound() {
     let (_db, options, _admin) = setup("lock_timeout_ok").await;
     let a = LockSession::connect(&options).await.unwrap();
     let b = LockSession::connect(&options).await.unwrap();
     let key = LockKey::from_pair(1, 2);
-    let held = b.lock(key).await.unwrap();
+    let held = b
+        .acquire(key, LockMode::Exclusive, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     let release_soon = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(200)).await;
         held.release().await
     });
     let g = a
-        .lock_shared_timeout(key, Duration::from_secs(10))
+        .acquire(key, LockMode::Shared, Wait::AtMost(Duration::from_secs(10)))
         .await
+        .map(Option::unwrap)
         .expect("granted within the bound");
     assert_eq!(g.mode(), LockMode::Shared);
     assert!(release_soon.await.unwrap().unwrap());
@@ -259,9 +357,13 @@ async fn dropping_a_lock_future_cancels_the_wait_on_the_server() {
     let a = LockSession::connect(&options).await.unwrap();
     let b = LockSession::connect(&options).await.unwrap();
     let key = LockKey::from_i64(15);
-    let held = b.lock(key).await.unwrap();
+    let held = b
+        .acquire(key, LockMode::Exclusive, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
 
-    let mut wait = Box::pin(a.lock(key));
+    let mut wait = Box::pin(a.acquire(key, LockMode::Exclusive, Wait::Forever));
     tokio::select! {
         r = &mut wait => panic!("the wait ended while the key was held: {r:?}"),
         _ = await_advisory_locks(&admin, a.backend_pid(), (0, 1)) => {}
@@ -273,10 +375,18 @@ async fn dropping_a_lock_future_cancels_the_wait_on_the_server() {
     // Once the holder lets go nothing is granted to the abandoned wait, and
     // the session works and can take the key.
     assert!(held.release().await.unwrap());
-    let other = a.try_lock(LockKey::from_i64(16)).await.unwrap().unwrap();
+    let other = a
+        .acquire(LockKey::from_i64(16), LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(advisory_locks(&admin, a.backend_pid()).await, (1, 0));
     assert!(other.release().await.unwrap());
-    let g = a.try_lock(key).await.unwrap().expect("free now");
+    let g = a
+        .acquire(key, LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap()
+        .expect("free now");
     assert!(g.release().await.unwrap());
     assert!(!a.is_lost());
 }
@@ -289,8 +399,12 @@ async fn a_lock_granted_as_its_wait_is_dropped_is_released() {
     let c = LockSession::connect(&options).await.unwrap();
     let key = LockKey::from_i64(20);
     for _ in 0..5 {
-        let held = b.lock(key).await.unwrap();
-        let mut wait = Box::pin(a.lock(key));
+        let held = b
+            .acquire(key, LockMode::Exclusive, Wait::Forever)
+            .await
+            .map(Option::unwrap)
+            .unwrap();
+        let mut wait = Box::pin(a.acquire(key, LockMode::Exclusive, Wait::Forever));
         tokio::select! {
             r = &mut wait => panic!("the wait ended while the key was held: {r:?}"),
             _ = await_advisory_locks(&admin, a.backend_pid(), (0, 1)) => {}
@@ -299,7 +413,15 @@ async fn a_lock_granted_as_its_wait_is_dropped_is_released() {
         assert!(held.release().await.unwrap());
         drop(wait);
         await_advisory_locks(&admin, a.backend_pid(), (0, 0)).await;
-        let g = c.lock_timeout(key, Duration::from_secs(5)).await.unwrap();
+        let g = c
+            .acquire(
+                key,
+                LockMode::Exclusive,
+                Wait::AtMost(Duration::from_secs(5)),
+            )
+            .await
+            .map(Option::unwrap)
+            .unwrap();
         assert!(g.release().await.unwrap());
         assert!(a.held().is_empty());
     }
@@ -311,10 +433,18 @@ async fn blocking_lock_is_granted_when_the_holder_releases() {
     let a = LockSession::connect(&options).await.unwrap();
     let b = LockSession::connect(&options).await.unwrap();
     let key = LockKey::from_i64(17);
-    let held = a.lock(key).await.unwrap();
+    let held = a
+        .acquire(key, LockMode::Exclusive, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     let waiter = {
         let b = b.clone();
-        tokio::spawn(async move { b.lock(key).await })
+        tokio::spawn(async move {
+            b.acquire(key, LockMode::Exclusive, Wait::Forever)
+                .await
+                .map(Option::unwrap)
+        })
     };
     await_advisory_locks(&admin, b.backend_pid(), (0, 1)).await;
     let released_at = Instant::now();
@@ -338,9 +468,13 @@ async fn terminating_the_backend_fires_lost() {
     let a = LockSession::connect(&options).await.unwrap();
     let b = LockSession::connect(&options).await.unwrap();
     let key = LockKey::from_i64(18);
-    let g = a.lock(key).await.unwrap();
+    let g = a
+        .acquire(key, LockMode::Exclusive, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     let session_lost = a.lost();
-    let token = g.lost_token();
+    let token = g.token();
     assert!(!g.is_lost());
 
     let started = Instant::now();
@@ -364,9 +498,19 @@ async fn terminating_the_backend_fires_lost() {
 
     let err = g.release().await.unwrap_err();
     assert!(matches!(err, Error::ConnectionLost { .. }), "{err}");
-    let err = a.try_lock(key).await.unwrap_err();
+    let err = a
+        .acquire(key, LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap_err();
     assert!(err.is_connection(), "{err}");
-    let taken = b.lock_timeout(key, Duration::from_secs(5)).await;
+    let taken = b
+        .acquire(
+            key,
+            LockMode::Exclusive,
+            Wait::AtMost(Duration::from_secs(5)),
+        )
+        .await
+        .map(Option::unwrap);
     assert!(taken.is_ok(), "the server released the lock: {taken:?}");
 }
 
@@ -407,7 +551,11 @@ async fn blackholed_connection_fires_lost_through_the_heartbeat() {
         .connect()
         .await
         .unwrap();
-    let g = a.lock(LockKey::from_i64(19)).await.unwrap();
+    let g = a
+        .acquire(LockKey::from_i64(19), LockMode::Exclusive, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
 
     let started = Instant::now();
     proxy.blackhole();
@@ -439,7 +587,11 @@ async fn one_session_holds_many_locks() {
         .collect();
 
     // Concurrent callers on one session are served one statement at a time.
-    let guards = futures_util::future::join_all(keys.iter().map(|k| a.try_lock(*k))).await;
+    let guards = futures_util::future::join_all(
+        keys.iter()
+            .map(|k| a.acquire(*k, LockMode::Exclusive, Wait::Never)),
+    )
+    .await;
     let guards: Vec<_> = guards.into_iter().map(|g| g.unwrap().unwrap()).collect();
     assert_eq!(a.held().len(), keys.len());
     assert_eq!(
@@ -447,7 +599,11 @@ async fn one_session_holds_many_locks() {
         (keys.len() as i64, 0)
     );
     for k in keys.iter().step_by(17) {
-        assert!(b.try_lock_shared(*k).await.unwrap().is_none());
+        assert!(b
+            .acquire(*k, LockMode::Shared, Wait::Never)
+            .await
+            .unwrap()
+            .is_none());
     }
     let released = futures_util::future::join_all(guards.into_iter().map(|g| g.release())).await;
     assert!(released.into_iter().all(|r| r.unwrap()));
@@ -464,10 +620,18 @@ async fn an_unbounded_wait_does_not_hold_back_vacuum() {
         .await
         .unwrap();
     let key = LockKey::from_pair(7, -7);
-    let held = a.lock(key).await.unwrap();
+    let held = a
+        .acquire(key, LockMode::Exclusive, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     let waiter = {
         let b = b.clone();
-        tokio::spawn(async move { b.lock(key).await })
+        tokio::spawn(async move {
+            b.acquire(key, LockMode::Exclusive, Wait::Forever)
+                .await
+                .map(Option::unwrap)
+        })
     };
     await_advisory_locks(&admin, b.backend_pid(), (0, 1)).await;
     let xmin = |pid: i32| {
@@ -537,13 +701,23 @@ async fn zero_durations_are_refused() {
     }
     let a = LockSession::connect(&options).await.unwrap();
     let err = a
-        .lock_shared_timeout(LockKey::from_i64(1), Duration::ZERO)
+        .acquire(
+            LockKey::from_i64(1),
+            LockMode::Shared,
+            Wait::AtMost(Duration::ZERO),
+        )
         .await
+        .map(Option::unwrap)
         .unwrap_err();
     assert!(matches!(err, Error::Config(_)), "{err}");
     let err = a
-        .lock_timeout(LockKey::from_i64(1), Duration::from_secs(30 * 24 * 3600))
+        .acquire(
+            LockKey::from_i64(1),
+            LockMode::Exclusive,
+            Wait::AtMost(Duration::from_secs(30 * 24 * 3600)),
+        )
         .await
+        .map(Option::unwrap)
         .unwrap_err();
     assert!(matches!(err, Error::Config(_)), "{err}");
 }
@@ -554,7 +728,11 @@ async fn zero_durations_are_refused() {
 async fn a_lost_connection_keeps_the_servers_reason_as_its_source() {
     let (_db, options, admin) = setup("lock_lost_cause").await;
     let a = LockSession::connect(&options).await.unwrap();
-    let g = a.lock(LockKey::from_i64(19)).await.unwrap();
+    let g = a
+        .acquire(LockKey::from_i64(19), LockMode::Exclusive, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     admin
         .execute("SELECT pg_terminate_backend($1)", &[&a.backend_pid()])
         .await
@@ -597,7 +775,10 @@ async fn a_lost_connection_keeps_the_servers_reason_as_its_source() {
     assert!(!text.contains("db error"), "{text}");
 
     // The next operation says the same.
-    let err = a.try_lock(LockKey::from_i64(20)).await.unwrap_err();
+    let err = a
+        .acquire(LockKey::from_i64(20), LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap_err();
     assert!(
         matches!(
             err,
@@ -627,7 +808,11 @@ async fn cancelled_waits_through_pgbouncer_leave_it_running() {
     let pooled = ConnectOptions::from_url(&bouncer.url(db.name())).unwrap();
     let holder = LockSession::connect(&options).await.unwrap();
     let key = LockKey::from_i64(17);
-    let held = holder.lock(key).await.unwrap();
+    let held = holder
+        .acquire(key, LockMode::Exclusive, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     let rounds = 25;
     for round in 0..rounds {
         let a = LockSession::connect(&pooled).await.unwrap_or_else(|e| {
@@ -636,7 +821,7 @@ async fn cancelled_waits_through_pgbouncer_leave_it_running() {
                 bouncer.diagnose(20)
             )
         });
-        let mut wait = Box::pin(a.lock(key));
+        let mut wait = Box::pin(a.acquire(key, LockMode::Exclusive, Wait::Forever));
         tokio::select! {
             r = &mut wait => panic!("the wait ended while the key was held: {r:?}"),
             _ = await_advisory_locks(&admin, a.backend_pid(), (0, 1)) => {}

@@ -3,10 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use pgelect::{
-    lock::try_xact_lock, lock::try_xact_lock_shared, lock::xact_lock, lock::xact_lock_shared,
-    lock::xact_lock_shared_timeout, lock::xact_lock_timeout, Error, LockKey,
-};
+use pgelect::lock::{xact_lock, LockMode, Wait};
+use pgelect::{Error, LockKey};
 use pgelect_testkit::TestDb;
 use tokio_postgres::{Client, GenericClient};
 
@@ -44,29 +42,41 @@ async fn await_advisory_waiters(admin: &Client, want: i64) {
 }
 
 #[tokio::test]
-async fn try_xact_lock_contends_and_ends_with_the_transaction() {
+async fn an_xact_lock_try_contends_and_ends_with_the_transaction() {
     let db = TestDb::new("xact_try").await;
     let mut c1 = db.connect().await;
     let mut c2 = db.connect().await;
     let key = LockKey::from_name("xact-try").unwrap();
 
     let t1 = c1.transaction().await.unwrap();
-    assert!(try_xact_lock(&t1, key).await.unwrap());
+    assert!(xact_lock(&t1, key, LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap());
     {
         let t2 = c2.transaction().await.unwrap();
-        assert!(!try_xact_lock(&t2, key).await.unwrap());
-        assert!(!try_xact_lock_shared(&t2, key).await.unwrap());
+        assert!(!xact_lock(&t2, key, LockMode::Exclusive, Wait::Never)
+            .await
+            .unwrap());
+        assert!(!xact_lock(&t2, key, LockMode::Shared, Wait::Never)
+            .await
+            .unwrap());
         t2.rollback().await.unwrap();
     }
     t1.commit().await.unwrap();
 
     // Released at commit; now hold it and release it by rollback.
     let t2 = c2.transaction().await.unwrap();
-    assert!(try_xact_lock(&t2, key).await.unwrap());
+    assert!(xact_lock(&t2, key, LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap());
     let t1 = c1.transaction().await.unwrap();
-    assert!(!try_xact_lock(&t1, key).await.unwrap());
+    assert!(!xact_lock(&t1, key, LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap());
     t2.rollback().await.unwrap();
-    assert!(try_xact_lock(&t1, key).await.unwrap());
+    assert!(xact_lock(&t1, key, LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap());
     t1.commit().await.unwrap();
 }
 
@@ -80,16 +90,28 @@ async fn shared_xact_locks_coexist_and_exclude_exclusive_ones() {
 
     let t1 = c1.transaction().await.unwrap();
     let t2 = c2.transaction().await.unwrap();
-    xact_lock_shared(&t1, key).await.unwrap();
-    assert!(try_xact_lock_shared(&t2, key).await.unwrap());
+    xact_lock(&t1, key, LockMode::Shared, Wait::Forever)
+        .await
+        .unwrap();
+    assert!(xact_lock(&t2, key, LockMode::Shared, Wait::Never)
+        .await
+        .unwrap());
     let t3 = c3.transaction().await.unwrap();
-    assert!(!try_xact_lock(&t3, key).await.unwrap());
+    assert!(!xact_lock(&t3, key, LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap());
     t1.commit().await.unwrap();
-    assert!(!try_xact_lock(&t3, key).await.unwrap());
+    assert!(!xact_lock(&t3, key, LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap());
     t2.commit().await.unwrap();
-    assert!(try_xact_lock(&t3, key).await.unwrap());
+    assert!(xact_lock(&t3, key, LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap());
     let t1 = c1.transaction().await.unwrap();
-    assert!(!try_xact_lock_shared(&t1, key).await.unwrap());
+    assert!(!xact_lock(&t1, key, LockMode::Shared, Wait::Never)
+        .await
+        .unwrap());
     t3.commit().await.unwrap();
     t1.commit().await.unwrap();
 }
@@ -107,10 +129,14 @@ async fn a_bounded_wait_does_not_overtake_a_waiting_request() {
     let key = LockKey::from_i64(33);
 
     let t1 = c1.transaction().await.unwrap();
-    xact_lock_shared(&t1, key).await.unwrap();
+    xact_lock(&t1, key, LockMode::Shared, Wait::Forever)
+        .await
+        .unwrap();
     let writer = tokio::spawn(async move {
         c2.batch_execute("BEGIN").await.unwrap();
-        xact_lock(&c2, key).await.unwrap();
+        xact_lock(&c2, key, LockMode::Exclusive, Wait::Forever)
+            .await
+            .unwrap();
         c2.batch_execute("COMMIT").await.unwrap();
     });
     await_advisory_waiters(&admin, 1).await;
@@ -118,9 +144,14 @@ async fn a_bounded_wait_does_not_overtake_a_waiting_request() {
     // exclusive request waits.
     let t3 = c3.transaction().await.unwrap();
     let started = Instant::now();
-    let err = xact_lock_shared_timeout(&t3, key, Duration::from_millis(300))
-        .await
-        .expect_err("a shared request queued behind a waiting exclusive one");
+    let err = xact_lock(
+        &t3,
+        key,
+        LockMode::Shared,
+        Wait::AtMost(Duration::from_millis(300)),
+    )
+    .await
+    .expect_err("a shared request queued behind a waiting exclusive one");
     assert!(err.is_timeout(), "{err}");
     println!(
         "queued shared request timed out after {:?}",
@@ -134,9 +165,14 @@ async fn a_bounded_wait_does_not_overtake_a_waiting_request() {
         .unwrap();
     // Uncontended, the same call succeeds at once.
     let t3 = c3.transaction().await.unwrap();
-    xact_lock_shared_timeout(&t3, key, Duration::from_millis(300))
-        .await
-        .unwrap();
+    xact_lock(
+        &t3,
+        key,
+        LockMode::Shared,
+        Wait::AtMost(Duration::from_millis(300)),
+    )
+    .await
+    .unwrap();
     t3.commit().await.unwrap();
 }
 
@@ -149,11 +185,13 @@ async fn blocking_xact_lock_waits_for_the_holders_commit() {
     let key = LockKey::from_i64(21);
 
     let t1 = c1.transaction().await.unwrap();
-    xact_lock(&t1, key).await.unwrap();
+    xact_lock(&t1, key, LockMode::Exclusive, Wait::Forever)
+        .await
+        .unwrap();
     // A plain Client inside an explicit BEGIN works as well.
     let waiter = tokio::spawn(async move {
         c2.batch_execute("BEGIN").await.unwrap();
-        let r = xact_lock(&c2, key).await;
+        let r = xact_lock(&c2, key, LockMode::Exclusive, Wait::Forever).await;
         c2.batch_execute("COMMIT").await.unwrap();
         r
     });
@@ -174,16 +212,18 @@ async fn bounded_xact_wait_times_out_with_a_typed_error() {
     let mut c2 = db.connect().await;
     let key = LockKey::from_i64(22);
     let t1 = c1.transaction().await.unwrap();
-    xact_lock(&t1, key).await.unwrap();
+    xact_lock(&t1, key, LockMode::Exclusive, Wait::Forever)
+        .await
+        .unwrap();
 
     for shared in [false, true] {
         let t2 = c2.transaction().await.unwrap();
         let bound = Duration::from_millis(300);
         let started = Instant::now();
         let err = if shared {
-            xact_lock_shared_timeout(&t2, key, bound).await
+            xact_lock(&t2, key, LockMode::Shared, Wait::AtMost(bound)).await
         } else {
-            xact_lock_timeout(&t2, key, bound).await
+            xact_lock(&t2, key, LockMode::Exclusive, Wait::AtMost(bound)).await
         }
         .unwrap_err();
         let took = started.elapsed();
@@ -202,7 +242,7 @@ async fn bounded_xact_wait_times_out_with_a_typed_error() {
     assert_eq!(lock_timeout_of(&c2).await, "0");
 
     let t2 = c2.transaction().await.unwrap();
-    let err = xact_lock_timeout(&t2, key, Duration::ZERO)
+    let err = xact_lock(&t2, key, LockMode::Exclusive, Wait::AtMost(Duration::ZERO))
         .await
         .unwrap_err();
     assert!(matches!(err, Error::Config(_)), "{err}");
@@ -217,16 +257,23 @@ async fn bounded_xact_wait_keeps_a_stricter_caller_timeout() {
     let mut c2 = db.connect().await;
     let key = LockKey::from_i64(23);
     let t1 = c1.transaction().await.unwrap();
-    xact_lock(&t1, key).await.unwrap();
+    xact_lock(&t1, key, LockMode::Exclusive, Wait::Forever)
+        .await
+        .unwrap();
 
     let t2 = c2.transaction().await.unwrap();
     t2.batch_execute("SET LOCAL lock_timeout = '100ms'")
         .await
         .unwrap();
     let started = Instant::now();
-    let err = xact_lock_timeout(&t2, key, Duration::from_secs(5))
-        .await
-        .unwrap_err();
+    let err = xact_lock(
+        &t2,
+        key,
+        LockMode::Exclusive,
+        Wait::AtMost(Duration::from_secs(5)),
+    )
+    .await
+    .unwrap_err();
     let took = started.elapsed();
     println!("caller's 100ms kept under a 5s bound: gave up after {took:?}");
     assert!(matches!(err, Error::LockTimeout { .. }), "{err}");
@@ -242,9 +289,14 @@ async fn bounded_xact_wait_keeps_a_stricter_caller_timeout() {
     t2.batch_execute("SET LOCAL lock_timeout = '100ms'")
         .await
         .unwrap();
-    xact_lock_timeout(&t2, key, Duration::from_secs(5))
-        .await
-        .unwrap();
+    xact_lock(
+        &t2,
+        key,
+        LockMode::Exclusive,
+        Wait::AtMost(Duration::from_secs(5)),
+    )
+    .await
+    .unwrap();
     assert_eq!(lock_timeout_of(&t2).await, "100ms");
     t2.commit().await.unwrap();
 }
@@ -259,15 +311,22 @@ async fn bounded_xact_wait_caps_unlimited_and_longer_timeouts_and_restores_them(
     // 0 (unlimited, the default) and a longer 10s are both capped ...
     for caller in ["0", "10s"] {
         let t1 = c1.transaction().await.unwrap();
-        xact_lock(&t1, key).await.unwrap();
+        xact_lock(&t1, key, LockMode::Exclusive, Wait::Forever)
+            .await
+            .unwrap();
         let t2 = c2.transaction().await.unwrap();
         t2.batch_execute(&format!("SET LOCAL lock_timeout = '{caller}'"))
             .await
             .unwrap();
         let started = Instant::now();
-        let err = xact_lock_timeout(&t2, key, Duration::from_millis(200))
-            .await
-            .unwrap_err();
+        let err = xact_lock(
+            &t2,
+            key,
+            LockMode::Exclusive,
+            Wait::AtMost(Duration::from_millis(200)),
+        )
+        .await
+        .unwrap_err();
         println!(
             "caller lock_timeout {caller}: capped wait gave up after {:?}",
             started.elapsed()
@@ -282,13 +341,20 @@ async fn bounded_xact_wait_caps_unlimited_and_longer_timeouts_and_restores_them(
         t2.batch_execute(&format!("SET LOCAL lock_timeout = '{caller}'"))
             .await
             .unwrap();
-        xact_lock_timeout(&t2, key, Duration::from_millis(200))
-            .await
-            .unwrap();
+        xact_lock(
+            &t2,
+            key,
+            LockMode::Exclusive,
+            Wait::AtMost(Duration::from_millis(200)),
+        )
+        .await
+        .unwrap();
         assert_eq!(lock_timeout_of(&t2).await, caller);
         // The lock is held until the end of the transaction.
         let t1 = c1.transaction().await.unwrap();
-        assert!(!try_xact_lock(&t1, key).await.unwrap());
+        assert!(!xact_lock(&t1, key, LockMode::Exclusive, Wait::Never)
+            .await
+            .unwrap());
         t1.rollback().await.unwrap();
         t2.commit().await.unwrap();
     }
@@ -303,12 +369,16 @@ async fn statement_timeout_during_a_wait_is_a_lock_timeout() {
     let mut c2 = db.connect().await;
     let key = LockKey::from_i64(25);
     let t1 = c1.transaction().await.unwrap();
-    xact_lock(&t1, key).await.unwrap();
+    xact_lock(&t1, key, LockMode::Exclusive, Wait::Forever)
+        .await
+        .unwrap();
     let t2 = c2.transaction().await.unwrap();
     t2.batch_execute("SET LOCAL statement_timeout = '150ms'")
         .await
         .unwrap();
-    let err = xact_lock(&t2, key).await.unwrap_err(); // 57014
+    let err = xact_lock(&t2, key, LockMode::Exclusive, Wait::Forever)
+        .await
+        .unwrap_err(); // 57014
     assert!(matches!(err, Error::LockTimeout { .. }), "{err}");
     t2.rollback().await.unwrap();
     t1.commit().await.unwrap();
@@ -335,14 +405,27 @@ mod with_sqlx {
         let key = LockKey::from_i64(26);
 
         let mut t1 = c1.begin().await.unwrap();
-        assert!(locks::try_xact_lock(&mut t1, key).await.unwrap());
+        assert!(
+            locks::xact_lock(&mut t1, key, LockMode::Exclusive, Wait::Never)
+                .await
+                .unwrap()
+        );
         let mut t2 = c2.begin().await.unwrap();
-        assert!(!locks::try_xact_lock_shared(&mut t2, key).await.unwrap());
+        assert!(
+            !locks::xact_lock(&mut t2, key, LockMode::Shared, Wait::Never)
+                .await
+                .unwrap()
+        );
 
         let started = Instant::now();
-        let err = locks::xact_lock_timeout(&mut t2, key, Duration::from_millis(300))
-            .await
-            .unwrap_err();
+        let err = locks::xact_lock(
+            &mut t2,
+            key,
+            LockMode::Exclusive,
+            Wait::AtMost(Duration::from_millis(300)),
+        )
+        .await
+        .unwrap_err();
         println!(
             "sqlx xact_lock_timeout(300ms) gave up after {:?}",
             started.elapsed()
@@ -357,24 +440,45 @@ mod with_sqlx {
             .execute(&mut *t2)
             .await
             .unwrap();
-        locks::xact_lock_timeout(&mut t2, key, Duration::from_secs(5))
-            .await
-            .unwrap();
+        locks::xact_lock(
+            &mut t2,
+            key,
+            LockMode::Exclusive,
+            Wait::AtMost(Duration::from_secs(5)),
+        )
+        .await
+        .unwrap();
         assert_eq!(
             sqlx_lock_timeout(&mut t2).await,
             "100ms",
             "stricter kept and restored"
         );
         let mut t1 = c1.begin().await.unwrap();
-        assert!(!locks::try_xact_lock(&mut t1, key).await.unwrap());
+        assert!(
+            !locks::xact_lock(&mut t1, key, LockMode::Exclusive, Wait::Never)
+                .await
+                .unwrap()
+        );
         t2.rollback().await.unwrap(); // releases
-        locks::xact_lock(&mut t1, key).await.unwrap();
-        locks::xact_lock_shared(&mut t1, LockKey::from_pair(1, 1))
+        locks::xact_lock(&mut t1, key, LockMode::Exclusive, Wait::Forever)
             .await
             .unwrap();
-        locks::xact_lock_shared_timeout(&mut t1, LockKey::from_pair(1, 2), Duration::from_secs(1))
-            .await
-            .unwrap();
+        locks::xact_lock(
+            &mut t1,
+            LockKey::from_pair(1, 1),
+            LockMode::Shared,
+            Wait::Forever,
+        )
+        .await
+        .unwrap();
+        locks::xact_lock(
+            &mut t1,
+            LockKey::from_pair(1, 2),
+            LockMode::Shared,
+            Wait::AtMost(Duration::from_secs(1)),
+        )
+        .await
+        .unwrap();
         assert_eq!(sqlx_lock_timeout(&mut t1).await, "0", "unlimited restored");
         t1.commit().await.unwrap();
         assert_eq!(sqlx_lock_timeout(&mut c1).await, "0");
@@ -387,13 +491,17 @@ mod with_sqlx {
         let mut c2 = PgConnection::connect(&db.url()).await.unwrap();
         let key = LockKey::from_i64(27);
         let mut t1 = c1.begin().await.unwrap();
-        locks::xact_lock(&mut t1, key).await.unwrap();
+        locks::xact_lock(&mut t1, key, LockMode::Exclusive, Wait::Forever)
+            .await
+            .unwrap();
         let mut t2 = c2.begin().await.unwrap();
         sqlx::query("SET LOCAL statement_timeout = '150ms'")
             .execute(&mut *t2)
             .await
             .unwrap();
-        let err = locks::xact_lock(&mut t2, key).await.unwrap_err();
+        let err = locks::xact_lock(&mut t2, key, LockMode::Exclusive, Wait::Forever)
+            .await
+            .unwrap_err();
         assert!(matches!(err, Error::LockTimeout { .. }), "{err}");
         t2.rollback().await.unwrap();
         t1.commit().await.unwrap();

@@ -6,6 +6,7 @@ use pgelect::{ConnectOptions, LockKey, LockSession};
 use pgelect_testkit::TestDb;
 
 use crate::support;
+use pgelect::lock::{LockMode, Wait};
 use support::Log;
 
 #[tokio::test]
@@ -38,10 +39,22 @@ async fn an_older_server_is_used_and_what_it_lacks_is_logged_once() {
     let a = LockSession::connect(&options).await.unwrap();
     let b = LockSession::connect(&options).await.unwrap();
     let key = LockKey::from_name("versions").unwrap();
-    let held = a.try_lock(key).await.unwrap().expect("a free key is taken");
-    assert!(b.try_lock(key).await.unwrap().is_none());
+    let held = a
+        .acquire(key, LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap()
+        .expect("a free key is taken");
+    assert!(b
+        .acquire(key, LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap()
+        .is_none());
     assert!(held.release().await.unwrap());
-    assert!(b.try_lock(key).await.unwrap().is_some());
+    assert!(b
+        .acquire(key, LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap()
+        .is_some());
 
     let text = log.text();
     let degraded: Vec<&str> = text

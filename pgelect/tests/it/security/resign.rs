@@ -11,8 +11,8 @@
 use std::time::{Duration, Instant, SystemTime};
 
 use pgelect::{
-    conn::TcpTimeouts, election::Backend, election::LossReason, election::SharedConnection,
-    election::StandbyMode, ConnectOptions, Elector, ElectorBuilder, Error,
+    conn::TcpTimeouts, election::Backend, election::SharedConnection, election::StandbyMode,
+    loss::LossReason, ConnectOptions, Elector, ElectorBuilder, Error,
 };
 use pgelect_testkit::TestDb;
 use tokio_postgres::types::Type;
@@ -123,7 +123,7 @@ async fn attack(attacker: &Client, admin: &Client, role: &str) {
 async fn operator_resigns(
     operator: &ConnectOptions,
     role: &str,
-    lost: impl std::future::Future<Output = ()>,
+    lost: impl std::future::Future,
 ) -> Duration {
     let t0 = Instant::now();
     let asked = pgelect::election::request_resign(operator, role)
@@ -149,7 +149,7 @@ async fn hands_over(
     l: pgelect::Leadership,
     waiting: tokio::task::JoinHandle<pgelect::Result<pgelect::Leadership>>,
 ) {
-    assert_eq!(l.loss_reason(), Some(LossReason::Resigned));
+    assert_eq!(l.loss().map(|l| l.reason()), Some(LossReason::Resigned));
     let old = l.term();
     l.resign().await.unwrap();
     let next = tokio::time::timeout(Duration::from_secs(10), waiting)
@@ -173,7 +173,7 @@ async fn session_leader_ignores_an_unprivileged_notify_and_obeys_request_resign(
     db.wait_for_advisory_waiters(1).await;
 
     attack(&attacker, &admin, "sched").await;
-    assert!(!l.is_lost(), "{:?}", l.loss_reason());
+    assert!(!l.is_lost(), "{:?}", l.loss().map(|l| l.reason()));
     assert!(!l.token().is_cancelled());
 
     let took = operator_resigns(&operator, "sched", l.lost()).await;
@@ -202,7 +202,7 @@ async fn lease_leader_with_listen_ignores_an_unprivileged_notify_and_obeys_reque
     wait_listening(&admin, "pgelect:listen:sweep:leader").await;
 
     attack(&attacker, &admin, "sweep").await;
-    assert!(!l.is_lost(), "{:?}", l.loss_reason());
+    assert!(!l.is_lost(), "{:?}", l.loss().map(|l| l.reason()));
 
     let took = operator_resigns(&operator, "sweep", l.lost()).await;
     println!("lease leader (listen_via) stepped down {took:?} after request_resign");
@@ -242,7 +242,7 @@ async fn shared_connection_leader_ignores_an_unprivileged_notify_and_obeys_reque
     let waiting = tokio::spawn(async move { standby.leadership().await });
 
     attack(&attacker, &admin, "shard").await;
-    assert!(!l.is_lost(), "{:?}", l.loss_reason());
+    assert!(!l.is_lost(), "{:?}", l.loss().map(|l| l.reason()));
 
     let took = operator_resigns(&operator, "shard", l.lost()).await;
     println!("shared-connection leader stepped down {took:?} after request_resign");
@@ -351,7 +351,7 @@ async fn a_notify_flood_costs_the_session_leader_a_bounded_number_of_statements(
     );
     assert!(extra >= 1, "the hints were heard");
     assert!(extra <= bound, "{extra} statements for 1000 hints");
-    assert!(!l.is_lost(), "{:?}", l.loss_reason());
+    assert!(!l.is_lost(), "{:?}", l.loss().map(|l| l.reason()));
     assert_eq!(row(&admin, "busy").await.1, term.get());
     l.resign().await.unwrap();
 }
@@ -376,7 +376,7 @@ async fn a_notify_flood_costs_the_lease_leader_a_bounded_number_of_statements() 
     println!("1000 hints in {took:?}: the lease leader sent {extra} statements (bound {bound})");
     assert!(extra >= 1, "the hints were heard");
     assert!(extra <= bound, "{extra} statements for 1000 hints");
-    assert!(!l.is_lost(), "{:?}", l.loss_reason());
+    assert!(!l.is_lost(), "{:?}", l.loss().map(|l| l.reason()));
     l.resign().await.unwrap();
 }
 

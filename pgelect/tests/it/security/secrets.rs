@@ -6,6 +6,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 
+use pgelect::lock::{LockMode, Wait};
 use pgelect::{ConnectOptions, Error, LockKey, LockSession};
 use pgelect_testkit::TestDb;
 
@@ -171,7 +172,11 @@ async fn a_password_from_a_password_file_alone_connects() {
         .await
         .expect("connects with the password from the file");
     let guard = session
-        .try_lock(LockKey::from_name("pgpass-test").unwrap())
+        .acquire(
+            LockKey::from_name("pgpass-test").unwrap(),
+            LockMode::Exclusive,
+            Wait::Never,
+        )
         .await
         .unwrap()
         .expect("the lock is free");

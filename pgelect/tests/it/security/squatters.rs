@@ -14,6 +14,7 @@ use pgelect_testkit::TestDb;
 use tokio_postgres::{Client, NoTls};
 
 use crate::support;
+use pgelect::lock::{LockMode, Wait};
 use support::{fast_session as fast, migrated, Log};
 
 /// A login role with CONNECT only, connected on its own: the squatter.
@@ -220,15 +221,24 @@ async fn a_lock_session_wait_names_the_holder_in_its_timeout_and_its_log() {
     let session = LockSession::connect(&o).await.unwrap();
 
     // try: the session says who holds it.
-    assert!(session.try_lock(key).await.unwrap().is_none());
+    assert!(session
+        .acquire(key, LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap()
+        .is_none());
     let holders = session.holders(key).await.unwrap();
     assert_eq!(holders.iter().map(|h| h.pid).collect::<Vec<_>>(), [pid]);
     assert_eq!(holders[0].claims_pgelect_candidate(), None);
 
     // A bounded wait: the error names the holder, with a rounded duration.
     let err = session
-        .lock_timeout(key, Duration::from_millis(300))
+        .acquire(
+            key,
+            LockMode::Exclusive,
+            Wait::AtMost(Duration::from_millis(300)),
+        )
         .await
+        .map(Option::unwrap)
         .expect_err("held");
     let text = err.to_string();
     println!("{text}");
@@ -251,7 +261,12 @@ async fn a_lock_session_wait_names_the_holder_in_its_timeout_and_its_log() {
     // granted when the squatter lets go.
     let waiting = {
         let session = session.clone();
-        tokio::spawn(async move { session.lock(key).await })
+        tokio::spawn(async move {
+            session
+                .acquire(key, LockMode::Exclusive, Wait::Forever)
+                .await
+                .map(Option::unwrap)
+        })
     };
     let line = log
         .wait_for_line(

@@ -6,6 +6,7 @@
 use std::path::Path;
 use std::time::Duration;
 
+use pgelect::lock::{LockMode, Wait};
 use pgelect::{
     conn::SslMode, election::Backend, ConnectOptions, Elector, Error, LockKey, LockSession,
 };
@@ -85,7 +86,11 @@ async fn verify_full_with_the_right_ca_carries_every_connection() {
     // Locks on a session of their own.
     let locks = LockSession::connect(&o).await.unwrap();
     let key = LockKey::from_name("tls-lock").unwrap();
-    let guard = locks.lock(key).await.unwrap();
+    let guard = locks
+        .acquire(key, LockMode::Exclusive, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .unwrap();
     // The standby is waiting by now or soon: count connections once it is.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let counted = loop {
@@ -224,7 +229,11 @@ async fn a_client_certificate_logs_in_without_a_password() {
     assert!(!o.has_password() || std::env::var_os("PGPASSWORD").is_some());
     let locks = LockSession::connect(&o).await.expect("certificate login");
     let key = LockKey::from_name("cert-lock").unwrap();
-    let guard = locks.try_lock(key).await.unwrap().expect("free");
+    let guard = locks
+        .acquire(key, LockMode::Exclusive, Wait::Never)
+        .await
+        .unwrap()
+        .expect("free");
     guard.release().await.unwrap();
 
     // Without the certificate the server refuses the login.
@@ -297,7 +306,7 @@ async fn the_lease_backend_works_through_pgbouncer_with_tls_on_both_sides() {
     let b_task = tokio::spawn(async move { b.leadership().await.map(|l| l.term()) });
     // Several renewals go through the pooler's TLS.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert!(!la.is_lost(), "{:?}", la.loss_reason());
+    assert!(!la.is_lost(), "{:?}", la.loss().map(|l| l.reason()));
     let first = la.term();
     la.resign().await.unwrap();
     let second = tokio::time::timeout(Duration::from_secs(10), b_task)

@@ -18,9 +18,9 @@ use crate::election::backend::batch::{
     chunks, remove_if_term, until_wanted, Batch, Member, Outcome, Termed,
 };
 use crate::election::driver::{Answer, Failed, KeepBackend, Statement};
-use crate::election::leadership::LossReason;
 use crate::election::support::{backoff, is_read_only, is_transient};
 use crate::election::Shared;
+use crate::loss::LossReason;
 
 use super::sql::Renewing;
 use super::{Inner, Op, SharedLease, CHUNK_ROWS};

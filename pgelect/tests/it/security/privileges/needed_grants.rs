@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use pgelect::{
-    conn::TcpTimeouts, election::Backend, election::LossReason, election::SharedConnection,
-    election::SharedLease, election::StandbyMode, ConnectOptions, Elector, Error,
+    conn::TcpTimeouts, election::Backend, election::SharedConnection, election::SharedLease,
+    election::StandbyMode, loss::LossReason, ConnectOptions, Elector, Error,
 };
 use pgelect_testkit::TestDb;
 use tokio_postgres::error::SqlState;
@@ -348,7 +348,7 @@ async fn an_operator_needs_usage_and_execute_on_request_resign() {
     tokio::time::timeout(Duration::from_secs(5), l.lost())
         .await
         .expect("the leader steps down");
-    assert_eq!(l.loss_reason(), Some(LossReason::Resigned));
+    assert_eq!(l.loss().map(|l| l.reason()), Some(LossReason::Resigned));
     l.resign().await.unwrap();
     // No leader: nothing marked, nothing returned.
     assert_eq!(

@@ -19,6 +19,7 @@ use pgelect_testkit::TestDb;
 use tokio_postgres::{Client, NoTls};
 
 use crate::support;
+use pgelect::lock::{LockMode, Wait};
 use support::{fast_session, term_of, Candidate, Log};
 
 const PASSWORD: &str = "least-privilege-2";
@@ -325,25 +326,42 @@ async fn the_election_and_lock_behaviour_as_a_least_privilege_candidate() {
     let k = LockKey::from_name("lp:lock").unwrap();
     let s1 = LockSession::connect(&o).await.unwrap();
     let s2 = LockSession::connect(&o).await.unwrap();
-    let g = s1.lock(k).await.unwrap();
-    let e = s2
-        .lock_timeout(k, Duration::from_millis(300))
+    let g = s1
+        .acquire(k, LockMode::Exclusive, Wait::Forever)
         .await
+        .map(Option::unwrap)
+        .unwrap();
+    let e = s2
+        .acquire(
+            k,
+            LockMode::Exclusive,
+            Wait::AtMost(Duration::from_millis(300)),
+        )
+        .await
+        .map(Option::unwrap)
         .unwrap_err();
     assert!(matches!(e, Error::LockTimeout { .. }), "{e:?}");
     let release = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(300)).await;
         g.release().await.unwrap()
     });
-    let g2 = s2.lock_shared(k).await.expect("a shared waiter is granted");
+    let g2 = s2
+        .acquire(k, LockMode::Shared, Wait::Forever)
+        .await
+        .map(Option::unwrap)
+        .expect("a shared waiter is granted");
     assert!(release.await.unwrap());
     let g1 = s1
-        .lock_shared_timeout(k, Duration::from_secs(2))
+        .acquire(k, LockMode::Shared, Wait::AtMost(Duration::from_secs(2)))
         .await
+        .map(Option::unwrap)
         .expect("two shared holders");
     let s3 = LockSession::connect(&o).await.unwrap();
     assert!(
-        s3.try_lock(k).await.unwrap().is_none(),
+        s3.acquire(k, LockMode::Exclusive, Wait::Never)
+            .await
+            .unwrap()
+            .is_none(),
         "shared holders keep an exclusive taker out"
     );
     g1.release().await.unwrap();
@@ -353,21 +371,37 @@ async fn the_election_and_lock_behaviour_as_a_least_privilege_candidate() {
     let mut c1 = client_of(&o).await;
     let mut c2 = client_of(&o).await;
     let t1 = c1.transaction().await.unwrap();
-    pgelect::lock::xact_lock(&t1, k).await.unwrap();
+    pgelect::lock::xact_lock(&t1, k, LockMode::Exclusive, Wait::Forever)
+        .await
+        .unwrap();
     let t2 = c2.transaction().await.unwrap();
-    assert!(!pgelect::lock::try_xact_lock(&t2, k).await.unwrap());
+    assert!(
+        !pgelect::lock::xact_lock(&t2, k, LockMode::Exclusive, Wait::Never)
+            .await
+            .unwrap()
+    );
     t2.rollback().await.unwrap();
     let t2 = c2.transaction().await.unwrap();
-    let e = pgelect::lock::xact_lock_timeout(&t2, k, Duration::from_millis(200))
-        .await
-        .unwrap_err();
+    let e = pgelect::lock::xact_lock(
+        &t2,
+        k,
+        LockMode::Exclusive,
+        Wait::AtMost(Duration::from_millis(200)),
+    )
+    .await
+    .unwrap_err();
     assert!(e.is_timeout(), "{e:?}");
     t2.rollback().await.unwrap();
     t1.commit().await.unwrap();
     let t2 = c2.transaction().await.unwrap();
-    pgelect::lock::xact_lock_shared_timeout(&t2, k, Duration::from_secs(2))
-        .await
-        .unwrap();
+    pgelect::lock::xact_lock(
+        &t2,
+        k,
+        LockMode::Shared,
+        Wait::AtMost(Duration::from_secs(2)),
+    )
+    .await
+    .unwrap();
     t2.commit().await.unwrap();
 }
 
@@ -538,7 +572,7 @@ async fn a_least_privilege_candidate_of_higher_priority_takes_over_from_another_
     let term = la.term();
     let a_task = tokio::spawn(async move {
         la.lost().await;
-        let reason = la.loss_reason();
+        let reason = la.loss().map(|l| l.reason());
         la.resign().await.unwrap();
         reason
     });
@@ -549,7 +583,7 @@ async fn a_least_privilege_candidate_of_higher_priority_takes_over_from_another_
         .unwrap();
     assert_eq!(
         a_task.await.unwrap(),
-        Some(pgelect::election::LossReason::HandedOver)
+        Some(pgelect::loss::LossReason::HandedOver)
     );
     assert_eq!(lb.term().get(), term.get() + 1);
     lb.resign().await.unwrap();
