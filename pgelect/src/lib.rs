@@ -162,6 +162,7 @@
 //! # Ok(()) }
 //! ```
 
+mod config_error;
 mod conn;
 pub mod election;
 mod error;
@@ -184,7 +185,7 @@ pub use election::{
 #[cfg(feature = "test-hooks")]
 #[doc(hidden)]
 pub use election::{lease_sql, shared_renew_sql, LeaseSql};
-pub use error::{Error, Result, SQLSTATE_NO_LEADER, SQLSTATE_STALE_TERM};
+pub use error::{ConfigError, Error, Result, SQLSTATE_NO_LEADER, SQLSTATE_STALE_TERM};
 pub use grants::{grant_statements, preemption_grant, Grant, UserKind, MAX_USER_NAME_BYTES};
 pub use key::{LockKey, MAX_KEY_NAME_BYTES};
 pub use lock::{

@@ -42,6 +42,7 @@ impl TcpTimeouts {
     ///
     /// ```
     /// use std::time::Duration;
+    /// use pgelect::election::SessionOptions;
     /// use pgelect::{ConnectOptions, Elector, SharedConnection, TcpTimeouts};
     /// # fn main() -> pgelect::Result<()> {
     /// let options = ConnectOptions::from_url("postgres://app@db/app")?;
@@ -49,7 +50,7 @@ impl TcpTimeouts {
     /// let shared = SharedConnection::new(&options, TcpTimeouts::for_ttl(ttl));
     /// let elector = Elector::builder(options, "shard-1")
     ///     .ttl(ttl)
-    ///     .shared_connection(&shared)
+    ///     .backend(SessionOptions::new().shared_connection(&shared))
     ///     .build()?;
     /// # drop(elector);
     /// # Ok(()) }
