@@ -584,6 +584,54 @@ impl ElectorBuilder {
         self
     }
 
+    /// Selects the session backend and adjusts its options: `adjust`
+    /// receives the session options given so far (the defaults if none
+    /// were, or if the lease backend was chosen: its options are dropped).
+    /// For builders assembled in steps, such as a helper's builder that a
+    /// caller extends.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use pgelect::{ConnectOptions, Elector, Profile};
+    /// let options = ConnectOptions::from_url("postgres://app@db/app").unwrap();
+    /// let fast = Elector::builder(options, "scheduler")
+    ///     .session(|s| s.profile(Profile::Fast))
+    ///     .session(|s| s.heartbeat(Duration::from_millis(50)));
+    /// // Both adjustments hold: the fast profile with a 50 ms heartbeat.
+    /// assert_eq!(fast.build().unwrap().handover_delay(), Duration::from_millis(100));
+    /// ```
+    pub fn session(mut self, adjust: impl FnOnce(SessionOptions) -> SessionOptions) -> Self {
+        let current = match std::mem::take(&mut self.backend) {
+            BackendOptions::Session(s) => s,
+            BackendOptions::Lease(_) => SessionOptions::default(),
+        };
+        self.backend = BackendOptions::Session(adjust(current));
+        self
+    }
+
+    /// Selects the lease backend and adjusts its options: `adjust`
+    /// receives the lease options given so far (the defaults if none were,
+    /// or if the session backend was chosen: its options are dropped).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use pgelect::{Backend, ConnectOptions, Elector};
+    /// let options = ConnectOptions::from_url("postgres://app@pgbouncer:6432/app").unwrap();
+    /// let elector = Elector::builder(options, "sweeper")
+    ///     .lease(|l| l.retry_every(Duration::from_millis(200)))
+    ///     .build()
+    ///     .unwrap();
+    /// assert_eq!(elector.backend(), Backend::Lease);
+    /// ```
+    pub fn lease(mut self, adjust: impl FnOnce(LeaseOptions) -> LeaseOptions) -> Self {
+        let current = match std::mem::take(&mut self.backend) {
+            BackendOptions::Lease(l) => l,
+            BackendOptions::Session(_) => LeaseOptions::default(),
+        };
+        self.backend = BackendOptions::Lease(adjust(current));
+        self
+    }
+
     /// This candidate's name, stored as `holder` in the lease row and shown
     /// in `application_name`. Default: `<hostname>-<pid>-<8 random hex
     /// digits>`, unique per process (never the bare host name, which two
@@ -665,16 +713,14 @@ impl ElectorBuilder {
         connection: &SharedConnection,
         interval: Duration,
     ) -> Self {
-        match &mut self.backend {
-            BackendOptions::Session(s) => {
-                *s = s
-                    .clone()
-                    .shared_connection(connection)
-                    .standby(StandbyMode::Polling { interval });
-            }
-            BackendOptions::Lease(_) => self.partition_on_lease = true,
+        if self.backend.backend() == Backend::Lease {
+            self.partition_on_lease = true;
+            return self;
         }
-        self
+        self.session(|s| {
+            s.shared_connection(connection)
+                .standby(StandbyMode::Polling { interval })
+        })
     }
 
     /// The timing as set, and the takeover rule of the chosen backend.
@@ -983,8 +1029,11 @@ mod tests {
         ));
         assert_eq!(
             refusal(
-                ElectorBuilder::new(o.clone(), "a")
-                    .backend(SessionOptions::new().shared_connection(&c).standby(StandbyMode::Blocking))
+                ElectorBuilder::new(o.clone(), "a").backend(
+                    SessionOptions::new()
+                        .shared_connection(&c)
+                        .standby(StandbyMode::Blocking)
+                )
             ),
             ConfigError::SharedConnectionBlocking
         );
@@ -1110,18 +1159,24 @@ mod tests {
                 safety_margin: Duration::from_millis(400)
             }
         );
-        let e = refusal(ElectorBuilder::new(o, "r").backend(
-            SessionOptions::new().standby(StandbyMode::Polling {
-                interval: Duration::ZERO,
-            }),
-        ));
+        let e = refusal(
+            ElectorBuilder::new(o, "r").backend(SessionOptions::new().standby(
+                StandbyMode::Polling {
+                    interval: Duration::ZERO,
+                },
+            )),
+        );
         assert_eq!(
             e,
             ConfigError::Zero {
                 setting: Setting::PollingInterval
             }
         );
-        assert!(e.to_string().contains("standby polling interval must be positive"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("standby polling interval must be positive"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -1133,9 +1188,15 @@ mod tests {
         // Session: the heartbeat timeout ttl / 15 under ttl - 1 s; lease:
         // the renewal under ttl - 1 s.
         assert_eq!(b.shortest_ttl(), Some(Duration::from_millis(1_072)));
-        b.clone().ttl(Duration::from_millis(1_072)).build().expect("accepted");
+        b.clone()
+            .ttl(Duration::from_millis(1_072))
+            .build()
+            .expect("accepted");
         let lease = b.backend(Backend::Lease);
         assert_eq!(lease.shortest_ttl(), Some(Duration::from_millis(1_011)));
-        lease.ttl(Duration::from_millis(1_011)).build().expect("accepted");
+        lease
+            .ttl(Duration::from_millis(1_011))
+            .build()
+            .expect("accepted");
     }
 }

@@ -208,6 +208,7 @@ use crate::conn::{ConnectOptions, DedicatedConnection, Notice};
 use crate::error::Result;
 use crate::key::LockKey;
 
+pub use crate::config_error::Setting;
 pub use backend::lease::SharedLease;
 #[doc(hidden)]
 #[cfg(feature = "test-hooks")]
@@ -215,14 +216,13 @@ pub use backend::lease::{lease_sql, LeaseSql};
 #[cfg(feature = "test-hooks")]
 pub use backend::shared::shared_renew_sql;
 pub use backend::shared::SharedConnection;
-pub use crate::config_error::Setting;
 pub use config::{
     Backend, BackendOptions, ElectorBuilder, LeaseOptions, SessionOptions, StandbyMode,
     MAX_ROLE_BYTES,
 };
 pub use leadership::{LeaderContext, Leadership, LossReason, Term};
-pub use timing::Profile;
 pub(crate) use timing::worst_detection;
+pub use timing::Profile;
 pub use watch::{current_leader, request_resign, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 
 use self::backend::lease::LeaseClaim;

@@ -674,7 +674,11 @@ mod tests {
             ..Default::default()
         };
         let e = with_user(12_000).validate().unwrap_err();
-        assert!(e.to_string().contains("must end before the server can release"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("must end before the server can release"),
+            "{e}"
+        );
         with_user(12_001).validate().unwrap();
         // Zero keepalive settings are named.
         let mut req = with_user(15_000);
@@ -819,7 +823,10 @@ mod tests {
                 ..Default::default()
             })
             .unwrap_err();
-            assert!(e.to_string().contains("is longer than the maximum 86400s"), "{e}");
+            assert!(
+                e.to_string().contains("is longer than the maximum 86400s"),
+                "{e}"
+            );
             let e = backend(&TimingRequest {
                 wait_slice: Some(MAX_TTL + nano),
                 ..Default::default()
@@ -907,13 +914,19 @@ mod tests {
                 assert_eq!(s, ms(s_ms), "whole milliseconds");
                 at(s_ms).unwrap_or_else(|e| panic!("{req:?} {takeover:?}: {s:?} refused: {e}"));
                 for t in (1..s_ms).rev() {
-                    assert!(at(t).is_err(), "{req:?} {takeover:?}: {t}ms accepted, below {s:?}");
+                    assert!(
+                        at(t).is_err(),
+                        "{req:?} {takeover:?}: {t}ms accepted, below {s:?}"
+                    );
                 }
                 Some(s)
             }
             None => {
                 for t in 1..=20_000 {
-                    assert!(at(t).is_err(), "{req:?} {takeover:?}: {t}ms accepted, None said");
+                    assert!(
+                        at(t).is_err(),
+                        "{req:?} {takeover:?}: {t}ms accepted, None said"
+                    );
                 }
                 None
             }
@@ -935,7 +948,14 @@ mod tests {
         assert_eq!(check_shortest(fast, OnDisconnect), Some(ms(32)));
         assert_eq!(check_shortest(default, OnExpiry), Some(ms(1)));
         let nanos = Duration::from_nanos;
-        let margins = [None, Some(ms(1)), Some(ms(7)), Some(ms(300)), Some(ms(3_000)), Some(nanos(12_345_678))];
+        let margins = [
+            None,
+            Some(ms(1)),
+            Some(ms(7)),
+            Some(ms(300)),
+            Some(ms(3_000)),
+            Some(nanos(12_345_678)),
+        ];
         let renewals = [None, Some(ms(5)), Some(ms(250)), Some(nanos(4_999_999_999))];
         let timeouts = [None, Some(ms(1)), Some(ms(40)), Some(ms(1_500))];
         let mut seen = 0;
@@ -991,7 +1011,9 @@ mod tests {
         // Pseudo-random settings (a fixed linear congruential sequence).
         let mut x: u64 = 0x2545_f491_4f6c_dd1d;
         let mut next = |below: u64| {
-            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
             (x >> 33) % below
         };
         for _ in 0..300 {

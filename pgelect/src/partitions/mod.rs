@@ -97,9 +97,7 @@ use tokio_postgres::GenericClient;
 use tokio_util::sync::CancellationToken;
 
 use crate::conn::{ConnectOptions, TcpTimeouts};
-use crate::election::{
-    ElectorBuilder, LeaderContext, LossReason, Term, MAX_ROLE_BYTES,
-};
+use crate::election::{ElectorBuilder, LeaderContext, LossReason, Term, MAX_ROLE_BYTES};
 use crate::error::{Error, Result};
 
 /// The lease TTL of a partition's elector unless

@@ -15,7 +15,12 @@ pub(crate) struct Roles(Arc<Mutex<HashSet<String>>>);
 impl Roles {
     /// Claims `role` for `client`'s candidate; refused, with `refusal`,
     /// while another candidate holds it.
-    pub(crate) fn claim<C>(&self, client: C, role: &str, refusal: &'static str) -> Result<Claim<C>> {
+    pub(crate) fn claim<C>(
+        &self,
+        client: C,
+        role: &str,
+        refusal: &'static str,
+    ) -> Result<Claim<C>> {
         if !self.set().insert(role.to_owned()) {
             return Err(Error::Config(ConfigError::RoleAlreadyShared {
                 role: role.to_owned(),

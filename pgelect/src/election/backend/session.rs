@@ -17,8 +17,8 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Row;
 use tracing::Instrument;
 
-use crate::conn::{DedicatedConnection, Notice};
 use crate::config_error::ConfigError;
+use crate::conn::{DedicatedConnection, Notice};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::lock::holders::{query_holders, SquatWatch};

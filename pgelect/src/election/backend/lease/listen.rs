@@ -9,8 +9,8 @@ use std::sync::{Arc, PoisonError, Weak};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::conn::{ConnectOptions, Notice};
 use crate::config_error::ConfigError;
+use crate::conn::{ConnectOptions, Notice};
 use crate::error::{Error, Result};
 
 use crate::election::support::{listen_for, WakeLimit};
