@@ -258,7 +258,9 @@ impl SessionOptions {
 #[derive(Clone, Debug, Default)]
 #[must_use = "options do nothing until given to `ElectorBuilder::backend`"]
 pub struct LeaseOptions {
-    listen_via: Option<ConnectOptions>,
+    // Boxed: the connection options are large, and the session variant of
+    // `BackendOptions` should not carry their size.
+    listen_via: Option<Box<ConnectOptions>>,
     retry_every: Option<Duration>,
     statement_timeout: Option<Duration>,
     shared_lease: Option<SharedLease>,
@@ -281,7 +283,7 @@ impl LeaseOptions {
     /// reopened with backoff. It must use the elector's schema. Default:
     /// none (`LISTEN` through a transaction pooler does not work).
     pub fn listen_via(mut self, options: ConnectOptions) -> Self {
-        self.listen_via = Some(options);
+        self.listen_via = Some(Box::new(options));
         self
     }
 
@@ -863,7 +865,7 @@ impl ElectorBuilder {
                     StandbyMode::default(),
                     self.meta,
                     Backend::Lease,
-                    l.listen_via,
+                    l.listen_via.map(|b| *b),
                     None,
                     lease_claim,
                 ))
