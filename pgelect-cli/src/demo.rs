@@ -290,7 +290,7 @@ async fn scenario(
         second.node
     );
     let asked_at = now_ns();
-    pgelect::request_resign(options, ROLE).await?;
+    pgelect::election::request_resign(options, ROLE).await?;
     let third = next_duty(&mut duties).await?;
     println!(
         "• {} leads with term {}: its command started {:.0} ms after the request (clean release: no handover delay)",

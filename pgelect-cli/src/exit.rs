@@ -145,9 +145,9 @@ mod tests {
     fn exit_codes_follow_the_librarys_classification() {
         let code = |e: pgelect::Error| Failure::from(e).code;
         assert_eq!(
-            code(pgelect::Error::Config(pgelect::ConfigError::Invalid(
-                "x".into()
-            ))),
+            code(pgelect::Error::Config(
+                pgelect::election::ConfigError::Invalid("x".into())
+            )),
             CONFIG
         );
         let missing = pgelect::Error::SchemaMissing {

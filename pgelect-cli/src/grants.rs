@@ -3,7 +3,10 @@
 //! database connection.
 
 use clap::{Args, ValueEnum};
-use pgelect::{grant_statements, preemption_grant, Grant, SchemaName, UserKind};
+use pgelect::{
+    grants::grant_statements, grants::preemption_grant, grants::Grant, grants::UserKind,
+    schema::SchemaName,
+};
 
 use crate::cli::Global;
 use crate::exit::{self, Failure};
@@ -67,11 +70,11 @@ fn parse_user(s: &str) -> Result<String, String> {
     if s.contains('\0') {
         return Err("the user name contains a NUL character".into());
     }
-    if s.len() > pgelect::MAX_USER_NAME_BYTES {
+    if s.len() > pgelect::grants::MAX_USER_NAME_BYTES {
         return Err(format!(
             "the user name is {} bytes long; PostgreSQL names are at most {} bytes",
             s.len(),
-            pgelect::MAX_USER_NAME_BYTES
+            pgelect::grants::MAX_USER_NAME_BYTES
         ));
     }
     Ok(s.to_owned())

@@ -31,13 +31,13 @@ pub async fn run(global: &Global, args: ResignArgs) -> Result<u8, Failure> {
     let schema = options.schema_name().as_str().to_owned();
     let (client, mut notices) = crate::db::connect(&options, "pgelect:resign").await?;
     client
-        .batch_execute(&format!("LISTEN {}", pgelect::LEADER_CHANNEL))
+        .batch_execute(&format!("LISTEN {}", pgelect::election::LEADER_CHANNEL))
         .await
         .map_err(|e| crate::db::classify(&schema, "listen for changes", e))?;
     let started = Instant::now();
     // The database authenticates the request: only users granted EXECUTE
     // on the schema's request_resign may make it.
-    let asked = match pgelect::request_resign(&options, &args.role).await {
+    let asked = match pgelect::election::request_resign(&options, &args.role).await {
         Ok(asked) => asked,
         Err(e @ pgelect::Error::Permission { .. }) => {
             let mut failure = Failure::from(e);

@@ -3,8 +3,8 @@
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
-use pgelect::election::{BackendOptions, LeaseOptions, SessionOptions, Setting};
-use pgelect::{ConnectOptions, Elector, ElectorBuilder, LossReason};
+use pgelect::election::{BackendOptions, LeaseOptions, LossReason, SessionOptions, Setting};
+use pgelect::{ConnectOptions, Elector, ElectorBuilder};
 
 use crate::child::{self, Child};
 use crate::cli::Global;
@@ -133,11 +133,11 @@ pub enum ProfileArg {
     Fast,
 }
 
-impl From<ProfileArg> for pgelect::Profile {
-    fn from(p: ProfileArg) -> pgelect::Profile {
+impl From<ProfileArg> for pgelect::election::Profile {
+    fn from(p: ProfileArg) -> pgelect::election::Profile {
         match p {
-            ProfileArg::Standard => pgelect::Profile::Standard,
-            ProfileArg::Fast => pgelect::Profile::Fast,
+            ProfileArg::Standard => pgelect::election::Profile::Standard,
+            ProfileArg::Fast => pgelect::election::Profile::Fast,
         }
     }
 }
@@ -607,7 +607,7 @@ async fn preflight(options: &pgelect::ConnectOptions) -> Result<(), Failure> {
                 ),
             )
         })?;
-    pgelect::check_schema(&client, options.schema_name()).await?;
+    pgelect::schema::check_schema(&client, options.schema_name()).await?;
     Ok(())
 }
 
@@ -718,7 +718,7 @@ const PARTITION_TTL: Duration = pgelect::partitions::DEFAULT_TTL;
 /// be restarted (or told) at every change, stopping the work on every
 /// partition for the move of one.
 async fn run_partitions(global: &Global, args: RunArgs, spec: &str) -> Result<u8, Failure> {
-    use pgelect::{PartitionEvent, PartitionGroup};
+    use pgelect::{partitions::PartitionEvent, partitions::PartitionGroup};
     let (group_name, n) = crate::status::parse_partitions(spec)?;
     if let Some(node) = &args.node {
         check_name("--id", node)?;
@@ -800,7 +800,7 @@ async fn run_partitions(global: &Global, args: RunArgs, spec: &str) -> Result<u8
 /// leaving), at once for a lost leadership; started again 1 s after it
 /// exits by itself. Dropping `held` at the end lets the partition go.
 async fn supervise(
-    held: pgelect::HeldPartition,
+    held: pgelect::partitions::HeldPartition,
     args: std::sync::Arc<RunArgs>,
     node: String,
     grace: Duration,

@@ -32,7 +32,7 @@ fn say(line: String) {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args: Vec<String> = Vec::new();
-    let mut backend = pgelect::Backend::Session;
+    let mut backend = pgelect::election::Backend::Session;
     let mut listen = None;
     let mut profile = None;
     let mut it = std::env::args();
@@ -50,15 +50,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let options = pgelect::ConnectOptions::from_url(&args[1])?;
     let mut builder = pgelect::Elector::builder(options, &args[2]).backend(backend);
-    if profile.is_some() && backend != pgelect::Backend::Session {
+    if profile.is_some() && backend != pgelect::election::Backend::Session {
         return Err("--profile is for the session backend".into());
     }
-    if listen.is_some() && backend != pgelect::Backend::Lease {
+    if listen.is_some() && backend != pgelect::election::Backend::Lease {
         return Err("--listen is for the lease backend".into());
     }
     builder = match profile {
         Some(p) => builder.session(|s| s.profile(p)),
-        None if backend == pgelect::Backend::Session => builder
+        None if backend == pgelect::election::Backend::Session => builder
             .session(|s| {
                 s.heartbeat(Duration::from_millis(200))
                     .heartbeat_timeout(Duration::from_millis(500))
@@ -69,7 +69,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(ttl) = args.get(3) {
         let ttl = Duration::from_millis(ttl.parse()?);
         builder = builder.ttl(ttl);
-        if backend == pgelect::Backend::Lease {
+        if backend == pgelect::election::Backend::Lease {
             builder = builder
                 .renew_every(ttl / 4)
                 .lease(|l| l.statement_timeout(Duration::from_millis(300).min(ttl / 4)));

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio_postgres::error::{DbError, SqlState};
 
-pub use crate::config_error::ConfigError;
+use crate::election::ConfigError;
 
 /// SQLSTATE raised by `pgelect.fence` when the term is not the current one.
 pub const SQLSTATE_STALE_TERM: &str = "PE001";

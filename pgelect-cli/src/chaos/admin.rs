@@ -200,8 +200,8 @@ pub(super) async fn create_table(admin: &Admin, table: &str) -> Result<(), Failu
 pub(super) async fn live_leader(
     options: &pgelect::ConnectOptions,
     role: &str,
-) -> Result<Option<pgelect::LeaderInfo>, Failure> {
-    let Some(l) = pgelect::current_leader(options, role).await? else {
+) -> Result<Option<pgelect::election::LeaderInfo>, Failure> {
+    let Some(l) = pgelect::election::current_leader(options, role).await? else {
         return Ok(None);
     };
     if l.lease_expired {
@@ -238,7 +238,7 @@ pub(super) async fn live_leader(
         (ttl + Duration::from_millis(500)).as_secs_f64()
     );
     tokio::time::sleep(ttl + Duration::from_millis(500)).await;
-    Ok(pgelect::current_leader(options, role)
+    Ok(pgelect::election::current_leader(options, role)
         .await?
         .filter(|l| !l.lease_expired))
 }

@@ -130,18 +130,21 @@ impl Run<'_> {
                     backend_name(self.backend)
                 );
                 let password = random_hex();
-                let schema = pgelect::SchemaName::new(&self.schema)?;
+                let schema = pgelect::schema::SchemaName::new(&self.schema)?;
                 let mut sql = vec![format!(
                     "CREATE ROLE \"{user}\" LOGIN PASSWORD '{password}'"
                 )];
-                for kind in [pgelect::UserKind::Candidate, pgelect::UserKind::Fencer] {
+                for kind in [
+                    pgelect::grants::UserKind::Candidate,
+                    pgelect::grants::UserKind::Fencer,
+                ] {
                     sql.extend(
-                        pgelect::grant_statements(kind, &user, &schema)?
+                        pgelect::grants::grant_statements(kind, &user, &schema)?
                             .into_iter()
                             .map(|g| g.sql),
                     );
                 }
-                sql.push(pgelect::preemption_grant(&user)?.sql);
+                sql.push(pgelect::grants::preemption_grant(&user)?.sql);
                 sql.push(format!("GRANT INSERT ON {} TO \"{user}\"", self.table));
                 sql.push(format!(
                     "GRANT USAGE ON SEQUENCE {}_id_seq TO \"{user}\"",

@@ -38,12 +38,12 @@ impl TcpTimeouts {
     /// whose candidates use this TTL; [`TcpTimeouts::default`] (10 s) suits
     /// TTLs up to about 12 s only.
     ///
-    /// [`SharedConnection`]: crate::SharedConnection
+    /// [`SharedConnection`]: crate::election::SharedConnection
     ///
     /// ```
     /// use std::time::Duration;
-    /// use pgelect::election::SessionOptions;
-    /// use pgelect::{ConnectOptions, Elector, SharedConnection, TcpTimeouts};
+    /// use pgelect::election::{SessionOptions, SharedConnection};
+    /// use pgelect::{conn::TcpTimeouts, ConnectOptions, Elector};
     /// # fn main() -> pgelect::Result<()> {
     /// let options = ConnectOptions::from_url("postgres://app@db/app")?;
     /// let ttl = Duration::from_secs(15);

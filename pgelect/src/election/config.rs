@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use crate::config_error::{ConfigError, Setting};
 use crate::conn::{ConnectOptions, TcpTimeouts};
+use crate::election::config_error::{ConfigError, Setting};
 use crate::error::{shown, Error, Result};
 use crate::key::LockKey;
 
@@ -58,7 +58,7 @@ impl std::str::FromStr for Backend {
     /// Parses `session` or `lease`.
     ///
     /// ```
-    /// use pgelect::Backend;
+    /// use pgelect::election::Backend;
     /// assert_eq!("lease".parse::<Backend>().unwrap(), Backend::Lease);
     /// assert!("zookeeper".parse::<Backend>().is_err());
     /// ```
@@ -102,7 +102,8 @@ pub enum StandbyMode {
 /// ```
 /// use std::time::Duration;
 /// use pgelect::election::SessionOptions;
-/// use pgelect::{Elector, Profile, StandbyMode};
+/// use pgelect::election::{Profile, StandbyMode};
+/// use pgelect::Elector;
 /// # fn f(options: pgelect::ConnectOptions) -> pgelect::Result<()> {
 /// let elector = Elector::builder(options, "scheduler")
 ///     .backend(
@@ -246,7 +247,8 @@ impl SessionOptions {
 ///
 /// ```
 /// use pgelect::election::LeaseOptions;
-/// use pgelect::{Backend, ConnectOptions, Elector};
+/// use pgelect::election::Backend;
+/// use pgelect::{ConnectOptions, Elector};
 /// let pooled = ConnectOptions::from_url("postgres://app@pgbouncer:6432/app").unwrap();
 /// let direct = ConnectOptions::from_url("postgres://app@db/app").unwrap();
 /// let elector = Elector::builder(pooled, "scheduler")
@@ -320,7 +322,8 @@ impl LeaseOptions {
     ///
     /// ```
     /// use pgelect::election::LeaseOptions;
-    /// use pgelect::{Backend, ConnectOptions, Elector, SharedLease};
+    /// use pgelect::election::{Backend, SharedLease};
+    /// use pgelect::{ConnectOptions, Elector};
     /// let options = ConnectOptions::from_url("postgres://app@db/app").unwrap();
     /// let client = SharedLease::new(&options);
     /// let elector = Elector::builder(options.clone(), "shard-1")
@@ -350,7 +353,7 @@ impl LeaseOptions {
 ///
 /// ```
 /// use pgelect::election::{BackendOptions, LeaseOptions};
-/// use pgelect::Backend;
+/// use pgelect::election::Backend;
 /// assert_eq!(BackendOptions::from(Backend::Lease).backend(), Backend::Lease);
 /// assert_eq!(BackendOptions::from(LeaseOptions::new()).backend(), Backend::Lease);
 /// assert_eq!(BackendOptions::default().backend(), Backend::Session);
@@ -545,7 +548,7 @@ impl ElectorBuilder {
     /// The leader checks at every renewal, and at once (at most one check
     /// per 100 ms) when a preferred candidate registers and sends it a hint;
     /// it then ends its leadership with
-    /// [`LossReason::HandedOver`](crate::LossReason::HandedOver): the
+    /// [`LossReason::HandedOver`](crate::election::LossReason::HandedOver): the
     /// duties stop, and releasing (as [`Elector::run`] does, or
     /// [`Leadership::resign`](crate::Leadership::resign)) hands the lock to
     /// the preferred candidate with a new term and no overlap. A lower
@@ -571,7 +574,8 @@ impl ElectorBuilder {
     ///
     /// ```
     /// use pgelect::election::{LeaseOptions, SessionOptions};
-    /// use pgelect::{Backend, ConnectOptions, Elector, Profile};
+    /// use pgelect::election::{Backend, Profile};
+    /// use pgelect::{ConnectOptions, Elector};
     /// let options = ConnectOptions::from_url("postgres://app@db/app").unwrap();
     /// let lease = Elector::builder(options.clone(), "a").backend(Backend::Lease).build().unwrap();
     /// assert_eq!(lease.backend(), Backend::Lease);
@@ -594,7 +598,8 @@ impl ElectorBuilder {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use pgelect::{ConnectOptions, Elector, Profile};
+    /// use pgelect::election::Profile;
+    /// use pgelect::{ConnectOptions, Elector};
     /// let options = ConnectOptions::from_url("postgres://app@db/app").unwrap();
     /// let fast = Elector::builder(options, "scheduler")
     ///     .session(|s| s.profile(Profile::Fast))
@@ -617,7 +622,8 @@ impl ElectorBuilder {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use pgelect::{Backend, ConnectOptions, Elector};
+    /// use pgelect::election::Backend;
+    /// use pgelect::{ConnectOptions, Elector};
     /// let options = ConnectOptions::from_url("postgres://app@pgbouncer:6432/app").unwrap();
     /// let elector = Elector::builder(options, "sweeper")
     ///     .lease(|l| l.retry_every(Duration::from_millis(200)))
@@ -691,7 +697,8 @@ impl ElectorBuilder {
     /// ```
     /// use std::time::Duration;
     /// use pgelect::election::SessionOptions;
-    /// use pgelect::{Backend, ConnectOptions, Elector, Profile};
+    /// use pgelect::election::{Backend, Profile};
+    /// use pgelect::{ConnectOptions, Elector};
     /// let options = ConnectOptions::from_url("postgres://app@db/app").unwrap();
     /// let builder = Elector::builder(options, "scheduler");
     /// let shortest = builder.shortest_ttl().unwrap();

@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use crate::config_error::{ConfigError, Setting};
 use crate::conn::TcpTimeouts;
+use crate::election::config_error::{ConfigError, Setting};
 
 /// The longest TTL accepted, so that deadline arithmetic cannot overflow.
 pub(crate) const MAX_TTL: Duration = Duration::from_secs(24 * 3600);

@@ -29,7 +29,7 @@ pub const LEADER_CHANNEL: &str = "pgelect_leader";
 /// hint only makes the leader read its lease row early (at most one early
 /// read per 100 ms); it steps down only if the row says that a resignation
 /// was requested for its term, which takes
-/// [`request_resign`](crate::request_resign) and the privilege to run it.
+/// [`request_resign`](crate::election::request_resign) and the privilege to run it.
 pub const RESIGN_CHANNEL: &str = "pgelect_resign";
 
 /// A role's leader as the lease row shows it.

@@ -96,7 +96,7 @@ pub(crate) fn describe(holders: &[LockHolder]) -> String {
 /// ```no_run
 /// # async fn f(client: &tokio_postgres::Client) -> Result<(), pgelect::Error> {
 /// let key = pgelect::LockKey::from_name("nightly-report")?;
-/// for holder in pgelect::lock_holders(client, key).await? {
+/// for holder in pgelect::lock::lock_holders(client, key).await? {
 ///     eprintln!("held by {holder}");
 /// }
 /// # Ok(()) }

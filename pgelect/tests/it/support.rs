@@ -231,7 +231,7 @@ pub fn fast_session(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilde
 /// at least every 200 ms.
 pub fn fast_lease(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
     Elector::builder(o.clone(), role)
-        .backend(pgelect::Backend::Lease)
+        .backend(pgelect::election::Backend::Lease)
         .node_id(node)
         .ttl(Duration::from_secs(2))
         .renew_every(Duration::from_millis(500))
@@ -246,7 +246,7 @@ pub fn fast_lease(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder 
 /// 200 ms.
 pub fn fast_polling(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
     fast_session(o, role, node).session(|s| {
-        s.standby(pgelect::StandbyMode::Polling {
+        s.standby(pgelect::election::StandbyMode::Polling {
             interval: Duration::from_millis(200),
         })
     })

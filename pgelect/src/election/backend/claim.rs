@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::config_error::ConfigError;
+use crate::election::config_error::ConfigError;
 use crate::error::{Error, Result};
 
 /// The roles that have a candidate on one shared client.

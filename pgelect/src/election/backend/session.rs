@@ -17,8 +17,8 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Row;
 use tracing::Instrument;
 
-use crate::config_error::ConfigError;
 use crate::conn::{DedicatedConnection, Notice};
+use crate::election::config_error::ConfigError;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::lock::holders::{query_holders, SquatWatch};
@@ -98,7 +98,7 @@ pub(crate) enum LockConn {
     /// Its own: dropped leadership kills it (the server releases the lock),
     /// a clean release keeps it for the next campaign.
     Own(DedicatedConnection),
-    /// A [`SharedConnection`](crate::SharedConnection), also holding other
+    /// A [`SharedConnection`](crate::election::SharedConnection), also holding other
     /// roles' locks: dropped leadership unlocks this role's key only.
     Shared(Arc<SharedSession>),
 }

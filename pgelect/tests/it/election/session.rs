@@ -6,7 +6,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pgelect::{ConnectOptions, Elector, ElectorBuilder, Error, LossReason, StandbyMode, Term};
+use pgelect::{
+    election::LossReason, election::StandbyMode, ConnectOptions, Elector, ElectorBuilder, Error,
+    Term,
+};
 use pgelect_testkit::{Cluster, FaultProxy, PgBouncer, PoolMode, TestDb};
 
 use crate::support;
@@ -149,14 +152,14 @@ async fn release_frees_at_once_and_watchers_follow() {
     })
     .await
     .expect("watch shows the new leader");
-    let now = pgelect::current_leader(&o, "release")
+    let now = pgelect::election::current_leader(&o, "release")
         .await
         .unwrap()
         .unwrap();
     assert_eq!(now.holder, "b");
     assert_eq!(now.term, lb.term());
     lb.resign().await.unwrap();
-    assert!(pgelect::current_leader(&o, "release")
+    assert!(pgelect::election::current_leader(&o, "release")
         .await
         .unwrap()
         .is_none());
@@ -230,7 +233,10 @@ async fn a_leader_holds_one_backend_and_publishes_its_renewals() {
     .expect("a renewal reaches the watchers");
     assert_eq!(renewed.term, la.term());
     assert!(renewed.lease_until > first.lease_until);
-    let row = pgelect::current_leader(&o, "one").await.unwrap().unwrap();
+    let row = pgelect::election::current_leader(&o, "one")
+        .await
+        .unwrap()
+        .unwrap();
     assert!(row.renewed_at >= renewed.renewed_at);
     // After the release the observer comes back and sees nobody lead.
     la.resign().await.unwrap();
@@ -411,7 +417,7 @@ async fn stale_leader_renewal_and_fence_fail_after_takeover() {
         .await;
     assert_eq!(
         r.unwrap_err().code().unwrap().code(),
-        pgelect::SQLSTATE_STALE_TERM
+        pgelect::schema::SQLSTATE_STALE_TERM
     );
     la.resign().await.unwrap();
 }
@@ -746,7 +752,7 @@ async fn run_demotes_after_duties_stop_and_resign_can_be_requested() {
     });
     _db.wait_for_advisory_waiters(1).await;
     let t0 = Instant::now();
-    let asked = pgelect::request_resign(&o, "run").await.unwrap();
+    let asked = pgelect::election::request_resign(&o, "run").await.unwrap();
     assert_eq!(asked.unwrap().holder, "runner");
     let (at, l) = tokio::time::timeout(Duration::from_secs(10), standby_task)
         .await
@@ -784,7 +790,10 @@ async fn run_demotes_after_duties_stop_and_resign_can_be_requested() {
     let ev = events.lock().unwrap().clone();
     assert_eq!(ev[4], "duties stopped Some(Shutdown)", "{ev:?}");
     assert_eq!(ev[5], "demoted");
-    assert!(pgelect::current_leader(&o, "run").await.unwrap().is_none());
+    assert!(pgelect::election::current_leader(&o, "run")
+        .await
+        .unwrap()
+        .is_none());
 }
 
 #[tokio::test]
@@ -853,7 +862,7 @@ fn bad_configurations_are_rejected_naming_the_values() {
             .session(|s| s.handover_delay(Duration::from_millis(10))));
     assert!(e.contains("handover_delay 10ms"), "{e}");
     let e = err(Elector::builder(o.clone(), "r").session(|s| {
-        s.tcp_timeouts(pgelect::TcpTimeouts {
+        s.tcp_timeouts(pgelect::conn::TcpTimeouts {
             keepalive_idle: Duration::from_secs(1),
             keepalive_interval: Duration::from_secs(1),
             keepalive_count: 2,
@@ -871,7 +880,7 @@ fn bad_configurations_are_rejected_naming_the_values() {
         let e = Elector::builder(o.clone(), role).build().unwrap_err();
         assert!(matches!(e, Error::InvalidName { what: "role", .. }), "{e}");
     }
-    let long = "r".repeat(pgelect::MAX_ROLE_BYTES + 1);
+    let long = "r".repeat(pgelect::election::MAX_ROLE_BYTES + 1);
     let e = Elector::builder(o.clone(), &long).build().unwrap_err();
     assert!(matches!(e, Error::InvalidName { what: "role", .. }), "{e}");
     let e = Elector::builder(o.clone(), "r")

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use pgelect::{ConnectOptions, Error, LockKey, LockSession, Semaphore};
+use pgelect::{lock::Semaphore, ConnectOptions, Error, LockKey, LockSession};
 use tokio_postgres::Client;
 
 use crate::support::database as setup;
@@ -128,7 +128,7 @@ async fn permits_up_to_the_limit_then_none_until_one_is_released() {
     assert_eq!(pids.len(), 2, "{holders:?}");
     assert!(pids.contains(&a.backend_pid()) && pids.contains(&b.backend_pid()));
     assert_eq!(
-        pgelect::semaphore_holders(&admin, &sem)
+        pgelect::lock::semaphore_holders(&admin, &sem)
             .await
             .unwrap()
             .len(),

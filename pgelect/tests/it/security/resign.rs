@@ -11,8 +11,8 @@
 use std::time::{Duration, Instant, SystemTime};
 
 use pgelect::{
-    Backend, ConnectOptions, Elector, ElectorBuilder, Error, LossReason, SharedConnection,
-    StandbyMode, TcpTimeouts,
+    conn::TcpTimeouts, election::Backend, election::LossReason, election::SharedConnection,
+    election::StandbyMode, ConnectOptions, Elector, ElectorBuilder, Error,
 };
 use pgelect_testkit::TestDb;
 use tokio_postgres::types::Type;
@@ -126,7 +126,7 @@ async fn operator_resigns(
     lost: impl std::future::Future<Output = ()>,
 ) -> Duration {
     let t0 = Instant::now();
-    let asked = pgelect::request_resign(operator, role)
+    let asked = pgelect::election::request_resign(operator, role)
         .await
         .expect("the operator may request")
         .expect("the role has a leader");
@@ -252,7 +252,9 @@ async fn request_resign_without_the_privilege_is_a_permission_error_naming_the_g
     let (db, _o) = migrated("sec_noperm").await;
     let url = db.create_role("nobody", ATTACKER_PASSWORD, false).await;
     let nobody = ConnectOptions::from_url(&url).unwrap();
-    let e = pgelect::request_resign(&nobody, "any").await.unwrap_err();
+    let e = pgelect::election::request_resign(&nobody, "any")
+        .await
+        .unwrap_err();
     assert!(matches!(e, Error::Permission { .. }), "{e:?}");
     assert!(e.to_string().contains("request_resign"), "{e}");
     assert!(e.to_string().contains("GRANT EXECUTE"), "{e}");

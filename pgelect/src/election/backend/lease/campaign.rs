@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::config_error::ConfigError;
+use crate::election::config_error::ConfigError;
 use crate::error::{Error, Result};
 use crate::metrics;
 

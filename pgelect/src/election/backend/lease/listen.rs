@@ -9,8 +9,8 @@ use std::sync::{Arc, PoisonError, Weak};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::config_error::ConfigError;
 use crate::conn::{ConnectOptions, Notice};
+use crate::election::config_error::ConfigError;
 use crate::error::{Error, Result};
 
 use crate::election::support::{listen_for, WakeLimit};
@@ -35,7 +35,7 @@ impl SharedLease {
     ///
     /// ```no_run
     /// # fn example() -> pgelect::Result<()> {
-    /// use pgelect::{ConnectOptions, SharedLease};
+    /// use pgelect::{ConnectOptions, election::SharedLease};
     /// let pooled = ConnectOptions::from_url("postgres://app@pgbouncer:6432/app")?;
     /// let direct = ConnectOptions::from_url("postgres://app@db:5432/app")?;
     /// let client = SharedLease::new(&pooled).listen_via(direct)?;

@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use pgelect::{
-    Backend, ConnectOptions, Elector, Error, LossReason, SharedConnection, SharedLease,
-    StandbyMode, TcpTimeouts,
+    conn::TcpTimeouts, election::Backend, election::LossReason, election::SharedConnection,
+    election::SharedLease, election::StandbyMode, ConnectOptions, Elector, Error,
 };
 use pgelect_testkit::TestDb;
 use tokio_postgres::error::SqlState;
@@ -338,14 +338,16 @@ async fn an_operator_needs_usage_and_execute_on_request_resign() {
 
     for (name, grants) in [("op_usage", &RESIGNING[..1]), ("op_exec", &RESIGNING[1..])] {
         let o = user(&db, name, grants).await;
-        let e = pgelect::request_resign(&o, "jobs").await.unwrap_err();
+        let e = pgelect::election::request_resign(&o, "jobs")
+            .await
+            .unwrap_err();
         assert!(matches!(e, Error::Permission { .. }), "{name}: {e:?}");
         assert!(e.to_string().contains("request_resign"), "{e}");
     }
     assert!(!l.is_lost());
 
     let o = user(&db, "op", RESIGNING).await;
-    let asked = pgelect::request_resign(&o, "jobs")
+    let asked = pgelect::election::request_resign(&o, "jobs")
         .await
         .unwrap()
         .expect("a leader");
@@ -356,7 +358,10 @@ async fn an_operator_needs_usage_and_execute_on_request_resign() {
     assert_eq!(l.loss_reason(), Some(LossReason::Resigned));
     l.resign().await.unwrap();
     // No leader: nothing marked, nothing returned.
-    assert_eq!(pgelect::request_resign(&o, "jobs").await.unwrap(), None);
+    assert_eq!(
+        pgelect::election::request_resign(&o, "jobs").await.unwrap(),
+        None
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -365,7 +370,10 @@ async fn an_observer_needs_usage_select_and_execute_on_key() {
     let leader = fast(&owner, "jobs", "leader").build().unwrap();
     let l = leader.leadership().await.unwrap();
     let o = user(&db, "watcher", OBSERVING).await;
-    let info = pgelect::current_leader(&o, "jobs").await.unwrap().unwrap();
+    let info = pgelect::election::current_leader(&o, "jobs")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(info.term, l.term());
     let c = client_of(&db, "watcher").await;
     let k: i64 = c
@@ -376,7 +384,7 @@ async fn an_observer_needs_usage_select_and_execute_on_key() {
     assert_eq!(pgelect::LockKey::Single(k), leader.lock_key());
 
     let no_select = user(&db, "watcher2", &[OBSERVING[0], OBSERVING[2]]).await;
-    let e = pgelect::current_leader(&no_select, "jobs")
+    let e = pgelect::election::current_leader(&no_select, "jobs")
         .await
         .unwrap_err();
     assert!(matches!(e, Error::Permission { .. }), "{e:?}");
@@ -460,7 +468,7 @@ async fn migrations_4_and_5_keep_the_rights_of_earlier_candidates_and_observers(
     // 4 and 5, and every later one.
     assert_eq!(
         i64::from(pgelect::migrate(&owner).await.unwrap()),
-        i64::from(pgelect::SCHEMA_VERSION) - 3
+        i64::from(pgelect::schema::SCHEMA_VERSION) - 3
     );
     let l = fast(&old, "r", "a")
         .build()

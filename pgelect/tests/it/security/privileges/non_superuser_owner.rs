@@ -1,6 +1,6 @@
 //! Least privilege: the schema migrated by an owner who
 //! is not a superuser, every other user given exactly the grants of
-//! `pgelect::grant_statements` (the book's list, checked here line by
+//! `pgelect::grants::grant_statements` (the book's list, checked here line by
 //! line) by that owner, a representative run of the election and lock
 //! behaviour as those users, and zombie preemption with and without
 //! `pg_signal_backend`.
@@ -12,8 +12,8 @@
 use std::time::{Duration, Instant};
 
 use pgelect::{
-    grant_statements, preemption_grant, Backend, ConnectOptions, Elector, Error, LockKey,
-    LockSession, SchemaName, StandbyMode, UserKind,
+    election::Backend, election::StandbyMode, grants::grant_statements, grants::preemption_grant,
+    grants::UserKind, schema::SchemaName, ConnectOptions, Elector, Error, LockKey, LockSession,
 };
 use pgelect_testkit::TestDb;
 use tokio_postgres::{Client, NoTls};
@@ -66,7 +66,10 @@ async fn owned(hint: &str) -> Setup {
     let owner = login(&db, "owner").await; // ALTERs it to LOGIN
     grant(&admin, UserKind::Owner, &owner_name).await;
     let applied = pgelect::migrate(&owner).await.expect("the owner migrates");
-    assert_eq!(i64::from(applied), i64::from(pgelect::SCHEMA_VERSION));
+    assert_eq!(
+        i64::from(applied),
+        i64::from(pgelect::schema::SCHEMA_VERSION)
+    );
     let row = admin
         .query_one(
             "SELECT r.rolsuper, r.rolcreaterole, r.rolcreatedb,
@@ -162,12 +165,12 @@ async fn a_non_superuser_owner_migrates_and_its_grants_suffice_for_every_kind() 
     f.query("SELECT pgelect.fence('jobs', $1)", &[&la.term().get()])
         .await
         .expect("the fencer fences the current term");
-    let seen = pgelect::current_leader(&watcher, "jobs")
+    let seen = pgelect::election::current_leader(&watcher, "jobs")
         .await
         .unwrap()
         .unwrap();
     assert_eq!(seen.term, la.term());
-    let asked = pgelect::request_resign(&ops, "jobs")
+    let asked = pgelect::election::request_resign(&ops, "jobs")
         .await
         .unwrap()
         .unwrap();
@@ -259,7 +262,10 @@ async fn the_election_and_lock_behaviour_as_a_least_privilege_candidate() {
         .query("SELECT pgelect.fence('s', $1)", &[&lb.term().get()])
         .await
         .unwrap_err();
-    assert_eq!(stale.code().unwrap().code(), pgelect::SQLSTATE_STALE_TERM);
+    assert_eq!(
+        stale.code().unwrap().code(),
+        pgelect::schema::SQLSTATE_STALE_TERM
+    );
     lc.resign().await.unwrap();
 
     // Lease backend: a resign hands over; a killed leader process is
@@ -349,19 +355,19 @@ async fn the_election_and_lock_behaviour_as_a_least_privilege_candidate() {
     let mut c1 = client_of(&o).await;
     let mut c2 = client_of(&o).await;
     let t1 = c1.transaction().await.unwrap();
-    pgelect::xact_lock(&t1, k).await.unwrap();
+    pgelect::lock::xact_lock(&t1, k).await.unwrap();
     let t2 = c2.transaction().await.unwrap();
-    assert!(!pgelect::try_xact_lock(&t2, k).await.unwrap());
+    assert!(!pgelect::lock::try_xact_lock(&t2, k).await.unwrap());
     t2.rollback().await.unwrap();
     let t2 = c2.transaction().await.unwrap();
-    let e = pgelect::xact_lock_timeout(&t2, k, Duration::from_millis(200))
+    let e = pgelect::lock::xact_lock_timeout(&t2, k, Duration::from_millis(200))
         .await
         .unwrap_err();
     assert!(e.is_timeout(), "{e:?}");
     t2.rollback().await.unwrap();
     t1.commit().await.unwrap();
     let t2 = c2.transaction().await.unwrap();
-    pgelect::xact_lock_shared_timeout(&t2, k, Duration::from_secs(2))
+    pgelect::lock::xact_lock_shared_timeout(&t2, k, Duration::from_secs(2))
         .await
         .unwrap();
     t2.commit().await.unwrap();
@@ -545,7 +551,10 @@ async fn a_least_privilege_candidate_of_higher_priority_takes_over_from_another_
         .await
         .expect("the preferred candidate of another user leads")
         .unwrap();
-    assert_eq!(a_task.await.unwrap(), Some(pgelect::LossReason::HandedOver));
+    assert_eq!(
+        a_task.await.unwrap(),
+        Some(pgelect::election::LossReason::HandedOver)
+    );
     assert_eq!(lb.term().get(), term.get() + 1);
     lb.resign().await.unwrap();
     b.withdraw().await.unwrap();

@@ -35,7 +35,7 @@ pub enum Setting {
     HandoverDelay,
     /// [`SessionOptions::wait_slice`](crate::election::SessionOptions::wait_slice).
     WaitSlice,
-    /// The `interval` of [`StandbyMode::Polling`](crate::StandbyMode::Polling).
+    /// The `interval` of [`StandbyMode::Polling`](crate::election::StandbyMode::Polling).
     PollingInterval,
     /// `keepalive_idle` of [`SessionOptions::tcp_timeouts`](crate::election::SessionOptions::tcp_timeouts).
     TcpKeepaliveIdle,
@@ -83,7 +83,8 @@ impl std::fmt::Display for Setting {
 ///
 /// ```
 /// use std::time::Duration;
-/// use pgelect::{ConfigError, ConnectOptions, Elector, Error};
+/// use pgelect::election::ConfigError;
+/// use pgelect::{ConnectOptions, Elector, Error};
 /// let options = ConnectOptions::from_url("postgres://app@db/app").unwrap();
 /// let err = Elector::builder(options, "scheduler")
 ///     .ttl(Duration::from_secs(3))
@@ -257,7 +258,7 @@ impl ConfigError {
     /// [`Setting::HeartbeatTimeout`]). `Display` is `describe(Setting::as_str)`.
     ///
     /// ```
-    /// use pgelect::{ConfigError, election::Setting};
+    /// use pgelect::election::{ConfigError, Setting};
     /// let e = ConfigError::Zero { setting: Setting::RenewEvery };
     /// assert_eq!(e.to_string(), "renew_every must be positive");
     /// let flag = |s: Setting| format!("--{}", s.as_str().replace('_', "-"));
