@@ -88,12 +88,12 @@ impl std::fmt::Display for Setting {
 /// let options = ConnectOptions::from_url("postgres://app@db/app").unwrap();
 /// let err = Elector::builder(options, "scheduler")
 ///     .ttl(Duration::from_secs(3))
-///     .renew_every(Duration::from_secs(3))
+///     .renew_every(Duration::from_millis(2500))
 ///     .build()
 ///     .unwrap_err();
 /// let Error::Config(ConfigError::RenewNotBeforeDeadline { renew_every, ttl, safety_margin }) = err
 /// else { panic!("{err}") };
-/// assert_eq!(renew_every, Duration::from_secs(3));
+/// assert_eq!(renew_every, Duration::from_millis(2500));
 /// assert_eq!(ttl - safety_margin, Duration::from_millis(2400));
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
