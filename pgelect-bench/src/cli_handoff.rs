@@ -491,7 +491,7 @@ async fn library_trial(
                 &role,
             )
             .backend(Backend::Lease)
-            .listen_via(direct.clone()),
+            .lease(|l| l.listen_via(direct.clone())),
         };
         let b = match setup.ttl {
             Some((_, ttl)) => b.ttl(ttl),

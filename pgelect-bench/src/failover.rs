@@ -83,8 +83,10 @@ impl Timing {
         let b = Elector::builder(options, ROLE);
         match self {
             Timing::Default => b,
-            Timing::Standard2s => b.profile(Profile::Standard).ttl(Duration::from_secs(2)),
-            Timing::Fast => b.profile(Profile::Fast),
+            Timing::Standard2s => b
+                .session(|s| s.profile(Profile::Standard))
+                .ttl(Duration::from_secs(2)),
+            Timing::Fast => b.session(|s| s.profile(Profile::Fast)),
         }
     }
 

@@ -77,7 +77,7 @@ fn elector(o: &ConnectOptions, backend: Backend, node: &str) -> Result<Elector, 
         .ttl(Duration::from_secs(2))
         .backend(backend);
     let b = match backend {
-        Backend::Lease => b.retry_every(Duration::from_millis(200)),
+        Backend::Lease => b.lease(|l| l.retry_every(Duration::from_millis(200))),
         _ => b,
     };
     b.build().map_err(|e| e.to_string())

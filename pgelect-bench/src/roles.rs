@@ -557,11 +557,11 @@ fn child(args: &[String]) -> Result<(), String> {
             let e = match backend {
                 Backend::Lease => builder
                     .backend(Backend::Lease)
-                    .retry_every(POLL)
-                    .shared_lease(&lease),
-                _ => builder
-                    .standby(StandbyMode::Polling { interval: POLL })
-                    .shared_connection(&host),
+                    .lease(|l| l.retry_every(POLL).shared_lease(&lease)),
+                _ => builder.session(|s| {
+                    s.standby(StandbyMode::Polling { interval: POLL })
+                        .shared_connection(&host)
+                }),
             }
             .build()
             .map_err(|e| e.to_string())?;

@@ -144,7 +144,12 @@ mod tests {
     #[test]
     fn exit_codes_follow_the_librarys_classification() {
         let code = |e: pgelect::Error| Failure::from(e).code;
-        assert_eq!(code(pgelect::Error::Config("x".into())), CONFIG);
+        assert_eq!(
+            code(pgelect::Error::Config(
+                pgelect::election::ConfigError::Invalid("x".into())
+            )),
+            CONFIG
+        );
         let missing = pgelect::Error::SchemaMissing {
             schema: "pgelect".into(),
         };

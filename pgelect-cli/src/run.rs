@@ -3,7 +3,9 @@
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
-use pgelect::{loss::LossReason, Elector};
+use pgelect::election::{BackendOptions, LeaseOptions, SessionOptions, Setting};
+use pgelect::loss::LossReason;
+use pgelect::{ConnectOptions, Elector, ElectorBuilder};
 
 use crate::child::{self, Child};
 use crate::cli::Global;
@@ -34,11 +36,12 @@ pub struct RunArgs {
     /// (heartbeat ttl/15 from 20ms to 1s; after a crash a standby waits
     /// 2.5s at the default ttl, 400ms at --ttl 2s); `fast` heartbeats every
     /// 20ms (about 50 statements/s while leading) so that a crashed
-    /// leader's successor starts within about 100ms (session backend only).
+    /// leader's successor starts within about 100ms (session backend only:
+    /// `fast` is refused with --backend lease).
     #[arg(long, value_enum, default_value_t = ProfileArg::Standard, value_name = "PROFILE")]
     pub profile: ProfileArg,
     /// Time between heartbeats on the leader's lock connection (session
-    /// backend; default from --profile).
+    /// backend only, refused with --backend lease; default from --profile).
     #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION")]
     pub heartbeat: Option<Duration>,
     /// How long a heartbeat or renewal may take before the lock connection
@@ -47,8 +50,9 @@ pub struct RunArgs {
     #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION")]
     pub heartbeat_timeout: Option<Duration>,
     /// How long a standby that took over from a leader that did not release
-    /// waits before starting the command (session backend); at least
-    /// --heartbeat + --heartbeat-timeout. Default from --profile.
+    /// waits before starting the command (session backend only, refused
+    /// with --backend lease); at least --heartbeat + --heartbeat-timeout.
+    /// Default from --profile.
     #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION")]
     pub handover_delay: Option<Duration>,
     /// How much earlier than the lease the leader stops acting (default:
@@ -140,18 +144,61 @@ impl From<ProfileArg> for pgelect::election::Profile {
 }
 
 impl RunArgs {
-    /// The timing options given, applied to `builder`.
-    pub fn timing(&self, mut builder: pgelect::ElectorBuilder) -> pgelect::ElectorBuilder {
-        builder = builder.ttl(self.ttl).profile(self.profile.into());
+    /// The session backend's options given (`--profile`, `--heartbeat`,
+    /// `--heartbeat-timeout`, `--handover-delay`).
+    pub fn session_options(&self) -> SessionOptions {
+        let mut session = SessionOptions::new().profile(self.profile.into());
         if let Some(d) = self.heartbeat {
-            builder = builder.heartbeat(d);
+            session = session.heartbeat(d);
         }
         if let Some(d) = self.heartbeat_timeout {
-            builder = builder.heartbeat_timeout(d);
+            session = session.heartbeat_timeout(d);
         }
         if let Some(d) = self.handover_delay {
-            builder = builder.handover_delay(d);
+            session = session.handover_delay(d);
         }
+        session
+    }
+
+    /// The lease backend's options given (`--heartbeat-timeout` as the
+    /// statement timeout, the `LISTEN` connection); the session backend's
+    /// own flags are refused, naming them.
+    fn lease_options(&self, listen: Option<ConnectOptions>) -> Result<LeaseOptions, Failure> {
+        if self.profile == ProfileArg::Fast {
+            return Err(Failure::new(
+                exit::USAGE,
+                "--profile fast is for --backend session: the fast profile is for the session backend; it shortens the wait after an unclean takeover, which the lease backend does not have (its failover follows the ttl); lower --ttl instead",
+            ));
+        }
+        for (given, flag) in [
+            (self.heartbeat.is_some(), "--heartbeat"),
+            (self.handover_delay.is_some(), "--handover-delay"),
+        ] {
+            if given {
+                return Err(Failure::new(
+                    exit::USAGE,
+                    format!("{flag} is for --backend session: the lease backend sends no heartbeats and has no handover delay (its statements are bounded by --heartbeat-timeout); leave {flag} out"),
+                ));
+            }
+        }
+        let mut lease = LeaseOptions::new();
+        if let Some(d) = self.heartbeat_timeout {
+            lease = lease.statement_timeout(d);
+        }
+        if let Some(listen) = listen {
+            lease = lease.listen_via(listen);
+        }
+        Ok(lease)
+    }
+
+    /// The timing every backend uses (`--ttl`, `--safety-margin`,
+    /// `--renew-every`) and `backend`, applied to `builder`.
+    pub fn configure(
+        &self,
+        builder: ElectorBuilder,
+        backend: impl Into<BackendOptions>,
+    ) -> ElectorBuilder {
+        let mut builder = builder.ttl(self.ttl).backend(backend);
         if let Some(d) = self.safety_margin {
             builder = builder.safety_margin(d);
         }
@@ -172,42 +219,51 @@ impl RunArgs {
     }
 }
 
-/// The library's timing error in the command's words: its setting names
-/// (`heartbeat_timeout`) become the options that set them
-/// (`--heartbeat-timeout`).
-fn timing_refused(e: &pgelect::Error) -> Failure {
-    let text = e.to_string();
-    let mut out = String::with_capacity(text.len() + 16);
-    let mut rest = text.as_str();
-    'scan: while !rest.is_empty() {
-        let at_word_start = out
-            .chars()
-            .last()
-            .is_none_or(|c| !(c.is_alphanumeric() || c == '_' || c == '-'));
-        if at_word_start {
-            for name in [
-                "heartbeat_timeout",
-                "handover_delay",
-                "safety_margin",
-                "renew_every",
-                "heartbeat",
-                "ttl",
-            ] {
-                if let Some(after) = rest.strip_prefix(name) {
-                    if !after.starts_with(|c: char| c.is_alphanumeric() || c == '_') {
-                        out.push_str("--");
-                        out.push_str(&name.replace('_', "-"));
-                        rest = after;
-                        continue 'scan;
-                    }
-                }
-            }
-        }
-        let c = rest.chars().next().expect("not empty");
-        out.push(c);
-        rest = &rest[c.len_utf8()..];
+/// The option of `pgelect run` that sets `setting`.
+fn flag(setting: Setting) -> String {
+    match setting {
+        Setting::Ttl => "--ttl",
+        Setting::SafetyMargin => "--safety-margin",
+        Setting::RenewEvery => "--renew-every",
+        Setting::Heartbeat => "--heartbeat",
+        // The lease backend's statement timeout is set by the same option.
+        Setting::HeartbeatTimeout | Setting::StatementTimeout => "--heartbeat-timeout",
+        Setting::HandoverDelay => "--handover-delay",
+        other => other.as_str(),
     }
-    Failure::new(exit::USAGE, out)
+    .to_owned()
+}
+
+/// A configuration the library refused, in the command's words: the
+/// library's rule and values with its settings named by the options that
+/// set them; when only `--ttl` was given and it is too short, the shortest
+/// `--ttl` that `builder` (as configured) accepts, from the library's own
+/// computation.
+fn refused(e: pgelect::Error, args: &RunArgs, builder: Option<&ElectorBuilder>) -> Failure {
+    if !e.is_config() {
+        return e.into();
+    }
+    let shortest = builder
+        .filter(|_| !args.timing_given())
+        .and_then(ElectorBuilder::shortest_ttl)
+        .filter(|&shortest| shortest > args.ttl);
+    if let (Some(shortest), Some(_)) = (shortest, e.config_error()) {
+        let show = crate::duration::show;
+        return Failure::new(
+            exit::USAGE,
+            format!(
+                "--ttl {} is too short: the shortest --ttl accepted is {} (the leader stops acting at 4/5 of the TTL and needs room before that for a heartbeat or a renewal to be answered); give --ttl {} or more (default 15s)",
+                show(args.ttl),
+                show(shortest),
+                show(shortest),
+            ),
+        );
+    }
+    let text = match e.config_error() {
+        Some(c) => format!("invalid configuration: {}", c.describe(flag)),
+        None => e.to_string(),
+    };
+    Failure::new(exit::USAGE, text)
 }
 
 /// What happens when the command exits by itself.
@@ -236,14 +292,13 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
         check_name("--id", node)?;
     }
     let options = global.connect_options()?;
-    let mut builder = args.timing(Elector::builder(options.clone(), &role));
-    let mut listen_url = crate::cli::resolve_url(
+    let listen_url = crate::cli::resolve_url(
         args.listen_url.as_deref(),
         "--listen-url",
         args.listen_url_file.as_deref(),
         "--listen-url-file",
     )?;
-    builder = match args.backend {
+    let backend: BackendOptions = match args.backend {
         BackendArg::Session => {
             if listen_url.is_some() {
                 if crate::cli::on_command_line("--listen-url")
@@ -256,28 +311,26 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
                 }
                 // From the environment, shared by candidates of both kinds.
                 tracing::info!("PGELECT_LISTEN_URL(_FILE) ignored: the session backend listens on its own lock connection");
-                listen_url = None;
             }
-            builder.backend(pgelect::election::Backend::Session)
+            args.session_options().into()
         }
-        BackendArg::Lease => builder.backend(pgelect::election::Backend::Lease),
+        BackendArg::Lease => {
+            let listen = match &listen_url {
+                Some(url) => Some(ConnectOptions::from_url(url)?.schema(&global.schema)?),
+                None => None,
+            };
+            args.lease_options(listen)?.into()
+        }
     };
-    if let Some(url) = &listen_url {
-        let listen = pgelect::ConnectOptions::from_url(url)?.schema(&global.schema)?;
-        builder = builder.listen_via(listen);
-    }
+    let mut builder = args.configure(Elector::builder(options.clone(), &role), backend);
     if let Some(node) = &args.node {
         builder = builder.node_id(node);
     }
     builder = builder.priority(args.priority);
     // Shared with the metrics listener, which reads its state.
-    let elector = match builder.build() {
+    let elector = match builder.clone().build() {
         Ok(elector) => std::sync::Arc::new(elector),
-        Err(e) if e.is_config() && args.timing_given() => return Err(timing_refused(&e)),
-        Err(e) if e.is_config() => {
-            return Err(ttl_refused(&options, &args).unwrap_or_else(|| timing_refused(&e)))
-        }
-        Err(e) => return Err(e.into()),
+        Err(e) => return Err(refused(e, &args, Some(&builder))),
     };
     let budget = elector.deadline_budget();
     let grace = match args.grace {
@@ -467,44 +520,6 @@ async fn withdraw(elector: &Elector) {
     if let Err(e) = elector.withdraw().await {
         tracing::debug!(error = %e, "could not withdraw from the candidate registry");
     }
-}
-
-/// When the library refuses the timing that `--ttl` implies (its safety
-/// margin, renewal and statement timeout are derived from the TTL, and the
-/// command has no options for them), a message in the command's own terms:
-/// the shortest `--ttl` accepted. `None` if the TTL is not the problem.
-fn ttl_refused(options: &pgelect::ConnectOptions, args: &RunArgs) -> Option<Failure> {
-    let backend = match args.backend {
-        BackendArg::Session => pgelect::election::Backend::Session,
-        BackendArg::Lease => pgelect::election::Backend::Lease,
-    };
-    let accepted = |ttl: Duration| {
-        Elector::builder(options.clone(), args.role.as_deref().unwrap_or("partition"))
-            .node_id("ttl-check")
-            .backend(backend)
-            .ttl(ttl)
-            .build()
-            .is_ok()
-    };
-    if accepted(args.ttl) {
-        return None;
-    }
-    // 10 ms steps up to 1 s, 100 ms steps up to 10 s, then seconds up to
-    // 10 min: the first accepted.
-    let shortest = (1..=100u64)
-        .map(|n| Duration::from_millis(10 * n))
-        .chain((11..=100u64).map(|n| Duration::from_millis(100 * n)))
-        .chain((11..=600u64).map(Duration::from_secs))
-        .find(|&ttl| ttl > args.ttl && accepted(ttl))?;
-    Some(Failure::new(
-        exit::USAGE,
-        format!(
-            "--ttl {} is too short: the shortest --ttl accepted is {} (the leader stops acting at 4/5 of the TTL and needs room before that for a heartbeat or a renewal to be answered); give --ttl {} or more (default 15s)",
-            crate::duration::show(args.ttl),
-            crate::duration::show(shortest),
-            crate::duration::show(shortest),
-        ),
-    ))
 }
 
 /// Refuses a role or node id that is empty or holds control characters:
@@ -739,7 +754,7 @@ async fn run_partitions(global: &Global, args: RunArgs, spec: &str) -> Result<u8
     let mut builder = PartitionGroup::builder(options.clone(), &group_name, n)
         .release_grace(grace + Duration::from_secs(1))
         .elector(move |b| {
-            let b = timing.timing(b);
+            let b = timing.configure(b, timing.session_options());
             if ttl_given {
                 b
             } else {
@@ -751,8 +766,7 @@ async fn run_partitions(global: &Global, args: RunArgs, spec: &str) -> Result<u8
     }
     let group = match builder.build() {
         Ok(g) => g,
-        Err(e) if e.is_config() => return Err(timing_refused(&e)),
-        Err(e) => return Err(e.into()),
+        Err(e) => return Err(refused(e, &args, None)),
     };
     preflight(&options).await?;
     let mut signals = Signals::install()?;

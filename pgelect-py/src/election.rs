@@ -57,15 +57,61 @@ impl Elector {
                 )))
             }
         });
-        if let Some(p) = profile {
-            b = b.profile(match p {
-                "standard" => pgelect::election::Profile::Standard,
-                "fast" => pgelect::election::Profile::Fast,
-                other => {
-                    return Err(config(format!(
-                        "profile must be \"standard\" or \"fast\", got {other:?}"
-                    )))
+        let profile = match profile {
+            None => None,
+            Some("standard") => Some(pgelect::election::Profile::Standard),
+            Some("fast") => Some(pgelect::election::Profile::Fast),
+            Some(other) => {
+                return Err(config(format!(
+                    "profile must be \"standard\" or \"fast\", got {other:?}"
+                )))
+            }
+        };
+        // Options of one backend live in its variant: naming one with the
+        // other backend is refused, not ignored.
+        let only = |option: &str, owner: &str| {
+            config(format!(
+                "{option} applies to the {owner} backend only; drop it or choose backend=\"{owner}\""
+            ))
+        };
+        if backend == "session" {
+            if retry_every.is_some() {
+                return Err(only("retry_every", "lease"));
+            }
+            if listen_url.is_some() {
+                return Err(only("listen_url", "lease"));
+            }
+            let delay = handover_delay
+                .map(|t| seconds("handover_delay", t))
+                .transpose()?;
+            b = b.session(|mut s| {
+                if let Some(p) = profile {
+                    s = s.profile(p);
                 }
+                if let Some(d) = delay {
+                    s = s.handover_delay(d);
+                }
+                s
+            });
+        } else {
+            if profile.is_some() {
+                return Err(only("profile", "session"));
+            }
+            if handover_delay.is_some() {
+                return Err(only("handover_delay", "session"));
+            }
+            let retry = retry_every.map(|t| seconds("retry_every", t)).transpose()?;
+            let listen = listen_url
+                .map(|u| options_for_listen(u, &schema, connect_timeout))
+                .transpose()?;
+            b = b.lease(|mut l| {
+                if let Some(r) = retry {
+                    l = l.retry_every(r);
+                }
+                if let Some(o) = listen {
+                    l = l.listen_via(o);
+                }
+                l
             });
         }
         if let Some(t) = ttl {
@@ -73,12 +119,6 @@ impl Elector {
         }
         if let Some(t) = renew_every {
             b = b.renew_every(seconds("renew_every", t)?);
-        }
-        if let Some(t) = retry_every {
-            b = b.retry_every(seconds("retry_every", t)?);
-        }
-        if let Some(t) = handover_delay {
-            b = b.handover_delay(seconds("handover_delay", t)?);
         }
         if let Some(t) = safety_margin {
             b = b.safety_margin(seconds("safety_margin", t)?);
@@ -96,9 +136,6 @@ impl Elector {
             let value =
                 serde_json::from_str(m).map_err(|e| config(format!("meta must be JSON: {e}")))?;
             b = b.meta(value);
-        }
-        if let Some(u) = listen_url {
-            b = b.listen_via(options_for_listen(u, &schema, connect_timeout)?);
         }
         let _entered = runtime()?.enter();
         let elector = b.build().map_err(errors::to_py)?;
@@ -330,5 +367,5 @@ fn options_for_listen(
 }
 
 pub(crate) fn config_error(message: String) -> pgelect::Error {
-    pgelect::Error::Config(message)
+    pgelect::Error::Config(pgelect::election::ConfigError::Invalid(message))
 }

@@ -50,12 +50,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let options = pgelect::ConnectOptions::from_url(&args[1])?;
     let mut builder = pgelect::Elector::builder(options, &args[2]).backend(backend);
+    if profile.is_some() && backend != pgelect::election::Backend::Session {
+        return Err("--profile is for the session backend".into());
+    }
+    if listen.is_some() && backend != pgelect::election::Backend::Lease {
+        return Err("--listen is for the lease backend".into());
+    }
     builder = match profile {
-        Some(p) => builder.profile(p),
-        None => builder
-            .heartbeat(Duration::from_millis(200))
-            .heartbeat_timeout(Duration::from_millis(500))
+        Some(p) => builder.session(|s| s.profile(p)),
+        None if backend == pgelect::election::Backend::Session => builder
+            .session(|s| {
+                s.heartbeat(Duration::from_millis(200))
+                    .heartbeat_timeout(Duration::from_millis(500))
+            })
             .check_every(Duration::from_millis(200)),
+        None => builder.check_every(Duration::from_millis(200)),
     };
     if let Some(ttl) = args.get(3) {
         let ttl = Duration::from_millis(ttl.parse()?);
@@ -63,11 +72,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         if backend == pgelect::election::Backend::Lease {
             builder = builder
                 .renew_every(ttl / 4)
-                .heartbeat_timeout(Duration::from_millis(300).min(ttl / 4));
+                .lease(|l| l.statement_timeout(Duration::from_millis(300).min(ttl / 4)));
         }
     }
     if let Some(url) = listen {
-        builder = builder.listen_via(pgelect::ConnectOptions::from_url(&url)?);
+        let direct = pgelect::ConnectOptions::from_url(&url)?;
+        builder = builder.lease(|l| l.listen_via(direct));
     }
     if let Some(node) = args.get(4) {
         builder = builder.node_id(node);

@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use tokio_postgres::error::{DbError, SqlState};
 
+use crate::election::ConfigError;
+
 /// SQLSTATE raised by `pgelect.fence` when the term is not the current one.
 pub const SQLSTATE_STALE_TERM: &str = "PE001";
 /// SQLSTATE raised by `pgelect.fence` when the role has no leader row or no holder.
@@ -18,9 +20,10 @@ pub const SQLSTATE_NO_LEADER: &str = "PE002";
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// A configuration value or argument is out of range or malformed.
+    /// A configuration value or argument is out of range or malformed:
+    /// [`ConfigError`] names the rule broken and the values.
     #[error("invalid configuration: {0}")]
-    Config(String),
+    Config(ConfigError),
 
     /// A name (lock name, role, node id, schema) is empty, too long, or has a
     /// forbidden character.
@@ -460,8 +463,19 @@ impl Error {
         }
     }
 
+    /// A refused value outside the elector's configuration (connection
+    /// URL, TLS, lock, semaphore or partition arguments):
+    /// [`ConfigError::Invalid`].
     pub(crate) fn config(msg: impl Into<String>) -> Error {
-        Error::Config(msg.into())
+        Error::Config(ConfigError::Invalid(msg.into()))
+    }
+
+    /// The configuration error, if this is one ([`Error::Config`]).
+    pub fn config_error(&self) -> Option<&ConfigError> {
+        match self {
+            Error::Config(c) => Some(c),
+            _ => None,
+        }
     }
 
     /// A copy of an error that carries no driver error (a driver error
@@ -469,7 +483,7 @@ impl Error {
     /// refused, a pooler found. `None` for the others.
     pub(crate) fn copied(&self) -> Option<Error> {
         Some(match self {
-            Error::Config(m) => Error::Config(m.clone()),
+            Error::Config(c) => Error::Config(c.clone()),
             Error::Pooler(m) => Error::Pooler(m.clone()),
             Error::InvalidName {
                 what,

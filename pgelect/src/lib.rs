@@ -98,7 +98,13 @@
 //!     namespace;
 //!   * `election/elector.rs`: [`Elector`] and its shared state;
 //!   * `election/config.rs`: [`ElectorBuilder`], every default documented,
-//!     validated in `build()`;
+//!     validated in `build()`, and the backends' options in the backend's
+//!     variant ([`BackendOptions`](election::BackendOptions),
+//!     [`SessionOptions`](election::SessionOptions),
+//!     [`LeaseOptions`](election::LeaseOptions));
+//!   * `election/config_error.rs`: [`ConfigError`](election::ConfigError),
+//!     the refused configuration as the rule broken and its values, and the
+//!     [`Setting`](election::Setting)s it names;
 //!   * `election/leadership.rs`: [`Leadership`],
 //!     [`LeaderContext`](election::LeaderContext), [`Term`];
 //!   * `election/timing.rs`: pure rules: timing defaults, [`Profile`](election::Profile) and

@@ -95,7 +95,7 @@ pub(super) fn timing(
     let o = pgelect::ConnectOptions::from_url("postgres://chaos@127.0.0.1/chaos")?;
     let b = pgelect::Elector::builder(o, "chaos").ttl(args.ttl);
     let b = match backend {
-        BackendArg::Session => b.profile(profile),
+        BackendArg::Session => b.backend(pgelect::election::SessionOptions::new().profile(profile)),
         BackendArg::Lease => b.backend(pgelect::election::Backend::Lease),
     };
     Ok(b.build()?.timing())

@@ -235,7 +235,7 @@ async fn a_ttl_too_short_says_the_shortest_accepted_in_the_commands_terms() {
         r.assert_code(64);
         assert!(
             r.stderr
-                .contains("--ttl 20ms is too short: the shortest --ttl accepted is 30ms"),
+                .contains("--ttl 20ms is too short: the shortest --ttl accepted is 26ms"),
             "{}",
             r.stderr
         );
@@ -328,6 +328,18 @@ async fn timing_options_are_checked_in_the_commands_terms_and_logged() {
         "{}",
         r.stderr
     );
+    // So are the other session-only options, naming them (the lease
+    // backend has nothing they could set).
+    for flag in ["--heartbeat", "--handover-delay"] {
+        let r = run(refused(&[flag, "200ms", "--backend", "lease"]), QUICK).await;
+        r.assert_code(64);
+        assert!(
+            r.stderr
+                .contains(&format!("{flag} is for --backend session")),
+            "{}",
+            r.stderr
+        );
+    }
     // Accepted timing is logged when standing: the profile's derived values.
     for (args, needle) in [
         (

@@ -26,8 +26,10 @@ fn member(o: &ConnectOptions, node: &str) -> PartitionGroup {
         .elector(|b| {
             b.ttl(Duration::from_secs(2))
                 .renew_every(Duration::from_millis(500))
-                .heartbeat(Duration::from_millis(200))
-                .heartbeat_timeout(Duration::from_millis(500))
+                .session(|s| {
+                    s.heartbeat(Duration::from_millis(200))
+                        .heartbeat_timeout(Duration::from_millis(500))
+                })
         })
         .build()
         .unwrap();

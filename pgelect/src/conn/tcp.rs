@@ -42,14 +42,15 @@ impl TcpTimeouts {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use pgelect::{ConnectOptions, Elector, election::SharedConnection, conn::TcpTimeouts};
+    /// use pgelect::election::{SessionOptions, SharedConnection};
+    /// use pgelect::{conn::TcpTimeouts, ConnectOptions, Elector};
     /// # fn main() -> pgelect::Result<()> {
     /// let options = ConnectOptions::from_url("postgres://app@db/app")?;
     /// let ttl = Duration::from_secs(15);
     /// let shared = SharedConnection::new(&options, TcpTimeouts::for_ttl(ttl));
     /// let elector = Elector::builder(options, "shard-1")
     ///     .ttl(ttl)
-    ///     .shared_connection(&shared)
+    ///     .backend(SessionOptions::new().shared_connection(&shared))
     ///     .build()?;
     /// # drop(elector);
     /// # Ok(()) }

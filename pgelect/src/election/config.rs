@@ -4,10 +4,11 @@
 use std::time::Duration;
 
 use crate::conn::{ConnectOptions, TcpTimeouts};
+use crate::election::config_error::{ConfigError, Setting};
 use crate::error::{shown, Error, Result};
 use crate::key::LockKey;
 
-use super::timing::{Profile, Timing, TimingRequest};
+use super::timing::{Profile, Takeover, Timing, TimingRequest};
 use super::{Elector, SharedConnection, SharedLease};
 
 /// The longest role or node id accepted, in bytes.
@@ -65,10 +66,9 @@ impl std::str::FromStr for Backend {
         match s {
             "session" => Ok(Backend::Session),
             "lease" => Ok(Backend::Lease),
-            other => Err(Error::config(format!(
-                "unknown election backend {:?}: expected \"session\" or \"lease\"",
-                shown(other)
-            ))),
+            other => Err(Error::Config(ConfigError::UnknownBackend {
+                given: shown(other),
+            })),
         }
     }
 }
@@ -87,7 +87,7 @@ pub enum StandbyMode {
     /// and at once when the leader announces a release with `NOTIFY`. A
     /// crashed leader is replaced within `interval` plus the handover
     /// delay. For processes that stand for many roles: with
-    /// [`ElectorBuilder::shared_connection`] the candidates of all roles
+    /// [`SessionOptions::shared_connection`] the candidates of all roles
     /// share one connection.
     Polling {
         /// Time between attempts. Must be positive.
@@ -95,28 +95,350 @@ pub enum StandbyMode {
     },
 }
 
+/// Session-backend options: what the session backend uses and the lease
+/// backend has no use for. Given to [`ElectorBuilder::backend`]; every
+/// setting left alone keeps the default its method names.
+///
+/// ```
+/// use std::time::Duration;
+/// use pgelect::election::SessionOptions;
+/// use pgelect::election::{Profile, StandbyMode};
+/// use pgelect::Elector;
+/// # fn f(options: pgelect::ConnectOptions) -> pgelect::Result<()> {
+/// let elector = Elector::builder(options, "scheduler")
+///     .backend(
+///         SessionOptions::new()
+///             .profile(Profile::Fast)
+///             .standby(StandbyMode::Polling { interval: Duration::from_millis(500) }),
+///     )
+///     .build()?;
+/// assert_eq!(elector.handover_delay(), Duration::from_millis(70));
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug, Default)]
+#[must_use = "options do nothing until given to `ElectorBuilder::backend`"]
+pub struct SessionOptions {
+    profile: Profile,
+    heartbeat: Option<Duration>,
+    heartbeat_timeout: Option<Duration>,
+    handover_delay: Option<Duration>,
+    tcp: Option<TcpTimeouts>,
+    standby: StandbyMode,
+    wait_slice: Option<Duration>,
+    shared_connection: Option<SharedConnection>,
+}
+
+impl SessionOptions {
+    /// The defaults: [`Profile::Standard`], a blocking standby on a
+    /// connection of its own, timing derived from the TTL.
+    pub fn new() -> SessionOptions {
+        SessionOptions::default()
+    }
+
+    /// How the timing settings not set explicitly are derived: the
+    /// [`Profile::Standard`] default follows the TTL; [`Profile::Fast`]
+    /// brings crash failover under 100 ms for about 50 heartbeats per
+    /// second per leader. Explicit settings win; the inequalities are
+    /// checked the same way. Default: [`Profile::Standard`].
+    pub fn profile(mut self, profile: Profile) -> Self {
+        self.profile = profile;
+        self
+    }
+
+    /// Time between heartbeats (`SELECT 1`) on the lock connection while
+    /// leading, backing up the push detection of a closed socket. Default:
+    /// `ttl / 15`, between 20 ms and 1 s (1 s at the default TTL; 20 ms in
+    /// [`Profile::Fast`]).
+    pub fn heartbeat(mut self, every: Duration) -> Self {
+        self.heartbeat = Some(every);
+        self
+    }
+
+    /// How long a heartbeat or renewal may take before the lock connection
+    /// is declared dead and dropped. Must be shorter than `ttl -
+    /// safety_margin`. Default: the profile's heartbeat interval (`1s` at
+    /// the default TTL; 25 ms in [`Profile::Fast`]).
+    pub fn heartbeat_timeout(mut self, timeout: Duration) -> Self {
+        self.heartbeat_timeout = Some(timeout);
+        self
+    }
+
+    /// Wait after an unclean takeover before acting. Default:
+    /// `min(heartbeat + heartbeat_timeout, ttl - safety_margin) +
+    /// min(heartbeat_timeout, 500ms)` (`2.5s` with the other defaults,
+    /// 400 ms with a TTL of 2 s, 70 ms in [`Profile::Fast`]); values below
+    /// `min(heartbeat + heartbeat_timeout, ttl - safety_margin)` are
+    /// refused with [`ConfigError::HandoverBelowDetection`].
+    pub fn handover_delay(mut self, delay: Duration) -> Self {
+        self.handover_delay = Some(delay);
+        self
+    }
+
+    /// TCP timeouts of the lock connection, on both ends. Default: derived
+    /// from the TTL — `TCP_USER_TIMEOUT = ttl`, `keepalive_idle = ttl/3`,
+    /// `keepalive_interval = ttl/6` and enough probes for the keepalive path
+    /// to outlast `ttl` (whole seconds, at least 1); on a
+    /// [`shared_connection`](SessionOptions::shared_connection), the
+    /// connection's.
+    pub fn tcp_timeouts(mut self, tcp: TcpTimeouts) -> Self {
+        self.tcp = Some(tcp);
+        self
+    }
+
+    /// How a standby waits. Default: [`StandbyMode::Blocking`] (polling
+    /// every second on a [`shared_connection`](SessionOptions::shared_connection)).
+    pub fn standby(mut self, mode: StandbyMode) -> Self {
+        self.standby = mode;
+        self
+    }
+
+    /// How long one slice of a blocking standby's lock wait lasts before
+    /// it is issued again. Default: 20 s.
+    ///
+    /// Blocking standbys of the default priority queue for the role's
+    /// *watch key* in slices of this length; only the key's holder (the
+    /// watch) waits for the role's lock itself, in slices of
+    /// `check_every`, and between them reads the row and preempts a zombie
+    /// leader for all of them. So each other standby costs one connection
+    /// and one statement per slice: 100 standbys of one role, 5 statements
+    /// per second. A watch frozen for a TTL is ended by the next standby
+    /// whose slice ends, so a leader that fails while its watch is frozen
+    /// is followed within `ttl + wait_slice` (otherwise within the usual
+    /// bound).
+    ///
+    /// A statement holds a snapshot while it runs, and the oldest snapshot
+    /// bounds what VACUUM may remove in the whole database (the xmin
+    /// horizon): a standby blocked in one `pg_advisory_lock` for days would
+    /// keep every dead row for days. Each slice is one statement
+    /// (`pgelect.lock_wait_slice`) that catches its own lock timeout, so the
+    /// server logs no error for it. Between two slices the lock is not
+    /// waited for during one round trip; a release in that moment is taken
+    /// by the next slice at once (or by another standby).
+    pub fn wait_slice(mut self, slice: Duration) -> Self {
+        self.wait_slice = Some(slice);
+        self
+    }
+
+    /// Stand on `connection`, shared with the candidates of other roles,
+    /// instead of on a connection of this candidate's own (see
+    /// [`SharedConnection`]). Sets the standby mode to
+    /// [`StandbyMode::Polling`] every second unless a polling interval was
+    /// chosen, and the TCP timeouts to the connection's unless set
+    /// (`build()` refuses a blocking standby, other TCP timeouts, another
+    /// database or schema, and a second candidate of the same role on the
+    /// connection). Default: none.
+    pub fn shared_connection(mut self, connection: &SharedConnection) -> Self {
+        if self.standby == StandbyMode::Blocking {
+            self.standby = StandbyMode::Polling {
+                interval: Duration::from_secs(1),
+            };
+        }
+        if self.tcp.is_none() {
+            self.tcp = Some(connection.tcp_timeouts());
+        }
+        self.shared_connection = Some(connection.clone());
+        self
+    }
+}
+
+/// Lease-backend options: what the lease backend uses and the session
+/// backend has no use for. Given to [`ElectorBuilder::backend`]; every
+/// setting left alone keeps the default its method names.
+///
+/// ```
+/// use pgelect::election::LeaseOptions;
+/// use pgelect::election::Backend;
+/// use pgelect::{ConnectOptions, Elector};
+/// let pooled = ConnectOptions::from_url("postgres://app@pgbouncer:6432/app").unwrap();
+/// let direct = ConnectOptions::from_url("postgres://app@db/app").unwrap();
+/// let elector = Elector::builder(pooled, "scheduler")
+///     .backend(LeaseOptions::new().listen_via(direct))
+///     .build()
+///     .unwrap();
+/// assert_eq!(elector.backend(), Backend::Lease);
+/// ```
+#[derive(Clone, Debug, Default)]
+#[must_use = "options do nothing until given to `ElectorBuilder::backend`"]
+pub struct LeaseOptions {
+    // Boxed: the connection options are large, and the session variant of
+    // `BackendOptions` should not carry their size.
+    listen_via: Option<Box<ConnectOptions>>,
+    retry_every: Option<Duration>,
+    statement_timeout: Option<Duration>,
+    shared_lease: Option<SharedLease>,
+}
+
+impl LeaseOptions {
+    /// The defaults: statements on a client of the candidate's own, no
+    /// `LISTEN` connection.
+    pub fn new() -> LeaseOptions {
+        LeaseOptions::default()
+    }
+
+    /// A connection that bypasses the pooler (directly to PostgreSQL, or
+    /// through a session-mode pool), used only to `LISTEN`. With it,
+    /// standbys wake up on a leader's release `NOTIFY` (a voluntary
+    /// release is taken over in milliseconds instead of within
+    /// [`retry_every`](LeaseOptions::retry_every)), and a leader hears
+    /// [`request_resign`](crate::election::request_resign) at once instead of at its
+    /// next renewal. Losing this connection never affects leadership; it is
+    /// reopened with backoff. It must use the elector's schema. Default:
+    /// none (`LISTEN` through a transaction pooler does not work).
+    pub fn listen_via(mut self, options: ConnectOptions) -> Self {
+        self.listen_via = Some(Box::new(options));
+        self
+    }
+
+    /// The longest a standby sleeps between two attempts to take the
+    /// lease. A standby normally sleeps exactly until the lease's
+    /// server-reported expiry plus a jitter of at most 50 ms (ttl/20 below
+    /// a 1 s TTL); this caps that sleep, and so bounds how late a standby
+    /// without a [`listen_via`](LeaseOptions::listen_via) connection
+    /// notices a voluntary release. Default: `1s`.
+    pub fn retry_every(mut self, every: Duration) -> Self {
+        self.retry_every = Some(every);
+        self
+    }
+
+    /// The bound on a leader's renewal and release; one that runs out is
+    /// cancelled, its connection dropped, and it is retried within the
+    /// deadline budget. Connecting and a standby's attempt may take up to
+    /// `max(statement_timeout, 2s)` (no risk: the deadline counts from
+    /// before the connection, and a standby holds nothing). Must be
+    /// shorter than `ttl - safety_margin`. Default: `min(1s, (ttl -
+    /// safety_margin) / 4)`.
+    pub fn statement_timeout(mut self, timeout: Duration) -> Self {
+        self.statement_timeout = Some(timeout);
+        self
+    }
+
+    /// Send this candidate's statements over `client`, batched with those
+    /// of the candidates of other roles, instead of over a connection of
+    /// its own (see [`SharedLease`]). `build()` refuses it with a
+    /// [`listen_via`](LeaseOptions::listen_via) connection of the
+    /// candidate's own (set it on the client: [`SharedLease::listen_via`]),
+    /// for another database or schema, and for a second candidate of the
+    /// same role on the client. Default: none.
+    ///
+    /// ```
+    /// use pgelect::election::LeaseOptions;
+    /// use pgelect::election::{Backend, SharedLease};
+    /// use pgelect::{ConnectOptions, Elector};
+    /// let options = ConnectOptions::from_url("postgres://app@db/app").unwrap();
+    /// let client = SharedLease::new(&options);
+    /// let elector = Elector::builder(options.clone(), "shard-1")
+    ///     .backend(LeaseOptions::new().shared_lease(&client))
+    ///     .build()
+    ///     .unwrap();
+    /// assert_eq!(elector.backend(), Backend::Lease);
+    /// // One candidate per role on a client.
+    /// let err = Elector::builder(options, "shard-1")
+    ///     .backend(LeaseOptions::new().shared_lease(&client))
+    ///     .build()
+    ///     .unwrap_err();
+    /// assert!(err.to_string().contains("already has a candidate"), "{err}");
+    /// ```
+    pub fn shared_lease(mut self, client: &SharedLease) -> Self {
+        self.shared_lease = Some(client.clone());
+        self
+    }
+}
+
+/// The election backend with its options: the value
+/// [`ElectorBuilder::backend`] takes. An option lives in the variant of
+/// the backend that uses it, so none can be set that would be ignored.
+///
+/// Built from a [`Backend`] (its defaults), a [`SessionOptions`] or a
+/// [`LeaseOptions`]:
+///
+/// ```
+/// use pgelect::election::{BackendOptions, LeaseOptions};
+/// use pgelect::election::Backend;
+/// assert_eq!(BackendOptions::from(Backend::Lease).backend(), Backend::Lease);
+/// assert_eq!(BackendOptions::from(LeaseOptions::new()).backend(), Backend::Lease);
+/// assert_eq!(BackendOptions::default().backend(), Backend::Session);
+/// ```
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum BackendOptions {
+    /// [`Backend::Session`] with its options.
+    Session(SessionOptions),
+    /// [`Backend::Lease`] with its options.
+    Lease(LeaseOptions),
+}
+
+impl BackendOptions {
+    /// Which backend.
+    pub fn backend(&self) -> Backend {
+        match self {
+            BackendOptions::Session(_) => Backend::Session,
+            BackendOptions::Lease(_) => Backend::Lease,
+        }
+    }
+}
+
+impl Default for BackendOptions {
+    /// The session backend with its defaults.
+    fn default() -> BackendOptions {
+        BackendOptions::Session(SessionOptions::default())
+    }
+}
+
+impl From<Backend> for BackendOptions {
+    /// The backend with its default options.
+    fn from(backend: Backend) -> BackendOptions {
+        match backend {
+            Backend::Session => BackendOptions::Session(SessionOptions::default()),
+            Backend::Lease => BackendOptions::Lease(LeaseOptions::default()),
+        }
+    }
+}
+
+impl From<SessionOptions> for BackendOptions {
+    fn from(options: SessionOptions) -> BackendOptions {
+        BackendOptions::Session(options)
+    }
+}
+
+impl From<LeaseOptions> for BackendOptions {
+    fn from(options: LeaseOptions) -> BackendOptions {
+        BackendOptions::Lease(options)
+    }
+}
+
 /// Builds an [`Elector`]; see [`Elector::builder`].
+///
+/// The builder holds what every backend uses (the TTL and the renewal
+/// cadence, the safety margin, the node id, priority and metadata);
+/// [`backend`](ElectorBuilder::backend) takes the backend with its own
+/// options ([`SessionOptions`], [`LeaseOptions`]). `build()` checks the
+/// timing below and refuses with [`Error::Config`] carrying a
+/// [`ConfigError`] that names the inequality and its values;
+/// [`shortest_ttl`](ElectorBuilder::shortest_ttl) gives the shortest TTL
+/// the other settings allow.
 ///
 /// # Timing and the safety inequality
 ///
 /// With the defaults (`ttl` 15 s):
 ///
-/// | setting | default | with ttl 15 s |
-/// |---|---|---|
-/// | `ttl` | 15 s | 15 s |
-/// | `safety_margin` | `ttl / 5` | 3 s |
-/// | `renew_every` | `ttl / 3` | 5 s |
-/// | `heartbeat` | `ttl / 15`, from 20 ms to 1 s | 1 s |
-/// | `heartbeat_timeout` | `heartbeat` | 1 s |
-/// | `handover_delay` | `min(heartbeat + heartbeat_timeout, ttl - safety_margin) + min(heartbeat_timeout, 500 ms)` | 2.5 s |
-/// | `tcp_timeouts` | derived from `ttl` (below) | idle 5 s, interval 2 s, count 6, user timeout 15 s |
-/// | `check_every` | `renew_every` | 5 s |
-/// | `wait_slice` | 20 s | 20 s |
+/// | setting | where | default | with ttl 15 s |
+/// |---|---|---|---|
+/// | `ttl` | builder | 15 s | 15 s |
+/// | `safety_margin` | builder | `ttl / 5` | 3 s |
+/// | `renew_every` | builder | `ttl / 3` | 5 s |
+/// | `check_every` | builder | `renew_every` | 5 s |
+/// | `heartbeat` | session | `ttl / 15`, from 20 ms to 1 s | 1 s |
+/// | `heartbeat_timeout` | session | `heartbeat` | 1 s |
+/// | `handover_delay` | session | `min(heartbeat + heartbeat_timeout, ttl - safety_margin) + min(heartbeat_timeout, 500 ms)` | 2.5 s |
+/// | `tcp_timeouts` | session | derived from `ttl` (below) | idle 5 s, interval 2 s, count 6, user timeout 15 s |
+/// | `wait_slice` | session | 20 s | 20 s |
+/// | `statement_timeout` | lease | `min(1 s, (ttl - safety_margin) / 4)` | 1 s |
+/// | `retry_every` | lease | 1 s | 1 s |
 ///
 /// A leader's **local deadline** is `ttl - safety_margin` (12 s) after the
 /// *sending* of its last successful renewal, on the monotonic clock; when it
 /// passes, leadership is cancelled whether or not the database answers.
-/// `build()` enforces, and rejects with [`Error::Config`] naming the values:
+/// With the session backend, `build()` enforces:
 ///
 /// 1. `ttl - safety_margin < ttl`: the local deadline ends before the
 ///    server-side lease (`now() + ttl` when the server ran the renewal,
@@ -131,7 +453,8 @@ pub enum StandbyMode {
 ///    defaults use `TCP_USER_TIMEOUT = ttl` and a keepalive path longer than
 ///    `ttl`, so the lock is released soon after the deadline, not hours later.
 /// 3. `renew_every < ttl - safety_margin`: a healthy leader renews (twice,
-///    with the defaults) before its deadline.
+///    with the defaults) before its deadline; and `heartbeat_timeout < ttl -
+///    safety_margin`.
 /// 4. `handover_delay ≥ min(heartbeat + heartbeat_timeout, ttl -
 ///    safety_margin)`: after an *unclean* takeover (the lease row still named
 ///    a holder: the old backend was terminated or its connection reset) the
@@ -146,21 +469,22 @@ pub enum StandbyMode {
 ///
 /// These defaults follow the TTL ([`Profile::Standard`]): with a TTL of 2 s
 /// the heartbeat is 133 ms and the handover delay 400 ms.
-/// [`Profile::Fast`] sets 20 ms / 25 ms / 70 ms whatever the TTL.
+/// [`Profile::Fast`] (a session option) sets 20 ms / 25 ms / 70 ms
+/// whatever the TTL.
 ///
 /// # The lease backend's inequalities
 ///
 /// With [`Backend::Lease`] the same `ttl`, `safety_margin` and `renew_every`
-/// (same defaults: 15 s, 3 s, 5 s) apply, plus `retry_every` (1 s) and
-/// `heartbeat_timeout` (1 s), which bounds every lease statement (and the
-/// reconnection before it). `build()` enforces:
+/// (same defaults: 15 s, 3 s, 5 s) apply, plus the lease options
+/// `retry_every` (1 s) and `statement_timeout` (1 s), which bounds every
+/// lease statement (and the reconnection before it). `build()` enforces:
 ///
 /// 1. `ttl - safety_margin < ttl`: the local deadline (12 s after the
 ///    *sending* of the last successful renewal) ends before the lease on the
 ///    server (`now() + ttl` when the server *ran* that renewal, later) does.
 /// 2. `renew_every < ttl - safety_margin` (5 s < 12 s): a healthy leader
 ///    renews before its deadline, with time for retries.
-/// 3. `heartbeat_timeout < ttl - safety_margin`: a stuck statement is given
+/// 3. `statement_timeout < ttl - safety_margin`: a stuck statement is given
 ///    up and retried before the deadline.
 ///
 /// No TCP or handover constraint is needed, unlike the session backend: a
@@ -181,14 +505,16 @@ pub struct ElectorBuilder {
     options: ConnectOptions,
     role: String,
     node_id: Option<String>,
-    timing: TimingRequest,
-    standby: StandbyMode,
+    ttl: Option<Duration>,
+    safety_margin: Option<Duration>,
+    renew_every: Option<Duration>,
+    check_every: Option<Duration>,
     meta: Option<serde_json::Value>,
-    backend: Backend,
-    listen_via: Option<ConnectOptions>,
-    shared_connection: Option<SharedConnection>,
-    shared_lease: Option<SharedLease>,
+    backend: BackendOptions,
     priority: i32,
+    /// Set when a partition group put a lease-backend elector on its
+    /// shared connection: `build()` refuses it.
+    partition_on_lease: bool,
 }
 
 impl ElectorBuilder {
@@ -197,14 +523,14 @@ impl ElectorBuilder {
             options,
             role: role.to_owned(),
             node_id: None,
-            timing: TimingRequest::default(),
-            standby: StandbyMode::default(),
+            ttl: None,
+            safety_margin: None,
+            renew_every: None,
+            check_every: None,
             meta: None,
-            backend: Backend::default(),
-            listen_via: None,
-            shared_connection: None,
-            shared_lease: None,
+            backend: BackendOptions::default(),
             priority: 0,
+            partition_on_lease: false,
         }
     }
 
@@ -241,41 +567,76 @@ impl ElectorBuilder {
         self
     }
 
-    /// The election mechanism. Default: [`Backend::Session`]. All
-    /// candidates of a role must use the same one.
+    /// The election backend and its options: a [`Backend`] (with its
+    /// default options), [`SessionOptions`] or [`LeaseOptions`]. Default:
+    /// [`Backend::Session`] with [`SessionOptions::new`]. All candidates of
+    /// a role must use the same backend. A second call replaces the first.
     ///
-    /// With [`Backend::Lease`] the timing is checked against the lease
-    /// backend's inequalities (see [`ElectorBuilder`]); `handover_delay`,
-    /// `heartbeat`, `tcp_timeouts` and `standby` do not apply and are
-    /// ignored, and `heartbeat_timeout` bounds every lease statement.
-    pub fn backend(mut self, backend: Backend) -> Self {
-        self.backend = backend;
+    /// ```
+    /// use pgelect::election::{LeaseOptions, SessionOptions};
+    /// use pgelect::election::{Backend, Profile};
+    /// use pgelect::{ConnectOptions, Elector};
+    /// let options = ConnectOptions::from_url("postgres://app@db/app").unwrap();
+    /// let lease = Elector::builder(options.clone(), "a").backend(Backend::Lease).build().unwrap();
+    /// assert_eq!(lease.backend(), Backend::Lease);
+    /// let fast = Elector::builder(options, "b")
+    ///     .backend(SessionOptions::new().profile(Profile::Fast))
+    ///     .build()
+    ///     .unwrap();
+    /// assert_eq!(fast.timing().profile, Profile::Fast);
+    /// ```
+    pub fn backend(mut self, backend: impl Into<BackendOptions>) -> Self {
+        self.backend = backend.into();
         self
     }
 
-    /// Lease backend: the longest a standby sleeps between two attempts to
-    /// take the lease. A standby normally sleeps exactly until the lease's
-    /// server-reported expiry plus a jitter of at most 50 ms (ttl/20 below a
-    /// 1 s TTL); this caps that
-    /// sleep, and so bounds how late a standby without a
-    /// [`listen_via`](ElectorBuilder::listen_via) connection notices a
-    /// voluntary release. Default: `1s`.
-    pub fn retry_every(mut self, every: Duration) -> Self {
-        self.timing.retry_every = Some(every);
+    /// Selects the session backend and adjusts its options: `adjust`
+    /// receives the session options given so far (the defaults if none
+    /// were, or if the lease backend was chosen: its options are dropped).
+    /// For builders assembled in steps, such as a helper's builder that a
+    /// caller extends.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use pgelect::election::Profile;
+    /// use pgelect::{ConnectOptions, Elector};
+    /// let options = ConnectOptions::from_url("postgres://app@db/app").unwrap();
+    /// let fast = Elector::builder(options, "scheduler")
+    ///     .session(|s| s.profile(Profile::Fast))
+    ///     .session(|s| s.heartbeat(Duration::from_millis(50)));
+    /// // Both adjustments hold: the fast profile with a 50 ms heartbeat.
+    /// assert_eq!(fast.build().unwrap().handover_delay(), Duration::from_millis(100));
+    /// ```
+    pub fn session(mut self, adjust: impl FnOnce(SessionOptions) -> SessionOptions) -> Self {
+        let current = match std::mem::take(&mut self.backend) {
+            BackendOptions::Session(s) => s,
+            BackendOptions::Lease(_) => SessionOptions::default(),
+        };
+        self.backend = BackendOptions::Session(adjust(current));
         self
     }
 
-    /// Lease backend: a connection that bypasses the pooler (directly to
-    /// PostgreSQL, or through a session-mode pool), used only to `LISTEN`.
-    /// With it, standbys wake up on a leader's release `NOTIFY` (a voluntary
-    /// release is taken over in milliseconds instead of within
-    /// [`retry_every`](ElectorBuilder::retry_every)), and a leader hears
-    /// [`request_resign`](crate::election::request_resign) at once instead of at its
-    /// next renewal. Losing this connection never affects leadership; it is
-    /// reopened with backoff. Default: none (`LISTEN` through a transaction
-    /// pooler does not work).
-    pub fn listen_via(mut self, options: ConnectOptions) -> Self {
-        self.listen_via = Some(options);
+    /// Selects the lease backend and adjusts its options: `adjust`
+    /// receives the lease options given so far (the defaults if none were,
+    /// or if the session backend was chosen: its options are dropped).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use pgelect::election::Backend;
+    /// use pgelect::{ConnectOptions, Elector};
+    /// let options = ConnectOptions::from_url("postgres://app@pgbouncer:6432/app").unwrap();
+    /// let elector = Elector::builder(options, "sweeper")
+    ///     .lease(|l| l.retry_every(Duration::from_millis(200)))
+    ///     .build()
+    ///     .unwrap();
+    /// assert_eq!(elector.backend(), Backend::Lease);
+    /// ```
+    pub fn lease(mut self, adjust: impl FnOnce(LeaseOptions) -> LeaseOptions) -> Self {
+        let current = match std::mem::take(&mut self.backend) {
+            BackendOptions::Lease(l) => l,
+            BackendOptions::Session(_) => LeaseOptions::default(),
+        };
+        self.backend = BackendOptions::Lease(adjust(current));
         self
     }
 
@@ -290,175 +651,27 @@ impl ElectorBuilder {
 
     /// Lease time to live. Default: `15s`.
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.timing.ttl = Some(ttl);
+        self.ttl = Some(ttl);
         self
     }
 
     /// How much earlier than the lease the local deadline ends. Default:
     /// `ttl / 5`.
     pub fn safety_margin(mut self, margin: Duration) -> Self {
-        self.timing.safety_margin = Some(margin);
+        self.safety_margin = Some(margin);
         self
     }
 
     /// Time between renewals. Default: `ttl / 3`.
     pub fn renew_every(mut self, every: Duration) -> Self {
-        self.timing.renew_every = Some(every);
-        self
-    }
-
-    /// Wait after an unclean takeover before acting. Default:
-    /// `min(heartbeat + heartbeat_timeout, ttl - safety_margin) +
-    /// min(heartbeat_timeout, 500ms)` (`2.5s` with the other defaults,
-    /// 400 ms with a TTL of 2 s, 70 ms in [`Profile::Fast`]); values below
-    /// `min(heartbeat + heartbeat_timeout, ttl - safety_margin)` are
-    /// rejected.
-    pub fn handover_delay(mut self, delay: Duration) -> Self {
-        self.timing.handover_delay = Some(delay);
-        self
-    }
-
-    /// How the timing settings not set explicitly are derived: the
-    /// [`Profile::Standard`] default follows the TTL; [`Profile::Fast`]
-    /// brings the session backend's crash failover under 100 ms for about
-    /// 50 heartbeats per second per leader. Explicit settings win; the
-    /// inequalities are checked the same way.
-    ///
-    /// ```
-    /// # fn f(options: pgelect::ConnectOptions) -> pgelect::Result<()> {
-    /// use pgelect::{Elector, election::Profile};
-    /// let elector = Elector::builder(options, "scheduler")
-    ///     .profile(Profile::Fast)
-    ///     .build()?;
-    /// assert_eq!(elector.handover_delay(), std::time::Duration::from_millis(70));
-    /// # Ok(()) }
-    /// ```
-    pub fn profile(mut self, profile: Profile) -> Self {
-        self.timing.profile = profile;
-        self
-    }
-
-    /// Time between heartbeats (`SELECT 1`) on the lock connection while
-    /// leading, backing up the push detection of a closed socket. Default:
-    /// `ttl / 15`, between 20 ms and 1 s (1 s at the default TTL; 20 ms in
-    /// [`Profile::Fast`]).
-    pub fn heartbeat(mut self, every: Duration) -> Self {
-        self.timing.heartbeat = Some(every);
-        self
-    }
-
-    /// How long a heartbeat or renewal may take before the lock connection
-    /// is declared dead and dropped. Default: the heartbeat interval
-    /// (`1s` at the default TTL; 25 ms in [`Profile::Fast`]).
-    ///
-    /// Lease backend: the bound on a leader's renewal and release; one that
-    /// runs out is cancelled, its connection dropped, and it is retried
-    /// within the deadline budget. Connecting and a standby's attempt may
-    /// take up to `max(heartbeat_timeout, 2s)` (no risk: the deadline counts
-    /// from before the connection, and a standby holds nothing). Default:
-    /// `min(1s, (ttl - safety_margin) / 4)`.
-    pub fn heartbeat_timeout(mut self, timeout: Duration) -> Self {
-        self.timing.heartbeat_timeout = Some(timeout);
+        self.renew_every = Some(every);
         self
     }
 
     /// How often a standby reads the lease row (for [`Elector::watch`] and to
     /// preempt a leader whose lease expired). Default: `renew_every`.
     pub fn check_every(mut self, every: Duration) -> Self {
-        self.timing.check_every = Some(every);
-        self
-    }
-
-    /// Session backend: how long one slice of a blocking standby's lock
-    /// wait lasts before it is issued again. Default: 20 s.
-    ///
-    /// Blocking standbys of the default priority queue for the role's
-    /// *watch key* in slices of this length; only the key's holder (the
-    /// watch) waits for the role's lock itself, in slices of
-    /// `check_every`, and between them reads the row and preempts a zombie
-    /// leader for all of them. So each other standby costs one connection
-    /// and one statement per slice: 100 standbys of one role, 5 statements
-    /// per second. A watch frozen for a TTL is ended by the next standby
-    /// whose slice ends, so a leader that fails while its watch is frozen
-    /// is followed within `ttl + wait_slice` (otherwise within the usual
-    /// bound).
-    ///
-    /// A statement holds a snapshot while it runs, and the oldest snapshot
-    /// bounds what VACUUM may remove in the whole database (the xmin
-    /// horizon): a standby blocked in one `pg_advisory_lock` for days would
-    /// keep every dead row for days. Each slice is one statement
-    /// (`pgelect.lock_wait_slice`) that catches its own lock timeout, so the
-    /// server logs no error for it. Between two slices the lock is not
-    /// waited for during one round trip; a release in that moment is taken
-    /// by the next slice at once (or by another standby).
-    pub fn wait_slice(mut self, slice: Duration) -> Self {
-        self.timing.wait_slice = Some(slice);
-        self
-    }
-
-    /// Session backend: stand on `connection`, shared with the candidates of
-    /// other roles, instead of on a connection of this candidate's own (see
-    /// [`SharedConnection`]). Sets the standby mode to
-    /// [`StandbyMode::Polling`] every second unless a polling interval was
-    /// chosen, and the TCP timeouts to the connection's (`build()` refuses
-    /// a blocking standby, other TCP timeouts, the lease backend, and a
-    /// second candidate of the same role on the connection).
-    pub fn shared_connection(mut self, connection: &SharedConnection) -> Self {
-        if self.standby == StandbyMode::Blocking {
-            self.standby = StandbyMode::Polling {
-                interval: Duration::from_secs(1),
-            };
-        }
-        if self.timing.tcp.is_none() {
-            self.timing.tcp = Some(connection.tcp_timeouts());
-        }
-        self.shared_connection = Some(connection.clone());
-        self
-    }
-
-    /// Lease backend: send this candidate's statements over `client`,
-    /// batched with those of the candidates of other roles, instead of over
-    /// a connection of its own (see [`SharedLease`]). `build()` refuses it
-    /// for the session backend, with a `listen_via` connection of the
-    /// elector's own (set it on the client:
-    /// [`SharedLease::listen_via`]), for another database or schema, and
-    /// for a second candidate of the same role on the client.
-    ///
-    /// ```
-    /// use pgelect::{election::Backend, ConnectOptions, Elector, election::SharedLease};
-    /// let options = ConnectOptions::from_url("postgres://app@db/app").unwrap();
-    /// let client = SharedLease::new(&options);
-    /// let elector = Elector::builder(options.clone(), "shard-1")
-    ///     .backend(Backend::Lease)
-    ///     .shared_lease(&client)
-    ///     .build()
-    ///     .unwrap();
-    /// assert_eq!(elector.backend(), Backend::Lease);
-    /// // One candidate per role on a client.
-    /// let err = Elector::builder(options, "shard-1")
-    ///     .backend(Backend::Lease)
-    ///     .shared_lease(&client)
-    ///     .build()
-    ///     .unwrap_err();
-    /// assert!(err.to_string().contains("already has a candidate"), "{err}");
-    /// ```
-    pub fn shared_lease(mut self, client: &SharedLease) -> Self {
-        self.shared_lease = Some(client.clone());
-        self
-    }
-
-    /// How a standby waits. Default: [`StandbyMode::Blocking`].
-    pub fn standby(mut self, mode: StandbyMode) -> Self {
-        self.standby = mode;
-        self
-    }
-
-    /// TCP timeouts of the lock connection, on both ends. Default: derived
-    /// from the TTL — `TCP_USER_TIMEOUT = ttl`, `keepalive_idle = ttl/3`,
-    /// `keepalive_interval = ttl/6` and enough probes for the keepalive path
-    /// to outlast `ttl` (whole seconds, at least 1).
-    pub fn tcp_timeouts(mut self, tcp: TcpTimeouts) -> Self {
-        self.timing.tcp = Some(tcp);
+        self.check_every = Some(every);
         self
     }
 
@@ -469,116 +682,202 @@ impl ElectorBuilder {
         self
     }
 
+    /// The shortest TTL, in whole milliseconds, that [`build`](ElectorBuilder::build)
+    /// accepts with this builder's other settings (the TTL set, if any, is
+    /// ignored), or `None` when no TTL is accepted (another setting is
+    /// refused whatever the TTL, or explicit TCP timeouts or handover delay
+    /// leave no room). Computed from the inequalities `build()` enforces,
+    /// not searched; opens no connection.
+    ///
+    /// Settings left unset follow the TTL (`safety_margin = ttl / 5`, the
+    /// standard profile's heartbeat timeout `ttl / 15`, at least 20 ms), so
+    /// with the defaults the bound is the heartbeat timeout of 20 ms having
+    /// to end before the deadline `4/5 ttl`:
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use pgelect::election::SessionOptions;
+    /// use pgelect::election::{Backend, Profile};
+    /// use pgelect::{ConnectOptions, Elector};
+    /// let options = ConnectOptions::from_url("postgres://app@db/app").unwrap();
+    /// let builder = Elector::builder(options, "scheduler");
+    /// let shortest = builder.shortest_ttl().unwrap();
+    /// assert_eq!(shortest, Duration::from_millis(26));
+    /// assert!(builder.clone().ttl(shortest).build().is_ok());
+    /// assert!(builder.clone().ttl(shortest - Duration::from_millis(1)).build().is_err());
+    /// // The fast profile's 25 ms heartbeat timeout: 4/5 ttl > 25 ms.
+    /// let fast = builder.clone().backend(SessionOptions::new().profile(Profile::Fast));
+    /// assert_eq!(fast.shortest_ttl(), Some(Duration::from_millis(32)));
+    /// assert_eq!(builder.backend(Backend::Lease).shortest_ttl(), Some(Duration::from_millis(1)));
+    /// ```
+    pub fn shortest_ttl(&self) -> Option<Duration> {
+        let (request, takeover) = self.timing_request();
+        request.shortest_ttl(takeover)
+    }
+
+    /// Puts a partition group's elector on the group's shared connection,
+    /// polling every `interval` (overriding what the group's user chose).
+    pub(crate) fn on_shared_connection(
+        mut self,
+        connection: &SharedConnection,
+        interval: Duration,
+    ) -> Self {
+        if self.backend.backend() == Backend::Lease {
+            self.partition_on_lease = true;
+            return self;
+        }
+        self.session(|s| {
+            s.shared_connection(connection)
+                .standby(StandbyMode::Polling { interval })
+        })
+    }
+
+    /// The timing as set, and the takeover rule of the chosen backend.
+    fn timing_request(&self) -> (TimingRequest, Takeover) {
+        let common = TimingRequest {
+            ttl: self.ttl,
+            safety_margin: self.safety_margin,
+            renew_every: self.renew_every,
+            check_every: self.check_every,
+            ..TimingRequest::default()
+        };
+        match &self.backend {
+            BackendOptions::Session(s) => (
+                TimingRequest {
+                    profile: s.profile,
+                    heartbeat: s.heartbeat,
+                    heartbeat_timeout: s.heartbeat_timeout,
+                    handover_delay: s.handover_delay,
+                    tcp: s.tcp,
+                    wait_slice: s.wait_slice,
+                    ..common
+                },
+                Takeover::OnDisconnect,
+            ),
+            BackendOptions::Lease(l) => (
+                TimingRequest {
+                    heartbeat_timeout: l.statement_timeout,
+                    retry_every: l.retry_every,
+                    ..common
+                },
+                Takeover::OnExpiry,
+            ),
+        }
+    }
+
     /// Validates everything and builds the elector. Opens no connection.
     ///
     /// Fails with [`Error::InvalidName`] for an empty role or node id, one
     /// with a NUL character or longer than [`MAX_ROLE_BYTES`], and with
-    /// [`Error::Config`] naming the values for timing that breaks the safety
-    /// inequalities (see [`ElectorBuilder`]).
+    /// [`Error::Config`] carrying the [`ConfigError`] that names the rule
+    /// and the values for timing that breaks the safety inequalities (see
+    /// [`ElectorBuilder`]) and for shared clients that do not fit.
     pub fn build(self) -> Result<Elector> {
         validate_name("role", &self.role)?;
-        let node = match self.node_id {
+        let node = match &self.node_id {
             Some(n) => {
-                validate_name("node id", &n)?;
-                n
+                validate_name("node id", n)?;
+                n.clone()
             }
             None => default_node_id(),
         };
-        let timing: Timing = match self.backend {
-            Backend::Session => self.timing.validate(),
-            Backend::Lease => self.timing.validate_lease(),
+        if self.partition_on_lease {
+            return Err(Error::Config(ConfigError::PartitionsNeedSession));
         }
-        .map_err(Error::Config)?;
-        if let Some(listen) = &self.listen_via {
-            if listen.schema_name() != self.options.schema_name() {
-                return Err(Error::config(format!(
-                    "listen_via uses schema {:?} but the elector uses {:?}; they must match",
-                    listen.schema_name().as_str(),
-                    self.options.schema_name().as_str()
-                )));
-            }
-        }
-        if let StandbyMode::Polling { interval } = self.standby {
-            if interval.is_zero() {
-                return Err(Error::config("standby polling interval must be positive"));
-            }
-        }
-        let claim = match &self.shared_connection {
-            None => None,
-            Some(c) => {
-                if self.backend != Backend::Session {
-                    return Err(Error::config(
-                        "a shared connection is for the session backend; lease-backend candidates hold no connection while standing",
-                    ));
-                }
-                if self.standby == StandbyMode::Blocking {
-                    return Err(Error::config(
-                        "candidates on a shared connection must poll (StandbyMode::Polling): a blocking wait would occupy the connection of every role on it",
-                    ));
-                }
-                if self.timing.tcp != Some(c.tcp_timeouts()) {
-                    return Err(Error::config(format!(
-                        "tcp_timeouts {:?} differ from the shared connection's {:?}; the deadline is checked against the connection's",
-                        self.timing.tcp,
-                        c.tcp_timeouts()
-                    )));
-                }
-                if c.options().target() != self.options.target()
-                    || c.options().schema_name() != self.options.schema_name()
-                {
-                    return Err(Error::config(format!(
-                        "the shared connection goes to {} (schema {:?}), the elector to {} (schema {:?}); they must match",
-                        c.options().target(),
-                        c.options().schema_name().as_str(),
-                        self.options.target(),
-                        self.options.schema_name().as_str()
-                    )));
-                }
-                Some(c.claim(&self.role)?)
-            }
-        };
-        let lease_claim = match &self.shared_lease {
-            None => None,
-            Some(c) => {
-                if self.backend != Backend::Lease {
-                    return Err(Error::config(
-                        "a shared lease client is for the lease backend; use a shared connection (ElectorBuilder::shared_connection) for the session backend",
-                    ));
-                }
-                if self.listen_via.is_some() {
-                    return Err(Error::config(
-                        "listen_via is not used by candidates on a shared lease client: set it once on the client (SharedLease::listen_via), whose one LISTEN connection serves all its candidates",
-                    ));
-                }
-                if c.options().target() != self.options.target()
-                    || c.options().schema_name() != self.options.schema_name()
-                {
-                    return Err(Error::config(format!(
-                        "the shared lease client goes to {} (schema {:?}), the elector to {} (schema {:?}); they must match",
-                        c.options().target(),
-                        c.options().schema_name().as_str(),
-                        self.options.target(),
-                        self.options.schema_name().as_str()
-                    )));
-                }
-                Some(c.claim(&self.role)?)
-            }
-        };
+        let (request, takeover) = self.timing_request();
+        let timing: Timing = request.validate_for(takeover).map_err(Error::Config)?;
         let key = role_key(self.options.schema_name().as_str(), &self.role);
-        Ok(Elector::from_parts(
-            self.priority,
-            self.options,
-            self.role,
-            node,
-            key,
-            timing,
-            self.standby,
-            self.meta,
-            self.backend,
-            self.listen_via,
-            claim,
-            lease_claim,
-        ))
+        let mismatch = |options: &ConnectOptions| {
+            (options.target() != self.options.target()
+                || options.schema_name() != self.options.schema_name())
+            .then(|| {
+                Error::Config(ConfigError::SharedTargetMismatch {
+                    shared: options.target(),
+                    shared_schema: options.schema_name().as_str().to_owned(),
+                    elector: self.options.target(),
+                    elector_schema: self.options.schema_name().as_str().to_owned(),
+                })
+            })
+        };
+        match self.backend {
+            BackendOptions::Session(s) => {
+                if let StandbyMode::Polling { interval } = s.standby {
+                    if interval.is_zero() {
+                        return Err(Error::Config(ConfigError::Zero {
+                            setting: Setting::PollingInterval,
+                        }));
+                    }
+                }
+                let claim = match &s.shared_connection {
+                    None => None,
+                    Some(c) => {
+                        if s.standby == StandbyMode::Blocking {
+                            return Err(Error::Config(ConfigError::SharedConnectionBlocking));
+                        }
+                        if timing.tcp != c.tcp_timeouts() {
+                            return Err(Error::Config(ConfigError::SharedConnectionTcp {
+                                elector: timing.tcp,
+                                connection: c.tcp_timeouts(),
+                            }));
+                        }
+                        if let Some(e) = mismatch(c.options()) {
+                            return Err(e);
+                        }
+                        Some(c.claim(&self.role)?)
+                    }
+                };
+                Ok(Elector::from_parts(
+                    self.priority,
+                    self.options,
+                    self.role,
+                    node,
+                    key,
+                    timing,
+                    s.standby,
+                    self.meta,
+                    Backend::Session,
+                    None,
+                    claim,
+                    None,
+                ))
+            }
+            BackendOptions::Lease(l) => {
+                if let Some(listen) = &l.listen_via {
+                    if listen.schema_name() != self.options.schema_name() {
+                        return Err(Error::Config(ConfigError::ListenSchemaMismatch {
+                            listen: listen.schema_name().as_str().to_owned(),
+                            elector: self.options.schema_name().as_str().to_owned(),
+                        }));
+                    }
+                }
+                let lease_claim = match &l.shared_lease {
+                    None => None,
+                    Some(c) => {
+                        if l.listen_via.is_some() {
+                            return Err(Error::Config(ConfigError::ListenViaOnSharedLease));
+                        }
+                        if let Some(e) = mismatch(c.options()) {
+                            return Err(e);
+                        }
+                        Some(c.claim(&self.role)?)
+                    }
+                };
+                Ok(Elector::from_parts(
+                    self.priority,
+                    self.options,
+                    self.role,
+                    node,
+                    key,
+                    timing,
+                    StandbyMode::default(),
+                    self.meta,
+                    Backend::Lease,
+                    l.listen_via.map(|b| *b),
+                    None,
+                    lease_claim,
+                ))
+            }
+        }
     }
 }
 
@@ -697,21 +996,28 @@ mod tests {
     fn a_shared_connection_turns_a_blocking_standby_into_a_polling_one() {
         let o = options("postgres://app@db/app");
         let c = shared(&o);
-        let b = ElectorBuilder::new(o.clone(), "r").shared_connection(&c);
+        let s = SessionOptions::new().shared_connection(&c);
         assert_eq!(
-            b.standby,
+            s.standby,
             StandbyMode::Polling {
                 interval: Duration::from_secs(1)
             }
         );
-        assert_eq!(b.timing.tcp, Some(c.tcp_timeouts()));
+        assert_eq!(s.tcp, Some(c.tcp_timeouts()));
         let chosen = StandbyMode::Polling {
             interval: Duration::from_millis(300),
         };
-        let b = ElectorBuilder::new(o, "r")
-            .standby(chosen)
-            .shared_connection(&c);
-        assert_eq!(b.standby, chosen, "a chosen polling interval is kept");
+        let s = SessionOptions::new().standby(chosen).shared_connection(&c);
+        assert_eq!(s.standby, chosen, "a chosen polling interval is kept");
+    }
+
+    /// The error `build()` returns, which must be a configuration error.
+    fn refusal(b: ElectorBuilder) -> ConfigError {
+        match b.build() {
+            Err(Error::Config(c)) => c,
+            Err(e) => panic!("not a configuration error: {e}"),
+            Ok(_) => panic!("accepted"),
+        }
     }
 
     /// What `build()` refuses on a shared connection, each next to the
@@ -720,47 +1026,45 @@ mod tests {
     fn build_refuses_what_a_shared_connection_cannot_carry() {
         let o = options("postgres://app@db/app");
         let c = shared(&o);
-        let refused = |b: ElectorBuilder, needle: &str| {
-            let e = b.build().expect_err("accepted");
-            assert!(
-                matches!(e, Error::Config(_)) && e.to_string().contains(needle),
-                "{e}"
-            );
+        let on = |o: &ConnectOptions, role: &str, s: SessionOptions| {
+            ElectorBuilder::new(o.clone(), role).backend(s.shared_connection(&c))
         };
-        let _ok = ElectorBuilder::new(o.clone(), "ok")
-            .shared_connection(&c)
+        let _ok = on(&o, "ok", SessionOptions::new())
             .build()
             .expect("a polling session-backend candidate fits");
-        refused(
-            ElectorBuilder::new(o.clone(), "a")
-                .backend(Backend::Lease)
-                .shared_connection(&c),
-            "session backend",
-        );
-        refused(
-            ElectorBuilder::new(o.clone(), "a")
-                .shared_connection(&c)
-                .standby(StandbyMode::Blocking),
-            "must poll",
+        assert!(matches!(
+            refusal(on(&o, "ok", SessionOptions::new())),
+            ConfigError::RoleAlreadyShared { role, .. } if role == "ok"
+        ));
+        assert_eq!(
+            refusal(
+                ElectorBuilder::new(o.clone(), "a").backend(
+                    SessionOptions::new()
+                        .shared_connection(&c)
+                        .standby(StandbyMode::Blocking)
+                )
+            ),
+            ConfigError::SharedConnectionBlocking
         );
         let other_tcp = TcpTimeouts {
             user_timeout: Duration::from_secs(30),
             ..TcpTimeouts::for_ttl(Duration::from_secs(15))
         };
-        refused(
-            ElectorBuilder::new(o.clone(), "a")
-                .tcp_timeouts(other_tcp)
-                .shared_connection(&c),
-            "tcp_timeouts",
+        assert_eq!(
+            refusal(on(&o, "a", SessionOptions::new().tcp_timeouts(other_tcp))),
+            ConfigError::SharedConnectionTcp {
+                elector: other_tcp,
+                connection: c.tcp_timeouts()
+            }
         );
-        refused(
-            ElectorBuilder::new(options("postgres://app@other/app"), "a").shared_connection(&c),
-            "must match",
-        );
-        refused(
-            ElectorBuilder::new(o.clone().schema("other").unwrap(), "a").shared_connection(&c),
-            "must match",
-        );
+        for other in [
+            options("postgres://app@other/app"),
+            o.clone().schema("other").unwrap(),
+        ] {
+            let e = refusal(on(&other, "a", SessionOptions::new()));
+            assert!(matches!(e, ConfigError::SharedTargetMismatch { .. }), "{e}");
+            assert!(e.to_string().contains("must match"), "{e}");
+        }
     }
 
     /// What `build()` refuses on a shared lease client, each next to the
@@ -769,57 +1073,139 @@ mod tests {
     fn build_refuses_what_a_shared_lease_client_cannot_carry() {
         let o = options("postgres://app@db/app");
         let c = SharedLease::new(&o);
-        let lease = |role: &str| ElectorBuilder::new(o.clone(), role).backend(Backend::Lease);
-        let refused = |b: ElectorBuilder, needle: &str| {
-            let e = b.build().expect_err("accepted");
-            assert!(
-                matches!(e, Error::Config(_)) && e.to_string().contains(needle),
-                "{e}"
-            );
+        let on = |o: &ConnectOptions, role: &str, l: LeaseOptions| {
+            ElectorBuilder::new(o.clone(), role).backend(l.shared_lease(&c))
         };
-        let first = lease("ok")
-            .shared_lease(&c)
+        let first = on(&o, "ok", LeaseOptions::new())
             .build()
             .expect("a lease-backend candidate fits");
-        refused(lease("ok").shared_lease(&c), "already has a candidate");
+        let e = refusal(on(&o, "ok", LeaseOptions::new()));
+        assert!(e.to_string().contains("already has a candidate"), "{e}");
         drop(first);
-        let _again = lease("ok")
-            .shared_lease(&c)
+        let _again = on(&o, "ok", LeaseOptions::new())
             .build()
             .expect("the role is free again once the first elector is gone");
-        refused(
-            ElectorBuilder::new(o.clone(), "a").shared_lease(&c),
-            "lease backend",
+        assert_eq!(
+            refusal(on(&o, "a", LeaseOptions::new().listen_via(o.clone()))),
+            ConfigError::ListenViaOnSharedLease
         );
-        refused(
-            lease("a").listen_via(o.clone()).shared_lease(&c),
-            "listen_via",
-        );
-        refused(
-            ElectorBuilder::new(options("postgres://app@other/app"), "a")
-                .backend(Backend::Lease)
-                .shared_lease(&c),
-            "must match",
-        );
-        refused(
-            ElectorBuilder::new(o.clone().schema("other").unwrap(), "a")
-                .backend(Backend::Lease)
-                .shared_lease(&c),
-            "must match",
-        );
+        for other in [
+            options("postgres://app@other/app"),
+            o.clone().schema("other").unwrap(),
+        ] {
+            let e = refusal(on(&other, "a", LeaseOptions::new()));
+            assert!(matches!(e, ConfigError::SharedTargetMismatch { .. }), "{e}");
+        }
     }
 
     #[test]
     fn build_refuses_a_listener_on_another_schema() {
         let o = options("postgres://app@db/app");
         ElectorBuilder::new(o.clone(), "r")
-            .listen_via(o.clone())
+            .backend(LeaseOptions::new().listen_via(o.clone()))
             .build()
             .expect("the same schema");
-        let e = ElectorBuilder::new(o.clone(), "r")
-            .listen_via(o.schema("other").unwrap())
-            .build()
-            .expect_err("accepted");
+        let e = refusal(
+            ElectorBuilder::new(o.clone(), "r")
+                .backend(LeaseOptions::new().listen_via(o.schema("other").unwrap())),
+        );
+        assert_eq!(
+            e,
+            ConfigError::ListenSchemaMismatch {
+                listen: "other".into(),
+                elector: "pgelect".into()
+            }
+        );
         assert!(e.to_string().contains("listen_via"), "{e}");
+    }
+
+    /// A partition group puts its electors on its shared connection; a
+    /// lease-backend elector cannot go there.
+    #[test]
+    fn a_partition_group_refuses_lease_backend_electors() {
+        let o = options("postgres://app@db/app");
+        let c = shared(&o);
+        let polling = Duration::from_millis(200);
+        let e = ElectorBuilder::new(o.clone(), "g/0")
+            .on_shared_connection(&c, polling)
+            .build()
+            .expect("a session-backend elector fits");
+        assert_eq!(e.backend(), Backend::Session);
+        let lease = ElectorBuilder::new(o, "g/1")
+            .backend(Backend::Lease)
+            .on_shared_connection(&c, polling);
+        assert_eq!(refusal(lease), ConfigError::PartitionsNeedSession);
+    }
+
+    /// The elector's timing refusals are typed, carrying the values.
+    #[test]
+    fn timing_refusals_name_the_inequality_and_its_values() {
+        let o = options("postgres://app@db/app");
+        let secs = Duration::from_secs;
+        let e = refusal(
+            ElectorBuilder::new(o.clone(), "r")
+                .ttl(secs(3))
+                .renew_every(secs(3)),
+        );
+        assert_eq!(
+            e,
+            ConfigError::RenewNotBelowTtl {
+                renew_every: secs(3),
+                ttl: secs(3)
+            }
+        );
+        let e = refusal(
+            ElectorBuilder::new(o.clone(), "r")
+                .ttl(secs(2))
+                .backend(LeaseOptions::new().statement_timeout(secs(2))),
+        );
+        assert_eq!(
+            e,
+            ConfigError::TimeoutNotBeforeDeadline {
+                setting: Setting::StatementTimeout,
+                timeout: secs(2),
+                ttl: secs(2),
+                safety_margin: Duration::from_millis(400)
+            }
+        );
+        let e = refusal(
+            ElectorBuilder::new(o, "r").backend(SessionOptions::new().standby(
+                StandbyMode::Polling {
+                    interval: Duration::ZERO,
+                },
+            )),
+        );
+        assert_eq!(
+            e,
+            ConfigError::Zero {
+                setting: Setting::PollingInterval
+            }
+        );
+        assert!(
+            e.to_string()
+                .contains("standby polling interval must be positive"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_builders_shortest_ttl_follows_the_backend() {
+        let o = options("postgres://app@db/app");
+        let b = ElectorBuilder::new(o, "r")
+            .safety_margin(Duration::from_secs(1))
+            .renew_every(Duration::from_millis(10));
+        // Session: the heartbeat timeout ttl / 15 under ttl - 1 s; lease:
+        // the renewal under ttl - 1 s.
+        assert_eq!(b.shortest_ttl(), Some(Duration::from_millis(1_072)));
+        b.clone()
+            .ttl(Duration::from_millis(1_072))
+            .build()
+            .expect("accepted");
+        let lease = b.backend(Backend::Lease);
+        assert_eq!(lease.shortest_ttl(), Some(Duration::from_millis(1_011)));
+        lease
+            .ttl(Duration::from_millis(1_011))
+            .build()
+            .expect("accepted");
     }
 }

@@ -19,7 +19,7 @@
 //! |---|---|---|
 //! | connection | direct or session-mode pool, one dedicated connection per candidate | anything, including PgBouncer in **transaction** mode; one connection, reopened at will |
 //! | crashed leader replaced after | the server notices (ms for a killed process) + handover delay (2.5 s by default) | the lease expires: at most `ttl` (15 s by default) after the crash, + ≤ 50 ms |
-//! | voluntary release taken over | at once (lock granted) | at once with [`listen_via`](ElectorBuilder::listen_via), else within `retry_every` (1 s) |
+//! | voluntary release taken over | at once (lock granted) | at once with [`listen_via`](LeaseOptions::listen_via), else within `retry_every` (1 s) |
 //! | load at steady state | a heartbeat per second and a renewal per `renew_every` per leader; standbys block in the server | one statement per `renew_every` per leader, about one per `retry_every` per standby |
 //! | frozen leader | preempted (`pg_terminate_backend`) once its lease expired | taken over once its lease expired |
 //!
@@ -44,7 +44,7 @@
 //!    runs (server arithmetic), and tries again at that expiry plus a
 //!    jitter of at most 50 ms (ttl/20 below a 1 s TTL) — capped by
 //!    `retry_every` — or at once when a
-//!    release `NOTIFY` arrives on the [`listen_via`](ElectorBuilder::listen_via)
+//!    release `NOTIFY` arrives on the [`listen_via`](LeaseOptions::listen_via)
 //!    connection.
 //! 3. The leader renews every `renew_every` with an update scoped to its
 //!    holder name *and* term. No row means another candidate took over:
@@ -146,7 +146,7 @@
 //!   the tests: about 10 ms from the leader's check to the new leader's
 //!   term, 0.3–0.5 s from a new process starting to stand (connecting
 //!   included). A lease leader hears the hint only with
-//!   [`listen_via`](ElectorBuilder::listen_via), else at its next renewal.
+//!   [`listen_via`](LeaseOptions::listen_via), else at its next renewal.
 //! * **FIFO queues.** A lower candidate granted the lock while a preferred
 //!   one is ready gives it back before recording a term (nothing written,
 //!   nobody told) and queues again after a pause (20 ms doubling to 1 s).
@@ -182,6 +182,7 @@
 
 mod backend;
 pub(crate) mod config;
+pub(crate) mod config_error;
 mod driver;
 pub(crate) mod elector;
 mod keeper;
@@ -208,9 +209,13 @@ pub use backend::lease::{lease_sql, LeaseSql};
 #[cfg(feature = "test-hooks")]
 pub use backend::shared::shared_renew_sql;
 pub use backend::shared::SharedConnection;
-pub use config::{Backend, StandbyMode, MAX_ROLE_BYTES};
+pub use config::{
+    Backend, BackendOptions, LeaseOptions, SessionOptions, StandbyMode, MAX_ROLE_BYTES,
+};
+pub use config_error::{ConfigError, Setting};
 pub use elector::TimingReport;
 pub use leadership::LeaderContext;
+pub(crate) use timing::worst_detection;
 pub use timing::Profile;
 pub use watch::{current_leader, request_resign, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use crate::conn::TcpTimeouts;
+use crate::election::config_error::{ConfigError, Setting};
 
 /// The longest TTL accepted, so that deadline arithmetic cannot overflow.
 pub(crate) const MAX_TTL: Duration = Duration::from_secs(24 * 3600);
@@ -169,7 +170,8 @@ impl TimingRequest {
     /// Fills the defaults and checks the safety inequalities of a backend
     /// whose lock the server releases when a connection ends (the session
     /// backend). The error text names the offending values.
-    pub(crate) fn validate(&self) -> Result<Timing, String> {
+    #[cfg(test)]
+    pub(crate) fn validate(&self) -> Result<Timing, ConfigError> {
         self.validate_for(Takeover::OnDisconnect)
     }
 
@@ -184,46 +186,44 @@ impl TimingRequest {
     /// expired on the server's clock (after the old leader's local deadline)
     /// or after a clean release, never because a connection ended. The
     /// handover delay is zero.
-    pub(crate) fn validate_lease(&self) -> Result<Timing, String> {
+    #[cfg(test)]
+    pub(crate) fn validate_lease(&self) -> Result<Timing, ConfigError> {
         self.validate_for(Takeover::OnExpiry)
     }
 
     /// The one validation: the inequalities every backend needs, then those
     /// of `takeover`.
-    pub(crate) fn validate_for(&self, takeover: Takeover) -> Result<Timing, String> {
+    pub(crate) fn validate_for(&self, takeover: Takeover) -> Result<Timing, ConfigError> {
         let ttl = self.ttl.unwrap_or(DEFAULT_TTL);
-        positive("ttl", ttl)?;
-        if ttl > MAX_TTL {
-            return Err(format!(
-                "ttl {ttl:?} is longer than the maximum {MAX_TTL:?}"
-            ));
-        }
+        positive(Setting::Ttl, ttl)?;
+        at_most(Setting::Ttl, ttl)?;
         let safety_margin = self.safety_margin.unwrap_or(ttl / 5);
-        positive("safety_margin", safety_margin)?;
+        positive(Setting::SafetyMargin, safety_margin)?;
         if safety_margin >= ttl {
-            return Err(format!(
-                "safety_margin {safety_margin:?} must be shorter than ttl {ttl:?}"
-            ));
+            return Err(ConfigError::MarginNotBelowTtl { safety_margin, ttl });
         }
         let budget = ttl - safety_margin;
         let renew_every = self.renew_every.unwrap_or(ttl / 3);
-        positive("renew_every", renew_every)?;
+        positive(Setting::RenewEvery, renew_every)?;
         if takeover == Takeover::OnDisconnect && renew_every >= ttl {
-            return Err(format!(
-                "renew_every {renew_every:?} must be shorter than ttl {ttl:?}"
-            ));
+            return Err(ConfigError::RenewNotBelowTtl { renew_every, ttl });
         }
         if renew_every >= budget {
-            return Err(format!(
-                "renew_every {renew_every:?} must be shorter than the local deadline ttl - safety_margin = {budget:?} (ttl {ttl:?}, safety_margin {safety_margin:?}), or a healthy leader would lose leadership between two renewals"
-            ));
+            return Err(ConfigError::RenewNotBeforeDeadline {
+                renew_every,
+                ttl,
+                safety_margin,
+            });
         }
-        if takeover == Takeover::OnExpiry && self.profile == Profile::Fast {
-            return Err("the fast profile is for the session backend: it shortens the wait after an unclean takeover, which the lease backend does not have (its failover follows the ttl); lower the ttl instead".into());
-        }
-        let (profile_heartbeat, profile_timeout) = self.profile.heartbeat(ttl);
+        // The lease backend takes no profile (it is a session option), so
+        // it is always the standard one there.
+        let profile = match takeover {
+            Takeover::OnDisconnect => self.profile,
+            Takeover::OnExpiry => Profile::Standard,
+        };
+        let (profile_heartbeat, profile_timeout) = profile.heartbeat(ttl);
         let heartbeat = self.heartbeat.unwrap_or(profile_heartbeat);
-        positive("heartbeat", heartbeat)?;
+        positive(Setting::Heartbeat, heartbeat)?;
         let heartbeat_timeout = match takeover {
             Takeover::OnDisconnect => self.heartbeat_timeout.unwrap_or(profile_timeout),
             // The statement timeout of every lease statement: short TTLs
@@ -232,15 +232,18 @@ impl TimingRequest {
                 .heartbeat_timeout
                 .unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT.min(budget / 4)),
         };
-        positive("heartbeat_timeout", heartbeat_timeout)?;
+        let timeout_setting = match takeover {
+            Takeover::OnDisconnect => Setting::HeartbeatTimeout,
+            Takeover::OnExpiry => Setting::StatementTimeout,
+        };
+        positive(timeout_setting, heartbeat_timeout)?;
         if heartbeat_timeout >= budget {
-            let what = match takeover {
-                Takeover::OnDisconnect => "heartbeat_timeout",
-                Takeover::OnExpiry => "heartbeat_timeout (the lease statement timeout)",
-            };
-            return Err(format!(
-                "{what} {heartbeat_timeout:?} must be shorter than ttl - safety_margin = {budget:?}"
-            ));
+            return Err(ConfigError::TimeoutNotBeforeDeadline {
+                setting: timeout_setting,
+                timeout: heartbeat_timeout,
+                ttl,
+                safety_margin,
+            });
         }
         let tcp = self.tcp.unwrap_or_else(|| TcpTimeouts::for_ttl(ttl));
         let handover_delay = match takeover {
@@ -255,18 +258,14 @@ impl TimingRequest {
             Takeover::OnExpiry => Duration::ZERO,
         };
         let check_every = self.check_every.unwrap_or(renew_every);
-        positive("check_every", check_every)?;
+        positive(Setting::CheckEvery, check_every)?;
         let retry_every = self.retry_every.unwrap_or(DEFAULT_RETRY_EVERY);
-        positive("retry_every", retry_every)?;
+        positive(Setting::RetryEvery, retry_every)?;
         let wait_slice = self.wait_slice.unwrap_or(DEFAULT_WAIT_SLICE);
-        positive("wait_slice", wait_slice)?;
-        if wait_slice > MAX_TTL {
-            return Err(format!(
-                "wait_slice {wait_slice:?} is longer than the maximum {MAX_TTL:?}"
-            ));
-        }
+        positive(Setting::WaitSlice, wait_slice)?;
+        at_most(Setting::WaitSlice, wait_slice)?;
         Ok(Timing {
-            profile: self.profile,
+            profile,
             ttl,
             safety_margin,
             renew_every,
@@ -279,6 +278,103 @@ impl TimingRequest {
             wait_slice,
         })
     }
+}
+
+impl TimingRequest {
+    /// The shortest TTL, in whole milliseconds, that
+    /// [`validate_for`](TimingRequest::validate_for)`(takeover)` accepts
+    /// with the other settings of `self` (its `ttl` is ignored); `None`
+    /// when no TTL is accepted.
+    ///
+    /// Computed, not searched: every inequality that only a longer TTL can
+    /// satisfy (the margin below the TTL, the renewal and the heartbeat or
+    /// statement timeout below the deadline `ttl - safety_margin`, derived
+    /// values being positive) gives a lower bound in closed form below.
+    /// The others only a shorter TTL (or none) satisfies: an explicit
+    /// handover delay or TCP timeouts the deadline must stay under, the
+    /// 24 h maximum, an explicit zero. So the largest lower bound is the
+    /// answer if it passes those, checked by one validation, and no TTL is
+    /// accepted otherwise.
+    pub(crate) fn shortest_ttl(&self, takeover: Takeover) -> Option<Duration> {
+        const MS: u128 = 1_000_000;
+        let ns = Duration::as_nanos;
+        // The smallest t (ms) with t ms > x ns.
+        let above = |x: u128| x / MS + 1;
+        // The smallest t with the deadline ttl - safety_margin > x ns. A
+        // derived margin is ttl / 5, exact for whole milliseconds: the
+        // deadline is 800 000 t ns.
+        let deadline_above = |x: u128| match self.safety_margin {
+            Some(m) => above(ns(&m) + x),
+            None => x / 800_000 + 1,
+        };
+        let mut t: u128 = 1;
+        if let Some(m) = self.safety_margin {
+            t = t.max(above(ns(&m)));
+        }
+        if takeover == Takeover::OnDisconnect {
+            if let Some(r) = self.renew_every {
+                t = t.max(above(ns(&r)));
+            }
+        }
+        // renew_every < ttl - safety_margin. With a derived renewal
+        // interval floor(ttl / 3) and a margin m: 2/3 ttl > m.
+        t = t.max(match (self.safety_margin, self.renew_every) {
+            (_, Some(r)) => deadline_above(ns(&r)),
+            (Some(m), None) => 3 * ns(&m) / (2 * MS) + 1,
+            (None, None) => 1,
+        });
+        // The heartbeat or statement timeout < ttl - safety_margin.
+        t = t.max(match (takeover, self.heartbeat_timeout) {
+            (_, Some(x)) => deadline_above(ns(&x)),
+            (Takeover::OnDisconnect, None) => match self.profile {
+                Profile::Fast => deadline_above(ns(&FAST_HEARTBEAT_TIMEOUT)),
+                Profile::Standard => standard_timeout_bound(self.safety_margin),
+            },
+            // The derived statement timeout, min(1 s, deadline / 4), must
+            // be positive: a deadline of at least 4 ns.
+            (Takeover::OnExpiry, None) => match self.safety_margin {
+                Some(m) => (ns(&m) + 4).div_ceil(MS),
+                None => 1,
+            },
+        });
+        let ttl = Duration::from_millis(u64::try_from(t).ok()?);
+        TimingRequest {
+            ttl: Some(ttl),
+            ..*self
+        }
+        .validate_for(takeover)
+        .ok()
+        .map(|_| ttl)
+    }
+}
+
+/// The smallest TTL `t` (ms) at which the standard profile's heartbeat
+/// timeout `H(t) = clamp(floor(t / 15), 20, 1000)` ms is shorter than the
+/// deadline `t - margin`. `t - H(t)` never falls as `t` grows by a
+/// millisecond, so the answer is the first `t` of the first region where
+/// it is reached.
+fn standard_timeout_bound(margin: Option<Duration>) -> u128 {
+    const MS: u128 = 1_000_000;
+    let Some(m) = margin else {
+        // A derived margin: the deadline 4/5 t outgrows t / 15; only the
+        // 20 ms floor binds, 4/5 t > 20 ms.
+        return (20 * MS) / 800_000 + 1;
+    };
+    // t - H(t) > m / 1 ms, i.e. t - H(t) >= n.
+    let n = m.as_nanos() / MS + 1;
+    // H = 20 up to t = 314.
+    if n + 20 <= 314 {
+        return n + 20;
+    }
+    // H = floor(t / 15) from 315 to 15 014: t = 15q + r gives t - H = 14q + r,
+    // so 14q (r = 0) is first reached at t = 15q - 1.
+    let (q, r) = (n / 14, n % 14);
+    let t = if r == 0 { 15 * q - 1 } else { 15 * q + r };
+    if t <= 15_014 {
+        return t.max(315);
+    }
+    // H = 1000 beyond.
+    (n + 1000).max(15_015)
 }
 
 /// What a backend's safety rests on, which decides the inequalities checked
@@ -305,43 +401,54 @@ fn check_disconnect_takeover(
     heartbeat: Duration,
     heartbeat_timeout: Duration,
     tcp: &TcpTimeouts,
-) -> Result<Duration, String> {
+) -> Result<Duration, ConfigError> {
     let budget = ttl - safety_margin;
-    positive("tcp keepalive_idle", tcp.keepalive_idle)?;
-    positive("tcp keepalive_interval", tcp.keepalive_interval)?;
+    positive(Setting::TcpKeepaliveIdle, tcp.keepalive_idle)?;
+    positive(Setting::TcpKeepaliveInterval, tcp.keepalive_interval)?;
     if tcp.keepalive_count == 0 {
-        return Err("tcp keepalive_count must be at least 1".into());
+        return Err(ConfigError::KeepaliveCountZero);
     }
     let release = server_release_min(tcp);
     if budget >= release {
-        return Err(format!(
-            "the local deadline ttl - safety_margin = {budget:?} (ttl {ttl:?}, safety_margin {safety_margin:?}) must end before the server can release a silent client's lock, min(tcp user_timeout {:?}, keepalive_idle {}s + keepalive_interval {}s x keepalive_count {}) = {release:?}; raise the TCP timeouts or lower the ttl",
-            tcp.user_timeout,
-            tcp.keepalive_idle.as_secs().max(1),
-            tcp.keepalive_interval.as_secs().max(1),
-            tcp.keepalive_count,
-        ));
+        return Err(ConfigError::DeadlineNotBeforeServerRelease {
+            ttl,
+            safety_margin,
+            tcp: *tcp,
+            release,
+        });
     }
     let needed = worst_detection(heartbeat, heartbeat_timeout, ttl, safety_margin);
     let handover_delay = req
         .handover_delay
         .unwrap_or(needed + heartbeat_timeout.min(HANDOVER_SLACK));
     if handover_delay < needed {
-        return Err(format!(
-            "handover_delay {handover_delay:?} must be at least the time a live leader may take to notice a dead lock connection, min(heartbeat {heartbeat:?} + heartbeat_timeout {heartbeat_timeout:?}, ttl - safety_margin {budget:?}) = {needed:?}"
-        ));
+        return Err(ConfigError::HandoverBelowDetection {
+            handover_delay,
+            heartbeat,
+            heartbeat_timeout,
+            ttl,
+            safety_margin,
+        });
     }
-    if handover_delay > MAX_TTL {
-        return Err(format!(
-            "handover_delay {handover_delay:?} is longer than the maximum {MAX_TTL:?}"
-        ));
-    }
+    at_most(Setting::HandoverDelay, handover_delay)?;
     Ok(handover_delay)
 }
 
-fn positive(name: &str, d: Duration) -> Result<(), String> {
+fn positive(setting: Setting, d: Duration) -> Result<(), ConfigError> {
     if d.is_zero() {
-        Err(format!("{name} must be positive, got {d:?}"))
+        Err(ConfigError::Zero { setting })
+    } else {
+        Ok(())
+    }
+}
+
+fn at_most(setting: Setting, value: Duration) -> Result<(), ConfigError> {
+    if value > MAX_TTL {
+        Err(ConfigError::TooLong {
+            setting,
+            value,
+            max: MAX_TTL,
+        })
     } else {
         Ok(())
     }
@@ -435,7 +542,7 @@ mod tests {
         })
         .unwrap_err();
         assert!(
-            e.contains("handover_delay 44ms") && e.contains("= 45ms"),
+            e.to_string().contains("handover_delay 44ms") && e.to_string().contains("= 45ms"),
             "{e}"
         );
         let t = fast(TimingRequest {
@@ -444,13 +551,15 @@ mod tests {
         })
         .unwrap();
         assert_eq!(t.handover_delay, ms(100));
-        let e = TimingRequest {
+        // The profile is a session option: the lease backend's timing is
+        // the standard one whatever the request says.
+        let t = TimingRequest {
             profile: Profile::Fast,
             ..Default::default()
         }
         .validate_lease()
-        .unwrap_err();
-        assert!(e.contains("fast profile is for the session backend"), "{e}");
+        .unwrap();
+        assert_eq!((t.profile, t.heartbeat), (Profile::Standard, ms(1_000)));
         assert_eq!("fast".parse::<Profile>(), Ok(Profile::Fast));
         assert!("quick".parse::<Profile>().unwrap_err().contains("standard"));
     }
@@ -565,12 +674,16 @@ mod tests {
             ..Default::default()
         };
         let e = with_user(12_000).validate().unwrap_err();
-        assert!(e.contains("must end before the server can release"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("must end before the server can release"),
+            "{e}"
+        );
         with_user(12_001).validate().unwrap();
         // Zero keepalive settings are named.
         let mut req = with_user(15_000);
         req.tcp.as_mut().unwrap().keepalive_count = 0;
-        assert!(req.validate().unwrap_err().contains("keepalive_count"));
+        assert_eq!(req.validate().unwrap_err(), ConfigError::KeepaliveCountZero);
     }
 
     #[test]
@@ -628,7 +741,7 @@ mod tests {
         ];
         for (req, needle) in cases {
             let e = req.validate().unwrap_err();
-            assert!(e.contains(needle), "{e:?} lacks {needle:?}");
+            assert!(e.to_string().contains(needle), "{e:?} lacks {needle:?}");
         }
     }
 
@@ -671,7 +784,7 @@ mod tests {
                     heartbeat_timeout: Some(ms(12_000)),
                     ..Default::default()
                 },
-                "statement timeout",
+                "statement_timeout",
             ),
             (
                 TimingRequest {
@@ -689,7 +802,7 @@ mod tests {
             ),
         ] {
             let e = req.validate_lease().unwrap_err();
-            assert!(e.contains(needle), "{e:?} lacks {needle:?}");
+            assert!(e.to_string().contains(needle), "{e:?} lacks {needle:?}");
         }
     }
 
@@ -710,13 +823,16 @@ mod tests {
                 ..Default::default()
             })
             .unwrap_err();
-            assert!(e.contains("is longer than the maximum 86400s"), "{e}");
+            assert!(
+                e.to_string().contains("is longer than the maximum 86400s"),
+                "{e}"
+            );
             let e = backend(&TimingRequest {
                 wait_slice: Some(MAX_TTL + nano),
                 ..Default::default()
             })
             .unwrap_err();
-            assert!(e.contains("wait_slice"), "{e}");
+            assert!(e.to_string().contains("wait_slice"), "{e}");
         }
         TimingRequest {
             ttl: Some(MAX_TTL),
@@ -731,7 +847,7 @@ mod tests {
         }
         .validate()
         .unwrap_err();
-        assert!(e.contains("handover_delay"), "{e}");
+        assert!(e.to_string().contains("handover_delay"), "{e}");
         // A handover delay of exactly the detection bound is enough (the
         // bound is a worst case reached, not exceeded); a millisecond less
         // is refused.
@@ -743,7 +859,7 @@ mod tests {
         };
         assert_eq!(at(2000).validate().unwrap().handover_delay, ms(2000));
         let e = at(1999).validate().unwrap_err();
-        assert!(e.contains("handover_delay 1.999s"), "{e}");
+        assert!(e.to_string().contains("handover_delay 1.999s"), "{e}");
     }
 
     #[test]
@@ -778,5 +894,149 @@ mod tests {
             (r.heartbeat, r.heartbeat_timeout, r.handover_delay),
             (t.heartbeat, t.heartbeat_timeout, t.handover_delay)
         );
+    }
+
+    /// Checks `shortest_ttl` against the validation it is derived from:
+    /// the TTL it names is accepted and every shorter whole-millisecond
+    /// TTL (a millisecond shorter first) is refused; `None` only when no
+    /// TTL up to 20 s is accepted.
+    fn check_shortest(req: TimingRequest, takeover: Takeover) -> Option<Duration> {
+        let at = |t: u64| {
+            TimingRequest {
+                ttl: Some(ms(t)),
+                ..req
+            }
+            .validate_for(takeover)
+        };
+        match req.shortest_ttl(takeover) {
+            Some(s) => {
+                let s_ms = s.as_millis() as u64;
+                assert_eq!(s, ms(s_ms), "whole milliseconds");
+                at(s_ms).unwrap_or_else(|e| panic!("{req:?} {takeover:?}: {s:?} refused: {e}"));
+                for t in (1..s_ms).rev() {
+                    assert!(
+                        at(t).is_err(),
+                        "{req:?} {takeover:?}: {t}ms accepted, below {s:?}"
+                    );
+                }
+                Some(s)
+            }
+            None => {
+                for t in 1..=20_000 {
+                    assert!(
+                        at(t).is_err(),
+                        "{req:?} {takeover:?}: {t}ms accepted, None said"
+                    );
+                }
+                None
+            }
+        }
+    }
+
+    #[test]
+    fn the_shortest_ttl_is_accepted_and_a_millisecond_less_is_not() {
+        use Takeover::{OnDisconnect, OnExpiry};
+        // The defaults: the standard heartbeat timeout's 20 ms floor under
+        // the deadline 4/5 ttl; the fast profile's 25 ms; the lease
+        // backend has nothing but positive derived values.
+        let default = TimingRequest::default();
+        assert_eq!(check_shortest(default, OnDisconnect), Some(ms(26)));
+        let fast = TimingRequest {
+            profile: Profile::Fast,
+            ..default
+        };
+        assert_eq!(check_shortest(fast, OnDisconnect), Some(ms(32)));
+        assert_eq!(check_shortest(default, OnExpiry), Some(ms(1)));
+        let nanos = Duration::from_nanos;
+        let margins = [
+            None,
+            Some(ms(1)),
+            Some(ms(7)),
+            Some(ms(300)),
+            Some(ms(3_000)),
+            Some(nanos(12_345_678)),
+        ];
+        let renewals = [None, Some(ms(5)), Some(ms(250)), Some(nanos(4_999_999_999))];
+        let timeouts = [None, Some(ms(1)), Some(ms(40)), Some(ms(1_500))];
+        let mut seen = 0;
+        for takeover in [OnDisconnect, OnExpiry] {
+            for profile in [Profile::Standard, Profile::Fast] {
+                for safety_margin in margins {
+                    for renew_every in renewals {
+                        for heartbeat_timeout in timeouts {
+                            let req = TimingRequest {
+                                profile,
+                                safety_margin,
+                                renew_every,
+                                heartbeat_timeout,
+                                ..default
+                            };
+                            seen += usize::from(check_shortest(req, takeover).is_some());
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(seen, 2 * 2 * 6 * 4 * 4, "every combination has a TTL");
+        // The standard heartbeat timeout's regions with an explicit margin:
+        // its 20 ms floor, ttl / 15, its 1 s ceiling.
+        for m in [100, 294, 295, 296, 307, 308, 1_000, 13_999, 14_000, 14_001] {
+            let req = TimingRequest {
+                safety_margin: Some(ms(m)),
+                ..default
+            };
+            check_shortest(req, OnDisconnect).expect("a ttl");
+        }
+        // Settings only a shorter TTL satisfies: an explicit handover delay
+        // (the detection time grows with the TTL) leaves a range, explicit
+        // TCP timeouts below the heartbeat floor leave none.
+        let handover = TimingRequest {
+            handover_delay: Some(ms(100)),
+            ..default
+        };
+        assert_eq!(check_shortest(handover, OnDisconnect), Some(ms(26)));
+        let tight_tcp = TimingRequest {
+            tcp: Some(TcpTimeouts {
+                user_timeout: ms(10),
+                ..TcpTimeouts::default()
+            }),
+            ..default
+        };
+        assert_eq!(check_shortest(tight_tcp, OnDisconnect), None);
+        let zero = TimingRequest {
+            check_every: Some(Duration::ZERO),
+            ..default
+        };
+        assert_eq!(zero.shortest_ttl(OnDisconnect), None);
+        // Pseudo-random settings (a fixed linear congruential sequence).
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = |below: u64| {
+            x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (x >> 33) % below
+        };
+        for _ in 0..300 {
+            let mut maybe = |below: u64| (next(3) > 0).then(|| nanos(1 + next(below)));
+            let safety_margin = maybe(4_000_000_000);
+            let renew_every = maybe(4_000_000_000);
+            let heartbeat = maybe(2_000_000_000);
+            let heartbeat_timeout = maybe(2_000_000_000);
+            let profile = if next(2) == 0 {
+                Profile::Standard
+            } else {
+                Profile::Fast
+            };
+            let req = TimingRequest {
+                profile,
+                safety_margin,
+                renew_every,
+                heartbeat,
+                heartbeat_timeout,
+                ..default
+            };
+            let takeover = if next(2) == 0 { OnDisconnect } else { OnExpiry };
+            check_shortest(req, takeover);
+        }
     }
 }

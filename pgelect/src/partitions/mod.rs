@@ -8,7 +8,7 @@
 //! `pgelect.fence('G/p', term)` and [`HeldPartition`]'s fence ([`LeaderContext::fence`]), `pgelect
 //! status --role G/p` and [`request_resign`](crate::election::request_resign). A
 //! member stands for partitions with polling standbys
-//! ([`StandbyMode::Polling`]) on one
+//! ([`StandbyMode::Polling`](crate::election::StandbyMode::Polling)) on one
 //! [`SharedConnection`](crate::election::SharedConnection), so a member costs two
 //! connections whatever N: the shared lock connection and one that reads
 //! the group.
@@ -97,7 +97,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::conn::{ConnectOptions, TcpTimeouts};
-use crate::election::{ElectorBuilder, LeaderContext, StandbyMode, Term, MAX_ROLE_BYTES};
+use crate::election::{ElectorBuilder, LeaderContext, Term, MAX_ROLE_BYTES};
 use crate::error::{Error, Result};
 use crate::loss::LossReason;
 
@@ -324,10 +324,7 @@ impl Config {
             None => b,
         };
         b.node_id(&self.member)
-            .shared_connection(shared)
-            .standby(StandbyMode::Polling {
-                interval: self.poll_interval,
-            })
+            .on_shared_connection(shared, self.poll_interval)
     }
 }
 

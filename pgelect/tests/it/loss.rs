@@ -205,8 +205,10 @@ async fn a_held_partition_is_lost_with_its_connection() {
         .elector(|b| {
             b.ttl(Duration::from_secs(6))
                 .renew_every(Duration::from_secs(2))
-                .heartbeat(Duration::from_millis(500))
-                .heartbeat_timeout(Duration::from_millis(1500))
+                .session(|s| {
+                    s.heartbeat(Duration::from_millis(500))
+                        .heartbeat_timeout(Duration::from_millis(1500))
+                })
         })
         .build()
         .unwrap();

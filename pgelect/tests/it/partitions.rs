@@ -106,8 +106,10 @@ fn join(o: &ConnectOptions, node: &str, seen: &Seen) -> Member {
         .elector(|b| {
             b.ttl(Duration::from_secs(6))
                 .renew_every(Duration::from_secs(2))
-                .heartbeat(Duration::from_millis(500))
-                .heartbeat_timeout(Duration::from_millis(1500))
+                .session(|s| {
+                    s.heartbeat(Duration::from_millis(500))
+                        .heartbeat_timeout(Duration::from_millis(1500))
+                })
         })
         .build()
         .unwrap();

@@ -168,10 +168,12 @@ fn session(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
         .node_id(node)
         .ttl(Duration::from_secs(6))
         .renew_every(Duration::from_millis(500))
-        .heartbeat(Duration::from_millis(500))
-        .heartbeat_timeout(Duration::from_secs(2))
+        .session(|s| {
+            s.heartbeat(Duration::from_millis(500))
+                .heartbeat_timeout(Duration::from_secs(2))
+        })
         .check_every(Duration::from_millis(200))
-        .wait_slice(Duration::from_secs(1))
+        .session(|s| s.wait_slice(Duration::from_secs(1)))
 }
 
 /// Lease-backend timings: renewals every 500 ms (idle in between for
@@ -180,12 +182,14 @@ fn session(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
 fn lease(o: &ConnectOptions, listen: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
     Elector::builder(o.clone(), role)
         .backend(Backend::Lease)
-        .listen_via(listen.clone())
+        .lease(|l| l.listen_via(listen.clone()))
         .node_id(node)
         .ttl(Duration::from_secs(6))
         .renew_every(Duration::from_millis(500))
-        .heartbeat_timeout(Duration::from_secs(2))
-        .retry_every(Duration::from_millis(200))
+        .lease(|l| {
+            l.statement_timeout(Duration::from_secs(2))
+                .retry_every(Duration::from_millis(200))
+        })
         .check_every(Duration::from_millis(200))
 }
 
@@ -247,8 +251,10 @@ async fn scenario(db: &TestDb, users: &Users, label: &str) {
     let mut seen_by_b = b.watch();
     let waiting_b = tokio::spawn(async move { b.leadership().await.map(|l| (l, b)) });
     let c = session(o, "s", "c")
-        .standby(StandbyMode::Polling {
-            interval: Duration::from_millis(100),
+        .session(|s| {
+            s.standby(StandbyMode::Polling {
+                interval: Duration::from_millis(100),
+            })
         })
         .build()
         .unwrap();

@@ -218,8 +218,10 @@ pub fn fast_session(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilde
         .node_id(node)
         .ttl(Duration::from_secs(2))
         .renew_every(Duration::from_millis(500))
-        .heartbeat(Duration::from_millis(200))
-        .heartbeat_timeout(Duration::from_millis(500))
+        .session(|s| {
+            s.heartbeat(Duration::from_millis(200))
+                .heartbeat_timeout(Duration::from_millis(500))
+        })
         .check_every(Duration::from_millis(200))
 }
 
@@ -233,16 +235,20 @@ pub fn fast_lease(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder 
         .node_id(node)
         .ttl(Duration::from_secs(2))
         .renew_every(Duration::from_millis(500))
-        .heartbeat_timeout(Duration::from_millis(600))
-        .retry_every(Duration::from_millis(200))
+        .lease(|l| {
+            l.statement_timeout(Duration::from_millis(600))
+                .retry_every(Duration::from_millis(200))
+        })
         .check_every(Duration::from_millis(200))
 }
 
 /// The session test timings ([`fast_session`]), standbys polling every
 /// 200 ms.
 pub fn fast_polling(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
-    fast_session(o, role, node).standby(pgelect::election::StandbyMode::Polling {
-        interval: Duration::from_millis(200),
+    fast_session(o, role, node).session(|s| {
+        s.standby(pgelect::election::StandbyMode::Polling {
+            interval: Duration::from_millis(200),
+        })
     })
 }
 

@@ -5,6 +5,7 @@
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use crate::election::config_error::ConfigError;
 use crate::error::{Error, Result};
 
 /// The roles that have a candidate on one shared client.
@@ -14,9 +15,17 @@ pub(crate) struct Roles(Arc<Mutex<HashSet<String>>>);
 impl Roles {
     /// Claims `role` for `client`'s candidate; refused, with `refusal`,
     /// while another candidate holds it.
-    pub(crate) fn claim<C>(&self, client: C, role: &str, refusal: &str) -> Result<Claim<C>> {
+    pub(crate) fn claim<C>(
+        &self,
+        client: C,
+        role: &str,
+        refusal: &'static str,
+    ) -> Result<Claim<C>> {
         if !self.set().insert(role.to_owned()) {
-            return Err(Error::config(format!("role {role:?} {refusal}")));
+            return Err(Error::Config(ConfigError::RoleAlreadyShared {
+                role: role.to_owned(),
+                why: refusal,
+            }));
         }
         Ok(Claim {
             client,

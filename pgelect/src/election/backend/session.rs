@@ -18,6 +18,7 @@ use tokio_postgres::Row;
 use tracing::Instrument;
 
 use crate::conn::{DedicatedConnection, Notice};
+use crate::election::config_error::ConfigError;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::lock::holders::{query_holders, SquatWatch};
@@ -40,7 +41,7 @@ use crate::election::term::{next_term_sql, previous_holder_sql};
 use crate::election::watch::{
     preempt_zombie, read_leader, read_leader_and_mode, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
 };
-use crate::election::{Shared, StandbyMode, Term};
+use crate::election::{Backend, Shared, StandbyMode, Term};
 use crate::loss::LossReason;
 
 /// Campaigns until elected. Transient failures are retried with backoff;
@@ -870,10 +871,11 @@ impl ElectStatement {
             .try_get(at)
             .map_err(|e| Error::db("record the new term", s, e))?;
         let Some(term) = term else {
-            return Err(Error::config(format!(
-                "role {:?} is held by a live leader using the lease backend, but this candidate uses the session backend: all candidates of a role must use the same backend",
-                shared.role
-            )));
+            return Err(Error::Config(ConfigError::OtherBackendLeads {
+                role: shared.role.clone(),
+                holder: None,
+                leader: Backend::Lease,
+            }));
         };
         let decode = || {
             Ok::<_, tokio_postgres::Error>(Elected {

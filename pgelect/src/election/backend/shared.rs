@@ -56,7 +56,8 @@ use crate::election::watch::{
 /// ```no_run
 /// # async fn example() -> pgelect::Result<()> {
 /// use std::time::Duration;
-/// use pgelect::{ConnectOptions, Elector, election::SharedConnection, conn::TcpTimeouts};
+/// use pgelect::election::{SessionOptions, SharedConnection};
+/// use pgelect::{conn::TcpTimeouts, ConnectOptions, Elector};
 /// let options = ConnectOptions::from_url("postgres://app@db/app")?;
 /// // The server may declare a silent client gone no sooner than the TTL.
 /// let ttl = Duration::from_secs(15);
@@ -65,7 +66,7 @@ use crate::election::watch::{
 /// for shard in 0..64 {
 ///     let elector = Elector::builder(options.clone(), &format!("shard-{shard}"))
 ///         .ttl(ttl)
-///         .shared_connection(&connection)
+///         .backend(SessionOptions::new().shared_connection(&connection))
 ///         .build()?;
 ///     shards.push(tokio::spawn(async move {
 ///         let leadership = elector.leadership().await?;

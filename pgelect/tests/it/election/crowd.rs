@@ -26,11 +26,15 @@ fn crowd(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
         .node_id(node)
         .ttl(Duration::from_secs(3))
         .renew_every(Duration::from_secs(1))
-        .heartbeat(Duration::from_millis(500))
-        .heartbeat_timeout(Duration::from_millis(500))
+        .session(|s| {
+            s.heartbeat(Duration::from_millis(500))
+                .heartbeat_timeout(Duration::from_millis(500))
+        })
         .check_every(Duration::from_secs(1))
-        .wait_slice(Duration::from_secs(5))
-        .standby(StandbyMode::Blocking)
+        .session(|s| {
+            s.wait_slice(Duration::from_secs(5))
+                .standby(StandbyMode::Blocking)
+        })
 }
 
 /// Starts `n` candidates of `role`; each sends its leadership (with its

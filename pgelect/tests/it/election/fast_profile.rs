@@ -36,7 +36,7 @@ const PROGRESS: Duration = Duration::from_secs(60);
 fn fast_profile(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
     Elector::builder(o.clone(), role)
         .node_id(node)
-        .profile(Profile::Fast)
+        .session(|s| s.profile(Profile::Fast))
         .ttl(TTL)
 }
 

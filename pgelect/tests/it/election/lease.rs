@@ -100,7 +100,7 @@ async fn exactly_one_of_eight_candidates_wins_through_pgbouncer_repeatedly() {
         for n in 0..8 {
             let mut b = fast(&pooled, &role, &format!("n{n}"));
             if listen {
-                b = b.listen_via(direct.clone());
+                b = b.lease(|l| l.listen_via(direct.clone()));
             }
             let e = b.build().unwrap();
             let log = log.clone();
@@ -406,9 +406,9 @@ async fn release_frees_at_once_and_watchers_follow() {
     for listen in [true, false] {
         let role = format!("release-{listen}");
         let a = fast(&pooled, &role, "a").build().unwrap();
-        let mut b = fast(&pooled, &role, "b").retry_every(Duration::from_millis(500));
+        let mut b = fast(&pooled, &role, "b").lease(|l| l.retry_every(Duration::from_millis(500)));
         if listen {
-            b = b.listen_via(direct.clone());
+            b = b.lease(|l| l.listen_via(direct.clone()));
         }
         let b = b.build().unwrap();
         let la = a.leadership().await.unwrap();
@@ -687,7 +687,7 @@ async fn sigkilled_leader_process_is_replaced_within_the_ttl() {
         let standby = fast(&pooled, &role, "standby")
             .ttl(ttl)
             .renew_every(Duration::from_millis(250))
-            .retry_every(Duration::from_secs(1))
+            .lease(|l| l.retry_every(Duration::from_secs(1)))
             .build()
             .unwrap();
         let task =
@@ -805,14 +805,14 @@ async fn a_release_sent_before_the_standbys_listen_is_up_is_not_slept_through() 
         Elector::builder(pooled.clone(), "late")
             .backend(Backend::Lease)
             .ttl(Duration::from_secs(60))
-            .retry_every(Duration::from_secs(30))
+            .lease(|l| l.retry_every(Duration::from_secs(30)))
             .node_id(node)
     };
     let a = slow("a").build().unwrap();
     let la = a.leadership().await.unwrap();
     // b's LISTEN connection hangs in the proxy.
     proxy.blackhole();
-    let b = Arc::new(slow("b").listen_via(listen).build().unwrap());
+    let b = Arc::new(slow("b").lease(|l| l.listen_via(listen)).build().unwrap());
     let task = {
         let b = b.clone();
         tokio::spawn(async move { (b.leadership().await.unwrap(), Instant::now()) })
@@ -1152,7 +1152,7 @@ async fn resign_requests_reach_a_lease_leader_with_and_without_listen() {
         if listen {
             // Renewals 10 s apart: a step-down within them came by LISTEN.
             b = b
-                .listen_via(direct.clone())
+                .lease(|l| l.listen_via(direct.clone()))
                 .ttl(Duration::from_secs(30))
                 .renew_every(Duration::from_secs(10));
         }
@@ -1225,8 +1225,10 @@ async fn session_backend_refuses_the_transaction_pool_the_lease_backend_uses() {
         .node_id("s")
         .ttl(Duration::from_secs(2))
         .renew_every(Duration::from_millis(500))
-        .heartbeat(Duration::from_millis(200))
-        .heartbeat_timeout(Duration::from_millis(500))
+        .session(|s| {
+            s.heartbeat(Duration::from_millis(200))
+                .heartbeat_timeout(Duration::from_millis(500))
+        })
         .build()
         .unwrap();
     let err = tokio::time::timeout(Duration::from_secs(10), session.leadership())
@@ -1246,8 +1248,10 @@ async fn session_backend_refuses_the_transaction_pool_the_lease_backend_uses() {
         .node_id("s2")
         .ttl(Duration::from_secs(2))
         .renew_every(Duration::from_millis(500))
-        .heartbeat(Duration::from_millis(200))
-        .heartbeat_timeout(Duration::from_millis(500))
+        .session(|s| {
+            s.heartbeat(Duration::from_millis(200))
+                .heartbeat_timeout(Duration::from_millis(500))
+        })
         .build()
         .unwrap();
     let err = tokio::time::timeout(Duration::from_secs(10), direct_session.leadership())
@@ -1281,11 +1285,11 @@ fn lease_configurations_are_checked_against_the_lease_inequalities() {
     assert_eq!(e.backend(), Backend::Lease);
     assert_eq!(e.handover_delay(), Duration::ZERO);
     assert_eq!(e.deadline_budget(), Duration::from_secs(12));
-    // TCP timeouts the session backend would refuse do not matter here.
+    // TCP timeouts are a session option: a TTL whose deadline the
+    // session backend's default TCP timeouts would refuse is fine here.
     Elector::builder(o.clone(), "r")
         .backend(Backend::Lease)
         .ttl(Duration::from_secs(120))
-        .tcp_timeouts(pgelect::conn::TcpTimeouts::default())
         .build()
         .unwrap();
     let err = Elector::builder(o.clone(), "r")
@@ -1298,13 +1302,13 @@ fn lease_configurations_are_checked_against_the_lease_inequalities() {
     let err = Elector::builder(o.clone(), "r")
         .backend(Backend::Lease)
         .ttl(Duration::from_secs(2))
-        .heartbeat_timeout(Duration::from_secs(2))
+        .lease(|l| l.statement_timeout(Duration::from_secs(2)))
         .build()
         .unwrap_err();
-    assert!(err.to_string().contains("statement timeout"), "{err}");
+    assert!(err.to_string().contains("statement_timeout"), "{err}");
     let err = Elector::builder(o.clone(), "r")
         .backend(Backend::Lease)
-        .listen_via(o.clone().schema("other").unwrap())
+        .lease(|l| l.listen_via(o.clone().schema("other").unwrap()))
         .build()
         .unwrap_err();
     assert!(err.to_string().contains("listen_via"), "{err}");

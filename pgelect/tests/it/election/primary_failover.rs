@@ -62,8 +62,10 @@ fn fast_elector(o: &ConnectOptions, role: &str, node: &str, backend: Backend) ->
         Backend::Session => b.build().unwrap(),
         _ => b
             .backend(Backend::Lease)
-            .heartbeat_timeout(Duration::from_millis(600))
-            .retry_every(Duration::from_millis(200))
+            .lease(|l| {
+                l.statement_timeout(Duration::from_millis(600))
+                    .retry_every(Duration::from_millis(200))
+            })
             .build()
             .unwrap(),
     }
@@ -74,9 +76,11 @@ fn fast_elector(o: &ConnectOptions, role: &str, node: &str, backend: Backend) ->
 fn fast_shared_lease(o: &ConnectOptions, role: &str, node: &str) -> Elector {
     fast_session(o, role, node)
         .backend(Backend::Lease)
-        .heartbeat_timeout(Duration::from_millis(600))
-        .retry_every(Duration::from_millis(200))
-        .shared_lease(&SharedLease::new(o))
+        .lease(|l| {
+            l.statement_timeout(Duration::from_millis(600))
+                .retry_every(Duration::from_millis(200))
+                .shared_lease(&SharedLease::new(o))
+        })
         .build()
         .unwrap()
 }
@@ -412,7 +416,7 @@ async fn a_blocking_standby_leaves_a_server_that_turned_read_only() {
     // A wait slice far longer than the bound below: only the observer's
     // read-only check can end the wait in time.
     let b = fast_session(&o, role, "node-b")
-        .wait_slice(Duration::from_secs(30))
+        .session(|s| s.wait_slice(Duration::from_secs(30)))
         .build()
         .unwrap();
     // A session on the old server holds the role's lock for good. It stays
@@ -581,10 +585,12 @@ async fn stale_lease(shared: bool, hint: &str) {
         let b = fast_session(o, role, node)
             .ttl(Duration::from_secs(6))
             .backend(Backend::Lease)
-            .heartbeat_timeout(Duration::from_millis(600))
-            .retry_every(Duration::from_millis(200));
+            .lease(|l| {
+                l.statement_timeout(Duration::from_millis(600))
+                    .retry_every(Duration::from_millis(200))
+            });
         let b = if shared {
-            b.shared_lease(&SharedLease::new(o))
+            b.lease(|l| l.shared_lease(&SharedLease::new(o)))
         } else {
             b
         };

@@ -407,8 +407,10 @@ async fn a_polling_preferred_candidate_takes_over() {
     let t0 = Instant::now();
     let p = fast_session(&o, role, "poller")
         .priority(1)
-        .standby(StandbyMode::Polling {
-            interval: Duration::from_millis(300),
+        .session(|s| {
+            s.standby(StandbyMode::Polling {
+                interval: Duration::from_millis(300),
+            })
         })
         .build()
         .unwrap();
@@ -478,7 +480,7 @@ async fn lease_backend_hands_over_to_a_higher_priority_standby() {
     let lease = |node: &str, priority: i32| {
         slow(&o, role, node, priority)
             .backend(Backend::Lease)
-            .listen_via(o.clone())
+            .lease(|l| l.listen_via(o.clone()))
     };
     let a = lease("old-a", 0).build().unwrap();
     let la = a.leadership().await.unwrap();

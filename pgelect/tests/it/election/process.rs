@@ -54,8 +54,10 @@ async fn freeze_leader(
     let standby = Elector::builder(so, role)
         .node_id("standby")
         .ttl(Duration::from_secs(1))
-        .heartbeat(Duration::from_millis(100))
-        .heartbeat_timeout(Duration::from_millis(300))
+        .session(|s| {
+            s.heartbeat(Duration::from_millis(100))
+                .heartbeat_timeout(Duration::from_millis(300))
+        })
         .check_every(Duration::from_millis(100))
         .build()
         .unwrap();

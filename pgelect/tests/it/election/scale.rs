@@ -41,10 +41,12 @@ fn many(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
         .node_id(node)
         .ttl(Duration::from_secs(12))
         .renew_every(Duration::from_secs(4))
-        .heartbeat(Duration::from_secs(1))
-        .heartbeat_timeout(Duration::from_secs(3))
-        .standby(StandbyMode::Polling {
-            interval: Duration::from_secs(1),
+        .session(|s| {
+            s.heartbeat(Duration::from_secs(1))
+                .heartbeat_timeout(Duration::from_secs(3))
+                .standby(StandbyMode::Polling {
+                    interval: Duration::from_secs(1),
+                })
         })
 }
 
@@ -131,7 +133,7 @@ async fn a_thousand_roles_over_three_candidates_cost_three_connections_and_a_few
         for k in 0..ROLES {
             let i = (k + n * ROLES / NODES.len()) % ROLES;
             let e = many(&o, &format!("part-{i}"), node)
-                .shared_connection(host)
+                .session(|s| s.shared_connection(host))
                 .build()
                 .unwrap();
             let tx = tx.clone();
@@ -335,7 +337,7 @@ async fn start_many_roles(roles: usize, hint: &str) {
         for k in 0..roles {
             let i = (k + n * roles / NODES.len()) % roles;
             let e = many(&o, &format!("part-{i}"), node)
-                .shared_connection(host)
+                .session(|s| s.shared_connection(host))
                 .build()
                 .unwrap();
             let tx = tx.clone();

@@ -80,15 +80,19 @@ async fn healthy_leader_is_never_preempted() {
         Elector::builder(o.clone(), "healthy")
             .node_id(node)
             .ttl(ttl)
-            .heartbeat(Duration::from_millis(100))
-            .heartbeat_timeout(Duration::from_millis(300))
+            .session(|s| {
+                s.heartbeat(Duration::from_millis(100))
+                    .heartbeat_timeout(Duration::from_millis(300))
+            })
             .check_every(Duration::from_millis(50))
     };
     let leader = b("leader").build().unwrap().leadership().await.unwrap();
     let blocking = b("blocking").build().unwrap();
     let polling = b("polling")
-        .standby(StandbyMode::Polling {
-            interval: Duration::from_millis(50),
+        .session(|s| {
+            s.standby(StandbyMode::Polling {
+                interval: Duration::from_millis(50),
+            })
         })
         .build()
         .unwrap();
@@ -259,7 +263,7 @@ async fn a_blocking_standby_does_not_hold_back_vacuum() {
     let (db, o) = migrated("elect_xmin").await;
     let a = fast(&o, "xmin", "a").build().unwrap();
     let b = fast(&o, "xmin", "b")
-        .wait_slice(Duration::from_millis(300))
+        .session(|s| s.wait_slice(Duration::from_millis(300)))
         .build()
         .unwrap();
     let la = a.leadership().await.unwrap();
@@ -489,8 +493,10 @@ async fn a_slow_fenced_transaction_does_not_cost_the_leader_its_connection() {
         .node_id("a")
         .ttl(Duration::from_secs(4))
         .renew_every(Duration::from_millis(500))
-        .heartbeat(Duration::from_millis(200))
-        .heartbeat_timeout(Duration::from_millis(300))
+        .session(|s| {
+            s.heartbeat(Duration::from_millis(200))
+                .heartbeat_timeout(Duration::from_millis(300))
+        })
         .build()
         .unwrap();
     let la = a.leadership().await.unwrap();
@@ -839,9 +845,10 @@ fn bad_configurations_are_rejected_naming_the_values() {
     assert!(e.contains("ttl must be positive"), "{e}");
     let e = err(Elector::builder(o.clone(), "r").renew_every(Duration::ZERO));
     assert!(e.contains("renew_every must be positive"), "{e}");
-    let e = err(Elector::builder(o.clone(), "r").wait_slice(Duration::ZERO));
+    let e = err(Elector::builder(o.clone(), "r").session(|s| s.wait_slice(Duration::ZERO)));
     assert!(e.contains("wait_slice must be positive"), "{e}");
-    let e = err(Elector::builder(o.clone(), "r").wait_slice(Duration::from_secs(2 * 24 * 3600)));
+    let e = err(Elector::builder(o.clone(), "r")
+        .session(|s| s.wait_slice(Duration::from_secs(2 * 24 * 3600))));
     assert!(
         e.contains("wait_slice 172800s is longer than the maximum"),
         "{e}"
@@ -853,22 +860,24 @@ fn bad_configurations_are_rejected_naming_the_values() {
         e.contains("renew_every 5s must be shorter than ttl 5s"),
         "{e}"
     );
-    let e = err(Elector::builder(o.clone(), "r").handover_delay(Duration::from_millis(10)));
+    let e =
+        err(Elector::builder(o.clone(), "r")
+            .session(|s| s.handover_delay(Duration::from_millis(10))));
     assert!(e.contains("handover_delay 10ms"), "{e}");
-    let e = err(
-        Elector::builder(o.clone(), "r").tcp_timeouts(pgelect::conn::TcpTimeouts {
+    let e = err(Elector::builder(o.clone(), "r").session(|s| {
+        s.tcp_timeouts(pgelect::conn::TcpTimeouts {
             keepalive_idle: Duration::from_secs(1),
             keepalive_interval: Duration::from_secs(1),
             keepalive_count: 2,
             user_timeout: Duration::from_secs(60),
-        }),
-    );
+        })
+    }));
     assert!(e.contains("keepalive_idle 1s"), "{e}");
-    let e = err(
-        Elector::builder(o.clone(), "r").standby(StandbyMode::Polling {
+    let e = err(Elector::builder(o.clone(), "r").session(|s| {
+        s.standby(StandbyMode::Polling {
             interval: Duration::ZERO,
-        }),
-    );
+        })
+    }));
     assert!(e.contains("polling interval"), "{e}");
     for role in ["", "a\0b"] {
         let e = Elector::builder(o.clone(), role).build().unwrap_err();
@@ -901,8 +910,10 @@ fn bad_configurations_are_rejected_naming_the_values() {
 async fn polling_standbys_take_over_after_a_release_and_after_a_terminated_leader() {
     let (db, o) = migrated("elect_polling").await;
     let polling = |node: &str| {
-        fast(&o, "poll", node).standby(StandbyMode::Polling {
-            interval: Duration::from_millis(300),
+        fast(&o, "poll", node).session(|s| {
+            s.standby(StandbyMode::Polling {
+                interval: Duration::from_millis(300),
+            })
         })
     };
     let a = fast(&o, "poll", "a").build().unwrap();

@@ -33,7 +33,7 @@ async fn many_roles_share_one_backend_and_fail_over_together() {
     let mut electors_a = Vec::new();
     for i in 0..ROLES {
         let e = fast(&o, &role(i), "a")
-            .shared_connection(&host_a)
+            .session(|s| s.shared_connection(&host_a))
             .build()
             .unwrap();
         led.push(e.leadership().await.unwrap());
@@ -55,7 +55,7 @@ async fn many_roles_share_one_backend_and_fail_over_together() {
     let mut standbys = Vec::new();
     for i in 0..ROLES {
         let e = fast(&o, &role(i), "b")
-            .shared_connection(&host_b)
+            .session(|s| s.shared_connection(&host_b))
             .build()
             .unwrap();
         standbys.push(tokio::spawn(async move {
@@ -161,11 +161,11 @@ async fn an_abandoned_role_is_released_alone() {
     let (_db, o) = migrated("shared_abandon").await;
     let host = SharedConnection::new(&o, TcpTimeouts::default());
     let e1 = fast(&o, "one", "a")
-        .shared_connection(&host)
+        .session(|s| s.shared_connection(&host))
         .build()
         .unwrap();
     let e2 = fast(&o, "two", "a")
-        .shared_connection(&host)
+        .session(|s| s.shared_connection(&host))
         .build()
         .unwrap();
     let l1 = e1.leadership().await.unwrap();
@@ -208,11 +208,14 @@ async fn an_abandoned_role_is_released_alone() {
 async fn a_shared_connection_refuses_what_would_break_it() {
     let (_db, o) = migrated("shared_refuse").await;
     let host = SharedConnection::new(&o, TcpTimeouts::default());
-    let first = fast(&o, "r", "a").shared_connection(&host).build().unwrap();
+    let first = fast(&o, "r", "a")
+        .session(|s| s.shared_connection(&host))
+        .build()
+        .unwrap();
     // A second candidate of the same role on the same session would also
     // win its re-entrant advisory lock.
     let err = fast(&o, "r", "b")
-        .shared_connection(&host)
+        .session(|s| s.shared_connection(&host))
         .build()
         .unwrap_err();
     assert!(
@@ -221,28 +224,29 @@ async fn a_shared_connection_refuses_what_would_break_it() {
     );
     drop(first);
     fast(&o, "r", "b")
-        .shared_connection(&host)
+        .session(|s| s.shared_connection(&host))
         .build()
         .expect("free again once the first elector is gone");
     let err = fast(&o, "s", "a")
-        .shared_connection(&host)
-        .standby(StandbyMode::Blocking)
+        .session(|s| s.shared_connection(&host).standby(StandbyMode::Blocking))
         .build()
         .unwrap_err();
     assert!(err.to_string().contains("must poll"), "{err}");
-    let err = fast(&o, "s", "a")
+    // A shared connection is a session option: choosing it selects the
+    // session backend, so no lease-backend candidate can carry one.
+    let e = fast(&o, "s", "a")
         .backend(pgelect::election::Backend::Lease)
-        .shared_connection(&host)
+        .session(|s| s.shared_connection(&host))
         .build()
-        .unwrap_err();
-    assert!(err.to_string().contains("session backend"), "{err}");
+        .unwrap();
+    assert_eq!(e.backend(), pgelect::election::Backend::Session);
+    drop(e);
     let other_tcp = TcpTimeouts {
         user_timeout: Duration::from_secs(30),
         ..TcpTimeouts::default()
     };
     let err = fast(&o, "s", "a")
-        .tcp_timeouts(other_tcp)
-        .shared_connection(&host)
+        .session(|s| s.tcp_timeouts(other_tcp).shared_connection(&host))
         .build()
         .unwrap_err();
     assert!(err.to_string().contains("tcp_timeouts"), "{err}");
@@ -262,7 +266,7 @@ async fn a_shared_connection_through_a_transaction_pool_is_refused() {
     let o = ConnectOptions::from_url(&pool.url(db.name())).unwrap();
     let host = SharedConnection::new(&o, TcpTimeouts::default());
     let e = fast(&o, "pooled", "p")
-        .shared_connection(&host)
+        .session(|s| s.shared_connection(&host))
         .build()
         .unwrap();
     let err = tokio::time::timeout(Duration::from_secs(10), e.leadership())
@@ -281,7 +285,7 @@ async fn leaders_on_a_shared_connection_share_its_heartbeat() {
     let mut electors = Vec::new();
     for i in 0..ROLES {
         let e = fast(&o, &role(i), "a")
-            .shared_connection(&host)
+            .session(|s| s.shared_connection(&host))
             .build()
             .unwrap();
         led.push(e.leadership().await.unwrap());
@@ -315,11 +319,11 @@ async fn a_resign_request_reaches_only_its_role_on_a_shared_connection() {
     let (_db, o) = migrated("shared_resign").await;
     let host = SharedConnection::new(&o, TcpTimeouts::default());
     let e1 = fast(&o, "r1", "a")
-        .shared_connection(&host)
+        .session(|s| s.shared_connection(&host))
         .build()
         .unwrap();
     let e2 = fast(&o, "r2", "a")
-        .shared_connection(&host)
+        .session(|s| s.shared_connection(&host))
         .build()
         .unwrap();
     let l1 = e1.leadership().await.unwrap();
@@ -360,9 +364,11 @@ async fn a_fenced_transaction_holds_back_only_its_own_row_in_the_batch() {
             .node_id("a")
             .ttl(Duration::from_secs(4))
             .renew_every(Duration::from_millis(500))
-            .heartbeat(Duration::from_millis(200))
-            .heartbeat_timeout(Duration::from_millis(300))
-            .shared_connection(&host)
+            .session(|s| {
+                s.heartbeat(Duration::from_millis(200))
+                    .heartbeat_timeout(Duration::from_millis(300))
+                    .shared_connection(&host)
+            })
             .build()
             .unwrap();
         led.push(e.leadership().await.unwrap());
@@ -439,7 +445,7 @@ async fn a_flood_of_announcements_does_not_make_the_leaders_check_early() {
     // Library defaults: renewals every 5 s.
     let e = pgelect::Elector::builder(o.clone(), "flooded")
         .node_id("a")
-        .shared_connection(&host)
+        .session(|s| s.shared_connection(&host))
         .build()
         .unwrap();
     let l = e.leadership().await.unwrap();

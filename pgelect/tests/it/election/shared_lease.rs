@@ -60,7 +60,10 @@ fn stand(
     roles
         .iter()
         .map(|r| {
-            let e = fast(o, r, node).shared_lease(client).build().unwrap();
+            let e = fast(o, r, node)
+                .lease(|l| l.shared_lease(client))
+                .build()
+                .unwrap();
             let (leaders, won, r, node) =
                 (leaders.clone(), won.clone(), r.clone(), node.to_owned());
             tokio::spawn(async move {
@@ -335,7 +338,7 @@ async fn a_renewal_that_finds_its_role_taken_loses_that_role_alone() {
     let mut led = Vec::new();
     for i in 0..ROLES {
         let e = fast(&o, &role(i), "a")
-            .shared_lease(&client)
+            .lease(|l| l.shared_lease(&client))
             .build()
             .unwrap();
         led.push(e.leadership().await.unwrap());
@@ -498,19 +501,21 @@ async fn a_role_held_by_a_session_backend_leader_is_refused_to_a_shared_lease_ca
         .node_id("s")
         .ttl(Duration::from_secs(2))
         .renew_every(Duration::from_millis(500))
-        .heartbeat(Duration::from_millis(200))
-        .heartbeat_timeout(Duration::from_millis(500))
+        .session(|s| {
+            s.heartbeat(Duration::from_millis(200))
+                .heartbeat_timeout(Duration::from_millis(500))
+        })
         .build()
         .unwrap();
     let held = session.leadership().await.unwrap();
     let client = SharedLease::new(&o);
     // A role of its own on the same client is led meanwhile.
     let other = fast(&o, "other", "l")
-        .shared_lease(&client)
+        .lease(|l| l.shared_lease(&client))
         .build()
         .unwrap();
     let e = fast(&o, "mixed", "l")
-        .shared_lease(&client)
+        .lease(|l| l.shared_lease(&client))
         .build()
         .unwrap();
     let refused = tokio::time::timeout(Duration::from_secs(10), e.leadership())
@@ -537,7 +542,12 @@ async fn outcomes(
     n: usize,
 ) -> Vec<pgelect::Result<pgelect::Leadership>> {
     let electors: Vec<Elector> = (0..n)
-        .map(|i| fast(o, &role(i), "a").shared_lease(client).build().unwrap())
+        .map(|i| {
+            fast(o, &role(i), "a")
+                .lease(|l| l.shared_lease(client))
+                .build()
+                .unwrap()
+        })
         .collect();
     let started = Instant::now();
     let all = futures_util::future::join_all(electors.iter().map(|e| e.leadership()));
@@ -761,8 +771,7 @@ fn slow_lease(options: &ConnectOptions, client: &SharedLease, r: &str, node: &st
     fast(options, r, node)
         .ttl(Duration::from_secs(20))
         .renew_every(Duration::from_secs(2))
-        .retry_every(Duration::from_secs(10))
-        .shared_lease(client)
+        .lease(|l| l.retry_every(Duration::from_secs(10)).shared_lease(client))
         .build()
         .unwrap()
 }

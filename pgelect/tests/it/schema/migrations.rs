@@ -269,15 +269,17 @@ async fn a_candidate_on_a_missing_database_or_with_a_wrong_password_gets_the_err
                 "shared connection",
                 Elector::builder(o.clone(), "r")
                     .ttl(Duration::from_secs(10))
-                    .standby(polling)
-                    .shared_connection(&SharedConnection::new(o, TcpTimeouts::default()))
+                    .session(|s| {
+                        s.standby(polling)
+                            .shared_connection(&SharedConnection::new(o, TcpTimeouts::default()))
+                    })
                     .build(),
             ),
             (
                 "shared lease",
                 Elector::builder(o.clone(), "r")
                     .backend(Backend::Lease)
-                    .shared_lease(&SharedLease::new(o))
+                    .lease(|l| l.shared_lease(&SharedLease::new(o)))
                     .build(),
             ),
         ];

@@ -188,13 +188,13 @@ async fn lease_leader_with_listen_ignores_an_unprivileged_notify_and_obeys_reque
     let (attacker, operator) = users(&db).await;
     let leader = slow_renewing(&o, "sweep", "leader")
         .backend(Backend::Lease)
-        .listen_via(o.clone())
+        .lease(|l| l.listen_via(o.clone()))
         .build()
         .unwrap();
     let l = leader.leadership().await.unwrap();
     let standby = slow_renewing(&o, "sweep", "standby")
         .backend(Backend::Lease)
-        .retry_every(Duration::from_millis(200))
+        .lease(|l| l.retry_every(Duration::from_millis(200)))
         .build()
         .unwrap();
     let waiting = tokio::spawn(async move { standby.leadership().await });
@@ -229,14 +229,12 @@ async fn shared_connection_leader_ignores_an_unprivileged_notify_and_obeys_reque
     let host_a = SharedConnection::new(&o, tcp);
     let host_b = SharedConnection::new(&o, tcp);
     let leader = slow_renewing(&o, "shard", "leader")
-        .shared_connection(&host_a)
-        .standby(polling)
+        .session(|s| s.shared_connection(&host_a).standby(polling))
         .build()
         .unwrap();
     let l = leader.leadership().await.unwrap();
     let standby = slow_renewing(&o, "shard", "standby")
-        .shared_connection(&host_b)
-        .standby(polling)
+        .session(|s| s.shared_connection(&host_b).standby(polling))
         .build()
         .unwrap();
     let waiting = tokio::spawn(async move { standby.leadership().await });
@@ -363,7 +361,7 @@ async fn a_notify_flood_costs_the_lease_leader_a_bounded_number_of_statements() 
     let (attacker, _) = users(&db).await;
     let leader = slow_renewing(&o, "busy", "leader")
         .backend(Backend::Lease)
-        .listen_via(o.clone())
+        .lease(|l| l.listen_via(o.clone()))
         .build()
         .unwrap();
     let l = leader.leadership().await.unwrap();
@@ -394,8 +392,7 @@ async fn a_flood_of_fake_release_notifications_costs_a_standby_a_bounded_number_
     let standby = std::sync::Arc::new(
         slow_renewing(&o, "busy", "standby")
             .backend(Backend::Lease)
-            .listen_via(o.clone())
-            .retry_every(Duration::from_secs(10))
+            .lease(|l| l.listen_via(o.clone()).retry_every(Duration::from_secs(10)))
             .build()
             .unwrap(),
     );

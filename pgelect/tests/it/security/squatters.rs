@@ -59,8 +59,7 @@ async fn standby_warns_about_a_squatter(mode: StandbyMode, hint: &str) {
     let _capture = log.capture(tracing::Level::WARN);
     let (db, o) = migrated(hint).await;
     let elector = fast(&o, "squatted", "node-a")
-        .standby(mode)
-        .wait_slice(Duration::from_millis(500))
+        .session(|s| s.standby(mode).wait_slice(Duration::from_millis(500)))
         .build()
         .unwrap();
     let (sq, pid, user) = squatter(&db, "psql").await;
@@ -143,12 +142,14 @@ async fn a_standby_behind_a_live_pgelect_leader_does_not_warn() {
     let a = fast(&o, "busy", "node-a").build().unwrap();
     let leader = a.leadership().await.unwrap();
     let b = fast(&o, "busy", "node-b")
-        .wait_slice(Duration::from_millis(500))
+        .session(|s| s.wait_slice(Duration::from_millis(500)))
         .build()
         .unwrap();
     let c = fast(&o, "busy", "node-c")
-        .standby(StandbyMode::Polling {
-            interval: Duration::from_millis(200),
+        .session(|s| {
+            s.standby(StandbyMode::Polling {
+                interval: Duration::from_millis(200),
+            })
         })
         .build()
         .unwrap();
@@ -315,7 +316,10 @@ async fn standby_preempts_a_frozen_candidate(mode: StandbyMode, hint: &str) {
     let log = Log::default();
     let _capture = log.capture(tracing::Level::WARN);
     let (db, o) = migrated(hint).await;
-    let elector = fast(&o, "frozen", "node-a").standby(mode).build().unwrap();
+    let elector = fast(&o, "frozen", "node-a")
+        .session(|s| s.standby(mode))
+        .build()
+        .unwrap();
     let ttl = Duration::from_secs(2);
     let (frozen, pid) = frozen_candidate(&db, elector.lock_key()).await;
     let started = Instant::now();

@@ -293,10 +293,12 @@ async fn the_lease_backend_works_through_pgbouncer_with_tls_on_both_sides() {
             .node_id(node)
             .ttl(Duration::from_secs(2))
             .renew_every(Duration::from_millis(500))
-            .heartbeat_timeout(Duration::from_millis(900))
-            .retry_every(Duration::from_millis(200))
+            .lease(|l| {
+                l.statement_timeout(Duration::from_millis(900))
+                    .retry_every(Duration::from_millis(200))
+            })
             .check_every(Duration::from_millis(200))
-            .listen_via(direct.clone())
+            .lease(|l| l.listen_via(direct.clone()))
             .build()
             .unwrap()
     };

@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::election::config_error::ConfigError;
 use crate::error::{Error, Result};
 use crate::metrics;
 
@@ -24,7 +25,7 @@ use crate::election::leadership::{LeaderContext, LeaderState, Leadership};
 use crate::election::registry::{Register, Waits};
 use crate::election::support::{is_transient, retry_backoff};
 use crate::election::watch::{parse_leader_event, LeaderInfo, LEADER_CHANNEL};
-use crate::election::{LeaseState, Shared, Term};
+use crate::election::{Backend, LeaseState, Shared, Term};
 
 use super::keep::LeaseKeep;
 use super::sql::{ms, Entry};
@@ -624,11 +625,11 @@ async fn acquire_chunk(client: &SharedLease, part: &[Entry], bound: Duration) ->
                         && a.prev_backend.as_deref() == Some("session")
                         && remaining > 0.0
                     {
-                        let err = Error::config(format!(
-                                "role {:?} is held by {:?}, a leader using the session backend, but this candidate uses the lease backend: all candidates of a role must use the same backend",
-                                a.role,
-                                a.prev_holder.unwrap_or_default()
-                            ));
+                        let err = Error::Config(ConfigError::OtherBackendLeads {
+                            role: a.role.clone(),
+                            holder: a.prev_holder.clone(),
+                            leader: Backend::Session,
+                        });
                         if let Some(tx) = e.won.take() {
                             let _ = tx.send(Err(err));
                         }

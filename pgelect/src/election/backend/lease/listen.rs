@@ -1,5 +1,5 @@
 //! The lease backend's `LISTEN` connections: an elector's own (see
-//! `ElectorBuilder::listen_via`) and a shared client's
+//! `LeaseOptions::listen_via`) and a shared client's
 //! ([`SharedLease::listen_via`]), and the early acquires that a release
 //! announcement heard on them brings, within the wake-up limit.
 
@@ -10,6 +10,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::conn::{ConnectOptions, Notice};
+use crate::election::config_error::ConfigError;
 use crate::error::{Error, Result};
 
 use crate::election::support::{listen_for, WakeLimit};
@@ -43,11 +44,10 @@ impl SharedLease {
     /// ```
     pub fn listen_via(self, options: ConnectOptions) -> Result<SharedLease> {
         if options.schema_name() != self.inner.options.schema_name() {
-            return Err(Error::config(format!(
-                "listen_via uses schema {:?} but the shared lease client uses {:?}; they must match",
-                options.schema_name().as_str(),
-                self.inner.options.schema_name().as_str()
-            )));
+            return Err(Error::Config(ConfigError::ListenSchemaMismatch {
+                listen: options.schema_name().as_str().to_owned(),
+                elector: self.inner.options.schema_name().as_str().to_owned(),
+            }));
         }
         *self
             .inner
@@ -85,7 +85,7 @@ impl SharedLease {
 }
 
 /// The `LISTEN` connection of a lease-backend elector (see
-/// `ElectorBuilder::listen_via`): forwards notifications on
+/// `LeaseOptions::listen_via`): forwards notifications on
 /// [`LEADER_CHANNEL`] and [`RESIGN_CHANNEL`] to the elector's broadcast
 /// channel; reconnects with backoff; ends when the elector is dropped.
 pub(crate) async fn listen(shared: Weak<Shared>, options: ConnectOptions, stop: CancellationToken) {

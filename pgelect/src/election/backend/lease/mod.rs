@@ -79,7 +79,7 @@ use sql::Statements;
 /// mode, as the lease backend does.
 ///
 /// What goes over it, for every candidate built with
-/// [`ElectorBuilder::shared_lease`](crate::ElectorBuilder::shared_lease):
+/// [`LeaseOptions::shared_lease`](crate::election::LeaseOptions::shared_lease):
 ///
 /// * **Renewals**: one `UPDATE … FROM unnest(…)` renews every leader on
 ///   the client (in chunks of 2,000), each for its own TTL, and tells each
@@ -132,16 +132,16 @@ use sql::Statements;
 /// ```no_run
 /// # async fn example() -> pgelect::Result<()> {
 /// use std::time::Duration;
-/// use pgelect::{election::Backend, ConnectOptions, Elector, election::SharedLease};
+/// use pgelect::election::{LeaseOptions, SharedLease};
+/// use pgelect::{ConnectOptions, Elector};
 /// // Through PgBouncer in transaction mode, if need be.
 /// let options = ConnectOptions::from_url("postgres://app@pgbouncer:6432/app")?;
 /// let client = SharedLease::new(&options);
 /// let mut shards = Vec::new();
 /// for shard in 0..1000 {
 ///     let elector = Elector::builder(options.clone(), &format!("shard-{shard}"))
-///         .backend(Backend::Lease)
 ///         .ttl(Duration::from_secs(15))
-///         .shared_lease(&client)
+///         .backend(LeaseOptions::new().shared_lease(&client))
 ///         .build()?;
 ///     shards.push(tokio::spawn(async move {
 ///         let leadership = elector.leadership().await?;

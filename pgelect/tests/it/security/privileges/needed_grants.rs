@@ -95,8 +95,10 @@ async fn a_candidate_with_the_listed_grants_stands_and_leads_on_every_path() {
         .unwrap();
     assert!(lb.term() > term_a);
     let c = fast(&o, "r", "c")
-        .standby(StandbyMode::Polling {
-            interval: Duration::from_millis(100),
+        .session(|s| {
+            s.standby(StandbyMode::Polling {
+                interval: Duration::from_millis(100),
+            })
         })
         .build()
         .unwrap();
@@ -114,9 +116,10 @@ async fn a_candidate_with_the_listed_grants_stands_and_leads_on_every_path() {
     // A shared connection.
     let host = SharedConnection::new(&o, TcpTimeouts::default());
     let shared = fast(&o, "s", "a")
-        .shared_connection(&host)
-        .standby(StandbyMode::Polling {
-            interval: Duration::from_millis(100),
+        .session(|s| {
+            s.shared_connection(&host).standby(StandbyMode::Polling {
+                interval: Duration::from_millis(100),
+            })
         })
         .build()
         .unwrap();
@@ -126,7 +129,7 @@ async fn a_candidate_with_the_listed_grants_stands_and_leads_on_every_path() {
     // The lease backend, with LISTEN.
     let lease = Elector::builder(o.clone(), "l")
         .backend(Backend::Lease)
-        .listen_via(o.clone())
+        .lease(|l| l.listen_via(o.clone()))
         .ttl(Duration::from_secs(2))
         .renew_every(Duration::from_millis(500))
         .build()
@@ -234,8 +237,10 @@ async fn each_candidate_of_a_shared_lease_client_gets_a_missing_grant() {
                     .node_id("a")
                     .ttl(Duration::from_secs(2))
                     .renew_every(Duration::from_millis(500))
-                    .retry_every(Duration::from_millis(200))
-                    .shared_lease(&client)
+                    .lease(|l| {
+                        l.retry_every(Duration::from_millis(200))
+                            .shared_lease(&client)
+                    })
                     .build()
                     .unwrap()
             })
@@ -252,10 +257,12 @@ async fn each_candidate_of_a_shared_connection_gets_a_missing_grant() {
         (0..4)
             .map(|i| {
                 fast(o, &format!("shard-{i}"), "a")
-                    .standby(StandbyMode::Polling {
-                        interval: Duration::from_millis(100),
+                    .session(|s| {
+                        s.standby(StandbyMode::Polling {
+                            interval: Duration::from_millis(100),
+                        })
+                        .shared_connection(&host)
                     })
-                    .shared_connection(&host)
                     .build()
                     .unwrap()
             })

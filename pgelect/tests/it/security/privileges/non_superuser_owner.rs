@@ -224,8 +224,10 @@ async fn the_election_and_lock_behaviour_as_a_least_privilege_candidate() {
         t.elapsed()
     );
     let c = fast_session(&o, "s", "c")
-        .standby(StandbyMode::Polling {
-            interval: Duration::from_millis(100),
+        .session(|s| {
+            s.standby(StandbyMode::Polling {
+                interval: Duration::from_millis(100),
+            })
         })
         .build()
         .unwrap();
@@ -272,11 +274,11 @@ async fn the_election_and_lock_behaviour_as_a_least_privilege_candidate() {
     let lease = |node: &str| {
         Elector::builder(o.clone(), "l")
             .backend(Backend::Lease)
-            .listen_via(o.clone())
+            .lease(|l| l.listen_via(o.clone()))
             .node_id(node)
             .ttl(Duration::from_secs(2))
             .renew_every(Duration::from_millis(500))
-            .retry_every(Duration::from_millis(200))
+            .lease(|l| l.retry_every(Duration::from_millis(200)))
             .check_every(Duration::from_millis(200))
             .build()
             .unwrap()
@@ -304,7 +306,7 @@ async fn the_election_and_lock_behaviour_as_a_least_privilege_candidate() {
         .backend(Backend::Lease)
         .ttl(Duration::from_secs(2))
         .renew_every(Duration::from_millis(500))
-        .retry_every(Duration::from_millis(200))
+        .lease(|l| l.retry_every(Duration::from_millis(200)))
         .build()
         .unwrap();
     let waiting_z = tokio::spawn(async move { z.leadership().await.map(|l| (l, z)) });
@@ -427,8 +429,10 @@ async fn frozen_leader(
     let e = Elector::builder(standby.clone(), role)
         .node_id("standby")
         .ttl(Duration::from_secs(1))
-        .heartbeat(Duration::from_millis(100))
-        .heartbeat_timeout(Duration::from_millis(300))
+        .session(|s| {
+            s.heartbeat(Duration::from_millis(100))
+                .heartbeat_timeout(Duration::from_millis(300))
+        })
         .check_every(Duration::from_millis(100))
         .build()
         .unwrap();
