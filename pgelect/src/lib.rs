@@ -162,10 +162,10 @@
 //! # Ok(()) }
 //! ```
 
+pub mod admin;
 mod conn;
 pub mod election;
 mod error;
-mod grants;
 mod key;
 pub mod lock;
 pub mod metrics;
@@ -173,9 +173,9 @@ pub mod partitions;
 mod schema;
 mod server;
 
-pub use conn::{ConnectOptions, PlainConnection, SslMode, TcpTimeouts, DEFAULT_CONNECT_TIMEOUT};
+pub use conn::{ConnectOptions, SslMode, TcpTimeouts, DEFAULT_CONNECT_TIMEOUT};
 pub use election::{
-    current_leader, request_resign, Backend, Elector, ElectorBuilder, LeaderContext, LeaderInfo,
+    Backend, Elector, ElectorBuilder, LeaderContext, LeaderInfo,
     Leadership, LossReason, Profile, SharedConnection, SharedLease, StandbyMode, Term,
     TimingReport, LEADER_CHANNEL, MAX_ROLE_BYTES, RESIGN_CHANNEL,
 };
@@ -185,14 +185,13 @@ pub use election::{
 #[doc(hidden)]
 pub use election::{lease_sql, shared_renew_sql, LeaseSql};
 pub use error::{Error, Result, SQLSTATE_NO_LEADER, SQLSTATE_STALE_TERM};
-pub use grants::{grant_statements, preemption_grant, Grant, UserKind, MAX_USER_NAME_BYTES};
 pub use key::{LockKey, MAX_KEY_NAME_BYTES};
 pub use lock::{
-    lock_holders, try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared,
+    try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared,
     xact_lock_shared_timeout, xact_lock_timeout, LockGuard, LockHolder, LockMode, LockSession,
     LockSessionBuilder,
 };
-pub use lock::{semaphore_holders, Permit, PermitHolder, Semaphore, MAX_SEMAPHORE_LIMIT};
+pub use lock::{Permit, PermitHolder, Semaphore, MAX_SEMAPHORE_LIMIT};
 pub use partitions::{
     partition_assignment, partition_role, HeldPartition, PartitionAssignment, PartitionEvent,
     PartitionEvents, PartitionGroup, PartitionGroupBuilder, PartitionLeader, MAX_PARTITIONS,

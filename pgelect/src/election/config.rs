@@ -270,7 +270,7 @@ impl ElectorBuilder {
     /// With it, standbys wake up on a leader's release `NOTIFY` (a voluntary
     /// release is taken over in milliseconds instead of within
     /// [`retry_every`](ElectorBuilder::retry_every)), and a leader hears
-    /// [`request_resign`](crate::request_resign) at once instead of at its
+    /// [`request_resign`](crate::admin::request_resign) at once instead of at its
     /// next renewal. Losing this connection never affects leadership; it is
     /// reopened with backoff. Default: none (`LISTEN` through a transaction
     /// pooler does not work).

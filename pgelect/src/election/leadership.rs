@@ -63,7 +63,7 @@ pub enum LossReason {
     /// A renewal found the lease row no longer ours: another candidate leads.
     Preempted,
     /// Resigned: [`Leadership::resign`] was called, or another process asked
-    /// with [`request_resign`](crate::request_resign).
+    /// with [`request_resign`](crate::admin::request_resign).
     Resigned,
     /// The server accepts no writes any more: it was demoted to a standby
     /// (in recovery) or fenced read-only (`default_transaction_read_only`),

@@ -52,7 +52,8 @@
 //! * Within a database they are shared by every user who can connect, and
 //!   keys are public (a name's key is a hash anyone can compute): any such
 //!   user can take a key pgelect uses and make it wait. Waits therefore say
-//!   who holds their key ([`lock_holders`], [`LockSession::holders`], the
+//!   who holds their key ([`admin::lock_holders`](crate::admin::lock_holders),
+//!   [`LockSession::holders`], the
 //!   holders of [`Error::LockTimeout`], a warning
 //!   after 5 s); to rule it out, give pgelect a database of its own or
 //!   `REVOKE CONNECT ON DATABASE … FROM PUBLIC`.
@@ -72,8 +73,9 @@ mod xact;
 
 use std::time::Duration;
 
-pub use holders::{lock_holders, LockHolder};
-pub use semaphore::{semaphore_holders, Permit, PermitHolder, Semaphore, MAX_SEMAPHORE_LIMIT};
+pub use holders::LockHolder;
+pub use semaphore::{Permit, PermitHolder, Semaphore, MAX_SEMAPHORE_LIMIT};
+pub(crate) use semaphore::semaphore_holders;
 pub use session::{LockGuard, LockSession, LockSessionBuilder};
 pub use xact::{
     try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, xact_lock_shared_timeout,
