@@ -134,14 +134,14 @@ impl Run<'_> {
                 let mut sql = vec![format!(
                     "CREATE ROLE \"{user}\" LOGIN PASSWORD '{password}'"
                 )];
-                for kind in [pgelect::UserKind::Candidate, pgelect::UserKind::Fencer] {
+                for kind in [pgelect::admin::UserKind::Candidate, pgelect::admin::UserKind::Fencer] {
                     sql.extend(
-                        pgelect::grant_statements(kind, &user, &schema)?
+                        pgelect::admin::grant_statements(kind, &user, &schema)?
                             .into_iter()
                             .map(|g| g.sql),
                     );
                 }
-                sql.push(pgelect::preemption_grant(&user)?.sql);
+                sql.push(pgelect::admin::preemption_grant(&user)?.sql);
                 sql.push(format!("GRANT INSERT ON {} TO \"{user}\"", self.table));
                 sql.push(format!(
                     "GRANT USAGE ON SEQUENCE {}_id_seq TO \"{user}\"",

@@ -97,6 +97,18 @@ impl AdminClient {
         })
     }
 
+    /// The connection, for statements of the tool's own (a drill's fenced
+    /// write, a check of its own).
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// The connection alone, for a tool that needs it mutably (its own
+    /// transactions); it stays open while the returned client lives.
+    pub fn into_client(self) -> Client {
+        self.client
+    }
+
     /// The schema these calls read.
     pub fn schema(&self) -> &SchemaName {
         &self.schema

@@ -455,7 +455,7 @@ async fn release_frees_at_once_and_watchers_follow() {
         })
         .await
         .expect("watch shows the new leader");
-        let now = pgelect::current_leader(&pooled, &role)
+        let now = pgelect::admin::current_leader(&pooled, &role)
             .await
             .unwrap()
             .unwrap();
@@ -463,7 +463,7 @@ async fn release_frees_at_once_and_watchers_follow() {
         assert_eq!(now.backend.as_deref(), Some("lease"));
         assert_eq!(now.term, lb.term());
         lb.resign().await.unwrap();
-        assert!(pgelect::current_leader(&pooled, &role)
+        assert!(pgelect::admin::current_leader(&pooled, &role)
             .await
             .unwrap()
             .is_none());
@@ -1175,7 +1175,7 @@ async fn resign_requests_reach_a_lease_leader_with_and_without_listen() {
         }
         let t0 = Instant::now();
         // Through PgBouncer: the request sets the column and notifies.
-        let asked = pgelect::request_resign(&pooled, &role)
+        let asked = pgelect::admin::request_resign(&pooled, &role)
             .await
             .unwrap()
             .unwrap();

@@ -331,14 +331,14 @@ async fn an_operator_needs_usage_and_execute_on_request_resign() {
 
     for (name, grants) in [("op_usage", &RESIGNING[..1]), ("op_exec", &RESIGNING[1..])] {
         let o = user(&db, name, grants).await;
-        let e = pgelect::request_resign(&o, "jobs").await.unwrap_err();
+        let e = pgelect::admin::request_resign(&o, "jobs").await.unwrap_err();
         assert!(matches!(e, Error::Permission { .. }), "{name}: {e:?}");
         assert!(e.to_string().contains("request_resign"), "{e}");
     }
     assert!(!l.is_lost());
 
     let o = user(&db, "op", RESIGNING).await;
-    let asked = pgelect::request_resign(&o, "jobs")
+    let asked = pgelect::admin::request_resign(&o, "jobs")
         .await
         .unwrap()
         .expect("a leader");
@@ -349,7 +349,7 @@ async fn an_operator_needs_usage_and_execute_on_request_resign() {
     assert_eq!(l.loss_reason(), Some(LossReason::Resigned));
     l.resign().await.unwrap();
     // No leader: nothing marked, nothing returned.
-    assert_eq!(pgelect::request_resign(&o, "jobs").await.unwrap(), None);
+    assert_eq!(pgelect::admin::request_resign(&o, "jobs").await.unwrap(), None);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -358,7 +358,7 @@ async fn an_observer_needs_usage_select_and_execute_on_key() {
     let leader = fast(&owner, "jobs", "leader").build().unwrap();
     let l = leader.leadership().await.unwrap();
     let o = user(&db, "watcher", OBSERVING).await;
-    let info = pgelect::current_leader(&o, "jobs").await.unwrap().unwrap();
+    let info = pgelect::admin::current_leader(&o, "jobs").await.unwrap().unwrap();
     assert_eq!(info.term, l.term());
     let c = client_of(&db, "watcher").await;
     let k: i64 = c
@@ -369,7 +369,7 @@ async fn an_observer_needs_usage_select_and_execute_on_key() {
     assert_eq!(pgelect::LockKey::Single(k), leader.lock_key());
 
     let no_select = user(&db, "watcher2", &[OBSERVING[0], OBSERVING[2]]).await;
-    let e = pgelect::current_leader(&no_select, "jobs")
+    let e = pgelect::admin::current_leader(&no_select, "jobs")
         .await
         .unwrap_err();
     assert!(matches!(e, Error::Permission { .. }), "{e:?}");
