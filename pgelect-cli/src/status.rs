@@ -294,7 +294,12 @@ async fn read_locks(
 ) -> Result<Vec<HeldLock>, Failure> {
     match role {
         Some(_) => Ok(Vec::new()),
-        None => Ok(admin.held_locks().await?.iter().map(HeldLock::from).collect()),
+        None => Ok(admin
+            .held_locks()
+            .await?
+            .iter()
+            .map(HeldLock::from)
+            .collect()),
     }
 }
 
@@ -371,9 +376,7 @@ fn locks_table(locks: &[HeldLock]) -> String {
             (HeldLockKind::PermitQueue, true) => {
                 (format!("{name} permits"), "waited for (first in line)")
             }
-            (HeldLockKind::PermitQueue, false) => {
-                (format!("{name} permits"), "waited for")
-            }
+            (HeldLockKind::PermitQueue, false) => (format!("{name} permits"), "waited for"),
             (_, true) => (name, "held"),
             (_, false) => (name, "waited for"),
         };

@@ -14,8 +14,7 @@
 //!   as SQL `pgelect.key(name)`) and UUIDs.
 //! * **Election** ([`election`]): [`Elector`] and the [`Leadership`] handle
 //!   with its fencing [`Term`], [`Leadership::fence`] for your transactions,
-//!   observers ([`Elector::watch`], [`current_leader`]) and resign requests
-//!   from other processes ([`request_resign`]). Two backends
+//!   observers ([`Elector::watch`]). Two backends
 //!   ([`Backend`]): `Session` (advisory lock: fast failover) and `Lease`
 //!   (lease row only: safe through PgBouncer in transaction mode). Polling
 //!   candidates of many roles can share one connection
@@ -26,6 +25,12 @@
 //!   stream of events with a token per partition.
 //! * **Schema** ([`migrate`]): installs the `pgelect` schema (idempotent,
 //!   concurrency-safe).
+//! * **Operators** ([`admin`]): every role's leader, term, candidates and
+//!   squatters as typed rows ([`admin::AdminClient::status`]), held locks,
+//!   forgetting a role, resign requests from other processes
+//!   ([`admin::request_resign`]), the current leader read once
+//!   ([`admin::current_leader`]) and the grants each database user needs;
+//!   the `pgelect` command only presents them.
 //!
 //! # The book
 //!
@@ -48,6 +53,20 @@
 //! folder under `src/` is missing here). Public modules are marked *pub*.
 //!
 //! * `lib.rs`: these docs and the re-exports.
+//! * `admin/` (*pub* [`admin`]): for operators' tools; `admin/mod.rs` has
+//!   the module's docs and re-exports:
+//!   * `admin/client.rs`: [`admin::AdminClient`], one connection and every
+//!     call an operator's tool makes;
+//!   * `admin/status.rs`: the status rows ([`admin::RoleStatus`], …) and
+//!     their statement, role names to key names;
+//!   * `admin/locks.rs`: held locks ([`admin::HeldLock`]), who holds a key
+//!     or a semaphore ([`admin::lock_holders`]), lock session names;
+//!   * `admin/forget.rs`: forgetting a role ([`admin::ForgetOutcome`]);
+//!   * `admin/leader.rs`: [`admin::current_leader`],
+//!     [`admin::request_resign`];
+//!   * `admin/grants.rs`: the privileges each kind of database user needs
+//!     ([`admin::grant_statements`]), the one list the book, the command
+//!     and the tests use.
 //! * `conn/`: connecting to the server; `conn/mod.rs` re-exports only:
 //!   * `conn/options.rs`: connection settings ([`ConnectOptions`],
 //!     [`SslMode`]);
@@ -62,8 +81,6 @@
 //! * `error.rs`: the one [`Error`] type and its classification (`is_*`).
 //! * `key.rs`: [`LockKey`], advisory-lock keys (names hashed as SQL
 //!   `pgelect.key(name)` hashes them).
-//! * `grants.rs`: the privileges each kind of database user needs
-//!   ([`grant_statements`]), the one list the command and the tests use.
 //! * `schema.rs`: the `pgelect` schema's versioned, idempotent migrations
 //!   ([`migrate`]).
 //! * `server.rs`: what each PostgreSQL major version supports (logged once,
@@ -77,7 +94,8 @@
 //!     transaction ([`xact_lock`], …);
 //!   * `lock/sqlx.rs` (*pub*, feature `sqlx`): the same on sqlx;
 //!   * `lock/semaphore.rs`: [`Semaphore`] and [`Permit`], at most N holders;
-//!   * `lock/holders.rs`: who holds a key ([`lock_holders`]).
+//!   * `lock/holders.rs`: who holds a key ([`LockHolder`]), squatters
+//!     told apart during a wait.
 //! * `election/` (*pub* [`election`]): the elector.
 //!   * `election/mod.rs`: [`Elector`] and its shared state;
 //!   * `election/config.rs`: [`ElectorBuilder`], every default documented,
@@ -95,8 +113,8 @@
 //!     the high bits);
 //!   * `election/registry.rs`: the candidate registry and the readiness
 //!     rules of preferred leaders;
-//!   * `election/watch.rs`: observers ([`current_leader`],
-//!     [`request_resign`], zombie preemption);
+//!   * `election/watch.rs`: observers (the leader's row, change
+//!     notifications, zombie preemption);
 //!   * `election/support.rs`: backoff, transient errors, the rate-limited
 //!     wait for a release `NOTIFY`, reconnecting, pooler detection;
 //!   * `election/model/` (tests only): the model check of the protocol,
@@ -174,22 +192,21 @@ mod schema;
 mod server;
 
 pub use conn::{ConnectOptions, SslMode, TcpTimeouts, DEFAULT_CONNECT_TIMEOUT};
-pub use election::{
-    Backend, Elector, ElectorBuilder, LeaderContext, LeaderInfo,
-    Leadership, LossReason, Profile, SharedConnection, SharedLease, StandbyMode, Term,
-    TimingReport, LEADER_CHANNEL, MAX_ROLE_BYTES, RESIGN_CHANNEL,
-};
 /// Test hook, not API (feature `test-hooks`): the lease backend's statements
 /// and the shared connection's batched renewal.
 #[cfg(feature = "test-hooks")]
 #[doc(hidden)]
 pub use election::{lease_sql, shared_renew_sql, LeaseSql};
+pub use election::{
+    Backend, Elector, ElectorBuilder, LeaderContext, LeaderInfo, Leadership, LossReason, Profile,
+    SharedConnection, SharedLease, StandbyMode, Term, TimingReport, LEADER_CHANNEL, MAX_ROLE_BYTES,
+    RESIGN_CHANNEL,
+};
 pub use error::{Error, Result, SQLSTATE_NO_LEADER, SQLSTATE_STALE_TERM};
 pub use key::{LockKey, MAX_KEY_NAME_BYTES};
 pub use lock::{
-    try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared,
-    xact_lock_shared_timeout, xact_lock_timeout, LockGuard, LockHolder, LockMode, LockSession,
-    LockSessionBuilder,
+    try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, xact_lock_shared_timeout,
+    xact_lock_timeout, LockGuard, LockHolder, LockMode, LockSession, LockSessionBuilder,
 };
 pub use lock::{Permit, PermitHolder, Semaphore, MAX_SEMAPHORE_LIMIT};
 pub use partitions::{

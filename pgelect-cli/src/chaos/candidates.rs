@@ -134,7 +134,10 @@ impl Run<'_> {
                 let mut sql = vec![format!(
                     "CREATE ROLE \"{user}\" LOGIN PASSWORD '{password}'"
                 )];
-                for kind in [pgelect::admin::UserKind::Candidate, pgelect::admin::UserKind::Fencer] {
+                for kind in [
+                    pgelect::admin::UserKind::Candidate,
+                    pgelect::admin::UserKind::Fencer,
+                ] {
                     sql.extend(
                         pgelect::admin::grant_statements(kind, &user, &schema)?
                             .into_iter()

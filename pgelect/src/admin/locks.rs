@@ -188,31 +188,32 @@ pub(crate) async fn held_locks<C: GenericClient + Sync>(client: &C) -> Result<Ve
         .query(sql, &[&LOCK_SESSION_PREFIX, &DEFAULT_LOCK_SESSION])
         .await
         .map_err(|e| Error::db(WHAT, "\0", e))?;
-    let decode = |row: &tokio_postgres::Row| -> std::result::Result<HeldLock, tokio_postgres::Error> {
-        let app: String = row.try_get(0)?;
-        let key = LockKey::from_i64(row.try_get(1)?);
-        let (name, node) = match parse_lock_session_name(&app) {
-            Some((name, node)) => (Some(name.to_owned()), Some(node.to_owned())),
-            None => (None, None),
+    let decode =
+        |row: &tokio_postgres::Row| -> std::result::Result<HeldLock, tokio_postgres::Error> {
+            let app: String = row.try_get(0)?;
+            let key = LockKey::from_i64(row.try_get(1)?);
+            let (name, node) = match parse_lock_session_name(&app) {
+                Some((name, node)) => (Some(name.to_owned()), Some(node.to_owned())),
+                None => (None, None),
+            };
+            Ok(HeldLock {
+                kind: name
+                    .as_deref()
+                    .map_or(HeldLockKind::Other, |n| HeldLockKind::of(n, key)),
+                name,
+                key,
+                node,
+                client_addr: row.try_get(2)?,
+                backend_pid: row.try_get(3)?,
+                mode: if row.try_get::<_, &str>(4)? == "ShareLock" {
+                    LockMode::Shared
+                } else {
+                    LockMode::Exclusive
+                },
+                granted: row.try_get(5)?,
+                since: row.try_get(6)?,
+            })
         };
-        Ok(HeldLock {
-            kind: name
-                .as_deref()
-                .map_or(HeldLockKind::Other, |n| HeldLockKind::of(n, key)),
-            name,
-            key,
-            node,
-            client_addr: row.try_get(2)?,
-            backend_pid: row.try_get(3)?,
-            mode: if row.try_get::<_, &str>(4)? == "ShareLock" {
-                LockMode::Shared
-            } else {
-                LockMode::Exclusive
-            },
-            granted: row.try_get(5)?,
-            since: row.try_get(6)?,
-        })
-    };
     rows.iter()
         .map(|r| decode(r).map_err(|e| Error::db(WHAT, "\0", e)))
         .collect()

@@ -334,7 +334,9 @@ pub(crate) async fn roles<C: GenericClient + Sync>(
 
 /// One row of the status statement; `None` for a role without a row,
 /// candidates or squatters.
-fn decode(row: &tokio_postgres::Row) -> std::result::Result<Option<RoleStatus>, tokio_postgres::Error> {
+fn decode(
+    row: &tokio_postgres::Row,
+) -> std::result::Result<Option<RoleStatus>, tokio_postgres::Error> {
     let candidates: String = row.try_get(7)?;
     let candidates: Vec<Candidate> = json_array(&candidates)
         .iter()

@@ -93,7 +93,10 @@ impl ConnectOptions {
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future drops the half-open connection.
-    pub(crate) async fn connect_plain(&self, application_name: &str) -> Result<(Client, PlainConnection)> {
+    pub(crate) async fn connect_plain(
+        &self,
+        application_name: &str,
+    ) -> Result<(Client, PlainConnection)> {
         let mut config = self.config.clone();
         config.application_name(application_name);
         let (client, connection) = self.open(config).await?;

@@ -216,14 +216,14 @@ pub use backend::lease::{lease_sql, LeaseSql};
 #[cfg(feature = "test-hooks")]
 pub use backend::shared::shared_renew_sql;
 pub use backend::shared::SharedConnection;
+#[cfg(test)]
+pub(crate) use config::watch_key;
+pub(crate) use config::{role_key, validate_name};
 pub use config::{Backend, ElectorBuilder, StandbyMode, MAX_ROLE_BYTES};
 pub use leadership::{LeaderContext, Leadership, LossReason, Term};
 pub use timing::Profile;
-pub use watch::{LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
-pub(crate) use config::{role_key, validate_name};
-#[cfg(test)]
-pub(crate) use config::watch_key;
 pub(crate) use watch::{leader_info, read_leader};
+pub use watch::{LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 
 use self::backend::lease::LeaseClaim;
 use self::backend::shared::RoleClaim;

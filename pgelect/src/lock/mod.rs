@@ -74,8 +74,8 @@ mod xact;
 use std::time::Duration;
 
 pub use holders::LockHolder;
-pub use semaphore::{Permit, PermitHolder, Semaphore, MAX_SEMAPHORE_LIMIT};
 pub(crate) use semaphore::semaphore_holders;
+pub use semaphore::{Permit, PermitHolder, Semaphore, MAX_SEMAPHORE_LIMIT};
 pub use session::{LockGuard, LockSession, LockSessionBuilder};
 pub use xact::{
     try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, xact_lock_shared_timeout,

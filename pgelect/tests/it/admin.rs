@@ -260,7 +260,10 @@ async fn request_resign_moves_leadership_to_the_standby_and_wakes_the_watcher() 
         .await
         .unwrap()
         .expect("a leader to ask");
-    assert_eq!((asked.holder.as_str(), asked.term), ("node-a", leading.term()));
+    assert_eq!(
+        (asked.holder.as_str(), asked.term),
+        ("node-a", leading.term())
+    );
     tokio::time::timeout(WITHIN, leading.lost())
         .await
         .expect("the leader steps down");
@@ -278,7 +281,10 @@ async fn request_resign_moves_leadership_to_the_standby_and_wakes_the_watcher() 
         .expect("a change of leader is announced")
         .unwrap();
     let row = admin.lease_row("r").await.unwrap().expect("a row");
-    assert_eq!((row.term, row.holder.as_deref()), (next.term(), Some("node-b")));
+    assert_eq!(
+        (row.term, row.holder.as_deref()),
+        (next.term(), Some("node-b"))
+    );
     let leader = admin.leader("r").await.unwrap().expect("a leader");
     assert_eq!(leader.holder, "node-b");
     next.resign().await.unwrap();
@@ -307,7 +313,9 @@ async fn bad_input_gets_errors_that_say_what_is_wrong() {
         admin.forget("a\0b").await.unwrap_err(),
         admin.request_resign("a\0b").await.unwrap_err(),
         admin.lease_row("a\0b").await.unwrap_err(),
-        pgelect::admin::request_resign(&o, "a\0b").await.unwrap_err(),
+        pgelect::admin::request_resign(&o, "a\0b")
+            .await
+            .unwrap_err(),
         pgelect::admin::current_leader(&o, "").await.unwrap_err(),
     ] {
         assert!(matches!(e, Error::InvalidName { .. }), "{e:?}");
@@ -319,7 +327,10 @@ async fn bad_input_gets_errors_that_say_what_is_wrong() {
         .await
         .unwrap();
     let e = no_schema.status().await.unwrap_err();
-    assert!(e.is_schema() && e.to_string().contains("pgelect migrate"), "{e:?}");
+    assert!(
+        e.is_schema() && e.to_string().contains("pgelect migrate"),
+        "{e:?}"
+    );
 
     // No grant: a permission error that names the grants.
     let url = db.create_role("nobody", "nobody-pw", false).await;
@@ -329,5 +340,8 @@ async fn bad_input_gets_errors_that_say_what_is_wrong() {
     assert!(e.is_permission(), "{e:?}");
     assert!(e.to_string().contains("privileges"), "{e}");
     let e = nobody.request_resign("jobs").await.unwrap_err();
-    assert!(e.is_permission() && e.to_string().contains("request_resign"), "{e}");
+    assert!(
+        e.is_permission() && e.to_string().contains("request_resign"),
+        "{e}"
+    );
 }

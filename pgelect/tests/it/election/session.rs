@@ -226,7 +226,10 @@ async fn a_leader_holds_one_backend_and_publishes_its_renewals() {
     .expect("a renewal reaches the watchers");
     assert_eq!(renewed.term, la.term());
     assert!(renewed.lease_until > first.lease_until);
-    let row = pgelect::admin::current_leader(&o, "one").await.unwrap().unwrap();
+    let row = pgelect::admin::current_leader(&o, "one")
+        .await
+        .unwrap()
+        .unwrap();
     assert!(row.renewed_at >= renewed.renewed_at);
     // After the release the observer comes back and sees nobody lead.
     la.resign().await.unwrap();
@@ -778,7 +781,10 @@ async fn run_demotes_after_duties_stop_and_resign_can_be_requested() {
     let ev = events.lock().unwrap().clone();
     assert_eq!(ev[4], "duties stopped Some(Shutdown)", "{ev:?}");
     assert_eq!(ev[5], "demoted");
-    assert!(pgelect::admin::current_leader(&o, "run").await.unwrap().is_none());
+    assert!(pgelect::admin::current_leader(&o, "run")
+        .await
+        .unwrap()
+        .is_none());
 }
 
 #[tokio::test]

@@ -190,7 +190,10 @@ async fn an_abandoned_role_is_released_alone() {
         _ = l2.lost() => panic!("the other role was lost: {:?}", l2.loss_reason()),
         _ = renewals => {}
     }
-    let now = pgelect::admin::current_leader(&o, "two").await.unwrap().unwrap();
+    let now = pgelect::admin::current_leader(&o, "two")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(now.holder, "a");
     assert_eq!(now.term, l2.term());
     assert!(!now.lease_expired);
@@ -319,7 +322,10 @@ async fn a_resign_request_reaches_only_its_role_on_a_shared_connection() {
     let l1 = e1.leadership().await.unwrap();
     let l2 = e2.leadership().await.unwrap();
     let t0 = Instant::now();
-    let asked = pgelect::admin::request_resign(&o, "r1").await.unwrap().unwrap();
+    let asked = pgelect::admin::request_resign(&o, "r1")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(asked.term, l1.term());
     tokio::time::timeout(Duration::from_secs(5), l1.lost())
         .await

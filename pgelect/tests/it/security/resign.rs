@@ -254,7 +254,9 @@ async fn request_resign_without_the_privilege_is_a_permission_error_naming_the_g
     let (db, _o) = migrated("sec_noperm").await;
     let url = db.create_role("nobody", ATTACKER_PASSWORD, false).await;
     let nobody = ConnectOptions::from_url(&url).unwrap();
-    let e = pgelect::admin::request_resign(&nobody, "any").await.unwrap_err();
+    let e = pgelect::admin::request_resign(&nobody, "any")
+        .await
+        .unwrap_err();
     assert!(matches!(e, Error::Permission { .. }), "{e:?}");
     assert!(e.to_string().contains("request_resign"), "{e}");
     assert!(e.to_string().contains("GRANT EXECUTE"), "{e}");

@@ -76,7 +76,9 @@ async fn verify_full_with_the_right_ca_carries_every_connection() {
         let l = b.leadership().await.expect("b leads after a");
         (l.term(), b)
     });
-    let seen = pgelect::admin::current_leader(&o, "tls-role").await.unwrap();
+    let seen = pgelect::admin::current_leader(&o, "tls-role")
+        .await
+        .unwrap();
     assert_eq!(seen.map(|l| l.holder), Some("a".to_owned()));
     // Locks on a session of their own.
     let locks = LockSession::connect(&o).await.unwrap();

@@ -331,7 +331,9 @@ async fn an_operator_needs_usage_and_execute_on_request_resign() {
 
     for (name, grants) in [("op_usage", &RESIGNING[..1]), ("op_exec", &RESIGNING[1..])] {
         let o = user(&db, name, grants).await;
-        let e = pgelect::admin::request_resign(&o, "jobs").await.unwrap_err();
+        let e = pgelect::admin::request_resign(&o, "jobs")
+            .await
+            .unwrap_err();
         assert!(matches!(e, Error::Permission { .. }), "{name}: {e:?}");
         assert!(e.to_string().contains("request_resign"), "{e}");
     }
@@ -349,7 +351,10 @@ async fn an_operator_needs_usage_and_execute_on_request_resign() {
     assert_eq!(l.loss_reason(), Some(LossReason::Resigned));
     l.resign().await.unwrap();
     // No leader: nothing marked, nothing returned.
-    assert_eq!(pgelect::admin::request_resign(&o, "jobs").await.unwrap(), None);
+    assert_eq!(
+        pgelect::admin::request_resign(&o, "jobs").await.unwrap(),
+        None
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -358,7 +363,10 @@ async fn an_observer_needs_usage_select_and_execute_on_key() {
     let leader = fast(&owner, "jobs", "leader").build().unwrap();
     let l = leader.leadership().await.unwrap();
     let o = user(&db, "watcher", OBSERVING).await;
-    let info = pgelect::admin::current_leader(&o, "jobs").await.unwrap().unwrap();
+    let info = pgelect::admin::current_leader(&o, "jobs")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(info.term, l.term());
     let c = client_of(&db, "watcher").await;
     let k: i64 = c
