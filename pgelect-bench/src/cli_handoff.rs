@@ -33,7 +33,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use pgelect::{Backend, ConnectOptions, Elector, LockKey};
+use pgelect::{election::Backend, ConnectOptions, Elector, LockKey};
 use tokio_postgres::types::Type;
 
 /// How long a standby stands before the leader is stopped, by default (see

@@ -40,7 +40,7 @@ use crate::common::{connect, round2, ChildProc, Rows, Stats};
 
 use std::time::{Duration, Instant};
 
-use pgelect::{ConnectOptions, Elector, LockKey, Profile};
+use pgelect::{election::Profile, ConnectOptions, Elector, LockKey};
 use tokio_postgres::types::Type;
 
 const ROLE: &str = "bench-failover";
@@ -88,7 +88,7 @@ impl Timing {
         }
     }
 
-    fn report(self, options: &ConnectOptions) -> Result<pgelect::TimingReport, String> {
+    fn report(self, options: &ConnectOptions) -> Result<pgelect::election::TimingReport, String> {
         Ok(self
             .builder(options.clone())
             .build()
@@ -625,7 +625,7 @@ async fn preferred_trial(options: &ConnectOptions) -> Result<f64, String> {
     let lb = b.leadership().await.map_err(|e| e.to_string())?;
     let ms = t0.elapsed().as_secs_f64() * 1000.0;
     let (a, reason) = hand_over.await.map_err(|e| e.to_string())?;
-    if reason != Some(pgelect::LossReason::HandedOver) {
+    if reason != Some(pgelect::election::LossReason::HandedOver) {
         return Err(format!(
             "the leader lost leadership as {reason:?}, not HandedOver"
         ));
@@ -645,7 +645,7 @@ struct Rate {
 }
 
 impl Rate {
-    fn json(&self, timing: &pgelect::TimingReport) -> serde_json::Value {
+    fn json(&self, timing: &pgelect::election::TimingReport) -> serde_json::Value {
         serde_json::json!({
             "timing": timing.to_json(),
             "per_s": self.per_s.map(round2),

@@ -28,7 +28,7 @@ use crate::common::{connect, round2, ChildProc, Rows, Stats};
 
 use std::time::{Duration, Instant};
 
-use pgelect::{Backend, ConnectOptions, Elector};
+use pgelect::{election::Backend, ConnectOptions, Elector};
 
 /// Entry point: `lease-failover [--ttls 0.5,1,2,10] [--trials N] [--window S] [--direct] [--json]`.
 pub fn run(args: &[String]) -> Result<(), String> {

@@ -24,7 +24,7 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
-use pgelect::{Backend, ConnectOptions, Elector, Leadership};
+use pgelect::{election::Backend, ConnectOptions, Elector, Leadership};
 use pgelect_testkit::{ReplicaSet, Replication, SUPERUSER, TEST_PASSWORD};
 
 use crate::common::{round2, Rows, Stats};

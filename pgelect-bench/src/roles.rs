@@ -40,7 +40,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pgelect::{
-    Backend, ConnectOptions, Elector, SharedConnection, SharedLease, StandbyMode, TcpTimeouts,
+    conn::TcpTimeouts, election::Backend, election::SharedConnection, election::SharedLease,
+    election::StandbyMode, ConnectOptions, Elector,
 };
 
 use crate::common::{connect, round2, Rows};

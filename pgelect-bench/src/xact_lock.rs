@@ -116,11 +116,11 @@ async fn one_op(client: &mut Client, variant: Variant, key: i64) -> Result<(), S
             .await
             .map_err(|e| err(&e))?;
         }
-        Variant::Pgelect => pgelect::xact_lock(&tx, LockKey::from_i64(key))
+        Variant::Pgelect => pgelect::lock::xact_lock(&tx, LockKey::from_i64(key))
             .await
             .map_err(|e| err(&e))?,
         Variant::PgelectTimeout => {
-            pgelect::xact_lock_timeout(&tx, LockKey::from_i64(key), Duration::from_secs(5))
+            pgelect::lock::xact_lock_timeout(&tx, LockKey::from_i64(key), Duration::from_secs(5))
                 .await
                 .map_err(|e| err(&e))?
         }

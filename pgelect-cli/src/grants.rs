@@ -4,7 +4,7 @@
 
 use clap::{Args, ValueEnum};
 use pgelect::admin::{grant_statements, preemption_grant, Grant, UserKind, MAX_USER_NAME_BYTES};
-use pgelect::SchemaName;
+use pgelect::schema::SchemaName;
 
 use crate::cli::Global;
 use crate::exit::{self, Failure};

@@ -70,7 +70,7 @@ pub enum Phase {
 pub struct Status {
     phase: Arc<Mutex<Phase>>,
     elector: Arc<pgelect::Elector>,
-    leader: tokio::sync::watch::Receiver<Option<pgelect::LeaderInfo>>,
+    leader: tokio::sync::watch::Receiver<Option<pgelect::election::LeaderInfo>>,
 }
 
 impl Status {

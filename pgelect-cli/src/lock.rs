@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use clap::Args;
-use pgelect::{LockGuard, LockKey, LockSession, Permit, Semaphore};
+use pgelect::{lock::LockGuard, lock::Permit, lock::Semaphore, LockKey, LockSession};
 
 use crate::child;
 use crate::cli::Global;
@@ -22,7 +22,7 @@ pub struct LockArgs {
     /// Let up to N holders run at once (a semaphore, as `consul lock -n`):
     /// the command runs while holding one of NAME's N permits. Every user
     /// of NAME must give the same N. Waiters are served in order.
-    #[arg(long, value_name = "N", conflicts_with = "shared", value_parser = clap::value_parser!(u32).range(1..=pgelect::MAX_SEMAPHORE_LIMIT as i64))]
+    #[arg(long, value_name = "N", conflicts_with = "shared", value_parser = clap::value_parser!(u32).range(1..=pgelect::lock::MAX_SEMAPHORE_LIMIT as i64))]
     pub limit: Option<u32>,
     /// Give up after waiting this long: seconds as flock(1) takes them
     /// (`-w 5`, `-w 0.5`) or with a unit (500ms, 10s, 2m); then exit with
@@ -247,8 +247,8 @@ async fn acquire_permit(
 }
 
 /// `2 of 3 permits held by …; others may wait first` for a message.
-fn describe_permits(semaphore: &Semaphore, holders: &[pgelect::PermitHolder]) -> String {
-    let list: Vec<pgelect::LockHolder> = holders.iter().map(|p| p.holder.clone()).collect();
+fn describe_permits(semaphore: &Semaphore, holders: &[pgelect::lock::PermitHolder]) -> String {
+    let list: Vec<pgelect::lock::LockHolder> = holders.iter().map(|p| p.holder.clone()).collect();
     let n = holders.len();
     let held = if n == 0 {
         "no permit held (holders let go, or could not be seen)".to_owned()
@@ -313,7 +313,7 @@ async fn withdraw_wait(session: &LockSession, key: LockKey, shared: bool) {
 /// 4242, for 3.2s)` for another `pgelect lock`, `held by pid 4242 (user
 /// "mallory", application "psql", for 3.2s)` for anything else. The text the
 /// client chose is escaped (`{:?}` or `LockHolder`'s `Display`).
-fn describe(holders: &[pgelect::LockHolder]) -> String {
+fn describe(holders: &[pgelect::lock::LockHolder]) -> String {
     if holders.is_empty() {
         return "held elsewhere (its holder let go or could not be seen)".to_owned();
     }

@@ -18,17 +18,17 @@ pub struct MigrateArgs {
 
 pub async fn run(global: &Global, args: MigrateArgs) -> Result<u8, Failure> {
     let options = global.connect_options()?;
-    let applied = pgelect::migrate_timeout(&options, args.timeout).await?;
+    let applied = pgelect::schema::migrate_timeout(&options, args.timeout).await?;
     let schema = options.schema_name();
     if applied == 0 {
         println!(
             "schema {schema} is up to date (version {})",
-            pgelect::SCHEMA_VERSION
+            pgelect::schema::SCHEMA_VERSION
         );
     } else {
         println!(
             "schema {schema}: applied {applied} migration(s), now at version {}",
-            pgelect::SCHEMA_VERSION
+            pgelect::schema::SCHEMA_VERSION
         );
     }
     Ok(0)

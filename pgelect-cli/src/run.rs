@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
-use pgelect::{Elector, LossReason};
+use pgelect::{election::LossReason, Elector};
 
 use crate::child::{self, Child};
 use crate::cli::Global;
@@ -130,11 +130,11 @@ pub enum ProfileArg {
     Fast,
 }
 
-impl From<ProfileArg> for pgelect::Profile {
-    fn from(p: ProfileArg) -> pgelect::Profile {
+impl From<ProfileArg> for pgelect::election::Profile {
+    fn from(p: ProfileArg) -> pgelect::election::Profile {
         match p {
-            ProfileArg::Standard => pgelect::Profile::Standard,
-            ProfileArg::Fast => pgelect::Profile::Fast,
+            ProfileArg::Standard => pgelect::election::Profile::Standard,
+            ProfileArg::Fast => pgelect::election::Profile::Fast,
         }
     }
 }
@@ -258,9 +258,9 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
                 tracing::info!("PGELECT_LISTEN_URL(_FILE) ignored: the session backend listens on its own lock connection");
                 listen_url = None;
             }
-            builder.backend(pgelect::Backend::Session)
+            builder.backend(pgelect::election::Backend::Session)
         }
-        BackendArg::Lease => builder.backend(pgelect::Backend::Lease),
+        BackendArg::Lease => builder.backend(pgelect::election::Backend::Lease),
     };
     if let Some(url) = &listen_url {
         let listen = pgelect::ConnectOptions::from_url(url)?.schema(&global.schema)?;
@@ -475,8 +475,8 @@ async fn withdraw(elector: &Elector) {
 /// the shortest `--ttl` accepted. `None` if the TTL is not the problem.
 fn ttl_refused(options: &pgelect::ConnectOptions, args: &RunArgs) -> Option<Failure> {
     let backend = match args.backend {
-        BackendArg::Session => pgelect::Backend::Session,
-        BackendArg::Lease => pgelect::Backend::Lease,
+        BackendArg::Session => pgelect::election::Backend::Session,
+        BackendArg::Lease => pgelect::election::Backend::Lease,
     };
     let accepted = |ttl: Duration| {
         Elector::builder(options.clone(), args.role.as_deref().unwrap_or("partition"))
@@ -593,7 +593,7 @@ async fn preflight(options: &pgelect::ConnectOptions) -> Result<(), Failure> {
                 ),
             )
         })?;
-    pgelect::check_schema(&client, options.schema_name()).await?;
+    pgelect::schema::check_schema(&client, options.schema_name()).await?;
     Ok(())
 }
 
@@ -704,7 +704,7 @@ const PARTITION_TTL: Duration = pgelect::partitions::DEFAULT_TTL;
 /// be restarted (or told) at every change, stopping the work on every
 /// partition for the move of one.
 async fn run_partitions(global: &Global, args: RunArgs, spec: &str) -> Result<u8, Failure> {
-    use pgelect::{PartitionEvent, PartitionGroup};
+    use pgelect::{partitions::PartitionEvent, partitions::PartitionGroup};
     let (group_name, n) = crate::status::parse_partitions(spec)?;
     if let Some(node) = &args.node {
         check_name("--id", node)?;
@@ -787,7 +787,7 @@ async fn run_partitions(global: &Global, args: RunArgs, spec: &str) -> Result<u8
 /// leaving), at once for a lost leadership; started again 1 s after it
 /// exits by itself. Dropping `held` at the end lets the partition go.
 async fn supervise(
-    held: pgelect::HeldPartition,
+    held: pgelect::partitions::HeldPartition,
     args: std::sync::Arc<RunArgs>,
     node: String,
     grace: Duration,

@@ -41,18 +41,21 @@ pub(crate) fn parse_partitions(spec: &str) -> Result<(String, u32), Failure> {
     };
     let (group, n) = spec.rsplit_once(':').ok_or_else(|| bad("no ':N'"))?;
     let n: u32 = n.parse().map_err(|_| bad("N is not a whole number"))?;
-    if n == 0 || n > pgelect::MAX_PARTITIONS {
-        return Err(bad(&format!("N must be 1 to {}", pgelect::MAX_PARTITIONS)));
+    if n == 0 || n > pgelect::partitions::MAX_PARTITIONS {
+        return Err(bad(&format!(
+            "N must be 1 to {}",
+            pgelect::partitions::MAX_PARTITIONS
+        )));
     }
     if group.is_empty() || group.contains(['/', '\0']) {
         return Err(bad("the group name must be non-empty, without '/' or NUL"));
     }
-    let longest = pgelect::partition_role(group, n - 1);
-    if longest.len() > pgelect::MAX_ROLE_BYTES {
+    let longest = pgelect::partitions::partition_role(group, n - 1);
+    if longest.len() > pgelect::election::MAX_ROLE_BYTES {
         return Err(bad(&format!(
             "role {:?} would be longer than {} bytes",
             escape(&longest),
-            pgelect::MAX_ROLE_BYTES
+            pgelect::election::MAX_ROLE_BYTES
         )));
     }
     Ok((group.to_owned(), n))
@@ -61,7 +64,7 @@ pub(crate) fn parse_partitions(spec: &str) -> Result<(String, u32), Failure> {
 /// A partition group's assignment as JSON: every partition's role, holder
 /// and term, the live members with the partitions each leads, the unled
 /// ones, and the share `⌈N/M⌉`.
-fn partitions_json(a: &pgelect::PartitionAssignment) -> serde_json::Value {
+fn partitions_json(a: &pgelect::partitions::PartitionAssignment) -> serde_json::Value {
     let n = a.partitions.len();
     let share = n.div_ceil(a.members.len().max(1));
     serde_json::json!({
@@ -80,7 +83,7 @@ fn partitions_json(a: &pgelect::PartitionAssignment) -> serde_json::Value {
     })
 }
 
-fn unled(a: &pgelect::PartitionAssignment) -> Vec<usize> {
+fn unled(a: &pgelect::partitions::PartitionAssignment) -> Vec<usize> {
     a.partitions
         .iter()
         .enumerate()
@@ -89,7 +92,7 @@ fn unled(a: &pgelect::PartitionAssignment) -> Vec<usize> {
         .collect()
 }
 
-fn partitions_table(a: &pgelect::PartitionAssignment) -> String {
+fn partitions_table(a: &pgelect::partitions::PartitionAssignment) -> String {
     let n = a.partitions.len();
     let m = a.members.len();
     let mut out = format!(
@@ -235,8 +238,8 @@ impl From<&pgelect::admin::HeldLock> for HeldLock {
             client_addr: l.client_addr.clone(),
             backend_pid: l.backend_pid,
             mode: match l.mode {
-                pgelect::LockMode::Shared => "shared",
-                pgelect::LockMode::Exclusive => "exclusive",
+                pgelect::lock::LockMode::Shared => "shared",
+                pgelect::lock::LockMode::Exclusive => "exclusive",
             }
             .to_owned(),
             granted: l.granted,
@@ -637,7 +640,7 @@ pub async fn run(global: &Global, args: StatusArgs) -> Result<u8, Failure> {
     }
     if let Some(spec) = &args.partitions {
         let (group, n) = parse_partitions(spec)?;
-        let a = pgelect::partition_assignment(&options, &group, n).await?;
+        let a = pgelect::partitions::partition_assignment(&options, &group, n).await?;
         if args.json {
             println!("{}", json_text(&partitions_json(&a)));
         } else {

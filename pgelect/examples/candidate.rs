@@ -32,7 +32,7 @@ fn say(line: String) {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args: Vec<String> = Vec::new();
-    let mut backend = pgelect::Backend::Session;
+    let mut backend = pgelect::election::Backend::Session;
     let mut listen = None;
     let mut profile = None;
     let mut it = std::env::args();
@@ -60,7 +60,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(ttl) = args.get(3) {
         let ttl = Duration::from_millis(ttl.parse()?);
         builder = builder.ttl(ttl);
-        if backend == pgelect::Backend::Lease {
+        if backend == pgelect::election::Backend::Lease {
             builder = builder
                 .renew_every(ttl / 4)
                 .heartbeat_timeout(Duration::from_millis(300).min(ttl / 4));

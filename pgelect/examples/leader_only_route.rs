@@ -23,7 +23,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::Router;
-use pgelect::{ConnectOptions, Elector, LeaderContext, LeaderInfo, Leadership};
+use pgelect::{election::LeaderContext, election::LeaderInfo, ConnectOptions, Elector, Leadership};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 

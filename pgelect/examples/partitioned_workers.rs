@@ -23,7 +23,10 @@
 use std::error::Error;
 use std::time::Duration;
 
-use pgelect::{ConnectOptions, HeldPartition, PartitionEvent, PartitionGroup};
+use pgelect::{
+    partitions::HeldPartition, partitions::PartitionEvent, partitions::PartitionGroup,
+    ConnectOptions,
+};
 use tokio_postgres::NoTls;
 
 type BoxError = Box<dyn Error + Send + Sync>;

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgelect::{ConnectOptions, LockSession, Semaphore};
+use pgelect::{lock::Semaphore, ConnectOptions, LockSession};
 
 type BoxError = Box<dyn Error + Send + Sync>;
 

@@ -23,7 +23,7 @@
 use std::error::Error;
 use std::time::Duration;
 
-use pgelect::{ConnectOptions, Elector, LeaderContext};
+use pgelect::{election::LeaderContext, ConnectOptions, Elector};
 use tokio_postgres::{Client, NoTls};
 
 type BoxError = Box<dyn Error + Send + Sync>;
@@ -133,7 +133,7 @@ async fn deposed_leader_demo(
         .as_ref()
         .and_then(tokio_postgres::Error::as_db_error)
     {
-        Some(e) if e.code().code() == pgelect::SQLSTATE_STALE_TERM => {
+        Some(e) if e.code().code() == pgelect::schema::SQLSTATE_STALE_TERM => {
             println!("the database refuses it too: {}", e.message())
         }
         _ => return Err(format!("expected SQLSTATE PE001, got {refused:?}").into()),

@@ -5,22 +5,22 @@
 //! ZooKeeper or Consul to operate.
 //!
 //! * **Locks** ([`lock`]): session advisory locks on a connection pgelect
-//!   owns ([`LockSession`], [`LockGuard`] with [`lost()`](LockGuard::lost)),
-//!   and transaction locks on *your* transaction ([`xact_lock`],
-//!   [`xact_lock_timeout`], …; sqlx behind the `sqlx` feature). Shared and
-//!   exclusive, try / wait / bounded wait. Semaphores ([`Semaphore`],
-//!   [`Permit`]): at most N holders at once, waiters served in order.
+//!   owns ([`LockSession`], [`LockGuard`](lock::LockGuard) with [`lost()`](lock::LockGuard::lost)),
+//!   and transaction locks on *your* transaction ([`xact_lock`](lock::xact_lock),
+//!   [`xact_lock_timeout`](lock::xact_lock_timeout), …; sqlx behind the `sqlx` feature). Shared and
+//!   exclusive, try / wait / bounded wait. Semaphores ([`Semaphore`](lock::Semaphore),
+//!   [`Permit`](lock::Permit)): at most N holders at once, waiters served in order.
 //! * **Keys** ([`LockKey`]): from integers, pairs, names (hashed the same way
 //!   as SQL `pgelect.key(name)`) and UUIDs.
 //! * **Election** ([`election`]): [`Elector`] and the [`Leadership`] handle
 //!   with its fencing [`Term`], [`Leadership::fence`] for your transactions,
 //!   observers ([`Elector::watch`]). Two backends
-//!   ([`Backend`]): `Session` (advisory lock: fast failover) and `Lease`
+//!   ([`Backend`](election::Backend)): `Session` (advisory lock: fast failover) and `Lease`
 //!   (lease row only: safe through PgBouncer in transaction mode). Polling
 //!   candidates of many roles can share one connection
-//!   ([`SharedConnection`]).
+//!   ([`SharedConnection`](election::SharedConnection)).
 //! * **Partitions** ([`partitions`]): a group of N partitions spread
-//!   evenly over the live members of a fleet ([`PartitionGroup`]), each
+//!   evenly over the live members of a fleet ([`PartitionGroup`](partitions::PartitionGroup)), each
 //!   an ordinary role with its own fencing term; gains and losses as a
 //!   stream of events with a token per partition.
 //! * **Schema** ([`migrate`]): installs the `pgelect` schema (idempotent,
@@ -52,7 +52,9 @@
 //! Every module of the crate, by file (a unit test fails when a file or
 //! folder under `src/` is missing here). Public modules are marked *pub*.
 //!
-//! * `lib.rs`: these docs and the re-exports.
+//! * `lib.rs`: these docs and the front door: the ten names most programs
+//!   need, re-exported here only (every other item is reached through the
+//!   one module that names it).
 //! * `admin/` (*pub* [`admin`]): for operators' tools; `admin/mod.rs` has
 //!   the module's docs and re-exports:
 //!   * `admin/client.rs`: [`admin::AdminClient`], one connection and every
@@ -67,13 +69,14 @@
 //!   * `admin/grants.rs`: the privileges each kind of database user needs
 //!     ([`admin::grant_statements`]), the one list the book, the command
 //!     and the tests use.
-//! * `conn/`: connecting to the server; `conn/mod.rs` re-exports only:
+//! * `conn/` (*pub* [`conn`]): connecting to the server; `conn/mod.rs`
+//!   re-exports only:
 //!   * `conn/options.rs`: connection settings ([`ConnectOptions`],
-//!     [`SslMode`]);
+//!     [`SslMode`](conn::SslMode));
 //!   * `conn/connect.rs`: establishing a connection off the runtime's workers;
 //!   * `conn/dedicated.rs`: the dedicated connections pgelect owns;
 //!   * `conn/cancel.rs`: cancelling a statement in flight;
-//!   * `conn/tcp.rs`: [`TcpTimeouts`] (keepalives, user timeout);
+//!   * `conn/tcp.rs`: [`TcpTimeouts`](conn::TcpTimeouts) (keepalives, user timeout);
 //!   * `conn/params.rs`: takes the settings pgelect handles itself (TLS,
 //!     `target_session_attrs`) out of a URL or `key=value` string;
 //!   * `conn/passfile.rs`: libpq's password file (`PGPASSFILE`, `~/.pgpass`);
@@ -81,27 +84,32 @@
 //! * `error.rs`: the one [`Error`] type and its classification (`is_*`).
 //! * `key.rs`: [`LockKey`], advisory-lock keys (names hashed as SQL
 //!   `pgelect.key(name)` hashes them).
-//! * `schema.rs`: the `pgelect` schema's versioned, idempotent migrations
-//!   ([`migrate`]).
+//! * `schema/` (*pub* [`schema`]): the `pgelect` schema.
+//!   * `schema/mod.rs`: its versioned, idempotent migrations, the schema
+//!     check and the fence's SQLSTATE codes;
+//!   * `schema/migrate.rs`: [`migrate`], the front door's one schema
+//!     function.
 //! * `server.rs`: what each PostgreSQL major version supports (logged once,
 //!   never fatal).
 //! * `metrics.rs` (*pub* [`metrics`]): metric names, as constants.
 //! * `lock/` (*pub* [`lock`]): advisory locks.
 //!   * `lock/mod.rs`: the module's docs and re-exports;
-//!   * `lock/session.rs`: [`LockSession`] and [`LockGuard`], session locks
+//!   * `lock/session.rs`: [`LockSession`] and [`LockGuard`](lock::LockGuard), session locks
 //!     on a dedicated connection;
 //!   * `lock/xact.rs`: transaction locks on the caller's tokio-postgres
-//!     transaction ([`xact_lock`], …);
+//!     transaction ([`xact_lock`](lock::xact_lock), …);
 //!   * `lock/sqlx.rs` (*pub*, feature `sqlx`): the same on sqlx;
-//!   * `lock/semaphore.rs`: [`Semaphore`] and [`Permit`], at most N holders;
-//!   * `lock/holders.rs`: who holds a key ([`LockHolder`]), squatters
-//!     told apart during a wait.
+//!   * `lock/semaphore.rs`: [`Semaphore`](lock::Semaphore) and [`Permit`](lock::Permit), at most N holders;
+//!   * `lock/holders.rs`: who holds a key ([`LockHolder`](lock::LockHolder)),
+//!     squatters told apart during a wait.
 //! * `election/` (*pub* [`election`]): the elector.
-//!   * `election/mod.rs`: [`Elector`] and its shared state;
+//!   * `election/mod.rs`: the module's docs (which backend when) and its
+//!     namespace;
+//!   * `election/elector.rs`: [`Elector`] and its shared state;
 //!   * `election/config.rs`: [`ElectorBuilder`], every default documented,
 //!     validated in `build()`;
-//!   * `election/leadership.rs`: [`Leadership`], [`Term`], [`LossReason`];
-//!   * `election/timing.rs`: pure rules: timing defaults, [`Profile`] and
+//!   * `election/leadership.rs`: [`Leadership`], [`Term`], [`LossReason`](election::LossReason);
+//!   * `election/timing.rs`: pure rules: timing defaults, [`Profile`](election::Profile) and
 //!     the safety inequalities;
 //!   * `election/keeper.rs`: pure rules: the leader's keep-alive state
 //!     machine (when to renew, heartbeat, act, stop), no I/O;
@@ -135,21 +143,21 @@
 //!     * `election/backend/session.rs`: the session backend (lock wait,
 //!       term bump, handover delay, renewal, heartbeat, release);
 //!     * `election/backend/lease/`: the lease backend in one engine,
-//!       [`SharedLease`] (a lone candidate is a batch of one):
+//!       [`SharedLease`](election::SharedLease) (a lone candidate is a batch of one):
 //!       * `election/backend/lease/mod.rs`: the client;
 //!       * `election/backend/lease/sql.rs`: its statements behind one seam
 //!         (acquire, renew, release, register);
 //!       * `election/backend/lease/campaign.rs`: gaining leadership;
 //!       * `election/backend/lease/keep.rs`: keeping it;
 //!       * `election/backend/lease/listen.rs`: the `LISTEN` connections;
-//!     * `election/backend/shared.rs`: [`SharedConnection`], one lock
+//!     * `election/backend/shared.rs`: [`SharedConnection`](election::SharedConnection), one lock
 //!       connection for many roles, with batched statements;
 //!     * `election/backend/batch.rs`: batching utilities (chunks of a
 //!       batched statement, a leader's place in a batched renewal);
 //!     * `election/backend/claim.rs`: one candidate per role on a shared
 //!       client.
 //! * `partitions/` (*pub* [`partitions`]): balanced partitions.
-//!   * `partitions/mod.rs`: [`PartitionGroup`] and its events;
+//!   * `partitions/mod.rs`: [`PartitionGroup`](partitions::PartitionGroup) and its events;
 //!   * `partitions/plan.rs`: the pure rules (who should lead what);
 //!   * `partitions/driver.rs`: a member's loop that applies the plan.
 //!
@@ -181,42 +189,26 @@
 //! ```
 
 pub mod admin;
-mod conn;
+pub mod conn;
 pub mod election;
 mod error;
 mod key;
 pub mod lock;
 pub mod metrics;
 pub mod partitions;
-mod schema;
+pub mod schema;
 mod server;
 
-pub use conn::{ConnectOptions, SslMode, TcpTimeouts, DEFAULT_CONNECT_TIMEOUT};
-/// Test hook, not API (feature `test-hooks`): the lease backend's statements
-/// and the shared connection's batched renewal.
-#[cfg(feature = "test-hooks")]
-#[doc(hidden)]
-pub use election::{lease_sql, shared_renew_sql, LeaseSql};
-pub use election::{
-    Backend, Elector, ElectorBuilder, LeaderContext, LeaderInfo, Leadership, LossReason, Profile,
-    SharedConnection, SharedLease, StandbyMode, Term, TimingReport, LEADER_CHANNEL, MAX_ROLE_BYTES,
-    RESIGN_CHANNEL,
-};
-pub use error::{Error, Result, SQLSTATE_NO_LEADER, SQLSTATE_STALE_TERM};
-pub use key::{LockKey, MAX_KEY_NAME_BYTES};
-pub use lock::{
-    try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, xact_lock_shared_timeout,
-    xact_lock_timeout, LockGuard, LockHolder, LockMode, LockSession, LockSessionBuilder,
-};
-pub use lock::{Permit, PermitHolder, Semaphore, MAX_SEMAPHORE_LIMIT};
-pub use partitions::{
-    partition_assignment, partition_role, HeldPartition, PartitionAssignment, PartitionEvent,
-    PartitionEvents, PartitionGroup, PartitionGroupBuilder, PartitionLeader, MAX_PARTITIONS,
-};
-pub use schema::{
-    check_schema, migrate, migrate_timeout, SchemaName, DEFAULT_SCHEMA, MIGRATE_LOCK_TIMEOUT,
-    SCHEMA_VERSION,
-};
+// The front door: the ten names most programs need. Everything else lives in
+// one module that acts as its namespace, reachable by one path only.
+pub use conn::options::ConnectOptions;
+pub use election::config::ElectorBuilder;
+pub use election::elector::Elector;
+pub use election::leadership::{Leadership, Term};
+pub use error::{Error, Result};
+pub use key::LockKey;
+pub use lock::session::LockSession;
+pub use schema::migrate::migrate;
 
 /// The README's examples, compiled as doc tests so that they stay true.
 #[doc = include_str!("../../README.md")]

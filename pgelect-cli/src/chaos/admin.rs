@@ -200,7 +200,7 @@ pub(super) async fn create_table(admin: &Admin, table: &str) -> Result<(), Failu
 pub(super) async fn live_leader(
     options: &pgelect::ConnectOptions,
     role: &str,
-) -> Result<Option<pgelect::LeaderInfo>, Failure> {
+) -> Result<Option<pgelect::election::LeaderInfo>, Failure> {
     let Some(l) = pgelect::admin::current_leader(options, role).await? else {
         return Ok(None);
     };

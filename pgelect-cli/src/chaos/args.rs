@@ -87,16 +87,16 @@ pub struct WorkerArgs {
 pub(super) fn timing(
     args: &ChaosArgs,
     backend: BackendArg,
-) -> Result<pgelect::TimingReport, Failure> {
+) -> Result<pgelect::election::TimingReport, Failure> {
     let profile = match args.profile {
-        ProfileArg::Standard => pgelect::Profile::Standard,
-        ProfileArg::Fast => pgelect::Profile::Fast,
+        ProfileArg::Standard => pgelect::election::Profile::Standard,
+        ProfileArg::Fast => pgelect::election::Profile::Fast,
     };
     let o = pgelect::ConnectOptions::from_url("postgres://chaos@127.0.0.1/chaos")?;
     let b = pgelect::Elector::builder(o, "chaos").ttl(args.ttl);
     let b = match backend {
         BackendArg::Session => b.profile(profile),
-        BackendArg::Lease => b.backend(pgelect::Backend::Lease),
+        BackendArg::Lease => b.backend(pgelect::election::Backend::Lease),
     };
     Ok(b.build()?.timing())
 }
@@ -111,7 +111,7 @@ pub(super) fn backend_name(b: BackendArg) -> &'static str {
 /// The timing of the candidates of a default run on `backend`, for the
 /// tests.
 #[cfg(test)]
-pub(super) fn standard_timing(backend: BackendArg) -> pgelect::TimingReport {
+pub(super) fn standard_timing(backend: BackendArg) -> pgelect::election::TimingReport {
     let args = ChaosArgs {
         candidates: 3,
         duration: Duration::from_secs(1),

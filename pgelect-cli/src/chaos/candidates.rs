@@ -130,7 +130,7 @@ impl Run<'_> {
                     backend_name(self.backend)
                 );
                 let password = random_hex();
-                let schema = pgelect::SchemaName::new(&self.schema)?;
+                let schema = pgelect::schema::SchemaName::new(&self.schema)?;
                 let mut sql = vec![format!(
                     "CREATE ROLE \"{user}\" LOGIN PASSWORD '{password}'"
                 )];

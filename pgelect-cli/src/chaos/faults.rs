@@ -163,7 +163,11 @@ pub(super) const RECONNECT_CAP: Duration = Duration::from_secs(5);
 /// leader's worker acts: the mechanism's bound as the README states it,
 /// plus [`SLACK`]. The one table of bounds; `max_gap_ms` is checked
 /// against it.
-pub(super) fn bound(fault: Fault, backend: BackendArg, t: &pgelect::TimingReport) -> Duration {
+pub(super) fn bound(
+    fault: Fault,
+    backend: BackendArg,
+    t: &pgelect::election::TimingReport,
+) -> Duration {
     use BackendArg::{Lease, Session};
     // When a lease leader's lease has surely expired on the server clock,
     // and a standby noticed (jitter at most 50 ms).
@@ -278,7 +282,7 @@ pub(super) async fn inject(
     sups: &mut Vec<Supervisor>,
     i: usize,
     leader: &Event,
-    timing: &pgelect::TimingReport,
+    timing: &pgelect::election::TimingReport,
     rng: &mut StdRng,
     durable: Option<u128>,
 ) -> Result<Effect, Failure> {

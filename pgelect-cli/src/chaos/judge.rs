@@ -96,7 +96,7 @@ pub(super) fn judge(
     committed: &[(String, i64, i64)],
     injected: &[Injected],
     backend: BackendArg,
-    timing: &pgelect::TimingReport,
+    timing: &pgelect::election::TimingReport,
 ) -> Findings {
     let mut f = Findings::default();
     let ivs = intervals(events);

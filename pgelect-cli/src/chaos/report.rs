@@ -96,7 +96,7 @@ pub(super) fn rows(
     bname: &str,
     seed: u64,
     backend: BackendArg,
-    timing: &pgelect::TimingReport,
+    timing: &pgelect::election::TimingReport,
     injected: &[Injected],
     found: &Findings,
     pooled_kinds: &HashSet<Fault>,

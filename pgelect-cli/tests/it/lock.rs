@@ -45,7 +45,7 @@ fn lock(db: &TestDb, dir: &TempDir, key: &str, extra: &[&str], script: &str) -> 
 }
 
 /// Holds `key` from the test process through the library.
-async fn hold(db: &TestDb, key: &str) -> (LockSession, pgelect::LockGuard) {
+async fn hold(db: &TestDb, key: &str) -> (LockSession, pgelect::lock::LockGuard) {
     let options = ConnectOptions::from_url(&db.url()).expect("test URL parses");
     let session = LockSession::connect(&options).await.expect("connect");
     let guard = session

@@ -6,7 +6,7 @@ use crate::support;
 
 use std::time::Duration;
 
-use pgelect::{ConnectOptions, PartitionGroup};
+use pgelect::{partitions::PartitionGroup, ConnectOptions};
 use pgelect_testkit::TestDb;
 use support::{pgelect, run, wait_until, Background, TempDir};
 
@@ -35,7 +35,7 @@ fn member(o: &ConnectOptions, node: &str) -> PartitionGroup {
     // The application: drops each partition as soon as it must.
     tokio::spawn(async move {
         while let Some(e) = events.recv().await {
-            if let pgelect::PartitionEvent::Gained(held) = e {
+            if let pgelect::partitions::PartitionEvent::Gained(held) = e {
                 tokio::spawn(async move { held.token().cancelled().await });
             }
         }
@@ -189,7 +189,9 @@ async fn run_starts_one_command_per_partition_held_and_hands_over() {
             .collect::<Vec<_>>(),
         "a's commands for the moved partitions got SIGTERM before b started"
     );
-    let shown = pgelect::partition_assignment(&o, "jobs", 4).await.unwrap();
+    let shown = pgelect::partitions::partition_assignment(&o, "jobs", 4)
+        .await
+        .unwrap();
     assert_eq!(shown.by_member()["b"], moved);
 
     // b stops (SIGTERM): its commands stop, a takes its partitions back.

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pgelect::{ConnectOptions, LockKey, LockSession, Permit, Semaphore};
+use pgelect::{lock::Permit, lock::Semaphore, ConnectOptions, LockKey, LockSession};
 use pgelect_testkit::TestDb;
 use support::{
     finish, pgelect, process_alive, run, wait_for_file, wait_until, Background, TempDir,

@@ -114,7 +114,7 @@ pub struct Grant {
 ///
 /// ```
 /// use pgelect::admin::{grant_statements, UserKind};
-/// use pgelect::SchemaName;
+/// use pgelect::schema::SchemaName;
 /// let g = grant_statements(UserKind::Fencer, "Billing App", &SchemaName::default()).unwrap();
 /// assert_eq!(g[1].sql, r#"GRANT EXECUTE ON FUNCTION pgelect.fence(text, bigint) TO "Billing App""#);
 /// assert!(grant_statements(UserKind::Fencer, "", &SchemaName::default()).is_err());

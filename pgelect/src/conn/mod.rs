@@ -6,27 +6,28 @@
 //! restart) is noticed within milliseconds with no query in flight; the task
 //! also forwards `LISTEN` notifications.
 //!
-//! * [`options`]: [`ConnectOptions`], read from a URL, a key/value string,
+//! * `options`: [`ConnectOptions`], read from a URL, a key/value string,
 //!   the environment or a driver configuration;
-//! * [`connect`]: establishing a connection (TLS as libpq, bounded, off the
+//! * `connect`: establishing a connection (TLS as libpq, bounded, off the
 //!   runtime's workers), and plain connections for observers;
-//! * [`dedicated`]: the connections pgelect owns, their driver task and
+//! * `dedicated`: the connections pgelect owns, their driver task and
 //!   the session settings they start with;
-//! * [`cancel`]: cancelling the statement running on one;
-//! * [`tcp`]: [`TcpTimeouts`] on both ends of a lock connection;
-//! * [`params`], [`passfile`], [`tls`]: libpq's connection parameters,
+//! * `cancel`: cancelling the statement running on one;
+//! * `tcp`: [`TcpTimeouts`] on both ends of a lock connection;
+//! * `params`, `passfile`, `tls`: libpq's connection parameters,
 //!   password file and TLS settings.
 
 mod cancel;
 mod connect;
 mod dedicated;
-mod options;
+pub(crate) mod options;
 mod params;
 mod passfile;
 mod tcp;
 mod tls;
 
 pub(crate) use dedicated::{DedicatedConnection, Notice};
-pub use options::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT};
+pub(crate) use options::ConnectOptions;
+pub use options::DEFAULT_CONNECT_TIMEOUT;
 pub use tcp::TcpTimeouts;
 pub use tls::SslMode;

@@ -70,7 +70,7 @@ impl ConnectOptions {
     /// a key others may read is an [`Error::Config`] naming the setting.
     ///
     /// ```
-    /// use pgelect::{ConnectOptions, SslMode};
+    /// use pgelect::{ConnectOptions, conn::SslMode};
     /// let o = ConnectOptions::from_url("postgres://app@db/app?sslmode=require").unwrap();
     /// assert_eq!(o.ssl_mode(), SslMode::Require);
     /// let e = ConnectOptions::from_url("postgres://app@db/app?sslmode=verify-full&sslrootcert=/nonexistent.crt").unwrap_err();

@@ -38,11 +38,11 @@ impl TcpTimeouts {
     /// whose candidates use this TTL; [`TcpTimeouts::default`] (10 s) suits
     /// TTLs up to about 12 s only.
     ///
-    /// [`SharedConnection`]: crate::SharedConnection
+    /// [`SharedConnection`]: crate::election::SharedConnection
     ///
     /// ```
     /// use std::time::Duration;
-    /// use pgelect::{ConnectOptions, Elector, SharedConnection, TcpTimeouts};
+    /// use pgelect::{ConnectOptions, Elector, election::SharedConnection, conn::TcpTimeouts};
     /// # fn main() -> pgelect::Result<()> {
     /// let options = ConnectOptions::from_url("postgres://app@db/app")?;
     /// let ttl = Duration::from_secs(15);

@@ -43,7 +43,7 @@ use crate::error::{Error, Result};
 /// | `verify-full` | always | the chain and the host name | an impostor, including one with another certificate from the same CA |
 ///
 /// ```
-/// use pgelect::SslMode;
+/// use pgelect::conn::SslMode;
 /// assert_eq!("verify-full".parse::<SslMode>().unwrap(), SslMode::VerifyFull);
 /// assert_eq!(SslMode::default(), SslMode::Prefer);
 /// assert!("verify_full".parse::<SslMode>().is_err());

@@ -57,7 +57,7 @@ impl std::str::FromStr for Backend {
     /// Parses `session` or `lease`.
     ///
     /// ```
-    /// use pgelect::Backend;
+    /// use pgelect::election::Backend;
     /// assert_eq!("lease".parse::<Backend>().unwrap(), Backend::Lease);
     /// assert!("zookeeper".parse::<Backend>().is_err());
     /// ```
@@ -222,7 +222,7 @@ impl ElectorBuilder {
     /// The leader checks at every renewal, and at once (at most one check
     /// per 100 ms) when a preferred candidate registers and sends it a hint;
     /// it then ends its leadership with
-    /// [`LossReason::HandedOver`](crate::LossReason::HandedOver): the
+    /// [`LossReason::HandedOver`](crate::election::LossReason::HandedOver): the
     /// duties stop, and releasing (as [`Elector::run`] does, or
     /// [`Leadership::resign`](crate::Leadership::resign)) hands the lock to
     /// the preferred candidate with a new term and no overlap. A lower
@@ -326,7 +326,7 @@ impl ElectorBuilder {
     ///
     /// ```
     /// # fn f(options: pgelect::ConnectOptions) -> pgelect::Result<()> {
-    /// use pgelect::{Elector, Profile};
+    /// use pgelect::{Elector, election::Profile};
     /// let elector = Elector::builder(options, "scheduler")
     ///     .profile(Profile::Fast)
     ///     .build()?;
@@ -425,7 +425,7 @@ impl ElectorBuilder {
     /// for a second candidate of the same role on the client.
     ///
     /// ```
-    /// use pgelect::{Backend, ConnectOptions, Elector, SharedLease};
+    /// use pgelect::{election::Backend, ConnectOptions, Elector, election::SharedLease};
     /// let options = ConnectOptions::from_url("postgres://app@db/app").unwrap();
     /// let client = SharedLease::new(&options);
     /// let elector = Elector::builder(options.clone(), "shard-1")

@@ -49,7 +49,7 @@ const LEASE_ROW_STALE_TTLS: i64 = 10;
 
 /// The timing an elector runs with, as stored in the registry (`timing`,
 /// milliseconds, and the profile) for `pgelect status --json`: the same
-/// object as [`TimingReport::to_json`](crate::TimingReport::to_json).
+/// object as [`TimingReport::to_json`](crate::election::TimingReport::to_json).
 pub(crate) fn timing_json(t: &Timing) -> serde_json::Value {
     t.report().to_json()
 }
@@ -200,7 +200,7 @@ pub(crate) fn batch_register_sql(s: &str) -> String {
 }
 
 /// [`batch_register_sql`] for candidates that wait as `waits`: with
-/// [`Waits::Lease`] (a [`SharedLease`](crate::SharedLease)'s standbys) the
+/// [`Waits::Lease`] (a [`SharedLease`](crate::election::SharedLease)'s standbys) the
 /// rows carry no backend pid, as [`register_sql`] writes them for one
 /// lease-backend candidate.
 pub(crate) fn batch_register_sql_for(s: &str, waits: Waits) -> String {

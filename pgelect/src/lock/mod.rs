@@ -4,7 +4,7 @@
 //! PostgreSQL's [advisory locks](https://www.postgresql.org/docs/current/explicit-locking.html#ADVISORY-LOCKS)
 //! come in two scopes, and pgelect offers both:
 //!
-//! * **Session locks** ([`LockSession`], [`LockGuard`]) live as long as the
+//! * **Session locks** ([`LockSession`](crate::LockSession), [`LockGuard`]) live as long as the
 //!   server session that took them. pgelect takes them on a connection it
 //!   opens itself and never hands to a pool, so a lock cannot leak into an
 //!   unrelated request that later borrows the same pooled connection. The
@@ -18,7 +18,7 @@
 //!   functions over `&mut sqlx::PgConnection`.
 //!
 //! * **Semaphores** ([`Semaphore`], [`Permit`]): at most N holders of a
-//!   named resource, each holding a permit on its [`LockSession`] like a
+//!   named resource, each holding a permit on its [`LockSession`](crate::LockSession) like a
 //!   session lock (with [`lost()`](Permit::lost)); waiters are served in
 //!   order of arrival.
 //!
@@ -39,7 +39,7 @@
 //! }
 //! // A transaction lock, on your transaction: released at its end.
 //! let tx = client.transaction().await.expect("a transaction");
-//! pgelect::xact_lock_timeout(&tx, LockKey::from(42i64), Duration::from_secs(5)).await?;
+//! pgelect::lock::xact_lock_timeout(&tx, LockKey::from(42i64), Duration::from_secs(5)).await?;
 //! tx.commit().await.expect("commit");
 //! # Ok(()) }
 //! ```
@@ -52,8 +52,7 @@
 //! * Within a database they are shared by every user who can connect, and
 //!   keys are public (a name's key is a hash anyone can compute): any such
 //!   user can take a key pgelect uses and make it wait. Waits therefore say
-//!   who holds their key ([`admin::lock_holders`](crate::admin::lock_holders),
-//!   [`LockSession::holders`], the
+//!   who holds their key ([`admin::lock_holders`](crate::admin::lock_holders), [`LockSession::holders`](crate::LockSession::holders), the
 //!   holders of [`Error::LockTimeout`], a warning
 //!   after 5 s); to rule it out, give pgelect a database of its own or
 //!   `REVOKE CONNECT ON DATABASE … FROM PUBLIC`.
@@ -66,17 +65,18 @@
 
 pub(crate) mod holders;
 mod semaphore;
-mod session;
+pub(crate) mod session;
 #[cfg(feature = "sqlx")]
 pub mod sqlx;
 mod xact;
 
 use std::time::Duration;
 
+pub use crate::key::MAX_KEY_NAME_BYTES;
 pub use holders::LockHolder;
 pub(crate) use semaphore::semaphore_holders;
 pub use semaphore::{Permit, PermitHolder, Semaphore, MAX_SEMAPHORE_LIMIT};
-pub use session::{LockGuard, LockSession, LockSessionBuilder};
+pub use session::{LockGuard, LockSessionBuilder};
 pub use xact::{
     try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, xact_lock_shared_timeout,
     xact_lock_timeout,

@@ -54,7 +54,7 @@ const OUTCOME: &str = "pgelect.permit";
 /// exclusively by the session: the server itself never lets more than N
 /// sessions hold a slot, and a slot frees the moment its session ends (a
 /// killed process's at once, since its kernel closes the socket; a
-/// vanished host's within the [`TcpTimeouts`](crate::TcpTimeouts)).
+/// vanished host's within the [`TcpTimeouts`](crate::conn::TcpTimeouts)).
 ///
 /// Waiters queue on the gate: PostgreSQL grants an advisory lock to its
 /// waiters in the order they asked, so the gate's holder is the longest
@@ -77,7 +77,7 @@ const OUTCOME: &str = "pgelect.permit";
 /// refused). Once nobody uses the name, a new limit may be used.
 ///
 /// # Sharp edges
-/// * Fair within a [`wait_slice`](crate::LockSessionBuilder::wait_slice)
+/// * Fair within a [`wait_slice`](crate::lock::LockSessionBuilder::wait_slice)
 ///   (10 s by default): a queued waiter's wait for the gate is re-issued
 ///   every slice so that it does not hold back VACUUM, and a re-issued wait
 ///   queues again behind those who arrived meanwhile. The head keeps its
@@ -97,7 +97,7 @@ const OUTCOME: &str = "pgelect.permit";
 /// [`acquire_permit_timeout`]: LockSession::acquire_permit_timeout
 ///
 /// ```
-/// use pgelect::Semaphore;
+/// use pgelect::lock::Semaphore;
 ///
 /// let uploads = Semaphore::new("s3-uploads", 4).unwrap();
 /// assert_eq!(uploads.limit(), 4);
@@ -109,7 +109,7 @@ const OUTCOME: &str = "pgelect.permit";
 /// assert_ne!(uploads.slot_key(0), Some(pgelect::LockKey::from_name("s3-uploads").unwrap()));
 ///
 /// assert!(Semaphore::new("s3-uploads", 0).is_err());
-/// assert!(Semaphore::new("s3-uploads", pgelect::MAX_SEMAPHORE_LIMIT + 1).is_err());
+/// assert!(Semaphore::new("s3-uploads", pgelect::lock::MAX_SEMAPHORE_LIMIT + 1).is_err());
 /// assert!(Semaphore::new("", 1).is_err());
 /// ```
 #[derive(Clone)]
@@ -310,7 +310,7 @@ impl LockSession {
     ///
     /// ```no_run
     /// # async fn f(session: pgelect::LockSession) -> Result<(), pgelect::Error> {
-    /// let uploads = pgelect::Semaphore::new("s3-uploads", 4)?;
+    /// let uploads = pgelect::lock::Semaphore::new("s3-uploads", 4)?;
     /// match session.try_acquire_permit(&uploads).await? {
     ///     Some(permit) => {
     ///         tokio::select! {
@@ -331,7 +331,7 @@ impl LockSession {
     ///
     /// Waiters are served in the order they arrived (PostgreSQL's queue on
     /// the semaphore's gate key) within a
-    /// [`wait_slice`](crate::LockSessionBuilder::wait_slice) of the
+    /// [`wait_slice`](crate::lock::LockSessionBuilder::wait_slice) of the
     /// session (10 s): the gate wait is re-issued every slice so that it
     /// does not hold back VACUUM, and a re-issued wait queues again behind
     /// those that arrived meanwhile. The longest waiter, once at the head,
@@ -345,7 +345,7 @@ impl LockSession {
     /// ```no_run
     /// # async fn f(options: pgelect::ConnectOptions) -> Result<(), pgelect::Error> {
     /// let session = pgelect::LockSession::connect(&options).await?;
-    /// let upstream = pgelect::Semaphore::new("fragile-upstream", 8)?;
+    /// let upstream = pgelect::lock::Semaphore::new("fragile-upstream", 8)?;
     /// let permit = session.acquire_permit(&upstream).await?;
     /// println!("slot {} of {}", permit.slot(), upstream.limit());
     /// let work = permit.lost_token(); // hand it to the work: cancelled on loss
@@ -372,7 +372,7 @@ impl LockSession {
     /// ```no_run
     /// # async fn f(session: pgelect::LockSession) -> Result<(), pgelect::Error> {
     /// use std::time::Duration;
-    /// let jobs = pgelect::Semaphore::new("nightly-jobs", 3)?;
+    /// let jobs = pgelect::lock::Semaphore::new("nightly-jobs", 3)?;
     /// match session.acquire_permit_timeout(&jobs, Duration::from_secs(30)).await {
     ///     Ok(permit) => { /* ... */ permit.release().await?; }
     ///     Err(e) if e.is_timeout() => eprintln!("{e}"),

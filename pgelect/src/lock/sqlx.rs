@@ -1,7 +1,7 @@
 //! Transaction-level advisory locks on the caller's sqlx connection or
 //! transaction (feature `sqlx`).
 //!
-//! The same functions as [`xact_lock`](crate::xact_lock) and friends, with
+//! The same functions as [`xact_lock`](crate::lock::xact_lock) and friends, with
 //! the same semantics, over `&mut sqlx::PgConnection`. A
 //! `sqlx::Transaction<'_, Postgres>` and a pooled connection dereference to
 //! it: pass `&mut *tx`. Statements are sent unprepared
@@ -34,7 +34,7 @@ use super::{timeout_millis, LockMode};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 
-/// Like [`try_xact_lock`](crate::try_xact_lock), on an sqlx connection.
+/// Like [`try_xact_lock`](crate::lock::try_xact_lock), on an sqlx connection.
 ///
 /// # Cancel safety
 /// Cancel safe in the sense that a lock taken is held until the transaction
@@ -43,7 +43,7 @@ pub async fn try_xact_lock(conn: &mut PgConnection, key: LockKey) -> Result<bool
     try_xact(conn, key, LockMode::Exclusive).await
 }
 
-/// Like [`try_xact_lock_shared`](crate::try_xact_lock_shared), on an sqlx
+/// Like [`try_xact_lock_shared`](crate::lock::try_xact_lock_shared), on an sqlx
 /// connection.
 ///
 /// # Cancel safety
@@ -52,7 +52,7 @@ pub async fn try_xact_lock_shared(conn: &mut PgConnection, key: LockKey) -> Resu
     try_xact(conn, key, LockMode::Shared).await
 }
 
-/// Like [`xact_lock`](crate::xact_lock), on an sqlx connection.
+/// Like [`xact_lock`](crate::lock::xact_lock), on an sqlx connection.
 ///
 /// # Cancel safety
 /// Not cancel safe: a dropped future leaves the wait running on the server
@@ -62,7 +62,7 @@ pub async fn xact_lock(conn: &mut PgConnection, key: LockKey) -> Result<()> {
     wait_xact(conn, key, LockMode::Exclusive).await
 }
 
-/// Like [`xact_lock_shared`](crate::xact_lock_shared), on an sqlx connection.
+/// Like [`xact_lock_shared`](crate::lock::xact_lock_shared), on an sqlx connection.
 ///
 /// # Cancel safety
 /// As for [`xact_lock`]: not cancel safe.
@@ -70,7 +70,7 @@ pub async fn xact_lock_shared(conn: &mut PgConnection, key: LockKey) -> Result<(
     wait_xact(conn, key, LockMode::Shared).await
 }
 
-/// Like [`xact_lock_timeout`](crate::xact_lock_timeout), on an sqlx
+/// Like [`xact_lock_timeout`](crate::lock::xact_lock_timeout), on an sqlx
 /// connection: caps `lock_timeout` for this transaction only (keeping a
 /// stricter caller value, capping `0`), restores the caller's value once the
 /// lock is held, and turns SQLSTATE `55P03`/`57014` into
@@ -88,7 +88,7 @@ pub async fn xact_lock_timeout(
     bounded_xact(conn, key, LockMode::Exclusive, timeout).await
 }
 
-/// Like [`xact_lock_shared_timeout`](crate::xact_lock_shared_timeout), on an
+/// Like [`xact_lock_shared_timeout`](crate::lock::xact_lock_shared_timeout), on an
 /// sqlx connection.
 ///
 /// # Cancel safety

@@ -118,7 +118,7 @@ pub(super) fn is_wait_timeout_code(code: &str) -> bool {
 ///
 /// ```no_run
 /// # async fn f(client: &mut tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
-/// use pgelect::{try_xact_lock, LockKey};
+/// use pgelect::{lock::try_xact_lock, LockKey};
 /// let tx = client.transaction().await?;
 /// if try_xact_lock(&tx, LockKey::from_name("invoice-42")?).await? {
 ///     // ... work that only one transaction may do at a time ...
@@ -164,7 +164,7 @@ where
 ///
 /// ```no_run
 /// # async fn f(client: &mut tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
-/// use pgelect::{xact_lock, LockKey};
+/// use pgelect::{lock::xact_lock, LockKey};
 /// let tx = client.transaction().await?;
 /// xact_lock(&tx, LockKey::from_i64(7)).await?;
 /// tx.execute("UPDATE accounts SET balance = balance - 1 WHERE id = 7", &[]).await?;
@@ -228,7 +228,7 @@ where
 /// ```no_run
 /// # async fn f(client: &mut tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
-/// use pgelect::{xact_lock_timeout, LockKey};
+/// use pgelect::{lock::xact_lock_timeout, LockKey};
 /// let tx = client.transaction().await?;
 /// match xact_lock_timeout(&tx, LockKey::from_i64(7), Duration::from_secs(2)).await {
 ///     Ok(()) => tx.commit().await?,

@@ -9,7 +9,7 @@
 //! status --role G/p` and [`request_resign`](crate::admin::request_resign). A
 //! member stands for partitions with polling standbys
 //! ([`StandbyMode::Polling`]) on one
-//! [`SharedConnection`](crate::SharedConnection), so a member costs two
+//! [`SharedConnection`](crate::election::SharedConnection), so a member costs two
 //! connections whatever N: the shared lock connection and one that reads
 //! the group.
 //!
@@ -59,7 +59,7 @@
 //!
 //! ```no_run
 //! # async fn example() -> pgelect::Result<()> {
-//! use pgelect::{ConnectOptions, PartitionEvent, PartitionGroup};
+//! use pgelect::{ConnectOptions, partitions::PartitionEvent, partitions::PartitionGroup};
 //! let options = ConnectOptions::from_url("postgres://app@db/app")?;
 //! let group = PartitionGroup::builder(options, "orders", 12)
 //!     .member("worker-1")
@@ -113,7 +113,7 @@ pub const MAX_PARTITIONS: u32 = 4096;
 /// The role of partition `partition` of group `group`: `group/partition`.
 ///
 /// ```
-/// assert_eq!(pgelect::partition_role("orders", 7), "orders/7");
+/// assert_eq!(pgelect::partitions::partition_role("orders", 7), "orders/7");
 /// ```
 pub fn partition_role(group: &str, partition: u32) -> String {
     format!("{group}/{partition}")
@@ -196,9 +196,9 @@ impl PartitionGroupBuilder {
     ///
     /// ```
     /// let o = pgelect::ConnectOptions::from_url("postgres://app@db/app").unwrap();
-    /// assert!(pgelect::PartitionGroup::builder(o.clone(), "orders", 0).build().is_err());
-    /// assert!(pgelect::PartitionGroup::builder(o.clone(), "a/b", 4).build().is_err());
-    /// let g = pgelect::PartitionGroup::builder(o, "orders", 12).member("w1").build().unwrap();
+    /// assert!(pgelect::partitions::PartitionGroup::builder(o.clone(), "orders", 0).build().is_err());
+    /// assert!(pgelect::partitions::PartitionGroup::builder(o.clone(), "a/b", 4).build().is_err());
+    /// let g = pgelect::partitions::PartitionGroup::builder(o, "orders", 12).member("w1").build().unwrap();
     /// assert_eq!((g.partitions(), g.member()), (12, "w1"));
     /// ```
     pub fn build(self) -> Result<PartitionGroup> {
@@ -266,7 +266,7 @@ impl PartitionGroupBuilder {
         config
             .elector_builder(
                 0,
-                &crate::SharedConnection::new(&config.options, config.tcp),
+                &crate::election::SharedConnection::new(&config.options, config.tcp),
             )
             .build()?;
         Ok(PartitionGroup {
@@ -312,7 +312,7 @@ impl Config {
     pub(crate) fn elector_builder(
         &self,
         partition: u32,
-        shared: &crate::SharedConnection,
+        shared: &crate::election::SharedConnection,
     ) -> ElectorBuilder {
         // A TTL of 10 s by default, not the elector's 15 s: on a shared
         // connection the local deadline (ttl - margin) must end before the
@@ -660,7 +660,7 @@ pub struct PartitionLeader {
 /// ```no_run
 /// # async fn example() -> pgelect::Result<()> {
 /// let options = pgelect::ConnectOptions::from_url("postgres://app@db/app")?;
-/// let a = pgelect::partition_assignment(&options, "orders", 12).await?;
+/// let a = pgelect::partitions::partition_assignment(&options, "orders", 12).await?;
 /// for (member, partitions) in a.by_member() {
 ///     println!("{member}: {partitions:?}");
 /// }

@@ -9,7 +9,8 @@
 use std::time::{Duration, Instant, SystemTime};
 
 use pgelect::admin::{AdminClient, CandidateState, ForgetOutcome, HeldLockKind, RoleStatus};
-use pgelect::{Error, LockKey, LockMode, LockSession, Semaphore};
+use pgelect::lock::{LockMode, Semaphore};
+use pgelect::{Error, LockKey, LockSession};
 use pgelect_testkit::TestDb;
 use tokio_postgres::{Client, NoTls};
 

@@ -15,10 +15,10 @@ fn handles_users_move_across_tasks_are_send_and_sync() {
     assert_send_sync::<pgelect::Elector>();
     assert_send_sync::<pgelect::ElectorBuilder>();
     assert_send_sync::<pgelect::Leadership>();
-    assert_send_sync::<pgelect::LeaderContext>();
+    assert_send_sync::<pgelect::election::LeaderContext>();
     assert_send_sync::<pgelect::LockSession>();
-    assert_send_sync::<pgelect::LockGuard>();
-    assert_send_sync::<pgelect::SharedConnection>();
+    assert_send_sync::<pgelect::lock::LockGuard>();
+    assert_send_sync::<pgelect::election::SharedConnection>();
     assert_send_sync::<pgelect::ConnectOptions>();
     assert_send_sync::<pgelect::Error>();
 }
@@ -82,7 +82,7 @@ async fn fence_refusals_keep_their_kind_and_the_callers_role() {
         Error::StaleTerm { role: r, .. } => assert_eq!(r, role),
         other => panic!("expected StaleTerm, got {other:?}"),
     }
-    assert_eq!(e.sqlstate(), Some(pgelect::SQLSTATE_STALE_TERM));
+    assert_eq!(e.sqlstate(), Some(pgelect::schema::SQLSTATE_STALE_TERM));
     assert!(e.is_leadership_lost());
 
     // No row at all: no leader, a distinct error with its own SQLSTATE.
@@ -99,7 +99,7 @@ async fn fence_refusals_keep_their_kind_and_the_callers_role() {
         Error::NoLeader { role: r, .. } => assert_eq!(r, role),
         other => panic!("expected NoLeader, got {other:?}"),
     }
-    assert_eq!(e.sqlstate(), Some(pgelect::SQLSTATE_NO_LEADER));
+    assert_eq!(e.sqlstate(), Some(pgelect::schema::SQLSTATE_NO_LEADER));
     assert!(!e.is_stale_term());
     assert!(e.is_leadership_lost());
 }

@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pgelect::{
-    partition_assignment, ConnectOptions, LossReason, PartitionEvent, PartitionEvents,
-    PartitionGroup, Term,
+    election::LossReason, partitions::partition_assignment, partitions::PartitionEvent,
+    partitions::PartitionEvents, partitions::PartitionGroup, ConnectOptions, Term,
 };
 use pgelect_testkit::TestDb;
 

@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 
 use crate::support::CANDIDATE;
 use pgelect::{
-    Backend, ConnectOptions, Elector, ElectorBuilder, Error, LockKey, LockSession, StandbyMode,
+    election::Backend, election::StandbyMode, ConnectOptions, Elector, ElectorBuilder, Error,
+    LockKey, LockSession,
 };
 use pgelect_testkit::{Cluster, PgBouncer, PoolMode, TestDb};
 use tokio_postgres::Client;
@@ -522,7 +523,7 @@ async fn transaction_locks_keep_the_callers_timeouts() {
     let settings = "SELECT current_setting('statement_timeout'), current_setting('lock_timeout')";
     let tx = caller.transaction().await.unwrap();
     let t = Instant::now();
-    let e = pgelect::xact_lock_timeout(&tx, key, Duration::from_secs(5))
+    let e = pgelect::lock::xact_lock_timeout(&tx, key, Duration::from_secs(5))
         .await
         .unwrap_err();
     let waited = t.elapsed();
@@ -542,7 +543,7 @@ async fn transaction_locks_keep_the_callers_timeouts() {
         g.release().await.unwrap()
     });
     let t = Instant::now();
-    pgelect::xact_lock_timeout(&tx, key, Duration::from_secs(10))
+    pgelect::lock::xact_lock_timeout(&tx, key, Duration::from_secs(10))
         .await
         .expect("granted when the holder lets go after 1 s");
     println!("xact_lock_timeout granted after {:?}", t.elapsed());

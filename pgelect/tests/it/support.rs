@@ -229,7 +229,7 @@ pub fn fast_session(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilde
 /// at least every 200 ms.
 pub fn fast_lease(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
     Elector::builder(o.clone(), role)
-        .backend(pgelect::Backend::Lease)
+        .backend(pgelect::election::Backend::Lease)
         .node_id(node)
         .ttl(Duration::from_secs(2))
         .renew_every(Duration::from_millis(500))
@@ -241,7 +241,7 @@ pub fn fast_lease(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder 
 /// The session test timings ([`fast_session`]), standbys polling every
 /// 200 ms.
 pub fn fast_polling(o: &ConnectOptions, role: &str, node: &str) -> ElectorBuilder {
-    fast_session(o, role, node).standby(pgelect::StandbyMode::Polling {
+    fast_session(o, role, node).standby(pgelect::election::StandbyMode::Polling {
         interval: Duration::from_millis(200),
     })
 }

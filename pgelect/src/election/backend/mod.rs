@@ -5,9 +5,9 @@
 //! [`KeepBackend`](super::driver::KeepBackend).
 //!
 //! * [`session`]: a session advisory lock on a dedicated connection (or on
-//!   a [`SharedConnection`](crate::SharedConnection)), plus the lease row.
+//!   a [`SharedConnection`](crate::election::SharedConnection)), plus the lease row.
 //! * [`lease`]: the lease row only (works through a transaction pooler),
-//!   in one engine, [`SharedLease`](crate::SharedLease): one connection for
+//!   in one engine, [`SharedLease`](crate::election::SharedLease): one connection for
 //!   the lease-backend candidates of many roles, with batched acquires,
 //!   registrations and renewals; a lone candidate is a batch of one on a
 //!   client of its own. Split by what it does: the client, `sql`,

@@ -97,7 +97,7 @@ pub(crate) enum LockConn {
     /// Its own: dropped leadership kills it (the server releases the lock),
     /// a clean release keeps it for the next campaign.
     Own(DedicatedConnection),
-    /// A [`SharedConnection`](crate::SharedConnection), also holding other
+    /// A [`SharedConnection`](crate::election::SharedConnection), also holding other
     /// roles' locks: dropped leadership unlocks this role's key only.
     Shared(Arc<SharedSession>),
 }

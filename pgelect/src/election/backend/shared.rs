@@ -30,7 +30,7 @@ use crate::election::watch::{
 /// connection, not a hundred.
 ///
 /// Candidates on a shared connection stand in polling mode
-/// ([`StandbyMode::Polling`](crate::StandbyMode::Polling)): a blocking wait
+/// ([`StandbyMode::Polling`](crate::election::StandbyMode::Polling)): a blocking wait
 /// would occupy the session. The advisory locks of all roles live in the
 /// one session, and the leaders on it renew their lease rows together:
 /// one `UPDATE` per renewal period renews every role led on the
@@ -56,7 +56,7 @@ use crate::election::watch::{
 /// ```no_run
 /// # async fn example() -> pgelect::Result<()> {
 /// use std::time::Duration;
-/// use pgelect::{ConnectOptions, Elector, SharedConnection, TcpTimeouts};
+/// use pgelect::{ConnectOptions, Elector, election::SharedConnection, conn::TcpTimeouts};
 /// let options = ConnectOptions::from_url("postgres://app@db/app")?;
 /// // The server may declare a silent client gone no sooner than the TTL.
 /// let ttl = Duration::from_secs(15);

@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use pgelect::{ConnectOptions, Elector, ElectorBuilder, Leadership, StandbyMode};
+use pgelect::{election::StandbyMode, ConnectOptions, Elector, ElectorBuilder, Leadership};
 use tokio::sync::mpsc;
 use tokio_postgres::{Client, NoTls};
 

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use pgelect::{ConnectOptions, Elector, ElectorBuilder, Profile, Term};
+use pgelect::{election::Profile, ConnectOptions, Elector, ElectorBuilder, Term};
 use pgelect_testkit::{Cluster, FaultProxy, TestDb};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -497,7 +497,7 @@ async fn frozen_fast_leader_is_preempted_fenced_and_told_when_thawed() {
     client.batch_execute("ROLLBACK").await.unwrap();
     assert_eq!(
         r.unwrap_err().code().unwrap().code(),
-        pgelect::SQLSTATE_STALE_TERM
+        pgelect::schema::SQLSTATE_STALE_TERM
     );
     // Thawed, it reports the loss of that term (its LOST line ends the
     // interval, which stays clipped at the freeze).

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use pgelect::{Backend, Elector};
+use pgelect::{election::Backend, Elector};
 
 use crate::support;
 use support::{fast_session, migrated};

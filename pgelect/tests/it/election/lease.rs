@@ -9,7 +9,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use pgelect::{Backend, ConnectOptions, Elector, ElectorBuilder, Error, LossReason, Term};
+use pgelect::{
+    election::Backend, election::LossReason, ConnectOptions, Elector, ElectorBuilder, Error, Term,
+};
 use pgelect_testkit::{Cluster, FaultProxy, PgBouncer, PoolMode, TestDb};
 use tokio_postgres::types::Type;
 
@@ -166,7 +168,7 @@ async fn statements_scope_to_holder_and_term_and_terms_rise() {
     let (db, pooled, _direct, bouncer) = setup("lease_sql").await;
     // The very statements the driver sends, through PgBouncer.
     let c = connect(&bouncer.url(db.name())).await;
-    let sql = pgelect::lease_sql(&pgelect::SchemaName::default());
+    let sql = pgelect::election::lease_sql(&pgelect::schema::SchemaName::default());
     let role = "sql";
     let ttl: i64 = 60_000;
     let meta: Option<serde_json::Value> = None;
@@ -285,7 +287,7 @@ async fn statements_scope_to_holder_and_term_and_terms_rise() {
         c.batch_execute("ROLLBACK").await.unwrap();
         assert_eq!(
             r.unwrap_err().code().unwrap().code(),
-            pgelect::SQLSTATE_STALE_TERM
+            pgelect::schema::SQLSTATE_STALE_TERM
         );
     }
     // A lease taken by an attempt whose answer was lost (token 41) is
@@ -384,7 +386,7 @@ async fn partitioned_leader_demotes_before_its_lease_is_taken_over() {
     client.batch_execute("ROLLBACK").await.unwrap();
     assert_eq!(
         r.unwrap_err().code().unwrap().code(),
-        pgelect::SQLSTATE_STALE_TERM
+        pgelect::schema::SQLSTATE_STALE_TERM
     );
     // Healed, the old leader's release changes nothing.
     proxy.heal();
@@ -1120,7 +1122,7 @@ async fn frozen_leader_process_is_taken_over_and_finds_its_lease_gone() {
     client.batch_execute("ROLLBACK").await.unwrap();
     assert_eq!(
         r.unwrap_err().code().unwrap().code(),
-        pgelect::SQLSTATE_STALE_TERM
+        pgelect::schema::SQLSTATE_STALE_TERM
     );
     let before = row(&client, "frozen").await;
     // Thawed, it reports the loss (its deadline passed while frozen), and
@@ -1280,7 +1282,7 @@ fn lease_configurations_are_checked_against_the_lease_inequalities() {
     Elector::builder(o.clone(), "r")
         .backend(Backend::Lease)
         .ttl(Duration::from_secs(120))
-        .tcp_timeouts(pgelect::TcpTimeouts::default())
+        .tcp_timeouts(pgelect::conn::TcpTimeouts::default())
         .build()
         .unwrap();
     let err = Elector::builder(o.clone(), "r")

@@ -5,7 +5,7 @@
 //! table, or a `NOT IN` run as a plain subplan (once per row, as one did
 //! before), fails the test with the plan.
 
-use pgelect::SchemaName;
+use pgelect::schema::SchemaName;
 use serde_json::Value;
 use tokio_postgres::types::{ToSql, Type};
 
@@ -92,7 +92,7 @@ async fn lease_statements_reach_their_rows_by_index_at_ten_thousand_roles() {
     ))
     .await
     .unwrap();
-    let sql = pgelect::lease_sql(&SchemaName::default());
+    let sql = pgelect::election::lease_sql(&SchemaName::default());
     for n in [1, 100, RENEW_ROWS, ACQUIRE_ROWS] {
         // Every n-th role, across the table.
         let roles: Vec<String> = (0..n)

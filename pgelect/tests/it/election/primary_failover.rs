@@ -6,7 +6,10 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use pgelect::{Backend, ConnectOptions, Elector, Leadership, LossReason, SharedLease, Term};
+use pgelect::{
+    election::Backend, election::LossReason, election::SharedLease, ConnectOptions, Elector,
+    Leadership, Term,
+};
 use pgelect_testkit::{Cluster, ReplicaSet, Replication, TestDb, SUPERUSER, TEST_PASSWORD};
 use tokio::time::timeout;
 use tokio_postgres::{Client, NoTls};

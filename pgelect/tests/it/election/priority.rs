@@ -8,7 +8,10 @@
 
 use std::time::{Duration, Instant};
 
-use pgelect::{Backend, ConnectOptions, Elector, ElectorBuilder, LossReason, StandbyMode};
+use pgelect::{
+    election::Backend, election::LossReason, election::StandbyMode, ConnectOptions, Elector,
+    ElectorBuilder,
+};
 use tokio_postgres::types::Type;
 use tokio_postgres::Client;
 

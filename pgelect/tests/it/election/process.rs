@@ -105,7 +105,7 @@ async fn freeze_leader(
     client.batch_execute("ROLLBACK").await.unwrap();
     assert_eq!(
         r.unwrap_err().code().unwrap().code(),
-        pgelect::SQLSTATE_STALE_TERM
+        pgelect::schema::SQLSTATE_STALE_TERM
     );
     // Thawed, it finds its leadership gone.
     let t1 = Instant::now();

@@ -11,7 +11,8 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use pgelect::{
-    ConnectOptions, Elector, ElectorBuilder, SharedConnection, StandbyMode, TcpTimeouts,
+    conn::TcpTimeouts, election::SharedConnection, election::StandbyMode, ConnectOptions, Elector,
+    ElectorBuilder,
 };
 use pgelect_testkit::TestDb;
 use tokio::sync::mpsc;

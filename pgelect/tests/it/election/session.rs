@@ -6,7 +6,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pgelect::{ConnectOptions, Elector, ElectorBuilder, Error, LossReason, StandbyMode, Term};
+use pgelect::{
+    election::LossReason, election::StandbyMode, ConnectOptions, Elector, ElectorBuilder, Error,
+    Term,
+};
 use pgelect_testkit::{Cluster, FaultProxy, PgBouncer, PoolMode, TestDb};
 
 use crate::support;
@@ -410,7 +413,7 @@ async fn stale_leader_renewal_and_fence_fail_after_takeover() {
         .await;
     assert_eq!(
         r.unwrap_err().code().unwrap().code(),
-        pgelect::SQLSTATE_STALE_TERM
+        pgelect::schema::SQLSTATE_STALE_TERM
     );
     la.resign().await.unwrap();
 }
@@ -850,7 +853,7 @@ fn bad_configurations_are_rejected_naming_the_values() {
     let e = err(Elector::builder(o.clone(), "r").handover_delay(Duration::from_millis(10)));
     assert!(e.contains("handover_delay 10ms"), "{e}");
     let e = err(
-        Elector::builder(o.clone(), "r").tcp_timeouts(pgelect::TcpTimeouts {
+        Elector::builder(o.clone(), "r").tcp_timeouts(pgelect::conn::TcpTimeouts {
             keepalive_idle: Duration::from_secs(1),
             keepalive_interval: Duration::from_secs(1),
             keepalive_count: 2,
@@ -868,7 +871,7 @@ fn bad_configurations_are_rejected_naming_the_values() {
         let e = Elector::builder(o.clone(), role).build().unwrap_err();
         assert!(matches!(e, Error::InvalidName { what: "role", .. }), "{e}");
     }
-    let long = "r".repeat(pgelect::MAX_ROLE_BYTES + 1);
+    let long = "r".repeat(pgelect::election::MAX_ROLE_BYTES + 1);
     let e = Elector::builder(o.clone(), &long).build().unwrap_err();
     assert!(matches!(e, Error::InvalidName { what: "role", .. }), "{e}");
     let e = Elector::builder(o.clone(), "r")

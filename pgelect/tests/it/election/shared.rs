@@ -7,7 +7,10 @@
 
 use std::time::{Duration, Instant};
 
-use pgelect::{ConnectOptions, Error, Leadership, SharedConnection, StandbyMode, TcpTimeouts};
+use pgelect::{
+    conn::TcpTimeouts, election::SharedConnection, election::StandbyMode, ConnectOptions, Error,
+    Leadership,
+};
 
 use crate::support;
 use support::{connections_named, fast_polling as fast, migrated, transactions, Intervals};
@@ -228,7 +231,7 @@ async fn a_shared_connection_refuses_what_would_break_it() {
         .unwrap_err();
     assert!(err.to_string().contains("must poll"), "{err}");
     let err = fast(&o, "s", "a")
-        .backend(pgelect::Backend::Lease)
+        .backend(pgelect::election::Backend::Lease)
         .shared_connection(&host)
         .build()
         .unwrap_err();
@@ -331,7 +334,10 @@ async fn a_resign_request_reaches_only_its_role_on_a_shared_connection() {
         .await
         .expect("the asked leader steps down");
     println!("resign request heard after {:?}", t0.elapsed());
-    assert_eq!(l1.loss_reason(), Some(pgelect::LossReason::Resigned));
+    assert_eq!(
+        l1.loss_reason(),
+        Some(pgelect::election::LossReason::Resigned)
+    );
     l1.resign().await.unwrap();
     // The other role on the connection did not hear it.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -450,7 +456,7 @@ async fn a_flood_of_announcements_does_not_make_the_leaders_check_early() {
     let t0 = Instant::now();
     let flood = format!(
         "SELECT count(pg_notify('{}', 'pgelect:elected:flood-' || i)) FROM generate_series(1, 10000) AS i",
-        pgelect::LEADER_CHANNEL
+        pgelect::election::LEADER_CHANNEL
     );
     c.batch_execute(&flood).await.unwrap();
     tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -492,7 +498,7 @@ async fn the_batched_renewal_of_thousands_of_leaders_finds_skipped_rows_by_hash(
     let ttls = vec![15_000i64; n as usize];
     let priorities = vec![0i32; n as usize];
     let ids: Vec<i64> = (1..=n).collect();
-    let sql = pgelect::shared_renew_sql(&pgelect::SchemaName::default());
+    let sql = pgelect::election::shared_renew_sql(&pgelect::schema::SchemaName::default());
     use tokio_postgres::types::Type;
     let rows = c
         .query_typed(

@@ -10,7 +10,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use pgelect::{ConnectOptions, Elector, LossReason, SharedLease};
+use pgelect::{election::LossReason, election::SharedLease, ConnectOptions, Elector};
 use pgelect_testkit::{Cluster, PgBouncer, PoolMode, TestDb};
 use tokio::sync::mpsc;
 

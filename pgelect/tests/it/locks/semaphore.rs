@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use pgelect::{ConnectOptions, Error, LockKey, LockSession, Semaphore};
+use pgelect::{lock::Semaphore, ConnectOptions, Error, LockKey, LockSession};
 use tokio_postgres::Client;
 
 use crate::support::database as setup;

@@ -7,7 +7,7 @@
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use pgelect::{ConnectOptions, Error, LockKey, LockMode, LockSession};
+use pgelect::{lock::LockMode, ConnectOptions, Error, LockKey, LockSession};
 use pgelect_testkit::{FaultProxy, TestDb};
 use tokio_postgres::Client;
 
@@ -519,7 +519,7 @@ async fn an_unbounded_wait_does_not_hold_back_vacuum() {
 async fn zero_durations_are_refused() {
     let (_db, options, _admin) = setup("lock_bad_input").await;
     // Each builder setting refused before connecting, naming itself.
-    type Set = fn(pgelect::LockSessionBuilder) -> pgelect::LockSessionBuilder;
+    type Set = fn(pgelect::lock::LockSessionBuilder) -> pgelect::lock::LockSessionBuilder;
     let cases: [(&str, Set); 3] = [
         ("heartbeat", |b| b.heartbeat(Duration::ZERO)),
         ("heartbeat_timeout", |b| b.heartbeat_timeout(Duration::ZERO)),

@@ -4,8 +4,8 @@
 use std::time::{Duration, Instant};
 
 use pgelect::{
-    try_xact_lock, try_xact_lock_shared, xact_lock, xact_lock_shared, xact_lock_shared_timeout,
-    xact_lock_timeout, Error, LockKey,
+    lock::try_xact_lock, lock::try_xact_lock_shared, lock::xact_lock, lock::xact_lock_shared,
+    lock::xact_lock_shared_timeout, lock::xact_lock_timeout, Error, LockKey,
 };
 use pgelect_testkit::TestDb;
 use tokio_postgres::{Client, GenericClient};

@@ -13,10 +13,10 @@ use crate::support::db_options as options;
 async fn migrate_is_idempotent() {
     let db = TestDb::new("migrate_idem").await;
     let applied = pgelect::migrate(&options(&db)).await.unwrap();
-    assert_eq!(applied as i32, pgelect::SCHEMA_VERSION);
+    assert_eq!(applied as i32, pgelect::schema::SCHEMA_VERSION);
     assert_eq!(pgelect::migrate(&options(&db)).await.unwrap(), 0);
     let client = db.connect().await;
-    pgelect::check_schema(&client, &pgelect::SchemaName::default())
+    pgelect::schema::check_schema(&client, &pgelect::schema::SchemaName::default())
         .await
         .expect("schema present after migrate");
 }
@@ -35,7 +35,7 @@ async fn concurrent_migrations_apply_each_version_once() {
     }
     assert_eq!(
         total as i32,
-        pgelect::SCHEMA_VERSION,
+        pgelect::schema::SCHEMA_VERSION,
         "each migration applied exactly once"
     );
     let client = db.connect().await;
@@ -43,7 +43,10 @@ async fn concurrent_migrations_apply_each_version_once() {
         .query_typed("SELECT count(*) FROM pgelect.migrations", &[])
         .await
         .unwrap();
-    assert_eq!(rows[0].get::<_, i64>(0), pgelect::SCHEMA_VERSION as i64);
+    assert_eq!(
+        rows[0].get::<_, i64>(0),
+        pgelect::schema::SCHEMA_VERSION as i64
+    );
 }
 
 #[tokio::test]
@@ -51,16 +54,21 @@ async fn an_older_schema_is_refused_a_newer_one_accepted() {
     let db = TestDb::new("migrate_versions").await;
     pgelect::migrate(&options(&db)).await.unwrap();
     let client = db.connect().await;
-    let schema = pgelect::SchemaName::default();
+    let schema = pgelect::schema::SchemaName::default();
     // As if an older pgelect had migrated: the last migration missing.
     client
         .query_typed(
             "DELETE FROM pgelect.migrations WHERE version = $1",
-            &[(&pgelect::SCHEMA_VERSION, tokio_postgres::types::Type::INT4)],
+            &[(
+                &pgelect::schema::SCHEMA_VERSION,
+                tokio_postgres::types::Type::INT4,
+            )],
         )
         .await
         .unwrap();
-    let err = pgelect::check_schema(&client, &schema).await.unwrap_err();
+    let err = pgelect::schema::check_schema(&client, &schema)
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::SchemaVersion { .. }), "{err}");
     assert!(err.to_string().contains("migrate"), "{err}");
     // As if a newer pgelect had migrated (a rolling upgrade migrates first).
@@ -68,7 +76,7 @@ async fn an_older_schema_is_refused_a_newer_one_accepted() {
         .batch_execute("INSERT INTO pgelect.migrations (version) VALUES (99), (98)")
         .await
         .unwrap();
-    pgelect::check_schema(&client, &schema)
+    pgelect::schema::check_schema(&client, &schema)
         .await
         .expect("a newer schema works for this version");
 }
@@ -87,7 +95,7 @@ async fn schema_name_is_configurable() {
         pgelect::LockKey::from_i64(row.get(0)),
         pgelect::LockKey::from_name("x").unwrap()
     );
-    let missing = pgelect::check_schema(&client, &pgelect::SchemaName::default())
+    let missing = pgelect::schema::check_schema(&client, &pgelect::schema::SchemaName::default())
         .await
         .unwrap_err();
     assert!(
@@ -104,7 +112,7 @@ async fn schema_name_is_configurable() {
 async fn missing_schema_says_to_run_migrate() {
     let db = TestDb::new("schema_missing").await;
     let client = db.connect().await;
-    let e = pgelect::check_schema(&client, &pgelect::SchemaName::default())
+    let e = pgelect::schema::check_schema(&client, &pgelect::schema::SchemaName::default())
         .await
         .unwrap_err();
     assert!(matches!(e, Error::SchemaMissing { .. }), "{e:?}");
@@ -132,7 +140,7 @@ async fn fence_accepts_only_the_current_term() {
         .await
         .unwrap_err();
     let db_err = stale.as_db_error().expect("a server error");
-    assert_eq!(db_err.code().code(), pgelect::SQLSTATE_STALE_TERM);
+    assert_eq!(db_err.code().code(), pgelect::schema::SQLSTATE_STALE_TERM);
     assert!(
         db_err.message().contains('4') && db_err.message().contains('5'),
         "{}",
@@ -143,7 +151,10 @@ async fn fence_accepts_only_the_current_term() {
         .batch_execute("SELECT pgelect.fence('nope', 1)")
         .await
         .unwrap_err();
-    assert_eq!(unknown.code().unwrap().code(), pgelect::SQLSTATE_NO_LEADER);
+    assert_eq!(
+        unknown.code().unwrap().code(),
+        pgelect::schema::SQLSTATE_NO_LEADER
+    );
 
     client
         .batch_execute("UPDATE pgelect.leaders SET holder = NULL WHERE role = 'r'")
@@ -153,7 +164,10 @@ async fn fence_accepts_only_the_current_term() {
         .batch_execute("SELECT pgelect.fence('r', 5)")
         .await
         .unwrap_err();
-    assert_eq!(released.code().unwrap().code(), pgelect::SQLSTATE_NO_LEADER);
+    assert_eq!(
+        released.code().unwrap().code(),
+        pgelect::schema::SQLSTATE_NO_LEADER
+    );
 }
 
 #[tokio::test]
@@ -227,7 +241,10 @@ async fn unknown_database_is_named_in_the_error() {
 /// on a shared client: not a retry loop that never says why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_candidate_on_a_missing_database_or_with_a_wrong_password_gets_the_error() {
-    use pgelect::{Backend, Elector, SharedConnection, SharedLease, StandbyMode, TcpTimeouts};
+    use pgelect::{
+        conn::TcpTimeouts, election::Backend, election::SharedConnection, election::SharedLease,
+        election::StandbyMode, Elector,
+    };
     let db = TestDb::new("elector_wrong_db").await;
     let mut config = db.config();
     config.dbname("no_such_database_here");

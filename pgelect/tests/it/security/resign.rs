@@ -11,8 +11,8 @@
 use std::time::{Duration, Instant, SystemTime};
 
 use pgelect::{
-    Backend, ConnectOptions, Elector, ElectorBuilder, Error, LossReason, SharedConnection,
-    StandbyMode, TcpTimeouts,
+    conn::TcpTimeouts, election::Backend, election::LossReason, election::SharedConnection,
+    election::StandbyMode, ConnectOptions, Elector, ElectorBuilder, Error,
 };
 use pgelect_testkit::TestDb;
 use tokio_postgres::types::Type;

@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use pgelect::{ConnectOptions, Error, LockKey, LockSession, StandbyMode};
+use pgelect::{election::StandbyMode, ConnectOptions, Error, LockKey, LockSession};
 use pgelect_testkit::TestDb;
 use tokio_postgres::{Client, NoTls};
 
@@ -177,7 +177,7 @@ async fn migrate_fails_within_its_bound_naming_whoever_holds_the_migration_lock(
 
     let bound = Duration::from_secs(1);
     let started = Instant::now();
-    let err = pgelect::migrate_timeout(&o, bound)
+    let err = pgelect::schema::migrate_timeout(&o, bound)
         .await
         .expect_err("the migration lock is held");
     let took = started.elapsed();
@@ -205,7 +205,7 @@ async fn migrate_fails_within_its_bound_naming_whoever_holds_the_migration_lock(
 
     // Once it lets go, migrate works.
     let_go(&sq, key).await;
-    assert!(pgelect::migrate_timeout(&o, bound).await.unwrap() > 0);
+    assert!(pgelect::schema::migrate_timeout(&o, bound).await.unwrap() > 0);
 }
 
 #[tokio::test]

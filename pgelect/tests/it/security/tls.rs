@@ -6,7 +6,9 @@
 use std::path::Path;
 use std::time::Duration;
 
-use pgelect::{Backend, ConnectOptions, Elector, Error, LockKey, LockSession, SslMode};
+use pgelect::{
+    conn::SslMode, election::Backend, ConnectOptions, Elector, Error, LockKey, LockSession,
+};
 use pgelect_testkit::{
     BouncerTls, Cluster, ClusterOptions, PgBouncer, PoolMode, TestDb, TlsMode, SUPERUSER,
     TEST_PASSWORD,

@@ -34,7 +34,7 @@ impl SharedLease {
     ///
     /// ```no_run
     /// # fn example() -> pgelect::Result<()> {
-    /// use pgelect::{ConnectOptions, SharedLease};
+    /// use pgelect::{ConnectOptions, election::SharedLease};
     /// let pooled = ConnectOptions::from_url("postgres://app@pgbouncer:6432/app")?;
     /// let direct = ConnectOptions::from_url("postgres://app@db:5432/app")?;
     /// let client = SharedLease::new(&pooled).listen_via(direct)?;

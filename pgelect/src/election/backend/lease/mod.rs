@@ -72,7 +72,7 @@ use sql::Statements;
 /// a second, not one connection and several statements a second per role.
 ///
 /// The name says what it shares: the lease backend's traffic, as
-/// [`SharedConnection`](crate::SharedConnection) shares the session
+/// [`SharedConnection`](crate::election::SharedConnection) shares the session
 /// backend's session. Unlike that one, nothing lives in the connection's
 /// session: every statement is one transaction, the connection is reopened
 /// at will after a failure, and it works through PgBouncer in transaction
@@ -132,7 +132,7 @@ use sql::Statements;
 /// ```no_run
 /// # async fn example() -> pgelect::Result<()> {
 /// use std::time::Duration;
-/// use pgelect::{Backend, ConnectOptions, Elector, SharedLease};
+/// use pgelect::{election::Backend, ConnectOptions, Elector, election::SharedLease};
 /// // Through PgBouncer in transaction mode, if need be.
 /// let options = ConnectOptions::from_url("postgres://app@pgbouncer:6432/app")?;
 /// let client = SharedLease::new(&options);

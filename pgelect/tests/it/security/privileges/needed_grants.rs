@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use pgelect::{
-    Backend, ConnectOptions, Elector, Error, LossReason, SharedConnection, SharedLease,
-    StandbyMode, TcpTimeouts,
+    conn::TcpTimeouts, election::Backend, election::LossReason, election::SharedConnection,
+    election::SharedLease, election::StandbyMode, ConnectOptions, Elector, Error,
 };
 use pgelect_testkit::TestDb;
 use tokio_postgres::error::SqlState;
@@ -461,7 +461,7 @@ async fn migrations_4_and_5_keep_the_rights_of_earlier_candidates_and_observers(
     // 4 and 5, and every later one.
     assert_eq!(
         i64::from(pgelect::migrate(&owner).await.unwrap()),
-        i64::from(pgelect::SCHEMA_VERSION) - 3
+        i64::from(pgelect::schema::SCHEMA_VERSION) - 3
     );
     let l = fast(&old, "r", "a")
         .build()

@@ -11,9 +11,10 @@
 
 use std::time::{Duration, Instant};
 
-use pgelect::admin::{grant_statements, preemption_grant, UserKind};
 use pgelect::{
-    Backend, ConnectOptions, Elector, Error, LockKey, LockSession, SchemaName, StandbyMode,
+    admin::grant_statements, admin::preemption_grant, admin::UserKind, election::Backend,
+    election::StandbyMode, schema::SchemaName, ConnectOptions, Elector, Error, LockKey,
+    LockSession,
 };
 use pgelect_testkit::TestDb;
 use tokio_postgres::{Client, NoTls};
@@ -66,7 +67,10 @@ async fn owned(hint: &str) -> Setup {
     let owner = login(&db, "owner").await; // ALTERs it to LOGIN
     grant(&admin, UserKind::Owner, &owner_name).await;
     let applied = pgelect::migrate(&owner).await.expect("the owner migrates");
-    assert_eq!(i64::from(applied), i64::from(pgelect::SCHEMA_VERSION));
+    assert_eq!(
+        i64::from(applied),
+        i64::from(pgelect::schema::SCHEMA_VERSION)
+    );
     let row = admin
         .query_one(
             "SELECT r.rolsuper, r.rolcreaterole, r.rolcreatedb,
@@ -257,7 +261,10 @@ async fn the_election_and_lock_behaviour_as_a_least_privilege_candidate() {
         .query("SELECT pgelect.fence('s', $1)", &[&lb.term().get()])
         .await
         .unwrap_err();
-    assert_eq!(stale.code().unwrap().code(), pgelect::SQLSTATE_STALE_TERM);
+    assert_eq!(
+        stale.code().unwrap().code(),
+        pgelect::schema::SQLSTATE_STALE_TERM
+    );
     lc.resign().await.unwrap();
 
     // Lease backend: a resign hands over; a killed leader process is
@@ -347,19 +354,19 @@ async fn the_election_and_lock_behaviour_as_a_least_privilege_candidate() {
     let mut c1 = client_of(&o).await;
     let mut c2 = client_of(&o).await;
     let t1 = c1.transaction().await.unwrap();
-    pgelect::xact_lock(&t1, k).await.unwrap();
+    pgelect::lock::xact_lock(&t1, k).await.unwrap();
     let t2 = c2.transaction().await.unwrap();
-    assert!(!pgelect::try_xact_lock(&t2, k).await.unwrap());
+    assert!(!pgelect::lock::try_xact_lock(&t2, k).await.unwrap());
     t2.rollback().await.unwrap();
     let t2 = c2.transaction().await.unwrap();
-    let e = pgelect::xact_lock_timeout(&t2, k, Duration::from_millis(200))
+    let e = pgelect::lock::xact_lock_timeout(&t2, k, Duration::from_millis(200))
         .await
         .unwrap_err();
     assert!(e.is_timeout(), "{e:?}");
     t2.rollback().await.unwrap();
     t1.commit().await.unwrap();
     let t2 = c2.transaction().await.unwrap();
-    pgelect::xact_lock_shared_timeout(&t2, k, Duration::from_secs(2))
+    pgelect::lock::xact_lock_shared_timeout(&t2, k, Duration::from_secs(2))
         .await
         .unwrap();
     t2.commit().await.unwrap();
@@ -541,7 +548,10 @@ async fn a_least_privilege_candidate_of_higher_priority_takes_over_from_another_
         .await
         .expect("the preferred candidate of another user leads")
         .unwrap();
-    assert_eq!(a_task.await.unwrap(), Some(pgelect::LossReason::HandedOver));
+    assert_eq!(
+        a_task.await.unwrap(),
+        Some(pgelect::election::LossReason::HandedOver)
+    );
     assert_eq!(lb.term().get(), term.get() + 1);
     lb.resign().await.unwrap();
     b.withdraw().await.unwrap();

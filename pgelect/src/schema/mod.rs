@@ -1,10 +1,12 @@
 //! The `pgelect` schema: versioned, idempotent migrations.
 //!
 //! Everything pgelect keeps in the database lives in one schema (`pgelect` by
-//! default, configurable). [`migrate`] installs or upgrades it; it is safe to
+//! default, configurable). [`migrate`](crate::migrate) installs or upgrades it; it is safe to
 //! run from many processes at once, because the whole migration runs under a
 //! session advisory lock on a dedicated connection, and the unlock's result is
 //! checked.
+
+pub(crate) mod migrate;
 
 use std::time::{Duration, Instant};
 
@@ -16,7 +18,9 @@ use crate::conn::ConnectOptions;
 use crate::error::{shown, Error, Result};
 use crate::key::LockKey;
 
-/// How long [`migrate`] waits for the migration lock before it fails with
+pub use crate::error::{SQLSTATE_NO_LEADER, SQLSTATE_STALE_TERM};
+
+/// How long [`migrate`](crate::migrate) waits for the migration lock before it fails with
 /// [`Error::MigrationLockTimeout`], naming who holds it: 30 s. A migration
 /// takes milliseconds, so a longer wait means a stuck or hostile holder.
 pub const MIGRATE_LOCK_TIMEOUT: Duration = Duration::from_secs(30);
@@ -37,7 +41,7 @@ impl SchemaName {
     /// Validates a schema name.
     ///
     /// ```
-    /// use pgelect::SchemaName;
+    /// use pgelect::schema::SchemaName;
     /// assert!(SchemaName::new("pgelect").is_ok());
     /// assert!(SchemaName::new("my_app_locks").is_ok());
     /// assert!(SchemaName::new("Bad-Name").is_err());
@@ -369,42 +373,17 @@ COMMENT ON COLUMN {s}.leaders.lease_timeline IS 'pgelect: the WAL timeline on wh
 "#,
 ];
 
-/// Installs or upgrades the pgelect schema on the database `options` point at.
-///
-/// Idempotent, and safe to run from many processes at once: the migration is
-/// serialised by a session advisory lock on a dedicated connection. The
-/// wait for that lock is bounded by [`MIGRATE_LOCK_TIMEOUT`] (30 s; see
-/// [`migrate_timeout`] for another bound): advisory keys are public and
-/// database-wide, so any user who can connect could hold it forever.
-///
-/// # Cancel safety
-/// Not cancel safe in the sense that a cancelled call may leave the dedicated
-/// connection's advisory lock to be released by the connection's closing;
-/// every migration itself runs in a transaction, so the schema is never left
-/// half-migrated.
-///
-/// ```no_run
-/// # async fn f() -> Result<(), pgelect::Error> {
-/// let options = pgelect::ConnectOptions::from_url("postgres://app@db/app")?;
-/// let applied = pgelect::migrate(&options).await?;
-/// println!("applied {applied} migrations");
-/// # Ok(()) }
-/// ```
-pub async fn migrate(options: &ConnectOptions) -> Result<u32> {
-    migrate_timeout(options, MIGRATE_LOCK_TIMEOUT).await
-}
-
-/// [`migrate`], waiting at most about `lock_timeout` for the migration lock.
+/// [`migrate`](crate::migrate), waiting at most about `lock_timeout` for the migration lock.
 ///
 /// When the wait runs out the error is [`Error::MigrationLockTimeout`],
 /// which names the sessions holding the lock (pid, user, application name;
-/// see [`LockHolder`](crate::LockHolder)). The server bounds the wait
+/// see [`LockHolder`](crate::lock::LockHolder)). The server bounds the wait
 /// (`lock_timeout`, as [`LockSession::lock_timeout`](crate::LockSession::lock_timeout)
 /// does). A zero bound, or one over PostgreSQL's `lock_timeout` range, is
 /// refused with [`Error::Config`].
 ///
 /// # Cancel safety
-/// As for [`migrate`].
+/// As for [`migrate`](crate::migrate).
 pub async fn migrate_timeout(options: &ConnectOptions, lock_timeout: Duration) -> Result<u32> {
     let ms = crate::lock::timeout_millis("the migration lock timeout", lock_timeout)?;
     // A lock connection: the wait for the migration lock is bounded by
