@@ -73,7 +73,7 @@ const DEFAULT_LOCK_SESSION: &str = "pgelect:locks";
 const APPLICATION_NAME_BYTES: usize = 63;
 
 /// The name to give a lock session
-/// ([`LockSessionBuilder::name`](crate::LockSessionBuilder::name)) so that
+/// ([`LockSessionBuilder::name`](crate::lock::LockSessionBuilder::name)) so that
 /// [`AdminClient::held_locks`](super::AdminClient::held_locks) and waiters
 /// can say which lock it holds and for which node: `lock:<name>@<node>`
 /// (the session prefixes `pgelect:`), cut to fit `application_name`
