@@ -183,17 +183,17 @@ with `pgelect lock` are listed after the roles (name, node, host, backend
 pid, since; with --limit, each permit's slot and the first in line). --role of a role nobody holds, stands for or has led exits 66
 and names the known roles.")]
     Status(crate::status::StatusArgs),
-    /// Remove a stale role (its row in the leaders table) that nobody holds
-    /// or stands for; refuses while any candidate does.
+    /// Remove a stale role that nobody holds or stands for from the
+    /// listings; refuses while any candidate does.
     #[command(after_help = "Examples:
   pgelect forget --role old-scheduler
 
 Refuses (exit 75) while the role's lock is held or waited for, a candidate
 connected as pgelect:<role>:<node> stands for it, or its lease is live; exit
-66 when there is no such role. The role's term history goes with its row: a
-candidate that stands for it again starts at term 1, so forget only roles
-you have retired (no process of that role may still be paused somewhere
-with an old term).")]
+66 when there is no such role. The role's row stays, emptied and marked
+forgotten, so that its last term does: a candidate that stands for it again
+continues above that term (fencing terms never repeat), and the role is
+listed again.")]
     Forget(crate::forget::ForgetArgs),
     /// Check the promise on your own database: real `pgelect run`
     /// supervisors, faults on a seeded schedule, an independent check.

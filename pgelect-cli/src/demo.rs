@@ -290,7 +290,7 @@ async fn scenario(
         second.node
     );
     let asked_at = now_ns();
-    pgelect::election::request_resign(options, ROLE).await?;
+    pgelect::admin::request_resign(options, ROLE).await?;
     let third = next_duty(&mut duties).await?;
     println!(
         "• {} leads with term {}: its command started {:.0} ms after the request (clean release: no handover delay)",
@@ -328,7 +328,7 @@ struct Observer {
 
 impl Observer {
     async fn connect(options: &pgelect::ConnectOptions) -> Result<Observer, Failure> {
-        let (client, _notices) = crate::db::connect(options, "pgelect:demo-observer").await?;
+        let client = crate::db::connect(options).await?;
         Ok(Observer {
             client,
             schema: options.schema_name().as_str().to_owned(),
@@ -357,7 +357,7 @@ impl Observer {
 }
 
 async fn show_stale_fence(options: &pgelect::ConnectOptions, stale: i64) {
-    let Ok((client, _)) = crate::db::connect(options, "pgelect:demo-fence").await else {
+    let Ok(client) = crate::db::connect(options).await else {
         return;
     };
     let schema = options.schema_name().as_str();

@@ -58,7 +58,9 @@ impl From<pgelect::Error> for Failure {
         // problem first).
         // A database that does not exist (SQLSTATE 3D000) is a wrong name in
         // the configuration, not an outage: retrying will not help.
-        let code = if e.is_config() || e.is_schema() || e.sqlstate() == Some("3D000") {
+        let code = if e.is_unknown_role() {
+            NO_SUCH_ROLE
+        } else if e.is_config() || e.is_schema() || e.sqlstate() == Some("3D000") {
             CONFIG
         } else if e.is_auth() || e.is_permission() {
             // A wrong password or a refused login (SQLSTATE class 28) is a

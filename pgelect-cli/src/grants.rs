@@ -3,10 +3,8 @@
 //! database connection.
 
 use clap::{Args, ValueEnum};
-use pgelect::{
-    grants::grant_statements, grants::preemption_grant, grants::Grant, grants::UserKind,
-    schema::SchemaName,
-};
+use pgelect::admin::{grant_statements, preemption_grant, Grant, UserKind, MAX_USER_NAME_BYTES};
+use pgelect::schema::SchemaName;
 
 use crate::cli::Global;
 use crate::exit::{self, Failure};
@@ -70,11 +68,11 @@ fn parse_user(s: &str) -> Result<String, String> {
     if s.contains('\0') {
         return Err("the user name contains a NUL character".into());
     }
-    if s.len() > pgelect::grants::MAX_USER_NAME_BYTES {
+    if s.len() > MAX_USER_NAME_BYTES {
         return Err(format!(
             "the user name is {} bytes long; PostgreSQL names are at most {} bytes",
             s.len(),
-            pgelect::grants::MAX_USER_NAME_BYTES
+            MAX_USER_NAME_BYTES
         ));
     }
     Ok(s.to_owned())

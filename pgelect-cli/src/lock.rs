@@ -98,7 +98,7 @@ pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
     let options = global.connect_options()?;
     let mut signals = Signals::install()?;
     let session = LockSession::builder(&options)
-        .name(application_name(&args.key, &node))
+        .name(pgelect::admin::lock_session_name(&args.key, &node))
         .connect()
         .await?;
     let conflict = args.conflict_exit_code;
@@ -325,7 +325,7 @@ fn describe(holders: &[pgelect::lock::LockHolder]) -> String {
                 .state_age
                 .map(|d| format!(", for {:.1}s", d.as_secs_f64()))
                 .unwrap_or_default();
-            match parse_application_name(&h.application_name) {
+            match h.claims_lock_session() {
                 Some((_, node)) => {
                     let host = h.client_addr.as_deref().unwrap_or("local socket");
                     format!("{node:?} (host {host}, pid {}{held})", h.pid)
@@ -340,72 +340,6 @@ fn describe(holders: &[pgelect::lock::LockHolder]) -> String {
     format!("held by {}", list.join(", "))
 }
 
-/// Prefix of the `application_name` of a `pgelect lock` session.
-pub const APPLICATION_PREFIX: &str = "pgelect:lock:";
-
-/// `lock:<name>@<node>` (the library prefixes `pgelect:`), cut to fit
-/// `application_name` (63 bytes): the lock's name first (at most 40
-/// characters), the node after the last `@`. How `status` and other waiters
-/// learn a holder's lock name and node; a claim, like any application name.
-fn application_name(name: &str, node: &str) -> String {
-    let name: String = name
-        .chars()
-        .filter(|c| c.is_ascii() && !c.is_ascii_control())
-        .take(40)
-        .collect();
-    let mut out = format!("lock:{name}@");
-    for c in node
-        .chars()
-        .filter(|c| c.is_ascii() && !c.is_ascii_control())
-    {
-        if out.len() + "pgelect:".len() + c.len_utf8() > 63 {
-            break;
-        }
-        out.push(c);
-    }
-    out
-}
-
-/// The lock name and node a `pgelect lock` session claims by its
-/// `application_name`, if it is one.
-pub fn parse_application_name(application_name: &str) -> Option<(&str, &str)> {
-    application_name
-        .strip_prefix(APPLICATION_PREFIX)?
-        .rsplit_once('@')
-}
-
-/// What a key held or waited for by a `pgelect lock` session is, given the
-/// name the session recorded (see [`parse_application_name`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LockKind {
-    /// The plain lock of that name.
-    Lock,
-    /// Slot `i` of the semaphore of that name (`--limit`).
-    Permit(u32),
-    /// The semaphore's gate: its holder is the first waiter for a permit,
-    /// its waiters the others.
-    PermitQueue,
-    /// Something else (a name cut to fit `application_name`, or a key the
-    /// session took otherwise).
-    Other,
-}
-
-/// Classifies `key` for the lock or semaphore called `name`.
-pub fn lock_kind(name: &str, key: i64) -> LockKind {
-    if LockKey::from_name(name).ok() == Some(LockKey::from_i64(key)) {
-        return LockKind::Lock;
-    }
-    let Ok(semaphore) = Semaphore::new(name, pgelect::lock::MAX_SEMAPHORE_LIMIT) else {
-        return LockKind::Other;
-    };
-    if semaphore.gate_key() == LockKey::from_i64(key) {
-        return LockKind::PermitQueue;
-    }
-    (0..semaphore.limit())
-        .find(|i| semaphore.slot_key(*i) == Some(LockKey::from_i64(key)))
-        .map_or(LockKind::Other, LockKind::Permit)
-}
-
 /// This machine's host name (`/proc/sys/kernel/hostname`), else `unknown`.
 fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -413,42 +347,4 @@ fn host_name() -> String {
         .ok()
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "unknown".to_owned())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn keys_are_told_apart() {
-        let LockKey::Single(plain) = LockKey::from_name("jobs").unwrap() else {
-            unreachable!()
-        };
-        assert_eq!(lock_kind("jobs", plain), LockKind::Lock);
-        let sem = Semaphore::new("jobs", 3).unwrap();
-        let single = |k: LockKey| match k {
-            LockKey::Single(v) => v,
-            LockKey::Pair(..) => unreachable!(),
-        };
-        assert_eq!(
-            lock_kind("jobs", single(sem.slot_key(2).unwrap())),
-            LockKind::Permit(2)
-        );
-        assert_eq!(
-            lock_kind("jobs", single(sem.gate_key())),
-            LockKind::PermitQueue
-        );
-        assert_eq!(lock_kind("jobs", 42), LockKind::Other);
-    }
-
-    #[test]
-    fn application_name_fits_and_parses_back() {
-        let a = application_name("deploy", "node-a");
-        assert_eq!(a, "lock:deploy@node-a");
-        let full = format!("pgelect:{a}");
-        assert_eq!(parse_application_name(&full), Some(("deploy", "node-a")));
-        let long = application_name(&"n".repeat(100), &"h".repeat(100));
-        assert!(long.len() + "pgelect:".len() <= 63, "{long}");
-        assert!(long.contains(&format!("{}@h", "n".repeat(40))), "{long}");
-    }
 }

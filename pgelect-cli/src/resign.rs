@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use tokio_postgres::types::Type;
+use pgelect::admin::AdminClient;
 
 use crate::cli::Global;
 use crate::exit::{self, Failure};
@@ -29,15 +29,12 @@ pub async fn run(global: &Global, args: ResignArgs) -> Result<u8, Failure> {
     crate::run::check_name("--role", &args.role)?;
     let options = global.connect_options()?;
     let schema = options.schema_name().as_str().to_owned();
-    let (client, mut notices) = crate::db::connect(&options, "pgelect:resign").await?;
-    client
-        .batch_execute(&format!("LISTEN {}", pgelect::election::LEADER_CHANNEL))
-        .await
-        .map_err(|e| crate::db::classify(&schema, "listen for changes", e))?;
+    // Listens for changes from the start: none is missed.
+    let mut admin = AdminClient::connect(&options).await?;
     let started = Instant::now();
     // The database authenticates the request: only users granted EXECUTE
     // on the schema's request_resign may make it.
-    let asked = match pgelect::election::request_resign(&options, &args.role).await {
+    let asked = match admin.request_resign(&args.role).await {
         Ok(asked) => asked,
         Err(e @ pgelect::Error::Permission { .. }) => {
             let mut failure = Failure::from(e);
@@ -49,17 +46,11 @@ pub async fn run(global: &Global, args: ResignArgs) -> Result<u8, Failure> {
         Err(e) => return Err(e.into()),
     };
     let Some(asked) = asked else {
-        let known: Option<i64> = client
-            .query_typed_opt(
-                &format!("SELECT term FROM {schema}.leaders WHERE role = $1"),
-                &[(&args.role, Type::TEXT)],
-            )
-            .await
-            .map_err(|e| crate::db::classify(&schema, "read the leaders table", e))?
-            .map(|row| crate::db::column(&row, 0, &schema, "read the leaders table"))
-            .transpose()?;
-        let Some(term) = known else {
-            return Err(crate::status::unknown_role(&client, &schema, &args.role).await);
+        let term = match admin.lease_row(&args.role).await? {
+            Some(row) => row.term,
+            // No row: an unknown role (exit 66, naming the known ones), or
+            // one whose lock is taken before anyone was elected.
+            None => admin.role(&args.role).await?.term,
         };
         // Nothing was asked: a script must not take this for a hand-over.
         return Err(Failure::new(
@@ -71,24 +62,17 @@ pub async fn run(global: &Global, args: ResignArgs) -> Result<u8, Failure> {
             ),
         ));
     };
-    let old_term = asked.term.get();
+    let old_term = asked.term;
     println!(
         "asked {} (term {old_term}) to resign role {}; waiting for a change of term",
         escape(&asked.holder),
         quoted(&args.role)
     );
-    let sql = format!("SELECT term, holder FROM {schema}.leaders WHERE role = $1");
     let deadline = tokio::time::Instant::now() + args.timeout;
     let mut said_released = false;
     loop {
-        let row = client
-            .query_typed_opt(&sql, &[(&args.role, Type::TEXT)])
-            .await
-            .map_err(|e| crate::db::classify(&schema, "read the leaders table", e))?;
-        if let Some(row) = row {
-            const READ: &str = "read the leaders table";
-            let term: i64 = crate::db::column(&row, 0, &schema, READ)?;
-            let holder: Option<String> = crate::db::column(&row, 1, &schema, READ)?;
+        if let Some(row) = admin.lease_row(&args.role).await? {
+            let (term, holder) = (row.term, row.holder);
             if term != old_term {
                 // Alone, a `pgelect run` leader stands again at once and wins:
                 // a new term, but leadership did not move. Say so.
@@ -119,7 +103,7 @@ pub async fn run(global: &Global, args: ResignArgs) -> Result<u8, Failure> {
         }
         // Woken by the leader's NOTIFY; the short tick covers a missed one.
         tokio::select! {
-            n = notices.recv() => if n.is_none() {
+            changed = admin.changed() => if changed.is_err() {
                 return Err(Failure::new(exit::UNAVAILABLE, "the database connection ended while waiting"));
             },
             _ = tokio::time::sleep(Duration::from_millis(250)) => {}

@@ -597,7 +597,7 @@ fn check_command(argv: &[std::ffi::OsString]) -> Result<(), Failure> {
 /// (exit 69, bounded by the connect timeout); a missing or old schema is a
 /// configuration error (78). Once started, `run` rides out outages.
 async fn preflight(options: &pgelect::ConnectOptions) -> Result<(), Failure> {
-    let (client, _notices) = crate::db::connect(options, "pgelect:run-check")
+    let client = crate::db::connect(options)
         .await
         .map_err(|f| {
             Failure::new(

@@ -1,10 +1,10 @@
 //! `pgelect status`: who leads each role, and who stands.
 
 use std::io::{IsTerminal, Write};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::Args;
-use tokio_postgres::types::Type;
+use pgelect::admin::HeldLockKind;
 
 use crate::cli::Global;
 use crate::exit::{self, Failure};
@@ -129,7 +129,8 @@ fn partitions_table(a: &pgelect::partitions::PartitionAssignment) -> String {
     out
 }
 
-/// One role as `status` shows it.
+/// One role as `status` shows it: the library's row
+/// ([`pgelect::admin::RoleStatus`]) in the terms of the table and JSON.
 #[derive(Debug, Clone, PartialEq)]
 struct RoleStatus {
     role: String,
@@ -142,6 +143,41 @@ struct RoleStatus {
     /// Backends holding the role's lock that are not the leader its lease
     /// row names: another user (or a stray session) took the public key.
     squatters: Vec<Squatter>,
+}
+
+impl From<&pgelect::admin::RoleStatus> for RoleStatus {
+    fn from(r: &pgelect::admin::RoleStatus) -> RoleStatus {
+        RoleStatus {
+            role: r.role.clone(),
+            holder: r.holder.clone(),
+            term: r.term.get(),
+            backend: r.backend.clone(),
+            acquired_at: r.acquired_at.map(utc),
+            lease_remaining_ms: r.lease_remaining_ms,
+            candidates: r
+                .candidates
+                .iter()
+                .map(|c| Candidate {
+                    node: c.node.clone(),
+                    backend_pid: c.backend_pid,
+                    client_addr: c.client_addr.clone(),
+                    state: c.state.as_str().to_owned(),
+                    priority: c.priority,
+                    timing: c.timing.clone(),
+                })
+                .collect(),
+            squatters: r
+                .squatters
+                .iter()
+                .map(|q| Squatter {
+                    pid: q.pid,
+                    user: q.user.clone(),
+                    application_name: q.application_name.clone(),
+                    client_addr: q.client_addr.clone(),
+                })
+                .collect(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -171,7 +207,7 @@ struct Candidate {
 }
 
 /// An advisory lock taken by `pgelect lock` (or a library `LockSession`
-/// with its default name), held or waited for.
+/// with its default name), held or waited for, as `status` shows it.
 #[derive(Debug, Clone, PartialEq)]
 struct HeldLock {
     /// The lock's name as `pgelect lock` recorded it (cut at 40
@@ -187,255 +223,87 @@ struct HeldLock {
     /// When the holder took it (its session went idle then), UTC.
     since: Option<String>,
     /// A lock, or a semaphore's permit or queue (`pgelect lock --limit`).
-    kind: crate::lock::LockKind,
+    kind: HeldLockKind,
 }
 
-fn locks_sql() -> &'static str {
-    "SELECT a.application_name, ((l.classid::bigint << 32) | l.objid::bigint) AS key,
-            host(a.client_addr), l.pid, l.mode, l.granted,
-            CASE WHEN l.granted AND a.state = 'idle'
-                 THEN to_char(a.state_change AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') END
-       FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-      WHERE l.locktype = 'advisory' AND l.objsubid = 1
-        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-        AND (starts_with(a.application_name, 'pgelect:lock:') OR a.application_name = 'pgelect:locks')
-      ORDER BY 2, l.granted DESC, a.backend_start"
-}
-
-async fn read_locks(
-    client: &tokio_postgres::Client,
-    schema: &str,
-) -> Result<Vec<HeldLock>, Failure> {
-    const LOCKS: &str = "read pg_locks";
-    let rows = client
-        .query(locks_sql(), &[])
-        .await
-        .map_err(|e| crate::db::classify(schema, LOCKS, e))?;
-    let mut out = Vec::with_capacity(rows.len());
-    for row in rows {
-        let app: String = crate::db::column(&row, 0, schema, LOCKS)?;
-        let (name, node) = match crate::lock::parse_application_name(&app) {
-            Some((name, node)) => (Some(name.to_owned()), Some(node.to_owned())),
-            None => (None, None),
-        };
-        let mode: String = crate::db::column(&row, 4, schema, LOCKS)?;
-        let key: i64 = crate::db::column(&row, 1, schema, LOCKS)?;
-        out.push(HeldLock {
-            kind: name.as_deref().map_or(crate::lock::LockKind::Lock, |n| {
-                crate::lock::lock_kind(n, key)
-            }),
-            name,
-            key,
-            node,
-            client_addr: crate::db::column(&row, 2, schema, LOCKS)?,
-            backend_pid: crate::db::column(&row, 3, schema, LOCKS)?,
-            mode: if mode == "ShareLock" {
-                "shared"
-            } else {
-                "exclusive"
+impl From<&pgelect::admin::HeldLock> for HeldLock {
+    fn from(l: &pgelect::admin::HeldLock) -> HeldLock {
+        HeldLock {
+            name: l.name.clone(),
+            key: match l.key {
+                pgelect::LockKey::Single(k) => k,
+                pgelect::LockKey::Pair(a, b) => ((a as i64) << 32) | (b as u32 as i64),
+            },
+            node: l.node.clone(),
+            client_addr: l.client_addr.clone(),
+            backend_pid: l.backend_pid,
+            mode: match l.mode {
+                pgelect::lock::LockMode::Shared => "shared",
+                pgelect::lock::LockMode::Exclusive => "exclusive",
             }
             .to_owned(),
-            granted: crate::db::column(&row, 5, schema, LOCKS)?,
-            since: crate::db::column(&row, 6, schema, LOCKS)?,
-        });
+            granted: l.granted,
+            since: l.since.map(utc),
+            kind: l.kind,
+        }
     }
-    Ok(out)
 }
 
-/// The failure for a role nobody holds, stands for or has led (exit
-/// [`exit::NO_SUCH_ROLE`]), naming the roles that exist.
-pub(crate) async fn unknown_role(
-    client: &tokio_postgres::Client,
-    schema: &str,
-    role: &str,
-) -> Failure {
-    let known = match read(client, schema, None).await {
-        Ok(roles) => roles.into_iter().map(|r| r.role).collect::<Vec<_>>(),
-        Err(f) => return f,
+/// A time on the server's clock as `status` prints it:
+/// `2026-11-25T21:00:00.000Z` (UTC, milliseconds).
+pub(crate) fn utc(t: SystemTime) -> String {
+    let ms = match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => d.as_millis() as i64,
+        Err(e) => -(e.duration().as_millis() as i64),
     };
-    let known = if known.is_empty() {
-        "there are no roles yet (a role appears when a candidate first stands for it)".to_owned()
-    } else {
-        let list: Vec<String> = known.iter().map(|r| format!("\"{}\"", escape(r))).collect();
-        format!("known roles: {}", list.join(", "))
-    };
-    Failure::new(
-        exit::NO_SUCH_ROLE,
-        format!(
-            "no role \"{}\" in schema {schema}: nobody leads, stands for or has led it; {known}",
-            escape(role)
-        ),
-    )
-}
-
-fn status_sql(schema: &str) -> String {
-    // Everything is computed on the server: its clock decides leases.
-    // The roles: those with a row, the one asked for, and those whose key a
-    // backend calling itself `pgelect:<role>:<node>` holds or waits for (a
-    // role whose lock was squatted before anyone was elected has no row).
+    let (days, ms_of_day) = (ms.div_euclid(86_400_000), ms.rem_euclid(86_400_000));
+    // Days since 1970-01-01 to a civil date (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
     format!(
-        "WITH locks AS (
-            SELECT pl.pid, pl.granted, pl.classid, pl.objid
-              FROM pg_locks pl
-             WHERE pl.locktype = 'advisory' AND pl.objsubid = 1
-               AND pl.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-        ), claimed AS (
-            SELECT DISTINCT split_part(a.application_name, ':', 2) AS role, lk.classid, lk.objid
-              FROM pg_stat_activity a JOIN locks lk ON lk.pid = a.pid
-             WHERE $1::text IS NULL AND a.datname = current_database()
-               AND starts_with(a.application_name, 'pgelect:')
-               AND split_part(a.application_name, ':', 2) <> ''
-               AND split_part(a.application_name, ':', 3) <> ''
-        ), names AS (
-            SELECT l.role FROM {schema}.leaders l
-             WHERE ($1::text IS NULL OR l.role = $1)
-               AND NOT (l.holder IS NULL AND coalesce(l.holder_meta ? 'pgelect_forgotten', false))
-            UNION SELECT $1::text WHERE $1::text IS NOT NULL AND $1::text <> ''
-            UNION SELECT c.role FROM claimed c
-             CROSS JOIN LATERAL (SELECT {schema}.key('election:{schema}:' || c.role) AS k) ck
-             WHERE c.classid = ((ck.k >> 32) & 4294967295)::oid AND c.objid = (ck.k & 4294967295)::oid
-        ), r AS (
-            SELECT n.role, l.holder, coalesce(l.term, 0) AS term, l.backend, l.holder_pid,
-                   to_char(l.acquired_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS acquired_at,
-                   CASE WHEN l.holder IS NULL THEN NULL
-                        ELSE (extract(epoch FROM (l.lease_until - now())) * 1000)::bigint END AS lease_ms,
-                   {schema}.key('election:{schema}:' || n.role) AS k,
-                   {schema}.key('election-watch:{schema}:' || n.role) AS wk,
-                   l.role IS NOT NULL
-                     AND NOT (l.holder IS NULL AND coalesce(l.holder_meta ? 'pgelect_forgotten', false)) AS has_row
-              FROM names n LEFT JOIN {schema}.leaders l ON l.role = n.role
-        )
-        SELECT r.role, r.holder, r.term, r.backend, r.acquired_at, r.lease_ms,
-               coalesce((
-                 SELECT json_agg(x.j ORDER BY x.holding DESC NULLS LAST, x.since) FROM (
-                 SELECT json_build_object(
-                          'node', coalesce(rc.node,
-                                  CASE WHEN starts_with(a.application_name, 'pgelect:' || r.role || ':')
-                                       THEN substr(a.application_name, length('pgelect:' || r.role || ':') + 1)
-                                       ELSE a.application_name END),
-                          'backend_pid', a.pid, 'client_addr', host(a.client_addr),
-                          'state', CASE WHEN lk.granted THEN 'holding'
-                                        WHEN lk.pid IS NOT NULL OR wl.pid IS NOT NULL THEN 'waiting'
-                                        ELSE 'standing' END,
-                          'priority', rc.priority, 'timing', rc.timing) AS j,
-                        lk.granted AS holding, a.backend_start AS since
-                   FROM pg_stat_activity a
-                   LEFT JOIN locks lk ON lk.pid = a.pid
-                    AND lk.classid = ((r.k >> 32) & 4294967295)::oid AND lk.objid = (r.k & 4294967295)::oid
-                   -- A blocking standby queues for the role's watch key
-                   -- (held by the one standby in the role's lock queue,
-                   -- which checks the row between two waits): waiting too.
-                   LEFT JOIN locks wl ON wl.pid = a.pid
-                    AND wl.classid = ((r.wk >> 32) & 4294967295)::oid AND wl.objid = (r.wk & 4294967295)::oid
-                   -- The registry (schema 5): priority and timing, matched
-                   -- by the backend pid the server wrote at registration.
-                   LEFT JOIN {schema}.candidates rc ON rc.role = r.role AND rc.backend = 'session'
-                    AND rc.backend_pid = a.pid
-                  WHERE a.datname = current_database()
-                    -- Holders and waiters are found by the role's lock key,
-                    -- whatever their application_name (PostgreSQL cuts it at
-                    -- 63 bytes and keeps ASCII only); polling standbys, which
-                    -- hold no lock entry, by their name. A holder that is not
-                    -- the row's is a squatter, listed apart.
-                    AND (lk.pid IS NOT NULL OR wl.pid IS NOT NULL
-                         OR starts_with(a.application_name, 'pgelect:' || r.role || ':'))
-                    AND NOT (coalesce(lk.granted, false)
-                             AND a.pid IS DISTINCT FROM r.holder_pid)
-                 UNION ALL
-                 -- Lease-backend candidates hold no connection: those seen
-                 -- within their TTL, and the holder.
-                 SELECT json_build_object('node', c.node, 'backend_pid', NULL, 'client_addr', NULL,
-                          'state', CASE WHEN c.node = r.holder THEN 'holding' ELSE 'standing' END,
-                          'priority', c.priority, 'timing', c.timing),
-                        c.node = r.holder, c.registered_at
-                   FROM {schema}.candidates c
-                  WHERE c.role = r.role AND c.backend = 'lease'
-                    AND (c.node = r.holder
-                         OR c.seen_at + coalesce((c.timing->>'ttl_ms')::int8, 15000)
-                                        * interval '1 millisecond' >= now())
-                 ) x
-               ), '[]'::json)::text AS candidates,
-               coalesce((
-                 SELECT json_agg(json_build_object(
-                          'pid', lk.pid, 'user', a.usename,
-                          'application_name', coalesce(a.application_name, ''),
-                          'client_addr', host(a.client_addr)) ORDER BY lk.pid)
-                   FROM locks lk LEFT JOIN pg_stat_activity a ON a.pid = lk.pid
-                  WHERE lk.classid = ((r.k >> 32) & 4294967295)::oid AND lk.objid = (r.k & 4294967295)::oid
-                    AND lk.granted AND lk.pid IS DISTINCT FROM r.holder_pid
-               ), '[]'::json)::text AS squatters,
-               r.has_row
-          FROM r
-         ORDER BY r.role"
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        ms_of_day / 3_600_000,
+        ms_of_day / 60_000 % 60,
+        ms_of_day / 1000 % 60,
+        ms_of_day % 1000
     )
 }
 
-const READ: &str = "read the leaders table";
-
+/// The roles (one, or every one) as shown. One role the schema does not
+/// know is the library's [`pgelect::Error::UnknownRole`] (exit 66).
 async fn read(
-    client: &tokio_postgres::Client,
-    schema: &str,
+    admin: &pgelect::admin::AdminClient,
     role: Option<&str>,
 ) -> Result<Vec<RoleStatus>, Failure> {
-    let rows = client
-        .query_typed(&status_sql(schema), &[(&role, Type::TEXT)])
-        .await
-        .map_err(|e| crate::db::classify(schema, READ, e))?;
-    let mut out = Vec::with_capacity(rows.len());
-    for row in rows {
-        let candidates: String = crate::db::column(&row, 6, schema, READ)?;
-        let parsed: serde_json::Value = serde_json::from_str(&candidates).unwrap_or_default();
-        let candidates: Vec<Candidate> = parsed
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .map(|c| Candidate {
-                        node: c["node"].as_str().unwrap_or_default().to_owned(),
-                        backend_pid: c["backend_pid"].as_i64().map(|p| p as i32),
-                        client_addr: c["client_addr"].as_str().map(str::to_owned),
-                        state: c["state"].as_str().unwrap_or_default().to_owned(),
-                        priority: c["priority"].as_i64().map(|p| p as i32),
-                        timing: Some(c["timing"].clone()).filter(|t| t.is_object()),
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        let squatters: String = crate::db::column(&row, 7, schema, READ)?;
-        let parsed: serde_json::Value = serde_json::from_str(&squatters).unwrap_or_default();
-        let squatters: Vec<Squatter> = parsed
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .map(|q| Squatter {
-                        pid: q["pid"].as_i64().unwrap_or_default() as i32,
-                        user: q["user"].as_str().map(str::to_owned),
-                        application_name: q["application_name"]
-                            .as_str()
-                            .unwrap_or_default()
-                            .to_owned(),
-                        client_addr: q["client_addr"].as_str().map(str::to_owned),
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        let has_row: bool = crate::db::column(&row, 8, schema, READ)?;
-        // A role asked for by name that nobody stands for, holds or waits
-        // for is not shown (as before: it has no row).
-        if !has_row && candidates.is_empty() && squatters.is_empty() {
-            continue;
-        }
-        out.push(RoleStatus {
-            role: crate::db::column(&row, 0, schema, READ)?,
-            holder: crate::db::column(&row, 1, schema, READ)?,
-            term: crate::db::column(&row, 2, schema, READ)?,
-            backend: crate::db::column(&row, 3, schema, READ)?,
-            acquired_at: crate::db::column(&row, 4, schema, READ)?,
-            lease_remaining_ms: crate::db::column(&row, 5, schema, READ)?,
-            candidates,
-            squatters,
-        });
+    let roles = match role {
+        Some(role) => vec![admin.role(role).await?],
+        None => admin.roles().await?,
+    };
+    Ok(roles.iter().map(RoleStatus::from).collect())
+}
+
+/// The locks of named lock sessions, as shown: with the whole picture
+/// only, since they belong to no role.
+async fn read_locks(
+    admin: &pgelect::admin::AdminClient,
+    role: Option<&str>,
+) -> Result<Vec<HeldLock>, Failure> {
+    match role {
+        Some(_) => Ok(Vec::new()),
+        None => Ok(admin
+            .held_locks()
+            .await?
+            .iter()
+            .map(HeldLock::from)
+            .collect()),
     }
-    Ok(out)
 }
 
 fn to_json(roles: &[RoleStatus], locks: &[HeldLock]) -> serde_json::Value {
@@ -472,8 +340,8 @@ fn to_json(roles: &[RoleStatus], locks: &[HeldLock]) -> serde_json::Value {
                 "mode": l.mode, "state": if l.granted { "holding" } else { "waiting" },
                 "since": l.since,
                 "permit": match l.kind {
-                    crate::lock::LockKind::Permit(slot) => serde_json::json!({ "slot": slot }),
-                    crate::lock::LockKind::PermitQueue => serde_json::json!({ "queue": true }),
+                    HeldLockKind::Permit(slot) => serde_json::json!({ "slot": slot }),
+                    HeldLockKind::PermitQueue => serde_json::json!({ "queue": true }),
                     _ => serde_json::Value::Null,
                 },
             })
@@ -507,13 +375,11 @@ fn locks_table(locks: &[HeldLock]) -> String {
             .map(|s| format!(", since {s}"))
             .unwrap_or_default();
         let (name, state) = match (l.kind, l.granted) {
-            (crate::lock::LockKind::Permit(slot), _) => (format!("{name} permit {slot}"), "held"),
-            (crate::lock::LockKind::PermitQueue, true) => {
+            (HeldLockKind::Permit(slot), _) => (format!("{name} permit {slot}"), "held"),
+            (HeldLockKind::PermitQueue, true) => {
                 (format!("{name} permits"), "waited for (first in line)")
             }
-            (crate::lock::LockKind::PermitQueue, false) => {
-                (format!("{name} permits"), "waited for")
-            }
+            (HeldLockKind::PermitQueue, false) => (format!("{name} permits"), "waited for"),
             (_, true) => (name, "held"),
             (_, false) => (name, "waited for"),
         };
@@ -708,65 +574,31 @@ fn without_countdown(roles: &[RoleStatus]) -> Vec<RoleStatus> {
         .collect()
 }
 
-/// The server `status` read: with several hosts in the URL, the one it
-/// reached, which is where the candidates it lists are connected.
-#[derive(Clone, Debug, PartialEq)]
-struct Server {
-    addr: String,
-    read_only: bool,
-    in_recovery: bool,
-    /// The WAL timeline (raised by every promotion); none on a standby.
-    timeline: Option<i64>,
-    version: String,
-}
+/// The server `status` read ([`pgelect::admin::ServerInfo`]): with
+/// several hosts in the URL, the one it reached, which is where the
+/// candidates it lists are connected.
+struct Server(pgelect::admin::ServerInfo);
 
 impl Server {
-    const SQL: &'static str = "SELECT coalesce(host(inet_server_addr()) || ':' || inet_server_port(), 'local socket'),
-            current_setting('transaction_read_only')::bool, pg_is_in_recovery(),
-            CASE WHEN pg_is_in_recovery() THEN NULL
-                 ELSE ('x' || substr(pg_walfile_name(pg_current_wal_insert_lsn()), 1, 8))::bit(32)::int8 END,
-            current_setting('server_version')";
-
-    async fn read(client: &tokio_postgres::Client, schema: &str) -> Result<Server, Failure> {
-        const WHAT: &str = "read which server this is";
-        let row = client
-            .query_one(Self::SQL, &[])
-            .await
-            .map_err(|e| crate::db::classify(schema, WHAT, e))?;
-        Ok(Server {
-            addr: crate::db::column(&row, 0, schema, WHAT)?,
-            read_only: crate::db::column(&row, 1, schema, WHAT)?,
-            in_recovery: crate::db::column(&row, 2, schema, WHAT)?,
-            timeline: crate::db::column(&row, 3, schema, WHAT)?,
-            version: crate::db::column(&row, 4, schema, WHAT)?,
-        })
-    }
-
-    fn kind(&self) -> &'static str {
-        match (self.in_recovery, self.read_only) {
-            (true, _) => "standby",
-            (false, true) => "primary, read-only",
-            (false, false) => "primary",
-        }
-    }
-
     fn line(&self) -> String {
         let timeline = self
+            .0
             .timeline
             .map(|t| format!(", timeline {t}"))
             .unwrap_or_default();
         format!(
             "server {} ({}{timeline}, PostgreSQL {})\n",
-            escape(&self.addr),
-            self.kind(),
-            escape(&self.version)
+            escape(&self.0.addr),
+            self.0.kind(),
+            escape(&self.0.version)
         )
     }
 
     fn json(&self) -> serde_json::Value {
+        let s = &self.0;
         serde_json::json!({
-            "addr": self.addr, "kind": self.kind(), "in_recovery": self.in_recovery,
-            "read_only": self.read_only, "timeline": self.timeline, "version": self.version,
+            "addr": s.addr, "kind": s.kind(), "in_recovery": s.in_recovery,
+            "read_only": s.read_only, "timeline": s.timeline, "version": s.version,
         })
     }
 }
@@ -796,8 +628,8 @@ pub async fn snapshot(
     options: &pgelect::ConnectOptions,
     role: Option<&str>,
 ) -> Result<String, Failure> {
-    let (client, _) = crate::db::connect(options, "pgelect:status").await?;
-    let roles = read(&client, options.schema_name().as_str(), role).await?;
+    let admin = pgelect::admin::AdminClient::connect(options).await?;
+    let roles = read(&admin, role).await?;
     Ok(to_table(&roles, &[]))
 }
 
@@ -816,38 +648,23 @@ pub async fn run(global: &Global, args: StatusArgs) -> Result<u8, Failure> {
         }
         return Ok(0);
     }
-    let schema = options.schema_name().as_str().to_owned();
-    let (client, mut notify_rx) = crate::db::connect(&options, "pgelect:status").await?;
+    let mut admin = pgelect::admin::AdminClient::connect(&options).await?;
     let role = args.role.as_deref();
     if !args.watch {
-        let roles = read(&client, &schema, role).await?;
-        if let (Some(role), true) = (role, roles.is_empty()) {
-            return Err(unknown_role(&client, &schema, role).await);
-        }
-        // Locks belong to no role: shown with the whole picture only.
-        let locks = match role {
-            None => read_locks(&client, &schema).await?,
-            Some(_) => Vec::new(),
-        };
-        let server = Server::read(&client, &schema).await?;
+        let roles = read(&admin, role).await?;
+        let locks = read_locks(&admin, role).await?;
+        let server = Server(admin.server().await?);
         print!("{}", render_from(&server, &roles, &locks, args.json));
         return Ok(0);
     }
-    client
-        .batch_execute(&format!("LISTEN {}", pgelect::election::LEADER_CHANNEL))
-        .await
-        .map_err(|e| crate::db::classify(&schema, "listen for changes", e))?;
     let tty = std::io::stdout().is_terminal() && !args.json;
     let mut signals = crate::signals::Signals::install()?;
     let mut last: Option<(Vec<RoleStatus>, Vec<HeldLock>)> = None;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
-        let roles = read(&client, &schema, role).await?;
-        let locks = match role {
-            None => read_locks(&client, &schema).await?,
-            Some(_) => Vec::new(),
-        };
-        let server = Server::read(&client, &schema).await?;
+        let roles = read(&admin, role).await?;
+        let locks = read_locks(&admin, role).await?;
+        let server = Server(admin.server().await?);
         let mut stdout = std::io::stdout().lock();
         if tty {
             // Home, draw, clear what is left: no blank frame, no flicker.
@@ -870,9 +687,7 @@ pub async fn run(global: &Global, args: StatusArgs) -> Result<u8, Failure> {
         drop(stdout);
         tokio::select! {
             _ = tick.tick() => {}
-            n = notify_rx.recv() => if n.is_none() {
-                return Err(Failure::new(exit::UNAVAILABLE, "the database connection ended"));
-            },
+            changed = admin.changed() => changed?,
             _ = signals.recv() => return Ok(0),
         }
     }
@@ -973,6 +788,19 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(&render(&roles, &[], true)).unwrap();
         assert_eq!(v["roles"][0]["role"], "r\u{1b}[2J\u{7f}\u{9b}\u{202e}");
         assert_eq!(v["roles"][0]["squatters"][0]["backend_pid"], 9);
+    }
+
+    #[test]
+    fn server_times_print_as_utc_with_milliseconds() {
+        let at = |ms: u64| utc(UNIX_EPOCH + Duration::from_millis(ms));
+        assert_eq!(at(1_795_640_400_123), "2026-11-25T21:00:00.123Z");
+        assert_eq!(at(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(
+            utc(UNIX_EPOCH - Duration::from_secs(1)),
+            "1969-12-31T23:59:59.000Z"
+        );
+        // A leap day.
+        assert_eq!(at(1_709_208_000_000), "2024-02-29T12:00:00.000Z");
     }
 
     #[test]

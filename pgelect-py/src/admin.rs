@@ -58,7 +58,7 @@ pub(crate) fn current_leader(
     let options = options(url, schema, connect_timeout)?;
     let role = role.to_owned();
     spawn(async move {
-        let info = pgelect::election::current_leader(&options, &role).await?;
+        let info = pgelect::admin::current_leader(&options, &role).await?;
         Ok(Value(move |py: Python<'_>| leader_info(py, info)))
     })
 }
@@ -76,7 +76,7 @@ pub(crate) fn request_resign(
     let options = options(url, schema, connect_timeout)?;
     let role = role.to_owned();
     spawn(async move {
-        let info = pgelect::election::request_resign(&options, &role).await?;
+        let info = pgelect::admin::request_resign(&options, &role).await?;
         Ok(Value(move |py: Python<'_>| leader_info(py, info)))
     })
 }

@@ -225,12 +225,40 @@ pub enum Error {
     /// state (advisory locks, LISTEN) does not stay on one server backend.
     #[error("{0}")]
     Pooler(String),
+
+    /// An operator's call ([`admin`](crate::admin)) named a role that nobody
+    /// leads, stands for or has led in this schema.
+    #[error("no role {role:?} in schema {schema}: nobody leads, stands for or has led it; {}", known_roles(.known))]
+    UnknownRole {
+        /// The role asked for.
+        role: String,
+        /// The schema looked in.
+        schema: String,
+        /// The roles the schema knows, sorted.
+        known: Vec<String>,
+    },
+}
+
+/// `known roles: "a", "b"`, or why there are none.
+fn known_roles(known: &[String]) -> String {
+    if known.is_empty() {
+        return "there are no roles yet (a role appears when a candidate first stands for it)"
+            .to_owned();
+    }
+    let list: Vec<String> = known.iter().map(|r| format!("{r:?}")).collect();
+    format!("known roles: {}", list.join(", "))
 }
 
 /// The crate's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// True when an operator's call named a role the schema does not know
+    /// ([`Error::UnknownRole`]).
+    pub fn is_unknown_role(&self) -> bool {
+        matches!(self, Error::UnknownRole { .. })
+    }
+
     /// True for a bounded wait that ran out (lock timeout, connect timeout).
     pub fn is_timeout(&self) -> bool {
         matches!(

@@ -20,8 +20,8 @@
 //!   as SQL `pgelect.key(name)`) and UUIDs.
 //! * **Election** ([`election`]): [`Elector`] and the [`Leadership`] handle
 //!   with its fencing [`Term`], [`LeaderContext::fence`](election::LeaderContext::fence) for your transactions,
-//!   observers ([`Elector::watch`], [`current_leader`](election::current_leader)) and resign requests
-//!   from other processes ([`request_resign`](election::request_resign)). Two backends
+//!   observers ([`Elector::watch`], [`current_leader`](admin::current_leader)) and resign requests
+//!   from other processes ([`request_resign`](admin::request_resign)). Two backends
 //!   ([`Backend`](election::Backend)): `Session` (advisory lock: fast failover) and `Lease`
 //!   (lease row only: safe through PgBouncer in transaction mode). Polling
 //!   candidates of many roles can share one connection
@@ -32,6 +32,12 @@
 //!   stream of events with a token per partition.
 //! * **Schema** ([`migrate`]): installs the `pgelect` schema (idempotent,
 //!   concurrency-safe).
+//! * **Operators** ([`admin`]): every role's leader, term, candidates and
+//!   squatters as typed rows ([`admin::AdminClient::status`]), held locks,
+//!   forgetting a role, resign requests from other processes
+//!   ([`admin::request_resign`]), the current leader read once
+//!   ([`admin::current_leader`]) and the grants each database user needs;
+//!   the `pgelect` command only presents them.
 //!
 //! # The book
 //!
@@ -56,6 +62,20 @@
 //! * `lib.rs`: these docs and the front door: the ten names most programs
 //!   need, re-exported here only (every other item is reached through the
 //!   one module that names it).
+//! * `admin/` (*pub* [`admin`]): for operators' tools; `admin/mod.rs` has
+//!   the module's docs and re-exports:
+//!   * `admin/client.rs`: [`admin::AdminClient`], one connection and every
+//!     call an operator's tool makes;
+//!   * `admin/status.rs`: the status rows ([`admin::RoleStatus`], …) and
+//!     their statement, role names to key names;
+//!   * `admin/locks.rs`: held locks ([`admin::HeldLock`]), who holds a key
+//!     or a semaphore ([`admin::lock_holders`]), lock session names;
+//!   * `admin/forget.rs`: forgetting a role ([`admin::ForgetOutcome`]);
+//!   * `admin/leader.rs`: [`admin::current_leader`],
+//!     [`admin::request_resign`];
+//!   * `admin/grants.rs`: the privileges each kind of database user needs
+//!     ([`admin::grant_statements`]), the one list the book, the command
+//!     and the tests use.
 //! * `conn/` (*pub* [`conn`]): connecting to the server; `conn/mod.rs`
 //!   re-exports only:
 //!   * `conn/options.rs`: connection settings ([`ConnectOptions`],
@@ -71,8 +91,6 @@
 //! * `error.rs`: the one [`Error`] type and its classification (`is_*`).
 //! * `key.rs`: [`LockKey`], advisory-lock keys (names hashed as SQL
 //!   `pgelect.key(name)` hashes them).
-//! * `grants.rs` (*pub* [`grants`]): the privileges each kind of database user needs
-//!   ([`grant_statements`](grants::grant_statements)), the one list the command and the tests use.
 //! * `schema/` (*pub* [`schema`]): the `pgelect` schema.
 //!   * `schema/mod.rs`: its versioned, idempotent migrations, the schema
 //!     check and the fence's SQLSTATE codes;
@@ -92,7 +110,8 @@
 //!     transaction ([`xact_lock`](lock::xact_lock));
 //!   * `lock/sqlx.rs` (*pub*, feature `sqlx`): the same on sqlx;
 //!   * `lock/semaphore.rs`: [`Semaphore`](lock::Semaphore) and [`Permit`](lock::Permit), at most N holders;
-//!   * `lock/holders.rs`: who holds a key ([`lock_holders`](lock::lock_holders)).
+//!   * `lock/holders.rs`: who holds a key ([`LockHolder`](lock::LockHolder)),
+//!     squatters told apart during a wait.
 //! * `election/` (*pub* [`election`]): the elector.
 //!   * `election/mod.rs`: the module's docs (which backend when) and its
 //!     namespace;
@@ -119,8 +138,8 @@
 //!     the high bits);
 //!   * `election/registry.rs`: the candidate registry and the readiness
 //!     rules of preferred leaders;
-//!   * `election/watch.rs`: observers ([`current_leader`](election::current_leader),
-//!     [`request_resign`](election::request_resign), zombie preemption);
+//!   * `election/watch.rs`: observers (the leader's row, change
+//!     notifications, zombie preemption);
 //!   * `election/support.rs`: backoff, transient errors, the rate-limited
 //!     wait for a release `NOTIFY`, reconnecting, pooler detection;
 //!   * `election/model/` (tests only): the model check of the protocol,
@@ -186,10 +205,10 @@
 //! # Ok(()) }
 //! ```
 
+pub mod admin;
 pub mod conn;
 pub mod election;
 mod error;
-pub mod grants;
 mod key;
 pub mod lock;
 pub mod loss;

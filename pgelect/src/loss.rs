@@ -96,7 +96,7 @@ pub enum LossReason {
     Preempted,
     /// Resigned: [`Leadership::resign`](crate::Leadership::resign) was
     /// called, or another process asked with
-    /// [`request_resign`](crate::election::request_resign).
+    /// [`request_resign`](crate::admin::request_resign).
     Resigned,
     /// The server accepts no writes any more: it was demoted to a standby
     /// (in recovery) or fenced read-only (`default_transaction_read_only`),

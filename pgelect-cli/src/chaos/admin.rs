@@ -19,7 +19,7 @@ pub(super) struct Admin {
 
 impl Admin {
     pub(super) async fn connect(options: &pgelect::ConnectOptions) -> Result<Admin, Failure> {
-        let (client, _notices) = crate::db::connect(options, "pgelect:chaos").await?;
+        let client = crate::db::connect(options).await?;
         Ok(Admin {
             options: options.clone(),
             client: tokio::sync::Mutex::new(client),
@@ -35,8 +35,8 @@ impl Admin {
             let mut last = None;
             // The server may still be starting: a few attempts.
             for _ in 0..20 {
-                match crate::db::connect(&self.options, "pgelect:chaos").await {
-                    Ok((client, _)) => {
+                match crate::db::connect(&self.options).await {
+                    Ok(client) => {
                         *c = client;
                         return Ok(c);
                     }
@@ -201,14 +201,14 @@ pub(super) async fn live_leader(
     options: &pgelect::ConnectOptions,
     role: &str,
 ) -> Result<Option<pgelect::election::LeaderInfo>, Failure> {
-    let Some(l) = pgelect::election::current_leader(options, role).await? else {
+    let Some(l) = pgelect::admin::current_leader(options, role).await? else {
         return Ok(None);
     };
     if l.lease_expired {
         return Ok(None);
     }
     if let (Some("session"), Some(pid)) = (l.backend.as_deref(), l.holder_pid) {
-        let (client, _notices) = crate::db::connect(options, "pgelect:chaos-check").await?;
+        let client = crate::db::connect(options).await?;
         let alive = client
             .query_typed_one(
                 "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_activity WHERE pid = $1)",
@@ -238,7 +238,7 @@ pub(super) async fn live_leader(
         (ttl + Duration::from_millis(500)).as_secs_f64()
     );
     tokio::time::sleep(ttl + Duration::from_millis(500)).await;
-    Ok(pgelect::election::current_leader(options, role)
+    Ok(pgelect::admin::current_leader(options, role)
         .await?
         .filter(|l| !l.lease_expired))
 }

@@ -135,16 +135,16 @@ impl Run<'_> {
                     "CREATE ROLE \"{user}\" LOGIN PASSWORD '{password}'"
                 )];
                 for kind in [
-                    pgelect::grants::UserKind::Candidate,
-                    pgelect::grants::UserKind::Fencer,
+                    pgelect::admin::UserKind::Candidate,
+                    pgelect::admin::UserKind::Fencer,
                 ] {
                     sql.extend(
-                        pgelect::grants::grant_statements(kind, &user, &schema)?
+                        pgelect::admin::grant_statements(kind, &user, &schema)?
                             .into_iter()
                             .map(|g| g.sql),
                     );
                 }
-                sql.push(pgelect::grants::preemption_grant(&user)?.sql);
+                sql.push(pgelect::admin::preemption_grant(&user)?.sql);
                 sql.push(format!("GRANT INSERT ON {} TO \"{user}\"", self.table));
                 sql.push(format!(
                     "GRANT USAGE ON SEQUENCE {}_id_seq TO \"{user}\"",

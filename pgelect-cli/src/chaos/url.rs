@@ -11,8 +11,6 @@
 
 use std::net::{Ipv4Addr, SocketAddr};
 
-use tokio_postgres::config::Host;
-
 /// A single-host `postgres://` URL taken apart, to point it elsewhere.
 pub(super) struct UrlParts {
     /// `postgres://` or `postgresql://`.
@@ -72,20 +70,9 @@ impl UrlParts {
 /// The host and port of the one TCP server `url` names, as the library
 /// reads it, if it names exactly one.
 fn one_tcp_server(url: &str) -> Option<(String, u16)> {
-    let options = pgelect::ConnectOptions::from_url(url).ok()?;
-    let config = options.driver_config();
-    if !config.get_hostaddrs().is_empty() {
-        return None;
-    }
-    let [Host::Tcp(host)] = config.get_hosts() else {
-        return None;
-    };
-    let port = match config.get_ports() {
-        [] => 5432,
-        [p] => *p,
-        _ => return None,
-    };
-    Some((host.clone(), port))
+    pgelect::ConnectOptions::from_url(url)
+        .ok()?
+        .single_tcp_server()
 }
 
 #[cfg(test)]

@@ -62,7 +62,7 @@ pub async fn worker(global: &Global, args: WorkerArgs) -> Result<u8, Failure> {
     // (a session setting would land on a pooled server connection that
     // other clients use next).
     let connect = || async {
-        let (client, _notices) = crate::db::connect(&options, "pgelect:chaos-worker").await?;
+        let client = crate::db::connect(&options).await?;
         Ok::<_, Failure>(client)
     };
     // A fenced transaction holds the role's row FOR SHARE, and every

@@ -142,7 +142,7 @@ async fn chaos_runs_on_a_role_whose_last_leader_died() {
     support::wait_until("the supervisor leads", Duration::from_secs(30), || {
         let o = o.clone();
         async move {
-            pgelect::election::current_leader(&o, "chaos-6-session")
+            pgelect::admin::current_leader(&o, "chaos-6-session")
                 .await
                 .ok()
                 .flatten()
@@ -150,7 +150,7 @@ async fn chaos_runs_on_a_role_whose_last_leader_died() {
         }
     })
     .await;
-    let pid = pgelect::election::current_leader(&o, "chaos-6-session")
+    let pid = pgelect::admin::current_leader(&o, "chaos-6-session")
         .await
         .unwrap()
         .unwrap()
@@ -171,7 +171,7 @@ async fn chaos_runs_on_a_role_whose_last_leader_died() {
         }
     })
     .await;
-    let row = pgelect::election::current_leader(&o, "chaos-6-session")
+    let row = pgelect::admin::current_leader(&o, "chaos-6-session")
         .await
         .unwrap()
         .expect("the dead leader's row stays");

@@ -80,8 +80,8 @@ async fn connect_off_the_workers(
 
 impl ConnectOptions {
     /// Opens a plain connection named `application_name`, bounded by the
-    /// connect timeout, for tools that observe pgelect's tables (the
-    /// `pgelect` command's `status` and `resign`). The caller drives the
+    /// connect timeout, for observers of pgelect's tables (the admin
+    /// client, a partition group's status). The caller drives the
     /// returned [`Connection`] (spawn it, or poll its messages for `LISTEN`
     /// notifications).
     ///
@@ -93,7 +93,10 @@ impl ConnectOptions {
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future drops the half-open connection.
-    pub async fn connect_plain(&self, application_name: &str) -> Result<(Client, PlainConnection)> {
+    pub(crate) async fn connect_plain(
+        &self,
+        application_name: &str,
+    ) -> Result<(Client, PlainConnection)> {
         let mut config = self.config.clone();
         config.application_name(application_name);
         let (client, connection) = self.open(config).await?;
@@ -344,7 +347,7 @@ fn short_reason(e: &Error) -> String {
 /// The connection half of [`ConnectOptions::connect_plain`]: poll it (or
 /// spawn it as a future) for the client to make progress.
 #[must_use = "the client makes no progress unless the connection is polled"]
-pub struct PlainConnection {
+pub(crate) struct PlainConnection {
     connection: TlsConnection,
 }
 
@@ -352,7 +355,7 @@ impl PlainConnection {
     /// The next message from the server that is not a reply to a statement
     /// (a `LISTEN` notification, a notice), or `None` when the connection
     /// has ended; see [`tokio_postgres::Connection::poll_message`].
-    pub fn poll_message(
+    pub(crate) fn poll_message(
         &mut self,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<std::result::Result<AsyncMessage, tokio_postgres::Error>>> {

@@ -9,7 +9,7 @@
 //! * `options`: [`ConnectOptions`], read from a URL, a key/value string,
 //!   the environment or a driver configuration;
 //! * `connect`: establishing a connection (TLS as libpq, bounded, off the
-//!   runtime's workers), and [`PlainConnection`] for tools;
+//!   runtime's workers), and plain connections for observers;
 //! * `dedicated`: the connections pgelect owns, their driver task and
 //!   the session settings they start with;
 //! * `cancel`: cancelling the statement running on one;
@@ -26,7 +26,6 @@ mod passfile;
 mod tcp;
 mod tls;
 
-pub use connect::PlainConnection;
 pub(crate) use dedicated::{DedicatedConnection, Notice};
 pub(crate) use options::ConnectOptions;
 pub use options::DEFAULT_CONNECT_TIMEOUT;

@@ -161,8 +161,7 @@ impl ConnectOptions {
     }
 
     /// True when a password is set (from the string, the environment or a
-    /// password file). The password itself is only in
-    /// [`driver_config`](ConnectOptions::driver_config).
+    /// password file). The password itself is never shown.
     pub fn has_password(&self) -> bool {
         self.config.get_password().is_some()
     }
@@ -270,7 +269,10 @@ impl ConnectOptions {
         &self.schema
     }
 
-    /// The driver configuration (with the password; do not log it).
+    /// Test hook, not API (feature `test-hooks`): the driver configuration
+    /// (with the password; do not log it).
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
     pub fn driver_config(&self) -> &Config {
         &self.config
     }
@@ -283,6 +285,32 @@ impl ConnectOptions {
             .len()
             .max(self.config.get_hostaddrs().len())
             .max(1)
+    }
+
+    /// The one TCP server these settings name, as `(host, port)`: `None`
+    /// when they name several hosts or ports, a Unix socket, or a
+    /// `hostaddr`. For tools that point the same settings at another
+    /// address (a proxy) and must know which server they replace.
+    ///
+    /// ```
+    /// let o = pgelect::ConnectOptions::from_url("postgres://app@db.internal:6432/app").unwrap();
+    /// assert_eq!(o.single_tcp_server(), Some(("db.internal".to_owned(), 6432)));
+    /// let o = pgelect::ConnectOptions::from_url("postgres://app@a,b/app").unwrap();
+    /// assert_eq!(o.single_tcp_server(), None);
+    /// ```
+    pub fn single_tcp_server(&self) -> Option<(String, u16)> {
+        if !self.config.get_hostaddrs().is_empty() {
+            return None;
+        }
+        let [Host::Tcp(host)] = self.config.get_hosts() else {
+            return None;
+        };
+        let port = match self.config.get_ports() {
+            [] => 5432,
+            [p] => *p,
+            _ => return None,
+        };
+        Some((host.clone(), port))
     }
 
     /// `host:port/database user=NAME`, for messages (every host of a

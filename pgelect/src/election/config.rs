@@ -280,7 +280,7 @@ impl LeaseOptions {
     /// standbys wake up on a leader's release `NOTIFY` (a voluntary
     /// release is taken over in milliseconds instead of within
     /// [`retry_every`](LeaseOptions::retry_every)), and a leader hears
-    /// [`request_resign`](crate::election::request_resign) at once instead of at its
+    /// [`request_resign`](crate::admin::request_resign) at once instead of at its
     /// next renewal. Losing this connection never affects leadership; it is
     /// reopened with backoff. It must use the elector's schema. Default:
     /// none (`LISTEN` through a transaction pooler does not work).

@@ -3,8 +3,9 @@
 //! One API, two backends ([`Backend`], chosen with
 //! [`ElectorBuilder::backend`]): the same [`Elector::leadership`],
 //! [`Leadership`] (term, token, loss reason, fence, resign),
-//! [`Elector::watch`], [`Elector::run`] callbacks, [`current_leader`] and
-//! [`request_resign`]. All candidates of a role must use the same backend;
+//! [`Elector::watch`], [`Elector::run`] callbacks, and for operators
+//! [`admin::current_leader`](crate::admin::current_leader) and
+//! [`admin::request_resign`](crate::admin::request_resign). All candidates of a role must use the same backend;
 //! a candidate that finds a live leader of the other one fails with
 //! [`Error::Config`](crate::Error::Config).
 //!
@@ -55,7 +56,7 @@
 //!    renewal) — never beyond: then leadership ends
 //!    ([`LossReason::Deadline`]) whether or not the database answers.
 //! 4. Resigning clears the holder where holder and term are ours and sends
-//!    `NOTIFY`, in one statement. [`request_resign`] reaches a lease leader
+//!    `NOTIFY`, in one statement. [`request_resign`](crate::admin::request_resign) reaches a lease leader
 //!    through a `resign_requested` flag returned by its next renewal; with
 //!    a `listen_via` connection its `NOTIFY` hint brings that renewal
 //!    forward, so the leader steps down at once (the hint alone, which
@@ -209,6 +210,9 @@ pub use backend::lease::{lease_sql, LeaseSql};
 #[cfg(feature = "test-hooks")]
 pub use backend::shared::shared_renew_sql;
 pub use backend::shared::SharedConnection;
+#[cfg(test)]
+pub(crate) use config::watch_key;
+pub(crate) use config::{role_key, validate_name};
 pub use config::{
     Backend, BackendOptions, LeaseOptions, SessionOptions, StandbyMode, MAX_ROLE_BYTES,
 };
@@ -217,7 +221,8 @@ pub use elector::TimingReport;
 pub use leadership::LeaderContext;
 pub(crate) use timing::worst_detection;
 pub use timing::Profile;
-pub use watch::{current_leader, request_resign, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
+pub(crate) use watch::{leader_info, read_leader};
+pub use watch::{LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 
 pub(crate) use config::ElectorBuilder;
 pub(crate) use elector::{Activity, Elector, LeaseState, Shared};

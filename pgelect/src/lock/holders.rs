@@ -53,6 +53,14 @@ impl LockHolder {
         let rest = self.application_name.strip_prefix("pgelect:")?;
         rest.split_once(':')
     }
+
+    /// The lock name and node this backend *claims* by its
+    /// `application_name`, if it names itself as a lock session does
+    /// ([`admin::lock_session_name`](crate::admin::lock_session_name), as
+    /// `pgelect lock` sets it). A claim, as any application name.
+    pub fn claims_lock_session(&self) -> Option<(&str, &str)> {
+        crate::admin::parse_lock_session_name(&self.application_name)
+    }
 }
 
 impl fmt::Display for LockHolder {
@@ -86,25 +94,9 @@ pub(crate) fn describe(holders: &[LockHolder]) -> String {
     format!("held by {}", list.join(", "))
 }
 
-/// Lists the backends of this database, other than the caller's own, that
-/// hold `key` (granted, in either mode). Waiters are not listed.
-///
-/// Needs no privilege: `pg_locks` and the pid, user and application name of
-/// `pg_stat_activity` are visible to every user; client address and state
-/// need `pg_read_all_stats` (or the same user) and are `None` otherwise.
-///
-/// ```no_run
-/// # async fn f(client: &tokio_postgres::Client) -> Result<(), pgelect::Error> {
-/// let key = pgelect::LockKey::from_name("nightly-report")?;
-/// for holder in pgelect::lock::lock_holders(client, key).await? {
-///     eprintln!("held by {holder}");
-/// }
-/// # Ok(()) }
-/// ```
-///
-/// # Cancel safety
-/// Cancel safe: it only reads.
-pub async fn lock_holders<C: GenericClient + Sync>(
+/// The other backends of this database that hold `key`; the public form
+/// is [`admin::lock_holders`](crate::admin::lock_holders).
+pub(crate) async fn lock_holders<C: GenericClient + Sync>(
     client: &C,
     key: LockKey,
 ) -> Result<Vec<LockHolder>> {

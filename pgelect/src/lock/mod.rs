@@ -59,7 +59,7 @@
 //! * Within a database they are shared by every user who can connect, and
 //!   keys are public (a name's key is a hash anyone can compute): any such
 //!   user can take a key pgelect uses and make it wait. Waits therefore say
-//!   who holds their key ([`lock_holders`], [`LockSession::holders`](crate::LockSession::holders), the
+//!   who holds their key ([`admin::lock_holders`](crate::admin::lock_holders), [`LockSession::holders`](crate::LockSession::holders), the
 //!   holders of [`Error::LockTimeout`](crate::Error::LockTimeout), a warning
 //!   after 5 s); to rule it out, give pgelect a database of its own or
 //!   `REVOKE CONNECT ON DATABASE … FROM PUBLIC`.
@@ -79,8 +79,9 @@ mod wait;
 mod xact;
 
 pub use crate::key::MAX_KEY_NAME_BYTES;
-pub use holders::{lock_holders, LockHolder};
-pub use semaphore::{semaphore_holders, Permit, PermitHolder, Semaphore, MAX_SEMAPHORE_LIMIT};
+pub use holders::LockHolder;
+pub(crate) use semaphore::semaphore_holders;
+pub use semaphore::{Permit, PermitHolder, Semaphore, MAX_SEMAPHORE_LIMIT};
 pub use session::{LockGuard, LockSessionBuilder};
 pub use wait::Wait;
 pub use xact::xact_lock;

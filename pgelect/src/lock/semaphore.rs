@@ -287,7 +287,8 @@ enum Entered {
 impl LockSession {
     /// The sessions that hold permits of `semaphore`, by slot (this
     /// session's own included). Runs on this session's connection, so it
-    /// queues behind a wait in progress. See also [`semaphore_holders`].
+    /// queues behind a wait in progress. See also
+    /// [`admin::semaphore_holders`](crate::admin::semaphore_holders).
     ///
     /// # Cancel safety
     /// Cancel safe: it only reads.
@@ -931,22 +932,9 @@ impl Drop for Permit {
     }
 }
 
-/// Lists the sessions of this database that hold permits of `semaphore`,
-/// by slot, the caller's own included (see [`lock_holders`](crate::lock::lock_holders)
-/// for what is visible to whom).
-///
-/// ```no_run
-/// # async fn f(client: &tokio_postgres::Client) -> Result<(), pgelect::Error> {
-/// let jobs = pgelect::lock::Semaphore::new("nightly-jobs", 3)?;
-/// for p in pgelect::lock::semaphore_holders(client, &jobs).await? {
-///     eprintln!("slot {} held by {}", p.slot, p.holder);
-/// }
-/// # Ok(()) }
-/// ```
-///
-/// # Cancel safety
-/// Cancel safe: it only reads.
-pub async fn semaphore_holders<C: GenericClient + Sync>(
+/// The sessions that hold permits of `semaphore`, by slot; the public form
+/// is [`admin::semaphore_holders`](crate::admin::semaphore_holders).
+pub(crate) async fn semaphore_holders<C: GenericClient + Sync>(
     client: &C,
     semaphore: &Semaphore,
 ) -> Result<Vec<PermitHolder>> {

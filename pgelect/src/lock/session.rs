@@ -279,7 +279,7 @@ impl LockSession {
     }
 
     /// The other sessions of this database that hold `key` (see
-    /// [`lock_holders`](crate::lock::lock_holders)): who to blame after a
+    /// [`admin::lock_holders`](crate::admin::lock_holders)): who to blame after a
     /// [`Wait::Never`] try returned `None` or a wait timed out. Runs on this
     /// session's connection, so it queues behind a wait in progress.
     ///

@@ -6,7 +6,7 @@
 //! Partition `p` of group `G` is an ordinary role, `G/p`: it has its own
 //! row in `pgelect.leaders`, its own term, and works with
 //! `pgelect.fence('G/p', term)` and [`HeldPartition`]'s fence ([`LeaderContext::fence`]), `pgelect
-//! status --role G/p` and [`request_resign`](crate::election::request_resign). A
+//! status --role G/p` and [`request_resign`](crate::admin::request_resign). A
 //! member stands for partitions with polling standbys
 //! ([`StandbyMode::Polling`](crate::election::StandbyMode::Polling)) on one
 //! [`SharedConnection`](crate::election::SharedConnection), so a member costs two

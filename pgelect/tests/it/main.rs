@@ -4,6 +4,7 @@
 //! PgBouncer where pooling matters) through `pgelect-testkit`; `support`
 //! holds the helpers they share.
 
+mod admin;
 mod api;
 mod election;
 mod ha;

@@ -443,7 +443,7 @@ async fn scenario(db: &TestDb, users: &Users, label: &str) {
     // A resign request for the lease leader, heard on its LISTEN connection.
     let t = Instant::now();
     let term_l = ll.term();
-    let asked = pgelect::election::request_resign(&users.owner, "l")
+    let asked = pgelect::admin::request_resign(&users.owner, "l")
         .await
         .unwrap()
         .unwrap();
@@ -657,7 +657,7 @@ async fn the_lease_backend_through_pgbouncer_keeps_its_term() {
     );
 
     let t = Instant::now();
-    pgelect::election::request_resign(&pooled, "p")
+    pgelect::admin::request_resign(&pooled, "p")
         .await
         .unwrap()
         .unwrap();

@@ -457,7 +457,7 @@ async fn release_frees_at_once_and_watchers_follow() {
         })
         .await
         .expect("watch shows the new leader");
-        let now = pgelect::election::current_leader(&pooled, &role)
+        let now = pgelect::admin::current_leader(&pooled, &role)
             .await
             .unwrap()
             .unwrap();
@@ -465,7 +465,7 @@ async fn release_frees_at_once_and_watchers_follow() {
         assert_eq!(now.backend.as_deref(), Some("lease"));
         assert_eq!(now.term, lb.term());
         lb.resign().await.unwrap();
-        assert!(pgelect::election::current_leader(&pooled, &role)
+        assert!(pgelect::admin::current_leader(&pooled, &role)
             .await
             .unwrap()
             .is_none());
@@ -1180,7 +1180,7 @@ async fn resign_requests_reach_a_lease_leader_with_and_without_listen() {
         }
         let t0 = Instant::now();
         // Through PgBouncer: the request sets the column and notifies.
-        let asked = pgelect::election::request_resign(&pooled, &role)
+        let asked = pgelect::admin::request_resign(&pooled, &role)
             .await
             .unwrap()
             .unwrap();

@@ -151,14 +151,14 @@ async fn release_frees_at_once_and_watchers_follow() {
     })
     .await
     .expect("watch shows the new leader");
-    let now = pgelect::election::current_leader(&o, "release")
+    let now = pgelect::admin::current_leader(&o, "release")
         .await
         .unwrap()
         .unwrap();
     assert_eq!(now.holder, "b");
     assert_eq!(now.term, lb.term());
     lb.resign().await.unwrap();
-    assert!(pgelect::election::current_leader(&o, "release")
+    assert!(pgelect::admin::current_leader(&o, "release")
         .await
         .unwrap()
         .is_none());
@@ -232,7 +232,7 @@ async fn a_leader_holds_one_backend_and_publishes_its_renewals() {
     .expect("a renewal reaches the watchers");
     assert_eq!(renewed.term, la.term());
     assert!(renewed.lease_until > first.lease_until);
-    let row = pgelect::election::current_leader(&o, "one")
+    let row = pgelect::admin::current_leader(&o, "one")
         .await
         .unwrap()
         .unwrap();
@@ -755,7 +755,7 @@ async fn run_demotes_after_duties_stop_and_resign_can_be_requested() {
     });
     _db.wait_for_advisory_waiters(1).await;
     let t0 = Instant::now();
-    let asked = pgelect::election::request_resign(&o, "run").await.unwrap();
+    let asked = pgelect::admin::request_resign(&o, "run").await.unwrap();
     assert_eq!(asked.unwrap().holder, "runner");
     let (at, l) = tokio::time::timeout(Duration::from_secs(10), standby_task)
         .await
@@ -793,7 +793,7 @@ async fn run_demotes_after_duties_stop_and_resign_can_be_requested() {
     let ev = events.lock().unwrap().clone();
     assert_eq!(ev[4], "duties stopped Some(Shutdown)", "{ev:?}");
     assert_eq!(ev[5], "demoted");
-    assert!(pgelect::election::current_leader(&o, "run")
+    assert!(pgelect::admin::current_leader(&o, "run")
         .await
         .unwrap()
         .is_none());

@@ -193,7 +193,7 @@ async fn an_abandoned_role_is_released_alone() {
         _ = l2.lost() => panic!("the other role was lost: {:?}", l2.loss().map(|l| l.reason())),
         _ = renewals => {}
     }
-    let now = pgelect::election::current_leader(&o, "two")
+    let now = pgelect::admin::current_leader(&o, "two")
         .await
         .unwrap()
         .unwrap();
@@ -329,7 +329,7 @@ async fn a_resign_request_reaches_only_its_role_on_a_shared_connection() {
     let l1 = e1.leadership().await.unwrap();
     let l2 = e2.leadership().await.unwrap();
     let t0 = Instant::now();
-    let asked = pgelect::election::request_resign(&o, "r1")
+    let asked = pgelect::admin::request_resign(&o, "r1")
         .await
         .unwrap()
         .unwrap();

@@ -5,6 +5,7 @@
 
 use std::time::{Duration, Instant};
 
+use pgelect::admin::AdminClient;
 use pgelect::{election::Backend, ConnectOptions, Elector};
 use pgelect_testkit::{free_port, ReplicaSet, Replication, TestDb, SUPERUSER, TEST_PASSWORD};
 use tokio::time::timeout;
@@ -36,8 +37,8 @@ async fn a_connection_error_names_the_host_that_refused() {
     // The standby answered first, the second host refused: the error is
     // the second host's, and says what the first one answered.
     let e = ConnectOptions::from_url(&url(&[standby, closed], db.name()))
+        .map(|o| async move { AdminClient::connect(&o).await })
         .unwrap()
-        .connect_plain("ha-test")
         .await
         .expect_err("no primary among the hosts")
         .to_string();
@@ -57,8 +58,8 @@ async fn a_connection_error_names_the_host_that_refused() {
 
     // The other order: the standby's refusal is the error, named as such.
     let e = ConnectOptions::from_url(&url(&[closed, standby], db.name()))
+        .map(|o| async move { AdminClient::connect(&o).await })
         .unwrap()
-        .connect_plain("ha-test")
         .await
         .expect_err("no primary among the hosts")
         .to_string();
@@ -78,8 +79,8 @@ async fn a_connection_error_names_the_host_that_refused() {
 
     // One host: named, with the hint for a standby.
     let e = ConnectOptions::from_url(&url(&[standby], db.name()))
+        .map(|o| async move { AdminClient::connect(&o).await })
         .unwrap()
-        .connect_plain("ha-test")
         .await
         .expect_err("a standby alone")
         .to_string();
@@ -90,12 +91,12 @@ async fn a_connection_error_names_the_host_that_refused() {
     assert!(e.contains("target_session_attrs asks for a primary"), "{e}");
 
     // A standby listed first is skipped for the primary.
-    let (c, conn) = ConnectOptions::from_url(&url(&[closed, standby, primary], db.name()))
-        .unwrap()
-        .connect_plain("ha-test")
-        .await
-        .expect("the primary, third");
-    tokio::spawn(conn);
+    let admin = AdminClient::connect(
+        &ConnectOptions::from_url(&url(&[closed, standby, primary], db.name())).unwrap(),
+    )
+    .await
+    .expect("the primary, third");
+    let c = admin.client();
     let port: String = c
         .query_one("SELECT current_setting('port')", &[])
         .await

@@ -129,7 +129,7 @@ async fn permits_up_to_the_limit_then_none_until_one_is_released() {
     assert_eq!(pids.len(), 2, "{holders:?}");
     assert!(pids.contains(&a.backend_pid()) && pids.contains(&b.backend_pid()));
     assert_eq!(
-        pgelect::lock::semaphore_holders(&admin, &sem)
+        pgelect::admin::semaphore_holders(&admin, &sem)
             .await
             .unwrap()
             .len(),

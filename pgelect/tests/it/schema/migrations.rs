@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use pgelect::admin::AdminClient;
 use pgelect::{ConnectOptions, Error};
 use pgelect_testkit::{FaultProxy, TestDb, TEST_PASSWORD};
 
@@ -332,7 +333,7 @@ async fn a_listener_that_never_answers_is_a_connect_timeout() {
         .connect_timeout(Duration::from_millis(300))
         .unwrap();
     let started = Instant::now();
-    let Err(e) = o.connect_plain("pgelect:test").await else {
+    let Err(e) = AdminClient::connect(&o).await else {
         panic!("connected to a listener that never answers");
     };
     let took = started.elapsed();
@@ -359,17 +360,13 @@ async fn a_blackholed_server_is_a_connect_timeout() {
     assert!(e.is_timeout(), "{e:?}");
 }
 
-/// A wrong password is told apart by SQLSTATE (class 28) on the plain
-/// connection the command uses too.
+/// A wrong password is told apart by SQLSTATE (class 28) on the admin
+/// client's connection, the one the command uses too.
 #[tokio::test]
-async fn connect_plain_classifies_a_refused_login() {
+async fn the_admin_client_classifies_a_refused_login() {
     let db = TestDb::new("plain_bad_password").await;
     let url = db.url().replace(TEST_PASSWORD, "not-the-Secret-9");
-    let Err(e) = ConnectOptions::from_url(&url)
-        .unwrap()
-        .connect_plain("pgelect:test")
-        .await
-    else {
+    let Err(e) = AdminClient::connect(&ConnectOptions::from_url(&url).unwrap()).await else {
         panic!("a wrong password was accepted");
     };
     assert!(e.is_auth() && !e.is_connection(), "{e:?}");
@@ -406,10 +403,9 @@ async fn connecting_does_not_hold_the_runtime() {
     let mut fastest = Duration::MAX;
     for _ in 0..4 {
         let t = Instant::now();
-        let (client, connection) = o.connect_plain("pgelect:test").await.expect("connect");
+        let admin = AdminClient::connect(&o).await.expect("connect");
         fastest = fastest.min(t.elapsed());
-        drop(client);
-        drop(connection);
+        drop(admin);
     }
     done.store(true, Ordering::Relaxed);
     let worst = ticker.await.unwrap();
@@ -439,7 +435,7 @@ fn a_busy_blocking_pool_ends_a_connection_attempt_at_its_bound() {
         let (free, hold) = std::sync::mpsc::channel::<()>();
         let busy = tokio::task::spawn_blocking(move || hold.recv());
         let t = Instant::now();
-        let r = o.connect_plain("pgelect:test").await;
+        let r = AdminClient::connect(&o).await;
         let took = t.elapsed();
         free.send(()).unwrap();
         busy.await.unwrap().unwrap();
@@ -450,6 +446,6 @@ fn a_busy_blocking_pool_ends_a_connection_attempt_at_its_bound() {
         assert!(e.is_timeout(), "{e:?}");
         assert!(took < Duration::from_secs(10), "{took:?}");
         // The pool free again, the same options connect.
-        let (_client, _connection) = o.connect_plain("pgelect:test").await.expect("connect");
+        let _admin = AdminClient::connect(&o).await.expect("connect");
     });
 }

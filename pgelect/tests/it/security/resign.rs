@@ -126,7 +126,7 @@ async fn operator_resigns(
     lost: impl std::future::Future,
 ) -> Duration {
     let t0 = Instant::now();
-    let asked = pgelect::election::request_resign(operator, role)
+    let asked = pgelect::admin::request_resign(operator, role)
         .await
         .expect("the operator may request")
         .expect("the role has a leader");
@@ -252,7 +252,7 @@ async fn request_resign_without_the_privilege_is_a_permission_error_naming_the_g
     let (db, _o) = migrated("sec_noperm").await;
     let url = db.create_role("nobody", ATTACKER_PASSWORD, false).await;
     let nobody = ConnectOptions::from_url(&url).unwrap();
-    let e = pgelect::election::request_resign(&nobody, "any")
+    let e = pgelect::admin::request_resign(&nobody, "any")
         .await
         .unwrap_err();
     assert!(matches!(e, Error::Permission { .. }), "{e:?}");

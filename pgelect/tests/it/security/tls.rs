@@ -79,7 +79,7 @@ async fn verify_full_with_the_right_ca_carries_every_connection() {
         let l = b.leadership().await.expect("b leads after a");
         (l.term(), b)
     });
-    let seen = pgelect::election::current_leader(&o, "tls-role")
+    let seen = pgelect::admin::current_leader(&o, "tls-role")
         .await
         .unwrap();
     assert_eq!(seen.map(|l| l.holder), Some("a".to_owned()));
@@ -149,9 +149,7 @@ async fn verify_full_checks_the_host_name_and_verify_ca_does_not() {
         )
     };
     let o = ConnectOptions::from_url(&kv("verify-full")).unwrap();
-    let e = pgelect::election::current_leader(&o, "r")
-        .await
-        .unwrap_err();
+    let e = pgelect::admin::current_leader(&o, "r").await.unwrap_err();
     let text = e.to_string();
     assert!(matches!(e, Error::Tls { .. }), "{e:?}");
     assert!(text.contains("does not name the host"), "{text}");

@@ -338,7 +338,7 @@ async fn an_operator_needs_usage_and_execute_on_request_resign() {
 
     for (name, grants) in [("op_usage", &RESIGNING[..1]), ("op_exec", &RESIGNING[1..])] {
         let o = user(&db, name, grants).await;
-        let e = pgelect::election::request_resign(&o, "jobs")
+        let e = pgelect::admin::request_resign(&o, "jobs")
             .await
             .unwrap_err();
         assert!(matches!(e, Error::Permission { .. }), "{name}: {e:?}");
@@ -347,7 +347,7 @@ async fn an_operator_needs_usage_and_execute_on_request_resign() {
     assert!(!l.is_lost());
 
     let o = user(&db, "op", RESIGNING).await;
-    let asked = pgelect::election::request_resign(&o, "jobs")
+    let asked = pgelect::admin::request_resign(&o, "jobs")
         .await
         .unwrap()
         .expect("a leader");
@@ -359,7 +359,7 @@ async fn an_operator_needs_usage_and_execute_on_request_resign() {
     l.resign().await.unwrap();
     // No leader: nothing marked, nothing returned.
     assert_eq!(
-        pgelect::election::request_resign(&o, "jobs").await.unwrap(),
+        pgelect::admin::request_resign(&o, "jobs").await.unwrap(),
         None
     );
 }
@@ -370,7 +370,7 @@ async fn an_observer_needs_usage_select_and_execute_on_key() {
     let leader = fast(&owner, "jobs", "leader").build().unwrap();
     let l = leader.leadership().await.unwrap();
     let o = user(&db, "watcher", OBSERVING).await;
-    let info = pgelect::election::current_leader(&o, "jobs")
+    let info = pgelect::admin::current_leader(&o, "jobs")
         .await
         .unwrap()
         .unwrap();
@@ -384,7 +384,7 @@ async fn an_observer_needs_usage_select_and_execute_on_key() {
     assert_eq!(pgelect::LockKey::Single(k), leader.lock_key());
 
     let no_select = user(&db, "watcher2", &[OBSERVING[0], OBSERVING[2]]).await;
-    let e = pgelect::election::current_leader(&no_select, "jobs")
+    let e = pgelect::admin::current_leader(&no_select, "jobs")
         .await
         .unwrap_err();
     assert!(matches!(e, Error::Permission { .. }), "{e:?}");

@@ -1,6 +1,6 @@
 //! Least privilege: the schema migrated by an owner who
 //! is not a superuser, every other user given exactly the grants of
-//! `pgelect::grants::grant_statements` (the book's list, checked here line by
+//! `pgelect::admin::grant_statements` (the book's list, checked here line by
 //! line) by that owner, a representative run of the election and lock
 //! behaviour as those users, and zombie preemption with and without
 //! `pg_signal_backend`.
@@ -12,8 +12,9 @@
 use std::time::{Duration, Instant};
 
 use pgelect::{
-    election::Backend, election::StandbyMode, grants::grant_statements, grants::preemption_grant,
-    grants::UserKind, schema::SchemaName, ConnectOptions, Elector, Error, LockKey, LockSession,
+    admin::grant_statements, admin::preemption_grant, admin::UserKind, election::Backend,
+    election::StandbyMode, schema::SchemaName, ConnectOptions, Elector, Error, LockKey,
+    LockSession,
 };
 use pgelect_testkit::TestDb;
 use tokio_postgres::{Client, NoTls};
@@ -166,12 +167,12 @@ async fn a_non_superuser_owner_migrates_and_its_grants_suffice_for_every_kind() 
     f.query("SELECT pgelect.fence('jobs', $1)", &[&la.term().get()])
         .await
         .expect("the fencer fences the current term");
-    let seen = pgelect::election::current_leader(&watcher, "jobs")
+    let seen = pgelect::admin::current_leader(&watcher, "jobs")
         .await
         .unwrap()
         .unwrap();
     assert_eq!(seen.term, la.term());
-    let asked = pgelect::election::request_resign(&ops, "jobs")
+    let asked = pgelect::admin::request_resign(&ops, "jobs")
         .await
         .unwrap()
         .unwrap();

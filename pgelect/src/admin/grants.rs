@@ -23,9 +23,12 @@ pub enum UserKind {
     /// Only fences (`Leadership::fence` from an application's own
     /// connection): nothing on the table.
     Fencer,
-    /// Asks leaders to resign (`pgelect::election::request_resign`, `pgelect resign`).
+    /// Asks leaders to resign ([`request_resign`](super::request_resign),
+    /// `pgelect resign`).
     Operator,
-    /// Observes: `current_leader`, `Elector::watch`, `pgelect status`.
+    /// Observes: [`current_leader`](super::current_leader),
+    /// [`AdminClient::status`](super::AdminClient::status), `Elector::watch`,
+    /// `pgelect status`.
     Watcher,
     /// Migrates (`pgelect migrate`) and then owns the schema: `CREATE` on
     /// the database, no superuser. `fence` and `request_resign` run with
@@ -60,8 +63,8 @@ impl UserKind {
         match self {
             UserKind::Candidate => "stands for election with either backend, blocking or polling, on its own or a shared connection, and reads the leader row",
             UserKind::Fencer => "fences writes with a leader's term (pgelect.fence) from its own transactions, and nothing else",
-            UserKind::Operator => "asks a role's leader to resign (pgelect::election::request_resign, pgelect resign) and reads the row to wait for the new term",
-            UserKind::Watcher => "observes leaders: current_leader, Elector::watch, pgelect status",
+            UserKind::Operator => "asks a role's leader to resign (pgelect::admin::request_resign, pgelect resign) and reads the row to wait for the new term",
+            UserKind::Watcher => "observes leaders: current_leader, AdminClient::status, Elector::watch, pgelect status",
             UserKind::Owner => "runs pgelect migrate and owns the schema, without superuser; gives the other kinds their grants",
         }
     }
@@ -110,7 +113,8 @@ pub struct Grant {
 /// truncate it to someone else's).
 ///
 /// ```
-/// use pgelect::{grants::grant_statements, schema::SchemaName, grants::UserKind};
+/// use pgelect::admin::{grant_statements, UserKind};
+/// use pgelect::schema::SchemaName;
 /// let g = grant_statements(UserKind::Fencer, "Billing App", &SchemaName::default()).unwrap();
 /// assert_eq!(g[1].sql, r#"GRANT EXECUTE ON FUNCTION pgelect.fence(text, bigint) TO "Billing App""#);
 /// assert!(grant_statements(UserKind::Fencer, "", &SchemaName::default()).is_err());
