@@ -142,7 +142,7 @@ impl AutoFailoverOptions {
     }
 
     /// `false` keeps pg_auto_failover's production timeouts (a dead primary
-    /// is failed over after about 50 s) instead of [`MONITOR_SETTINGS`]'.
+    /// is failed over after about 50 s) instead of the lowered timeouts the kit sets (health check 1 s, unhealthy after 2 s).
     pub fn fast_detection(mut self, fast: bool) -> AutoFailoverOptions {
         self.fast_detection = fast;
         self

@@ -35,7 +35,7 @@ pub async fn current_leader(options: &ConnectOptions, role: &str) -> Result<Opti
 /// hint alone moves nothing, since anyone who can connect may send it.
 ///
 /// * Session-backend leaders and lease-backend leaders with
-///   [`listen_via`](crate::ElectorBuilder::listen_via) hear the hint and
+///   [`listen_via`](crate::election::LeaseOptions::listen_via) hear the hint and
 ///   renew at once; the renewal's answer carries the mark, and they step
 ///   down within a round trip or two (a flood of hints from others is
 ///   rate-limited to one early renewal per 100 ms, so a request made in a
