@@ -24,7 +24,7 @@ use super::keeper::{Action, Keeper, Phase};
 use super::leadership::{Command, LeaderState};
 use super::support::Counted;
 use super::watch::RESIGN_CHANNEL;
-use super::Shared;
+use super::ElectorState;
 use crate::loss::LossReason;
 
 /// What a renewal or a heartbeat found.
@@ -163,7 +163,7 @@ pub(crate) enum Activation {
 
 /// A leadership to keep.
 pub(crate) struct Keep<B> {
-    pub(crate) shared: Arc<Shared>,
+    pub(crate) shared: Arc<ElectorState>,
     pub(crate) backend: B,
     pub(crate) keeper: Keeper,
     pub(crate) state: Arc<LeaderState>,

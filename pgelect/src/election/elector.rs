@@ -30,10 +30,10 @@ use crate::loss::LossReason;
 /// and closes the lock connection kept from its last clean release (a
 /// [`Leadership`] it handed out lives on).
 pub struct Elector {
-    pub(super) shared: Arc<Shared>,
+    pub(super) shared: Arc<ElectorState>,
 }
 
-pub(crate) struct Shared {
+pub(crate) struct ElectorState {
     pub(crate) options: ConnectOptions,
     pub(crate) role: String,
     pub(crate) node: String,
@@ -177,7 +177,7 @@ impl Activity {
     }
 }
 
-impl Shared {
+impl ElectorState {
     /// Starts the observer task if it is not running.
     pub(crate) fn ensure_observer(self: &Arc<Self>) {
         let mut slot = self.observer.lock().unwrap_or_else(PoisonError::into_inner);
@@ -348,7 +348,7 @@ impl Elector {
             }
         };
         Elector {
-            shared: Arc::new(Shared {
+            shared: Arc::new(ElectorState {
                 options,
                 role,
                 node,
@@ -636,7 +636,7 @@ impl TimingReport {
 /// Deletes `shared`'s registry row (see [`Elector::withdraw`]): connecting
 /// and the statement together are bounded by twice the statement timeout,
 /// so that a process that stops is not held up by an unreachable database.
-async fn registry_withdraw(shared: &Shared) -> Result<()> {
+async fn registry_withdraw(shared: &ElectorState) -> Result<()> {
     const WHAT: &str = "withdraw from the candidate registry";
     let s = shared.options.schema_name().as_str();
     let spare = shared.session().and_then(SessionState::take_spare);

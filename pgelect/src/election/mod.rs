@@ -225,5 +225,5 @@ pub(crate) use watch::{leader_info, read_leader};
 pub use watch::{LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 
 pub(crate) use config::ElectorBuilder;
-pub(crate) use elector::{Activity, Elector, LeaseState, Shared};
+pub(crate) use elector::{Activity, Elector, ElectorState, LeaseState};
 pub(crate) use leadership::{Leadership, Term};

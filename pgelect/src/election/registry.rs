@@ -41,7 +41,7 @@ use crate::key::LockKey;
 use super::backend::shared::Registration;
 use super::timing::Timing;
 use super::watch::RESIGN_CHANNEL;
-use super::{Shared, StandbyMode};
+use super::{ElectorState, StandbyMode};
 
 /// A lease-backend row not refreshed for this many of its TTLs is deleted by
 /// the next registration of the role.
@@ -366,7 +366,7 @@ pub(crate) struct Register {
 }
 
 impl Register {
-    pub(crate) fn new(shared: &Shared, waits: Waits) -> Register {
+    pub(crate) fn new(shared: &ElectorState, waits: Waits) -> Register {
         let s = shared.options.schema_name().as_str();
         let interval = match shared.session().map(|x| x.standby) {
             Some(StandbyMode::Polling { interval }) => Some(interval),
@@ -385,7 +385,7 @@ impl Register {
     /// thousands register in one batched statement.
     pub(crate) fn statement<'a>(
         &'a self,
-        shared: &'a Shared,
+        shared: &'a ElectorState,
     ) -> (String, [(&'a (dyn ToSql + Sync), Type); 7]) {
         (
             register_sql(shared.options.schema_name().as_str(), self.waits),
@@ -403,7 +403,7 @@ impl Register {
 
     /// This registration as an entry of a shared session's batched
     /// registration ([`batch_register_sql`]; polling standbys only).
-    pub(crate) fn entry(&self, shared: &Shared) -> Registration {
+    pub(crate) fn entry(&self, shared: &ElectorState) -> Registration {
         Registration {
             role: shared.role.clone(),
             node: shared.node.clone(),
@@ -416,7 +416,11 @@ impl Register {
     }
 
     /// Registers (upsert) on `conn`; the backend pid is the server's.
-    pub(crate) async fn run(&self, shared: &Shared, conn: &DedicatedConnection) -> Result<()> {
+    pub(crate) async fn run(
+        &self,
+        shared: &ElectorState,
+        conn: &DedicatedConnection,
+    ) -> Result<()> {
         let s = shared.options.schema_name().as_str();
         let (sql, args) = self.statement(shared);
         let row = conn

@@ -180,7 +180,7 @@ impl WakeOn<'_> {
 /// # Cancel safety
 /// Cancel safe: it only sleeps and reads notifications; a wake-up reserved
 /// in `limit` by a dropped nap is simply spent.
-pub(crate) async fn nap(
+pub(crate) async fn sleep_until_woken(
     until: Instant,
     notices: &mut broadcast::Receiver<Notice>,
     wake: WakeOn<'_>,
@@ -489,7 +489,7 @@ mod tests {
             schema: "pgelect",
             role: "r",
         };
-        let end = nap(until, &mut rx, released, &mut limit, || {
+        let end = sleep_until_woken(until, &mut rx, released, &mut limit, || {
             Duration::from_millis(3)
         })
         .await;
@@ -504,7 +504,7 @@ mod tests {
             schema: "pgelect",
             role: "r",
         };
-        let end = nap(
+        let end = sleep_until_woken(
             t1 + Duration::from_secs(10),
             &mut rx,
             any,
@@ -519,7 +519,7 @@ mod tests {
             schema: "pgelect",
             role: "r",
         };
-        let end = nap(
+        let end = sleep_until_woken(
             t1 + Duration::from_secs(10),
             &mut rx,
             any,
@@ -546,7 +546,7 @@ mod tests {
                 role: "r",
             };
             let until = Instant::now() + Duration::from_secs(10);
-            nap(until, &mut rx, released, &mut limit, || Duration::ZERO).await;
+            sleep_until_woken(until, &mut rx, released, &mut limit, || Duration::ZERO).await;
             naps += 1;
         }
         // The burst, then one per gap.

@@ -16,8 +16,8 @@ use crate::error::{Error, Result};
 use crate::key::LockKey;
 use crate::schema::SchemaName;
 
-use super::support::{nap, NapEnd, Reconnect, WakeLimit, WakeOn};
-use super::Shared;
+use super::support::{sleep_until_woken, NapEnd, Reconnect, WakeLimit, WakeOn};
+use super::ElectorState;
 
 /// The `NOTIFY` channel on which leadership changes are announced. The
 /// payload is `<schema>:<event>:<role>`, with event `elected` or `released`.
@@ -272,7 +272,7 @@ pub(crate) async fn preempt_zombie<C: GenericClient + Sync>(
 /// this elector waits, preempts zombie leaders. Holds the elector's state
 /// weakly and ends when the elector is dropped.
 pub(crate) struct Observer {
-    pub(crate) shared: Weak<Shared>,
+    pub(crate) shared: Weak<ElectorState>,
     pub(crate) stop: CancellationToken,
 }
 
@@ -427,7 +427,7 @@ impl Observer {
                         return Ok(());
                     }
                 }
-                end = nap(until, &mut notices, woken_by, &mut wakes, || Duration::ZERO) => {
+                end = sleep_until_woken(until, &mut notices, woken_by, &mut wakes, || Duration::ZERO) => {
                     if end == NapEnd::ChannelClosed {
                         return Err(Error::connection_lost("observe the leader"));
                     }

@@ -293,7 +293,9 @@ impl LockSession {
     /// # Cancel safety
     /// Cancel safe: it only reads.
     pub async fn permit_holders(&self, semaphore: &Semaphore) -> Result<Vec<PermitHolder>> {
-        let turn = self.turn("find the holders of a semaphore").await?;
+        let turn = self
+            .take_connection("find the holders of a semaphore")
+            .await?;
         let read = query_permit_holders(turn.client(), semaphore);
         match tokio::time::timeout(turn.statement_timeout(), read).await {
             Ok(r) => r.map_err(|e| Error::db("find the holders of a semaphore", "\0", e)),
@@ -446,19 +448,22 @@ impl LockSession {
                 enter_sql(&semaphore, wait, |k| turn.is_held(k))
             })
             .await?;
-            let limit = || turn.adopt(semaphore.limit_key(), LockMode::Shared, false);
+            let limit = || turn.guard_taken_lock(semaphore.limit_key(), LockMode::Shared, false);
             let mut words = outcome.split(' ');
             match (words.next(), words.next(), words.next()) {
                 (Some("slot"), Some(i), None) => {
                     let slot = parse_slot(&semaphore, i)?;
                     let key = semaphore.inner.slots[slot as usize];
-                    let guards = (turn.adopt(key, LockMode::Exclusive, true), limit());
+                    let guards = (
+                        turn.guard_taken_lock(key, LockMode::Exclusive, true),
+                        limit(),
+                    );
                     Ok(Entered::Permit(Permit::new(
                         &session, &semaphore, slot, guards,
                     )))
                 }
                 (Some("head"), None, None) => Ok(Entered::Head {
-                    gate: turn.adopt(semaphore.gate_key(), LockMode::Exclusive, true),
+                    gate: turn.guard_taken_lock(semaphore.gate_key(), LockMode::Exclusive, true),
                     limit: limit(),
                 }),
                 (Some("queue"), None, None) => Ok(Entered::Queue { limit: limit() }),
@@ -502,7 +507,7 @@ impl LockSession {
                 (Some("slot"), Some(i), None) => {
                     let slot = parse_slot(&semaphore, i)?;
                     let key = semaphore.inner.slots[slot as usize];
-                    let guards = (turn.adopt(key, LockMode::Exclusive, true), limit);
+                    let guards = (turn.guard_taken_lock(key, LockMode::Exclusive, true), limit);
                     gate.mark_released();
                     Ok(Looked::Permit(Permit::new(
                         &session, &semaphore, slot, guards,
@@ -531,7 +536,7 @@ impl LockSession {
             key_literals(&semaphore.limit_key())
         );
         let done = async {
-            let turn = self.turn("leave a semaphore's queue").await?;
+            let turn = self.take_connection("leave a semaphore's queue").await?;
             turn.simple_query("leave a semaphore's queue", &sql).await
         };
         match done.await {
@@ -617,7 +622,7 @@ async fn run_step(
 ) -> Result<(Turn, String)> {
     let mut retried = false;
     loop {
-        let turn = session.turn(operation).await?;
+        let turn = session.take_connection(operation).await?;
         match turn.simple_query(operation, &sql(&turn)).await {
             Ok(messages) => {
                 let outcome = messages.iter().find_map(|m| match m {
@@ -870,7 +875,7 @@ async fn release(
     (slot_guard, limit_guard): (LockGuard, LockGuard),
 ) -> Result<bool> {
     const OPERATION: &str = "release a semaphore permit";
-    let turn = match session.turn(OPERATION).await {
+    let turn = match session.take_connection(OPERATION).await {
         Ok(turn) => turn,
         Err(e) => {
             if e.is_connection() {

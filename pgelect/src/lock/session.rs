@@ -341,7 +341,7 @@ impl LockSession {
     pub async fn unlock_all_behind_guards_for_tests(&self) -> Result<()> {
         let ops = self.inner.ops.clone().lock_owned().await;
         self.inner
-            .quick("unlock all (test hook)", || {
+            .run_short_statement("unlock all (test hook)", || {
                 self.inner
                     .client()
                     .simple_query("SELECT pg_advisory_unlock_all()")
@@ -363,7 +363,7 @@ pub(crate) struct Turn {
 impl LockSession {
     /// Waits for the session's connection, releases what dropped guards
     /// left, and fails if the connection is gone.
-    pub(crate) async fn turn(&self, operation: &'static str) -> Result<Turn> {
+    pub(crate) async fn take_connection(&self, operation: &'static str) -> Result<Turn> {
         let ops = self.inner.ops.clone().lock_owned().await;
         self.inner.flush_pending(&ops).await;
         if self.inner.signal().is_lost() {
@@ -433,7 +433,12 @@ impl Turn {
     /// A guard for a lock this turn's SQL took. `registered`: listed as
     /// held (and then refused by the session's own `lock` calls); a lock the
     /// session may hold several times over (a stacked shared lock) is not.
-    pub(crate) fn adopt(&self, key: LockKey, mode: LockMode, registered: bool) -> LockGuard {
+    pub(crate) fn guard_taken_lock(
+        &self,
+        key: LockKey,
+        mode: LockMode,
+        registered: bool,
+    ) -> LockGuard {
         if registered {
             self.inner.register(key, mode)
         } else {
@@ -690,7 +695,11 @@ impl Inner {
     /// A query-cancel error is a late cancel request of an abandoned wait
     /// (nothing else of pgelect cancels a short statement): it is run again,
     /// once.
-    async fn quick<T, F>(&self, operation: &'static str, statement: impl Fn() -> F) -> Result<T>
+    async fn run_short_statement<T, F>(
+        &self,
+        operation: &'static str,
+        statement: impl Fn() -> F,
+    ) -> Result<T>
     where
         F: Future<Output = std::result::Result<T, tokio_postgres::Error>>,
     {
@@ -750,7 +759,9 @@ impl Inner {
                     key.sql_args(1)
                 );
                 let row = self
-                    .quick("try a lock", || self.client().query_typed_one(&sql, &args))
+                    .run_short_statement("try a lock", || {
+                        self.client().query_typed_one(&sql, &args)
+                    })
                     .await?;
                 // pg_try_advisory_lock returns boolean; a decoding failure
                 // would be a driver bug, reported rather than panicked on.
@@ -899,7 +910,7 @@ impl Inner {
 
     /// The other backends holding `key`, bounded like every short statement.
     async fn holders(&self, key: LockKey) -> Result<Vec<LockHolder>> {
-        self.quick("find the holders of a lock", || {
+        self.run_short_statement("find the holders of a lock", || {
             query_holders(self.client(), key)
         })
         .await
@@ -916,7 +927,7 @@ impl Inner {
             (&mode_name, Type::TEXT),
         ];
         let row = self
-            .quick("check pg_locks", || {
+            .run_short_statement("check pg_locks", || {
                 self.client().query_typed_one(
                     "SELECT EXISTS (SELECT 1 FROM pg_locks
                       WHERE locktype = 'advisory' AND pid = pg_backend_pid()
@@ -940,7 +951,7 @@ impl Inner {
         let params = key.params();
         let args: Vec<_> = params.iter().map(|p| p.as_sql()).collect();
         let row = self
-            .quick("release a lock", || {
+            .run_short_statement("release a lock", || {
                 self.client().query_typed_one(&sql, &args)
             })
             .await?;
@@ -1062,7 +1073,7 @@ async fn heartbeat(session: Weak<Inner>, lost: CancellationToken, every: Duratio
             return;
         }
         if let Err(e) = inner
-            .quick("check the connection", || {
+            .run_short_statement("check the connection", || {
                 inner.client().simple_query("SELECT 1")
             })
             .await

@@ -34,19 +34,19 @@ use crate::election::keeper::{Keeper, Liveness};
 use crate::election::leadership::{LeaderContext, LeaderState, Leadership};
 use crate::election::registry::{self, yield_pause, Register, Waits};
 use crate::election::support::{
-    check_not_transaction_pooled, is_read_only, is_transient, nap, retry_backoff, Counted,
-    WakeLimit, WakeOn,
+    check_not_transaction_pooled, is_read_only, is_transient, retry_backoff, sleep_until_woken,
+    Counted, WakeLimit, WakeOn,
 };
 use crate::election::term::{next_term_sql, previous_holder_sql};
 use crate::election::watch::{
     preempt_zombie, read_leader, read_leader_and_mode, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
 };
-use crate::election::{Backend, Shared, StandbyMode, Term};
+use crate::election::{Backend, ElectorState, StandbyMode, Term};
 use crate::loss::LossReason;
 
 /// Campaigns until elected. Transient failures are retried with backoff;
 /// configuration, schema, permission and pooler errors are returned.
-pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
+pub(crate) async fn campaign(shared: &Arc<ElectorState>) -> Result<Leadership> {
     let span = tracing::info_span!("pgelect.campaign", role = %shared.role, node = %shared.node);
     async {
         let mut failures = 0u32;
@@ -193,7 +193,10 @@ impl Drop for KillOnDrop<'_> {
 
 /// Opens and prepares a lock connection: session settings, schema and
 /// pooler checks, and the election statement planned once.
-async fn lock_connection(shared: &Shared, elect: &ElectStatement) -> Result<DedicatedConnection> {
+async fn lock_connection(
+    shared: &ElectorState,
+    elect: &ElectStatement,
+) -> Result<DedicatedConnection> {
     let schema = shared.options.schema_name();
     let s = schema.as_str();
     let purpose = format!("{}:{}", shared.role, shared.node);
@@ -223,7 +226,7 @@ async fn lock_connection(shared: &Shared, elect: &ElectStatement) -> Result<Dedi
     conn.kept_if(prepared)
 }
 
-async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
+async fn attempt(shared: &Arc<ElectorState>) -> Result<Attempt> {
     let schema = shared.options.schema_name().clone();
     let s = schema.as_str();
     let elect = ElectStatement::new(shared);
@@ -417,7 +420,7 @@ async fn attempt(shared: &Arc<Shared>) -> Result<Attempt> {
 /// none of what it builds lives in the campaign's future, which thousands
 /// of standbys of a shared connection each hold.
 fn start_keep(
-    shared: &Arc<Shared>,
+    shared: &Arc<ElectorState>,
     conn: LockConn,
     term: Term,
     notices: broadcast::Receiver<Notice>,
@@ -556,7 +559,11 @@ async fn after_registration<T>(
 
 /// Waits as a blocking standby (see [`Place`]) until this candidate holds
 /// the role's lock (and no longer the watch key).
-async fn wait_blocking(shared: &Arc<Shared>, conn: &LockConn, register: &Register) -> Result<()> {
+async fn wait_blocking(
+    shared: &Arc<ElectorState>,
+    conn: &LockConn,
+    register: &Register,
+) -> Result<()> {
     let schema = shared.options.schema_name().clone();
     let s = schema.as_str();
     if let LockConn::Own(own) = conn {
@@ -754,7 +761,7 @@ struct ElectStatement {
 }
 
 impl ElectStatement {
-    fn new(shared: &Shared) -> Self {
+    fn new(shared: &ElectorState) -> Self {
         let s = shared.options.schema_name().as_str();
         ElectStatement {
             ttl_ms: shared.timing.ttl.as_millis() as i64,
@@ -763,7 +770,7 @@ impl ElectStatement {
     }
 
     /// The single election statement of `shared`'s role.
-    fn sql(shared: &Shared) -> String {
+    fn sql(shared: &ElectorState) -> String {
         let s = shared.options.schema_name().as_str();
         // No FOR UPDATE in `old`: a row locked after `up` updated it in the
         // same statement is skipped, which hid the previous holder (and with
@@ -805,7 +812,7 @@ impl ElectStatement {
         )
     }
 
-    fn args<'a>(&'a self, shared: &'a Shared) -> [(&'a (dyn ToSql + Sync), Type); 6] {
+    fn args<'a>(&'a self, shared: &'a ElectorState) -> [(&'a (dyn ToSql + Sync), Type); 6] {
         [
             (&shared.role, Type::TEXT),
             (&shared.node, Type::TEXT),
@@ -821,7 +828,7 @@ impl ElectStatement {
     /// table, its indexes and the functions on first use: about 1.5 ms of a
     /// 2-core machine's time (measured with pgbench), which would otherwise
     /// fall between the lock grant and the new term.
-    async fn warm_up(&self, shared: &Shared, conn: &DedicatedConnection) -> Result<()> {
+    async fn warm_up(&self, shared: &ElectorState, conn: &DedicatedConnection) -> Result<()> {
         let s = shared.options.schema_name().as_str();
         conn.client()
             .query_typed(
@@ -833,7 +840,7 @@ impl ElectStatement {
         Ok(())
     }
 
-    async fn run(&self, shared: &Shared, conn: &DedicatedConnection) -> Result<ElectOutcome> {
+    async fn run(&self, shared: &ElectorState, conn: &DedicatedConnection) -> Result<ElectOutcome> {
         let s = shared.options.schema_name().as_str();
         let row = conn
             .client()
@@ -845,7 +852,7 @@ impl ElectStatement {
 
     /// This election as an entry of a shared session's batched election,
     /// which does what this statement does, for many roles at once.
-    fn entry(&self, shared: &Shared) -> Election {
+    fn entry(&self, shared: &ElectorState) -> Election {
         Election {
             role: shared.role.clone(),
             node: shared.node.clone(),
@@ -859,7 +866,7 @@ impl ElectStatement {
 
     /// Decodes the statement's row, whose columns start at `at` (0 for
     /// this statement's own, 1 in the batched election's).
-    fn outcome(&self, shared: &Shared, row: &Row, at: usize) -> Result<ElectOutcome> {
+    fn outcome(&self, shared: &ElectorState, row: &Row, at: usize) -> Result<ElectOutcome> {
         let s = shared.options.schema_name().as_str();
         let preferred: Option<String> = row
             .try_get(at + 5)
@@ -892,7 +899,7 @@ impl ElectStatement {
 }
 
 async fn poll_for_lock(
-    shared: &Shared,
+    shared: &ElectorState,
     conn: &DedicatedConnection,
     interval: Duration,
     args: &[(&(dyn ToSql + Sync), Type)],
@@ -970,7 +977,7 @@ async fn poll_for_lock(
                 return Err(Error::connection_lost("wait for the leader's lock"));
             }
             // A closed channel ends the nap: try the lock again.
-            _ = nap(until, &mut notices, released, &mut wakes, || Duration::ZERO) => {}
+            _ = sleep_until_woken(until, &mut notices, released, &mut wakes, || Duration::ZERO) => {}
         }
     }
 }
@@ -988,7 +995,7 @@ async fn poll_for_lock(
 /// a statement per role, which a connection standing for thousands of
 /// roles cannot afford at every poll.
 async fn poll_in_batch(
-    shared: &Shared,
+    shared: &ElectorState,
     session: &Arc<SharedSession>,
     interval: Duration,
     args: &[(&(dyn ToSql + Sync), Type)],
@@ -1069,7 +1076,7 @@ async fn poll_in_batch(
 /// Only a lost connection is returned as an error; other failures of the
 /// lookup are logged and the wait goes on.
 async fn check_squatters(
-    shared: &Shared,
+    shared: &ElectorState,
     conn: &DedicatedConnection,
     watch: &mut SquatWatch,
     row_pid: Option<i32>,
@@ -1122,7 +1129,7 @@ async fn check_squatters(
 /// `renewed` false: the connection answered, the lease was not extended,
 /// and the keeper retries soon ([`Answer::Busy`]). No row at all means it
 /// is not ours.
-fn renew_sql(shared: &Shared) -> String {
+fn renew_sql(shared: &ElectorState) -> String {
     let s = shared.options.schema_name().as_str();
     let ready = registry::preferred_session_sql(s, shared.key, "$1", "$2", "$5", true);
     let alive = registry::preferred_session_sql(s, shared.key, "$1", "$2", "$5", false);
@@ -1155,7 +1162,7 @@ fn renew_sql(shared: &Shared) -> String {
 /// entries, which under the fast profile's 25 ms answer limit cost
 /// leaders their first renewal (the book's design notes, "Renewals and
 /// fenced transactions").
-async fn warm_up_renewal(shared: &Shared, conn: &DedicatedConnection) -> Result<()> {
+async fn warm_up_renewal(shared: &ElectorState, conn: &DedicatedConnection) -> Result<()> {
     let s = shared.options.schema_name().as_str();
     let ttl_ms = shared.timing.ttl.as_millis() as i64;
     conn.client()
@@ -1178,7 +1185,7 @@ async fn warm_up_renewal(shared: &Shared, conn: &DedicatedConnection) -> Result<
 /// renewing the lease row (scoped to holder, term and backend pid) and
 /// heartbeating; the connection's death ends leadership at once.
 struct SessionKeep {
-    shared: Arc<Shared>,
+    shared: Arc<ElectorState>,
     conn: LockConn,
     renew_sql: String,
     ttl_ms: i64,
@@ -1189,7 +1196,7 @@ struct SessionKeep {
 }
 
 impl SessionKeep {
-    fn new(shared: Arc<Shared>, conn: LockConn, term: i64) -> SessionKeep {
+    fn new(shared: Arc<ElectorState>, conn: LockConn, term: i64) -> SessionKeep {
         let renew_sql = renew_sql(&shared);
         let ttl_ms = shared.timing.ttl.as_millis() as i64;
         // A renewal request waits a little for others to share its batch;
@@ -1328,7 +1335,7 @@ impl KeepBackend for SessionKeep {
             // On a shared connection, one heartbeat answers all its leaders;
             // a failed one is run again here to get the error to report.
             if let LockConn::Shared(session) = &self.conn {
-                if session.beat(sent, share_wait).await {
+                if session.heartbeat_answered(sent, share_wait).await {
                     return (sent, Ok(Answer::Alive));
                 }
             }
@@ -1425,7 +1432,7 @@ impl KeepBackend for SessionKeep {
     }
 }
 
-async fn release(shared: &Shared, conn: &LockConn, term: i64) -> Result<()> {
+async fn release(shared: &ElectorState, conn: &LockConn, term: i64) -> Result<()> {
     let s = shared.options.schema_name().as_str();
     let sql = format!(
         "WITH c AS (

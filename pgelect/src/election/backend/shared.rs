@@ -418,7 +418,7 @@ impl SharedSession {
         tokio::spawn(register_batches(Arc::downgrade(&session)));
         tokio::spawn(elect_batches(Arc::downgrade(&session)));
         tokio::spawn(dispatch_hints(Arc::downgrade(&session)));
-        tokio::spawn(beat(Arc::downgrade(&session)));
+        tokio::spawn(heartbeat_task(Arc::downgrade(&session)));
         tokio::spawn(renew_batches(Arc::downgrade(&session)));
         tokio::spawn(poll_batches(
             Arc::downgrade(&session),
@@ -577,7 +577,7 @@ impl SharedSession {
     /// True when a heartbeat sent at or after `requested` was answered;
     /// false when it failed. The heartbeat is sent within `wait` of
     /// `requested`.
-    pub(crate) async fn beat(&self, requested: Instant, wait: Duration) -> bool {
+    pub(crate) async fn heartbeat_answered(&self, requested: Instant, wait: Duration) -> bool {
         let mut beats = self.beats.subscribe();
         let by = requested + wait;
         self.wanted
@@ -593,7 +593,7 @@ impl SharedSession {
 /// The heartbeat task of a shared session: sends `SELECT 1` when the
 /// earliest pending request wants it, for every request pending then; ends
 /// with the session or at the first failure.
-async fn beat(session: std::sync::Weak<SharedSession>) {
+async fn heartbeat_task(session: std::sync::Weak<SharedSession>) {
     let (mut wanted, closed) = match session.upgrade() {
         Some(s) => (s.wanted.subscribe(), s.conn.closed().clone()),
         None => return,

@@ -25,14 +25,14 @@ use crate::election::leadership::{LeaderContext, LeaderState, Leadership};
 use crate::election::registry::{Register, Waits};
 use crate::election::support::{is_transient, retry_backoff};
 use crate::election::watch::{parse_leader_event, LeaderInfo, LEADER_CHANNEL};
-use crate::election::{Backend, LeaseState, Shared, Term};
+use crate::election::{Backend, ElectorState, LeaseState, Term};
 
 use super::keep::LeaseKeep;
 use super::sql::{ms, Entry};
 use super::{Inner, SharedLease, CHUNK_ROWS, PATIENT_BOUND};
 
 /// The lease state of an elector that campaigns with the lease backend.
-fn lease_state(shared: &Shared) -> &LeaseState {
+fn lease_state(shared: &ElectorState) -> &LeaseState {
     shared
         .lease()
         .expect("BUG: the lease backend campaigns for lease electors only")
@@ -45,7 +45,7 @@ fn lease_state(shared: &Shared) -> &LeaseState {
 /// forward. Transient failures (connection refused or reset, pooler
 /// restarting, timeouts) are retried by the client; a missing schema, a
 /// permission error or a role held by the session backend are returned.
-pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
+pub(crate) async fn campaign(shared: &Arc<ElectorState>) -> Result<Leadership> {
     let span = tracing::info_span!("pgelect.campaign", role = %shared.role, node = %shared.node, backend = "lease");
     async {
         let client = lease_state(shared).client.client();
@@ -112,7 +112,7 @@ pub(crate) async fn campaign(shared: &Arc<Shared>) -> Result<Leadership> {
 /// and returns the handle, or `None` if the answer came so late that the
 /// local deadline already passed (the lease is then released unused).
 async fn elected(
-    shared: &Arc<Shared>,
+    shared: &Arc<ElectorState>,
     client: &SharedLease,
     term: Term,
     sent: Instant,
@@ -222,7 +222,7 @@ pub(super) struct Standby {
     pub(super) woken_at: Option<Instant>,
     pub(super) registration: Registration,
     /// For the elector's last-contact time.
-    pub(super) shared: Weak<Shared>,
+    pub(super) shared: Weak<ElectorState>,
     /// Where a win (or a refusal) goes; taken when sent.
     pub(super) won: Option<oneshot::Sender<Result<Won>>>,
 }
@@ -278,7 +278,7 @@ impl SharedLease {
     /// Enters the standby of `shared`'s role into the batched acquire
     /// (and registration); its first poll is sent within
     /// [`NEW_STANDBY_WAIT`].
-    pub(super) fn join_standbys(&self, shared: &Arc<Shared>) -> StandbyMember {
+    pub(super) fn join_standbys(&self, shared: &Arc<ElectorState>) -> StandbyMember {
         self.ensure_started();
         let s = shared.options.schema_name().as_str();
         let (tx, rx) = oneshot::channel();

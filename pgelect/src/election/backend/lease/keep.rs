@@ -19,7 +19,7 @@ use crate::election::backend::batch::{
 };
 use crate::election::driver::{Answer, Failed, KeepBackend, Statement};
 use crate::election::support::{backoff, is_read_only, is_transient};
-use crate::election::Shared;
+use crate::election::ElectorState;
 use crate::loss::LossReason;
 
 use super::sql::Renewing;
@@ -35,7 +35,7 @@ const BUSY_RETRY: Duration = Duration::from_millis(25);
 /// every leader on the client, each bounded by the statement timeout);
 /// failures are retried until the deadline.
 pub(super) struct LeaseKeep {
-    shared: Arc<Shared>,
+    shared: Arc<ElectorState>,
     client: SharedLease,
     member: RenewMember,
     term: i64,
@@ -48,7 +48,7 @@ pub(super) struct LeaseKeep {
 impl LeaseKeep {
     /// The keep of the leadership of `shared`'s role at `term`, in
     /// `client`'s renewal batch from now on.
-    pub(super) fn new(shared: &Arc<Shared>, client: &SharedLease, term: i64) -> LeaseKeep {
+    pub(super) fn new(shared: &Arc<ElectorState>, client: &SharedLease, term: i64) -> LeaseKeep {
         LeaseKeep {
             shared: shared.clone(),
             client: client.clone(),
@@ -228,7 +228,7 @@ impl Batch for SharedLease {
 impl SharedLease {
     /// Enters the leader of `shared`'s role, with `term`, into the batched
     /// renewal.
-    pub(super) fn join_renewals(&self, shared: &Shared, term: i64) -> RenewMember {
+    pub(super) fn join_renewals(&self, shared: &ElectorState, term: i64) -> RenewMember {
         self.ensure_started();
         let (tx, rx) = watch::channel(None);
         self.inner.leaders().insert(
@@ -255,7 +255,7 @@ impl SharedLease {
     /// Clears the holder where holder and term are still ours, with a
     /// NOTIFY in the same transaction; up to three attempts (transient
     /// failures). Returns whether the row was still ours.
-    pub(super) async fn release(&self, shared: &Shared, term: i64) -> Result<bool> {
+    pub(super) async fn release(&self, shared: &ElectorState, term: i64) -> Result<bool> {
         self.release_role(
             &shared.role,
             &shared.node,

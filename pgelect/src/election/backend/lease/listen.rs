@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 
 use crate::election::support::{listen_for, WakeLimit};
 use crate::election::watch::{parse_leader_event, LEADER_CHANNEL, RESIGN_CHANNEL};
-use crate::election::Shared;
+use crate::election::ElectorState;
 
 use super::{Inner, SharedLease};
 
@@ -88,7 +88,11 @@ impl SharedLease {
 /// `LeaseOptions::listen_via`): forwards notifications on
 /// [`LEADER_CHANNEL`] and [`RESIGN_CHANNEL`] to the elector's broadcast
 /// channel; reconnects with backoff; ends when the elector is dropped.
-pub(crate) async fn listen(shared: Weak<Shared>, options: ConnectOptions, stop: CancellationToken) {
+pub(crate) async fn listen(
+    shared: Weak<ElectorState>,
+    options: ConnectOptions,
+    stop: CancellationToken,
+) {
     let purpose = match shared.upgrade() {
         Some(s) => format!("listen:{}:{}", s.role, s.node),
         None => return,

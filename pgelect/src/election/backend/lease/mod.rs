@@ -413,7 +413,7 @@ impl SharedLease {
                 .map_err(|e| Error::db(operation, schema.as_str(), e))
         };
         let r = tokio::time::timeout(bound, run).await;
-        let r = settle(&mut conn, operation, r);
+        let r = drop_connection_on_failure(&mut conn, operation, r);
         (sent, r)
     }
 }
@@ -442,7 +442,7 @@ async fn reopen(
 /// After a timeout or a transient failure the connection is dropped (a
 /// statement still running is cancelled on the server), so the next
 /// statement starts on a fresh one.
-fn settle<T>(
+fn drop_connection_on_failure<T>(
     conn: &mut Option<DedicatedConnection>,
     operation: &'static str,
     r: std::result::Result<Result<T>, tokio::time::error::Elapsed>,
