@@ -58,8 +58,10 @@ def test_ttl_that_breaks_the_timing_inequality(url: str, role: str) -> None:
         pgelect.Elector(url, role, ttl=-1)
     with pytest.raises(pgelect.ConfigurationError, match='backend must be "session" or "lease"'):
         pgelect.Elector(url, role, backend="etcd")
-    with pytest.raises(pgelect.ConfigurationError, match="fast profile is for the session backend"):
+    with pytest.raises(pgelect.ConfigurationError, match="profile applies to the session backend only"):
         pgelect.Elector(url, role, backend="lease", profile="fast")
+    with pytest.raises(pgelect.ConfigurationError, match="retry_every applies to the lease backend only"):
+        pgelect.Elector(url, role, backend="session", retry_every=0.5)
 
 
 def test_session_backend_through_a_transaction_pooler(bouncer_url: str, role: str) -> None:
