@@ -45,7 +45,7 @@ pub async fn lock_holders<C: GenericClient + Sync>(
 ///
 /// ```no_run
 /// # async fn f(client: &tokio_postgres::Client) -> Result<(), pgelect::Error> {
-/// let jobs = pgelect::Semaphore::new("nightly-jobs", 3)?;
+/// let jobs = pgelect::lock::Semaphore::new("nightly-jobs", 3)?;
 /// for p in pgelect::admin::semaphore_holders(client, &jobs).await? {
 ///     eprintln!("slot {} held by {}", p.slot, p.holder);
 /// }

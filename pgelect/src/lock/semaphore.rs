@@ -335,7 +335,7 @@ impl LockSession {
     /// # async fn f(session: pgelect::LockSession) -> Result<(), pgelect::Error> {
     /// use std::time::Duration;
     /// use pgelect::lock::Wait;
-    /// let uploads = pgelect::Semaphore::new("s3-uploads", 4)?;
+    /// let uploads = pgelect::lock::Semaphore::new("s3-uploads", 4)?;
     /// match session.acquire_permit(&uploads, Wait::Never).await? {
     ///     Some(permit) => {
     ///         tokio::select! {
@@ -347,7 +347,7 @@ impl LockSession {
     ///     None => eprintln!("4 uploads already running, or others waiting"),
     /// }
     ///
-    /// let jobs = pgelect::Semaphore::new("nightly-jobs", 3)?;
+    /// let jobs = pgelect::lock::Semaphore::new("nightly-jobs", 3)?;
     /// match session.acquire_permit(&jobs, Wait::AtMost(Duration::from_secs(30))).await {
     ///     Ok(Some(permit)) => {
     ///         let work = permit.token(); // hand it to the work: cancelled on loss
