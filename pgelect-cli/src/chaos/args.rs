@@ -63,6 +63,16 @@ pub struct ChaosArgs {
     /// Default: a private directory removed at the end.
     #[arg(long, value_name = "DIR")]
     pub logs: Option<PathBuf>,
+    /// Run Python candidates instead of `pgelect run` supervisors: `PYTHON
+    /// -m pgelect._chaos`, an elector of the pgelect Python package (the
+    /// Rust library underneath) that ticks and makes fenced writes with
+    /// psycopg in its own process while it leads, judged by the same
+    /// checker. PYTHON is an interpreter with the pgelect wheel and psycopg
+    /// installed (e.g. target/py-venv/bin/python after pgelect-py/test.sh
+    /// --build-only). Clock jumps are skipped: libfaketime would fake the
+    /// clock of the candidate's log too.
+    #[arg(long, value_name = "PYTHON")]
+    pub python: Option<PathBuf>,
     /// Test only: also run a worker outside any supervisor, acting all the
     /// time with term 1, so that the checker must report violations.
     #[arg(long, hide = true)]
@@ -126,6 +136,7 @@ pub(super) fn standard_timing(backend: BackendArg) -> pgelect::election::TimingR
         no_pooler: false,
         every_fault: false,
         logs: None,
+        python: None,
         rogue: false,
     };
     timing(&args, backend).unwrap()

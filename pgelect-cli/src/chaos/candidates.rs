@@ -221,13 +221,14 @@ impl Run<'_> {
             })?;
         // In a namespace: `ip netns exec NS pgelect run …` (ip execs it:
         // the child is the supervisor itself).
+        let program = self.args.python.as_deref().unwrap_or(&self.exe);
         let mut cmd = match &ns {
             Some(ns) => {
                 let mut c = Command::new("ip");
-                c.args(netns::Net::exec_prefix(ns)).arg(&self.exe);
+                c.args(netns::Net::exec_prefix(ns)).arg(program);
                 c
             }
-            None => Command::new(&self.exe),
+            None => Command::new(program),
         };
         let backend = match self.backend {
             BackendArg::Session => "session",
@@ -237,38 +238,57 @@ impl Run<'_> {
             ProfileArg::Standard => "standard",
             ProfileArg::Fast => "fast",
         };
-        cmd.args([
-            "run",
-            "--role",
-            &self.role,
-            "--id",
-            &node,
-            "--backend",
-            backend,
-        ])
-        .args(["--profile", profile, "--ttl"])
-        .arg(crate::duration::show(self.args.ttl))
-        .args(["--grace", "1s", "--pass-database-env"]);
-        if let Some(direct) = &direct {
-            // LISTEN needs a session: directly, bypassing the pooler.
-            cmd.arg("--listen-url-file").arg(direct);
-        }
-        cmd.args(["--schema", &self.schema, "--"])
-            .arg(&self.exe)
-            .args(["chaos-worker", "--database-url-file"])
-            .arg(&worker_url)
-            .args([
-                "--schema",
-                &self.schema,
-                "--table",
-                &self.table,
-                "--idle-in-transaction-ms",
-                &self.args.ttl.as_millis().to_string(),
-                "--log",
+        let ttl_ms = self.args.ttl.as_millis().to_string();
+        let log = self.dir.join(format!("{node}.log"));
+        if self.args.python.is_some() {
+            // The Python candidate: elector and worker in one process
+            // (pgelect-py/python/pgelect/_chaos.py).
+            cmd.args(["-m", "pgelect._chaos", "--url-file"])
+                .arg(&url_file)
+                .arg("--worker-url-file")
+                .arg(&worker_url)
+                .args(["--role", &self.role, "--node", &node, "--backend", backend])
+                .args(["--profile", profile, "--ttl-ms", &ttl_ms])
+                .args(["--schema", &self.schema, "--table", &self.table])
+                .args(["--idle-in-transaction-ms", &ttl_ms, "--log"])
+                .arg(&log);
+            if let Some(direct) = &direct {
+                cmd.arg("--listen-url-file").arg(direct);
+            }
+        } else {
+            cmd.args([
+                "run",
+                "--role",
+                &self.role,
+                "--id",
+                &node,
+                "--backend",
+                backend,
             ])
-            .arg(self.dir.join(format!("{node}.log")))
-            .env("PGELECT_DATABASE_URL_FILE", &url_file)
-            .stdin(Stdio::null())
+            .args(["--profile", profile, "--ttl"])
+            .arg(crate::duration::show(self.args.ttl))
+            .args(["--grace", "1s", "--pass-database-env"]);
+            if let Some(direct) = &direct {
+                // LISTEN needs a session: directly, bypassing the pooler.
+                cmd.arg("--listen-url-file").arg(direct);
+            }
+            cmd.args(["--schema", &self.schema, "--"])
+                .arg(&self.exe)
+                .args(["chaos-worker", "--database-url-file"])
+                .arg(&worker_url)
+                .args([
+                    "--schema",
+                    &self.schema,
+                    "--table",
+                    &self.table,
+                    "--idle-in-transaction-ms",
+                    &ttl_ms,
+                    "--log",
+                ])
+                .arg(&log)
+                .env("PGELECT_DATABASE_URL_FILE", &url_file);
+        }
+        cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr)
             .kill_on_drop(true)
@@ -404,6 +424,33 @@ impl Run<'_> {
         }
         None
     }
+}
+
+/// Fails clearly unless `python` runs and imports the Python candidate
+/// (the pgelect wheel and psycopg installed).
+pub(super) fn check_python(python: &Path) -> Result<(), Failure> {
+    let out = std::process::Command::new(python)
+        .args(["-c", "import pgelect._chaos"])
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| {
+            Failure::new(
+                crate::exit::USAGE,
+                format!("--python {}: cannot run it: {e}", python.display()),
+            )
+        })?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let why = String::from_utf8_lossy(&out.stderr);
+    Err(Failure::new(
+        crate::exit::USAGE,
+        format!(
+            "--python {}: cannot import the Python candidate (pgelect._chaos): {}; install the pgelect wheel and psycopg into it (pgelect-py/test.sh --build-only makes target/py-venv)",
+            python.display(),
+            why.trim().lines().last().unwrap_or("no message")
+        ),
+    ))
 }
 
 /// A proxy to the server of `url`, and at `path` a private file with the

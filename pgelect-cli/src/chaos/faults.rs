@@ -373,6 +373,12 @@ pub(super) async fn inject(
             }
         }
         Fault::ClockJump => match &sups[i].clock {
+            None if args.python.is_some() => {
+                effect.skipped = Some(
+                    "not with Python candidates: libfaketime would fake their log's clock too"
+                        .to_owned(),
+                )
+            }
             None => {
                 effect.skipped = Some(
                     "libfaketime is not installed (Debian: apt-get install faketime)".to_owned(),

@@ -118,6 +118,9 @@ async fn chaos(
     server: &mut Option<crate::demo::throwaway::Server>,
 ) -> Result<(Rows, Vec<String>), Failure> {
     let explicit = global.explicit_url()?;
+    if let Some(python) = &args.python {
+        candidates::check_python(python)?;
+    }
     let pooler_url = crate::cli::resolve_url(
         args.pooler_url.as_deref(),
         "--pooler-url",
@@ -312,9 +315,8 @@ async fn chaos(
                 url_file: url_file.path(),
                 proxied: proxied.as_ref(),
                 net: None,
-                faketime: args
-                    .faults
-                    .contains(&Fault::ClockJump)
+                // Not for Python candidates: their log's clock would jump too.
+                faketime: (args.faults.contains(&Fault::ClockJump) && args.python.is_none())
                     .then(find_faketime)
                     .flatten(),
                 server: server.as_ref(),

@@ -567,6 +567,46 @@ async fn chaos_refuses_a_pooler_url_without_a_database_url() {
     );
 }
 
+/// `--python` with an interpreter that is missing, or that cannot import
+/// the Python candidate, is refused before anything starts, saying what
+/// to install.
+#[tokio::test]
+async fn chaos_refuses_a_python_that_cannot_run_the_candidate() {
+    let missing = run(
+        pgelect([
+            "chaos",
+            "--python",
+            "/nonexistent/python3",
+            "--duration",
+            "1s",
+        ]),
+        CHAOS,
+    )
+    .await;
+    missing.assert_code(64);
+    assert!(
+        missing
+            .stderr
+            .contains("--python /nonexistent/python3: cannot run it"),
+        "{}",
+        missing.stderr
+    );
+    // The system's python3, without the pgelect wheel.
+    let bare = run(
+        pgelect(["chaos", "--python", "/usr/bin/python3", "--duration", "1s"]),
+        CHAOS,
+    )
+    .await;
+    bare.assert_code(64);
+    assert!(
+        bare.stderr
+            .contains("cannot import the Python candidate (pgelect._chaos)")
+            && bare.stderr.contains("ModuleNotFoundError"),
+        "{}",
+        bare.stderr
+    );
+}
+
 /// Against a database named with --database-url, the lease backend's
 /// supervisors go through the pooler named with --pooler-url-file (here
 /// PgBouncer in transaction mode in front of the test cluster), the rows

@@ -78,7 +78,12 @@ fn stand(
                     let l = e.leadership().await.expect("elected");
                     leaders.begin(&r, &node, l.term().get());
                     let _ = won.send((r.clone(), node.clone(), l.term().get()));
-                    l.lost().await;
+                    let loss = l.lost().await;
+                    println!(
+                        "{node} lost {r} (term {}): {:?}",
+                        l.term().get(),
+                        loss.reason()
+                    );
                     leaders.end(&r, &node);
                 }
             })
