@@ -113,7 +113,9 @@ async fn demo_puts_its_random_password_on_no_command_line_and_ignores_database_u
     })
     .await;
     let port: u16 = demo
-        .next_line("the throwaway server", QUICK, |l| {
+        // initdb and a start, in a debug build: 15 s was once not enough
+        // in CI beside five other tests (load average 19).
+        .next_line("the throwaway server", QUICK * 4, |l| {
             l.contains("PostgreSQL on 127.0.0.1:")
         })
         .await
