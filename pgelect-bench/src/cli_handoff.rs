@@ -151,7 +151,7 @@ fn parse_duration(v: &str) -> Result<Duration, String> {
 }
 
 /// The `pgelect` binary to run.
-fn pgelect_bin() -> Result<PathBuf, String> {
+pub(crate) fn pgelect_bin() -> Result<PathBuf, String> {
     if let Some(p) = std::env::var_os("PGELECT_BIN").filter(|p| !p.is_empty()) {
         return Ok(PathBuf::from(p));
     }

@@ -15,6 +15,7 @@ mod cli_handoff;
 mod common;
 mod crowd;
 mod failover;
+mod fleet;
 mod lease;
 mod promote;
 mod report;
@@ -49,6 +50,16 @@ benchmarks:
               standby, N-1 standbys, and N-1 standbys each in the lock queue with an
               observer (options: --candidates N (100), --trials N (5),
               --window SECONDS (40), --json)
+  fleet       many `pgelect run --backend lease` processes of one role through
+              PgBouncer in transaction mode (pool of 20): start, statements and rows
+              written per second, server connections, CPU of the server, PgBouncer
+              and the members, RSS per member, crash failover after SIGKILLed
+              leaders and overlaps (options: --members N (100), --ttl SECONDS (5),
+              --window SECONDS (30), --kills N (3), --own-application-names (pgelect's
+              default name per member, which costs PgBouncer a SET per statement),
+              --start-rate N (members started per second; default all at once),
+              --logs DIR (each member's stderr), --json; needs the pgelect binary as
+              cli-handoff does)
   promote     a PostgreSQL primary failover (primary stopped hard, streaming replica
               promoted): time until the replica accepts writes and until a candidate
               leads on it, both backends (options: --trials N (10),
@@ -82,6 +93,7 @@ fn main() -> ExitCode {
         Some("promote") => promote::run(&args[1..]),
         Some("roles") => roles::run(&args[1..]),
         Some("crowd") => crowd::run(&args[1..]),
+        Some("fleet") => fleet::run(&args[1..]),
         Some("lease-failover") => lease::run(&args[1..]),
         Some("cli-handoff") => cli_handoff::run(&args[1..]),
         Some("report") => report::run(&args[1..]),

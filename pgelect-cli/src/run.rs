@@ -24,7 +24,7 @@ pub struct RunArgs {
     /// handed over to another member gets SIGTERM (SIGKILL after --grace)
     /// first; a command that exits by itself is started again after 1s.
     /// Session backend only.
-    #[arg(long, value_name = "GROUP:N", conflicts_with_all = ["role", "metrics_addr", "listen_url", "listen_url_file", "on_exit"])]
+    #[arg(long, value_name = "GROUP:N", conflicts_with_all = ["role", "metrics_addr", "retry_every", "listen_url", "listen_url_file", "on_exit"])]
     pub partitions: Option<String>,
     /// This candidate's name (default: <hostname>-<pid>-<random>).
     #[arg(long = "id", value_name = "NODE")]
@@ -68,6 +68,15 @@ pub struct RunArgs {
     /// transaction mode; a crashed leader is replaced when its lease ends).
     #[arg(long, value_enum, default_value_t = BackendArg::Session)]
     pub backend: BackendArg,
+    /// Lease backend only: the longest a standby sleeps between two looks
+    /// at the lease (default 1s). It looks again when the lease expires on
+    /// the server's clock in any case, so a crashed leader is replaced
+    /// within the ttl whatever this is; what it bounds is how long a clean
+    /// release goes unseen without --listen-url. For a large fleet through
+    /// a transaction pooler, set it to the ttl or more: each standby then
+    /// costs about one statement per lease expiry instead of one a second.
+    #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION")]
+    pub retry_every: Option<Duration>,
     /// Lease backend only: a direct connection (bypassing the pooler) used
     /// for LISTEN, so that standbys take over a released lease at once and
     /// resign requests arrive at once. A password here is visible to every
@@ -188,6 +197,9 @@ impl RunArgs {
         if let Some(listen) = listen {
             lease = lease.listen_via(listen);
         }
+        if let Some(d) = self.retry_every {
+            lease = lease.retry_every(d);
+        }
         Ok(lease)
     }
 
@@ -216,6 +228,7 @@ impl RunArgs {
             || self.handover_delay.is_some()
             || self.safety_margin.is_some()
             || self.renew_every.is_some()
+            || self.retry_every.is_some()
     }
 }
 
@@ -229,6 +242,7 @@ fn flag(setting: Setting) -> String {
         // The lease backend's statement timeout is set by the same option.
         Setting::HeartbeatTimeout | Setting::StatementTimeout => "--heartbeat-timeout",
         Setting::HandoverDelay => "--handover-delay",
+        Setting::RetryEvery => "--retry-every",
         other => other.as_str(),
     }
     .to_owned()
@@ -311,6 +325,12 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
                 }
                 // From the environment, shared by candidates of both kinds.
                 tracing::info!("PGELECT_LISTEN_URL(_FILE) ignored: the session backend listens on its own lock connection");
+            }
+            if args.retry_every.is_some() {
+                return Err(Failure::new(
+                    exit::USAGE,
+                    "--retry-every is for --backend lease: a session-backend standby waits in the lock queue or polls on its own schedule; leave --retry-every out",
+                ));
             }
             args.session_options().into()
         }

@@ -294,7 +294,12 @@ impl LeaseOptions {
     /// server-reported expiry plus a jitter of at most 50 ms (ttl/20 below
     /// a 1 s TTL); this caps that sleep, and so bounds how late a standby
     /// without a [`listen_via`](LeaseOptions::listen_via) connection
-    /// notices a voluntary release. Default: `1s`.
+    /// notices a voluntary release. Default: `1s`. Through a transaction
+    /// pooler with many standbys (a fleet of processes for one role), set
+    /// it to the TTL or more: each standby then costs about one statement
+    /// per lease expiry (its registration is refreshed by the same
+    /// statement) instead of one a second, and a crashed leader is still
+    /// taken over at its lease's expiry.
     pub fn retry_every(mut self, every: Duration) -> Self {
         self.retry_every = Some(every);
         self

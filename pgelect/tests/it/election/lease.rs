@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use pgelect::{
-    election::Backend, loss::LossReason, ConnectOptions, Elector, ElectorBuilder, Error, Term,
+    election::{Backend, SharedLease},
+    loss::LossReason,
+    ConnectOptions, Elector, ElectorBuilder, Error, Term,
 };
 use pgelect_testkit::{Cluster, FaultProxy, PgBouncer, PoolMode, TestDb};
 use tokio_postgres::types::Type;
@@ -1313,4 +1315,114 @@ fn lease_configurations_are_checked_against_the_lease_inequalities() {
         .unwrap_err();
     assert!(err.to_string().contains("listen_via"), "{err}");
     assert!("sessions".parse::<Backend>().is_err());
+}
+
+/// A standby through PgBouncer whose `retry_every` (60 s) is longer than
+/// the TTL looks at the lease once per expiry on the server's clock, and
+/// its polls keep its registration fresh themselves: about one statement
+/// per expiry in all (before, a registration every ttl / 2 came on top,
+/// which is what a fleet of hundreds of standbys paid most for). When the
+/// leader's process is SIGKILLed, the standby acts at the lease's expiry,
+/// not at its next `retry_every`, and not before the expiry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_polls_once_per_lease_expiry_and_acts_at_the_expiry() {
+    let (db, pooled, _direct, bouncer) = setup("lease_expiry_wait").await;
+    let admin = db.connect().await;
+    let role = "expiry-wait";
+    let ttl = Duration::from_secs(3);
+    let leader = Candidate::spawn(&[
+        "--backend",
+        "lease",
+        &bouncer.url(db.name()),
+        role,
+        "3000",
+        "proc",
+    ]);
+    let old = term_of(&leader.expect("ELECTED", Duration::from_secs(20)));
+    let client = SharedLease::new(&pooled);
+    let standby = Elector::builder(pooled.clone(), role)
+        .backend(Backend::Lease)
+        .node_id("standby")
+        .ttl(ttl)
+        .lease(|l| l.shared_lease(&client).retry_every(Duration::from_secs(60)))
+        .build()
+        .unwrap();
+    let task = tokio::spawn(async move { (standby.leadership().await.unwrap(), Instant::now()) });
+    // Registered (its first statement), then a window of five TTLs.
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while registry_age(&admin, role, "standby").await.is_none() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the standby registers");
+    let window = ttl * 5;
+    let s0 = client.statements();
+    let t0 = Instant::now();
+    let mut oldest = Duration::ZERO;
+    while t0.elapsed() < window {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let age = registry_age(&admin, role, "standby")
+            .await
+            .expect("still registered");
+        oldest = oldest.max(age);
+    }
+    let sent = client.statements() - s0;
+    println!(
+        "standby over {window:?} (ttl {ttl:?}, leader renewing every 750 ms): {sent} statements, registration at most {oldest:?} old"
+    );
+    // About one per expiry: 5-7 in five TTLs. A registration every ttl / 2
+    // on top (the former schedule) made 15 or more.
+    assert!((3..=10).contains(&sent), "{sent} statements in {window:?}");
+    // Ready (seen within its TTL on the server) all along: generous bound
+    // for a loaded machine.
+    assert!(oldest < ttl + Duration::from_secs(1), "{oldest:?}");
+    assert!(
+        !task.is_finished(),
+        "the standby took a live leader's lease"
+    );
+
+    let killed = Instant::now();
+    leader.signal("-KILL");
+    // The dead leader's lease as it was left (it renewed 750 ms ago at
+    // most: more than two seconds remain).
+    let (holder, term, lease_end) = row(&admin, role).await;
+    assert_eq!((holder.as_deref(), term), (Some("proc"), old.get()));
+    let (l, at) = tokio::time::timeout(ttl + Duration::from_secs(10), task)
+        .await
+        .expect("the standby takes over the expired lease")
+        .unwrap();
+    let took = at - killed;
+    println!("SIGKILLed leader (ttl {ttl:?}): standby with retry_every 60 s acting after {took:?}");
+    assert!(l.term() > old);
+    // At the expiry (at most ttl after the kill) plus jitter and slack for
+    // a loaded machine; retry_every (60 s) plays no part.
+    assert!(took < ttl + Duration::from_secs(2), "{took:?}");
+    // And not before the dead leader's lease ended, on the server's clock.
+    let before_expiry: bool = admin
+        .query_typed_one(
+            "SELECT acquired_at < $2 FROM pgelect.leaders WHERE role = $1",
+            &[(&role, Type::TEXT), (&lease_end, Type::TIMESTAMPTZ)],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!before_expiry);
+    l.resign().await.unwrap();
+}
+
+/// How long ago the registry row of `node` for `role` was last seen (the
+/// server's clock), if there is one.
+async fn registry_age(c: &tokio_postgres::Client, role: &str, node: &str) -> Option<Duration> {
+    let r = c
+        .query_typed_opt(
+            "SELECT (extract(epoch FROM now() - seen_at) * 1000)::float8
+               FROM pgelect.candidates WHERE role = $1 AND node = $2",
+            &[(&role, Type::TEXT), (&node, Type::TEXT)],
+        )
+        .await
+        .unwrap()?;
+    Some(Duration::from_secs_f64(
+        r.get::<_, f64>(0).max(0.0) / 1000.0,
+    ))
 }

@@ -203,6 +203,18 @@ const UNANSWERED_TOKENS: usize = 16;
 /// short lease is taken over within `ttl` + 50 ms, round trips included.
 const MAX_JITTER: Duration = Duration::from_millis(50);
 
+/// How often a standby's full registration (the upsert that also deletes
+/// dead candidates' rows and hints a leader of lower priority) is sent
+/// again; between two, its polls refresh its `seen_at`.
+const FULL_REGISTRATION_EVERY: Duration = Duration::from_secs(600);
+
+/// The share of its TTL after its last `seen_at` refresh by which a
+/// standby polls again (a poll refreshes it once it is half a TTL old):
+/// nine tenths, so that a standby that polls once per lease expiry (every
+/// two thirds to one TTL while the leader renews) stays ready with one
+/// statement per poll, and a tenth of the TTL is left for a late poll.
+const REFRESH_WITHIN: (u32, u32) = (9, 10);
+
 /// A standby's entry in the batched acquire and registration.
 pub(super) struct Standby {
     pub(super) id: u64,
@@ -215,8 +227,15 @@ pub(super) struct Standby {
     pub(super) retry_every: Duration,
     /// When the next acquire of this role is due.
     pub(super) due: Instant,
-    /// When the next registration of this standby is due.
+    /// When the next full registration of this standby is due: at once
+    /// when it joins, then every [`FULL_REGISTRATION_EVERY`], and at once
+    /// again when a poll finds its row gone. In between, the polls refresh
+    /// the row's `seen_at` themselves.
     pub(super) register_due: Instant,
+    /// The latest moment of the next poll that keeps the registration
+    /// fresh: [`REFRESH_WITHIN`] of its TTL after its `seen_at` was last
+    /// refreshed (readiness is "seen within its TTL" on the server).
+    pub(super) refresh_by: Instant,
     /// When its role was last announced released (or announcements may
     /// have been missed): an acquire sent before then may not have seen it.
     pub(super) woken_at: Option<Instant>,
@@ -303,6 +322,7 @@ impl SharedLease {
                 retry_every: shared.timing.retry_every,
                 due: first,
                 register_due: first,
+                refresh_by: first + shared.timing.ttl,
                 woken_at: None,
                 registration: register.entry(shared),
                 shared: Arc::downgrade(shared),
@@ -427,11 +447,15 @@ async fn register_chunk(client: &SharedLease, part: &[(String, Registration)]) -
     let mut standbys = client.inner.standbys();
     for (role, _) in part {
         if let Some(s) = standbys.get_mut(role) {
-            s.register_due = match &r {
-                // Readiness is "seen within ttl" on the server's clock.
-                Ok(()) => sent + s.ttl / 2,
-                Err(_) => Instant::now() + s.retry_every,
-            };
+            match &r {
+                // Readiness is "seen within ttl" on the server's clock; the
+                // polls refresh it from now on.
+                Ok(()) => {
+                    s.register_due = sent + FULL_REGISTRATION_EVERY;
+                    s.refresh_by = refresh_by(sent, s.ttl);
+                }
+                Err(_) => s.register_due = Instant::now() + s.retry_every,
+            }
         }
     }
     r
@@ -478,6 +502,12 @@ fn refuse_one(client: &SharedLease, role: &str, e: Error) {
             let _ = tx.send(Err(e));
         }
     }
+}
+
+/// The latest next poll of a standby whose registration was refreshed at
+/// `seen` (see [`REFRESH_WITHIN`]).
+fn refresh_by(seen: Instant, ttl: Duration) -> Instant {
+    seen + ttl * REFRESH_WITHIN.0 / REFRESH_WITHIN.1
 }
 
 /// The largest jitter for `ttl`: [`MAX_JITTER`], a twentieth of the TTL
@@ -655,7 +685,17 @@ async fn acquire_chunk(client: &SharedLease, part: &[Entry], bound: Duration) ->
                         Some(w) if w >= sent => wait.min(REWAKE_GAP),
                         _ => wait,
                     };
-                    e.due = now + wait;
+                    match a.seen_age {
+                        // Refreshed by this poll (age 0) or earlier.
+                        Some(age) => {
+                            let seen = sent.checked_sub(age).unwrap_or(sent);
+                            e.refresh_by = refresh_by(seen, e.ttl);
+                        }
+                        // No row (deleted, or a registration that failed):
+                        // registered again at once.
+                        None => e.register_due = now,
+                    }
+                    e.due = (now + wait).min(e.refresh_by.max(now));
                 }
             }
         }

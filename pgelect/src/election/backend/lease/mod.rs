@@ -99,8 +99,11 @@ use sql::Statements;
 ///   every `retry_every` (1 s by default), and, with
 ///   [`listen_via`](SharedLease::listen_via), at once when a leader
 ///   announces the release of a role one of them waits for.
-/// * **Registrations** in the candidate registry: one statement per
-///   `ttl / 2` for all standbys.
+/// * **Registrations** in the candidate registry: one statement when a
+///   standby joins (and every 10 minutes, or when its row is gone); in
+///   between, the batched acquire refreshes each standby's `seen_at` once
+///   it is half a TTL old, and a standby polls at least every nine tenths
+///   of its TTL, so that it stays ready (seen within its TTL).
 /// * **Releases**: one statement per role.
 ///
 /// Only one statement is in flight at a time: a renewal waits behind one
@@ -118,8 +121,13 @@ use sql::Statements;
 ///
 /// One connection, and one more used only to `LISTEN` with
 /// [`listen_via`](SharedLease::listen_via). At steady state, per process: one renewal statement per
-/// `renew_every` per 2,000 leaders, one acquire per `retry_every` per 5,000
-/// standbys and one registration per `ttl / 2` per 2,000 standbys.
+/// `renew_every` per 2,000 leaders and one acquire per 5,000 standbys at
+/// the earliest of: the lease's expiry on the server's clock (plus up to
+/// 50 ms of jitter), `retry_every`, and nine tenths of the TTL after the
+/// registrations were last refreshed. With `retry_every` at the TTL or
+/// more, a standby of a role whose leader renews every `ttl / 3` costs
+/// about 1.2 statements per TTL: a fleet of N such processes about
+/// `1.2 × N / ttl` statements a second.
 ///
 /// A lease-backend candidate built without a `SharedLease` stands on a
 /// client of its own, the same engine carrying that one role on a

@@ -51,8 +51,10 @@ pub(super) struct Statements {
 ///   remaining ms of the new lease (float8), then the row as it was
 ///   before: holder, backend, remaining ms (float8, negative if expired);
 ///   then the NOTIFY (text), the preferred candidate it deferred to (text,
-///   NULL if none), whether the row was re-armed instead (bool) and the
-///   role (text).
+///   NULL if none), whether the row was re-armed instead (bool), the
+///   role (text), and the age in ms of the standby's registration
+///   (float8: 0 when this poll refreshed its `seen_at`, which it does once
+///   it is half a TTL old; NULL when the standby has no registration row).
 /// * `renew`: `$1` roles, `$2` nodes, `$3` terms (int8[]), `$4` TTLs in ms,
 ///   `$5` priorities. A row per role whose lease is still its node's with
 ///   its term: role, remaining ms (float8), resign_requested, the node of a
@@ -112,6 +114,7 @@ fn acquire_sql(s: &str) -> String {
     let stale = stale_row_sql("l", tl);
     let rearm = rearm_lease_sql("l", "c.ttl_ms", tl);
     let (of_a, of_stale) = (among("l", "a"), among("l", "cur"));
+    let reg_of_a = among("c", "a");
     format!(
         "WITH tl AS (
              SELECT {TIMELINE_SQL} AS t
@@ -157,6 +160,20 @@ fn acquire_sql(s: &str) -> String {
                  -- nobody acts on it, take it again with a new term
                  OR (l.holder = EXCLUDED.holder AND l.lease_token = ANY($8::int8[]))
              RETURNING l.role, l.term, l.acquired_at, l.lease_until
+         ), reg AS (
+             SELECT c.role, c.seen_at
+               FROM {s}.candidates c JOIN a ON c.role = a.role AND c.node = a.node
+              WHERE c.backend = 'lease' AND {reg_of_a}
+         ), seen AS (
+             -- The registration's `seen_at`, refreshed by the poll itself
+             -- once it is half a TTL old: a standby that polls costs one
+             -- statement, not a poll and a registration.
+             UPDATE {s}.candidates c SET seen_at = now()
+               FROM a
+              WHERE c.role = a.role AND c.node = a.node AND c.backend = 'lease'
+                AND c.seen_at < now() - (a.ttl_ms / 2) * interval '1 millisecond'
+                AND {reg_of_a}
+             RETURNING c.role
          )
          SELECT up.term, up.acquired_at, up.lease_until,
                 (extract(epoch FROM up.lease_until - now()) * 1000)::float8,
@@ -167,8 +184,11 @@ fn acquire_sql(s: &str) -> String {
                      THEN pg_catalog.pg_notify('{LEADER_CHANNEL}', a.payload)::text END,
                 CASE WHEN up.term IS NULL THEN try.pref END,
                 rearm.lease_until IS NOT NULL,
-                a.role
+                a.role,
+                CASE WHEN a.role IN (SELECT seen.role FROM seen) THEN 0::float8
+                     ELSE (extract(epoch FROM now() - reg.seen_at) * 1000)::float8 END
            FROM a LEFT JOIN up ON up.role = a.role
+                  LEFT JOIN reg ON reg.role = a.role
                   LEFT JOIN cur ON cur.role = a.role
                   LEFT JOIN try ON try.role = a.role
                   LEFT JOIN rearm ON rearm.role = a.role"
@@ -443,6 +463,9 @@ pub(super) struct Acquired {
     /// Not won because the row was last written before this server's
     /// promotion: its lease was re-armed for a full TTL.
     pub(super) rearmed: bool,
+    /// The age of the standby's registration after this poll (0: just
+    /// refreshed); `None`: it has none (never written, or deleted).
+    pub(super) seen_age: Option<Duration>,
 }
 
 impl Acquired {
@@ -460,6 +483,7 @@ impl Acquired {
             deferred_to: row.try_get(8)?,
             rearmed: row.try_get::<_, Option<bool>>(9)?.unwrap_or(false),
             role: row.try_get(10)?,
+            seen_age: row.try_get::<_, Option<f64>>(11)?.map(ms),
         })
     }
 }
