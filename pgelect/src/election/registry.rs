@@ -38,7 +38,7 @@ use crate::conn::DedicatedConnection;
 use crate::error::{Error, Result};
 use crate::key::LockKey;
 
-use super::backend::shared::Registration;
+use super::backend::session::Registration;
 use super::timing::Timing;
 use super::watch::RESIGN_CHANNEL;
 use super::{ElectorState, StandbyMode};
