@@ -33,7 +33,6 @@ use crate::election::support::{
     check_not_transaction_pooled, is_transient, retry_backoff, sleep_until_woken, Counted,
     WakeLimit, WakeOn,
 };
-use crate::election::term::{next_term_sql, previous_holder_sql};
 use crate::election::watch::{
     preempt_zombie, read_leader, read_leader_and_mode, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
 };
@@ -605,9 +604,10 @@ pub(super) struct Elected {
 /// lease row naming this candidate, returns the previous holder (set when
 /// the last leader did not release cleanly) and notifies watchers.
 ///
-/// The statement's text is built when it runs alone (on a connection of
-/// the candidate's own, or after a failed batch): a shared connection's
-/// thousands of candidates elect in its batched statement.
+/// Alone (on a connection of the candidate's own, or after a failed batch)
+/// it is the backend's one election statement ([`batch_elect_sql`]) with
+/// one row; a shared connection's candidates elect in its batches of the
+/// same statement.
 pub(super) struct ElectStatement {
     ttl_ms: i64,
     payload: String,
@@ -622,58 +622,11 @@ impl ElectStatement {
         }
     }
 
-    /// The single election statement of `shared`'s role.
-    fn sql(shared: &ElectorState) -> String {
-        let s = shared.options.schema_name().as_str();
-        // No FOR UPDATE in `old`: a row locked after `up` updated it in the
-        // same statement is skipped, which hid the previous holder (and with
-        // it the handover delay). The advisory lock already serialises
-        // electors, and `up` locks the row itself.
-        let (first, next) = (next_term_sql("0"), next_term_sql("l.term"));
-        // `pref`: a ready candidate of strictly higher priority, read from
-        // pg_locks in this very statement; if there is one, nothing is
-        // written and the lock is given back.
-        let pref = registry::preferred_session_sql(s, shared.key, "$1", "$2", "$6", true);
-        let previous = previous_holder_sql("l");
-        format!(
-            "WITH pref AS (
-                 SELECT {pref} AS node
-             ), old AS (
-                 SELECT {previous} AS holder FROM {s}.leaders l WHERE l.role = $1
-             ), up AS (
-                 INSERT INTO {s}.leaders AS l
-                        (role, holder, holder_meta, term, backend, holder_pid, acquired_at, renewed_at, lease_until)
-                 SELECT $1, $2, $3, {first}, 'session', pg_backend_pid(), now(), now(),
-                        now() + $4 * interval '1 millisecond'
-                  WHERE (SELECT node FROM pref) IS NULL
-                 ON CONFLICT (role) DO UPDATE
-                    SET holder = EXCLUDED.holder, holder_meta = EXCLUDED.holder_meta,
-                        term = {next}, backend = EXCLUDED.backend,
-                        holder_pid = EXCLUDED.holder_pid, acquired_at = EXCLUDED.acquired_at,
-                        renewed_at = EXCLUDED.renewed_at, lease_until = EXCLUDED.lease_until,
-                        resign_requested = false, lease_token = NULL
-                  -- A live lease-backend leader is not protected by the advisory
-                  -- lock: never take its row (all candidates of a role must use
-                  -- one backend; refused below).
-                  WHERE NOT (l.backend = 'lease' AND l.holder IS NOT NULL AND l.lease_until >= now())
-                 RETURNING l.term, l.acquired_at, l.lease_until
-             )
-             SELECT up.term, (SELECT holder FROM old), up.acquired_at, up.lease_until,
-                    CASE WHEN up.term IS NOT NULL THEN pg_notify('{LEADER_CHANNEL}', $5)::text END,
-                    (SELECT node FROM pref)
-               FROM (SELECT 1) AS one LEFT JOIN up ON true"
-        )
-    }
-
-    fn args<'a>(&'a self, shared: &'a ElectorState) -> [(&'a (dyn ToSql + Sync), Type); 6] {
-        [
-            (&shared.role, Type::TEXT),
-            (&shared.node, Type::TEXT),
-            (&shared.meta, Type::JSONB),
-            (&self.ttl_ms, Type::INT8),
-            (&self.payload, Type::TEXT),
-            (&shared.priority, Type::INT4),
-        ]
+    /// The election statement, with this candidate's role as its one row.
+    fn rows(&self, shared: &ElectorState) -> Elections {
+        let mut rows = Elections::default();
+        rows.push(&self.entry(shared));
+        rows
     }
 
     /// Plans the statement without running it (`EXPLAIN`), before the lock
@@ -683,11 +636,9 @@ impl ElectStatement {
     /// fall between the lock grant and the new term.
     async fn warm_up(&self, shared: &ElectorState, conn: &DedicatedConnection) -> Result<()> {
         let s = shared.options.schema_name().as_str();
-        conn.client()
-            .query_typed(
-                &format!("EXPLAIN {}", Self::sql(shared)),
-                &self.args(shared),
-            )
+        let sql = format!("EXPLAIN {}", batch_elect_sql(s));
+        self.rows(shared)
+            .run(conn.client(), &sql)
             .await
             .map_err(|e| Error::db("prepare the election statement", s, e))?;
         Ok(())
@@ -695,12 +646,12 @@ impl ElectStatement {
 
     async fn run(&self, shared: &ElectorState, conn: &DedicatedConnection) -> Result<ElectOutcome> {
         let s = shared.options.schema_name().as_str();
-        let row = conn
-            .client()
-            .query_typed_one(&Self::sql(shared), &self.args(shared))
+        let row = self
+            .rows(shared)
+            .run_one(conn.client(), &batch_elect_sql(s))
             .await
             .map_err(|e| Error::db("record the new term", s, e))?;
-        self.outcome(shared, &row, 0)
+        self.outcome(shared, &row, 1)
     }
 
     /// This election as an entry of a shared session's batched election,
@@ -1323,47 +1274,13 @@ pub(super) async fn elect_batches(session: std::sync::Weak<SharedSession>) {
         }
         // In role order, for the reason the registrations are.
         batch.sort_by(|a, b| a.0.role.cmp(&b.0.role));
-        let mut roles = Vec::with_capacity(batch.len());
-        let mut nodes = Vec::with_capacity(batch.len());
-        let mut metas = Vec::with_capacity(batch.len());
-        let mut ttls = Vec::with_capacity(batch.len());
-        let mut payloads = Vec::with_capacity(batch.len());
-        let mut priorities = Vec::with_capacity(batch.len());
-        let mut classids = Vec::with_capacity(batch.len());
-        let mut objids = Vec::with_capacity(batch.len());
-        let mut objsubids = Vec::with_capacity(batch.len());
+        let mut rows = Elections::default();
         for (e, _) in &batch {
-            let (classid, objid, objsubid) = e.key.pg_locks_ids();
-            roles.push(e.role.as_str());
-            nodes.push(e.node.as_str());
-            metas.push(e.meta.as_ref());
-            ttls.push(e.ttl_ms);
-            payloads.push(e.payload.as_str());
-            priorities.push(e.priority);
-            classids.push(i64::from(classid));
-            objids.push(i64::from(objid));
-            objsubids.push(objsubid);
+            rows.push(e);
         }
         let lane = s.lane().await;
         let sent = Instant::now();
-        let r = s
-            .conn
-            .client()
-            .query_typed(
-                &s.elect_sql,
-                &[
-                    (&roles, Type::TEXT_ARRAY),
-                    (&nodes, Type::TEXT_ARRAY),
-                    (&metas, Type::JSONB_ARRAY),
-                    (&ttls, Type::INT8_ARRAY),
-                    (&payloads, Type::TEXT_ARRAY),
-                    (&priorities, Type::INT4_ARRAY),
-                    (&classids, Type::INT8_ARRAY),
-                    (&objids, Type::INT8_ARRAY),
-                    (&objsubids, Type::INT2_ARRAY),
-                ],
-            )
-            .await;
+        let r = rows.run(s.conn.client(), &s.elect_sql).await;
         drop(lane);
         tracing::debug!(pid = s.conn.pid(), candidates = batch.len(), took = ?sent.elapsed(), "batched election");
         if r.is_ok() {

@@ -9,14 +9,13 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::Row;
 
 use crate::conn::DedicatedConnection;
 use crate::error::{Error, Result};
 
 use super::sql::*;
 use super::*;
-use crate::election::driver::{Answer, Failed, KeepBackend, Preferred, Statement};
+use crate::election::driver::{Answer, Failed, KeepBackend, Statement};
 use crate::election::support::{is_read_only, is_transient};
 use crate::election::watch::{LEADER_CHANNEL, RESIGN_CHANNEL};
 use crate::election::ElectorState;
@@ -34,20 +33,30 @@ pub(super) async fn warm_up_renewal(
 ) -> Result<()> {
     let s = shared.options.schema_name().as_str();
     let ttl_ms = shared.timing.ttl.as_millis() as i64;
-    conn.client()
-        .query_typed(
-            &format!("EXPLAIN {}", renew_sql(shared)),
-            &[
-                (&shared.role, Type::TEXT),
-                (&shared.node, Type::TEXT),
-                (&0i64, Type::INT8),
-                (&ttl_ms, Type::INT8),
-                (&shared.priority, Type::INT4),
-            ],
+    renewal_of(shared, 0, ttl_ms)
+        .run(
+            conn.client(),
+            &format!("EXPLAIN {}", batch_renew_sql(s)),
+            0..1,
         )
         .await
         .map_err(|e| Error::db("prepare the renewal", s, e))?;
     Ok(())
+}
+
+/// The renewal statement's rows for `shared`'s leader alone, at `term`.
+fn renewal_of(shared: &ElectorState, term: i64, ttl_ms: i64) -> Renewals {
+    let (classid, objid, _) = shared.key.pg_locks_ids();
+    let mut rows = Renewals::default();
+    rows.push(
+        &shared.role,
+        &shared.node,
+        term,
+        ttl_ms,
+        shared.priority,
+        (i64::from(classid), i64::from(objid)),
+    );
+    rows
 }
 
 /// How the session backend keeps a leadership: on the lock connection,
@@ -56,8 +65,9 @@ pub(super) async fn warm_up_renewal(
 pub(super) struct SessionKeep {
     shared: Arc<ElectorState>,
     conn: LockConn,
+    /// The renewal statement, for this leader alone: a batch of one.
+    renewal: Renewals,
     renew_sql: String,
-    ttl_ms: i64,
     term: i64,
     /// On a shared connection: this leader's place in the session's
     /// batched renewal (one statement renews every leader on it).
@@ -66,7 +76,7 @@ pub(super) struct SessionKeep {
 
 impl SessionKeep {
     pub(super) fn new(shared: Arc<ElectorState>, conn: LockConn, term: i64) -> SessionKeep {
-        let renew_sql = renew_sql(&shared);
+        let renew_sql = batch_renew_sql(shared.options.schema_name().as_str());
         let ttl_ms = shared.timing.ttl.as_millis() as i64;
         // A renewal request waits a little for others to share its batch;
         // the keeper's answer limit (the heartbeat timeout) runs from the
@@ -87,10 +97,10 @@ impl SessionKeep {
             LockConn::Own(_) => None,
         };
         SessionKeep {
+            renewal: renewal_of(&shared, term, ttl_ms),
             shared,
             conn,
             renew_sql,
-            ttl_ms,
             term,
             batch,
         }
@@ -100,20 +110,15 @@ impl SessionKeep {
     async fn renew_alone(&self) -> (Instant, Result<Answer>) {
         let sent = Instant::now();
         let r = self
-            .conn
-            .client()
-            .query_typed(
-                &self.renew_sql,
-                &[
-                    (&self.shared.role, Type::TEXT),
-                    (&self.shared.node, Type::TEXT),
-                    (&self.term, Type::INT8),
-                    (&self.ttl_ms, Type::INT8),
-                    (&self.shared.priority, Type::INT4),
-                ],
-            )
+            .renewal
+            .run(self.conn.client(), &self.renew_sql, 0..1)
             .await
-            .and_then(|rows| renewal(&rows))
+            .and_then(|rows| Renewals::outcomes(&rows))
+            .map(|mut found| {
+                found
+                    .remove(&self.shared.role)
+                    .map_or(Answer::NotOurs, batched_answer)
+            })
             .map_err(|e| Error::db("renew the lease", self.schema(), e));
         (sent, r)
     }
@@ -147,23 +152,6 @@ pub(super) fn read_only_answer(msgs: &[tokio_postgres::SimpleQueryMessage]) -> b
         tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0) == Some("on"),
         _ => false,
     })
-}
-
-/// The renewal's rows: one if the lease is still ours (renewed, or busy
-/// when the row was locked), none otherwise.
-pub(super) fn renewal(rows: &[Row]) -> std::result::Result<Answer, tokio_postgres::Error> {
-    match rows {
-        [row] if !row.try_get::<_, bool>(5)? => Ok(Answer::Busy),
-        [row] => Ok(Answer::Renewed {
-            row: Some((row.try_get(0)?, row.try_get(1)?)),
-            resign_requested: row.try_get(2)?,
-            preferred: Preferred {
-                ready: row.try_get(3)?,
-                pending: row.try_get(4)?,
-            },
-        }),
-        _ => Ok(Answer::NotOurs),
-    }
 }
 
 impl KeepBackend for SessionKeep {
@@ -403,24 +391,13 @@ pub(super) async fn renew_batches(session: std::sync::Weak<SharedSession>) {
             return;
         };
         s.renew_wanted.send_replace(None);
-        let mut roles = Vec::new();
-        let mut nodes = Vec::new();
-        let mut terms = Vec::new();
-        let mut ttls = Vec::new();
-        let mut priorities = Vec::new();
-        let mut classids = Vec::new();
-        let mut objids = Vec::new();
+        let mut rows = Renewals::default();
         let mut outcomes = HashMap::new();
         for (role, l) in s.leaders().iter() {
-            roles.push(role.clone());
-            nodes.push(l.node.clone());
-            terms.push(l.term);
-            ttls.push(l.ttl_ms);
-            priorities.push(l.priority);
-            classids.push(l.lock_ids.0);
-            objids.push(l.lock_ids.1);
+            rows.push(role, &l.node, l.term, l.ttl_ms, l.priority, l.lock_ids);
             outcomes.insert(role.clone(), (l.term, l.outcome.clone()));
         }
+        let roles = &rows.roles;
         if roles.is_empty() {
             continue;
         }
@@ -429,61 +406,26 @@ pub(super) async fn renew_batches(session: std::sync::Weak<SharedSession>) {
         // session alive to the leaders still waiting for theirs.
         for chunk in chunks(roles.len(), RENEW_ROWS) {
             let sent = Instant::now();
-            let rows = s
-                .conn
-                .client()
-                .query_typed(
-                    &s.renew_sql,
-                    &[
-                        (&&roles[chunk.clone()], Type::TEXT_ARRAY),
-                        (&&nodes[chunk.clone()], Type::TEXT_ARRAY),
-                        (&&terms[chunk.clone()], Type::INT8_ARRAY),
-                        (&&ttls[chunk.clone()], Type::INT8_ARRAY),
-                        (&&priorities[chunk.clone()], Type::INT4_ARRAY),
-                        (&&classids[chunk.clone()], Type::INT8_ARRAY),
-                        (&&objids[chunk.clone()], Type::INT8_ARRAY),
-                    ],
-                )
-                .await;
+            let answer = rows.run(s.conn.client(), &s.renew_sql, chunk.clone()).await;
             tracing::debug!(pid = s.conn.pid(), leaders = chunk.len(), took = ?sent.elapsed(), "batched renewal");
-            if rows.is_ok() {
+            if answer.is_ok() {
                 s.answered(sent);
             }
-            let mut found: HashMap<String, Batched> = HashMap::new();
-            let failed = match rows {
-                Ok(rows) => {
-                    let decoded = rows.iter().try_for_each(|row| {
-                        let role: String = row.try_get(0)?;
-                        if !row.try_get::<_, bool>(6)? {
-                            found.insert(role, Batched::Busy);
-                            return Ok(());
-                        }
-                        let b = Batched::Renewed {
-                            row: (row.try_get(1)?, row.try_get(2)?),
-                            resign_requested: row.try_get(3)?,
-                            preferred: Preferred {
-                                ready: row.try_get(4)?,
-                                pending: row.try_get(5)?,
-                            },
-                        };
-                        found.insert(role, b);
-                        Ok::<_, tokio_postgres::Error>(())
-                    });
-                    decoded.is_err()
-                }
+            let mut found = match answer.and_then(|rows| Renewals::outcomes(&rows)) {
+                Ok(found) => Some(found),
                 Err(e) => {
                     tracing::warn!(error = %e, cause = ?e.as_db_error().map(|d| d.message()), leaders = chunk.len(), "the batched renewal failed; each leader renews alone");
-                    true
+                    None
                 }
             };
+            let failed = found.is_none();
             for role in &roles[chunk] {
                 let Some((_, tx)) = outcomes.remove(role) else {
                     continue;
                 };
-                let b = if failed {
-                    Batched::Failed
-                } else {
-                    found.remove(role).unwrap_or(Batched::NotOurs)
+                let b = match &mut found {
+                    None => Batched::Failed,
+                    Some(found) => found.remove(role).unwrap_or(Batched::NotOurs),
                 };
                 tx.send_replace(Some((sent, b)));
             }

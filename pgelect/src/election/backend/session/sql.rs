@@ -1,19 +1,34 @@
-//! The session backend's statements.
+//! The session backend's statements, one text per operation. The
+//! election and the renewal are array-shaped: a shared connection's
+//! batch binds many roles, a candidate on its own connection binds one
+//! ([`Elections`], [`Renewals`]).
 
+use std::collections::HashMap;
+
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::Row;
+
+use super::{Batched, Election};
+use crate::election::driver::Preferred;
 use crate::election::registry;
 use crate::election::term::{next_term_sql, previous_holder_sql};
 use crate::election::watch::LEADER_CHANNEL;
-use crate::election::ElectorState;
 use crate::schema::SchemaName;
 
-/// The batched renewal: renews the rows of all the given roles that still
-/// name their leader with its term and this backend, each for its own TTL,
-/// and returns, per renewed role, what a single leader's renewal returns
-/// (the row's times, the resign mark, preferred candidates). A row that
-/// is still ours but locked (a fenced transaction holds it) is skipped,
-/// not waited for, and returned with `renewed` false, as the single
-/// renewal does (see `renew_sql`). Roles not returned are no
+/// The renewal, of one leader or many: renews the rows of all the given
+/// roles that still name their leader with its term and this backend, each
+/// for its own TTL, and returns, per renewed role, the row's times, the
+/// resign mark and the preferred candidates (a ready candidate of strictly
+/// higher priority makes the leader hand over). Roles not returned are no
 /// longer ours.
+///
+/// A row is locked with `SKIP LOCKED`, never waited for: a fenced
+/// transaction of the leader's own (`pgelect.fence` holds the row `FOR
+/// SHARE` until it ends) would otherwise hold the renewal back for as long
+/// as it runs, past the fast profile's 25 ms answer limit (the book's
+/// design notes, "Renewals and fenced transactions"). A row that is still
+/// ours but locked comes back with `renewed` false: the connection
+/// answered, the lease was not extended, and the keeper retries soon.
 ///
 /// This backend's pid is a column of `m` (`me`), so that "held by this
 /// backend" is a join condition, not a filter on `leaders` alone (a new
@@ -97,17 +112,20 @@ pub(super) fn batch_poll_sql(s: &str) -> String {
     )
 }
 
-/// The batched election: for each given role, what a single election
-/// statement (`ElectStatement` of the session backend) does, in one
-/// statement: unless a ready candidate of strictly higher priority waits,
+/// The election, of one role or many: for each given role, unless a ready candidate of strictly higher priority waits,
 /// bumps the term and writes the lease row naming the candidate (never
 /// over a live lease-backend leader), notifies watchers. One row per role:
 /// the role, then a single election's columns (term, previous holder,
 /// acquired at, lease until, notification, preferred node).
 ///
-/// `old` reads the rows as the statement found them, without `FOR UPDATE`,
-/// for the reason the single statement gives; the advisory locks held by
-/// this session serialise the electors of every role here.
+/// `old` reads the rows as the statement found them, without `FOR UPDATE`:
+/// a row locked after `up` updated it in the same statement is skipped,
+/// which hid the previous holder (and with it the handover delay). The
+/// advisory locks held by this session serialise the electors of every
+/// role here, and `up` locks the rows itself. `pref` (a ready candidate of
+/// strictly higher priority) is read from `pg_locks` in this very
+/// statement; if there is one, nothing is written and the lock is given
+/// back.
 pub(super) fn batch_elect_sql(s: &str) -> String {
     let (first, next) = (next_term_sql("0"), next_term_sql("l.term"));
     let ids = ("e.classid", "e.objid", "e.objsubid");
@@ -234,42 +252,153 @@ pub(super) fn queue_slice_sql(s: &str) -> String {
     )
 }
 
-/// A leader's own renewal: `$1` role, `$2` node, `$3` term, `$4` ttl ms,
-/// `$5` priority. Every renewal also reads the candidate registry: a ready
-/// candidate of strictly higher priority makes the leader hand over.
-///
-/// The row is locked with `SKIP LOCKED`, never waited for: a fenced
-/// transaction of this leader's own (`pgelect.fence` holds the row `FOR
-/// SHARE` until it ends) would otherwise hold the renewal back for as long
-/// as it runs, past the fast profile's 25 ms answer limit (the chaos run
-/// that showed it: the book's design notes, "Renewals and fenced
-/// transactions"). A row that is still ours but locked comes back with
-/// `renewed` false: the connection answered, the lease was not extended,
-/// and the keeper retries soon ([`Answer::Busy`]). No row at all means it
-/// is not ours.
-pub(super) fn renew_sql(shared: &ElectorState) -> String {
-    let s = shared.options.schema_name().as_str();
-    let ready = registry::preferred_session_sql(s, shared.key, "$1", "$2", "$5", true);
-    let alive = registry::preferred_session_sql(s, shared.key, "$1", "$2", "$5", false);
-    format!(
-        "WITH o AS (
-             SELECT role FROM {s}.leaders
-              WHERE role = $1 AND holder = $2 AND term = $3 AND holder_pid = pg_backend_pid()
-                FOR NO KEY UPDATE SKIP LOCKED
-         ), u AS (
-             UPDATE {s}.leaders l
-                SET renewed_at = now(), lease_until = now() + $4 * interval '1 millisecond'
-               FROM o
-              WHERE l.role = o.role
-             RETURNING l.renewed_at, l.lease_until, l.resign_requested
-         )
-         SELECT renewed_at, lease_until, resign_requested, {ready}, {alive} IS NOT NULL,
-                true AS renewed
-           FROM u
-         UNION ALL
-         SELECT l.renewed_at, l.lease_until, l.resign_requested, NULL::text, false, false
-           FROM {s}.leaders l
-          WHERE l.role = $1 AND l.holder = $2 AND l.term = $3
-            AND l.holder_pid = pg_backend_pid() AND NOT EXISTS (SELECT FROM u)"
-    )
+/// The rows of one election statement ([`batch_elect_sql`]), one role or
+/// many: its arrays, bound in this order.
+#[derive(Default)]
+pub(super) struct Elections {
+    roles: Vec<String>,
+    nodes: Vec<String>,
+    metas: Vec<Option<serde_json::Value>>,
+    ttls: Vec<i64>,
+    payloads: Vec<String>,
+    priorities: Vec<i32>,
+    classids: Vec<i64>,
+    objids: Vec<i64>,
+    objsubids: Vec<i16>,
+}
+
+impl Elections {
+    /// Adds `e`'s role to the statement.
+    pub(super) fn push(&mut self, e: &Election) {
+        let (classid, objid, objsubid) = e.key.pg_locks_ids();
+        self.roles.push(e.role.clone());
+        self.nodes.push(e.node.clone());
+        self.metas.push(e.meta.clone());
+        self.ttls.push(e.ttl_ms);
+        self.payloads.push(e.payload.clone());
+        self.priorities.push(e.priority);
+        self.classids.push(i64::from(classid));
+        self.objids.push(i64::from(objid));
+        self.objsubids.push(objsubid);
+    }
+
+    /// Runs `sql` (the election statement, or an `EXPLAIN` of it) over
+    /// these rows: one row per role, the role then a single election's
+    /// columns.
+    pub(super) async fn run(
+        &self,
+        client: &tokio_postgres::Client,
+        sql: &str,
+    ) -> Result<Vec<Row>, tokio_postgres::Error> {
+        client.query_typed(sql, &self.params()).await
+    }
+
+    /// Runs the election statement for one role: its one row. The request
+    /// is sent when the future is first polled, so that it can be
+    /// pipelined between a `BEGIN` and a `COMMIT`.
+    pub(super) async fn run_one(
+        &self,
+        client: &tokio_postgres::Client,
+        sql: &str,
+    ) -> Result<Row, tokio_postgres::Error> {
+        client.query_typed_one(sql, &self.params()).await
+    }
+
+    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 9] {
+        [
+            (&self.roles, Type::TEXT_ARRAY),
+            (&self.nodes, Type::TEXT_ARRAY),
+            (&self.metas, Type::JSONB_ARRAY),
+            (&self.ttls, Type::INT8_ARRAY),
+            (&self.payloads, Type::TEXT_ARRAY),
+            (&self.priorities, Type::INT4_ARRAY),
+            (&self.classids, Type::INT8_ARRAY),
+            (&self.objids, Type::INT8_ARRAY),
+            (&self.objsubids, Type::INT2_ARRAY),
+        ]
+    }
+}
+
+/// The leaders of one renewal statement ([`batch_renew_sql`]), one or
+/// many: its arrays, bound in this order.
+#[derive(Default)]
+pub(super) struct Renewals {
+    pub(super) roles: Vec<String>,
+    nodes: Vec<String>,
+    terms: Vec<i64>,
+    ttls: Vec<i64>,
+    priorities: Vec<i32>,
+    classids: Vec<i64>,
+    objids: Vec<i64>,
+}
+
+impl Renewals {
+    /// Adds the leader of `role` at `term`, whose advisory key `pg_locks`
+    /// shows as `lock_ids` (classid, objid).
+    pub(super) fn push(
+        &mut self,
+        role: &str,
+        node: &str,
+        term: i64,
+        ttl_ms: i64,
+        priority: i32,
+        lock_ids: (i64, i64),
+    ) {
+        self.roles.push(role.to_owned());
+        self.nodes.push(node.to_owned());
+        self.terms.push(term);
+        self.ttls.push(ttl_ms);
+        self.priorities.push(priority);
+        self.classids.push(lock_ids.0);
+        self.objids.push(lock_ids.1);
+    }
+
+    /// Runs `sql` (the renewal statement, or an `EXPLAIN` of it) for the
+    /// leaders in `chunk`; returns its rows.
+    pub(super) async fn run(
+        &self,
+        client: &tokio_postgres::Client,
+        sql: &str,
+        chunk: std::ops::Range<usize>,
+    ) -> Result<Vec<Row>, tokio_postgres::Error> {
+        client
+            .query_typed(
+                sql,
+                &[
+                    (&&self.roles[chunk.clone()], Type::TEXT_ARRAY),
+                    (&&self.nodes[chunk.clone()], Type::TEXT_ARRAY),
+                    (&&self.terms[chunk.clone()], Type::INT8_ARRAY),
+                    (&&self.ttls[chunk.clone()], Type::INT8_ARRAY),
+                    (&&self.priorities[chunk.clone()], Type::INT4_ARRAY),
+                    (&&self.classids[chunk.clone()], Type::INT8_ARRAY),
+                    (&&self.objids[chunk.clone()], Type::INT8_ARRAY),
+                ],
+            )
+            .await
+    }
+
+    /// What the renewal's `rows` found, per role: renewed, or busy (still
+    /// ours, but locked). A role without a row is no longer its leader's.
+    pub(super) fn outcomes(
+        rows: &[Row],
+    ) -> Result<HashMap<String, Batched>, tokio_postgres::Error> {
+        let mut found = HashMap::with_capacity(rows.len());
+        for row in rows {
+            let role: String = row.try_get(0)?;
+            if !row.try_get::<_, bool>(6)? {
+                found.insert(role, Batched::Busy);
+                continue;
+            }
+            let b = Batched::Renewed {
+                row: (row.try_get(1)?, row.try_get(2)?),
+                resign_requested: row.try_get(3)?,
+                preferred: Preferred {
+                    ready: row.try_get(4)?,
+                    pending: row.try_get(5)?,
+                },
+            };
+            found.insert(role, b);
+        }
+        Ok(found)
+    }
 }
