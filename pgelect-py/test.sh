@@ -6,6 +6,12 @@
 #
 #   pgelect-py/test.sh                 # build, install, pytest
 #   pgelect-py/test.sh -k fence        # anything after goes to pytest
+#   pgelect-py/test.sh --build-only    # the virtualenv and the wheel, no tests
+#   pgelect-py/test.sh --no-build      # the tests of the wheel installed last
+#
+# scripts/test.sh builds the wheel (--build-only, niced) while the Rust
+# suite runs, which leaves most of a core idle waiting on timers, and runs
+# the tests (--no-build) after it.
 #
 # Everything lives under target/: the virtualenv (target/py-venv, with the
 # pinned tools of pgelect-py/requirements-dev.txt and
@@ -16,7 +22,26 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+phase=all
+case "${1:-}" in
+  --build-only) phase=build; shift ;;
+  --no-build) phase=test; shift ;;
+esac
+
 venv=target/py-venv
+run_tests() {
+  # From outside the source tree, so that the installed wheel is what runs.
+  "$venv/bin/python" -m pytest -p no:cacheprovider --rootdir pgelect-py/tests -q \
+    pgelect-py/tests examples/python "$@"
+}
+if [ "$phase" = test ]; then
+  if ! "$venv/bin/python" -c 'import pgelect' 2>/dev/null; then
+    echo "pgelect-py/test.sh: no wheel installed in $venv: run pgelect-py/test.sh --build-only first" >&2
+    exit 69
+  fi
+  run_tests "$@"
+  exit 0
+fi
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv" || {
     echo "pgelect-py/test.sh: cannot create a virtualenv: install python3-venv (apt-get install python3-venv)" >&2
@@ -26,11 +51,17 @@ fi
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
   -r pgelect-py/requirements-dev.txt -r examples/python/requirements.txt
 
-cargo build --quiet -p pgelect-testkit --bin pgelect-throwaway
+# With the workspace's features, as scripts/test.sh built it: the same
+# artefact, not a second build of the kit and its dependencies.
+cargo build --quiet --workspace --features pgelect/sqlx,pgelect-cli/throwaway --bin pgelect-throwaway
 rm -f target/wheels/pgelect-*.whl
-"$venv/bin/maturin" build --quiet -m pgelect-py/Cargo.toml -o target/wheels
+# A target folder of its own: built alone, the binding resolves its
+# dependencies' features differently from the workspace (tokio, pgelect
+# without sqlx, ...), so it shares few artefacts with target/debug, and a
+# folder of its own keeps it from holding target/'s lock while the Rust
+# suite runs beside it (scripts/test.sh).
+CARGO_TARGET_DIR=target/py-build "$venv/bin/maturin" build --quiet -m pgelect-py/Cargo.toml -o target/wheels
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps target/wheels/pgelect-*.whl
 
-# From outside the source tree, so that the installed wheel is what runs.
-"$venv/bin/python" -m pytest -p no:cacheprovider --rootdir pgelect-py/tests -q \
-  pgelect-py/tests examples/python "$@"
+[ "$phase" = build ] && exit 0
+run_tests "$@"

@@ -129,6 +129,9 @@ pub async fn run(global: &Global, args: LockArgs) -> Result<u8, Failure> {
                 )));
             }
             Err(pgelect::Error::LockTimeout { waited, holders, .. }) => {
+                // The bound the user gave, as flock(1) reports it: the
+                // measured wait overshoots it on a busy machine.
+                let waited = args.timeout.unwrap_or(waited);
                 return Err(Failure::new(conflict, format!(
                     "timed out after {:.1}s waiting for lock {:?} (not acquired), {}",
                     waited.as_secs_f64(), args.key, describe(&holders)
@@ -235,6 +238,7 @@ async fn acquire_permit(
             ))
         }
         Err(pgelect::Error::LockTimeout { waited, .. }) => {
+            let waited = args.timeout.unwrap_or(waited);
             let holders = session.permit_holders(semaphore).await.unwrap_or_default();
             Err(Failure::new(
                 conflict,

@@ -60,8 +60,15 @@ fn stand(
     roles
         .iter()
         .map(|r| {
+            // A batched renewal of a hundred rows, on a debug build beside
+            // five other tests on two cores, once took longer than the
+            // 600 ms statement timeout of `fast` and gave its roles up;
+            // 1.2 s keeps the 2 s TTL (500 ms renewals) valid.
             let e = fast(o, r, node)
-                .lease(|l| l.shared_lease(client))
+                .lease(|l| {
+                    l.shared_lease(client)
+                        .statement_timeout(Duration::from_millis(1200))
+                })
                 .build()
                 .unwrap();
             let (leaders, won, r, node) =
