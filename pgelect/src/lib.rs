@@ -157,8 +157,17 @@
 //!     session backend in virtual time;
 //!   * `election/backend/`: each backend's SQL and behaviour:
 //!     * `election/backend/mod.rs`: the small trait the driver calls;
-//!     * `election/backend/session.rs`: the session backend (lock wait,
-//!       term bump, handover delay, renewal, heartbeat, release);
+//!     * `election/backend/session/`: the session backend in one folder,
+//!       on a connection that carries roles (one candidate's own, or a
+//!       [`SharedConnection`](election::SharedConnection) for many roles):
+//!       * `election/backend/session/mod.rs`: the connections and their
+//!         queues;
+//!       * `election/backend/session/sql.rs`: its statements (elect,
+//!         renew, poll, preempt, watch-key wait);
+//!       * `election/backend/session/campaign.rs`: gaining leadership
+//!         (blocking, polling and batched waits, term bump);
+//!       * `election/backend/session/keep.rs`: keeping it (renewal,
+//!         heartbeat, release) and the batched renewal and heartbeat;
 //!     * `election/backend/lease/`: the lease backend in one engine,
 //!       [`SharedLease`](election::SharedLease) (a lone candidate is a batch of one):
 //!       * `election/backend/lease/mod.rs`: the client;
@@ -167,8 +176,6 @@
 //!       * `election/backend/lease/campaign.rs`: gaining leadership;
 //!       * `election/backend/lease/keep.rs`: keeping it;
 //!       * `election/backend/lease/listen.rs`: the `LISTEN` connections;
-//!     * `election/backend/shared.rs`: [`SharedConnection`](election::SharedConnection), one lock
-//!       connection for many roles, with batched statements;
 //!     * `election/backend/batch.rs`: batching utilities (chunks of a
 //!       batched statement, a leader's place in a batched renewal);
 //!     * `election/backend/claim.rs`: one candidate per role on a shared

@@ -15,7 +15,7 @@ use crate::error::Result;
 use crate::key::LockKey;
 
 use super::backend::lease::LeaseClaim;
-use super::backend::shared::RoleClaim;
+use super::backend::session::RoleClaim;
 use super::timing::Timing;
 use super::{
     backend, registry, watch, Backend, ElectorBuilder, LeaderContext, LeaderInfo, Leadership,

@@ -208,8 +208,8 @@ pub use backend::lease::SharedLease;
 #[cfg(feature = "test-hooks")]
 pub use backend::lease::{lease_sql, LeaseSql};
 #[cfg(feature = "test-hooks")]
-pub use backend::shared::shared_renew_sql;
-pub use backend::shared::SharedConnection;
+pub use backend::session::shared_renew_sql;
+pub use backend::session::SharedConnection;
 #[cfg(test)]
 pub(crate) use config::watch_key;
 pub(crate) use config::{role_key, validate_name};

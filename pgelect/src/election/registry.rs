@@ -36,9 +36,8 @@ use tokio_postgres::types::{ToSql, Type};
 
 use crate::conn::DedicatedConnection;
 use crate::error::{Error, Result};
-use crate::key::LockKey;
 
-use super::backend::shared::Registration;
+use super::backend::session::Registration;
 use super::timing::Timing;
 use super::watch::RESIGN_CHANNEL;
 use super::{ElectorState, StandbyMode};
@@ -266,9 +265,10 @@ pub(crate) fn withdraw_sql(s: &str) -> String {
 /// left out), or NULL. With `ready` false: any such candidate whose backend
 /// lives, waiting or not (a blocking standby between two wait slices, or
 /// one that registered and is about to wait).
+#[cfg(test)]
 pub(crate) fn preferred_session_sql(
     s: &str,
-    key: LockKey,
+    key: crate::key::LockKey,
     role: &str,
     node: &str,
     priority: &str,
@@ -442,6 +442,7 @@ impl Register {
 mod tests {
     use super::*;
     use crate::election::timing::TimingRequest;
+    use crate::key::LockKey;
 
     #[test]
     fn timing_is_stored_in_milliseconds() {

@@ -1,5 +1,5 @@
 //! A leader's place in a batched renewal, for both clients that batch
-//! renewals: a shared connection's session ([`super::shared`]) and a
+//! renewals: a shared connection's session ([`super::session`]) and a
 //! lease client ([`super::lease`]). Each renewal statement
 //! renews every leader in the batch; a member asks for one within its
 //! share wait and takes its own outcome from it. Also the utilities both

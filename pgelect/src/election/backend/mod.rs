@@ -4,16 +4,17 @@
 //! written once, in [`driver`](super::driver); each backend implements its
 //! [`KeepBackend`](super::driver::KeepBackend).
 //!
-//! * [`session`]: a session advisory lock on a dedicated connection (or on
-//!   a [`SharedConnection`](crate::election::SharedConnection)), plus the lease row.
+//! * [`session`]: a session advisory lock plus the lease row, on a
+//!   connection that carries roles: a candidate's own, or a
+//!   [`SharedConnection`](crate::election::SharedConnection) for the
+//!   candidates of many roles with batched statements and one heartbeat.
+//!   Split by what it does: the connections, `sql`, `campaign`, `keep`.
 //! * [`lease`]: the lease row only (works through a transaction pooler),
 //!   in one engine, [`SharedLease`](crate::election::SharedLease): one connection for
 //!   the lease-backend candidates of many roles, with batched acquires,
 //!   registrations and renewals; a lone candidate is a batch of one on a
 //!   client of its own. Split by what it does: the client, `sql`,
 //!   `campaign`, `keep`, `listen`.
-//! * [`shared`]: one lock connection for the session-backend candidates of
-//!   many roles, and its shared heartbeat.
 //! * [`claim`]: one candidate per role on a shared connection or a shared
 //!   lease client.
 //! * [`batch`]: a leader's place in a batched renewal (a shared
@@ -24,4 +25,3 @@ mod batch;
 mod claim;
 pub(crate) mod lease;
 pub(crate) mod session;
-pub(crate) mod shared;

@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::metrics;
 
 use crate::election::backend::batch::chunks;
-use crate::election::backend::shared::Registration;
+use crate::election::backend::session::Registration;
 use crate::election::config::random_u64;
 use crate::election::driver::{Activation, Keep};
 use crate::election::keeper::{Action, Keeper, Liveness};

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use tokio_postgres::types::Type;
 use tokio_postgres::Row;
 
-use crate::election::backend::shared::Registration;
+use crate::election::backend::session::Registration;
 use crate::error::{Error, Result};
 
 use crate::election::registry;

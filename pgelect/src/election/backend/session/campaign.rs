@@ -1,11 +1,7 @@
-//! The session backend: its campaign (lock wait, term bump, handover) and
-//! its statements and behaviour while leading ([`SessionKeep`]: renewal
-//! scoped to the backend pid, heartbeats, a dead connection ends
-//! leadership, release by clearing the row and unlocking).
-//!
-//! The leader's loop is the shared [`driver`](crate::election::driver);
-//! all timing decisions are taken by the pure
-//! [`Keeper`](crate::election::keeper::Keeper).
+//! Gaining leadership in the session backend: the campaign loop, the
+//! blocking standby (on a connection of one candidate), polling standbys
+//! and the batched statements of a shared connection's standbys
+//! (registration, poll, election, zombie preemption).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -25,24 +21,22 @@ use crate::lock::holders::{query_holders, SquatWatch};
 use crate::metrics;
 use crate::schema::check_schema;
 
-use super::shared::{BatchMember, Batched, Election, Polled, SharedSession};
+use super::keep::{warm_up_renewal, SessionKeep};
+use super::sql::*;
+use super::*;
 use crate::election::config::watch_key;
-use crate::election::driver::{
-    Activation, Answer, Failed, Keep, KeepBackend, Preferred, Statement,
-};
+use crate::election::driver::{Activation, Keep};
 use crate::election::keeper::{Keeper, Liveness};
 use crate::election::leadership::{LeaderContext, LeaderState, Leadership};
 use crate::election::registry::{self, yield_pause, Register, Waits};
 use crate::election::support::{
-    check_not_transaction_pooled, is_read_only, is_transient, retry_backoff, sleep_until_woken,
-    Counted, WakeLimit, WakeOn,
+    check_not_transaction_pooled, is_transient, retry_backoff, sleep_until_woken, Counted,
+    WakeLimit, WakeOn,
 };
-use crate::election::term::{next_term_sql, previous_holder_sql};
 use crate::election::watch::{
     preempt_zombie, read_leader, read_leader_and_mode, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
 };
 use crate::election::{Backend, ElectorState, StandbyMode, Term};
-use crate::loss::LossReason;
 
 /// Campaigns until elected. Transient failures are retried with backoff;
 /// configuration, schema, permission and pooler errors are returned.
@@ -81,7 +75,7 @@ pub(crate) async fn campaign(shared: &Arc<ElectorState>) -> Result<Leadership> {
 }
 
 /// How one attempt at the lock ended, short of an error.
-enum Attempt {
+pub(super) enum Attempt {
     /// Elected, and the handover delay (if any) has passed.
     Elected(Leadership),
     /// Lost during the handover delay: stand again.
@@ -91,109 +85,9 @@ enum Attempt {
     Yielded,
 }
 
-/// The connection a candidate stands on.
-// One per campaign, built once and borrowed: the size difference costs
-// nothing worth a box.
-#[allow(clippy::large_enum_variant)]
-pub(crate) enum LockConn {
-    /// Its own: dropped leadership kills it (the server releases the lock),
-    /// a clean release keeps it for the next campaign.
-    Own(DedicatedConnection),
-    /// A [`SharedConnection`](crate::election::SharedConnection), also holding other
-    /// roles' locks: dropped leadership unlocks this role's key only.
-    Shared(Arc<SharedSession>),
-}
-
-impl std::ops::Deref for LockConn {
-    type Target = DedicatedConnection;
-
-    fn deref(&self) -> &DedicatedConnection {
-        match self {
-            LockConn::Own(c) => c,
-            LockConn::Shared(c) => c,
-        }
-    }
-}
-
-impl LockConn {
-    /// Lets go of `key` without a clean release: the lease row still names
-    /// this candidate, so the next leader waits the handover delay.
-    fn abandon(&self, key: LockKey) {
-        match self {
-            LockConn::Own(c) => c.kill(),
-            LockConn::Shared(c) => {
-                let c = c.clone();
-                let Ok(rt) = tokio::runtime::Handle::try_current() else {
-                    c.kill();
-                    return;
-                };
-                rt.spawn(async move {
-                    // Only if held: a campaign dropped while polling holds
-                    // nothing, and an unlock of a lock not held makes the
-                    // server log a warning.
-                    let (classid, objid, objsubid) = key.pg_locks_ids();
-                    let sql = format!(
-                        "SELECT CASE WHEN EXISTS (
-                             SELECT 1 FROM pg_locks
-                              WHERE locktype = 'advisory' AND pid = pg_backend_pid()
-                                AND granted AND mode = 'ExclusiveLock' AND classid = {classid}
-                                AND objid = {objid} AND objsubid = {objsubid})
-                         THEN pg_advisory_unlock({}) ELSE true END",
-                        key.sql_args(1)
-                    );
-                    let params = key.params();
-                    let args: Vec<(&(dyn ToSql + Sync), Type)> =
-                        params.iter().map(|p| p.as_sql()).collect();
-                    let unlocked = c
-                        .client()
-                        .query_typed_one(&sql, &args)
-                        .await
-                        .and_then(|row| row.try_get::<_, bool>(0));
-                    match unlocked {
-                        Ok(true) => {}
-                        Ok(false) => tracing::warn!(%key, "an abandoned role's lock was not held on the shared connection"),
-                        Err(e) => {
-                            // A lock that cannot be released must not stay
-                            // with a session that no longer renews it.
-                            tracing::warn!(%key, error = %e, "could not unlock an abandoned role; dropping the shared connection");
-                            c.kill();
-                        }
-                    }
-                });
-            }
-        }
-    }
-}
-
-/// Undoes a campaign dropped half-way, unless disarmed: its own connection
-/// is killed (no waiting backend left behind); on a shared connection the
-/// role's lock is released if it was taken.
-struct KillOnDrop<'a> {
-    conn: Option<&'a LockConn>,
-    key: LockKey,
-}
-
-impl Drop for KillOnDrop<'_> {
-    fn drop(&mut self) {
-        match self.conn.take() {
-            Some(LockConn::Own(conn)) => {
-                let cancel = conn.canceller();
-                if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                    rt.spawn(async move {
-                        let _ = cancel.cancel().await;
-                    });
-                }
-                conn.kill();
-            }
-            Some(shared @ LockConn::Shared(_)) => shared.abandon(self.key),
-            None => {}
-        }
-    }
-}
-
 /// Opens and prepares a lock connection: session settings, schema and
 /// pooler checks, and the election statement planned once.
-async fn lock_connection(
+pub(super) async fn lock_connection(
     shared: &ElectorState,
     elect: &ElectStatement,
 ) -> Result<DedicatedConnection> {
@@ -226,7 +120,7 @@ async fn lock_connection(
     conn.kept_if(prepared)
 }
 
-async fn attempt(shared: &Arc<ElectorState>) -> Result<Attempt> {
+pub(super) async fn attempt(shared: &Arc<ElectorState>) -> Result<Attempt> {
     let schema = shared.options.schema_name().clone();
     let s = schema.as_str();
     let elect = ElectStatement::new(shared);
@@ -419,7 +313,7 @@ async fn attempt(shared: &Arc<ElectorState>) -> Result<Attempt> {
 /// the receiver of its activation (after the handover delay). Not async:
 /// none of what it builds lives in the campaign's future, which thousands
 /// of standbys of a shared connection each hold.
-fn start_keep(
+pub(super) fn start_keep(
     shared: &Arc<ElectorState>,
     conn: LockConn,
     term: Term,
@@ -480,7 +374,7 @@ fn start_keep(
 /// granted to the watch at once, as before; each other standby costs one
 /// statement per wait slice and one connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Place {
+pub(super) enum Place {
     /// Waiting for the watch key, in slices of `wait_slice`.
     Queue,
     /// Holding the watch key, waiting for the role's lock in slices of
@@ -493,50 +387,8 @@ enum Place {
     Direct,
 }
 
-/// The statement of a slice of the wait for the watch key: `$1` the watch
-/// key, `$2` the slice (ms), `$3` the grace (ms: the TTL), `$4`..`$6` the
-/// watch key's `pg_locks` ids. One jsonb value: `{"granted": true}`; or,
-/// after a slice that timed out, the key's holder (`pid`; `ours`: of this
-/// database user; `ended`: terminated here because its session had done
-/// nothing for the grace, a watch frozen (or stuck) for a TTL); `{}` when
-/// nobody holds it.
-///
-/// The holder is looked up after the wait (`CASE` runs its branches in
-/// order; the sub-select is run only when its branch is taken), on the
-/// wall clock (`now()` is the statement's start, a slice earlier). A
-/// healthy watch is `active` for the whole of each of its slices (it waits
-/// on the role's lock inside a statement) and idle only for the moment
-/// between two of them and while it reads the row, so it is never idle for
-/// a TTL, whatever `check_every` is; one that is has no term (it lets go of
-/// the watch key before its term transaction) and ending it costs nobody
-/// anything.
-fn queue_slice_sql(s: &str) -> String {
-    format!(
-        "SELECT CASE WHEN {s}.lock_wait_slice($1, $2) THEN '{{\"granted\": true}}'::jsonb
-                ELSE coalesce((
-                    SELECT pg_catalog.jsonb_build_object(
-                               'pid', k.pid,
-                               'ours', a.usename IS NOT DISTINCT FROM session_user,
-                               'ended', CASE WHEN a.usename = session_user
-                                              AND a.state IN ('idle', 'idle in transaction',
-                                                              'idle in transaction (aborted)')
-                                              AND a.state_change < pg_catalog.clock_timestamp()
-                                                                   - $3 * interval '1 millisecond'
-                                             THEN pg_catalog.pg_terminate_backend(k.pid)
-                                             ELSE false END)
-                      FROM pg_catalog.pg_locks k
-                      LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = k.pid
-                     WHERE k.locktype = 'advisory' AND k.granted AND k.mode = 'ExclusiveLock'
-                       AND k.database = (SELECT d.oid FROM pg_catalog.pg_database d
-                                          WHERE d.datname = pg_catalog.current_database())
-                       AND k.classid = $4 AND k.objid = $5 AND k.objsubid = $6
-                       AND k.pid <> pg_catalog.pg_backend_pid()
-                     LIMIT 1), '{{}}'::jsonb) END"
-    )
-}
-
 /// Milliseconds of a validated duration (at most 24 h) for an `int4`.
-fn slice_ms(d: Duration) -> i32 {
+pub(super) fn slice_ms(d: Duration) -> i32 {
     d.as_millis().clamp(1, i32::MAX as u128) as i32
 }
 
@@ -544,7 +396,7 @@ fn slice_ms(d: Duration) -> i32 {
 /// first slice: the server runs the slice right after the registration
 /// commits, so a leader woken by its hint finds this candidate already
 /// waiting) if it is still to run.
-async fn after_registration<T>(
+pub(super) async fn after_registration<T>(
     first: Option<impl Future<Output = Result<()>>>,
     slice: impl Future<Output = T>,
 ) -> Result<T> {
@@ -559,7 +411,7 @@ async fn after_registration<T>(
 
 /// Waits as a blocking standby (see [`Place`]) until this candidate holds
 /// the role's lock (and no longer the watch key).
-async fn wait_blocking(
+pub(super) async fn wait_blocking(
     shared: &Arc<ElectorState>,
     conn: &LockConn,
     register: &Register,
@@ -734,14 +586,14 @@ async fn wait_blocking(
 }
 
 /// What the election statement did.
-enum ElectOutcome {
+pub(super) enum ElectOutcome {
     /// Recorded a new term.
     Elected(Elected),
     /// Wrote nothing: this ready candidate of higher priority waits.
     Yield(String),
 }
 
-struct Elected {
+pub(super) struct Elected {
     term: Term,
     previous_holder: Option<String>,
     acquired_at: SystemTime,
@@ -752,10 +604,11 @@ struct Elected {
 /// lease row naming this candidate, returns the previous holder (set when
 /// the last leader did not release cleanly) and notifies watchers.
 ///
-/// The statement's text is built when it runs alone (on a connection of
-/// the candidate's own, or after a failed batch): a shared connection's
-/// thousands of candidates elect in its batched statement.
-struct ElectStatement {
+/// Alone (on a connection of the candidate's own, or after a failed batch)
+/// it is the backend's one election statement ([`batch_elect_sql`]) with
+/// one row; a shared connection's candidates elect in its batches of the
+/// same statement.
+pub(super) struct ElectStatement {
     ttl_ms: i64,
     payload: String,
 }
@@ -769,58 +622,11 @@ impl ElectStatement {
         }
     }
 
-    /// The single election statement of `shared`'s role.
-    fn sql(shared: &ElectorState) -> String {
-        let s = shared.options.schema_name().as_str();
-        // No FOR UPDATE in `old`: a row locked after `up` updated it in the
-        // same statement is skipped, which hid the previous holder (and with
-        // it the handover delay). The advisory lock already serialises
-        // electors, and `up` locks the row itself.
-        let (first, next) = (next_term_sql("0"), next_term_sql("l.term"));
-        // `pref`: a ready candidate of strictly higher priority, read from
-        // pg_locks in this very statement; if there is one, nothing is
-        // written and the lock is given back.
-        let pref = registry::preferred_session_sql(s, shared.key, "$1", "$2", "$6", true);
-        let previous = previous_holder_sql("l");
-        format!(
-            "WITH pref AS (
-                 SELECT {pref} AS node
-             ), old AS (
-                 SELECT {previous} AS holder FROM {s}.leaders l WHERE l.role = $1
-             ), up AS (
-                 INSERT INTO {s}.leaders AS l
-                        (role, holder, holder_meta, term, backend, holder_pid, acquired_at, renewed_at, lease_until)
-                 SELECT $1, $2, $3, {first}, 'session', pg_backend_pid(), now(), now(),
-                        now() + $4 * interval '1 millisecond'
-                  WHERE (SELECT node FROM pref) IS NULL
-                 ON CONFLICT (role) DO UPDATE
-                    SET holder = EXCLUDED.holder, holder_meta = EXCLUDED.holder_meta,
-                        term = {next}, backend = EXCLUDED.backend,
-                        holder_pid = EXCLUDED.holder_pid, acquired_at = EXCLUDED.acquired_at,
-                        renewed_at = EXCLUDED.renewed_at, lease_until = EXCLUDED.lease_until,
-                        resign_requested = false, lease_token = NULL
-                  -- A live lease-backend leader is not protected by the advisory
-                  -- lock: never take its row (all candidates of a role must use
-                  -- one backend; refused below).
-                  WHERE NOT (l.backend = 'lease' AND l.holder IS NOT NULL AND l.lease_until >= now())
-                 RETURNING l.term, l.acquired_at, l.lease_until
-             )
-             SELECT up.term, (SELECT holder FROM old), up.acquired_at, up.lease_until,
-                    CASE WHEN up.term IS NOT NULL THEN pg_notify('{LEADER_CHANNEL}', $5)::text END,
-                    (SELECT node FROM pref)
-               FROM (SELECT 1) AS one LEFT JOIN up ON true"
-        )
-    }
-
-    fn args<'a>(&'a self, shared: &'a ElectorState) -> [(&'a (dyn ToSql + Sync), Type); 6] {
-        [
-            (&shared.role, Type::TEXT),
-            (&shared.node, Type::TEXT),
-            (&shared.meta, Type::JSONB),
-            (&self.ttl_ms, Type::INT8),
-            (&self.payload, Type::TEXT),
-            (&shared.priority, Type::INT4),
-        ]
+    /// The election statement, with this candidate's role as its one row.
+    fn rows(&self, shared: &ElectorState) -> Elections {
+        let mut rows = Elections::default();
+        rows.push(&self.entry(shared));
+        rows
     }
 
     /// Plans the statement without running it (`EXPLAIN`), before the lock
@@ -830,11 +636,9 @@ impl ElectStatement {
     /// fall between the lock grant and the new term.
     async fn warm_up(&self, shared: &ElectorState, conn: &DedicatedConnection) -> Result<()> {
         let s = shared.options.schema_name().as_str();
-        conn.client()
-            .query_typed(
-                &format!("EXPLAIN {}", Self::sql(shared)),
-                &self.args(shared),
-            )
+        let sql = format!("EXPLAIN {}", batch_elect_sql(s));
+        self.rows(shared)
+            .run(conn.client(), &sql)
             .await
             .map_err(|e| Error::db("prepare the election statement", s, e))?;
         Ok(())
@@ -842,12 +646,12 @@ impl ElectStatement {
 
     async fn run(&self, shared: &ElectorState, conn: &DedicatedConnection) -> Result<ElectOutcome> {
         let s = shared.options.schema_name().as_str();
-        let row = conn
-            .client()
-            .query_typed_one(&Self::sql(shared), &self.args(shared))
+        let row = self
+            .rows(shared)
+            .run_one(conn.client(), &batch_elect_sql(s))
             .await
             .map_err(|e| Error::db("record the new term", s, e))?;
-        self.outcome(shared, &row, 0)
+        self.outcome(shared, &row, 1)
     }
 
     /// This election as an entry of a shared session's batched election,
@@ -898,7 +702,7 @@ impl ElectStatement {
     }
 }
 
-async fn poll_for_lock(
+pub(super) async fn poll_for_lock(
     shared: &ElectorState,
     conn: &DedicatedConnection,
     interval: Duration,
@@ -994,7 +798,7 @@ async fn poll_for_lock(
 /// (sessions other than the named leader holding the role's key): that is
 /// a statement per role, which a connection standing for thousands of
 /// roles cannot afford at every poll.
-async fn poll_in_batch(
+pub(super) async fn poll_in_batch(
     shared: &ElectorState,
     session: &Arc<SharedSession>,
     interval: Duration,
@@ -1075,7 +879,7 @@ async fn poll_in_batch(
 ///
 /// Only a lost connection is returned as an error; other failures of the
 /// lookup are logged and the wait goes on.
-async fn check_squatters(
+pub(super) async fn check_squatters(
     shared: &ElectorState,
     conn: &DedicatedConnection,
     watch: &mut SquatWatch,
@@ -1116,374 +920,503 @@ async fn check_squatters(
     Ok(())
 }
 
-/// A leader's own renewal: `$1` role, `$2` node, `$3` term, `$4` ttl ms,
-/// `$5` priority. Every renewal also reads the candidate registry: a ready
-/// candidate of strictly higher priority makes the leader hand over.
-///
-/// The row is locked with `SKIP LOCKED`, never waited for: a fenced
-/// transaction of this leader's own (`pgelect.fence` holds the row `FOR
-/// SHARE` until it ends) would otherwise hold the renewal back for as long
-/// as it runs, past the fast profile's 25 ms answer limit (the chaos run
-/// that showed it: the book's design notes, "Renewals and fenced
-/// transactions"). A row that is still ours but locked comes back with
-/// `renewed` false: the connection answered, the lease was not extended,
-/// and the keeper retries soon ([`Answer::Busy`]). No row at all means it
-/// is not ours.
-fn renew_sql(shared: &ElectorState) -> String {
-    let s = shared.options.schema_name().as_str();
-    let ready = registry::preferred_session_sql(s, shared.key, "$1", "$2", "$5", true);
-    let alive = registry::preferred_session_sql(s, shared.key, "$1", "$2", "$5", false);
-    format!(
-        "WITH o AS (
-             SELECT role FROM {s}.leaders
-              WHERE role = $1 AND holder = $2 AND term = $3 AND holder_pid = pg_backend_pid()
-                FOR NO KEY UPDATE SKIP LOCKED
-         ), u AS (
-             UPDATE {s}.leaders l
-                SET renewed_at = now(), lease_until = now() + $4 * interval '1 millisecond'
-               FROM o
-              WHERE l.role = o.role
-             RETURNING l.renewed_at, l.lease_until, l.resign_requested
-         )
-         SELECT renewed_at, lease_until, resign_requested, {ready}, {alive} IS NOT NULL,
-                true AS renewed
-           FROM u
-         UNION ALL
-         SELECT l.renewed_at, l.lease_until, l.resign_requested, NULL::text, false, false
-           FROM {s}.leaders l
-          WHERE l.role = $1 AND l.holder = $2 AND l.term = $3
-            AND l.holder_pid = pg_backend_pid() AND NOT EXISTS (SELECT FROM u)"
-    )
-}
+/// How long a poll waits for more new standbys to share it: candidates
+/// that stand for many roles at once try all their locks in a few
+/// statements.
+pub(crate) const NEW_STANDBY_WAIT: Duration = Duration::from_millis(20);
 
-/// Plans the renewal without running it (`EXPLAIN`), before the lock
-/// wait, for the reason [`ElectStatement::warm_up`] gives: the first
-/// renewal on a new backend otherwise also loads the registry's catalog
-/// entries, which under the fast profile's 25 ms answer limit cost
-/// leaders their first renewal (the book's design notes, "Renewals and
-/// fenced transactions").
-async fn warm_up_renewal(shared: &ElectorState, conn: &DedicatedConnection) -> Result<()> {
-    let s = shared.options.schema_name().as_str();
-    let ttl_ms = shared.timing.ttl.as_millis() as i64;
-    conn.client()
-        .query_typed(
-            &format!("EXPLAIN {}", renew_sql(shared)),
-            &[
-                (&shared.role, Type::TEXT),
-                (&shared.node, Type::TEXT),
-                (&0i64, Type::INT8),
-                (&ttl_ms, Type::INT8),
-                (&shared.priority, Type::INT4),
-            ],
-        )
-        .await
-        .map_err(|e| Error::db("prepare the renewal", s, e))?;
-    Ok(())
-}
-
-/// How the session backend keeps a leadership: on the lock connection,
-/// renewing the lease row (scoped to holder, term and backend pid) and
-/// heartbeating; the connection's death ends leadership at once.
-struct SessionKeep {
-    shared: Arc<ElectorState>,
-    conn: LockConn,
-    renew_sql: String,
-    ttl_ms: i64,
-    term: i64,
-    /// On a shared connection: this leader's place in the session's
-    /// batched renewal (one statement renews every leader on it).
-    batch: Option<BatchMember>,
-}
-
-impl SessionKeep {
-    fn new(shared: Arc<ElectorState>, conn: LockConn, term: i64) -> SessionKeep {
-        let renew_sql = renew_sql(&shared);
-        let ttl_ms = shared.timing.ttl.as_millis() as i64;
-        // A renewal request waits a little for others to share its batch;
-        // the keeper's answer limit (the heartbeat timeout) runs from the
-        // request, so the wait is a small part of it. Leaders renewed by
-        // one batch ask again at the same moment (each is handed every
-        // batch's outcome), so a short wait is enough.
-        let share_wait = (shared.timing.heartbeat_timeout / 10).min(Duration::from_millis(20));
-        let batch = match &conn {
-            LockConn::Shared(session) => Some(session.join_batch(
-                &shared.role,
-                &shared.node,
-                term,
-                ttl_ms,
-                shared.priority,
-                shared.key,
-                share_wait,
-            )),
-            LockConn::Own(_) => None,
+impl PollMember {
+    /// The next outcome of a batched poll for this standby; `None` when
+    /// the session's connection ended.
+    pub(crate) async fn next(&mut self) -> Option<Polled> {
+        let seen = self.seen;
+        let closed = self.session.conn.closed().clone();
+        let found = tokio::select! {
+            o = self.outcome.wait_for(|o| o.as_ref().is_some_and(|(n, _)| *n > seen)) => {
+                o.ok().and_then(|o| o.clone())
+            }
+            _ = closed.cancelled() => None,
         };
-        SessionKeep {
-            shared,
-            conn,
-            renew_sql,
-            ttl_ms,
-            term,
-            batch,
+        let (n, polled) = found?;
+        self.seen = n;
+        Some(polled)
+    }
+}
+
+impl Drop for PollMember {
+    fn drop(&mut self) {
+        self.session.standbys().remove(&self.role);
+    }
+}
+
+/// The polling task of a shared session: when a poll is wanted (a new
+/// standby, a standby's interval, an announced release of a waiting role),
+/// sends one statement for every standby on the session and hands each its
+/// outcome; ends with the session or when its connection fails.
+pub(super) async fn poll_batches(session: std::sync::Weak<SharedSession>, schema: String) {
+    let (mut wanted, closed, mut notices) = match session.upgrade() {
+        Some(s) => (
+            s.poll_wanted.subscribe(),
+            s.conn.closed().clone(),
+            s.conn.notices(),
+        ),
+        None => return,
+    };
+    // Release announcements bring a poll forward; anyone may send them, so
+    // a flood costs at most the wake limit's rate.
+    let mut wakes = WakeLimit::default();
+    let mut round = 0u64;
+    // When every standby is polled next.
+    let mut regular: Option<Instant> = None;
+    loop {
+        loop {
+            let by = *wanted.borrow_and_update();
+            let changed = tokio::select! {
+                _ = closed.cancelled() => return,
+                r = wanted.changed() => r.is_ok(),
+                n = notices.recv() => {
+                    let early = match n {
+                        Ok(n) if n.channel == LEADER_CHANNEL => {
+                            parse_leader_event(&schema, &n.payload).is_some_and(|(e, role)| {
+                                e == "released"
+                                    && session
+                                        .upgrade()
+                                        .is_some_and(|s| s.standbys().contains_key(role))
+                            })
+                        }
+                        Ok(_) => false,
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => true,
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                    };
+                    if early && by.is_none_or(|b| b > Instant::now()) {
+                        let at = wakes.reserve(Instant::now());
+                        if let Some(s) = session.upgrade() {
+                            s.poll_all.store(true, Ordering::Relaxed);
+                            s.poll_wanted_by(at);
+                        }
+                    }
+                    true
+                }
+                _ = async {
+                    match by {
+                        Some(by) => tokio::time::sleep_until(by).await,
+                        None => std::future::pending().await,
+                    }
+                } => break,
+            };
+            if !changed {
+                return;
+            }
+        }
+        let Some(s) = session.upgrade() else {
+            return;
+        };
+        // Every standby at the regular poll and when asked; between them,
+        // only the new ones (thousands that join at a start would
+        // otherwise each bring a poll of all that joined before them).
+        let now = Instant::now();
+        let all = s.poll_all.swap(false, Ordering::Relaxed) || regular.is_none_or(|r| now >= r);
+        let mut roles = Vec::new();
+        let mut nodes = Vec::new();
+        let mut keys = Vec::new();
+        let mut due = Vec::new();
+        let mut terms = Vec::new();
+        let mut holders = Vec::new();
+        let mut interval: Option<Duration> = None;
+        for (role, w) in s.standbys().iter_mut() {
+            interval = Some(interval.map_or(w.interval, |i| i.min(w.interval)));
+            if !(all || w.fresh) {
+                continue;
+            }
+            w.fresh = false;
+            roles.push(role.clone());
+            nodes.push(w.node.clone());
+            keys.push(w.key);
+            due.push(now >= w.refreshed + w.refresh);
+            let (term, holder) = w.known.clone().unwrap_or((Some(-1), Some(String::new())));
+            terms.push(term);
+            holders.push(holder);
+        }
+        // The next regular poll; sooner when asked for meanwhile.
+        let next = interval.map(|i| now + i);
+        regular = match all {
+            true => next,
+            false => match (regular, next) {
+                (Some(r), Some(n)) => Some(r.min(n)),
+                (r, n) => r.or(n),
+            },
+        };
+        s.poll_wanted.send_replace(regular);
+        wanted.borrow_and_update();
+        if roles.is_empty() {
+            continue;
+        }
+        round += 1;
+        let mut found = PollFound::new();
+        let mut failed: HashSet<String> = HashSet::new();
+        let mut refreshed: Vec<Option<Instant>> = vec![None; roles.len()];
+        // In chunks, one in flight at a time: a leader's renewal or
+        // heartbeat waits behind one chunk, not behind every standby's
+        // lock.
+        for chunk in chunks(roles.len(), POLL_ROWS) {
+            let (mut seen_roles, mut seen_nodes) = (Vec::new(), Vec::new());
+            for i in chunk.clone().filter(|&i| due[i]) {
+                seen_roles.push(roles[i].as_str());
+                seen_nodes.push(nodes[i].as_str());
+            }
+            let lane = s.lane().await;
+            let sent = Instant::now();
+            let rows = s
+                .conn
+                .client()
+                .query_typed(
+                    &s.poll_sql,
+                    &[
+                        (&&roles[chunk.clone()], Type::TEXT_ARRAY),
+                        (&&nodes[chunk.clone()], Type::TEXT_ARRAY),
+                        (&&keys[chunk.clone()], Type::INT8_ARRAY),
+                        (&&terms[chunk.clone()], Type::INT8_ARRAY),
+                        (&&holders[chunk.clone()], Type::TEXT_ARRAY),
+                        (&seen_roles, Type::TEXT_ARRAY),
+                        (&seen_nodes, Type::TEXT_ARRAY),
+                    ],
+                )
+                .await;
+            drop(lane);
+            tracing::debug!(pid = s.conn.pid(), standbys = chunk.len(), took = ?sent.elapsed(), "batched poll");
+            if rows.is_ok() {
+                s.answered(sent);
+            }
+            let decoded = rows.and_then(|rows| {
+                rows.iter()
+                    .map(|row| {
+                        let role: String = row.try_get(0)?;
+                        let granted: bool = row.try_get(1)?;
+                        let holder: Option<String> = row.try_get(2)?;
+                        let known = (row.try_get::<_, Option<i64>>(4)?, holder.clone());
+                        let info = match (granted, &holder) {
+                            (false, Some(_)) => Some(leader_info_at(&role, row, 2)?),
+                            _ => None,
+                        };
+                        let polled = match granted {
+                            true => Polled::Granted,
+                            false => Polled::Leader {
+                                info,
+                                preempt_alone: false,
+                            },
+                        };
+                        Ok((role, (polled, known)))
+                    })
+                    .collect::<std::result::Result<Vec<_>, tokio_postgres::Error>>()
+            });
+            match decoded {
+                Ok(rows) => {
+                    found.extend(rows);
+                    for i in chunk.filter(|&i| due[i]) {
+                        refreshed[i] = Some(sent);
+                    }
+                }
+                Err(e) => {
+                    // Locks this chunk took stay taken (session locks
+                    // outlive a failed statement); its standbys poll alone,
+                    // and a lock taken twice is held by the same session.
+                    tracing::warn!(error = %e, cause = ?e.as_db_error().map(|d| d.message()), standbys = chunk.len(), "the batched poll failed; each standby polls alone");
+                    failed.extend(roles[chunk].iter().cloned());
+                }
+            }
+        }
+        preempt_vacant(&s, &mut found).await;
+        let mut standbys = s.standbys();
+        for (role, refreshed) in roles.iter().zip(refreshed) {
+            // A standby that left while the poll ran may have been granted
+            // its lock: its campaign's clean-up unlocks it (it runs after
+            // this statement on the same connection).
+            let Some(w) = standbys.get_mut(role) else {
+                continue;
+            };
+            if let Some(at) = refreshed {
+                w.refreshed = at;
+            }
+            let polled = if failed.contains(role) {
+                Polled::Failed
+            } else {
+                match found.remove(role) {
+                    Some((p, known)) => {
+                        w.known = Some(known);
+                        p
+                    }
+                    None => continue,
+                }
+            };
+            w.outcome.send_replace(Some((round, polled)));
+        }
+        let failed = !failed.is_empty();
+        drop(standbys);
+        if failed && s.conn.is_closed() {
+            return;
         }
     }
+}
 
-    /// This leader's own renewal statement.
-    async fn renew_alone(&self) -> (Instant, Result<Answer>) {
+/// The registration task of a shared session: sends the queued
+/// registrations, [`BATCH_ROWS`] at a time, and tells each whether it was
+/// registered; ends with the session or its connection.
+pub(super) async fn register_batches(session: std::sync::Weak<SharedSession>) {
+    let (mut wanted, closed) = match session.upgrade() {
+        Some(s) => (s.registrations.wanted.subscribe(), s.conn.closed().clone()),
+        None => return,
+    };
+    loop {
+        if !until_wanted(&mut wanted, &closed).await {
+            return;
+        }
+        let Some(s) = session.upgrade() else {
+            return;
+        };
+        let mut batch = s.registrations.take();
+        if batch.is_empty() {
+            continue;
+        }
+        // In role order: two candidates registering the same roles lock
+        // the registry's rows in the same order.
+        batch.sort_by(|a, b| a.0.role.cmp(&b.0.role));
+        let mut roles = Vec::with_capacity(batch.len());
+        let mut nodes = Vec::with_capacity(batch.len());
+        let mut priorities = Vec::with_capacity(batch.len());
+        let mut standbys = Vec::with_capacity(batch.len());
+        let mut timings = Vec::with_capacity(batch.len());
+        let mut metas = Vec::with_capacity(batch.len());
+        let mut payloads = Vec::with_capacity(batch.len());
+        for (r, _) in &batch {
+            roles.push(r.role.as_str());
+            nodes.push(r.node.as_str());
+            priorities.push(r.priority);
+            standbys.push(r.standby);
+            timings.push(&*r.timing);
+            metas.push(r.meta.as_ref());
+            payloads.push(r.payload.as_str());
+        }
+        // Elections first: a granted role waits for its term, while a
+        // registration only announces a standby (at a start, thousands of
+        // them queue for roles that others will lead).
+        let mut elections = s.elections.wanted.subscribe();
+        tokio::select! {
+            _ = elections.wait_for(Option::is_none) => {}
+            _ = s.conn.closed().cancelled() => return,
+        }
+        let lane = s.lane().await;
         let sent = Instant::now();
-        let r = self
+        let r = s
             .conn
             .client()
             .query_typed(
-                &self.renew_sql,
+                &s.register_sql,
                 &[
-                    (&self.shared.role, Type::TEXT),
-                    (&self.shared.node, Type::TEXT),
-                    (&self.term, Type::INT8),
-                    (&self.ttl_ms, Type::INT8),
-                    (&self.shared.priority, Type::INT4),
+                    (&roles, Type::TEXT_ARRAY),
+                    (&nodes, Type::TEXT_ARRAY),
+                    (&priorities, Type::INT4_ARRAY),
+                    (&standbys, Type::TEXT_ARRAY),
+                    (&timings, Type::JSONB_ARRAY),
+                    (&metas, Type::JSONB_ARRAY),
+                    (&payloads, Type::TEXT_ARRAY),
                 ],
             )
-            .await
-            .and_then(|rows| renewal(&rows))
-            .map_err(|e| Error::db("renew the lease", self.schema(), e));
-        (sent, r)
-    }
-
-    fn schema(&self) -> &str {
-        self.shared.options.schema_name().as_str()
-    }
-}
-
-/// What a batched renewal found, as the keeper's answer.
-fn batched_answer(b: Batched) -> Answer {
-    match b {
-        Batched::Renewed {
-            row,
-            resign_requested,
-            preferred,
-        } => Answer::Renewed {
-            row: Some(row),
-            resign_requested,
-            preferred,
-        },
-        Batched::NotOurs => Answer::NotOurs,
-        Batched::Busy => Answer::Busy,
-        Batched::Failed => unreachable!("BUG: a failed batch is renewed alone"),
-    }
-}
-
-/// Whether `SHOW transaction_read_only` said `on`.
-fn read_only_answer(msgs: &[tokio_postgres::SimpleQueryMessage]) -> bool {
-    msgs.iter().any(|m| match m {
-        tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0) == Some("on"),
-        _ => false,
-    })
-}
-
-/// The renewal's rows: one if the lease is still ours (renewed, or busy
-/// when the row was locked), none otherwise.
-fn renewal(rows: &[Row]) -> std::result::Result<Answer, tokio_postgres::Error> {
-    match rows {
-        [row] if !row.try_get::<_, bool>(5)? => Ok(Answer::Busy),
-        [row] => Ok(Answer::Renewed {
-            row: Some((row.try_get(0)?, row.try_get(1)?)),
-            resign_requested: row.try_get(2)?,
-            preferred: Preferred {
-                ready: row.try_get(3)?,
-                pending: row.try_get(4)?,
-            },
-        }),
-        _ => Ok(Answer::NotOurs),
-    }
-}
-
-impl KeepBackend for SessionKeep {
-    const FINISH_IN_FLIGHT_BEFORE_RELEASE: bool = false;
-
-    fn renew(&self) -> Statement<'_> {
-        Box::pin(async move {
-            let Some(batch) = &self.batch else {
-                return self.renew_alone().await;
-            };
-            let requested = Instant::now();
-            match batch.renewal(requested).await {
-                Some((sent, Batched::Failed)) => {
-                    // Run alone to learn (and report) why it failed.
-                    tracing::debug!(batch_sent = ?sent, "the batched renewal failed; renewing alone");
-                    self.renew_alone().await
+            .await;
+        drop(lane);
+        tracing::debug!(pid = s.conn.pid(), candidates = batch.len(), took = ?sent.elapsed(), "batched registration");
+        if r.is_ok() {
+            s.answered(sent);
+        }
+        let ok = match r {
+            Ok(rows) => {
+                let stale: i64 = rows.first().and_then(|r| r.try_get(0).ok()).unwrap_or(0);
+                if stale > 0 {
+                    tracing::debug!(stale, "deleted registry rows of candidates that died");
                 }
-                Some((sent, b)) => (sent, Ok(batched_answer(b))),
-                None => (requested, Err(Error::connection_lost("renew the lease"))),
-            }
-        })
-    }
-
-    async fn pushed(&self) -> (Instant, Result<Answer>) {
-        match &self.batch {
-            Some(batch) => {
-                let (sent, b) = batch.pushed().await;
-                (sent, Ok(batched_answer(b)))
-            }
-            None => std::future::pending().await,
-        }
-    }
-
-    fn heartbeat(&self) -> Statement<'_> {
-        let share_wait = (self.shared.timing.heartbeat_timeout / 4).min(Duration::from_millis(100));
-        Box::pin(async move {
-            let sent = Instant::now();
-            // On a shared connection, one heartbeat answers all its leaders;
-            // a failed one is run again here to get the error to report.
-            if let LockConn::Shared(session) = &self.conn {
-                if session.heartbeat_answered(sent, share_wait).await {
-                    return (sent, Ok(Answer::Alive));
-                }
-            }
-            // `transaction_read_only` is on in a standby and on a primary
-            // fenced with `default_transaction_read_only`: a lock there
-            // protects nothing.
-            let r = self
-                .conn
-                .client()
-                .simple_query("SHOW transaction_read_only")
-                .await
-                .map(|msgs| match read_only_answer(&msgs) {
-                    true => Answer::ReadOnly,
-                    false => Answer::Alive,
-                })
-                .map_err(|e| Error::db("renew the lease", self.schema(), e));
-            (sent, r)
-        })
-    }
-
-    async fn answered(&self) -> Instant {
-        match &self.conn {
-            LockConn::Shared(session) => session.next_answer().await,
-            LockConn::Own(_) => std::future::pending().await,
-        }
-    }
-
-    fn closed(&self) -> impl Future<Output = ()> + Send + '_ {
-        self.conn.closed().cancelled()
-    }
-
-    fn failed(&self, error: &Error, _failures: u32) -> Failed {
-        if is_read_only(error) {
-            Failed::ServerReadOnly
-        } else if is_transient(error) || self.conn.is_closed() {
-            Failed::ConnectionLost
-        } else {
-            Failed::RetrySoon
-        }
-    }
-
-    fn let_go(&self, reason: Option<LossReason>) {
-        if let Some(b) = &self.batch {
-            b.leave();
-        }
-        // A dead connection goes; otherwise only this role's lock (on its
-        // own connection, the same).
-        if matches!(
-            reason,
-            Some(LossReason::ConnectionLost | LossReason::ServerReadOnly)
-        ) {
-            self.conn.kill();
-        } else {
-            self.conn.abandon(self.shared.key);
-        }
-    }
-
-    fn releasable_after(&self, _reason: LossReason) -> bool {
-        // The lock went with the connection (or was unlocked).
-        false
-    }
-
-    async fn release(self, _ended: Option<LossReason>) -> Result<()> {
-        if let Some(b) = &self.batch {
-            b.leave();
-        }
-        let bound = self.shared.timing.heartbeat_timeout * 2;
-        let released = release(&self.shared, &self.conn, self.term);
-        let result = match tokio::time::timeout(bound, released).await {
-            Ok(r) => r,
-            Err(_) => Err(Error::connection_lost("release the leadership")),
-        };
-        match &result {
-            Ok(()) => {
-                // Kept for this elector's next campaign rather than
-                // closed now: a backend ending on the server is work
-                // that would compete with the successor's election
-                // (measured in the failover benchmark); it is closed
-                // when the elector is dropped.
-                if let (LockConn::Own(own), Some(session)) = (self.conn, self.shared.session()) {
-                    session.put_spare(own);
-                }
+                true
             }
             Err(e) => {
-                tracing::warn!(error = %e, "clean release failed; dropping the lock connection");
-                self.conn.kill();
+                tracing::warn!(error = %e, cause = ?e.as_db_error().map(|d| d.message()), candidates = batch.len(), "the batched registration failed; each candidate registers alone");
+                false
             }
+        };
+        for (_, done) in batch {
+            let _ = done.send(ok);
         }
-        result
-    }
-
-    fn close(self) -> impl Future<Output = ()> + Send {
-        std::future::ready(())
+        if !ok && s.conn.is_closed() {
+            return;
+        }
     }
 }
 
-async fn release(shared: &ElectorState, conn: &LockConn, term: i64) -> Result<()> {
-    let s = shared.options.schema_name().as_str();
-    let sql = format!(
-        "WITH c AS (
-             UPDATE {s}.leaders
-                SET holder = NULL, holder_pid = NULL, holder_meta = NULL,
-                    renewed_at = now(), lease_until = now()
-              WHERE role = $1 AND holder = $2 AND term = $3
-             RETURNING 1
-         )
-         SELECT (SELECT count(*) FROM c), pg_notify('{LEADER_CHANNEL}', $4)::text"
-    );
-    let payload = format!("{s}:released:{}", shared.role);
-    let params = shared.key.params();
-    let args: Vec<(&(dyn ToSql + Sync), Type)> = params.iter().map(|p| p.as_sql()).collect();
-    let unlock_sql = format!("SELECT pg_advisory_unlock({})", shared.key.sql_args(1));
-    // Pipelined: the clearing transaction commits before the unlock runs
-    // (the server runs them in order), in one round trip.
-    let clear_args: [(&(dyn ToSql + Sync), Type); 4] = [
-        (&shared.role, Type::TEXT),
-        (&shared.node, Type::TEXT),
-        (&term, Type::INT8),
-        (&payload, Type::TEXT),
-    ];
-    // A listening backend that does not read (a later lock wait) would
-    // hold back the server's notification queue. A shared connection
-    // listens for its whole life and never waits.
-    let unlisten = match conn {
-        LockConn::Own(_) => format!("UNLISTEN {RESIGN_CHANNEL}"),
-        LockConn::Shared(_) => String::new(),
+/// The election task of a shared session: sends the queued elections,
+/// [`BATCH_ROWS`] at a time, and hands each its role's row and the
+/// statement's send time; ends with the session or its connection.
+pub(super) async fn elect_batches(session: std::sync::Weak<SharedSession>) {
+    let (mut wanted, closed) = match session.upgrade() {
+        Some(s) => (s.elections.wanted.subscribe(), s.conn.closed().clone()),
+        None => return,
     };
-    let (cleared, unlocked, unlistened) = tokio::join!(
-        conn.client().query_typed_one(&sql, &clear_args),
-        conn.client().query_typed_one(&unlock_sql, &args),
-        conn.client().batch_execute(&unlisten),
-    );
-    let cleared: i64 = cleared
-        .and_then(|row| row.try_get(0))
-        .map_err(|e| Error::db("release the leadership", s, e))?;
-    if cleared == 0 {
-        tracing::warn!(term, "the lease row no longer named this leader at release");
+    loop {
+        if !until_wanted(&mut wanted, &closed).await {
+            return;
+        }
+        let Some(s) = session.upgrade() else {
+            return;
+        };
+        let mut batch = s.elections.take();
+        // A campaign dropped while queued (its role's lock is being let go
+        // of) must not be elected after the unlock: its row would name a
+        // leader that holds nothing.
+        batch.retain(|(_, done)| !done.is_closed());
+        if batch.is_empty() {
+            continue;
+        }
+        // In role order, for the reason the registrations are.
+        batch.sort_by(|a, b| a.0.role.cmp(&b.0.role));
+        let mut rows = Elections::default();
+        for (e, _) in &batch {
+            rows.push(e);
+        }
+        let lane = s.lane().await;
+        let sent = Instant::now();
+        let r = rows.run(s.conn.client(), &s.elect_sql).await;
+        drop(lane);
+        tracing::debug!(pid = s.conn.pid(), candidates = batch.len(), took = ?sent.elapsed(), "batched election");
+        if r.is_ok() {
+            s.answered(sent);
+        }
+        let mut rows: HashMap<String, tokio_postgres::Row> = HashMap::new();
+        let failed = match r {
+            Ok(found) => found
+                .into_iter()
+                .try_for_each(|row| {
+                    rows.insert(row.try_get::<_, String>(0)?, row);
+                    Ok::<_, tokio_postgres::Error>(())
+                })
+                .is_err(),
+            Err(e) => {
+                tracing::warn!(error = %e, cause = ?e.as_db_error().map(|d| d.message()), candidates = batch.len(), "the batched election failed; each candidate elects alone");
+                true
+            }
+        };
+        for (e, done) in batch {
+            let row = match failed {
+                true => None,
+                false => rows.remove(&e.role).map(|row| (sent, row)),
+            };
+            let _ = done.send(row);
+        }
+        if failed && s.conn.is_closed() {
+            return;
+        }
     }
-    let unlocked: bool = unlocked
-        .and_then(|row| row.try_get(0))
-        .map_err(|e| Error::db("unlock the leader's lock", s, e))?;
-    if !unlocked {
-        return Err(Error::Pooler(format!(
-            "the leader's advisory lock was not held by this session at release (role {:?}); is a pooler in transaction mode between pgelect and {}?",
-            shared.role,
-            shared.options.target()
-        )));
+}
+
+/// Runs the batched preemption for the roles a poll found vacant (`found`,
+/// not granted, no live lease): logs and counts what it terminated, asks
+/// for a poll at once if it did, and marks the roles whose standby must
+/// try alone. A session needs at most one such statement per poll; while
+/// every role is led, none.
+pub(super) async fn preempt_vacant(s: &SharedSession, found: &mut PollFound) {
+    let vacant: Vec<&String> = found
+        .iter()
+        .filter(|(_, (p, _))| match p {
+            Polled::Leader { info, .. } => info.as_ref().is_none_or(|i| i.lease_expired),
+            _ => false,
+        })
+        .map(|(role, _)| role)
+        .collect();
+    if vacant.is_empty() {
+        return;
     }
-    unlistened.map_err(|e| Error::db("stop listening for resign requests", s, e))?;
-    Ok(())
+    let mut roles = Vec::with_capacity(vacant.len());
+    let mut classids = Vec::with_capacity(vacant.len());
+    let mut objids = Vec::with_capacity(vacant.len());
+    let mut objsubids = Vec::with_capacity(vacant.len());
+    let mut graces = Vec::with_capacity(vacant.len());
+    {
+        let standbys = s.standbys();
+        for role in vacant {
+            let Some(w) = standbys.get(role) else {
+                continue;
+            };
+            roles.push(role.clone());
+            classids.push(i64::from(w.lock_ids.0));
+            objids.push(i64::from(w.lock_ids.1));
+            objsubids.push(w.lock_ids.2);
+            graces.push(w.grace_ms);
+        }
+    }
+    if roles.is_empty() {
+        return;
+    }
+    let lane = s.lane().await;
+    let sent = Instant::now();
+    let r = s
+        .conn
+        .client()
+        .query_typed(
+            &s.preempt_sql,
+            &[
+                (&roles, Type::TEXT_ARRAY),
+                (&classids, Type::INT8_ARRAY),
+                (&objids, Type::INT8_ARRAY),
+                (&objsubids, Type::INT2_ARRAY),
+                (&graces, Type::INT8_ARRAY),
+            ],
+        )
+        .await;
+    drop(lane);
+    tracing::debug!(pid = s.conn.pid(), roles = roles.len(), took = ?sent.elapsed(), "batched zombie preemption");
+    type Found = (String, i32, i64, String, bool, bool, bool);
+    let decoded = r.and_then(|rows| {
+        rows.iter()
+            .map(|row| {
+                Ok::<Found, tokio_postgres::Error>((
+                    row.try_get(0)?,
+                    row.try_get(1)?,
+                    row.try_get(2)?,
+                    row.try_get(3)?,
+                    row.try_get(4)?,
+                    row.try_get(5)?,
+                    row.try_get(6)?,
+                ))
+            })
+            .collect::<std::result::Result<Vec<Found>, _>>()
+    });
+    let alone = |found: &mut HashMap<String, (Polled, _)>, role: &str| {
+        if let Some((Polled::Leader { preempt_alone, .. }, _)) = found.get_mut(role) {
+            *preempt_alone = true;
+        }
+    };
+    match decoded {
+        Ok(rows) => {
+            let mut preempted = false;
+            for (role, pid, term, holder, named, done, own) in rows {
+                if !own {
+                    alone(found, &role);
+                } else if done && !named {
+                    tracing::warn!(role, pid, "terminated a backend that held the role's lock for a TTL without taking the lease (a candidate frozen before its term, or a squatter)");
+                    crate::metrics::preempted_zombie(&role);
+                    preempted = true;
+                } else if done {
+                    tracing::warn!(role, pid, term, holder = %holder, "terminated the backend of a leader whose lease expired on the server");
+                    crate::metrics::preempted_zombie(&role);
+                    preempted = true;
+                } else {
+                    tracing::warn!(role, pid, term, holder = %holder, "could not terminate the backend of a leader whose lease expired; waiting");
+                }
+            }
+            if preempted {
+                s.poll_soon(Duration::ZERO);
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, cause = ?e.as_db_error().map(|d| d.message()), roles = roles.len(), "the batched zombie preemption failed; each vacant role's standby preempts alone");
+            for role in &roles {
+                alone(found, role);
+            }
+        }
+    }
 }

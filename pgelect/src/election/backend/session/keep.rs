@@ -1,0 +1,437 @@
+//! Keeping a session-backend leadership ([`SessionKeep`]): renewal scoped
+//! to the backend pid, heartbeats, a dead connection ends leadership,
+//! release by clearing the row and unlocking; and a shared connection's
+//! batched renewal and heartbeat tasks.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_postgres::types::{ToSql, Type};
+
+use crate::conn::DedicatedConnection;
+use crate::error::{Error, Result};
+
+use super::sql::*;
+use super::*;
+use crate::election::driver::{Answer, Failed, KeepBackend, Statement};
+use crate::election::support::{is_read_only, is_transient};
+use crate::election::watch::{LEADER_CHANNEL, RESIGN_CHANNEL};
+use crate::election::ElectorState;
+use crate::loss::LossReason;
+
+/// Plans the renewal without running it (`EXPLAIN`), before the lock
+/// wait, for the reason [`ElectStatement::warm_up`] gives: the first
+/// renewal on a new backend otherwise also loads the registry's catalog
+/// entries, which under the fast profile's 25 ms answer limit cost
+/// leaders their first renewal (the book's design notes, "Renewals and
+/// fenced transactions").
+pub(super) async fn warm_up_renewal(
+    shared: &ElectorState,
+    conn: &DedicatedConnection,
+) -> Result<()> {
+    let s = shared.options.schema_name().as_str();
+    let ttl_ms = shared.timing.ttl.as_millis() as i64;
+    renewal_of(shared, 0, ttl_ms)
+        .run(
+            conn.client(),
+            &format!("EXPLAIN {}", batch_renew_sql(s)),
+            0..1,
+        )
+        .await
+        .map_err(|e| Error::db("prepare the renewal", s, e))?;
+    Ok(())
+}
+
+/// The renewal statement's rows for `shared`'s leader alone, at `term`.
+fn renewal_of(shared: &ElectorState, term: i64, ttl_ms: i64) -> Renewals {
+    let (classid, objid, _) = shared.key.pg_locks_ids();
+    let mut rows = Renewals::default();
+    rows.push(
+        &shared.role,
+        &shared.node,
+        term,
+        ttl_ms,
+        shared.priority,
+        (i64::from(classid), i64::from(objid)),
+    );
+    rows
+}
+
+/// How the session backend keeps a leadership: on the lock connection,
+/// renewing the lease row (scoped to holder, term and backend pid) and
+/// heartbeating; the connection's death ends leadership at once.
+pub(super) struct SessionKeep {
+    shared: Arc<ElectorState>,
+    conn: LockConn,
+    /// The renewal statement, for this leader alone: a batch of one.
+    renewal: Renewals,
+    renew_sql: String,
+    term: i64,
+    /// On a shared connection: this leader's place in the session's
+    /// batched renewal (one statement renews every leader on it).
+    batch: Option<BatchMember>,
+}
+
+impl SessionKeep {
+    pub(super) fn new(shared: Arc<ElectorState>, conn: LockConn, term: i64) -> SessionKeep {
+        let renew_sql = batch_renew_sql(shared.options.schema_name().as_str());
+        let ttl_ms = shared.timing.ttl.as_millis() as i64;
+        // A renewal request waits a little for others to share its batch;
+        // the keeper's answer limit (the heartbeat timeout) runs from the
+        // request, so the wait is a small part of it. Leaders renewed by
+        // one batch ask again at the same moment (each is handed every
+        // batch's outcome), so a short wait is enough.
+        let share_wait = (shared.timing.heartbeat_timeout / 10).min(Duration::from_millis(20));
+        let batch = match &conn {
+            LockConn::Shared(session) => Some(session.join_batch(
+                &shared.role,
+                &shared.node,
+                term,
+                ttl_ms,
+                shared.priority,
+                shared.key,
+                share_wait,
+            )),
+            LockConn::Own(_) => None,
+        };
+        SessionKeep {
+            renewal: renewal_of(&shared, term, ttl_ms),
+            shared,
+            conn,
+            renew_sql,
+            term,
+            batch,
+        }
+    }
+
+    /// This leader's own renewal statement.
+    async fn renew_alone(&self) -> (Instant, Result<Answer>) {
+        let sent = Instant::now();
+        let r = self
+            .renewal
+            .run(self.conn.client(), &self.renew_sql, 0..1)
+            .await
+            .and_then(|rows| Renewals::outcomes(&rows))
+            .map(|mut found| {
+                found
+                    .remove(&self.shared.role)
+                    .map_or(Answer::NotOurs, batched_answer)
+            })
+            .map_err(|e| Error::db("renew the lease", self.schema(), e));
+        (sent, r)
+    }
+
+    fn schema(&self) -> &str {
+        self.shared.options.schema_name().as_str()
+    }
+}
+
+/// What a batched renewal found, as the keeper's answer.
+pub(super) fn batched_answer(b: Batched) -> Answer {
+    match b {
+        Batched::Renewed {
+            row,
+            resign_requested,
+            preferred,
+        } => Answer::Renewed {
+            row: Some(row),
+            resign_requested,
+            preferred,
+        },
+        Batched::NotOurs => Answer::NotOurs,
+        Batched::Busy => Answer::Busy,
+        Batched::Failed => unreachable!("BUG: a failed batch is renewed alone"),
+    }
+}
+
+/// Whether `SHOW transaction_read_only` said `on`.
+pub(super) fn read_only_answer(msgs: &[tokio_postgres::SimpleQueryMessage]) -> bool {
+    msgs.iter().any(|m| match m {
+        tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0) == Some("on"),
+        _ => false,
+    })
+}
+
+impl KeepBackend for SessionKeep {
+    const FINISH_IN_FLIGHT_BEFORE_RELEASE: bool = false;
+
+    fn renew(&self) -> Statement<'_> {
+        Box::pin(async move {
+            let Some(batch) = &self.batch else {
+                return self.renew_alone().await;
+            };
+            let requested = Instant::now();
+            match batch.renewal(requested).await {
+                Some((sent, Batched::Failed)) => {
+                    // Run alone to learn (and report) why it failed.
+                    tracing::debug!(batch_sent = ?sent, "the batched renewal failed; renewing alone");
+                    self.renew_alone().await
+                }
+                Some((sent, b)) => (sent, Ok(batched_answer(b))),
+                None => (requested, Err(Error::connection_lost("renew the lease"))),
+            }
+        })
+    }
+
+    async fn pushed(&self) -> (Instant, Result<Answer>) {
+        match &self.batch {
+            Some(batch) => {
+                let (sent, b) = batch.pushed().await;
+                (sent, Ok(batched_answer(b)))
+            }
+            None => std::future::pending().await,
+        }
+    }
+
+    fn heartbeat(&self) -> Statement<'_> {
+        let share_wait = (self.shared.timing.heartbeat_timeout / 4).min(Duration::from_millis(100));
+        Box::pin(async move {
+            let sent = Instant::now();
+            // On a shared connection, one heartbeat answers all its leaders;
+            // a failed one is run again here to get the error to report.
+            if let LockConn::Shared(session) = &self.conn {
+                if session.heartbeat_answered(sent, share_wait).await {
+                    return (sent, Ok(Answer::Alive));
+                }
+            }
+            // `transaction_read_only` is on in a standby and on a primary
+            // fenced with `default_transaction_read_only`: a lock there
+            // protects nothing.
+            let r = self
+                .conn
+                .client()
+                .simple_query("SHOW transaction_read_only")
+                .await
+                .map(|msgs| match read_only_answer(&msgs) {
+                    true => Answer::ReadOnly,
+                    false => Answer::Alive,
+                })
+                .map_err(|e| Error::db("renew the lease", self.schema(), e));
+            (sent, r)
+        })
+    }
+
+    async fn answered(&self) -> Instant {
+        match &self.conn {
+            LockConn::Shared(session) => session.next_answer().await,
+            LockConn::Own(_) => std::future::pending().await,
+        }
+    }
+
+    fn closed(&self) -> impl Future<Output = ()> + Send + '_ {
+        self.conn.closed().cancelled()
+    }
+
+    fn failed(&self, error: &Error, _failures: u32) -> Failed {
+        if is_read_only(error) {
+            Failed::ServerReadOnly
+        } else if is_transient(error) || self.conn.is_closed() {
+            Failed::ConnectionLost
+        } else {
+            Failed::RetrySoon
+        }
+    }
+
+    fn let_go(&self, reason: Option<LossReason>) {
+        if let Some(b) = &self.batch {
+            b.leave();
+        }
+        // A dead connection goes; otherwise only this role's lock (on its
+        // own connection, the same).
+        if matches!(
+            reason,
+            Some(LossReason::ConnectionLost | LossReason::ServerReadOnly)
+        ) {
+            self.conn.kill();
+        } else {
+            self.conn.abandon(self.shared.key);
+        }
+    }
+
+    fn releasable_after(&self, _reason: LossReason) -> bool {
+        // The lock went with the connection (or was unlocked).
+        false
+    }
+
+    async fn release(self, _ended: Option<LossReason>) -> Result<()> {
+        if let Some(b) = &self.batch {
+            b.leave();
+        }
+        let bound = self.shared.timing.heartbeat_timeout * 2;
+        let released = release(&self.shared, &self.conn, self.term);
+        let result = match tokio::time::timeout(bound, released).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::connection_lost("release the leadership")),
+        };
+        match &result {
+            Ok(()) => {
+                // Kept for this elector's next campaign rather than
+                // closed now: a backend ending on the server is work
+                // that would compete with the successor's election
+                // (measured in the failover benchmark); it is closed
+                // when the elector is dropped.
+                if let (LockConn::Own(own), Some(session)) = (self.conn, self.shared.session()) {
+                    session.put_spare(own);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "clean release failed; dropping the lock connection");
+                self.conn.kill();
+            }
+        }
+        result
+    }
+
+    fn close(self) -> impl Future<Output = ()> + Send {
+        std::future::ready(())
+    }
+}
+
+pub(super) async fn release(shared: &ElectorState, conn: &LockConn, term: i64) -> Result<()> {
+    let s = shared.options.schema_name().as_str();
+    let sql = format!(
+        "WITH c AS (
+             UPDATE {s}.leaders
+                SET holder = NULL, holder_pid = NULL, holder_meta = NULL,
+                    renewed_at = now(), lease_until = now()
+              WHERE role = $1 AND holder = $2 AND term = $3
+             RETURNING 1
+         )
+         SELECT (SELECT count(*) FROM c), pg_notify('{LEADER_CHANNEL}', $4)::text"
+    );
+    let payload = format!("{s}:released:{}", shared.role);
+    let params = shared.key.params();
+    let args: Vec<(&(dyn ToSql + Sync), Type)> = params.iter().map(|p| p.as_sql()).collect();
+    let unlock_sql = format!("SELECT pg_advisory_unlock({})", shared.key.sql_args(1));
+    // Pipelined: the clearing transaction commits before the unlock runs
+    // (the server runs them in order), in one round trip.
+    let clear_args: [(&(dyn ToSql + Sync), Type); 4] = [
+        (&shared.role, Type::TEXT),
+        (&shared.node, Type::TEXT),
+        (&term, Type::INT8),
+        (&payload, Type::TEXT),
+    ];
+    // A listening backend that does not read (a later lock wait) would
+    // hold back the server's notification queue. A shared connection
+    // listens for its whole life and never waits.
+    let unlisten = match conn {
+        LockConn::Own(_) => format!("UNLISTEN {RESIGN_CHANNEL}"),
+        LockConn::Shared(_) => String::new(),
+    };
+    let (cleared, unlocked, unlistened) = tokio::join!(
+        conn.client().query_typed_one(&sql, &clear_args),
+        conn.client().query_typed_one(&unlock_sql, &args),
+        conn.client().batch_execute(&unlisten),
+    );
+    let cleared: i64 = cleared
+        .and_then(|row| row.try_get(0))
+        .map_err(|e| Error::db("release the leadership", s, e))?;
+    if cleared == 0 {
+        tracing::warn!(term, "the lease row no longer named this leader at release");
+    }
+    let unlocked: bool = unlocked
+        .and_then(|row| row.try_get(0))
+        .map_err(|e| Error::db("unlock the leader's lock", s, e))?;
+    if !unlocked {
+        return Err(Error::Pooler(format!(
+            "the leader's advisory lock was not held by this session at release (role {:?}); is a pooler in transaction mode between pgelect and {}?",
+            shared.role,
+            shared.options.target()
+        )));
+    }
+    unlistened.map_err(|e| Error::db("stop listening for resign requests", s, e))?;
+    Ok(())
+}
+
+/// The heartbeat task of a shared session: sends `SELECT 1` when the
+/// earliest pending request wants it, for every request pending then; ends
+/// with the session or at the first failure.
+pub(super) async fn heartbeat_task(session: std::sync::Weak<SharedSession>) {
+    let (mut wanted, closed) = match session.upgrade() {
+        Some(s) => (s.wanted.subscribe(), s.conn.closed().clone()),
+        None => return,
+    };
+    loop {
+        if !until_wanted(&mut wanted, &closed).await {
+            return;
+        }
+        let Some(s) = session.upgrade() else {
+            return;
+        };
+        s.wanted.send_replace(None);
+        let sent = Instant::now();
+        let ok = s.conn.client().simple_query("SELECT 1").await.is_ok();
+        tracing::debug!(pid = s.conn.pid(), took = ?sent.elapsed(), "heartbeat");
+        if ok {
+            s.answered(sent);
+        }
+        s.beats.send_replace(Some((sent, ok)));
+        if !ok {
+            return;
+        }
+    }
+}
+
+/// The renewal task of a shared session: when the earliest renewal
+/// request wants it, sends one statement renewing every leader on the
+/// session, and hands each its outcome; ends with the session or when its
+/// connection fails.
+pub(super) async fn renew_batches(session: std::sync::Weak<SharedSession>) {
+    let (mut wanted, closed) = match session.upgrade() {
+        Some(s) => (s.renew_wanted.subscribe(), s.conn.closed().clone()),
+        None => return,
+    };
+    loop {
+        if !until_wanted(&mut wanted, &closed).await {
+            return;
+        }
+        let Some(s) = session.upgrade() else {
+            return;
+        };
+        s.renew_wanted.send_replace(None);
+        let mut rows = Renewals::default();
+        let mut outcomes = HashMap::new();
+        for (role, l) in s.leaders().iter() {
+            rows.push(role, &l.node, l.term, l.ttl_ms, l.priority, l.lock_ids);
+            outcomes.insert(role.clone(), (l.term, l.outcome.clone()));
+        }
+        let roles = &rows.roles;
+        if roles.is_empty() {
+            continue;
+        }
+        // In chunks, one in flight at a time, as the polls: a heartbeat
+        // waits behind one chunk, and every chunk's answer shows the
+        // session alive to the leaders still waiting for theirs.
+        for chunk in chunks(roles.len(), RENEW_ROWS) {
+            let sent = Instant::now();
+            let answer = rows.run(s.conn.client(), &s.renew_sql, chunk.clone()).await;
+            tracing::debug!(pid = s.conn.pid(), leaders = chunk.len(), took = ?sent.elapsed(), "batched renewal");
+            if answer.is_ok() {
+                s.answered(sent);
+            }
+            let mut found = match answer.and_then(|rows| Renewals::outcomes(&rows)) {
+                Ok(found) => Some(found),
+                Err(e) => {
+                    tracing::warn!(error = %e, cause = ?e.as_db_error().map(|d| d.message()), leaders = chunk.len(), "the batched renewal failed; each leader renews alone");
+                    None
+                }
+            };
+            let failed = found.is_none();
+            for role in &roles[chunk] {
+                let Some((_, tx)) = outcomes.remove(role) else {
+                    continue;
+                };
+                let b = match &mut found {
+                    None => Batched::Failed,
+                    Some(found) => found.remove(role).unwrap_or(Batched::NotOurs),
+                };
+                tx.send_replace(Some((sent, b)));
+            }
+            if failed && s.conn.is_closed() {
+                return;
+            }
+        }
+    }
+}
