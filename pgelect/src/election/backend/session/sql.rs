@@ -13,7 +13,6 @@ use crate::election::driver::Preferred;
 use crate::election::registry;
 use crate::election::term::{next_term_sql, previous_holder_sql};
 use crate::election::watch::LEADER_CHANNEL;
-use crate::schema::SchemaName;
 
 /// The renewal, of one leader or many: renews the rows of all the given
 /// roles that still name their leader with its term and this backend, each
@@ -78,7 +77,7 @@ pub(super) fn batch_renew_sql(s: &str) -> String {
 /// plan.
 #[cfg(feature = "test-hooks")]
 #[doc(hidden)]
-pub fn shared_renew_sql(schema: &SchemaName) -> String {
+pub fn shared_renew_sql(schema: &crate::schema::SchemaName) -> String {
     batch_renew_sql(schema.as_str())
 }
 
