@@ -41,6 +41,9 @@ enum State {
 
 struct Inner {
     state: State,
+    /// When the state left `Running`: what the wait costs on top of the
+    /// library is measured from here (`Call.completed_ago`, pgelect-py/bench.py).
+    completed: Option<Instant>,
     /// Called once, with the GIL, when the state leaves `Running`.
     callback: Option<Py<PyAny>>,
 }
@@ -63,6 +66,7 @@ impl Shared {
                 return;
             }
             inner.state = state;
+            inner.completed = Some(Instant::now());
             inner.callback.take()
         };
         self.changed.notify_all();
@@ -106,6 +110,7 @@ where
     let shared = Arc::new(Shared {
         inner: Mutex::new(Inner {
             state: State::Running,
+            completed: None,
             callback: None,
         }),
         changed: Condvar::new(),
@@ -167,6 +172,17 @@ impl Call {
                     .0;
             }
         }))
+    }
+
+    /// Seconds since the operation finished (the library's future
+    /// returned, or it was cancelled); `None` while it runs. What waiting
+    /// and returning to Python cost on top of the library is this, read
+    /// right after the wait returns (pgelect-py/bench.py).
+    fn completed_ago(&self) -> Option<f64> {
+        self.shared
+            .lock()
+            .completed
+            .map(|at| at.elapsed().as_secs_f64())
     }
 
     /// True once the operation has finished (or was cancelled).

@@ -241,3 +241,23 @@ def test_timing_is_the_library_s(url: str, role: str) -> None:
     elector = pgelect.Elector(url, role, ttl=4)
     assert elector.timing["ttl_ms"] == 4000
     elector.close()
+
+
+def test_a_call_tells_how_long_ago_it_completed(url: str, role: str) -> None:
+    # What bench.py measures the Python layer from: unset while the
+    # campaign runs, then the time since the library's future returned.
+    a, b = pgelect.Elector(url, role), pgelect.Elector(url, role)
+    lead = a.acquire(timeout=10)
+    call = b._native.leadership()
+    assert not call.wait(0.2)
+    assert call.completed_ago() is None
+    lead.resign()
+    assert call.wait(10)
+    first = call.completed_ago()
+    assert first is not None and 0 <= first < 5
+    time.sleep(0.01)
+    later = call.completed_ago()
+    assert later is not None and later >= first + 0.01
+    call.result().resign().wait(10)
+    a.close()
+    b.close()
