@@ -346,6 +346,35 @@ pub struct Background {
     started: Instant,
 }
 
+/// A process still running when its test ends (a failed assertion, or a
+/// test that leaves it to the end) is asked to stop with SIGTERM first and
+/// given up to two seconds, so that it stops what it started (`pgelect
+/// demo` its candidates and server; `pgelect run` its command); only then
+/// SIGKILLed (`kill_on_drop`). A SIGKILL alone left a failed demo test's
+/// candidates running as orphans.
+impl Drop for Background {
+    fn drop(&mut self) {
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            return;
+        }
+        let Some(pid) = self.child.id() else {
+            return;
+        };
+        let sent = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        let until = Instant::now() + Duration::from_secs(2);
+        while sent && Instant::now() < until {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.start_kill();
+    }
+}
+
 impl Background {
     /// Spawns `cmd` (from [`pgelect`], so with piped output).
     pub fn spawn(name: &str, mut cmd: Command) -> Background {
