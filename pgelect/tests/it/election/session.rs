@@ -479,6 +479,40 @@ async fn a_fenced_transaction_left_open_does_not_hold_back_the_next_leader() {
     lb.resign().await.unwrap();
 }
 
+/// The fence compares the session's own idle-in-transaction timeout
+/// (whatever its unit) with the lease: a longer one is capped at the lease
+/// for the transaction, a shorter one is left as the session set it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fence_caps_a_longer_idle_timeout_and_keeps_a_shorter_one() {
+    let (db, o) = migrated("elect_fence_units").await;
+    let a = fast(&o, "funits", "a").build().unwrap();
+    let la = a.leadership().await.unwrap();
+    let fencer = db.connect().await;
+    for (session, in_transaction) in [
+        ("1min", "2s"),
+        ("86400000", "2s"),
+        ("2147483647", "2s"),
+        ("1500ms", "1500ms"),
+        ("0", "2s"),
+    ] {
+        fencer
+            .batch_execute(&format!(
+                "SET idle_in_transaction_session_timeout = '{session}'; BEGIN"
+            ))
+            .await
+            .unwrap();
+        la.fence(&fencer).await.unwrap();
+        let idle: String = fencer
+            .query_one("SHOW idle_in_transaction_session_timeout", &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(idle, in_transaction, "session value {session}, ttl 2s");
+        fencer.batch_execute("ROLLBACK").await.unwrap();
+    }
+    la.resign().await.unwrap();
+}
+
 /// A fenced transaction of the leader's own holds the role's row FOR
 /// SHARE while it runs. The renewal skips the locked row instead of
 /// waiting behind it: the server answered, so the leader keeps its
