@@ -369,6 +369,10 @@ fn name(b: Backend) -> &'static str {
 struct Sample {
     ms: f64,
     overlap: bool,
+    /// `resign`: the resigned node won the role back first (its command
+    /// started again); the bench then stopped it, and `ms` runs until the
+    /// standby's command started.
+    returned: bool,
     stages: Option<Stages>,
 }
 
@@ -501,6 +505,7 @@ async fn measure(
             Sample {
                 ms: library_trial(setup, backend, &observer, &format!("{}-lib", c.role)).await?,
                 overlap: false,
+                returned: false,
                 stages: None,
             }
         } else {
@@ -608,6 +613,7 @@ fn report(
             "ms": Stats::of(&ms).json(),
             "trials": ms.len(),
             "overlaps": overlaps,
+            "returned": samples.iter().filter(|s| s.returned).count(),
             "stages_p50_ms": stages,
         }));
     }
@@ -660,6 +666,13 @@ fn report(
                     samples.iter().filter(|s| s.overlap).count(),
                     samples.len()
                 );
+                let returned = samples.iter().filter(|s| s.returned).count();
+                if returned > 0 {
+                    println!(
+                        "{:<40} {:<14} the resigned node won the role back in {returned} of {} trials (stopped by the bench; their time runs to the standby's start)",
+                        "", c.name, samples.len()
+                    );
+                }
             }
         }
         if setup.breakdown {
@@ -751,6 +764,26 @@ impl Group {
             }
             Kind::Library => unreachable!("BUG: handled by the caller"),
         }
+        let mut returned = false;
+        if kind == Kind::Resign {
+            // The resigned node stands again at once: if it wins the role
+            // back, stop it, and count the trial as returned.
+            let deadline = Instant::now() + STEP;
+            while standby.early.is_none() {
+                if leader.try_line("STARTED ").is_some() {
+                    returned = true;
+                    leader.stop_quietly().await;
+                    break;
+                }
+                match standby.lines.try_recv() {
+                    Ok(l) => standby.early = Some(l),
+                    Err(_) if Instant::now() > deadline => {
+                        return Err(format!("no command started within {STEP:?} of the resign"));
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_micros(200)).await,
+                }
+            }
+        }
         let started = standby.started(STEP).await?;
         let overlap = standby.lock_line(STEP).await?;
         let ms = (started.saturating_sub(t0)) as f64 / 1e6;
@@ -759,7 +792,8 @@ impl Group {
         }
         match kind {
             // Resigned, the old leader stands again: stop it.
-            Kind::Resign => leader.stop_quietly().await,
+            Kind::Resign if !returned => leader.stop_quietly().await,
+            Kind::Resign => {}
             _ => leader.exited(STEP).await?,
         }
         let stages = if setup.breakdown && matches!(kind, Kind::Sigterm | Kind::Exit | Kind::Resign)
@@ -772,7 +806,9 @@ impl Group {
         Ok(Sample {
             ms,
             overlap,
-            stages,
+            returned,
+            // The stages of a returned trial describe the node's own return.
+            stages: stages.filter(|_| !returned),
         })
     }
 }
@@ -783,6 +819,8 @@ struct Proc {
     child: Child,
     /// The command's own pid, once it has started.
     command: Option<Pid>,
+    /// A line read ahead (the `resign` trial's watch), read first.
+    early: Option<String>,
     lines: std::sync::mpsc::Receiver<String>,
     node: String,
     /// Signals go to the process group (etcd) or the process (pgelect).
@@ -865,17 +903,33 @@ impl Proc {
         Ok(Proc {
             child,
             command: None,
+            early: None,
             lines,
             node: node.to_owned(),
             group,
         })
     }
 
+    /// A line starting with `prefix` already printed, its rest (others
+    /// are dropped).
+    fn try_line(&mut self, prefix: &str) -> Option<String> {
+        while let Ok(l) = self.lines.try_recv() {
+            if let Some(rest) = l.strip_prefix(prefix) {
+                return Some(rest.to_owned());
+            }
+        }
+        None
+    }
+
     /// The next line starting with `prefix`, its rest.
     async fn line(&mut self, prefix: &str, within: Duration) -> Result<String, String> {
         let deadline = Instant::now() + within;
         loop {
-            match self.lines.try_recv() {
+            let next = match self.early.take() {
+                Some(l) => Ok(l),
+                None => self.lines.try_recv(),
+            };
+            match next {
                 Ok(l) => {
                     if let Some(rest) = l.strip_prefix(prefix) {
                         return Ok(rest.to_owned());
