@@ -9,9 +9,8 @@
 #   pgelect-py/test.sh --build-only    # the virtualenv and the wheel, no tests
 #   pgelect-py/test.sh --no-build      # the tests of the wheel installed last
 #
-# scripts/test.sh builds the wheel (--build-only, niced) while the Rust
-# suite runs, which leaves most of a core idle waiting on timers, and runs
-# the tests (--no-build) after it.
+# scripts/test.sh builds the wheel (--build-only) before the Rust suite and
+# runs the tests (--no-build) after it.
 #
 # Everything lives under target/: the virtualenv (target/py-venv, with the
 # pinned tools of pgelect-py/requirements-dev.txt and
@@ -55,12 +54,12 @@ fi
 # artefact, not a second build of the kit and its dependencies.
 cargo build --quiet --workspace --features pgelect/sqlx,pgelect-cli/throwaway --bin pgelect-throwaway
 rm -f target/wheels/pgelect-*.whl
-# A target folder of its own: built alone, the binding resolves its
-# dependencies' features differently from the workspace (tokio, pgelect
-# without sqlx, ...), so it shares few artefacts with target/debug, and a
-# folder of its own keeps it from holding target/'s lock while the Rust
-# suite runs beside it (scripts/test.sh).
-CARGO_TARGET_DIR=target/py-build "$venv/bin/maturin" build --quiet -m pgelect-py/Cargo.toml -o target/wheels
+# In the workspace's target folder: after scripts/test.sh's build, only
+# the few crates whose features differ when the binding is built alone
+# (pgelect without sqlx, tokio's and tokio-postgres's feature sets) and the
+# extension itself are compiled, about a minute on two cores, where a
+# folder of its own rebuilt every dependency (four to seven minutes).
+"$venv/bin/maturin" build --quiet -m pgelect-py/Cargo.toml -o target/wheels
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps target/wheels/pgelect-*.whl
 
 [ "$phase" = build ] && exit 0

@@ -66,19 +66,14 @@ if [ ${#versions[@]} -eq 0 ] && [ -z "$subset" ] && [ ${#extra[@]} -eq 0 ]; then
   # Exactly the README's command: the system's PostgreSQL, every test.
   scripts/setup.sh
   cargo build "${features[@]}" --all-targets
-  # The Python package's wheel (maturin, debug build) builds in the
-  # background, niced, while the Rust suite runs: the suite mostly waits on
-  # timers and leaves part of the two cores idle. Its pytest suite and the
-  # Python examples run on a throwaway PostgreSQL and PgBouncer after the
-  # Rust tests (pgelect-py/test.sh; PGELECT_SKIP_PYTHON=1 leaves it out).
-  py_log=target/py-build.log py_pid=
+  # The Python package's wheel (maturin, debug build), in the same target
+  # folder: it reuses nearly all of the build above. Its pytest suite and
+  # the Python examples run on a throwaway PostgreSQL and PgBouncer after
+  # the Rust tests (pgelect-py/test.sh; PGELECT_SKIP_PYTHON=1 leaves it out).
   if [ -z "${PGELECT_SKIP_PYTHON:-}" ]; then
-    py_start=$(date +%s)
-    # A process group of its own (setsid), so that an early exit ends the
-    # whole build, maturin and cargo included.
-    setsid nice -n 19 pgelect-py/test.sh --build-only >"$py_log" 2>&1 &
-    py_pid=$!
-    trap '[ -z "$py_pid" ] || kill -- "-$py_pid" 2>/dev/null || true' EXIT
+    start=$(date +%s)
+    pgelect-py/test.sh --build-only
+    echo "scripts/test.sh: the Python package's wheel was built in $(($(date +%s) - start)) s"
   fi
   if have_nextest; then
     # Each test runs in its own process with its own throwaway cluster.
@@ -89,15 +84,7 @@ if [ ${#versions[@]} -eq 0 ] && [ -z "$subset" ] && [ ${#extra[@]} -eq 0 ]; then
     cargo test "${features[@]}" --no-fail-fast
   fi
   cargo test "${features[@]}" --doc
-  if [ -n "$py_pid" ]; then
-    if ! wait "$py_pid"; then
-      py_pid=
-      cat "$py_log" >&2
-      echo "scripts/test.sh: building the Python package failed (log above, $py_log)" >&2
-      exit 1
-    fi
-    py_pid=
-    echo "scripts/test.sh: the Python package's wheel was ready $(($(date +%s) - py_start)) s after the build started"
+  if [ -z "${PGELECT_SKIP_PYTHON:-}" ]; then
     start=$(date +%s)
     pgelect-py/test.sh --no-build
     echo "scripts/test.sh: the Python package's tests took $(($(date +%s) - start)) s"

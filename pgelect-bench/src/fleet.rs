@@ -13,8 +13,10 @@
 //!   transactions; this benchmark's own few sampling reads included), rows
 //!   written per second, PgBouncer's server connections (the most seen,
 //!   sampled every second) and clients waiting for one, the CPU of the
-//!   server, of PgBouncer and of the candidates, and each candidate
-//!   process's RSS;
+//!   server, of PgBouncer and of the candidates, each candidate
+//!   process's RSS, and the size of every table of the `pgelect` schema
+//!   with its indexes and its dead tuples at the window's start and end (a
+//!   long `--window`, e.g. 1800, shows whether they bloat);
 //! * **failover**, `--kills` times (default 3): the leader's process is
 //!   SIGKILLed and the time until another candidate holds the lease is
 //!   taken (bound: TTL + 1 s); the new term must begin on the server at or
@@ -313,6 +315,58 @@ async fn registered(c: &tokio_postgres::Client, ttl: f64) -> Result<i64, String>
     Ok(r.get(0))
 }
 
+/// The size of one of pgelect's tables with its indexes, and its tuples.
+#[derive(Clone, Debug)]
+struct TableSize {
+    table: String,
+    table_bytes: i64,
+    index_bytes: i64,
+    live: i64,
+    dead: i64,
+}
+
+/// Every table of the `pgelect` schema: heap and index bytes, live and
+/// dead tuples (the statistics collector's counts, a moment behind).
+async fn sizes(c: &tokio_postgres::Client) -> Result<Vec<TableSize>, String> {
+    let rows = c
+        .query(
+            "SELECT relname::text, pg_relation_size(relid)::int8, pg_indexes_size(relid)::int8,
+                    n_live_tup::int8, n_dead_tup::int8
+               FROM pg_stat_user_tables WHERE schemaname = 'pgelect' ORDER BY relname",
+            &[],
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(rows
+        .iter()
+        .map(|r| TableSize {
+            table: r.get(0),
+            table_bytes: r.get(1),
+            index_bytes: r.get(2),
+            live: r.get(3),
+            dead: r.get(4),
+        })
+        .collect())
+}
+
+fn sizes_json(sizes: &[TableSize]) -> serde_json::Value {
+    sizes
+        .iter()
+        .map(|t| {
+            (
+                t.table.clone(),
+                serde_json::json!({
+                    "table_bytes": t.table_bytes,
+                    "index_bytes": t.index_bytes,
+                    "live_tuples": t.live,
+                    "dead_tuples": t.dead,
+                }),
+            )
+        })
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
 async fn measure(
     o: &Options,
     bin: &std::path::Path,
@@ -393,6 +447,7 @@ async fn measure(
     let members = fleet.pids();
     let cpu = |pids: &[u32]| pids.iter().map(|p| cpu_ticks(*p)).sum::<u64>();
     let (x0, w0) = counters(&db).await?;
+    let sizes_start = sizes(&db).await?;
     let (c_pgb, c_pg, c_m) = (cpu(&pgb), cpu(&pgs), cpu(&members));
     let w = Instant::now();
     let (mut servers_max, mut waiting_max, mut servers_sum, mut samples) = (0i64, 0i64, 0i64, 0i64);
@@ -406,6 +461,7 @@ async fn measure(
     }
     let secs = w.elapsed().as_secs_f64();
     let (x1, w1) = counters(&db).await?;
+    let sizes_end = sizes(&db).await?;
     let per_s = |ticks: u64| ticks as f64 / ticks_per_s() / secs * 100.0;
     let cpu_pgb = per_s(cpu(&pgb).saturating_sub(c_pgb));
     let cpu_pg = per_s(cpu(&pgs).saturating_sub(c_pg));
@@ -554,6 +610,7 @@ async fn measure(
         "rss_mib_per_member": rss_s.json(),
         "rss_mib_members_total": round2(rss_total),
         "registered_fresh_after_window": knows,
+        "pgelect_tables": {"window_start": sizes_json(&sizes_start), "window_end": sizes_json(&sizes_end)},
         "crash_failover_ms": fo.as_ref().map(Stats::json),
         "failovers_over_ttl_plus_1s": over_bound,
         "overlaps": overlaps,
@@ -605,6 +662,29 @@ async fn measure(
         ];
         for (k, v) in rows {
             println!("{k:<44} {v}");
+        }
+        println!();
+        println!(
+            "{:<24} {:>26} {:>26} {:>16}",
+            "pgelect table",
+            "heap kB, start -> end",
+            "indexes kB, start -> end",
+            "dead tuples, end"
+        );
+        for end in &sizes_end {
+            let start = sizes_start.iter().find(|t| t.table == end.table);
+            let kb = |b: i64| b as f64 / 1024.0;
+            let pair = |a: Option<i64>, b: i64| match a {
+                Some(a) => format!("{:.0} -> {:.0}", kb(a), kb(b)),
+                None => format!("- -> {:.0}", kb(b)),
+            };
+            println!(
+                "{:<24} {:>26} {:>26} {:>16}",
+                end.table,
+                pair(start.map(|t| t.table_bytes), end.table_bytes),
+                pair(start.map(|t| t.index_bytes), end.index_bytes),
+                format!("{} ({} live)", end.dead, end.live)
+            );
         }
         println!();
     }

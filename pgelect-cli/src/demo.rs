@@ -322,32 +322,21 @@ async fn next_duty(duties: &mut mpsc::UnboundedReceiver<Duty>) -> Result<Duty, F
 
 /// A connection opened before the kill, so that its set-up is not timed.
 struct Observer {
-    client: tokio_postgres::Client,
-    schema: String,
+    admin: pgelect::admin::AdminClient,
 }
 
 impl Observer {
     async fn connect(options: &pgelect::ConnectOptions) -> Result<Observer, Failure> {
-        let client = crate::db::connect(options).await?;
-        Ok(Observer {
-            client,
-            schema: options.schema_name().as_str().to_owned(),
-        })
+        let admin = pgelect::admin::AdminClient::connect(options).await?;
+        Ok(Observer { admin })
     }
 
     /// Polls the lease row (every 2 ms, bounded) until the term moves past `old`.
     async fn wait_for_new_term(&self, old: i64) -> Result<Instant, Failure> {
-        let schema = &self.schema;
-        let sql = format!("SELECT term FROM {schema}.leaders WHERE role = $1");
         let deadline = Instant::now() + STEP_TIMEOUT;
         while Instant::now() < deadline {
-            let row = self
-                .client
-                .query_typed_one(&sql, &[(&ROLE, tokio_postgres::types::Type::TEXT)])
-                .await
-                .map_err(|e| crate::db::classify(schema, "read the leaders table", e))?;
-            let term: i64 = crate::db::column(&row, 0, schema, "read the leaders table")?;
-            if term > old {
+            let term = self.admin.lease_row(ROLE).await?.map(|row| row.term.get());
+            if term.is_some_and(|term| term > old) {
                 return Ok(Instant::now());
             }
             tokio::time::sleep(Duration::from_millis(2)).await;

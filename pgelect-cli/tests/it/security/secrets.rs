@@ -174,6 +174,18 @@ async fn demo_puts_its_random_password_on_no_command_line_and_ignores_database_u
             "{cmdline}"
         );
     }
+    // The leader's command starts a moment after its term is announced
+    // (the spawn follows the election): wait for it, bounded, so that its
+    // environment is read too. Under load it once was not there yet.
+    let waited = std::time::Instant::now();
+    while !candidates.iter().any(|(pid, _)| !children(*pid).is_empty()) {
+        assert!(
+            waited.elapsed() < START,
+            "no candidate started its command within {START:?}\n{}",
+            demo.output()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let mut checked = 0;
     for (pid, _) in &candidates {
         for p in std::iter::once(*pid).chain(children(*pid)) {
