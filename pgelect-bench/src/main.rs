@@ -64,12 +64,16 @@ benchmarks:
               promoted): time until the replica accepts writes and until a candidate
               leads on it, both backends (options: --trials N (10),
               --backends session,lease, --sync, --json)
-  cli-handoff planned handoff through `pgelect run` (SIGTERM to the leader's process
-              until the successor's command has started), session and lease
-              (PgBouncer in transaction mode + a direct LISTEN connection), next to
-              the library's resign() handoff (options: --trials N (30),
-              --backends session,lease, --settle-ms MS (500), --ttl D, --keep-logs,
-              --json; needs the pgelect binary next to this one, or PGELECT_BIN)
+  cli-handoff every handover through the command line, `pgelect run` (session, and
+              lease through PgBouncer in transaction mode + a direct LISTEN) next to
+              etcd's `etcdctl lock` when etcd is installed, in one shuffled run: holder
+              SIGTERMed, command exiting by itself, `pgelect resign`, holder SIGKILLed,
+              and the library's resign(); overlaps counted (options: --trials N (30),
+              --kinds sigterm,exit,resign,crash,library, --backends session,lease,
+              --bin LABEL=PATH (repeatable: before/after builds in one run), --no-etcd,
+              --breakdown (stages from -vv logs), --settle-ms MS (500), --seed N,
+              --keep-logs, --json; needs the pgelect binary next to this one, or
+              PGELECT_BIN)
 
   report      merges the --json output of benchmarks into one list of {scenario, metric,
               value, unit} rows, prints them and draws the latency distributions

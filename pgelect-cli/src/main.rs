@@ -43,11 +43,21 @@ fn main() -> ExitCode {
             Err(failure) => failure.report(),
         };
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
+    // The commands that ask once and exit (or only watch) run on this
+    // thread: no worker threads to start for them. `run`, `lock`, `demo`
+    // and `chaos` supervise commands and connections at once.
+    let one_thread = matches!(
+        cli.command,
+        Command::Resign(_) | Command::Status(_) | Command::Forget(_) | Command::Migrate(_)
+    );
+    let mut builder = if one_thread {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(2);
+        b
+    };
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("pgelect: cannot start the async runtime: {e}");
