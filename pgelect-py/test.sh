@@ -30,8 +30,11 @@ esac
 venv=target/py-venv
 run_tests() {
   # From outside the source tree, so that the installed wheel is what runs.
-  "$venv/bin/python" -m pytest -p no:cacheprovider --rootdir pgelect-py/tests -q \
-    pgelect-py/tests examples/python "$@"
+  # Never a silent hang: a test still running after 5 minutes has every
+  # thread's stack dumped (pytest's faulthandler), and the whole run is
+  # ended after 20 (about a minute is usual).
+  timeout -k 10 1200 "$venv/bin/python" -m pytest -p no:cacheprovider --rootdir pgelect-py/tests -q \
+    -o faulthandler_timeout=300 pgelect-py/tests examples/python "$@"
 }
 if [ "$phase" = test ]; then
   if ! "$venv/bin/python" -c 'import pgelect' 2>/dev/null; then

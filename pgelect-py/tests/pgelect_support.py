@@ -8,10 +8,12 @@ PGELECT_THROWAWAY names the binary (default: target/debug/pgelect-throwaway).
 
 from __future__ import annotations
 
+import _thread
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -102,3 +104,37 @@ def child(*args: str, env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
 
 def connect(url: str, **kw: object) -> psycopg.Connection:
     return psycopg.connect(url, **kw)  # type: ignore[arg-type]
+
+
+class CtrlC:
+    """Ctrl-C for the main thread, as the terminal sends it: the first after
+    ``after`` seconds, then again every ``every`` seconds until ``caught()``.
+    Once, in a loaded CI run, a single interrupt was never raised in the
+    waiting main thread and the test waited for ever; the repeats bound
+    that. Use as a context manager around the wait that is to be
+    interrupted; call ``caught()`` as soon as the KeyboardInterrupt is in."""
+
+    def __init__(self, after: float = 0.3, every: float = 2.0) -> None:
+        self._after, self._every = after, every
+        self._caught = threading.Event()
+        self.sent = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        if self._caught.wait(self._after):
+            return
+        while not self._caught.is_set():
+            self.sent += 1
+            _thread.interrupt_main()
+            self._caught.wait(self._every)
+
+    def caught(self) -> None:
+        self._caught.set()
+
+    def __enter__(self) -> "CtrlC":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._caught.set()
+        self._thread.join()

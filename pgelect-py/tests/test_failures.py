@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import _thread
 import asyncio
 import os
 import threading
@@ -12,7 +11,7 @@ import uuid
 import pytest
 
 import pgelect
-from pgelect_support import connect, eventually, with_database, with_user
+from pgelect_support import CtrlC, connect, eventually, with_database, with_user
 
 
 # ---- bad input: the library's own clear errors ------------------------------
@@ -77,14 +76,15 @@ def test_ctrl_c_while_waiting_for_a_lock(url: str, role: str) -> None:
     threads = threading.active_count()
     with pgelect.LockSession(url) as holder, pgelect.LockSession(url) as waiter:
         held = holder.lock(key).acquire()
-        timer = threading.Timer(0.3, _thread.interrupt_main)  # Ctrl-C, as the terminal sends it
-        timer.start()
         start = time.monotonic()
-        with pytest.raises(KeyboardInterrupt):
-            with waiter.lock(key):
-                pytest.fail("the lock was granted while the holder held it")
+        with CtrlC() as ctrl_c, pytest.raises(KeyboardInterrupt):
+            try:
+                with waiter.lock(key):
+                    pytest.fail("the lock was granted while the holder held it")
+            finally:
+                ctrl_c.caught()
+        print(f"interrupted after {ctrl_c.sent} Ctrl-C")
         assert time.monotonic() - start < 5
-        timer.join()
         held.release()
         # The waiter's session must not have taken the key on its way out.
         with pgelect.LockSession(url) as third:
@@ -106,11 +106,11 @@ def test_ctrl_c_while_campaigning(url: str, role: str) -> None:
     leader = pgelect.Elector(url, role)
     standby = pgelect.Elector(url, role)
     lead = leader.acquire(timeout=10)
-    timer = threading.Timer(0.3, _thread.interrupt_main)
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        standby.acquire()
-    timer.join()
+    with CtrlC() as ctrl_c, pytest.raises(KeyboardInterrupt):
+        try:
+            standby.acquire()
+        finally:
+            ctrl_c.caught()
     lead.resign()
     # The interrupted standby does not lead: a third candidate is elected.
     third = pgelect.Elector(url, role)
