@@ -125,6 +125,20 @@ impl Stats {
     }
 }
 
+/// The number after an option (`--window 30`), at least `min`; the
+/// error names the benchmark and the option.
+pub(crate) fn option_number<'a>(
+    args: &mut impl Iterator<Item = &'a String>,
+    bench: &str,
+    option: &str,
+    min: f64,
+) -> Result<f64, String> {
+    args.next()
+        .and_then(|v| v.parse::<f64>().ok())
+        .filter(|v| *v >= min)
+        .ok_or(format!("{bench}: {option} needs a number, at least {min}"))
+}
+
 pub(crate) fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use pgelect::{ConnectOptions, Elector};
 
-use crate::common::{connect, round2, Rows, Stats};
+use crate::common::{connect, option_number, round2, Rows, Stats};
 use crate::roles::unix_ns;
 
 /// The library's default wait slice: counts are read one slice after the
@@ -51,12 +51,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let mut json = false;
     let mut it = args.iter();
     while let Some(a) = it.next() {
-        let mut number = |what: &str, min: f64| {
-            it.next()
-                .and_then(|v| v.parse::<f64>().ok())
-                .filter(|v| *v >= min)
-                .ok_or(format!("crowd: {what} needs a number, at least {min}"))
-        };
+        let mut number = |option: &str, min: f64| option_number(&mut it, "crowd", option, min);
         match a.as_str() {
             "--candidates" => candidates = number("--candidates", 3.0)? as usize,
             "--trials" => trials = number("--trials", 1.0)? as usize,

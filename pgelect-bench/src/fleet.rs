@@ -36,7 +36,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::cli_handoff::pgelect_bin;
-use crate::common::{connect, round2, Rows, Stats};
+use crate::common::{connect, option_number, round2, Rows, Stats};
 
 const ROLE: &str = "fleet";
 
@@ -66,12 +66,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
-        let mut number = |what: &str, min: f64| {
-            it.next()
-                .and_then(|v| v.parse::<f64>().ok())
-                .filter(|v| *v >= min)
-                .ok_or(format!("fleet: {what} needs a number, at least {min}"))
-        };
+        let mut number = |option: &str, min: f64| option_number(&mut it, "fleet", option, min);
         match a.as_str() {
             "--members" => o.members = number("--members", 2.0)? as usize,
             "--ttl" => o.ttl = number("--ttl", 1.0)?,
