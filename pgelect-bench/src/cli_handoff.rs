@@ -32,6 +32,13 @@
 //!   pgelect: the `pgelect run` process only, its watcher kills the
 //!   command). The successor waits the handover delay (pgelect, 400 ms at
 //!   ttl 2 s) or the session's TTL (etcd, lease backend).
+//! * `partition`: every connection of the leading process is blackholed
+//!   (the test kit's TCP proxy stops forwarding, sockets left open), as
+//!   when its host is cut off: the successor acts once the lease has
+//!   expired. A pgelect leader stops its command at its local deadline,
+//!   before the expiry; `etcdctl lock` never stops its command, so etcd's
+//!   trials count an overlap. When `partition` is among the kinds, every
+//!   supervisor of the run connects through proxies of its own (over TCP).
 //! * `library`: [`Leadership::resign`](pgelect::Leadership::resign) in this
 //!   process until a standby here is told it leads; pgelect only. The
 //!   difference from `sigterm` is what the command adds.
@@ -84,15 +91,17 @@ enum Kind {
     Exit,
     Resign,
     Crash,
+    Partition,
     Library,
 }
 
 impl Kind {
-    const ALL: [Kind; 5] = [
+    const ALL: [Kind; 6] = [
         Kind::Sigterm,
         Kind::Exit,
         Kind::Resign,
         Kind::Crash,
+        Kind::Partition,
         Kind::Library,
     ];
 
@@ -102,6 +111,7 @@ impl Kind {
             Kind::Exit => "exit",
             Kind::Resign => "resign",
             Kind::Crash => "crash",
+            Kind::Partition => "partition",
             Kind::Library => "library",
         }
     }
@@ -112,6 +122,7 @@ impl Kind {
             Kind::Exit => "command exits by itself",
             Kind::Resign => "`pgelect resign` from another shell",
             Kind::Crash => "holder SIGKILLed",
+            Kind::Partition => "holder's connections blackholed",
             Kind::Library => "library resign() (no command)",
         }
     }
@@ -271,7 +282,14 @@ pub fn run(args: &[String]) -> Result<(), String> {
         ),
         _ => None,
     };
+    // Cut off by proxies, which forward TCP: the servers' TCP addresses.
+    let proxied = kinds.contains(&Kind::Partition);
+    let url = match &cluster {
+        Some(c) if proxied => c.tcp_url("postgres"),
+        _ => url,
+    };
     let lease_url = match &bouncer {
+        Some(b) if proxied => b.tcp_url("postgres"),
         Some(b) => b.url("postgres"),
         None => url.clone(),
     };
@@ -299,6 +317,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
         settle,
         breakdown,
         etcd_endpoint: etcd.as_ref().map(|e| e.endpoint.clone()),
+        proxied,
     };
     let plan = Plan {
         contenders,
@@ -349,6 +368,9 @@ struct Setup {
     /// Supervisors at `-vv`, their logs read for the stages.
     breakdown: bool,
     etcd_endpoint: Option<String>,
+    /// Every supervisor connects through TCP proxies of its own (when
+    /// `partition` is measured), so that one can be cut off.
+    proxied: bool,
 }
 
 struct Plan {
@@ -742,6 +764,11 @@ impl Group {
         match kind {
             Kind::Sigterm => leader.signal(Signal::SIGTERM)?,
             Kind::Crash => leader.signal(Signal::SIGKILL)?,
+            Kind::Partition => {
+                for p in &leader.proxies {
+                    p.blackhole();
+                }
+            }
             Kind::Exit => leader.tell_command_to_exit()?,
             Kind::Resign => {
                 let Engine::Pgelect { bin, .. } = &self.c.engine else {
@@ -794,6 +821,12 @@ impl Group {
             // Resigned, the old leader stands again: stop it.
             Kind::Resign if !returned => leader.stop_quietly().await,
             Kind::Resign => {}
+            // Cut off, it cannot release: end what is left of it (etcd's
+            // command still runs: `etcdctl lock` never stops it).
+            Kind::Partition => {
+                leader.signal(Signal::SIGKILL)?;
+                leader.exited(STEP).await?;
+            }
             _ => leader.exited(STEP).await?,
         }
         let stages = if setup.breakdown && matches!(kind, Kind::Sigterm | Kind::Exit | Kind::Resign)
@@ -825,6 +858,9 @@ struct Proc {
     node: String,
     /// Signals go to the process group (etcd) or the process (pgelect).
     group: bool,
+    /// The TCP proxies its connections go through (`partition` runs), one
+    /// per server it talks to; blackholed to cut it off.
+    proxies: Vec<pgelect_testkit::FaultProxy>,
 }
 
 fn log_path(setup: &Setup, c: &Contender, node: &str) -> PathBuf {
@@ -842,6 +878,15 @@ impl Proc {
         let log = std::fs::File::create(log_path(setup, c, node))
             .map_err(|e| format!("cannot create a log file: {e}"))?;
         let lock = lock_path(setup, c);
+        let mut proxies = Vec::new();
+        let mut via = |url: &str| -> Result<String, String> {
+            if !setup.proxied {
+                return Ok(url.to_owned());
+            }
+            let (url, proxy) = proxied(url)?;
+            proxies.push(proxy);
+            Ok(url)
+        };
         let mut cmd;
         let group;
         match &c.engine {
@@ -858,23 +903,26 @@ impl Proc {
                 ]);
                 match backend {
                     Backend::Session => {
-                        cmd.args(["--database-url", &setup.url]);
+                        cmd.args(["--database-url", &via(&setup.url)?]);
                     }
                     _ => {
-                        cmd.args(["--backend", "lease", "--database-url", &setup.lease_url])
-                            .args(["--listen-url", &setup.url]);
+                        cmd.args([
+                            "--backend",
+                            "lease",
+                            "--database-url",
+                            &via(&setup.lease_url)?,
+                        ])
+                        .args(["--listen-url", &via(&setup.url)?]);
                     }
                 }
                 cmd.arg("--");
                 group = false;
             }
             Engine::Etcd => {
+                let endpoint = via(setup.etcd_endpoint.as_deref().expect("BUG: etcd runs"))?;
                 cmd = Command::new("etcdctl");
                 cmd.env("ETCDCTL_API", "3")
-                    .args([
-                        "--endpoints",
-                        setup.etcd_endpoint.as_deref().expect("BUG: etcd runs"),
-                    ])
+                    .args(["--endpoints", &endpoint])
                     .args(["lock", "--ttl", &TTL_S.to_string(), &c.role, "--"])
                     .process_group(0);
                 group = true;
@@ -907,6 +955,7 @@ impl Proc {
             lines,
             node: node.to_owned(),
             group,
+            proxies,
         })
     }
 
@@ -1023,6 +1072,26 @@ impl Drop for Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// `url` (`postgres://…@127.0.0.1:PORT/…` or `http://127.0.0.1:PORT`)
+/// through a new TCP proxy to the same address (the test kit's
+/// [`FaultProxy`](pgelect_testkit::FaultProxy)).
+fn proxied(url: &str) -> Result<(String, pgelect_testkit::FaultProxy), String> {
+    const HOST: &str = "127.0.0.1:";
+    let at = url
+        .rfind(HOST)
+        .ok_or_else(|| format!("cannot proxy {url:?}: not a 127.0.0.1 TCP address"))?
+        + HOST.len();
+    let digits = url[at..].bytes().take_while(u8::is_ascii_digit).count();
+    let port: u16 = url[at..at + digits]
+        .parse()
+        .map_err(|_| format!("cannot proxy {url:?}: no port"))?;
+    let proxy =
+        pgelect_testkit::FaultProxy::start(std::net::SocketAddr::from(([127, 0, 0, 1], port)))
+            .map_err(|e| format!("cannot start a TCP proxy: {e}"))?;
+    let url = format!("{}{}{}", &url[..at], proxy.port(), &url[at + digits..]);
+    Ok((url, proxy))
 }
 
 /// Waits until the standby `node` would be told of a release at once: for

@@ -301,8 +301,14 @@ async fn leader(c: &tokio_postgres::Client) -> Result<Option<(String, i64, f64)>
 async fn registered(c: &tokio_postgres::Client, ttl: f64) -> Result<i64, String> {
     let r = c
         .query_one(
-            "SELECT count(*) FROM pgelect.candidates
-              WHERE role = $1 AND seen_at >= now() - $2 * interval '1 second'",
+            // A leader's lease row stands for it: a lease leader does not
+            // refresh its registration while it renews.
+            "SELECT count(*) FROM (
+                 SELECT node FROM pgelect.candidates
+                  WHERE role = $1 AND seen_at >= now() - $2 * interval '1 second'
+                 UNION
+                 SELECT holder FROM pgelect.leaders
+                  WHERE role = $1 AND holder IS NOT NULL AND lease_until > now()) AS m",
             &[&ROLE, &ttl],
         )
         .await
