@@ -63,14 +63,26 @@ pub(crate) fn rearm_lease_sql(l: &str, ttl_ms: &str, timeline: &str) -> String {
 }
 
 /// The previous holder a session-backend election reports for the row
-/// `l` (an SQL expression): the holder it names, or, for a row that
-/// [`stale_row_sql`] finds stale and that names nobody, a placeholder. Either
-/// way the takeover counts as unclean and waits the handover delay: a
-/// released row read on a promoted server may be older than an election
-/// the old primary committed and never sent.
+/// `l` (an SQL expression), which makes the takeover unclean (it waits the
+/// handover delay): the holder it names while that holder's lease still
+/// runs on the server's clock; for a row that [`stale_row_sql`] finds
+/// stale, the holder or a placeholder whatever the lease says (a released
+/// row read on a promoted server may be older than an election the old
+/// primary committed and never sent, and its expiry may lack renewals);
+/// otherwise NULL: the takeover is clean.
+///
+/// A holder whose lease expired on the server's clock is past its local
+/// deadline: the deadline counts from a renewal sent before the server set
+/// that expiry, and ends the safety margin (the clock drift allowed)
+/// before it. So it has stopped acting, as the lease backend relies on
+/// when it acts at once on an expired lease, and the handover delay would
+/// only add to a failover after a partition or a frozen leader (the model
+/// check's sessions take the same rule).
 pub(crate) fn previous_holder_sql(l: &str) -> String {
     format!(
-        "CASE WHEN {} THEN coalesce({l}.holder, '{STALE_HOLDER}') ELSE {l}.holder END",
+        "CASE WHEN {} THEN coalesce({l}.holder, '{STALE_HOLDER}')
+              WHEN {l}.lease_until < now() THEN NULL
+              ELSE {l}.holder END",
         stale_row_sql(l, TIMELINE_SQL)
     )
 }

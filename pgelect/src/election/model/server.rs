@@ -220,7 +220,12 @@ impl ElectionModel {
                 }
                 let row = &mut st.rows[r];
                 row.term += 1;
-                let unclean = row.holder.is_some();
+                // A takeover is unclean while the previous holder's lease
+                // runs: once it expired on the server's clock, that
+                // leader's deadline (counted from a renewal sent before
+                // the server set the expiry, less the drift margin) has
+                // passed.
+                let unclean = row.holder.is_some() && row.lease_until >= st.now;
                 row.holder = Some((p, n));
                 row.lease_until = st.now + s.ticks(s.timing.ttl);
                 let term = row.term;

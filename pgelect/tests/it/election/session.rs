@@ -669,6 +669,57 @@ async fn blackholed_leader_demotes_before_the_standby_acts() {
     lb.resign().await.unwrap();
 }
 
+/// A standby that takes over from a cut-off leader once its lease has
+/// expired on the server's clock acts at once: the old leader's deadline
+/// has passed, so there is no handover delay to wait (it would add 400 ms
+/// to a partition failover at a 2 s TTL). Here the handover delay is 8 s,
+/// so a standby that waited it could not lead within the bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_taking_over_an_expired_lease_acts_without_the_handover_delay() {
+    let (db, o) = migrated("elect_expired").await;
+    let proxy = FaultProxy::start(db.server_addr()).unwrap();
+    let via_proxy = ConnectOptions::from_config(db.config_via(proxy.port()));
+    let delay = Duration::from_secs(8);
+    let slow = |o: &ConnectOptions, node: &str| {
+        fast(o, "exp", node)
+            .session(|s| s.handover_delay(delay))
+            .build()
+            .unwrap()
+    };
+    let (a, b) = (slow(&via_proxy, "a"), slow(&o, "b"));
+    assert_eq!(b.handover_delay(), delay);
+    let log = Intervals::default();
+    let la = a.leadership().await.unwrap();
+    let ia = log.start("a", la.term());
+    let log2 = log.clone();
+    let standby = tokio::spawn(async move {
+        let l = b.leadership().await.unwrap();
+        let i = log2.start("b", l.term());
+        (l, i)
+    });
+    db.wait_for_advisory_waiters(1).await;
+    let t0 = Instant::now();
+    proxy.blackhole();
+    la.lost().await;
+    log.end_at(ia, la.loss().map(|l| l.at()).expect("lost"));
+    let (lb, ib) = tokio::time::timeout(delay * 2, standby)
+        .await
+        .expect("standby takes over from a partitioned leader")
+        .unwrap();
+    let took = t0.elapsed();
+    println!(
+        "expired lease: standby acting {took:?} after the cut (ttl 2 s, handover delay {delay:?})"
+    );
+    // Quiet machine: about 2.2 s (the lease's expiry, then the watch's
+    // next look). Waiting the delay as well would take over 8 s.
+    assert!(took < delay, "{took:?}: waited the handover delay");
+    assert!(lb.term() > la.term());
+    log.end(ib);
+    log.assert_disjoint();
+    proxy.heal();
+    lb.resign().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn database_restart_ends_in_exactly_one_leader_with_a_higher_term() {
     if pgelect_testkit::skip_without_own_server("database_restart_ends_in_exactly_one_leader") {
