@@ -139,7 +139,8 @@
 //!   * `election/registry.rs`: the candidate registry and the readiness
 //!     rules of preferred leaders;
 //!   * `election/watch.rs`: observers (the leader's row, change
-//!     notifications, zombie preemption);
+//!     notifications; a waiting standby's observer runs the session
+//!     backend's zombie preemption);
 //!   * `election/support.rs`: backoff, transient errors, the rate-limited
 //!     wait for a release `NOTIFY`, reconnecting, pooler detection;
 //!   * `election/model/` (tests only): the model check of the protocol,
@@ -165,7 +166,8 @@
 //!       * `election/backend/session/sql.rs`: its statements (elect,
 //!         renew, poll, preempt, watch-key wait);
 //!       * `election/backend/session/campaign.rs`: gaining leadership
-//!         (blocking, polling and batched waits, term bump);
+//!         (blocking, polling and batched waits, term bump, the one zombie
+//!         preemption every waiting standby runs);
 //!       * `election/backend/session/keep.rs`: keeping it (renewal,
 //!         heartbeat, release) and the batched renewal and heartbeat;
 //!     * `election/backend/lease/`: the lease backend in one engine,

@@ -15,13 +15,14 @@ mod campaign;
 mod keep;
 mod sql;
 
-pub(crate) use campaign::campaign;
+pub(crate) use campaign::{campaign, preempt};
 #[cfg(feature = "test-hooks")]
 pub use sql::shared_renew_sql;
+pub(crate) use sql::Zombies;
 
 use campaign::{elect_batches, poll_batches, register_batches, NEW_STANDBY_WAIT};
 use keep::{heartbeat_task, renew_batches};
-use sql::{batch_elect_sql, batch_poll_sql, batch_preempt_sql, batch_renew_sql};
+use sql::{batch_elect_sql, batch_poll_sql, batch_renew_sql};
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -244,8 +245,8 @@ pub(crate) struct SharedSession {
     elections: Queue<(Election, oneshot::Sender<Option<Elected>>)>,
     /// The batched election statement.
     elect_sql: String,
-    /// The batched zombie preemption statement.
-    preempt_sql: String,
+    /// The schema of the session's statements (the zombie preemption's).
+    schema: SchemaName,
     /// The campaign lane: the batched poll, registration, election and
     /// preemption statements hold it while in flight, so that at most one
     /// of them is ever queued ahead of a leader's renewal or heartbeat.
@@ -311,7 +312,7 @@ struct Standby {
     interval: Duration,
     /// How long a lock holder the row does not name must have been idle
     /// before it is preempted (the role's TTL).
-    grace_ms: i64,
+    grace: Duration,
     /// The leader row's (term, holder) as last reported to the standby:
     /// a poll reports a role's row again only when it changed (or its
     /// lease expired).
@@ -433,7 +434,7 @@ impl SharedSession {
             register_sql: registry::batch_register_sql(schema.as_str()),
             elections: Queue::default(),
             elect_sql: batch_elect_sql(schema.as_str()),
-            preempt_sql: batch_preempt_sql(schema.as_str()),
+            schema: schema.clone(),
             campaign_lane: AsyncMutex::new(()),
             campaign_turns: Semaphore::new(CAMPAIGN_TURNS),
             hints: Mutex::new(Hints::default()),
@@ -504,7 +505,7 @@ impl SharedSession {
                 refreshed: Instant::now(),
                 fresh: true,
                 interval,
-                grace_ms: grace.as_millis().min(i64::MAX as u128) as i64,
+                grace,
                 known: None,
                 outcome: tx,
             },
