@@ -83,6 +83,10 @@
 //!   * `conn/connect.rs`: establishing a connection off the runtime's workers;
 //!   * `conn/dedicated.rs`: the dedicated connections pgelect owns;
 //!   * `conn/cancel.rs`: cancelling a statement in flight;
+//!   * `conn/probe.rs`: the one connection probe (an elector's lock
+//!     connection, a shared connection's leaders, a lock session), the
+//!     coalesced probe of a shared connection, and the defaults of probes
+//!     and lock waits, each defined once;
 //!   * `conn/tcp.rs`: [`TcpTimeouts`](conn::TcpTimeouts) (keepalives, user timeout);
 //!   * `conn/params.rs`: takes the settings pgelect handles itself (TLS,
 //!     `target_session_attrs`) out of a URL or `key=value` string;
