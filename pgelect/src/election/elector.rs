@@ -113,6 +113,10 @@ pub(crate) struct LeaseState {
     pub(crate) client: LeaseClaim,
     /// Whether `client` is this candidate's own (built for it alone).
     own_client: bool,
+    /// When this candidate last gave the role up of its own accord (a
+    /// resignation, or a release while leading): its next campaign stands
+    /// aside first (see the lease campaign's `step_aside`).
+    pub(crate) stepped_aside: Mutex<Option<Instant>>,
 }
 
 /// The moment a connection of an elector last got an answer from the
@@ -344,6 +348,7 @@ impl Elector {
                     listener: Mutex::new(None),
                     client,
                     own_client,
+                    stepped_aside: Mutex::new(None),
                 })
             }
         };

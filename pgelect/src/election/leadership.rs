@@ -403,7 +403,10 @@ impl Leadership {
     /// for a while): the release is then still attempted, and is a no-op if
     /// another candidate took over meanwhile. After a preemption there is
     /// nothing to release. A failed release is returned as an error; the
-    /// lease then expires on its own.
+    /// lease then expires on its own. An elector that campaigns again right
+    /// after resigning lets a waiting standby take the role first: it
+    /// stands aside for 1.25 × `retry_every` (at most the TTL), or until
+    /// its `LISTEN` connection hears the role taken.
     ///
     /// # Cancel safety
     /// The release runs in the leadership's own task and completes even if

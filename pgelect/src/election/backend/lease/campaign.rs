@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::conn::Notice;
 use crate::election::config_error::ConfigError;
 use crate::error::{Error, Result};
 use crate::metrics;
@@ -52,6 +53,7 @@ pub(crate) async fn campaign(shared: &Arc<ElectorState>) -> Result<Leadership> {
         let mut notices = lease_state(shared).notices.subscribe();
         shared.ensure_lease_listener();
         let schema = shared.options.schema_name().as_str();
+        step_aside(shared, &mut notices).await;
         let mut failures = 0u32;
         loop {
             let mut member = client.join_standbys(shared);
@@ -106,6 +108,49 @@ pub(crate) async fn campaign(shared: &Arc<ElectorState>) -> Result<Leadership> {
     }
     .instrument(span)
     .await
+}
+
+/// After this candidate gave the role up of its own accord (a resignation,
+/// a release while leading), lets the other candidates take it first: the
+/// release woke them, but a resigner that stood again at once would often
+/// win the race for the role it just gave up (its connection is already
+/// open; theirs must be woken). It waits a little over one poll interval
+/// of theirs (1.25 × `retry_every`, at most the TTL) from the release, or
+/// less when the role is announced taken on its `LISTEN` connection, then
+/// stands again as any standby. With no other candidate the role stays
+/// vacant that long.
+async fn step_aside(shared: &ElectorState, notices: &mut broadcast::Receiver<Notice>) {
+    let since = lease_state(shared)
+        .stepped_aside
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take();
+    let Some(since) = since else { return };
+    let r = shared.timing.retry_every;
+    let until = since + (r + r / 4).min(shared.timing.ttl);
+    if until <= Instant::now() {
+        return;
+    }
+    tracing::debug!(wait = ?until - Instant::now(), "standing aside after giving the role up");
+    let schema = shared.options.schema_name().as_str();
+    let deadline = tokio::time::sleep_until(until);
+    tokio::pin!(deadline);
+    loop {
+        tokio::select! {
+            () = &mut deadline => return,
+            n = notices.recv() => match n {
+                Ok(n) if n.channel == LEADER_CHANNEL
+                    && parse_leader_event(schema, &n.payload)
+                        == Some(("elected", shared.role.as_str())) => return,
+                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+                // Never: the sender lives in `shared`.
+                Err(broadcast::error::RecvError::Closed) => {
+                    deadline.as_mut().await;
+                    return;
+                }
+            },
+        }
+    }
 }
 
 /// The lease was won by a statement sent at `sent`: starts the keeper task

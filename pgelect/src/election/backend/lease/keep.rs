@@ -146,15 +146,25 @@ impl KeepBackend for LeaseKeep {
         if ended == Some(LossReason::Preempted) {
             return Ok(());
         }
-        let result = self
-            .client
-            .release(&self.shared, self.term)
-            .await
-            .map(|_| ());
-        if let Err(e) = &result {
-            tracing::warn!(error = %e, "clean release failed; the lease will expire on its own");
+        let result = self.client.release(&self.shared, self.term).await;
+        match &result {
+            // Given up of its own accord (resigned, or released while
+            // leading): the next campaign lets the woken standbys take the
+            // role first.
+            Ok(true) if matches!(ended, None | Some(LossReason::Resigned)) => {
+                if let Some(lease) = self.shared.lease() {
+                    *lease
+                        .stepped_aside
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
+                }
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "clean release failed; the lease will expire on its own")
+            }
         }
-        result
+        result.map(|_| ())
     }
 
     async fn close(self) {
