@@ -87,7 +87,10 @@ pub fn shared_renew_sql(schema: &crate::schema::SchemaName) -> String {
 /// refresh is due (`$6`, `$7`: role, node; as a single standby's poll
 /// does), tries every standby's lock, and returns the granted roles and,
 /// for the others, the leader row where it changed since last reported or
-/// its lease expired.
+/// is vacant (no row, no holder, or an expired lease: someone else holds
+/// the lock, which the zombie preemption looks at after every poll, as a
+/// standby on its own connection does; a vacant row reported only once
+/// left a candidate frozen before its term holding the role for ever).
 pub(super) fn batch_poll_sql(s: &str) -> String {
     format!(
         "WITH w AS (
@@ -109,7 +112,7 @@ pub(super) fn batch_poll_sql(s: &str) -> String {
            FROM t LEFT JOIN {s}.leaders l ON l.role = t.role
           WHERE t.granted OR l.term IS DISTINCT FROM t.known_term
              OR l.holder IS DISTINCT FROM t.known_holder
-             OR (l.holder IS NOT NULL AND l.lease_until < now())"
+             OR l.holder IS NULL OR l.lease_until < now()"
     )
 }
 
