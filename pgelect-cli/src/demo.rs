@@ -18,7 +18,7 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(2..=16))]
     pub candidates: u8,
     /// The candidates' lease TTL.
-    #[arg(long, value_parser = crate::duration::parse_positive, default_value = "5s", value_name = "DURATION")]
+    #[arg(long, value_parser = crate::duration::parse_positive, default_value = "5s", value_name = "DURATION", allow_hyphen_values = true)]
     pub ttl: Duration,
     /// After the demo, keep the throwaway PostgreSQL running for trying
     /// things by hand: prints how to reach it (its URL is in a private file,

@@ -21,7 +21,7 @@ pub struct ResignArgs {
     #[arg(long, value_name = "ROLE")]
     pub role: String,
     /// Give up waiting for a new term after this long (exit 75).
-    #[arg(long, value_parser = crate::duration::parse_positive, default_value = "30s", value_name = "DURATION")]
+    #[arg(long, value_parser = crate::duration::parse_positive, default_value = "30s", value_name = "DURATION", allow_hyphen_values = true)]
     pub timeout: Duration,
 }
 

@@ -30,7 +30,7 @@ pub struct RunArgs {
     #[arg(long = "id", value_name = "NODE")]
     pub node: Option<String>,
     /// Lease time-to-live: a frozen or cut-off leader is replaced after it.
-    #[arg(long, value_parser = crate::duration::parse_positive, default_value = "15s", value_name = "DURATION")]
+    #[arg(long, value_parser = crate::duration::parse_positive, default_value = "15s", value_name = "DURATION", allow_hyphen_values = true)]
     pub ttl: Duration,
     /// How the timing not set below is derived: `standard` follows --ttl
     /// (heartbeat ttl/15 from 20ms to 1s; after a crash a standby waits
@@ -42,25 +42,25 @@ pub struct RunArgs {
     pub profile: ProfileArg,
     /// Time between heartbeats on the leader's lock connection (session
     /// backend only, refused with --backend lease; default from --profile).
-    #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION")]
+    #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION", allow_hyphen_values = true)]
     pub heartbeat: Option<Duration>,
     /// How long a heartbeat or renewal may take before the lock connection
     /// counts as dead (session backend), or every lease statement's timeout
     /// (lease backend). Default from --profile.
-    #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION")]
+    #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION", allow_hyphen_values = true)]
     pub heartbeat_timeout: Option<Duration>,
     /// How long a standby that took over from a leader that did not release
     /// waits before starting the command (session backend only, refused
     /// with --backend lease); at least --heartbeat + --heartbeat-timeout.
     /// Default from --profile.
-    #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION")]
+    #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION", allow_hyphen_values = true)]
     pub handover_delay: Option<Duration>,
     /// How much earlier than the lease the leader stops acting (default:
     /// ttl/5).
-    #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION")]
+    #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION", allow_hyphen_values = true)]
     pub safety_margin: Option<Duration>,
     /// Time between lease renewals (default: ttl/3).
-    #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION")]
+    #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION", allow_hyphen_values = true)]
     pub renew_every: Option<Duration>,
     /// Election backend: `session` (advisory lock on a dedicated connection:
     /// failover in milliseconds to seconds; needs a direct connection or a
@@ -75,7 +75,7 @@ pub struct RunArgs {
     /// release goes unseen without --listen-url. For a large fleet through
     /// a transaction pooler, set it to the ttl or more: each standby then
     /// costs about one statement per lease expiry instead of one a second.
-    #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION")]
+    #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION", allow_hyphen_values = true)]
     pub retry_every: Option<Duration>,
     /// Lease backend only: a direct connection (bypassing the pooler) used
     /// for LISTEN, so that standbys take over a released lease at once and
@@ -94,7 +94,7 @@ pub struct RunArgs {
     pub listen_url_file: Option<std::path::PathBuf>,
     /// Time the command gets between SIGTERM and SIGKILL on a planned step-down
     /// (default: 10s, or less when the TTL leaves less time).
-    #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION")]
+    #[arg(long, value_parser = crate::duration::parse_positive, value_name = "DURATION", allow_hyphen_values = true)]
     pub grace: Option<Duration>,
     /// What to do when the command exits by itself while leading.
     #[arg(long, value_enum, default_value_t = OnExit::Exit)]

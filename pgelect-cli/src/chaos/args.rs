@@ -16,13 +16,13 @@ pub struct ChaosArgs {
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(3..=16))]
     pub candidates: u8,
     /// How long faults are injected, per backend.
-    #[arg(long, value_parser = crate::duration::parse_positive, default_value = "60s", value_name = "DURATION")]
+    #[arg(long, value_parser = crate::duration::parse_positive, default_value = "60s", value_name = "DURATION", allow_hyphen_values = true)]
     pub duration: Duration,
     /// Seed of the fault schedule (printed; give it again to replay).
     #[arg(long)]
     pub seed: Option<u64>,
     /// The candidates' --ttl.
-    #[arg(long, value_parser = crate::duration::parse_positive, default_value = "2s", value_name = "DURATION")]
+    #[arg(long, value_parser = crate::duration::parse_positive, default_value = "2s", value_name = "DURATION", allow_hyphen_values = true)]
     pub ttl: Duration,
     /// The candidates' --profile.
     #[arg(long, value_enum, default_value_t = ProfileArg::Standard)]

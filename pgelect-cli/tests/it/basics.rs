@@ -90,6 +90,63 @@ async fn an_unknown_flag_is_a_usage_error() {
     }
 }
 
+/// Every duration flag of every command names the flag and says why a
+/// negative or zero value is refused (a negative one used to get clap's
+/// "unexpected argument '-1'" instead).
+#[tokio::test]
+async fn a_negative_or_zero_duration_is_refused_by_name_on_every_command() {
+    let run_ = |flag: &'static str, v: &'static str| {
+        vec![
+            "run",
+            "--role",
+            "r",
+            "--backend",
+            "lease",
+            flag,
+            v,
+            "--",
+            "true",
+        ]
+    };
+    let mut cases: Vec<Vec<&str>> = Vec::new();
+    for flag in [
+        "--ttl",
+        "--retry-every",
+        "--renew-every",
+        "--grace",
+        "--heartbeat",
+        "--heartbeat-timeout",
+        "--handover-delay",
+        "--safety-margin",
+    ] {
+        cases.push(run_(flag, "-1s"));
+        cases.push(run_(flag, "0s"));
+    }
+    cases.push(vec!["resign", "--role", "r", "--timeout", "-2s"]);
+    cases.push(vec!["migrate", "--timeout", "-2s"]);
+    cases.push(vec!["demo", "--ttl", "-2s"]);
+    cases.push(vec!["chaos", "--duration", "-2s"]);
+    for args in cases {
+        let out = run(pgelect(&args[..]), QUICK).await;
+        out.assert_code(64);
+        let flag = args
+            .iter()
+            .find(|a| a.starts_with("--") && **a != "--role" && **a != "--backend")
+            .unwrap();
+        let why = if args.contains(&"0s") {
+            "zero"
+        } else {
+            "negative"
+        };
+        assert!(
+            out.stderr.contains(flag) && out.stderr.contains(why),
+            "`pgelect {}`: stderr does not name {flag} and say {why:?}:\n{}",
+            args.join(" "),
+            out.stderr
+        );
+    }
+}
+
 #[tokio::test]
 async fn lock_without_a_command_after_the_separator_is_a_usage_error() {
     let missing = run(pgelect(["lock", "--key", "x"]), QUICK).await;

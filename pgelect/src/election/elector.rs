@@ -644,6 +644,18 @@ impl TimingReport {
 async fn registry_withdraw(shared: &ElectorState) -> Result<()> {
     const WHAT: &str = "withdraw from the candidate registry";
     let s = shared.options.schema_name().as_str();
+    // At least 2 s: with short TTLs the statement timeout is a few hundred
+    // milliseconds, too little to connect on a busy machine, and a row left
+    // behind is only stale (never ready), not harmful.
+    let bound = (shared.timing.heartbeat_timeout * 2).max(Duration::from_secs(2));
+    if let Some(lease) = shared.lease() {
+        // On the lease client's connection (open already, unless it failed).
+        return lease
+            .client
+            .client()
+            .withdraw(&shared.role, &shared.node, bound)
+            .await;
+    }
     let spare = shared.session().and_then(SessionState::take_spare);
     let withdraw = async {
         let conn = match spare {
@@ -669,10 +681,6 @@ async fn registry_withdraw(shared: &ElectorState) -> Result<()> {
         conn.close().await;
         result
     };
-    // At least 2 s: with short TTLs the statement timeout is a few hundred
-    // milliseconds, too little to connect on a busy machine, and a row left
-    // behind is only stale (never ready), not harmful.
-    let bound = (shared.timing.heartbeat_timeout * 2).max(Duration::from_secs(2));
     match tokio::time::timeout(bound, withdraw).await {
         Ok(r) => r,
         Err(_) => Err(crate::Error::connection_lost(WHAT)),

@@ -1505,3 +1505,50 @@ async fn a_resigning_lease_leader_standing_again_at_once_hands_the_role_to_the_w
         leader.resign().await.unwrap();
     }
 }
+
+/// A lease candidate that stops for good withdraws its registration
+/// through its own lease client (through PgBouncer here), leader or
+/// standby, and the other candidate's row stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_candidate_that_withdraws_removes_its_registration_through_the_pooler() {
+    let (db, pooled, _direct, _bouncer) = setup("lease_withdraw").await;
+    let admin = db.connect().await;
+    let rows = |node: &'static str| {
+        let admin = &admin;
+        async move {
+            admin
+                .query_typed_one(
+                    "SELECT count(*) FROM pgelect.candidates WHERE role = 'wd' AND node = $1",
+                    &[(&node, Type::TEXT)],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+        }
+    };
+    let a = fast(&pooled, "wd", "a").build().unwrap();
+    let b = Arc::new(fast(&pooled, "wd", "b").build().unwrap());
+    let la = a.leadership().await.unwrap();
+    let standby = {
+        let b = Arc::clone(&b);
+        tokio::spawn(async move { b.leadership().await.unwrap() })
+    };
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while rows("a").await + rows("b").await < 2 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("both candidates registered");
+    la.resign().await.unwrap();
+    a.withdraw().await.unwrap();
+    assert_eq!(rows("a").await, 0, "the leader's row is gone");
+    let lb = tokio::time::timeout(Duration::from_secs(10), standby)
+        .await
+        .expect("the standby leads")
+        .unwrap();
+    assert_eq!(rows("b").await, 1, "the other candidate's row stays");
+    lb.resign().await.unwrap();
+    b.withdraw().await.unwrap();
+    assert_eq!(rows("b").await, 0);
+}

@@ -243,6 +243,7 @@ enum Op {
     Acquire,
     Register,
     Release,
+    Withdraw,
 }
 
 impl Op {
@@ -252,6 +253,7 @@ impl Op {
             Op::Acquire => "take the lease",
             Op::Register => "register as a candidate",
             Op::Release => "release the lease",
+            Op::Withdraw => "withdraw from the candidate registry",
         }
     }
 }
@@ -484,7 +486,7 @@ fn op_kind(op: Op) -> &'static str {
         Op::Renew => "renew",
         Op::Acquire => "acquire",
         Op::Release => "release",
-        Op::Register => "other",
+        Op::Register | Op::Withdraw => "other",
     }
 }
 

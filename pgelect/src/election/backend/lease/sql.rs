@@ -376,6 +376,24 @@ impl SharedLease {
     /// Sends the release ([`LeaseSql::release`]) of `role`'s lease where it
     /// still names `node` with `term`, bounded by `bound`: its send time
     /// and whether the row was still ours (and is cleared now).
+    /// Deletes the registration of `node` for `role` on this client's
+    /// connection: a candidate stopping for good opens no connection of
+    /// its own for it (through a pooler, a new client's authentication
+    /// competed with the successor's acquire for the pooler's one core).
+    pub(crate) async fn withdraw(&self, role: &str, node: &str, bound: Duration) -> Result<()> {
+        let s = self.inner.options.schema_name().as_str();
+        let sql = registry::withdraw_sql(s);
+        let (_, r) = self
+            .exec(
+                Op::Withdraw,
+                bound,
+                &sql,
+                &[(&role, Type::TEXT), (&node, Type::TEXT)],
+            )
+            .await;
+        r.map(|_| ())
+    }
+
     pub(super) async fn clear(
         &self,
         role: &str,
