@@ -83,6 +83,10 @@
 //!   * `conn/connect.rs`: establishing a connection off the runtime's workers;
 //!   * `conn/dedicated.rs`: the dedicated connections pgelect owns;
 //!   * `conn/cancel.rs`: cancelling a statement in flight;
+//!   * `conn/probe.rs`: the one connection probe (an elector's lock
+//!     connection, a shared connection's leaders, a lock session), the
+//!     coalesced probe of a shared connection, and the defaults of probes
+//!     and lock waits, each defined once;
 //!   * `conn/tcp.rs`: [`TcpTimeouts`](conn::TcpTimeouts) (keepalives, user timeout);
 //!   * `conn/params.rs`: takes the settings pgelect handles itself (TLS,
 //!     `target_session_attrs`) out of a URL or `key=value` string;
@@ -139,7 +143,8 @@
 //!   * `election/registry.rs`: the candidate registry and the readiness
 //!     rules of preferred leaders;
 //!   * `election/watch.rs`: observers (the leader's row, change
-//!     notifications, zombie preemption);
+//!     notifications; a waiting standby's observer runs the session
+//!     backend's zombie preemption);
 //!   * `election/support.rs`: backoff, transient errors, the rate-limited
 //!     wait for a release `NOTIFY`, reconnecting, pooler detection;
 //!   * `election/model/` (tests only): the model check of the protocol,
@@ -165,7 +170,8 @@
 //!       * `election/backend/session/sql.rs`: its statements (elect,
 //!         renew, poll, preempt, watch-key wait);
 //!       * `election/backend/session/campaign.rs`: gaining leadership
-//!         (blocking, polling and batched waits, term bump);
+//!         (blocking, polling and batched waits, term bump, the one zombie
+//!         preemption every waiting standby runs);
 //!       * `election/backend/session/keep.rs`: keeping it (renewal,
 //!         heartbeat, release) and the batched renewal and heartbeat;
 //!     * `election/backend/lease/`: the lease backend in one engine,

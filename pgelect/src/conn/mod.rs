@@ -13,6 +13,8 @@
 //! * `dedicated`: the connections pgelect owns, their driver task and
 //!   the session settings they start with;
 //! * `cancel`: cancelling the statement running on one;
+//! * `probe`: the connection probe every holder of a connection uses, and
+//!   the defaults of probes and lock waits;
 //! * `tcp`: [`TcpTimeouts`] on both ends of a lock connection;
 //! * `params`, `passfile`, `tls`: libpq's connection parameters,
 //!   password file and TLS settings.
@@ -23,6 +25,7 @@ mod dedicated;
 pub(crate) mod options;
 mod params;
 mod passfile;
+pub(crate) mod probe;
 mod tcp;
 mod tls;
 

@@ -145,7 +145,8 @@ impl SessionOptions {
         self
     }
 
-    /// Time between heartbeats (`SELECT 1`) on the lock connection while
+    /// Time between heartbeats (`SHOW transaction_read_only`, which also
+    /// finds a server that accepts no writes) on the lock connection while
     /// leading, backing up the push detection of a closed socket. Default:
     /// `ttl / 15`, between 20 ms and 1 s (1 s at the default TTL; 20 ms in
     /// [`Profile::Fast`]).

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use crate::conn::probe::{ELECTOR_HEARTBEAT, ELECTOR_HEARTBEAT_TIMEOUT, ELECTOR_WAIT_SLICE};
 use crate::conn::TcpTimeouts;
 use crate::election::config_error::{ConfigError, Setting};
 
@@ -55,7 +56,7 @@ impl Profile {
             Profile::Standard => {
                 // Whole milliseconds: shown in logs and status.
                 let every = Duration::from_millis((ttl / 15).as_millis() as u64)
-                    .clamp(Duration::from_millis(20), DEFAULT_HEARTBEAT);
+                    .clamp(Duration::from_millis(20), ELECTOR_HEARTBEAT);
                 (every, every)
             }
             Profile::Fast => (FAST_HEARTBEAT, FAST_HEARTBEAT_TIMEOUT),
@@ -125,15 +126,10 @@ pub(crate) struct TimingRequest {
 
 /// Default TTL.
 pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(15);
-/// Default heartbeat interval at the default TTL, and the longest the
-/// standard profile derives.
-pub(crate) const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(1);
-/// Default heartbeat timeout (the lease backend's statement timeout).
-pub(crate) const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(1);
 /// Default cap on a lease-backend standby's sleep between two attempts.
 pub(crate) const DEFAULT_RETRY_EVERY: Duration = Duration::from_secs(1);
-/// Default slice of a blocking standby's lock wait.
-pub(crate) const DEFAULT_WAIT_SLICE: Duration = Duration::from_secs(20);
+// The heartbeat's and the wait slice's defaults are the connection
+// probe's (`conn/probe.rs`), beside a lock session's.
 
 /// The earliest time after the last packet it received from a client at
 /// which the *server* can declare that client gone and release its locks,
@@ -230,7 +226,7 @@ impl TimingRequest {
             // get a shorter default, so that retries fit in the budget.
             Takeover::OnExpiry => self
                 .heartbeat_timeout
-                .unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT.min(budget / 4)),
+                .unwrap_or(ELECTOR_HEARTBEAT_TIMEOUT.min(budget / 4)),
         };
         let timeout_setting = match takeover {
             Takeover::OnDisconnect => Setting::HeartbeatTimeout,
@@ -261,7 +257,7 @@ impl TimingRequest {
         positive(Setting::CheckEvery, check_every)?;
         let retry_every = self.retry_every.unwrap_or(DEFAULT_RETRY_EVERY);
         positive(Setting::RetryEvery, retry_every)?;
-        let wait_slice = self.wait_slice.unwrap_or(DEFAULT_WAIT_SLICE);
+        let wait_slice = self.wait_slice.unwrap_or(ELECTOR_WAIT_SLICE);
         positive(Setting::WaitSlice, wait_slice)?;
         at_most(Setting::WaitSlice, wait_slice)?;
         Ok(Timing {

@@ -1,7 +1,7 @@
 //! Observing a role: the current leader, change notifications, resign
-//! requests and the preemption of zombie leaders.
+//! requests, and the observer that has a waiting standby's zombie leaders
+//! preempted (the session backend's `preempt`).
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Weak;
 use std::time::{Duration, SystemTime};
 
@@ -13,9 +13,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::conn::DedicatedConnection;
 use crate::error::{Error, Result};
-use crate::key::LockKey;
 use crate::schema::SchemaName;
 
+use super::backend::session::{preempt, Zombies};
 use super::support::{sleep_until_woken, NapEnd, Reconnect, WakeLimit, WakeOn};
 use super::ElectorState;
 
@@ -151,120 +151,6 @@ pub(crate) fn parse_leader_event<'a>(schema: &str, payload: &'a str) -> Option<(
     let event = parts.next()?;
     let role = parts.next()?;
     (s == schema).then_some((event, role))
-}
-
-/// Terminates the backend of a *zombie* leader: one whose lease expired on
-/// the server's clock while its backend still holds the role's advisory lock
-/// (a frozen or partitioned leader whose connection the server has not
-/// dropped; a pooler keeping a backend alive). Also a backend of this
-/// database user that holds the role's lock while the lease row is vacant
-/// (no holder, or an expired lease) and does not name it, and whose session
-/// has done nothing for `grace` (the TTL): a candidate frozen between the
-/// grant of the lock and its term transaction, which no row names. It has
-/// no term, so it cannot be acting; a live candidate runs its term
-/// transaction milliseconds after the grant. Such a holder of another
-/// database user is only reported (see `check_squatters`): it may be a
-/// neighbour's session, for an operator to end.
-///
-/// A healthy leader renews every `renew_every < ttl - safety_margin`, so
-/// its lease never expires and it is never preempted. Checking, choosing the
-/// pid and signalling happen in one statement: a candidate whose term
-/// commits meanwhile is named by the row and no longer matches.
-///
-/// Returns the terminated pid. A refusal (no `pg_signal_backend` and
-/// another database user's backend, or a superuser's) is reported as
-/// `Ok(None)`: the standby keeps waiting, safely, until the zombie's
-/// connection dies. The first refusal is logged as a warning that
-/// preemption is unavailable (degraded) and sets `refused`; later ones only
-/// at debug level, as a standby retries every check.
-pub(crate) async fn preempt_zombie<C: GenericClient + Sync>(
-    client: &C,
-    schema: &SchemaName,
-    role: &str,
-    key: LockKey,
-    refused: &AtomicBool,
-    grace: Duration,
-) -> Result<Option<i32>> {
-    let (classid, objid, objsubid) = key.pg_locks_ids();
-    let grace_ms = grace.as_millis().min(i64::MAX as u128) as i64;
-    // `l` may be empty (a role never elected): the holder then counts as
-    // unnamed. The select list (and so the signal) is evaluated only for
-    // the row that passes the WHERE.
-    let sql = format!(
-        "WITH l AS (
-             SELECT holder, holder_pid, term, lease_until FROM {schema}.leaders WHERE role = $1
-         )
-         SELECT k.pid, coalesce(l.term, 0), coalesce(l.holder, ''),
-                k.pid IS NOT DISTINCT FROM l.holder_pid, pg_terminate_backend(k.pid)
-           FROM pg_locks k
-           LEFT JOIN l ON true
-           LEFT JOIN pg_stat_activity a ON a.pid = k.pid
-          WHERE k.locktype = 'advisory' AND k.granted AND k.mode = 'ExclusiveLock'
-            AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-            AND k.classid = $2 AND k.objid = $3 AND k.objsubid = $4
-            AND k.pid <> pg_backend_pid()
-            AND ((l.holder IS NOT NULL AND l.lease_until < now() AND k.pid = l.holder_pid)
-                 OR ((l.holder IS NULL OR l.lease_until IS NULL OR l.lease_until < now())
-                     AND k.pid IS DISTINCT FROM l.holder_pid
-                     AND a.usename = session_user
-                     AND a.state IN ('idle', 'idle in transaction', 'idle in transaction (aborted)')
-                     AND a.state_change < now() - $5 * interval '1 millisecond'))
-          LIMIT 1"
-    );
-    let rows = client
-        .query_typed(
-            &sql,
-            &[
-                (&role, Type::TEXT),
-                (&classid, Type::OID),
-                (&objid, Type::OID),
-                (&objsubid, Type::INT2),
-                (&grace_ms, Type::INT8),
-            ],
-        )
-        .await;
-    let what = "preempt an expired leader";
-    let decoded = rows.and_then(|rows| {
-        rows.first()
-            .map(|row| {
-                Ok::<_, tokio_postgres::Error>((
-                    row.try_get::<_, i32>(0)?,
-                    row.try_get::<_, i64>(1)?,
-                    row.try_get::<_, String>(2)?,
-                    row.try_get::<_, bool>(3)?,
-                    row.try_get::<_, bool>(4)?,
-                ))
-            })
-            .transpose()
-    });
-    match decoded {
-        Ok(found) => {
-            let Some((pid, term, holder, named, done)) = found else {
-                return Ok(None);
-            };
-            if done && !named {
-                tracing::warn!(role, pid, "terminated a backend that held the role's lock for a TTL without taking the lease (a candidate frozen before its term, or a squatter)");
-                Ok(Some(pid))
-            } else if done {
-                tracing::warn!(role, pid, term, holder = %holder, "terminated the backend of a leader whose lease expired on the server");
-                Ok(Some(pid))
-            } else {
-                tracing::warn!(role, pid, term, holder = %holder, "could not terminate the backend of a leader whose lease expired; waiting");
-                Ok(None)
-            }
-        }
-        Err(e) => match Error::db(what, schema.as_str(), e) {
-            Error::Permission { source, .. } => {
-                if refused.swap(true, Ordering::Relaxed) {
-                    tracing::debug!(role, error = %source, "still not allowed to preempt the expired leader; waiting for its connection to die");
-                } else {
-                    tracing::warn!(role, error = %source, "zombie preemption unavailable (degraded): not allowed to terminate the backend of a leader whose lease expired, as it belongs to another database user; GRANT pg_signal_backend to this user to preempt frozen leaders. Until then such a leader keeps its lock, and nobody else leads, until its connection dies (TCP keepalives, the server's tcp_user_timeout, a restart)");
-                }
-                Ok(None)
-            }
-            other => Err(other),
-        },
-    }
 }
 
 /// The background observer of an elector: keeps the watch channel current
@@ -405,14 +291,11 @@ impl Observer {
                 }
             }
             drop(shared);
-            if vacant
-                && session_backend
-                && now.standing > 0
-                && preempt_zombie(conn.client(), &schema, &role, key, &refused, grace)
-                    .await?
-                    .is_some()
-            {
-                crate::metrics::preempted_zombie(&role);
+            if vacant && session_backend && now.standing > 0 {
+                // The session backend's one zombie preemption, for this
+                // role alone (it counts what it ends).
+                let zombies = Zombies::one(&role, key, grace);
+                preempt(conn.client(), &schema, &zombies, Some(&refused)).await?;
             }
             let until = Instant::now() + check_every;
             let woken_by = WakeOn::AnyChange {

@@ -14,6 +14,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::holders::{describe, lock_holders, query_holders, LockHolder};
 use super::{key_literals, wait_millis, LockMode, Wait};
+use crate::conn::probe::{
+    self, Probe, LOCK_SESSION_HEARTBEAT, LOCK_SESSION_HEARTBEAT_TIMEOUT, LOCK_SESSION_WAIT_SLICE,
+};
 use crate::conn::{ConnectOptions, DedicatedConnection, TcpTimeouts};
 use crate::error::{Error, Result};
 use crate::key::LockKey;
@@ -21,17 +24,9 @@ use crate::key::LockKey;
 use crate::loss::LossReason;
 use crate::loss::{Loss, LossSignal, Lost};
 
-// A lock session's defaults, documented on `LockSessionBuilder`. They are
-// not the elector's (`election/timing.rs`: a 1 s heartbeat timeout and a
-// 20 s wait slice, chosen to fit the TTL's inequalities), so they carry
-// names of their own.
-/// Default interval between two heartbeats of a lock session.
-const LOCK_SESSION_HEARTBEAT: Duration = Duration::from_secs(1);
-/// Default bound on a heartbeat's answer before the session is given up.
-const LOCK_SESSION_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
+// A lock session's defaults, documented on `LockSessionBuilder`, are
+// defined beside the elector's, which differ (`conn/probe.rs`).
 const DEFAULT_NAME: &str = "locks";
-/// Default slice of an unbounded lock wait.
-const LOCK_SESSION_WAIT_SLICE: Duration = Duration::from_secs(10);
 /// A lock wait longer than this looks, on a connection of its own, for who
 /// holds the key and logs it at warning level; then again every
 /// [`WAIT_RECHECK`], naming only holders not named before.
@@ -53,7 +48,7 @@ const WAIT_RECHECK: Duration = Duration::from_secs(30);
 /// with the rest of the [loss API](crate::loss)) resolves when the
 /// connection ends, with [`LossReason::ConnectionLost`]: pushed by the driver task the moment the server's
 /// goodbye or a reset arrives (a terminated backend is seen in milliseconds),
-/// and backed by a heartbeat (`SELECT 1` every
+/// and backed by a heartbeat (`SHOW transaction_read_only` every
 /// [`heartbeat`](LockSessionBuilder::heartbeat)) that closes the connection
 /// when an answer takes longer than
 /// [`heartbeat_timeout`](LockSessionBuilder::heartbeat_timeout), for the
@@ -148,6 +143,9 @@ struct Inner {
     schema: String,
     /// For the side connection that looks up the holders of a long wait.
     options: ConnectOptions,
+    /// The record of the statements answered on the connection: the
+    /// heartbeat is not sent while they prove it alive.
+    probe: Probe,
 }
 
 #[derive(Default)]
@@ -453,7 +451,7 @@ impl Turn {
 }
 
 impl LockSessionBuilder {
-    /// How often the heartbeat checks the connection with `SELECT 1`.
+    /// How often the heartbeat checks the connection with `SHOW transaction_read_only`.
     /// Default: `1s`. Must be positive.
     pub fn heartbeat(mut self, every: Duration) -> Self {
         self.heartbeat = every;
@@ -539,6 +537,7 @@ impl LockSessionBuilder {
             wait_slice: self.wait_slice,
             schema: self.options.schema_name().as_str().to_owned(),
             options: self.options,
+            probe: Probe::default(),
         });
         tokio::spawn(heartbeat(Arc::downgrade(&inner), lost, self.heartbeat));
         Ok(LockSession { inner })
@@ -715,8 +714,12 @@ impl Inner {
                 other => other,
             }
         };
+        let sent = tokio::time::Instant::now();
         match tokio::time::timeout(self.statement_timeout, bounded).await {
-            Ok(Ok(v)) => Ok(v),
+            Ok(Ok(v)) => {
+                self.probe.credit(sent);
+                Ok(v)
+            }
             Ok(Err(e)) if e.is_closed() => Err(self.lost_by(operation, e)),
             Ok(Err(e)) => Err(Error::db(operation, &self.schema, e)),
             Err(_) => {
@@ -1049,12 +1052,16 @@ async fn warn_about_holders(options: ConnectOptions, waiter: i32, key: LockKey) 
     }
 }
 
-/// Checks the connection every `every`, and closes it when a check is not
-/// answered within the statement timeout. Ends with the session.
+/// Probes the connection every `every` ([`probe::ask`]), unless a
+/// statement is in flight (a short one is bounded by the same timeout, a
+/// lock wait is watched by the driver and TCP) or one was answered within
+/// the interval, and closes it when a probe is not answered within the
+/// statement timeout. Ends with the session.
 async fn heartbeat(session: Weak<Inner>, lost: CancellationToken, every: Duration) {
     let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ticks.tick().await;
+    let mut probed = None;
     loop {
         tokio::select! {
             _ = lost.cancelled() => return,
@@ -1072,16 +1079,24 @@ async fn heartbeat(session: Weak<Inner>, lost: CancellationToken, every: Duratio
         if inner.signal().is_lost() {
             return;
         }
+        // Another statement answered within the interval (not this task's
+        // last probe) counts as the probe's answer.
+        let last = inner.probe.last_answer();
+        let window = tokio::time::Instant::now().checked_sub(every);
+        if last != probed && last.zip(window).is_some_and(|(a, w)| a >= w) {
+            continue;
+        }
+        // The connection probe every holder of a connection sends (its
+        // answer's server mode is not a lock session's concern).
         if let Err(e) = inner
-            .run_short_statement("check the connection", || {
-                inner.client().simple_query("SELECT 1")
-            })
+            .run_short_statement("check the connection", || probe::ask(inner.client()))
             .await
         {
             tracing::warn!(pid = inner.conn.pid(), error = %e, "lock connection heartbeat failed; closing it");
             inner.conn.kill();
             return;
         }
+        probed = inner.probe.last_answer();
     }
 }
 

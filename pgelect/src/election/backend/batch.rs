@@ -154,30 +154,9 @@ pub(crate) fn chunks(len: usize, size: usize) -> impl Iterator<Item = std::ops::
         .map(move |at| at..(at + size).min(len))
 }
 
-/// Waits for the earliest moment a batch's task is wanted at,
-/// following requests that want it sooner; false once the connection
-/// closed or the client is gone.
-pub(crate) async fn until_wanted(
-    wanted: &mut watch::Receiver<Option<Instant>>,
-    closed: &tokio_util::sync::CancellationToken,
-) -> bool {
-    loop {
-        let by = *wanted.borrow_and_update();
-        let changed = tokio::select! {
-            _ = closed.cancelled() => return false,
-            r = wanted.changed() => r,
-            _ = async {
-                match by {
-                    Some(by) => tokio::time::sleep_until(by).await,
-                    None => std::future::pending().await,
-                }
-            } => return true,
-        };
-        if changed.is_err() {
-            return false;
-        }
-    }
-}
+/// Waits for the earliest moment a batch's task is wanted at (the same
+/// wait as a shared connection's probe).
+pub(crate) use crate::conn::probe::until_wanted;
 
 #[cfg(test)]
 mod tests {

@@ -13,7 +13,7 @@
 //!   but those named otherwise): in the role's watch-key queue in slices of
 //!   `wait_slice`; granted the key, as the watch, in the role's lock queue
 //!   in slices of `min(check_every, wait_slice)`, after each a read of the
-//!   row and, if it is vacant, `preempt_zombie`; granted the role's lock,
+//!   row and, if it is vacant, `preempt`; granted the role's lock,
 //!   it unlocks the watch key and waits for the answer before its
 //!   election statement. Or directly in the role's lock queue with an
 //!   observer (`Standby::Direct`: a candidate with a priority, or one whose
@@ -25,7 +25,7 @@
 //!   when an administrator, the watch or a direct standby's observer
 //!   terminates them (zombie preemption: the holder the row names once its
 //!   lease expired, or a holder no row names whose session has been idle
-//!   for longer than the TTL while the row is vacant, as `preempt_zombie`
+//!   for longer than the TTL while the row is vacant, as `preempt`
 //!   does), when a queued standby's slice ends while the watch's session
 //!   has been idle for longer than the TTL (`queue_slice_sql`, on the
 //!   server's clock), or when the server's TCP timeouts declare a silent

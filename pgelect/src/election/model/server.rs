@@ -329,7 +329,7 @@ impl ElectionModel {
             .any(|l| l.queue.iter().any(|&(q, m, _)| (q, m) == (p, n)))
     }
 
-    /// The holder of `role`'s lock that `preempt_zombie` run now on
+    /// The holder of `role`'s lock that `preempt` run now on
     /// backend `by` terminates:
     ///
     /// * the lock holder that the row names, once its lease expired;
@@ -365,7 +365,7 @@ impl ElectionModel {
 
     /// The backend a direct or polling standby's observer may terminate
     /// for `role` now (the session backend's zombie preemption,
-    /// `preempt_zombie`, see [`ElectionModel::zombie`]), and the time by
+    /// `preempt`, see [`ElectionModel::zombie`]), and the time by
     /// which it does, one `check_every` after it became possible. The
     /// observer is not modelled as a connection: it needs a healthy (up,
     /// reachable) process other than the holder's to run the check.

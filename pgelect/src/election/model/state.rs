@@ -145,7 +145,7 @@ pub(super) enum Msg {
     Read {
         role: u8,
     },
-    /// The watch's `preempt_zombie`.
+    /// The watch's `preempt`.
     Preempt {
         role: u8,
     },

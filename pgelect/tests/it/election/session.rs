@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pgelect::{
-    election::StandbyMode, loss::LossReason, ConnectOptions, Elector, ElectorBuilder, Error, Term,
+    election::StandbyMode, loss::LossReason, ConnectOptions, Elector, ElectorBuilder, Error,
+    Leadership, Term,
 };
 use pgelect_testkit::{Cluster, FaultProxy, PgBouncer, PoolMode, TestDb};
 
@@ -627,13 +628,30 @@ async fn terminated_leader_backend_hands_over_after_the_delay() {
     lb.resign().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn blackholed_leader_demotes_before_the_standby_acts() {
-    let (db, o) = migrated("elect_blackhole").await;
+/// A leader `a` (built by `build` on the options it gets) whose connection
+/// goes through a proxy, a standby `b` on a direct one; the proxy is
+/// blackholed once `b` waits. Returns once `b` leads (within `within`).
+struct CutOff {
+    a: Elector,
+    la: Leadership,
+    lb: Leadership,
+    /// From the cut until `a` saw its loss, until `b` acted.
+    noticed: Duration,
+    took: Duration,
+    log: Intervals,
+    ib: usize,
+    proxy: FaultProxy,
+}
+
+async fn cut_off_leader(
+    hint: &str,
+    within: Duration,
+    build: impl Fn(&ConnectOptions, &str) -> Elector,
+) -> CutOff {
+    let (db, o) = migrated(hint).await;
     let proxy = FaultProxy::start(db.server_addr()).unwrap();
     let via_proxy = ConnectOptions::from_config(db.config_via(proxy.port()));
-    let a = fast(&via_proxy, "bh", "a").build().unwrap();
-    let b = fast(&o, "bh", "b").build().unwrap();
+    let (a, b) = (build(&via_proxy, "a"), build(&o, "b"));
     let log = Intervals::default();
     let la = a.leadership().await.unwrap();
     let ia = log.start("a", la.term());
@@ -649,11 +667,38 @@ async fn blackholed_leader_demotes_before_the_standby_acts() {
     la.lost().await;
     log.end_at(ia, la.loss().map(|l| l.at()).expect("lost"));
     let noticed = t0.elapsed();
-    let (lb, ib) = tokio::time::timeout(Duration::from_secs(20), standby)
+    let (lb, ib) = tokio::time::timeout(within, standby)
         .await
         .expect("standby takes over from a partitioned leader")
         .unwrap();
     let took = t0.elapsed();
+    CutOff {
+        a,
+        la,
+        lb,
+        noticed,
+        took,
+        log,
+        ib,
+        proxy,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blackholed_leader_demotes_before_the_standby_acts() {
+    let CutOff {
+        a,
+        la,
+        lb,
+        noticed,
+        took,
+        log,
+        ib,
+        proxy,
+    } = cut_off_leader("elect_blackhole", Duration::from_secs(20), |o, node| {
+        fast(o, "bh", node).build().unwrap()
+    })
+    .await;
     println!(
         "blackhole: leader demoted after {noticed:?} ({:?}), standby acting after {took:?}",
         la.loss().map(|l| l.reason())
@@ -676,37 +721,24 @@ async fn blackholed_leader_demotes_before_the_standby_acts() {
 /// so a standby that waited it could not lead within the bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_taking_over_an_expired_lease_acts_without_the_handover_delay() {
-    let (db, o) = migrated("elect_expired").await;
-    let proxy = FaultProxy::start(db.server_addr()).unwrap();
-    let via_proxy = ConnectOptions::from_config(db.config_via(proxy.port()));
     let delay = Duration::from_secs(8);
-    let slow = |o: &ConnectOptions, node: &str| {
-        fast(o, "exp", node)
+    let CutOff {
+        la,
+        lb,
+        took,
+        log,
+        ib,
+        proxy,
+        ..
+    } = cut_off_leader("elect_expired", delay * 2, |o, node| {
+        let e = fast(o, "exp", node)
             .session(|s| s.handover_delay(delay))
             .build()
-            .unwrap()
-    };
-    let (a, b) = (slow(&via_proxy, "a"), slow(&o, "b"));
-    assert_eq!(b.handover_delay(), delay);
-    let log = Intervals::default();
-    let la = a.leadership().await.unwrap();
-    let ia = log.start("a", la.term());
-    let log2 = log.clone();
-    let standby = tokio::spawn(async move {
-        let l = b.leadership().await.unwrap();
-        let i = log2.start("b", l.term());
-        (l, i)
-    });
-    db.wait_for_advisory_waiters(1).await;
-    let t0 = Instant::now();
-    proxy.blackhole();
-    la.lost().await;
-    log.end_at(ia, la.loss().map(|l| l.at()).expect("lost"));
-    let (lb, ib) = tokio::time::timeout(delay * 2, standby)
-        .await
-        .expect("standby takes over from a partitioned leader")
-        .unwrap();
-    let took = t0.elapsed();
+            .unwrap();
+        assert_eq!(e.handover_delay(), delay);
+        e
+    })
+    .await;
     println!(
         "expired lease: standby acting {took:?} after the cut (ttl 2 s, handover delay {delay:?})"
     );

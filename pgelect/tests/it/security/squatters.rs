@@ -9,7 +9,9 @@
 
 use std::time::{Duration, Instant};
 
-use pgelect::{election::StandbyMode, ConnectOptions, Error, LockKey, LockSession};
+use pgelect::conn::TcpTimeouts;
+use pgelect::election::{SharedConnection, StandbyMode};
+use pgelect::{ConnectOptions, Error, LockKey, LockSession};
 use pgelect_testkit::TestDb;
 use tokio_postgres::{Client, NoTls};
 
@@ -313,11 +315,25 @@ async fn frozen_candidate(db: &TestDb, key: LockKey) -> (Client, i32) {
 /// The frozen holder is ended within the TTL (its session idle that long)
 /// plus a check, and the standby leads.
 async fn standby_preempts_a_frozen_candidate(mode: StandbyMode, hint: &str) {
+    standby_on_preempts_a_frozen_candidate(mode, false, hint).await;
+}
+
+/// [`standby_preempts_a_frozen_candidate`], the standby on a connection of
+/// its own or (`shared`) on a [`SharedConnection`], whose batched poll
+/// runs the preemption for all its vacant roles in one statement.
+async fn standby_on_preempts_a_frozen_candidate(mode: StandbyMode, shared: bool, hint: &str) {
     let log = Log::default();
     let _capture = log.capture(tracing::Level::WARN);
     let (db, o) = migrated(hint).await;
+    let host = shared.then(|| SharedConnection::new(&o, TcpTimeouts::default()));
     let elector = fast(&o, "frozen", "node-a")
-        .session(|s| s.standby(mode))
+        .session(|s| {
+            let s = s.standby(mode);
+            match &host {
+                Some(host) => s.shared_connection(host),
+                None => s,
+            }
+        })
         .build()
         .unwrap();
     let ttl = Duration::from_secs(2);
@@ -365,6 +381,18 @@ async fn a_polling_standby_preempts_a_candidate_frozen_before_its_term() {
             interval: Duration::from_millis(200),
         },
         "frozen_polling",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_standby_on_a_shared_connection_preempts_a_candidate_frozen_before_its_term() {
+    standby_on_preempts_a_frozen_candidate(
+        StandbyMode::Polling {
+            interval: Duration::from_millis(200),
+        },
+        true,
+        "frozen_shared",
     )
     .await;
 }

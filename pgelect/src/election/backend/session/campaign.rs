@@ -34,7 +34,7 @@ use crate::election::support::{
     WakeLimit, WakeOn,
 };
 use crate::election::watch::{
-    preempt_zombie, read_leader, read_leader_and_mode, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
+    read_leader, read_leader_and_mode, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
 };
 use crate::election::{Backend, ElectorState, StandbyMode, Term};
 
@@ -276,6 +276,8 @@ pub(super) async fn attempt(shared: &Arc<ElectorState>) -> Result<Attempt> {
             return Ok(Attempt::Yielded);
         }
     };
+    // The statement names a previous holder only while its lease runs (or
+    // for a row written before a promotion): see `previous_holder_sql`.
     let unclean = elected.previous_holder.is_some();
     if let Some(prev) = &elected.previous_holder {
         tracing::info!(term = elected.term.get(), previous = %prev, delay = ?shared.timing.handover_delay,
@@ -283,7 +285,7 @@ pub(super) async fn attempt(shared: &Arc<ElectorState>) -> Result<Attempt> {
     } else {
         tracing::info!(
             term = elected.term.get(),
-            "elected after a clean release; acting at once"
+            "elected after a clean release or an expired lease; acting at once"
         );
     }
     shared.publish(Some(LeaderInfo {
@@ -554,19 +556,8 @@ pub(super) async fn wait_blocking(
                             "wait for the leader's lock: the server is read-only",
                         ));
                     }
-                    if vacant
-                        && preempt_zombie(
-                            conn.client(),
-                            &schema,
-                            &shared.role,
-                            shared.key,
-                            &shared.preemption_refused,
-                            shared.timing.ttl,
-                        )
-                        .await?
-                        .is_some()
-                    {
-                        metrics::preempted_zombie(&shared.role);
+                    if vacant {
+                        preempt_one(shared, conn.client()).await?;
                     }
                 }
                 if place == Place::Direct || squat.due(std::time::Instant::now()) {
@@ -751,17 +742,7 @@ pub(super) async fn poll_for_lock(
         // The lock is taken but no live lease names its holder: a zombie
         // leader, or a candidate frozen before its term.
         if info.as_ref().is_none_or(|i| i.lease_expired) {
-            if let Some(pid) = preempt_zombie(
-                conn.client(),
-                schema,
-                &shared.role,
-                shared.key,
-                &shared.preemption_refused,
-                shared.timing.ttl,
-            )
-            .await?
-            {
-                metrics::preempted_zombie(&shared.role);
+            if let Some(pid) = preempt_one(shared, conn.client()).await?.first() {
                 tracing::debug!(pid, "preempted; trying the lock again");
                 continue;
             }
@@ -832,17 +813,7 @@ pub(super) async fn poll_in_batch(
                 // holder of another database user: may this one end it?).
                 if preempt_alone {
                     let _turn = session.campaign_turn().await;
-                    if let Some(pid) = preempt_zombie(
-                        session.client(),
-                        schema,
-                        &shared.role,
-                        shared.key,
-                        &shared.preemption_refused,
-                        shared.timing.ttl,
-                    )
-                    .await?
-                    {
-                        metrics::preempted_zombie(&shared.role);
+                    if let Some(pid) = preempt_one(shared, session.client()).await?.first() {
                         tracing::debug!(pid, "preempted; trying the lock again");
                         session.poll_soon(Duration::ZERO);
                     }
@@ -1313,110 +1284,144 @@ pub(super) async fn elect_batches(session: std::sync::Weak<SharedSession>) {
     }
 }
 
-/// Runs the batched preemption for the roles a poll found vacant (`found`,
-/// not granted, no live lease): logs and counts what it terminated, asks
-/// for a poll at once if it did, and marks the roles whose standby must
-/// try alone. A session needs at most one such statement per poll; while
-/// every role is led, none.
-pub(super) async fn preempt_vacant(s: &SharedSession, found: &mut PollFound) {
-    let vacant: Vec<&String> = found
-        .iter()
-        .filter(|(_, (p, _))| match p {
-            Polled::Leader { info, .. } => info.as_ref().is_none_or(|i| i.lease_expired),
-            _ => false,
-        })
-        .map(|(role, _)| role)
-        .collect();
-    if vacant.is_empty() {
-        return;
+/// The zombie preemption, for the roles in `zombies` (see
+/// [`preempt_sql`]), the same for a standby alone (a batch of one) and
+/// for a shared session's vacant roles: logs and counts
+/// ([`metrics::preempted_zombie`]) what it terminated.
+///
+/// With `others` (`Some(refused)`), the backends of other database users
+/// are ended too (for one role at a time: a refusal fails the statement).
+/// A refusal (no `pg_signal_backend` and another database user's backend,
+/// or a superuser's) is then not an error: the standby keeps waiting,
+/// safely, until the zombie's connection dies. The first refusal is logged
+/// as a warning that preemption is unavailable (degraded) and sets
+/// `refused`; later ones only at debug level, as a standby retries every
+/// check. Without `others`, such holders are returned in
+/// [`Preempted::others`], untouched, and any failure is an error.
+pub(crate) async fn preempt(
+    client: &tokio_postgres::Client,
+    schema: &SchemaName,
+    zombies: &Zombies,
+    others: Option<&AtomicBool>,
+) -> Result<Preempted> {
+    let mut done = Preempted::default();
+    if zombies.len() == 0 {
+        return Ok(done);
     }
-    let mut roles = Vec::with_capacity(vacant.len());
-    let mut classids = Vec::with_capacity(vacant.len());
-    let mut objids = Vec::with_capacity(vacant.len());
-    let mut objsubids = Vec::with_capacity(vacant.len());
-    let mut graces = Vec::with_capacity(vacant.len());
-    {
-        let standbys = s.standbys();
-        for role in vacant {
-            let Some(w) = standbys.get(role) else {
-                continue;
+    let sent = Instant::now();
+    let found = zombies
+        .run(client, &preempt_sql(schema.as_str()), others.is_some())
+        .await;
+    tracing::debug!(roles = zombies.len(), took = ?sent.elapsed(), "zombie preemption");
+    let found = match found {
+        Ok(found) => found,
+        Err(e) => {
+            return match (
+                Error::db("preempt an expired leader", schema.as_str(), e),
+                others,
+            ) {
+                (Error::Permission { source, .. }, Some(refused)) => {
+                    let role = zombies.roles().join(", ");
+                    if refused.swap(true, Ordering::Relaxed) {
+                        tracing::debug!(role, error = %source, "still not allowed to preempt the expired leader; waiting for its connection to die");
+                    } else {
+                        tracing::warn!(role, error = %source, "zombie preemption unavailable (degraded): not allowed to terminate the backend of a leader whose lease expired, as it belongs to another database user; GRANT pg_signal_backend to this user to preempt frozen leaders. Until then such a leader keeps its lock, and nobody else leads, until its connection dies (TCP keepalives, the server's tcp_user_timeout, a restart)");
+                    }
+                    Ok(done)
+                }
+                (other, _) => Err(other),
             };
-            roles.push(role.clone());
-            classids.push(i64::from(w.lock_ids.0));
-            objids.push(i64::from(w.lock_ids.1));
-            objsubids.push(w.lock_ids.2);
-            graces.push(w.grace_ms);
+        }
+    };
+    for z in found {
+        let Zombie {
+            role,
+            pid,
+            term,
+            holder,
+            ..
+        } = &z;
+        if !z.own && others.is_none() {
+            done.others.push(z.role);
+        } else if z.ended && !z.named {
+            tracing::warn!(role, pid, "terminated a backend that held the role's lock for a TTL without taking the lease (a candidate frozen before its term, or a squatter)");
+            metrics::preempted_zombie(role);
+            done.ended.push(*pid);
+        } else if z.ended {
+            tracing::warn!(role, pid, term, holder = %holder, "terminated the backend of a leader whose lease expired on the server");
+            metrics::preempted_zombie(role);
+            done.ended.push(*pid);
+        } else {
+            tracing::warn!(role, pid, term, holder = %holder, "could not terminate the backend of a leader whose lease expired; waiting");
         }
     }
-    if roles.is_empty() {
+    Ok(done)
+}
+
+/// The zombie preemption of `shared`'s role alone, on `client` (a batch
+/// of one, ending other database users' backends too where allowed): the
+/// pids it terminated.
+pub(crate) async fn preempt_one(
+    shared: &ElectorState,
+    client: &tokio_postgres::Client,
+) -> Result<Vec<i32>> {
+    let zombies = Zombies::one(&shared.role, shared.key, shared.timing.ttl);
+    let schema = shared.options.schema_name();
+    let done = preempt(client, schema, &zombies, Some(&shared.preemption_refused)).await?;
+    Ok(done.ended)
+}
+
+/// What [`preempt`] did.
+#[derive(Default)]
+pub(crate) struct Preempted {
+    /// The pids it terminated.
+    pub(crate) ended: Vec<i32>,
+    /// The roles whose holder is another database user's, left alone
+    /// (without `others`).
+    pub(crate) others: Vec<String>,
+}
+
+/// Runs the zombie preemption for the roles a poll found vacant (`found`,
+/// not granted, no live lease) in one statement: asks for a poll at once
+/// if it terminated anything, and marks the roles whose standby must try
+/// alone (the holder is another database user's: may this one end it?
+/// or the statement failed). A session needs at most one such statement
+/// per poll; while every role is led, none.
+pub(super) async fn preempt_vacant(s: &SharedSession, found: &mut PollFound) {
+    let mut zombies = Zombies::default();
+    {
+        let standbys = s.standbys();
+        for (role, (p, _)) in found.iter() {
+            let vacant = match p {
+                Polled::Leader { info, .. } => info.as_ref().is_none_or(|i| i.lease_expired),
+                _ => false,
+            };
+            if let (true, Some(w)) = (vacant, standbys.get(role)) {
+                zombies.push(role, w.lock_ids, w.grace);
+            }
+        }
+    }
+    if zombies.len() == 0 {
         return;
     }
     let lane = s.lane().await;
-    let sent = Instant::now();
-    let r = s
-        .conn
-        .client()
-        .query_typed(
-            &s.preempt_sql,
-            &[
-                (&roles, Type::TEXT_ARRAY),
-                (&classids, Type::INT8_ARRAY),
-                (&objids, Type::INT8_ARRAY),
-                (&objsubids, Type::INT2_ARRAY),
-                (&graces, Type::INT8_ARRAY),
-            ],
-        )
-        .await;
+    let r = preempt(s.conn.client(), &s.schema, &zombies, None).await;
     drop(lane);
-    tracing::debug!(pid = s.conn.pid(), roles = roles.len(), took = ?sent.elapsed(), "batched zombie preemption");
-    type Found = (String, i32, i64, String, bool, bool, bool);
-    let decoded = r.and_then(|rows| {
-        rows.iter()
-            .map(|row| {
-                Ok::<Found, tokio_postgres::Error>((
-                    row.try_get(0)?,
-                    row.try_get(1)?,
-                    row.try_get(2)?,
-                    row.try_get(3)?,
-                    row.try_get(4)?,
-                    row.try_get(5)?,
-                    row.try_get(6)?,
-                ))
-            })
-            .collect::<std::result::Result<Vec<Found>, _>>()
-    });
-    let alone = |found: &mut HashMap<String, (Polled, _)>, role: &str| {
-        if let Some((Polled::Leader { preempt_alone, .. }, _)) = found.get_mut(role) {
-            *preempt_alone = true;
-        }
-    };
-    match decoded {
-        Ok(rows) => {
-            let mut preempted = false;
-            for (role, pid, term, holder, named, done, own) in rows {
-                if !own {
-                    alone(found, &role);
-                } else if done && !named {
-                    tracing::warn!(role, pid, "terminated a backend that held the role's lock for a TTL without taking the lease (a candidate frozen before its term, or a squatter)");
-                    crate::metrics::preempted_zombie(&role);
-                    preempted = true;
-                } else if done {
-                    tracing::warn!(role, pid, term, holder = %holder, "terminated the backend of a leader whose lease expired on the server");
-                    crate::metrics::preempted_zombie(&role);
-                    preempted = true;
-                } else {
-                    tracing::warn!(role, pid, term, holder = %holder, "could not terminate the backend of a leader whose lease expired; waiting");
-                }
-            }
-            if preempted {
+    let alone = match r {
+        Ok(done) => {
+            if !done.ended.is_empty() {
                 s.poll_soon(Duration::ZERO);
             }
+            done.others
         }
         Err(e) => {
-            tracing::warn!(error = %e, cause = ?e.as_db_error().map(|d| d.message()), roles = roles.len(), "the batched zombie preemption failed; each vacant role's standby preempts alone");
-            for role in &roles {
-                alone(found, role);
-            }
+            tracing::warn!(error = %e, roles = zombies.len(), "the batched zombie preemption failed; each vacant role's standby preempts alone");
+            zombies.roles().to_vec()
+        }
+    };
+    for role in alone {
+        if let Some((Polled::Leader { preempt_alone, .. }, _)) = found.get_mut(&role) {
+            *preempt_alone = true;
         }
     }
 }

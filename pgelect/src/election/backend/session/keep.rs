@@ -10,6 +10,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_postgres::types::{ToSql, Type};
 
+use crate::conn::probe::{self, Probed};
 use crate::conn::DedicatedConnection;
 use crate::error::{Error, Result};
 
@@ -146,14 +147,6 @@ pub(super) fn batched_answer(b: Batched) -> Answer {
     }
 }
 
-/// Whether `SHOW transaction_read_only` said `on`.
-pub(super) fn read_only_answer(msgs: &[tokio_postgres::SimpleQueryMessage]) -> bool {
-    msgs.iter().any(|m| match m {
-        tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0) == Some("on"),
-        _ => false,
-    })
-}
-
 impl KeepBackend for SessionKeep {
     const FINISH_IN_FLIGHT_BEFORE_RELEASE: bool = false;
 
@@ -189,24 +182,20 @@ impl KeepBackend for SessionKeep {
         let share_wait = (self.shared.timing.heartbeat_timeout / 4).min(Duration::from_millis(100));
         Box::pin(async move {
             let sent = Instant::now();
-            // On a shared connection, one heartbeat answers all its leaders;
-            // a failed one is run again here to get the error to report.
+            // On a shared connection, the connection's probe answers all
+            // its leaders (its `Alive` whatever the server's mode, as
+            // before: the renewal finds a read-only server); a failed one
+            // is asked again here to get the error to report.
             if let LockConn::Shared(session) = &self.conn {
-                if session.heartbeat_answered(sent, share_wait).await {
+                if session.probe().answer(sent, share_wait).await.is_some() {
                     return (sent, Ok(Answer::Alive));
                 }
             }
-            // `transaction_read_only` is on in a standby and on a primary
-            // fenced with `default_transaction_read_only`: a lock there
-            // protects nothing.
-            let r = self
-                .conn
-                .client()
-                .simple_query("SHOW transaction_read_only")
+            let r = probe::ask(self.conn.client())
                 .await
-                .map(|msgs| match read_only_answer(&msgs) {
-                    true => Answer::ReadOnly,
-                    false => Answer::Alive,
+                .map(|p| match p {
+                    Probed::ReadOnly => Answer::ReadOnly,
+                    Probed::Alive => Answer::Alive,
                 })
                 .map_err(|e| Error::db("renew the lease", self.schema(), e));
             (sent, r)
@@ -215,7 +204,7 @@ impl KeepBackend for SessionKeep {
 
     async fn answered(&self) -> Instant {
         match &self.conn {
-            LockConn::Shared(session) => session.next_answer().await,
+            LockConn::Shared(session) => session.probe().next_answer().await,
             LockConn::Own(_) => std::future::pending().await,
         }
     }
@@ -343,35 +332,6 @@ pub(super) async fn release(shared: &ElectorState, conn: &LockConn, term: i64) -
     }
     unlistened.map_err(|e| Error::db("stop listening for resign requests", s, e))?;
     Ok(())
-}
-
-/// The heartbeat task of a shared session: sends `SELECT 1` when the
-/// earliest pending request wants it, for every request pending then; ends
-/// with the session or at the first failure.
-pub(super) async fn heartbeat_task(session: std::sync::Weak<SharedSession>) {
-    let (mut wanted, closed) = match session.upgrade() {
-        Some(s) => (s.wanted.subscribe(), s.conn.closed().clone()),
-        None => return,
-    };
-    loop {
-        if !until_wanted(&mut wanted, &closed).await {
-            return;
-        }
-        let Some(s) = session.upgrade() else {
-            return;
-        };
-        s.wanted.send_replace(None);
-        let sent = Instant::now();
-        let ok = s.conn.client().simple_query("SELECT 1").await.is_ok();
-        tracing::debug!(pid = s.conn.pid(), took = ?sent.elapsed(), "heartbeat");
-        if ok {
-            s.answered(sent);
-        }
-        s.beats.send_replace(Some((sent, ok)));
-        if !ok {
-            return;
-        }
-    }
 }
 
 /// The renewal task of a shared session: when the earliest renewal

@@ -15,13 +15,14 @@ mod campaign;
 mod keep;
 mod sql;
 
-pub(crate) use campaign::campaign;
+pub(crate) use campaign::{campaign, preempt};
 #[cfg(feature = "test-hooks")]
 pub use sql::shared_renew_sql;
+pub(crate) use sql::Zombies;
 
 use campaign::{elect_batches, poll_batches, register_batches, NEW_STANDBY_WAIT};
-use keep::{heartbeat_task, renew_batches};
-use sql::{batch_elect_sql, batch_poll_sql, batch_preempt_sql, batch_renew_sql};
+use keep::renew_batches;
+use sql::{batch_elect_sql, batch_poll_sql, batch_renew_sql};
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -33,6 +34,7 @@ use tokio::sync::{broadcast, oneshot, watch, Mutex as AsyncMutex, Semaphore, Sem
 use tokio::time::Instant;
 use tokio_postgres::types::Type;
 
+use crate::conn::probe::Probe;
 use crate::conn::{ConnectOptions, DedicatedConnection, Notice, TcpTimeouts};
 use crate::election::driver::Preferred;
 use crate::election::registry;
@@ -203,20 +205,17 @@ pub(crate) type RoleClaim = Claim<SharedConnection>;
 
 /// A live shared connection and its one heartbeat.
 ///
-/// Each leader on the connection asks for a heartbeat at its own pace. A
-/// request made at `r` is answered by a `SELECT 1` *sent* at or after `r`,
-/// and the send waits a little (a quarter of the asking leader's heartbeat
-/// timeout, at most 100 ms) for other requests to share it. The leader's
-/// timeout still runs from `r`, so it learns of a dead connection no later
-/// than with a heartbeat of its own; leaders answered by one statement ask
-/// again together, so after a few beats one statement serves them all.
+/// Each leader on the connection asks for a heartbeat at its own pace; the
+/// connection's [`Probe`] sends one for all the requests pending (waiting
+/// a quarter of the asking leader's heartbeat timeout, at most 100 ms, for
+/// others to share it).
 pub(crate) struct SharedSession {
     conn: DedicatedConnection,
-    /// The earliest moment by which a pending request wants its heartbeat
-    /// sent; `None` when no request is pending.
-    wanted: watch::Sender<Option<Instant>>,
-    /// The last heartbeat answered: when it was sent, whether it succeeded.
-    beats: watch::Sender<Option<(Instant, bool)>>,
+    /// The connection's probe, and the record of every statement answered
+    /// on it: proof that its server session (and every lock it holds)
+    /// lived then. A leader whose own statement waits behind others'
+    /// counts its answer limit from there (see `Keeper::alive_at`).
+    probe: Probe,
     /// The leaders on this session, by role: every batched renewal renews
     /// them all.
     leaders: Mutex<HashMap<String, Leader>>,
@@ -244,8 +243,8 @@ pub(crate) struct SharedSession {
     elections: Queue<(Election, oneshot::Sender<Option<Elected>>)>,
     /// The batched election statement.
     elect_sql: String,
-    /// The batched zombie preemption statement.
-    preempt_sql: String,
+    /// The schema of the session's statements (the zombie preemption's).
+    schema: SchemaName,
     /// The campaign lane: the batched poll, registration, election and
     /// preemption statements hold it while in flight, so that at most one
     /// of them is ever queued ahead of a leader's renewal or heartbeat.
@@ -261,11 +260,6 @@ pub(crate) struct SharedSession {
     /// connection (with a thousand leaders, every election's notification
     /// would otherwise wake all of them).
     hints: Mutex<Hints>,
-    /// The send time of the latest statement answered on this connection:
-    /// proof that its server session (and every lock it holds) lived then.
-    /// A leader whose own statement waits behind others' counts its answer
-    /// limit from here (see `Keeper::alive_at`).
-    answered: watch::Sender<Option<Instant>>,
 }
 
 /// How many campaign statements may be queued on a shared connection at
@@ -311,7 +305,7 @@ struct Standby {
     interval: Duration,
     /// How long a lock holder the row does not name must have been idle
     /// before it is preempted (the role's TTL).
-    grace_ms: i64,
+    grace: Duration,
     /// The leader row's (term, holder) as last reported to the standby:
     /// a poll reports a role's row again only when it changed (or its
     /// lease expired).
@@ -420,8 +414,7 @@ impl SharedSession {
     fn start(conn: DedicatedConnection, schema: &SchemaName) -> Arc<SharedSession> {
         let session = Arc::new(SharedSession {
             conn,
-            wanted: watch::Sender::new(None),
-            beats: watch::Sender::new(None),
+            probe: Probe::default(),
             leaders: Mutex::new(HashMap::new()),
             renew_wanted: watch::Sender::new(None),
             renew_sql: batch_renew_sql(schema.as_str()),
@@ -433,16 +426,17 @@ impl SharedSession {
             register_sql: registry::batch_register_sql(schema.as_str()),
             elections: Queue::default(),
             elect_sql: batch_elect_sql(schema.as_str()),
-            preempt_sql: batch_preempt_sql(schema.as_str()),
+            schema: schema.clone(),
             campaign_lane: AsyncMutex::new(()),
             campaign_turns: Semaphore::new(CAMPAIGN_TURNS),
             hints: Mutex::new(Hints::default()),
-            answered: watch::Sender::new(None),
         });
         tokio::spawn(register_batches(Arc::downgrade(&session)));
         tokio::spawn(elect_batches(Arc::downgrade(&session)));
         tokio::spawn(dispatch_hints(Arc::downgrade(&session)));
-        tokio::spawn(heartbeat_task(Arc::downgrade(&session)));
+        tokio::spawn(Probe::serve(Arc::downgrade(&session), |s| {
+            (&s.probe, &s.conn)
+        }));
         tokio::spawn(renew_batches(Arc::downgrade(&session)));
         tokio::spawn(poll_batches(
             Arc::downgrade(&session),
@@ -453,27 +447,13 @@ impl SharedSession {
 
     /// A statement sent at `sent` was answered.
     fn answered(&self, sent: Instant) {
-        self.answered.send_if_modified(|a| match a {
-            Some(t) if *t >= sent => false,
-            _ => {
-                *a = Some(sent);
-                true
-            }
-        });
+        self.probe.credit(sent);
     }
 
-    /// Completes with the send time of the next statement answered on this
-    /// connection (sent later than any reported before this call).
-    pub(crate) async fn next_answer(&self) -> Instant {
-        let mut rx = self.answered.subscribe();
-        loop {
-            if rx.changed().await.is_err() {
-                return std::future::pending().await;
-            }
-            if let Some(t) = *rx.borrow_and_update() {
-                return t;
-            }
-        }
+    /// The connection's probe (heartbeats, and the answers of its other
+    /// statements).
+    pub(crate) fn probe(&self) -> &Probe {
+        &self.probe
     }
 
     /// Enters the polling standby of `role` into the batched poll, which
@@ -504,7 +484,7 @@ impl SharedSession {
                 refreshed: Instant::now(),
                 fresh: true,
                 interval,
-                grace_ms: grace.as_millis().min(i64::MAX as u128) as i64,
+                grace,
                 known: None,
                 outcome: tx,
             },
@@ -596,21 +576,6 @@ impl SharedSession {
         // Entries are only inserted and removed whole: a panic elsewhere
         // that poisoned the lock left the map consistent.
         self.leaders.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// True when a heartbeat sent at or after `requested` was answered;
-    /// false when it failed. The heartbeat is sent within `wait` of
-    /// `requested`.
-    pub(crate) async fn heartbeat_answered(&self, requested: Instant, wait: Duration) -> bool {
-        let mut beats = self.beats.subscribe();
-        let by = requested + wait;
-        self.wanted
-            .send_modify(|w| *w = Some(w.map_or(by, |x| x.min(by))));
-        let answered = beats
-            .wait_for(|b| b.is_some_and(|(sent, _)| sent >= requested))
-            .await
-            .map(|b| b.is_some_and(|(_, ok)| ok));
-        answered.unwrap_or(false)
     }
 }
 

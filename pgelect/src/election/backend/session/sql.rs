@@ -1,9 +1,10 @@
 //! The session backend's statements, one text per operation. The
-//! election and the renewal are array-shaped: a shared connection's
-//! batch binds many roles, a candidate on its own connection binds one
-//! ([`Elections`], [`Renewals`]).
+//! election, the renewal and the zombie preemption are array-shaped: a
+//! shared connection's batch binds many roles, a candidate on its own
+//! connection binds one ([`Elections`], [`Renewals`], [`Zombies`]).
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Row;
@@ -13,6 +14,7 @@ use crate::election::driver::Preferred;
 use crate::election::registry;
 use crate::election::term::{next_term_sql, previous_holder_sql};
 use crate::election::watch::LEADER_CHANNEL;
+use crate::key::LockKey;
 
 /// The renewal, of one leader or many: renews the rows of all the given
 /// roles that still name their leader with its term and this backend, each
@@ -85,7 +87,10 @@ pub fn shared_renew_sql(schema: &crate::schema::SchemaName) -> String {
 /// refresh is due (`$6`, `$7`: role, node; as a single standby's poll
 /// does), tries every standby's lock, and returns the granted roles and,
 /// for the others, the leader row where it changed since last reported or
-/// its lease expired.
+/// is vacant (no row, no holder, or an expired lease: someone else holds
+/// the lock, which the zombie preemption looks at after every poll, as a
+/// standby on its own connection does; a vacant row reported only once
+/// left a candidate frozen before its term holding the role for ever).
 pub(super) fn batch_poll_sql(s: &str) -> String {
     format!(
         "WITH w AS (
@@ -107,7 +112,7 @@ pub(super) fn batch_poll_sql(s: &str) -> String {
            FROM t LEFT JOIN {s}.leaders l ON l.role = t.role
           WHERE t.granted OR l.term IS DISTINCT FROM t.known_term
              OR l.holder IS DISTINCT FROM t.known_holder
-             OR (l.holder IS NOT NULL AND l.lease_until < now())"
+             OR l.holder IS NULL OR l.lease_until < now()"
     )
 }
 
@@ -163,18 +168,32 @@ pub(super) fn batch_elect_sql(s: &str) -> String {
     )
 }
 
-/// The batched zombie preemption, for the roles whose row a poll found
-/// vacant (no row, no holder, or an expired lease): for each, what
-/// [`preempt_zombie`](crate::election::watch::preempt_zombie) looks for, a
-/// backend other than this one holding the role's lock that is either the
-/// holder the expired row names, or, while the row is vacant, a session of
-/// this database user the row does not name, idle for at least the role's
-/// TTL. Terminates those of this database user (each pid once); those of
-/// another user are returned, not terminated (the standby's own
-/// preemption learns whether it may). One row per role found: role, pid,
-/// term, holder, whether the row names the pid, whether it was
-/// terminated, whether it is this user's.
-pub(super) fn batch_preempt_sql(s: &str) -> String {
+/// The zombie preemption, of one role or many (the roles whose row was
+/// found vacant: no row, no holder, or an expired lease). For each role,
+/// the backend other than this one that holds the role's lock and is
+/// either
+///
+/// * the holder the expired row names (a *zombie* leader: frozen or
+///   partitioned, its connection not yet dropped by the server; a pooler
+///   keeping a backend alive), or
+/// * while the row is vacant, a session of this database user the row
+///   does not name, idle for at least the role's grace (its TTL): a
+///   candidate frozen between the grant of the lock and its term
+///   transaction. It has no term, so it cannot be acting; a live
+///   candidate runs its term transaction milliseconds after the grant.
+///
+/// A healthy leader renews every `renew_every < ttl - safety_margin`, so
+/// its lease never expires and it is never preempted. Checking, choosing
+/// the pid and signalling happen in one statement: a candidate whose term
+/// commits meanwhile is named by the row and no longer matches.
+///
+/// Terminates the backends of this database user (each pid once) and,
+/// when `$6` is true, those of other users too; a refusal to end one of
+/// those (no `pg_signal_backend`, or a superuser's backend) fails the
+/// whole statement, so `$6` is for one role at a time. One row per role
+/// found: role, pid, term, holder, whether the row names the pid, whether
+/// it was terminated, whether it is this user's.
+pub(super) fn preempt_sql(s: &str) -> String {
     format!(
         "WITH v AS (
              SELECT * FROM unnest($1::text[], $2::int8[], $3::int8[], $4::int2[], $5::int8[])
@@ -202,7 +221,7 @@ pub(super) fn batch_preempt_sql(s: &str) -> String {
          ), t AS (
              -- Volatile: run once per pid, never inlined or repeated.
              SELECT p.pid, pg_catalog.pg_terminate_backend(p.pid) AS done
-               FROM (SELECT DISTINCT z.pid FROM z WHERE z.own) p
+               FROM (SELECT DISTINCT z.pid FROM z WHERE z.own OR $6::bool) p
          )
          SELECT z.role, z.pid, z.term, z.holder, z.named, coalesce(t.done, false), z.own
            FROM z LEFT JOIN t ON t.pid = z.pid"
@@ -315,6 +334,100 @@ impl Elections {
             (&self.objids, Type::INT8_ARRAY),
             (&self.objsubids, Type::INT2_ARRAY),
         ]
+    }
+}
+
+/// The roles of one zombie preemption ([`preempt_sql`]), one or many:
+/// its arrays, bound in this order.
+#[derive(Default)]
+pub(crate) struct Zombies {
+    roles: Vec<String>,
+    classids: Vec<i64>,
+    objids: Vec<i64>,
+    objsubids: Vec<i16>,
+    graces: Vec<i64>,
+}
+
+/// A holder of a role's lock that the preemption found (a row of
+/// [`preempt_sql`]).
+pub(super) struct Zombie {
+    pub(super) role: String,
+    pub(super) pid: i32,
+    /// The term and holder of the role's row (0 and empty without one).
+    pub(super) term: i64,
+    pub(super) holder: String,
+    /// Whether the row names this pid (an expired leader) or not (a
+    /// holder frozen before its term).
+    pub(super) named: bool,
+    /// Whether it was terminated.
+    pub(super) ended: bool,
+    /// Whether it is a session of this database user.
+    pub(super) own: bool,
+}
+
+impl Zombies {
+    /// The preemption of `role` alone, whose lock is `key`, ending an
+    /// unnamed holder idle for `grace`.
+    pub(crate) fn one(role: &str, key: LockKey, grace: Duration) -> Self {
+        let mut z = Zombies::default();
+        z.push(role, key.pg_locks_ids(), grace);
+        z
+    }
+
+    /// Adds `role`, whose key `pg_locks` shows as `lock_ids` (classid,
+    /// objid, objsubid).
+    pub(super) fn push(&mut self, role: &str, lock_ids: (u32, u32, i16), grace: Duration) {
+        self.roles.push(role.to_owned());
+        self.classids.push(i64::from(lock_ids.0));
+        self.objids.push(i64::from(lock_ids.1));
+        self.objsubids.push(lock_ids.2);
+        self.graces
+            .push(grace.as_millis().min(i64::MAX as u128) as i64);
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.roles.len()
+    }
+
+    pub(super) fn roles(&self) -> &[String] {
+        &self.roles
+    }
+
+    /// Runs `sql` (the preemption statement) over these roles, ending
+    /// other database users' backends too if `others`; returns what it
+    /// found.
+    pub(super) async fn run(
+        &self,
+        client: &tokio_postgres::Client,
+        sql: &str,
+        others: bool,
+    ) -> Result<Vec<Zombie>, tokio_postgres::Error> {
+        let rows = client
+            .query_typed(
+                sql,
+                &[
+                    (&self.roles, Type::TEXT_ARRAY),
+                    (&self.classids, Type::INT8_ARRAY),
+                    (&self.objids, Type::INT8_ARRAY),
+                    (&self.objsubids, Type::INT2_ARRAY),
+                    (&self.graces, Type::INT8_ARRAY),
+                    (&others, Type::BOOL),
+                ],
+            )
+            .await?;
+        rows.iter()
+            .map(|row| {
+                Ok(Zombie {
+                    role: row.try_get(0)?,
+                    pid: row.try_get(1)?,
+                    term: row.try_get(2)?,
+                    holder: row.try_get(3)?,
+                    named: row.try_get(4)?,
+                    ended: row.try_get(5)?,
+                    own: row.try_get(6)?,
+                })
+            })
+            .collect()
     }
 }
 
