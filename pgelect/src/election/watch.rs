@@ -64,7 +64,8 @@ fn leader_sql(schema: &SchemaName) -> String {
     format!(
         "SELECT l.holder, l.holder_meta, l.term, l.backend, l.acquired_at, l.renewed_at,
                 l.lease_until, coalesce(l.lease_until < now(), true), l.holder_pid,
-                pg_is_in_recovery() OR current_setting('transaction_read_only')::bool
+                pg_is_in_recovery() OR current_setting('transaction_read_only')::bool,
+                (extract(epoch FROM l.lease_until - now()) * 1000)::float8
            FROM (SELECT 1) AS one LEFT JOIN {schema}.leaders AS l ON l.role = $1"
     )
 }
@@ -85,13 +86,25 @@ pub(crate) async fn read_leader_and_mode<C: GenericClient + Sync>(
     schema: &SchemaName,
     role: &str,
 ) -> Result<(Option<LeaderInfo>, bool)> {
+    read_leader_mode_and_lease(client, schema, role)
+        .await
+        .map(|(leader, read_only, _)| (leader, read_only))
+}
+
+/// [`read_leader_and_mode`], and how long the holder's lease still runs on
+/// the server's clock (`None`: no holder, or already expired).
+pub(crate) async fn read_leader_mode_and_lease<C: GenericClient + Sync>(
+    client: &C,
+    schema: &SchemaName,
+    role: &str,
+) -> Result<(Option<LeaderInfo>, bool, Option<Duration>)> {
     let what = "read the leader";
     let rows = client
         .query_typed(&leader_sql(schema), &[(&role, Type::TEXT)])
         .await
         .map_err(|e| Error::db(what, schema.as_str(), e))?;
     let Some(row) = rows.first() else {
-        return Ok((None, false));
+        return Ok((None, false, None));
     };
     let read_only: bool = row
         .try_get(9)
@@ -100,10 +113,16 @@ pub(crate) async fn read_leader_and_mode<C: GenericClient + Sync>(
         .try_get(0)
         .map_err(|e| Error::db(what, schema.as_str(), e))?;
     if holder.is_none() {
-        return Ok((None, read_only));
+        return Ok((None, read_only, None));
     }
+    let remaining_ms: Option<f64> = row
+        .try_get(10)
+        .map_err(|e| Error::db(what, schema.as_str(), e))?;
+    let runs = remaining_ms
+        .filter(|ms| ms.is_finite() && *ms > 0.0)
+        .map(|ms| Duration::from_secs_f64(ms.min(1e9) / 1000.0));
     leader_info(role, row)
-        .map(|i| (Some(i), read_only))
+        .map(|i| (Some(i), read_only, runs))
         .map_err(|e| Error::db(what, schema.as_str(), e))
 }
 

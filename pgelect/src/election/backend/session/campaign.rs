@@ -34,7 +34,7 @@ use crate::election::support::{
     WakeLimit, WakeOn,
 };
 use crate::election::watch::{
-    read_leader, read_leader_and_mode, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
+    read_leader, read_leader_mode_and_lease, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
 };
 use crate::election::{Backend, ElectorState, StandbyMode, Term};
 
@@ -444,6 +444,11 @@ pub(super) async fn wait_blocking(
     let mut squat = SquatWatch::default();
     let mut warned_watch_squatter = false;
     let mut registration = Some(register.run(shared, conn));
+    // The watch's next slice, when the holder's lease runs out before a
+    // whole one: it then ends just after the expiry, so a cut-off or
+    // frozen leader is preempted at the expiry, not up to `check_every`
+    // after it.
+    let mut until_expiry: Option<i32> = None;
     loop {
         if place == Place::Direct && standing.is_none() {
             shared.ensure_observer();
@@ -471,7 +476,7 @@ pub(super) async fn wait_blocking(
                 }
                 Place::Watch | Place::Direct => {
                     let ms = if place == Place::Watch {
-                        watch_ms
+                        until_expiry.take().map_or(watch_ms, |ms| ms.min(watch_ms))
                     } else {
                         queue_ms
                     };
@@ -544,10 +549,13 @@ pub(super) async fn wait_blocking(
             Ok(Ok(false)) => {
                 // A slice passed without the lock: look at the row, and
                 // (the watch) preempt a zombie or leave a read-only server.
-                let (leader, read_only) =
-                    read_leader_and_mode(conn.client(), &schema, &shared.role).await?;
+                let (leader, read_only, runs) =
+                    read_leader_mode_and_lease(conn.client(), &schema, &shared.role).await?;
                 let row_pid = leader.as_ref().and_then(|l| l.holder_pid);
                 let vacant = leader.as_ref().is_none_or(|l| l.lease_expired);
+                // 5 ms past the expiry: the server's `now()` in the next
+                // read must be past it.
+                until_expiry = runs.map(|r| slice_ms(r + Duration::from_millis(5)));
                 if place == Place::Watch {
                     shared.publish(leader);
                     if read_only {
