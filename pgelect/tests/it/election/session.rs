@@ -686,32 +686,24 @@ async fn cut_off_leader(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blackholed_leader_demotes_before_the_standby_acts() {
-    let CutOff {
-        a,
-        la,
-        lb,
-        noticed,
-        took,
-        log,
-        ib,
-        proxy,
-    } = cut_off_leader("elect_blackhole", Duration::from_secs(20), |o, node| {
+    let c = cut_off_leader("elect_blackhole", Duration::from_secs(20), |o, node| {
         fast(o, "bh", node).build().unwrap()
     })
     .await;
+    let (noticed, took) = (c.noticed, c.took);
     println!(
         "blackhole: leader demoted after {noticed:?} ({:?}), standby acting after {took:?}",
-        la.loss().map(|l| l.reason())
+        c.la.loss().map(|l| l.reason())
     );
     assert!(
-        noticed <= a.deadline_budget() + Duration::from_millis(200),
+        noticed <= c.a.deadline_budget() + Duration::from_millis(200),
         "{noticed:?}"
     );
-    assert!(lb.term() > la.term());
-    log.end(ib);
-    log.assert_disjoint();
-    proxy.heal();
-    lb.resign().await.unwrap();
+    assert!(c.lb.term() > c.la.term());
+    c.log.end(c.ib);
+    c.log.assert_disjoint();
+    c.proxy.heal();
+    c.lb.resign().await.unwrap();
 }
 
 /// A standby that takes over from a cut-off leader once its lease has
