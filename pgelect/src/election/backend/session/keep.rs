@@ -22,25 +22,26 @@ use crate::election::watch::{LEADER_CHANNEL, RESIGN_CHANNEL};
 use crate::election::ElectorState;
 use crate::loss::LossReason;
 
-/// Plans the renewal without running it (`EXPLAIN`), before the lock
-/// wait, for the reason [`ElectStatement::warm_up`] gives: the first
-/// renewal on a new backend otherwise also loads the registry's catalog
-/// entries, which under the fast profile's 25 ms answer limit cost
-/// leaders their first renewal (the book's design notes, "Renewals and
-/// fenced transactions").
+/// Prepares the renewal on the lock connection and runs it once for no
+/// leader, before the lock wait, for the reason
+/// [`ElectStatement::warm_up`](super::campaign) gives: the first renewal
+/// on a new backend otherwise also loads the registry's catalog entries,
+/// which under the fast profile's 25 ms answer limit cost leaders their
+/// first renewal (the book's design notes, "Renewals and fenced
+/// transactions"); and every renewal after it runs the kept plan. The
+/// release's clearing statement is prepared too.
 pub(super) async fn warm_up_renewal(
     shared: &ElectorState,
     conn: &DedicatedConnection,
 ) -> Result<()> {
     let s = shared.options.schema_name().as_str();
-    let ttl_ms = shared.timing.ttl.as_millis() as i64;
-    renewal_of(shared, 0, ttl_ms)
-        .run(
-            conn.client(),
-            &format!("EXPLAIN {}", batch_renew_sql(s)),
-            0..1,
-        )
-        .await
+    let sql = batch_renew_sql(s);
+    let warm = async {
+        conn.keep_statement(&sql, &Renewals::TYPES).await?;
+        Renewals::default().run(conn, &sql, 0..0).await?;
+        conn.keep_statement(&release_sql(s), &RELEASE_TYPES).await
+    };
+    warm.await
         .map_err(|e| Error::db("prepare the renewal", s, e))?;
     Ok(())
 }
@@ -112,7 +113,7 @@ impl SessionKeep {
         let sent = Instant::now();
         let r = self
             .renewal
-            .run(self.conn.client(), &self.renew_sql, 0..1)
+            .run(&self.conn, &self.renew_sql, 0..1)
             .await
             .and_then(|rows| Renewals::outcomes(&rows))
             .map(|mut found| {
@@ -278,9 +279,10 @@ impl KeepBackend for SessionKeep {
     }
 }
 
-pub(super) async fn release(shared: &ElectorState, conn: &LockConn, term: i64) -> Result<()> {
-    let s = shared.options.schema_name().as_str();
-    let sql = format!(
+/// The release's clearing statement: the row of role `$1` no longer names
+/// holder `$2` at term `$3`; `$4` is announced on the leader channel.
+fn release_sql(s: &str) -> String {
+    format!(
         "WITH c AS (
              UPDATE {s}.leaders
                 SET holder = NULL, holder_pid = NULL, holder_meta = NULL,
@@ -289,18 +291,27 @@ pub(super) async fn release(shared: &ElectorState, conn: &LockConn, term: i64) -
              RETURNING 1
          )
          SELECT (SELECT count(*) FROM c), pg_notify('{LEADER_CHANNEL}', $4)::text"
-    );
+    )
+}
+
+/// The types of [`release_sql`]'s parameters.
+const RELEASE_TYPES: [Type; 4] = [Type::TEXT, Type::TEXT, Type::INT8, Type::TEXT];
+
+pub(super) async fn release(shared: &ElectorState, conn: &LockConn, term: i64) -> Result<()> {
+    let s = shared.options.schema_name().as_str();
+    let sql = release_sql(s);
     let payload = format!("{s}:released:{}", shared.role);
     let params = shared.key.params();
     let args: Vec<(&(dyn ToSql + Sync), Type)> = params.iter().map(|p| p.as_sql()).collect();
     let unlock_sql = format!("SELECT pg_advisory_unlock({})", shared.key.sql_args(1));
     // Pipelined: the clearing transaction commits before the unlock runs
     // (the server runs them in order), in one round trip.
+    let [t0, t1, t2, t3] = RELEASE_TYPES;
     let clear_args: [(&(dyn ToSql + Sync), Type); 4] = [
-        (&shared.role, Type::TEXT),
-        (&shared.node, Type::TEXT),
-        (&term, Type::INT8),
-        (&payload, Type::TEXT),
+        (&shared.role, t0),
+        (&shared.node, t1),
+        (&term, t2),
+        (&payload, t3),
     ];
     // A listening backend that does not read (a later lock wait) would
     // hold back the server's notification queue. A shared connection
@@ -310,7 +321,7 @@ pub(super) async fn release(shared: &ElectorState, conn: &LockConn, term: i64) -
         LockConn::Shared(_) => String::new(),
     };
     let (cleared, unlocked, unlistened) = tokio::join!(
-        conn.client().query_typed_one(&sql, &clear_args),
+        conn.query_kept_one(&sql, &clear_args),
         conn.client().query_typed_one(&unlock_sql, &args),
         conn.client().batch_execute(&unlisten),
     );
@@ -366,7 +377,7 @@ pub(super) async fn renew_batches(session: std::sync::Weak<SharedSession>) {
         // session alive to the leaders still waiting for theirs.
         for chunk in chunks(roles.len(), RENEW_ROWS) {
             let sent = Instant::now();
-            let answer = rows.run(s.conn.client(), &s.renew_sql, chunk.clone()).await;
+            let answer = rows.run(&s.conn, &s.renew_sql, chunk.clone()).await;
             tracing::debug!(pid = s.conn.pid(), leaders = chunk.len(), took = ?sent.elapsed(), "batched renewal");
             if answer.is_ok() {
                 s.answered(sent);

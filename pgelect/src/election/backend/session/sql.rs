@@ -10,6 +10,7 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Row;
 
 use super::{Batched, Election};
+use crate::conn::DedicatedConnection;
 use crate::election::driver::Preferred;
 use crate::election::registry;
 use crate::election::term::{next_term_sql, previous_holder_sql};
@@ -305,10 +306,10 @@ impl Elections {
     /// columns.
     pub(super) async fn run(
         &self,
-        client: &tokio_postgres::Client,
+        conn: &DedicatedConnection,
         sql: &str,
     ) -> Result<Vec<Row>, tokio_postgres::Error> {
-        client.query_typed(sql, &self.params()).await
+        conn.query_kept(sql, &self.params()).await
     }
 
     /// Runs the election statement for one role: its one row. The request
@@ -316,10 +317,15 @@ impl Elections {
     /// pipelined between a `BEGIN` and a `COMMIT`.
     pub(super) async fn run_one(
         &self,
-        client: &tokio_postgres::Client,
+        conn: &DedicatedConnection,
         sql: &str,
     ) -> Result<Row, tokio_postgres::Error> {
-        client.query_typed_one(sql, &self.params()).await
+        conn.query_kept_one(sql, &self.params()).await
+    }
+
+    /// The types of the statement's parameters, to prepare it with.
+    pub(super) fn types() -> [Type; 9] {
+        Elections::default().params().map(|(_, t)| t)
     }
 
     fn params(&self) -> [(&(dyn ToSql + Sync), Type); 9] {
@@ -469,25 +475,36 @@ impl Renewals {
     /// leaders in `chunk`; returns its rows.
     pub(super) async fn run(
         &self,
-        client: &tokio_postgres::Client,
+        conn: &DedicatedConnection,
         sql: &str,
         chunk: std::ops::Range<usize>,
     ) -> Result<Vec<Row>, tokio_postgres::Error> {
-        client
-            .query_typed(
-                sql,
-                &[
-                    (&&self.roles[chunk.clone()], Type::TEXT_ARRAY),
-                    (&&self.nodes[chunk.clone()], Type::TEXT_ARRAY),
-                    (&&self.terms[chunk.clone()], Type::INT8_ARRAY),
-                    (&&self.ttls[chunk.clone()], Type::INT8_ARRAY),
-                    (&&self.priorities[chunk.clone()], Type::INT4_ARRAY),
-                    (&&self.classids[chunk.clone()], Type::INT8_ARRAY),
-                    (&&self.objids[chunk.clone()], Type::INT8_ARRAY),
-                ],
-            )
-            .await
+        let [t0, t1, t2, t3, t4, t5, t6] = Self::TYPES;
+        conn.query_kept(
+            sql,
+            &[
+                (&&self.roles[chunk.clone()], t0),
+                (&&self.nodes[chunk.clone()], t1),
+                (&&self.terms[chunk.clone()], t2),
+                (&&self.ttls[chunk.clone()], t3),
+                (&&self.priorities[chunk.clone()], t4),
+                (&&self.classids[chunk.clone()], t5),
+                (&&self.objids[chunk.clone()], t6),
+            ],
+        )
+        .await
     }
+
+    /// The types of the statement's parameters, in order.
+    pub(super) const TYPES: [Type; 7] = [
+        Type::TEXT_ARRAY,
+        Type::TEXT_ARRAY,
+        Type::INT8_ARRAY,
+        Type::INT8_ARRAY,
+        Type::INT4_ARRAY,
+        Type::INT8_ARRAY,
+        Type::INT8_ARRAY,
+    ];
 
     /// What the renewal's `rows` found, per role: renewed, or busy (still
     /// ours, but locked). A role without a row is no longer its leader's.
