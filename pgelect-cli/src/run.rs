@@ -414,11 +414,29 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
         "standing for role {:?} as node {node:?} ({backend} backend, {timing_text})",
         role);
     let mut standing_since = Instant::now();
+    let standing_env = [
+        ("PGELECT_ROLE", role.clone()),
+        ("PGELECT_NODE", node.clone()),
+    ];
     loop {
+        // The command's watcher, started while standing by: at election
+        // only the command is left to start (see `child::arm`).
+        let armed = match child::arm(&child::Spec {
+            argv: &args.command,
+            env: &standing_env,
+            pass_database_env: args.pass_database_env,
+        }) {
+            Ok(armed) => Some(armed),
+            Err(failure) => {
+                tracing::debug!(error = %failure.message, "cannot start the process watcher ahead; starting it at election");
+                None
+            }
+        };
         let leadership = tokio::select! {
             l = elector.leadership() => l?,
             sig = signals.recv() => {
                 tracing::info!(%sig, "stopping while standing by");
+                drop(armed);
                 withdraw(&elector).await;
                 return Ok(0);
             }
@@ -439,7 +457,12 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
             env: &env,
             pass_database_env: args.pass_database_env,
         };
-        let mut child = match child::spawn(&spec) {
+        let armed = armed.and_then(|a| {
+            a.start(&[("PGELECT_TERM", term.to_string())])
+                .map_err(|e| tracing::debug!(error = %e, "the process watcher started ahead is gone; starting another"))
+                .ok()
+        });
+        let mut child = match armed.map_or_else(|| child::spawn(&spec), Ok) {
             Ok(child) => child,
             Err(failure) => {
                 // Hand over cleanly rather than leave standbys an unclean

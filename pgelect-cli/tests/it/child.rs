@@ -345,3 +345,101 @@ while :; do sleep 1 & wait $!; done"#;
         );
     }
 }
+
+/// The children of `pid` whose command line holds `needle`.
+fn children_with(pid: u32, needle: &str) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| {
+            let parent = std::fs::read_to_string(format!("/proc/{p}/stat"))
+                .ok()
+                .and_then(|s| {
+                    s.rsplit_once(')')
+                        .and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<u32>().ok())
+                });
+            let cmdline = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            parent == Some(pid) && String::from_utf8_lossy(&cmdline).contains(needle)
+        })
+        .collect()
+}
+
+/// A standby's watcher, started while it stands by.
+async fn armed_watcher(standby: &Background) -> u32 {
+    let pid = standby.pid();
+    let mut found = Vec::new();
+    wait_until("the standby's watcher to be started ahead", START, || {
+        found = children_with(pid, "__pgelect-watch");
+        let one = found.len() == 1;
+        async move { one }
+    })
+    .await;
+    found[0]
+}
+
+#[tokio::test]
+async fn a_standbys_watcher_started_ahead_starts_nothing_until_elected_and_then_gets_the_term() {
+    let (db, dir) = setup("child_armed").await;
+    let leader_script = r#"echo "$PGELECT_TERM" > "$D/leader"; trap 'exit 0' TERM; while :; do sleep 1 & wait $!; done"#;
+    let standby_script = r#"echo "$PGELECT_TERM $PPID" > "$D/standby.tmp"; mv "$D/standby.tmp" "$D/standby"; trap 'exit 0' TERM; while :; do sleep 1 & wait $!; done"#;
+    let mut leader = Background::spawn(
+        "leader",
+        run_cmd(&db, &dir, &[], &["sh", "-c", leader_script]),
+    );
+    wait_for_file(&dir.join("leader"), START).await;
+    let leader_term: i64 = std::fs::read_to_string(dir.join("leader"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+
+    // A standby SIGKILLed while standing: its watcher, waiting ahead, ends
+    // with it and never starts the command.
+    let mut doomed = Background::spawn(
+        "doomed",
+        run_cmd(&db, &dir, &[], &["sh", "-c", standby_script]),
+    );
+    let watcher = armed_watcher(&doomed).await;
+    doomed.kill().await;
+    await_death(
+        watcher,
+        "the watcher started ahead to end with its SIGKILLed supervisor",
+    )
+    .await;
+    assert!(
+        !dir.join("standby").exists(),
+        "a standby's command ran while it stood by"
+    );
+
+    // A standby elected after the leader stops: the watcher it started
+    // ahead starts the command, with the new term.
+    let mut standby = Background::spawn(
+        "standby",
+        run_cmd(&db, &dir, &[], &["sh", "-c", standby_script]),
+    );
+    let watcher = armed_watcher(&standby).await;
+    assert!(
+        !dir.join("standby").exists(),
+        "a standby's command ran while it stood by"
+    );
+    leader.signal("TERM");
+    assert_eq!(leader.wait(LIMIT).await, Some(0), "{}", leader.output());
+    wait_for_file(&dir.join("standby"), START).await;
+    let got = std::fs::read_to_string(dir.join("standby")).unwrap();
+    let (term, parent) = got.trim().split_once(' ').expect("term and parent");
+    assert_eq!(
+        term.parse::<i64>().unwrap(),
+        leader_term + 1,
+        "the elected standby's command got the wrong PGELECT_TERM\n{}",
+        standby.output()
+    );
+    assert_eq!(
+        parent.parse::<u32>().unwrap(),
+        watcher,
+        "the command was not started by the watcher started ahead"
+    );
+    standby.signal("TERM");
+    assert_eq!(standby.wait(LIMIT).await, Some(0), "{}", standby.output());
+}
