@@ -84,8 +84,9 @@ impl AdminClient {
         // idle_session_timeout).
         client
             .batch_execute(&format!(
-                "SELECT count(set_config(s.name, '0', false)) FROM pg_settings s
-                  WHERE s.name IN ('idle_session_timeout', 'idle_in_transaction_session_timeout');
+                "SELECT count(set_config(n, '0', false))
+                   FROM unnest(ARRAY['idle_session_timeout', 'idle_in_transaction_session_timeout']) AS n
+                  WHERE current_setting(n, true) IS NOT NULL;
                  LISTEN {LEADER_CHANNEL}"
             ))
             .await

@@ -388,9 +388,9 @@ impl DedicatedConnection {
         let values: Vec<&str> = settings.iter().map(|(_, v)| v.as_str()).collect();
         self.client
             .query_typed(
-                "SELECT set_config(s.name, v.value, false)
+                "SELECT set_config(v.name, v.value, false)
                    FROM unnest($1::text[], $2::text[]) AS v(name, value)
-                   JOIN pg_settings s ON s.name = v.name",
+                  WHERE current_setting(v.name, true) IS NOT NULL",
                 &[
                     (&names, tokio_postgres::types::Type::TEXT_ARRAY),
                     (&values, tokio_postgres::types::Type::TEXT_ARRAY),
@@ -434,12 +434,16 @@ impl fmt::Debug for DedicatedConnection {
 /// and `$1`/`$2` (names, values) applied with `set_config(.., false)` for
 /// the session, skipping names the server does not know (PostgreSQL 13 has
 /// no `idle_session_timeout`, 14 added `client_connection_check_interval`).
-/// One round trip, however many settings.
+/// One round trip, however many settings. Known names are found with
+/// `current_setting(name, true)` (NULL for an unknown one), not by joining
+/// the `pg_settings` view, which builds a row for each of the server's
+/// ~350 settings: 2.7 ms of a fresh backend's time on the project's
+/// machine, against about 0.1 ms.
 const START_SESSION_SQL: &str = "\
 SELECT pg_backend_pid(), host(inet_server_addr()), inet_server_port(),
-       (SELECT count(set_config(s.name, v.value, false))
+       (SELECT count(set_config(v.name, v.value, false))
           FROM unnest($1::text[], $2::text[]) AS v(name, value)
-          JOIN pg_settings s ON s.name = v.name)";
+         WHERE current_setting(v.name, true) IS NOT NULL)";
 
 /// Server-side settings for every connection pgelect owns: no idle
 /// timeouts. A database or role may set `idle_session_timeout` or
