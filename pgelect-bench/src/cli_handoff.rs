@@ -39,6 +39,15 @@
 //!   before the expiry; `etcdctl lock` never stops its command, so etcd's
 //!   trials count an overlap. When `partition` is among the kinds, every
 //!   supervisor of the run connects through proxies of its own (over TCP).
+//! * `freeze`: the leading process and everything below it (watcher,
+//!   command; etcd: `etcdctl` and its command) are SIGSTOPped, as a paused
+//!   VM or container would be: the successor acts once the lease has
+//!   expired. The frozen command keeps the bench's `flock`, so the overlap
+//!   is judged after the successor started: the frozen tree is resumed
+//!   (SIGCONT) and the trial counts an overlap if the old command still
+//!   runs 2 s later. A pgelect supervisor finds its deadline passed and
+//!   kills its command at once (the time is reported); `etcdctl lock` never
+//!   stops its command.
 //! * `library`: [`Leadership::resign`](pgelect::Leadership::resign) in this
 //!   process until a standby here is told it leads; pgelect only. The
 //!   difference from `sigterm` is what the command adds.
@@ -92,16 +101,18 @@ enum Kind {
     Resign,
     Crash,
     Partition,
+    Freeze,
     Library,
 }
 
 impl Kind {
-    const ALL: [Kind; 6] = [
+    const ALL: [Kind; 7] = [
         Kind::Sigterm,
         Kind::Exit,
         Kind::Resign,
         Kind::Crash,
         Kind::Partition,
+        Kind::Freeze,
         Kind::Library,
     ];
 
@@ -112,6 +123,7 @@ impl Kind {
             Kind::Resign => "resign",
             Kind::Crash => "crash",
             Kind::Partition => "partition",
+            Kind::Freeze => "freeze",
             Kind::Library => "library",
         }
     }
@@ -123,6 +135,7 @@ impl Kind {
             Kind::Resign => "`pgelect resign` from another shell",
             Kind::Crash => "holder SIGKILLed",
             Kind::Partition => "holder's connections blackholed",
+            Kind::Freeze => "holder SIGSTOPped (with its command)",
             Kind::Library => "library resign() (no command)",
         }
     }
@@ -396,7 +409,16 @@ struct Sample {
     /// standby's command started.
     returned: bool,
     stages: Option<Stages>,
+    /// `freeze`: from SIGCONT of the frozen holder (after the successor's
+    /// command started) until its command had ended; `None` if it still
+    /// ran after [`RESUMED`] (then `overlap`).
+    resumed_ms: Option<f64>,
 }
+
+/// How long a resumed frozen holder's command may run on before the trial
+/// counts an overlap: its supervisor finds its deadline passed and kills
+/// it within milliseconds; `etcdctl lock` never stops its command.
+const RESUMED: Duration = Duration::from_secs(2);
 
 /// A throwaway one-member etcd on loopback.
 struct EtcdServer {
@@ -529,6 +551,7 @@ async fn measure(
                 overlap: false,
                 returned: false,
                 stages: None,
+                resumed_ms: None,
             }
         } else {
             groups[ci]
@@ -637,6 +660,7 @@ fn report(
             "overlaps": overlaps,
             "returned": samples.iter().filter(|s| s.returned).count(),
             "stages_p50_ms": stages,
+            "resumed_command_ended_ms": resumed_stats(samples).map(|st| st.json()),
         }));
     }
     let mut line = serde_json::json!({
@@ -688,6 +712,21 @@ fn report(
                     samples.iter().filter(|s| s.overlap).count(),
                     samples.len()
                 );
+                if kind == Kind::Freeze {
+                    match resumed_stats(samples) {
+                        Some(st) => println!(
+                            "{:<40} {:<14} resumed after the successor started, its command ended {:.2} / {:.2} ms (p50 / max) after SIGCONT; {} of {} still ran {} s after it",
+                            "", c.name, st.p50, st.max,
+                            samples.iter().filter(|s| s.overlap).count(),
+                            samples.len(),
+                            RESUMED.as_secs()
+                        ),
+                        None => println!(
+                            "{:<40} {:<14} resumed after the successor started, its command still ran {} s after SIGCONT in every trial",
+                            "", c.name, RESUMED.as_secs()
+                        ),
+                    }
+                }
                 let returned = samples.iter().filter(|s| s.returned).count();
                 if returned > 0 {
                     println!(
@@ -720,6 +759,48 @@ fn report(
     }
     figures.attach(&mut line);
     println!("{line}");
+}
+
+/// `root` and every live descendant, parents before children (from
+/// `/proc/*/stat`).
+fn tree(root: Pid) -> Vec<Pid> {
+    let mut procs = Vec::new();
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for e in dir.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|p| p.parse::<i32>().ok()) else {
+                continue;
+            };
+            let parent = std::fs::read_to_string(e.path().join("stat"))
+                .ok()
+                .and_then(|s| {
+                    s.rsplit_once(')')
+                        .and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<i32>().ok())
+                });
+            if let Some(parent) = parent {
+                procs.push((pid, parent));
+            }
+        }
+    }
+    let mut found = vec![root];
+    let mut i = 0;
+    while i < found.len() {
+        let p = found[i].as_raw();
+        for &(pid, parent) in &procs {
+            if parent == p {
+                found.push(Pid::from_raw(pid));
+            }
+        }
+        i += 1;
+    }
+    found
+}
+
+/// True while `pid` runs (a zombie does not).
+fn alive(pid: Pid) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').map(|(_, r)| r.trim_start().to_owned()))
+        .is_some_and(|r| !r.starts_with('Z') && !r.starts_with('X'))
 }
 
 /// Nanoseconds since the epoch: comparable between processes on one host.
@@ -760,6 +841,7 @@ impl Group {
         standby_ready(observer, setup, &self.c, &standby.node).await?;
         let mut leader = self.leader.take().expect("BUG: a leader runs");
         let mut resign_cmd = None;
+        let mut frozen = Vec::new();
         let t0 = wall_ns();
         match kind {
             Kind::Sigterm => leader.signal(Signal::SIGTERM)?,
@@ -770,6 +852,15 @@ impl Group {
                 }
             }
             Kind::Exit => leader.tell_command_to_exit()?,
+            // The whole process tree, as a paused VM or container would
+            // be: the supervisor first, so it cannot react to the rest.
+            Kind::Freeze => {
+                for pid in tree(Pid::from_raw(leader.child.id() as i32)) {
+                    if kill(pid, Signal::SIGSTOP).is_ok() {
+                        frozen.push(pid);
+                    }
+                }
+            }
             Kind::Resign => {
                 let Engine::Pgelect { bin, .. } = &self.c.engine else {
                     unreachable!("BUG: resign is for pgelect only")
@@ -812,8 +903,25 @@ impl Group {
             }
         }
         let started = standby.started(STEP).await?;
-        let overlap = standby.lock_line(STEP).await?;
+        let mut overlap = standby.lock_line(STEP).await?;
         let ms = (started.saturating_sub(t0)) as f64 / 1e6;
+        let mut resumed_ms = None;
+        if kind == Kind::Freeze {
+            // The frozen command holds the bench's flock without acting:
+            // what counts is whether it acts again once resumed.
+            let resumed = Instant::now();
+            for &pid in &frozen {
+                let _ = kill(pid, Signal::SIGCONT);
+            }
+            let old = leader
+                .command
+                .ok_or("BUG: the frozen leader's command had started")?;
+            while alive(old) && resumed.elapsed() < RESUMED {
+                tokio::time::sleep(Duration::from_micros(200)).await;
+            }
+            overlap = alive(old);
+            resumed_ms = (!overlap).then(|| resumed.elapsed().as_secs_f64() * 1000.0);
+        }
         if let Some(mut r) = resign_cmd {
             tokio::task::block_in_place(|| r.wait()).map_err(|e| e.to_string())?;
         }
@@ -823,7 +931,7 @@ impl Group {
             Kind::Resign => {}
             // Cut off, it cannot release: end what is left of it (etcd's
             // command still runs: `etcdctl lock` never stops it).
-            Kind::Partition => {
+            Kind::Partition | Kind::Freeze => {
                 leader.signal(Signal::SIGKILL)?;
                 leader.exited(STEP).await?;
             }
@@ -842,6 +950,7 @@ impl Group {
             returned,
             // The stages of a returned trial describe the node's own return.
             stages: stages.filter(|_| !returned),
+            resumed_ms,
         })
     }
 }
@@ -1295,6 +1404,12 @@ fn log_ms(line: &str) -> Option<f64> {
     let m: f64 = parts.next()?.parse().ok()?;
     let s: f64 = parts.next()?.parse().ok()?;
     Some(((h * 60.0 + m) * 60.0 + s) * 1000.0)
+}
+
+/// The `freeze` samples' times from SIGCONT to the old command's end.
+fn resumed_stats(samples: &[Sample]) -> Option<Stats> {
+    let v: Vec<f64> = samples.iter().filter_map(|s| s.resumed_ms).collect();
+    (!v.is_empty()).then(|| Stats::of(&v))
 }
 
 /// Medians of each stage over the samples that have them.

@@ -68,8 +68,9 @@ benchmarks:
               lease through PgBouncer in transaction mode + a direct LISTEN) next to
               etcd's `etcdctl lock` when etcd is installed, in one shuffled run: holder
               SIGTERMed, command exiting by itself, `pgelect resign`, holder SIGKILLed,
-              and the library's resign(); overlaps counted (options: --trials N (30),
-              --kinds sigterm,exit,resign,crash,library, --backends session,lease,
+              connections blackholed, holder SIGSTOPped with its command, and the
+              library's resign(); overlaps counted (options: --trials N (30), --kinds
+              sigterm,exit,resign,crash,partition,freeze,library, --backends session,lease,
               --bin LABEL=PATH (repeatable: before/after builds in one run), --no-etcd,
               --breakdown (stages from -vv logs), --settle-ms MS (500), --seed N,
               --keep-logs, --json; needs the pgelect binary next to this one, or
