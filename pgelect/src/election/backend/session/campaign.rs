@@ -152,8 +152,13 @@ pub(super) async fn attempt(shared: &Arc<ElectorState>) -> Result<Attempt> {
     let params = key.params();
     let args: Vec<(&(dyn ToSql + Sync), Type)> = params.iter().map(|p| p.as_sql()).collect();
     let wait_started = Instant::now();
+    // The watch key this standby still holds when granted the lock: let go
+    // of after the term transaction, in the same round trip.
+    let mut watch_held = None;
     match session.standby {
-        StandbyMode::Blocking => Box::pin(wait_blocking(shared, &conn, &register)).await?,
+        StandbyMode::Blocking => {
+            watch_held = Box::pin(wait_blocking(shared, &conn, &register)).await?
+        }
         StandbyMode::Polling { interval } => {
             match &conn {
                 // On a shared connection, one statement registers the
@@ -196,14 +201,26 @@ pub(super) async fn attempt(shared: &Arc<ElectorState>) -> Result<Attempt> {
             // Boxed, as the other long or rare steps of an attempt: a
             // standby's future, thousands of them on a shared connection,
             // holds only the step it waits in.
-            let (begun, elected, committed) = Box::pin(async {
+            let unwatch = async {
+                match watch_held {
+                    Some(w) => own
+                        .client()
+                        .query_typed_one("SELECT pg_advisory_unlock($1)", &[(&w, Type::INT8)])
+                        .await
+                        .map(|_| ()),
+                    None => Ok(()),
+                }
+            };
+            let (begun, elected, committed, unwatched) = Box::pin(async {
                 tokio::join!(
                     own.client().batch_execute(&listen),
                     elect.run(shared, own),
                     own.client().batch_execute("COMMIT"),
+                    unwatch,
                 )
             })
             .await;
+            unwatched.map_err(|e| Error::db("let go of the role's watch key", s, e))?;
             begun.map_err(|e| Error::db("record the new term", s, e))?;
             let elected = elected?;
             committed.map_err(|e| Error::db("record the new term", s, e))?;
@@ -217,6 +234,12 @@ pub(super) async fn attempt(shared: &Arc<ElectorState>) -> Result<Attempt> {
             (elected, notices, sent_at)
         }
         LockConn::Shared(c) => {
+            if let Some(w) = watch_held {
+                c.client()
+                    .query_typed_one("SELECT pg_advisory_unlock($1)", &[(&w, Type::INT8)])
+                    .await
+                    .map_err(|e| Error::db("let go of the role's watch key", s, e))?;
+            }
             // Other roles' statements run on this connection too: no
             // explicit transaction, one statement. The connection listens
             // for resign requests all along and hands this role's to this
@@ -413,11 +436,14 @@ pub(super) async fn after_registration<T>(
 
 /// Waits as a blocking standby (see [`Place`]) until this candidate holds
 /// the role's lock (and no longer the watch key).
+/// Waits in the role's lock queue, or as the role's watch, until granted
+/// the lock. Returns the watch key if this standby still holds it (the
+/// caller lets go of it with its term transaction).
 pub(super) async fn wait_blocking(
     shared: &Arc<ElectorState>,
     conn: &LockConn,
     register: &Register,
-) -> Result<()> {
+) -> Result<Option<i64>> {
     let schema = shared.options.schema_name().clone();
     let s = schema.as_str();
     if let LockConn::Own(own) = conn {
@@ -532,20 +558,7 @@ pub(super) async fn wait_blocking(
                     _ => {}
                 }
             }
-            Ok(Ok(true)) => {
-                if place == Place::Watch {
-                    let unlocked: bool = conn
-                        .client()
-                        .query_typed_one("SELECT pg_advisory_unlock($1)", &[(&w, Type::INT8)])
-                        .await
-                        .and_then(|row| row.try_get(0))
-                        .map_err(|e| Error::db("let go of the role's watch key", s, e))?;
-                    if !unlocked {
-                        tracing::debug!("the role's watch key was not held at election");
-                    }
-                }
-                return Ok(());
-            }
+            Ok(Ok(true)) => return Ok((place == Place::Watch).then_some(w)),
             Ok(Ok(false)) => {
                 // A slice passed without the lock: look at the row, and
                 // (the watch) preempt a zombie or leave a read-only server.
