@@ -115,8 +115,9 @@ pub(crate) struct LeaseState {
     own_client: bool,
     /// When this candidate last gave the role up of its own accord (a
     /// resignation, or a release while leading): its next campaign stands
-    /// aside first (see the lease campaign's `step_aside`).
-    pub(crate) stepped_aside: Mutex<Option<Instant>>,
+    /// aside first (see the lease campaign's `step_aside`); and the term it
+    /// gave up.
+    pub(crate) stepped_aside: Mutex<Option<(Instant, i64)>>,
 }
 
 /// The moment a connection of an elector last got an answer from the

@@ -1552,3 +1552,70 @@ async fn a_lease_candidate_that_withdraws_removes_its_registration_through_the_p
     b.withdraw().await.unwrap();
     assert_eq!(rows("b").await, 0);
 }
+
+/// An `elected` announcement for the role that names no new term (this
+/// elector's own earlier election delivered late, or anyone's forged
+/// `NOTIFY`: the channel is open to every database user) does not end a
+/// resigner's stand-aside: it checks the row's term first. Here a flood of
+/// forged announcements follows the resignation; the standby, polling
+/// every 200 ms, still takes the role within the resigner's stand-aside
+/// (1.25 s: its own retry interval is 1 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_elected_notice_does_not_end_a_resigners_stand_aside() {
+    let (db, pooled, direct, _bouncer) = setup("lease_aside_forged").await;
+    let admin = db.connect().await;
+    let role = "aside-forged";
+    let resigner = Arc::new(
+        fast(&pooled, role, "a")
+            .lease(|l| {
+                l.listen_via(direct.clone())
+                    .retry_every(Duration::from_secs(1))
+            })
+            .build()
+            .unwrap(),
+    );
+    let waiting = Arc::new(fast(&pooled, role, "b").build().unwrap());
+    let leader = resigner.leadership().await.unwrap();
+    let term = leader.term();
+    let w = Arc::clone(&waiting);
+    let mut standby = tokio::spawn(async move { w.leadership().await.unwrap() });
+    // Nothing on the server shows a lease standby asleep between polls;
+    // let it make its first one.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let t0 = Instant::now();
+    leader.resign().await.unwrap();
+    let r = Arc::clone(&resigner);
+    let mut again = tokio::spawn(async move { r.leadership().await.unwrap() });
+    let forged = format!("pgelect:elected:{role}");
+    let winner = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            admin
+                .query_typed(
+                    "SELECT pg_notify('pgelect_leader', $1)",
+                    &[(&forged, Type::TEXT)],
+                )
+                .await
+                .unwrap();
+            tokio::select! {
+                l = &mut standby => break ("b", l.unwrap()),
+                l = &mut again => break ("a", l.unwrap()),
+                () = tokio::time::sleep(Duration::from_millis(5)) => {}
+            }
+        }
+    })
+    .await
+    .expect("someone leads again after the resignation");
+    println!(
+        "forged `elected` notices after a resignation: {} took term {} after {:?}",
+        winner.0,
+        winner.1.term().get(),
+        t0.elapsed()
+    );
+    assert_eq!(
+        winner.0, "b",
+        "the resigner won its role back on a forged announcement"
+    );
+    assert!(winner.1.term() > term);
+    again.abort();
+    winner.1.resign().await.unwrap();
+}

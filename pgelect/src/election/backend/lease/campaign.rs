@@ -53,7 +53,7 @@ pub(crate) async fn campaign(shared: &Arc<ElectorState>) -> Result<Leadership> {
         let mut notices = lease_state(shared).notices.subscribe();
         shared.ensure_lease_listener();
         let schema = shared.options.schema_name().as_str();
-        step_aside(shared, &mut notices).await;
+        step_aside(shared, &client, &mut notices).await;
         let mut failures = 0u32;
         loop {
             let mut member = client.join_standbys(shared);
@@ -116,16 +116,25 @@ pub(crate) async fn campaign(shared: &Arc<ElectorState>) -> Result<Leadership> {
 /// win the race for the role it just gave up (its connection is already
 /// open; theirs must be woken). It waits a little over one poll interval
 /// of theirs (1.25 × `retry_every`, at most the TTL) from the release, or
-/// less when the role is announced taken on its `LISTEN` connection, then
+/// less when the role is announced taken on its `LISTEN` connection and
+/// the row confirms it (a term above the one given up, whether still held
+/// or released again since: an announcement may be this elector's own
+/// earlier election delivered late, or anyone's forged `NOTIFY`), then
 /// stands again as any standby. With no other candidate the role stays
 /// vacant that long.
-async fn step_aside(shared: &ElectorState, notices: &mut broadcast::Receiver<Notice>) {
+async fn step_aside(
+    shared: &ElectorState,
+    client: &SharedLease,
+    notices: &mut broadcast::Receiver<Notice>,
+) {
     let since = lease_state(shared)
         .stepped_aside
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .take();
-    let Some(since) = since else { return };
+    let Some((since, given_up)) = since else {
+        return;
+    };
     let r = shared.timing.retry_every;
     let until = since + (r + r / 4).min(shared.timing.ttl);
     if until <= Instant::now() {
@@ -141,7 +150,16 @@ async fn step_aside(shared: &ElectorState, notices: &mut broadcast::Receiver<Not
             n = notices.recv() => match n {
                 Ok(n) if n.channel == LEADER_CHANNEL
                     && parse_leader_event(schema, &n.payload)
-                        == Some(("elected", shared.role.as_str())) => return,
+                        == Some(("elected", shared.role.as_str())) =>
+                {
+                    let bound = shared.timing.heartbeat_timeout;
+                    match client.term_of(&shared.role, bound).await {
+                        Ok(Some(term)) if term > given_up => return,
+                        Ok(_) => {}
+                        // Standing again is what the deadline would do.
+                        Err(_) => return,
+                    }
+                }
                 Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
                 // Never: the sender lives in `shared`.
                 Err(broadcast::error::RecvError::Closed) => {

@@ -156,7 +156,8 @@ impl KeepBackend for LeaseKeep {
                     *lease
                         .stepped_aside
                         .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                        Some((Instant::now(), self.term));
                 }
             }
             Ok(_) => {}

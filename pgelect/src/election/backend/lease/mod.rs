@@ -244,6 +244,7 @@ enum Op {
     Register,
     Release,
     Withdraw,
+    Read,
 }
 
 impl Op {
@@ -254,6 +255,7 @@ impl Op {
             Op::Register => "register as a candidate",
             Op::Release => "release the lease",
             Op::Withdraw => "withdraw from the candidate registry",
+            Op::Read => "read the lease",
         }
     }
 }
@@ -486,7 +488,7 @@ fn op_kind(op: Op) -> &'static str {
         Op::Renew => "renew",
         Op::Acquire => "acquire",
         Op::Release => "release",
-        Op::Register | Op::Withdraw => "other",
+        Op::Register | Op::Withdraw | Op::Read => "other",
     }
 }
 

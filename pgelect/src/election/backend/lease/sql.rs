@@ -394,6 +394,21 @@ impl SharedLease {
         r.map(|_| ())
     }
 
+    /// The term of `role`'s row (`None`: no row).
+    pub(super) async fn term_of(&self, role: &str, bound: Duration) -> Result<Option<i64>> {
+        let s = self.inner.options.schema_name().as_str();
+        let sql = format!("SELECT term FROM {s}.leaders WHERE role = $1");
+        let (_, r) = self
+            .exec(Op::Read, bound, &sql, &[(&role, Type::TEXT)])
+            .await;
+        match r?.first() {
+            Some(row) => row
+                .try_get(0)
+                .map_err(|e| Error::db(Op::Read.operation(), s, e)),
+            None => Ok(None),
+        }
+    }
+
     pub(super) async fn clear(
         &self,
         role: &str,
