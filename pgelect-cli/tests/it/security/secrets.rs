@@ -133,11 +133,6 @@ async fn demo_puts_its_random_password_on_no_command_line_and_ignores_database_u
             .map(|(path, _)| path)
             .expect("the URL file's path"),
     );
-    demo.next_line("the first leader", START, |l| {
-        l.contains("leads with term 1")
-    })
-    .await;
-
     // While the candidates run: the file is private and holds the URL.
     let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600, "{}", file.display());
@@ -158,12 +153,14 @@ async fn demo_puts_its_random_password_on_no_command_line_and_ignores_database_u
         assert!(!cmdline.contains("prod-secret"), "process {pid}: {cmdline}");
     }
     // This demo's candidates (not leftovers of another run), and every
-    // process below them: the leader's watcher and command start a moment
-    // after its term is announced, and a process just forked still shows
-    // the demo's command line or an empty environment. So the processes
-    // are read again (bounded) until at least two candidates and three
-    // environments are in: twice, in loaded CI runs, a single reading
-    // found only two.
+    // process below them: a process just forked still shows the demo's
+    // command line or an empty environment. So the processes are read
+    // again (bounded) until at least two candidates and three environments
+    // are in: twice, in loaded CI runs, a single reading found only two.
+    // Read from the moment the URL file is announced (the candidates start
+    // after it), not after the first leader: once, in a loaded CI run, the
+    // test read that line after the demo had already stopped its
+    // candidates, and found none for 20 s.
     let waited = std::time::Instant::now();
     loop {
         let ours = children(demo.pid());
@@ -206,6 +203,10 @@ async fn demo_puts_its_random_password_on_no_command_line_and_ignores_database_u
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    demo.next_line("the first leader", START, |l| {
+        l.contains("leads with term 1")
+    })
+    .await;
 
     // The kit's well-known password no longer opens the throwaway server.
     let mut config = tokio_postgres::Config::new();
