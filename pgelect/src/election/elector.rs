@@ -82,6 +82,10 @@ pub(crate) struct SessionState {
     spare: Mutex<Option<DedicatedConnection>>,
     /// The shared connection this candidate stands on.
     pub(crate) host: Option<RoleClaim>,
+    /// When this candidate last gave the role up of its own accord, and
+    /// the term it gave up: its next polling campaign stands aside first
+    /// (see the session campaign's `poll_for_lock`).
+    pub(crate) stepped_aside: Mutex<Option<(Instant, i64)>>,
 }
 
 impl SessionState {
@@ -335,6 +339,7 @@ impl Elector {
                 standby,
                 spare: Mutex::new(None),
                 host,
+                stepped_aside: Mutex::new(None),
             }),
             Backend::Lease => {
                 let own_client = lease_host.is_none();

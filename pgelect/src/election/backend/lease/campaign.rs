@@ -142,6 +142,13 @@ async fn step_aside(
     }
     tracing::debug!(wait = ?until - Instant::now(), "standing aside after giving the role up");
     let schema = shared.options.schema_name().as_str();
+    let bound = shared.timing.heartbeat_timeout;
+    // Subscribed now: an election announced before is read from the row.
+    if let Ok(Some(term)) = client.term_of(&shared.role, bound).await {
+        if term > given_up {
+            return;
+        }
+    }
     let deadline = tokio::time::sleep_until(until);
     tokio::pin!(deadline);
     loop {
@@ -152,7 +159,6 @@ async fn step_aside(
                     && parse_leader_event(schema, &n.payload)
                         == Some(("elected", shared.role.as_str())) =>
                 {
-                    let bound = shared.timing.heartbeat_timeout;
                     match client.term_of(&shared.role, bound).await {
                         Ok(Some(term)) if term > given_up => return,
                         Ok(_) => {}

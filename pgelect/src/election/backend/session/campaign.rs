@@ -718,6 +718,59 @@ impl ElectStatement {
     }
 }
 
+/// A polling candidate that gave the role up of its own accord (a
+/// resignation, a release while leading) stands aside before its first
+/// poll, as the lease backend's does: its connection is open and warm,
+/// while the standbys its release woke still have to poll, so it would
+/// often win the role straight back. It waits 1.25 × its poll interval (at
+/// most the TTL) from the release, or less once an `elected` announcement
+/// is confirmed by the row (a term above the one given up: an
+/// announcement may be its own earlier one, or forged).
+async fn step_aside(
+    shared: &ElectorState,
+    conn: &DedicatedConnection,
+    interval: Duration,
+    notices: &mut broadcast::Receiver<Notice>,
+) -> Result<()> {
+    let Some((since, given_up)) = shared.session().and_then(|s| {
+        s.stepped_aside
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }) else {
+        return Ok(());
+    };
+    let until = since + (interval + interval / 4).min(shared.timing.ttl);
+    let schema = shared.options.schema_name();
+    // Listening now: an election announced before is read from the row.
+    let taken = |info: Option<LeaderInfo>| info.is_some_and(|i| i.term.get() > given_up);
+    if taken(read_leader(conn.client(), schema, &shared.role).await?) {
+        return Ok(());
+    }
+    let deadline = tokio::time::sleep_until(until);
+    tokio::pin!(deadline);
+    loop {
+        tokio::select! {
+            () = &mut deadline => return Ok(()),
+            _ = conn.closed().cancelled() => {
+                return Err(Error::connection_lost("stand aside after a release"));
+            }
+            n = notices.recv() => match n {
+                Ok(n) if n.channel == LEADER_CHANNEL
+                    && parse_leader_event(schema.as_str(), &n.payload)
+                        == Some(("elected", shared.role.as_str())) =>
+                {
+                    if taken(read_leader(conn.client(), schema, &shared.role).await?) {
+                        return Ok(());
+                    }
+                }
+                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+                Err(broadcast::error::RecvError::Closed) => return Ok(()),
+            },
+        }
+    }
+}
+
 pub(super) async fn poll_for_lock(
     shared: &ElectorState,
     conn: &DedicatedConnection,
@@ -733,6 +786,7 @@ pub(super) async fn poll_for_lock(
             .batch_execute(&format!("LISTEN {LEADER_CHANNEL}"))
             .await
             .map_err(|e| Error::db("listen for leader changes", s, e))?;
+        step_aside(shared, conn, interval, &mut notices).await?;
     }
     // Each poll also proves, every few seconds, that this standby still
     // polls (see the registry): a row that stops being refreshed is not

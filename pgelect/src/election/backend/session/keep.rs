@@ -245,7 +245,7 @@ impl KeepBackend for SessionKeep {
         false
     }
 
-    async fn release(self, _ended: Option<LossReason>) -> Result<()> {
+    async fn release(self, ended: Option<LossReason>) -> Result<()> {
         if let Some(b) = &self.batch {
             b.leave();
         }
@@ -257,6 +257,18 @@ impl KeepBackend for SessionKeep {
         };
         match &result {
             Ok(()) => {
+                // Given up of its own accord (resigned, or released while
+                // leading): a polling candidate's next campaign lets the
+                // woken standbys take the role first.
+                if let Some(session) = self.shared.session() {
+                    if matches!(ended, None | Some(LossReason::Resigned)) {
+                        *session
+                            .stepped_aside
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                            Some((Instant::now(), self.term));
+                    }
+                }
                 // Kept for this elector's next campaign rather than
                 // closed now: a backend ending on the server is work
                 // that would compete with the successor's election
