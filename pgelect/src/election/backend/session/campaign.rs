@@ -723,9 +723,10 @@ impl ElectStatement {
 /// poll, as the lease backend's does: its connection is open and warm,
 /// while the standbys its release woke still have to poll, so it would
 /// often win the role straight back. It waits 1.25 × its poll interval (at
-/// most the TTL) from the release, or less once an `elected` announcement
-/// is confirmed by the row (a term above the one given up: an
-/// announcement may be its own earlier one, or forged).
+/// most the TTL) from the release, or less once the row shows a term above
+/// the one given up, held or released again since: read at the start and
+/// on every `elected` announcement (which may be its own earlier one, or
+/// forged, hence the read).
 async fn step_aside(
     shared: &ElectorState,
     conn: &DedicatedConnection,
@@ -743,8 +744,17 @@ async fn step_aside(
     let until = since + (interval + interval / 4).min(shared.timing.ttl);
     let schema = shared.options.schema_name();
     // Listening now: an election announced before is read from the row.
-    let taken = |info: Option<LeaderInfo>| info.is_some_and(|i| i.term.get() > given_up);
-    if taken(read_leader(conn.client(), schema, &shared.role).await?) {
+    let sql = format!("SELECT term FROM {schema}.leaders WHERE role = $1");
+    let taken = || async {
+        let row = conn
+            .client()
+            .query_typed_opt(&sql, &[(&shared.role, Type::TEXT)])
+            .await
+            .and_then(|r| r.map(|r| r.try_get::<_, i64>(0)).transpose())
+            .map_err(|e| Error::db("read the role's term", schema.as_str(), e))?;
+        Ok::<_, Error>(row.is_some_and(|term| term > given_up))
+    };
+    if taken().await? {
         return Ok(());
     }
     let deadline = tokio::time::sleep_until(until);
@@ -760,7 +770,7 @@ async fn step_aside(
                     && parse_leader_event(schema.as_str(), &n.payload)
                         == Some(("elected", shared.role.as_str())) =>
                 {
-                    if taken(read_leader(conn.client(), schema, &shared.role).await?) {
+                    if taken().await? {
                         return Ok(());
                     }
                 }
