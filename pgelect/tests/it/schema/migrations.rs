@@ -379,8 +379,12 @@ async fn the_admin_client_classifies_a_refused_login() {
 /// debug build) runs off the runtime's workers. On a `current_thread`
 /// runtime a timer that ticks every 5 ms meanwhile is never late by more
 /// than a fraction of one connection's time; polled on the runtime, the
-/// exchange made it late by nearly a whole connection. A leader's keeper
-/// and its deadline timer share the runtime with its reconnections.
+/// exchange made it late by nearly a whole connection, at every one of
+/// them. So the test counts the ticks late by more than half the fastest
+/// connection: one is a loaded machine's scheduling (CI once saw a tick
+/// 7.3 ms late beside connections of 12.8 ms), one per connection is the
+/// runtime held. A leader's keeper and its deadline timer share the
+/// runtime with its reconnections.
 #[tokio::test]
 async fn connecting_does_not_hold_the_runtime() {
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -391,13 +395,13 @@ async fn connecting_does_not_hold_the_runtime() {
     let ticker = tokio::spawn({
         let done = done.clone();
         async move {
-            let mut worst = Duration::ZERO;
+            let mut late = Vec::new();
             while !done.load(Ordering::Relaxed) {
                 let t = Instant::now();
                 tokio::time::sleep(Duration::from_millis(5)).await;
-                worst = worst.max(t.elapsed().saturating_sub(Duration::from_millis(5)));
+                late.push(t.elapsed().saturating_sub(Duration::from_millis(5)));
             }
-            worst
+            late
         }
     });
     let mut fastest = Duration::MAX;
@@ -408,11 +412,17 @@ async fn connecting_does_not_hold_the_runtime() {
         drop(admin);
     }
     done.store(true, Ordering::Relaxed);
-    let worst = ticker.await.unwrap();
-    println!("fastest of 4 connections {fastest:?}; a 5 ms timer was late by at most {worst:?}");
+    let late = ticker.await.unwrap();
+    let worst = late.iter().max().copied().unwrap_or_default();
+    let held: Vec<_> = late.iter().filter(|l| **l >= fastest / 2).collect();
+    println!(
+        "fastest of 4 connections {fastest:?}; a 5 ms timer was late by at most {worst:?}; {} of {} ticks late by half a connection or more",
+        held.len(),
+        late.len()
+    );
     assert!(
-        worst < fastest / 2,
-        "a 5 ms timer was late by {worst:?} while connecting (fastest connection {fastest:?}): the connection held the runtime"
+        held.len() <= 1,
+        "a 5 ms timer was late by {held:?} while connecting (fastest connection {fastest:?}): the connection held the runtime"
     );
 }
 
