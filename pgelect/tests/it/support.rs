@@ -421,3 +421,62 @@ pub async fn connections_named(c: &tokio_postgres::Client, app: &str) -> i64 {
         .await
         .unwrap()
 }
+
+/// Rounds of "the leader resigns and stands again at once" between two
+/// electors: `electors[0]` leads first, `electors[1]` stands by (given
+/// `settle` to be ready), and in each round the leader resigns and
+/// campaigns again while the other waits. Each new leader's term is above
+/// the last; with `holder_via`, the row read through it names the winner.
+/// Returns how many rounds the waiting standby won, each round's time from
+/// the resignation, the last leadership and the last standby's campaign.
+pub async fn resign_rounds(
+    electors: &[Arc<Elector>; 2],
+    settle: impl std::future::Future<Output = ()>,
+    rounds: usize,
+    holder_via: Option<(&ConnectOptions, &str)>,
+) -> (
+    usize,
+    Vec<Duration>,
+    pgelect::Leadership,
+    tokio::task::JoinHandle<pgelect::Leadership>,
+) {
+    let campaign = |i: usize| {
+        let e = Arc::clone(&electors[i]);
+        tokio::spawn(async move { e.leadership().await.unwrap() })
+    };
+    let mut leader = electors[0].leadership().await.unwrap();
+    let mut leading = 0;
+    let mut standby = campaign(1);
+    settle.await;
+    let mut handed = 0;
+    let mut took = Vec::new();
+    for _ in 0..rounds {
+        let t0 = Instant::now();
+        let term = leader.term();
+        leader.resign().await.unwrap();
+        let mut again = campaign(leading);
+        let (won, next, waiting) = tokio::time::timeout(Duration::from_secs(10), async {
+            tokio::select! {
+                l = &mut standby => (1 - leading, l.unwrap(), again),
+                l = &mut again => (leading, l.unwrap(), standby),
+            }
+        })
+        .await
+        .expect("someone leads again after a resignation");
+        took.push(t0.elapsed());
+        assert!(next.term() > term, "{:?} after {term:?}", next.term());
+        if let Some((options, role)) = holder_via {
+            let holder = pgelect::admin::current_leader(options, role)
+                .await
+                .unwrap()
+                .expect("a leader")
+                .holder;
+            assert_eq!(holder, electors[won].node_id());
+        }
+        if won != leading {
+            handed += 1;
+        }
+        (leader, leading, standby) = (next, won, waiting);
+    }
+    (handed, took, leader, standby)
+}

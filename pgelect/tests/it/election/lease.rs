@@ -1447,49 +1447,18 @@ async fn a_resigning_lease_leader_standing_again_at_once_hands_the_role_to_the_w
             Arc::new(b.build().unwrap())
         };
         let electors = [build("a"), build("b")];
-        let campaign = |i: usize| {
-            let e = Arc::clone(&electors[i]);
-            tokio::spawn(async move { e.leadership().await.unwrap() })
-        };
-        let mut leader = electors[0].leadership().await.unwrap();
-        let mut leading = 0;
-        let mut standby = campaign(1);
-        if listen {
-            wait_listeners(&admin, &role, 2).await;
-        } else {
-            // Nothing on the server shows a lease standby asleep between
-            // polls; let it make its first one.
-            tokio::time::sleep(Duration::from_millis(400)).await;
-        }
-        let rounds = 4;
-        let mut handed = 0;
-        let mut took = Vec::new();
-        for _ in 0..rounds {
-            let t0 = Instant::now();
-            let term = leader.term();
-            leader.resign().await.unwrap();
-            let mut again = campaign(leading);
-            let (won, next, waiting) = tokio::time::timeout(Duration::from_secs(10), async {
-                tokio::select! {
-                    l = &mut standby => (1 - leading, l.unwrap(), again),
-                    l = &mut again => (leading, l.unwrap(), standby),
-                }
-            })
-            .await
-            .expect("someone leads again after a resignation");
-            took.push(t0.elapsed());
-            assert!(next.term() > term, "{:?} after {term:?}", next.term());
-            let holder = pgelect::admin::current_leader(&pooled, &role)
-                .await
-                .unwrap()
-                .expect("a leader")
-                .holder;
-            assert_eq!(holder, ["a", "b"][won]);
-            if won != leading {
-                handed += 1;
+        let settle = async {
+            if listen {
+                wait_listeners(&admin, &role, 2).await;
+            } else {
+                // Nothing on the server shows a lease standby asleep
+                // between polls; let it make its first one.
+                tokio::time::sleep(Duration::from_millis(400)).await;
             }
-            (leader, leading, standby) = (next, won, waiting);
-        }
+        };
+        let rounds = 4;
+        let (handed, took, leader, standby) =
+            support::resign_rounds(&electors, settle, rounds, Some((&pooled, &role))).await;
         println!(
             "resign then stand again at once (listen {listen}): the waiting standby took over in {handed} of {rounds} rounds, after {took:?}"
         );

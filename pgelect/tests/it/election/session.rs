@@ -1104,39 +1104,12 @@ async fn a_resigning_leader_with_polling_standbys_hands_the_role_to_the_waiting_
         Arc::new(support::fast_polling(&o, role, "a").build().unwrap()),
         Arc::new(support::fast_polling(&o, role, "b").build().unwrap()),
     ];
-    let campaign = |i: usize| {
-        let e = Arc::clone(&electors[i]);
-        tokio::spawn(async move { e.leadership().await.unwrap() })
-    };
-    let mut leader = electors[0].leadership().await.unwrap();
-    let mut leading = 0;
-    let mut standby = campaign(1);
     // A polling standby shows nothing on the server between polls: let it
     // make its first one.
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    let settle = tokio::time::sleep(Duration::from_millis(400));
     let rounds = 4;
-    let mut handed = 0;
-    let mut took = Vec::new();
-    for _ in 0..rounds {
-        let t0 = Instant::now();
-        let term = leader.term();
-        leader.resign().await.unwrap();
-        let mut again = campaign(leading);
-        let (won, next, waiting) = tokio::time::timeout(Duration::from_secs(10), async {
-            tokio::select! {
-                l = &mut standby => (1 - leading, l.unwrap(), again),
-                l = &mut again => (leading, l.unwrap(), standby),
-            }
-        })
-        .await
-        .expect("someone leads again after a resignation");
-        took.push(t0.elapsed());
-        assert!(next.term() > term, "{:?} after {term:?}", next.term());
-        if won != leading {
-            handed += 1;
-        }
-        (leader, leading, standby) = (next, won, waiting);
-    }
+    let (handed, took, leader, standby) =
+        support::resign_rounds(&electors, settle, rounds, None).await;
     println!(
         "session, polling standbys: the waiting standby took over in {handed} of {rounds} rounds, after {took:?}"
     );
