@@ -143,6 +143,12 @@ pub fn grant_statements(kind: UserKind, user: &str, schema: &SchemaName) -> Resu
                 ),
                 needed_for: Some("blocking standbys"),
             },
+            Grant {
+                sql: crate::election::lease_functions_grant(schema, &u),
+                needed_for: Some(
+                    "lease backend: statements the server plans once (without it they are sent whole)",
+                ),
+            },
         ],
         UserKind::Fencer => vec![
             usage,

@@ -204,6 +204,9 @@ mod watchdog;
 #[cfg(doc)]
 use crate::loss::LossReason;
 pub use backend::lease::SharedLease;
+pub(crate) use backend::lease::{
+    functions_grant as lease_functions_grant, functions_sql as lease_functions_sql,
+};
 #[doc(hidden)]
 #[cfg(feature = "test-hooks")]
 pub use backend::lease::{lease_sql, LeaseSql};

@@ -190,6 +190,7 @@ pub const CANDIDATE: &[&str] = &[
     "GRANT SELECT, INSERT, UPDATE ON pgelect.leaders TO {r}",
     "GRANT SELECT, INSERT, UPDATE, DELETE ON pgelect.candidates TO {r}",
     "GRANT EXECUTE ON FUNCTION pgelect.lock_wait_slice(bigint, integer) TO {r}",
+    "GRANT EXECUTE ON FUNCTION pgelect.lease_acquire(text[], text[], jsonb[], int8[], text[], int4[], int8, int8[]), pgelect.lease_renew(text[], text[], int8[], int8[], int4[]), pgelect.lease_release(text[], text[], int8[], text[]) TO {r}",
 ];
 
 /// The options of a test URL.

@@ -7,6 +7,7 @@ mod fast_profile;
 mod fence_sqlx;
 mod last_contact;
 mod lease;
+mod lease_functions;
 mod plans;
 mod primary_failover;
 mod priority;

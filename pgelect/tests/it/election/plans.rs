@@ -1,7 +1,9 @@
 //! The plans of the lease backend's statements at scale: against 10,000
 //! leader rows and as many registered candidates, the statements the lease
 //! client sends (`lease_sql`), for a batch of one and for full chunks, reach
-//! their rows by index. A sequential scan of the leaders or candidates
+//! their rows by index, planned for the batch (a statement sent whole) and
+//! planned once for any batch (the generic plan the schema's lease
+//! functions keep). A sequential scan of the leaders or candidates
 //! table, or a `NOT IN` run as a plain subplan (once per row, as one did
 //! before), fails the test with the plan.
 
@@ -51,8 +53,10 @@ fn regressions(plan: &Value, found: &mut Vec<String>) {
     }
 }
 
-/// Plans `sql` with `params` (a custom plan, as for the client's unnamed
-/// statements) and fails on a regression.
+/// Plans `sql` with `params` both ways the client runs it, and fails on a
+/// regression in either: a custom plan, as for a statement sent whole, and
+/// the generic plan that the schema's lease function (migration 9) keeps,
+/// made without knowing the batch's size.
 async fn assert_indexed(
     c: &tokio_postgres::Client,
     what: &str,
@@ -64,12 +68,41 @@ async fn assert_indexed(
         .await
         .unwrap_or_else(|e| panic!("{what}: EXPLAIN failed: {e}"));
     let plan: Value = row.get(0);
+    assert_no_regression(&format!("{what}, custom plan"), &plan);
+
+    // A generic plan does not depend on the values (NULLs here).
+    let types: Vec<&str> = params.iter().map(|(_, t)| t.name()).collect();
+    let nulls = vec!["NULL"; params.len()];
+    c.batch_execute(&format!(
+        "SET plan_cache_mode = force_generic_plan; PREPARE plan_check({}) AS {sql}",
+        types.join(", ")
+    ))
+    .await
+    .unwrap_or_else(|e| panic!("{what}: PREPARE failed: {e:?}"));
+    let row = c
+        .query_typed_one(
+            &format!(
+                "EXPLAIN (FORMAT JSON) EXECUTE plan_check({})",
+                nulls.join(", ")
+            ),
+            &[],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{what}: EXPLAIN EXECUTE failed: {e:?}"));
+    c.batch_execute("DEALLOCATE plan_check; RESET plan_cache_mode")
+        .await
+        .unwrap();
+    let plan: Value = row.get(0);
+    assert_no_regression(&format!("{what}, generic plan"), &plan);
+}
+
+fn assert_no_regression(what: &str, plan: &Value) {
     let mut found = Vec::new();
-    regressions(&plan, &mut found);
+    regressions(plan, &mut found);
     assert!(
         found.is_empty(),
         "{what}: {found:?}\n{}",
-        serde_json::to_string_pretty(&plan).unwrap()
+        serde_json::to_string_pretty(plan).unwrap()
     );
 }
 

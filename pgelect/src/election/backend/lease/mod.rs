@@ -50,16 +50,17 @@ use crate::error::{Error, Result};
 use crate::schema::check_schema;
 
 use crate::election::config::random_u64;
-use crate::election::registry::{self, Waits};
 use crate::election::support::is_transient;
 
 use super::claim::{Claim, Roles};
 
 pub(crate) use campaign::campaign;
 pub(crate) use listen::listen;
+#[cfg(feature = "test-hooks")]
 pub use sql::lease_sql;
 #[cfg(feature = "test-hooks")]
 pub use sql::LeaseSql;
+pub(crate) use sql::{functions_grant, functions_sql};
 
 use campaign::{standby_batches, Standby, ACQUIRE_ROWS};
 use keep::{renew_batches, Leader};
@@ -197,6 +198,10 @@ struct Inner {
     /// take those again at once.
     unanswered: Mutex<VecDeque<i64>>,
     sql: Statements,
+    /// Whether the current connection found the schema's lease functions
+    /// with this version's statements and may call them (checked at each
+    /// connection): the statements are then sent as calls.
+    functions: AtomicBool,
     started: AtomicBool,
     /// Where the client listens for release announcements, if anywhere
     /// ([`SharedLease::listen_via`]).
@@ -296,10 +301,8 @@ impl SharedLease {
                 standbys: Mutex::new(HashMap::new()),
                 joined: Arc::new(Notify::new()),
                 unanswered: Mutex::new(VecDeque::new()),
-                sql: Statements {
-                    sql: lease_sql(schema),
-                    register: registry::batch_register_sql_for(schema.as_str(), Waits::Lease),
-                },
+                sql: Statements::new(schema),
+                functions: AtomicBool::new(false),
                 started: AtomicBool::new(false),
                 listen_via: Mutex::new(None),
                 listening: AtomicBool::new(false),
@@ -385,7 +388,7 @@ impl SharedLease {
         &self,
         op: Op,
         bound: Duration,
-        sql: &str,
+        sql: Sql<'_>,
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> (Instant, Result<Vec<Row>>) {
         let inner = &self.inner;
@@ -394,7 +397,28 @@ impl SharedLease {
         let mut conn = inner.conn.lock().await;
         let open = async {
             let c = inner.options.connect(&self.purpose()).await?;
-            let checked = check_schema(c.client(), schema).await;
+            let (sigs, sources) = &inner.sql.check;
+            let args: [(&(dyn ToSql + Sync), Type); 2] =
+                [(sigs, Type::TEXT_ARRAY), (sources, Type::TEXT_ARRAY)];
+            // Pipelined: one round trip.
+            let (checked, functions) = tokio::join!(
+                check_schema(c.client(), schema),
+                c.client().query_typed_one(sql::FUNCTIONS_CHECK, &args)
+            );
+            let functions = functions
+                .and_then(|row| row.try_get::<_, bool>(0))
+                .map_err(|e| Error::db("look for the lease functions", schema.as_str(), e));
+            let checked = checked.and_then(|()| {
+                let found = functions?;
+                if !found {
+                    tracing::debug!(
+                        schema = schema.as_str(),
+                        "the schema's lease functions are missing, differ from this version's statements or may not be called (no EXECUTE grant): the statements are sent whole"
+                    );
+                }
+                inner.functions.store(found, Ordering::Relaxed);
+                Ok(())
+            });
             c.kept_if(checked)
         };
         if let Err(e) = reopen(&mut conn, bound.max(PATIENT_BOUND), operation, open).await {
@@ -413,7 +437,26 @@ impl SharedLease {
         // client). `SET LOCAL` ends with the transaction, so through a
         // pooler in transaction mode no other client's session is changed.
         // The three are pipelined: one round trip.
+        // A call of a lease function needs neither: the function sets
+        // `jit` for its own statement.
+        let call = match sql {
+            Sql::Lease(pick) if inner.functions.load(Ordering::Relaxed) => {
+                Some(pick(&inner.sql.calls))
+            }
+            _ => None,
+        };
         let run = async {
+            if let Some(call) = call {
+                return c
+                    .client()
+                    .query_typed(call, params)
+                    .await
+                    .map_err(|e| Error::db(operation, schema.as_str(), e));
+            }
+            let sql = match sql {
+                Sql::Lease(pick) => pick(&inner.sql.sql).as_str(),
+                Sql::Text(sql) => sql,
+            };
             let (begun, rows, committed) = tokio::join!(
                 c.client().batch_execute("BEGIN; SET LOCAL jit = off"),
                 c.client().query_typed(sql, params),
@@ -428,6 +471,16 @@ impl SharedLease {
         let r = drop_connection_on_failure(&mut conn, operation, r);
         (sent, r)
     }
+}
+
+/// A statement for [`SharedLease::exec`].
+#[derive(Clone, Copy)]
+pub(super) enum Sql<'a> {
+    /// One of the lease statements: sent as a call of the schema's
+    /// function when the connection found it, otherwise whole.
+    Lease(fn(&sql::LeaseSql) -> &String),
+    /// Any other statement, sent whole.
+    Text(&'a str),
 }
 
 /// Opens a lease connection with `open`, bounded by `bound`, unless one is

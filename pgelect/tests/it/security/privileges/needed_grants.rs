@@ -141,7 +141,10 @@ async fn a_candidate_with_the_listed_grants_stands_and_leads_on_every_path() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_candidate_grant_is_needed() {
     let (db, _) = migrated("priv_needed").await;
-    for (i, missing) in CANDIDATE.iter().enumerate() {
+    // The lease functions' grant only makes the statements cheaper: without
+    // it they are sent whole (`election::lease_functions`).
+    let needed = CANDIDATE.iter().filter(|g| !g.contains("lease_acquire"));
+    for (i, missing) in needed.enumerate() {
         let grants: Vec<&str> = CANDIDATE.iter().copied().filter(|g| g != missing).collect();
         let o = user(&db, &format!("short{i}"), &grants).await;
         let e = fast(&o, "r", "a")
@@ -433,6 +436,9 @@ async fn public_may_execute_no_pgelect_function_and_each_has_a_fixed_search_path
         [
             "pgelect.fence(text,bigint)",
             "pgelect.key(text)",
+            "pgelect.lease_acquire(text[],text[],jsonb[],bigint[],text[],integer[],bigint,bigint[])",
+            "pgelect.lease_release(text[],text[],bigint[],text[])",
+            "pgelect.lease_renew(text[],text[],bigint[],bigint[],integer[])",
             "pgelect.lock_wait_slice(bigint,integer)",
             "pgelect.request_resign(text)",
         ]
