@@ -425,15 +425,22 @@ pub(super) async fn standby_batches(
             }
             None => return,
         };
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = joined.notified() => continue,
-            _ = async {
-                match next {
-                    Some(at) => tokio::time::sleep_until(at).await,
-                    None => std::future::pending().await,
-                }
-            } => {}
+        // A standby already due (an early acquire a release announcement
+        // brought) goes at once: a timer for a moment already past fires
+        // only at the timer's next tick, up to a millisecond later.
+        if next.is_none_or(|at| at > Instant::now()) {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = joined.notified() => continue,
+                _ = async {
+                    match next {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                } => {}
+            }
+        } else if stop.is_cancelled() {
+            return;
         }
         let Some(inner) = inner.upgrade() else {
             return;
