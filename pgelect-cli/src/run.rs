@@ -23,7 +23,8 @@ pub struct RunArgs {
     /// PGELECT_PARTITION, PGELECT_ROLE and PGELECT_TERM set. A partition
     /// handed over to another member gets SIGTERM (SIGKILL after --grace)
     /// first; a command that exits by itself is started again after 1s.
-    /// Session backend only.
+    /// Both backends: with --backend lease a member is one client, which
+    /// may go through PgBouncer in transaction mode.
     #[arg(long, value_name = "GROUP:N", conflicts_with_all = ["role", "metrics_addr", "retry_every", "listen_url", "listen_url_file", "on_exit"])]
     pub partitions: Option<String>,
     /// This candidate's name (default: <hostname>-<pid>-<random>).
@@ -767,12 +768,12 @@ async fn run_partitions(global: &Global, args: RunArgs, spec: &str) -> Result<u8
     if let Some(node) = &args.node {
         check_name("--id", node)?;
     }
-    if matches!(args.backend, BackendArg::Lease) {
-        return Err(Failure::new(
-            exit::USAGE,
-            "--partitions needs the session backend: a member's standbys poll on one shared connection",
-        ));
-    }
+    // On the lease backend (through a pooler too) a member is one shared
+    // lease client; on the session backend one shared connection.
+    let backend: BackendOptions = match args.backend {
+        BackendArg::Session => args.session_options().into(),
+        BackendArg::Lease => args.lease_options(None)?.into(),
+    };
     let options = global.connect_options()?;
     let ttl_given = crate::cli::on_command_line("--ttl");
     let ttl = if ttl_given { args.ttl } else { PARTITION_TTL };
@@ -797,7 +798,7 @@ async fn run_partitions(global: &Global, args: RunArgs, spec: &str) -> Result<u8
     let mut builder = PartitionGroup::builder(options.clone(), &group_name, n)
         .release_grace(grace + Duration::from_secs(1))
         .elector(move |b| {
-            let b = timing.configure(b, timing.session_options());
+            let b = timing.configure(b, backend.clone());
             if ttl_given {
                 b
             } else {

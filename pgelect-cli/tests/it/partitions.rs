@@ -7,7 +7,7 @@ use crate::support;
 use std::time::Duration;
 
 use pgelect::{partitions::PartitionGroup, ConnectOptions};
-use pgelect_testkit::TestDb;
+use pgelect_testkit::{Cluster, PgBouncer, PoolMode, TestDb};
 use support::{pgelect, run, wait_until, Background, TempDir};
 
 const QUICK: Duration = Duration::from_secs(10);
@@ -120,6 +120,12 @@ touch "$D/run-$f"
 while :; do sleep 1 & wait $!; done"#;
 
 fn member_process(db: &TestDb, dir: &TempDir, node: &str) -> Background {
+    member_process_at(&db.url(), dir, node, &[])
+}
+
+/// A `pgelect run --partitions jobs:4` member on `url`, with `more`
+/// options.
+fn member_process_at(url: &str, dir: &TempDir, node: &str, more: &[&str]) -> Background {
     let mut cmd = pgelect([
         "run",
         "--partitions",
@@ -129,12 +135,9 @@ fn member_process(db: &TestDb, dir: &TempDir, node: &str) -> Background {
         "--ttl",
         "2s",
         "--database-url",
-        &db.url(),
-        "--",
-        "sh",
-        "-c",
-        WORKER,
+        url,
     ]);
+    cmd.args(more).args(["--", "sh", "-c", WORKER]);
     cmd.env("D", dir.path());
     Background::spawn(node, cmd)
 }
@@ -239,4 +242,57 @@ async fn run_starts_one_command_per_partition_held_and_hands_over() {
     .await;
     r.assert_code(64);
     assert!(r.stderr.contains("expected GROUP:N"), "{}", r.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_on_the_lease_backend_through_pgbouncer_spreads_partitions_over_processes() {
+    let cluster = tokio::task::spawn_blocking(Cluster::shared).await.unwrap();
+    let db = TestDb::on(cluster, "cli_partitions_lease").await;
+    let o = ConnectOptions::from_url(&db.url()).unwrap();
+    pgelect::migrate(&o).await.unwrap();
+    let bouncer = PgBouncer::start(cluster, PoolMode::Transaction).expect("pgbouncer starts");
+    let url = bouncer.url(db.name());
+    let dir = TempDir::new("cli_partitions_lease");
+    let lease = ["--backend", "lease"];
+
+    let mut a = member_process_at(&url, &dir, "a", &lease);
+    let took = wait_until("a runs 4 commands", Duration::from_secs(30), || async {
+        files(&dir, "run").len() == 4
+    })
+    .await;
+    println!("lease, a alone: 4 commands after {took:?}");
+    let mut b = member_process_at(&url, &dir, "b", &lease);
+    let took = wait_until("b runs 2 commands", Duration::from_secs(30), || async {
+        files(&dir, "run").iter().filter(|(_, n)| n == "b").count() == 2
+    })
+    .await;
+    println!("lease, b joined: 2 commands moved to it after {took:?}");
+    let moved: Vec<u32> = files(&dir, "run")
+        .into_iter()
+        .filter(|(_, n)| n == "b")
+        .map(|(p, _)| p)
+        .collect();
+    assert_eq!(
+        files(&dir, "stop"),
+        moved
+            .iter()
+            .map(|p| (*p, "a".to_owned()))
+            .collect::<Vec<_>>(),
+        "a's commands for the moved partitions got SIGTERM before b started"
+    );
+    let shown = pgelect::partitions::partition_assignment(&o, "jobs", 4)
+        .await
+        .unwrap();
+    assert_eq!(shown.members, vec!["a", "b"]);
+    assert_eq!(shown.by_member()["b"], moved);
+    for m in [&mut a, &mut b] {
+        m.signal("TERM");
+        assert_eq!(
+            m.wait(Duration::from_secs(20)).await,
+            Some(0),
+            "{}",
+            m.output()
+        );
+    }
+    assert_eq!(files(&dir, "stop").len(), 6, "every command stopped");
 }

@@ -518,9 +518,6 @@ pub struct ElectorBuilder {
     meta: Option<serde_json::Value>,
     backend: BackendOptions,
     priority: i32,
-    /// Set when a partition group put a lease-backend elector on its
-    /// shared connection: `build()` refuses it.
-    partition_on_lease: bool,
 }
 
 impl ElectorBuilder {
@@ -536,7 +533,6 @@ impl ElectorBuilder {
             meta: None,
             backend: BackendOptions::default(),
             priority: 0,
-            partition_on_lease: false,
         }
     }
 
@@ -721,21 +717,30 @@ impl ElectorBuilder {
         request.shortest_ttl(takeover)
     }
 
-    /// Puts a partition group's elector on the group's shared connection,
-    /// polling every `interval` (overriding what the group's user chose).
+    /// Puts a partition group's session-backend elector on the group's
+    /// shared connection, polling every `interval` (overriding what the
+    /// group's user chose).
     pub(crate) fn on_shared_connection(
-        mut self,
+        self,
         connection: &SharedConnection,
         interval: Duration,
     ) -> Self {
-        if self.backend.backend() == Backend::Lease {
-            self.partition_on_lease = true;
-            return self;
-        }
         self.session(|s| {
             s.shared_connection(connection)
                 .standby(StandbyMode::Polling { interval })
         })
+    }
+
+    /// Puts a partition group's lease-backend elector on the group's
+    /// shared lease client, looking at the lease at least every `interval`
+    /// (overriding what the group's user chose).
+    pub(crate) fn on_shared_lease(self, client: &SharedLease, interval: Duration) -> Self {
+        self.lease(|l| l.shared_lease(client).retry_every(interval))
+    }
+
+    /// The backend chosen so far.
+    pub(crate) fn chosen_backend(&self) -> Backend {
+        self.backend.backend()
     }
 
     /// The timing as set, and the takeover rule of the chosen backend.
@@ -787,9 +792,6 @@ impl ElectorBuilder {
             }
             None => default_node_id(),
         };
-        if self.partition_on_lease {
-            return Err(Error::Config(ConfigError::PartitionsNeedSession));
-        }
         let (request, takeover) = self.timing_request();
         let timing: Timing = request.validate_for(takeover).map_err(Error::Config)?;
         let key = role_key(self.options.schema_name().as_str(), &self.role);
@@ -1125,10 +1127,10 @@ mod tests {
         assert!(e.to_string().contains("listen_via"), "{e}");
     }
 
-    /// A partition group puts its electors on its shared connection; a
-    /// lease-backend elector cannot go there.
+    /// A partition group puts its session electors on its shared
+    /// connection and its lease electors on its shared lease client.
     #[test]
-    fn a_partition_group_refuses_lease_backend_electors() {
+    fn a_partition_group_puts_each_backends_electors_on_its_shared_client() {
         let o = options("postgres://app@db/app");
         let c = shared(&o);
         let polling = Duration::from_millis(200);
@@ -1137,10 +1139,13 @@ mod tests {
             .build()
             .expect("a session-backend elector fits");
         assert_eq!(e.backend(), Backend::Session);
+        let client = SharedLease::new(&o);
         let lease = ElectorBuilder::new(o, "g/1")
             .backend(Backend::Lease)
-            .on_shared_connection(&c, polling);
-        assert_eq!(refusal(lease), ConfigError::PartitionsNeedSession);
+            .on_shared_lease(&client, polling)
+            .build()
+            .expect("a lease-backend elector fits");
+        assert_eq!(lease.backend(), Backend::Lease);
     }
 
     /// The elector's timing refusals are typed, carrying the values.

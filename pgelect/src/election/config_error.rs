@@ -242,9 +242,6 @@ pub enum ConfigError {
         /// The backend the leader uses.
         leader: Backend,
     },
-    /// A partition group given lease-backend electors: its members stand
-    /// on one shared connection, which is the session backend's.
-    PartitionsNeedSession,
     /// A value refused outside the elector's configuration (a connection
     /// URL or TLS setting, a lock, semaphore or partition-group argument):
     /// the message names it and says what to do.
@@ -378,7 +375,6 @@ impl ConfigError {
                     "role {role:?} is held by {by}a live leader using the {leader} backend, but this candidate uses the {ours} backend: all candidates of a role must use the same backend"
                 )
             }
-            ConfigError::PartitionsNeedSession => "a partition group's electors use the session backend (its members stand on one shared connection); do not choose the lease backend for them".into(),
             ConfigError::Invalid(message) => message.clone(),
         }
     }

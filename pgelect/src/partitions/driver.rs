@@ -12,19 +12,25 @@ use tokio_postgres::types::Type;
 use tokio_postgres::{AsyncMessage, Client};
 use tokio_util::sync::CancellationToken;
 
-use crate::election::{Elector, Leadership, SharedConnection, Term, LEADER_CHANNEL};
+use crate::election::{Backend, Elector, Leadership, Term, LEADER_CHANNEL};
 use crate::error::{Error, Result};
 use crate::loss::{LossReason, LossSignal};
 
 use super::plan::{plan, GroupView, PartitionView};
-use super::{Config, HeldPartition, PartitionEvent};
+use super::{Carrier, Config, HeldPartition, PartitionEvent};
 
 /// The rebalancing read: for each of the roles `$1` (in order), the
-/// holder while its lease runs, the last term, and the nodes with a live,
-/// still polling registration for it; and the group's live members (nodes
-/// with a registration for any of the roles whose backend lives, belongs
-/// to the registering user and started before the registration). Reads
-/// only; one statement.
+/// holder while its lease runs, the last term, and the nodes ready to take
+/// it; and the group's live members. Reads only; one statement, through a
+/// pooler in transaction mode too. Live and ready, from what only
+/// pgelect's candidates can write and what the server sets:
+///
+/// * session backend: a registration whose backend lives, belongs to the
+///   registering user and started before the registration; ready while it
+///   still polls (`seen_at` refreshed);
+/// * lease backend (no server session to check): a registration seen
+///   within its own TTL (a standby's polls refresh it every half TTL;
+///   ready), and a leader while its lease runs (a leader does not poll).
 fn read_sql(s: &str) -> String {
     format!(
         "WITH live AS MATERIALIZED (
@@ -40,6 +46,17 @@ fn read_sql(s: &str) -> String {
                 AND a.datid = (SELECT d.oid FROM pg_catalog.pg_database d
                                 WHERE d.datname = pg_catalog.current_database())
                 AND (a.backend_start IS NULL OR a.backend_start <= c.registered_at)
+             UNION ALL
+             SELECT c.role, c.node, true
+               FROM {s}.candidates c
+              WHERE c.role = ANY($1::text[]) AND c.backend = 'lease'
+                AND c.seen_at + coalesce((c.timing->>'ttl_ms')::int8, 15000)
+                                * interval '1 millisecond' >= now()
+             UNION ALL
+             SELECT l.role, l.holder, false
+               FROM {s}.leaders l
+              WHERE l.role = ANY($1::text[]) AND l.backend = 'lease'
+                AND l.holder IS NOT NULL AND l.lease_until > now()
          )
          SELECT CASE WHEN l.lease_until > now() THEN l.holder END,
                 l.term,
@@ -97,15 +114,21 @@ type Won = (u32, Result<Leadership>, Elector);
 struct Driver {
     config: Arc<Config>,
     roles: Vec<String>,
-    shared: SharedConnection,
+    carrier: Carrier,
     events: mpsc::UnboundedSender<PartitionEvent>,
     held: Arc<Mutex<BTreeMap<u32, Term>>>,
-    standing: HashMap<u32, JoinHandle<()>>,
+    /// The standbys' tasks, each with the token that stops it (it then
+    /// withdraws its registration: a lease standby's row would otherwise
+    /// look ready for a TTL).
+    standing: HashMap<u32, (JoinHandle<()>, CancellationToken)>,
     leading: HashMap<u32, Lead>,
     won: mpsc::UnboundedSender<Won>,
     lost: mpsc::UnboundedSender<(u32, Term)>,
     releases: JoinSet<()>,
-    reader: Option<Client>,
+    /// The reading connection: the session backend's listens for the
+    /// group's releases; the lease backend's goes where the lease client
+    /// goes (a pooler too) and does not listen.
+    reader: Option<Reader>,
     wake: Arc<Notify>,
     /// The last error logged, to log a persistent one once.
     last_error: Option<String>,
@@ -121,9 +144,17 @@ pub(super) async fn run(
 ) {
     let (won, mut won_rx) = mpsc::unbounded_channel();
     let (lost, mut lost_rx) = mpsc::unbounded_channel();
+    let carrier = match Carrier::new(&config) {
+        Ok(c) => c,
+        Err(e) => {
+            // Checked by build() already.
+            tracing::error!(group = %config.group, error = %e, "cannot start the partition member");
+            return;
+        }
+    };
     let mut d = Driver {
         roles: config.roles(),
-        shared: SharedConnection::new(&config.options, config.tcp),
+        carrier,
         config,
         events,
         held,
@@ -159,8 +190,11 @@ pub(super) async fn run(
         d.rebalance().await;
     }
     // Leaving: no more standbys, every partition handed over cleanly.
-    for (_, t) in d.standing.drain() {
-        t.abort();
+    for (_, (t, stop)) in d.standing.drain() {
+        stop.cancel();
+        d.releases.spawn(async move {
+            let _ = t.await;
+        });
     }
     while let Ok((_, r, _e)) = won_rx.try_recv() {
         if let Ok(l) = r {
@@ -265,6 +299,12 @@ impl Driver {
             if let Err(e) = lead.leadership.resign().await {
                 tracing::warn!(%group, partition = p, error = %e, "releasing a partition failed");
             }
+            // No longer standing for it: a lease candidate's registration
+            // would count this member as ready for it, and (after `leave`)
+            // as live, for up to a TTL.
+            if let Err(e) = lead.elector.withdraw().await {
+                tracing::debug!(%group, partition = p, error = %e, "could not withdraw the partition's registration; it is left stale");
+            }
             drop(lead.elector);
         });
     }
@@ -296,8 +336,8 @@ impl Driver {
             tracing::debug!(group = %self.config.group, member = %self.config.member, members = plan.members, share = plan.share, held = held.len(), stand = ?plan.stand, unstand = ?plan.unstand, resign = ?plan.resign, "rebalancing");
         }
         for p in plan.unstand {
-            if let Some(t) = self.standing.remove(&p) {
-                t.abort();
+            if let Some((_, stop)) = self.standing.remove(&p) {
+                stop.cancel();
             }
         }
         for p in plan.resign {
@@ -309,7 +349,7 @@ impl Driver {
     }
 
     fn stand(&mut self, p: u32) {
-        let elector = match self.config.elector_builder(p, &self.shared).build() {
+        let elector = match self.config.elector_builder(p, &self.carrier).build() {
             Ok(e) => e,
             Err(e) => {
                 // The elector of a standby just stopped may not be dropped
@@ -319,20 +359,40 @@ impl Driver {
             }
         };
         let won = self.won.clone();
-        self.standing.insert(
-            p,
-            tokio::spawn(async move {
-                let r = elector.leadership().await;
-                let _ = won.send((p, r, elector));
-            }),
-        );
+        let stop = CancellationToken::new();
+        let stopped = stop.clone();
+        let task = tokio::spawn(async move {
+            let r = tokio::select! {
+                r = elector.leadership() => Some(r),
+                _ = stopped.cancelled() => None,
+            };
+            match r {
+                Some(r) => {
+                    let _ = won.send((p, r, elector));
+                }
+                None => {
+                    if let Err(e) = elector.withdraw().await {
+                        tracing::debug!(partition = p, error = %e, "could not withdraw a standby's registration; it is left stale");
+                    }
+                }
+            }
+        });
+        self.standing.insert(p, (task, stop));
     }
 
     async fn read(&mut self) -> Result<GroupView> {
-        if self.reader.as_ref().is_none_or(Client::is_closed) {
-            self.reader = Some(self.open_reader().await?);
+        if self.reader.as_ref().is_none_or(|r| r.client().is_closed()) {
+            self.reader = Some(match self.config.backend {
+                Backend::Session => Reader::Listening(self.open_reader().await?),
+                Backend::Lease => Reader::Pooled(
+                    self.config
+                        .options
+                        .connect(&format!("partitions:{}", self.config.group))
+                        .await?,
+                ),
+            });
         }
-        let client = self.reader.as_ref().expect("BUG: opened above");
+        let client = self.reader.as_ref().expect("BUG: opened above").client();
         let bound = Duration::from_secs(5).max(self.config.rebalance_every);
         match tokio::time::timeout(
             bound,
@@ -373,6 +433,21 @@ impl Driver {
             .await
             .map_err(|e| Error::db("listen for releases of the partition group", &schema, e))?;
         Ok(client)
+    }
+}
+
+/// The connection that reads the group; see [`Driver::reader`].
+enum Reader {
+    Listening(Client),
+    Pooled(crate::conn::DedicatedConnection),
+}
+
+impl Reader {
+    fn client(&self) -> &Client {
+        match self {
+            Reader::Listening(c) => c,
+            Reader::Pooled(c) => c.client(),
+        }
     }
 }
 

@@ -6,12 +6,22 @@
 //! Partition `p` of group `G` is an ordinary role, `G/p`: it has its own
 //! row in `pgelect.leaders`, its own term, and works with
 //! `pgelect.fence('G/p', term)` and [`HeldPartition`]'s fence ([`LeaderContext::fence`]), `pgelect
-//! status --role G/p` and [`request_resign`](crate::admin::request_resign). A
-//! member stands for partitions with polling standbys
-//! ([`StandbyMode::Polling`](crate::election::StandbyMode::Polling)) on one
-//! [`SharedConnection`](crate::election::SharedConnection), so a member costs two
-//! connections whatever N: the shared lock connection and one that reads
-//! the group.
+//! status --role G/p` and [`request_resign`](crate::admin::request_resign).
+//! A member is one shared client whatever N, on either backend:
+//!
+//! * **session backend** (the default): polling standbys
+//!   ([`StandbyMode::Polling`](crate::election::StandbyMode::Polling)) on
+//!   one [`SharedConnection`](crate::election::SharedConnection); two
+//!   connections, the shared lock connection and one that reads the group
+//!   and listens for its releases;
+//! * **lease backend** (`.elector(|b| b.backend(Backend::Lease))`): one
+//!   [`SharedLease`](crate::election::SharedLease) client, whose batched
+//!   statements serve every partition, and a connection that reads the
+//!   group; both work through PgBouncer in transaction mode, so a fleet of
+//!   members costs the server only the pooler's connections. Standbys look
+//!   at the lease every `poll_interval`, and at once on a release with
+//!   [`listen_via`](PartitionGroupBuilder::listen_via) (a direct
+//!   connection that can `LISTEN`).
 //!
 //! # How the partitions are spread
 //!
@@ -23,11 +33,15 @@
 //! * **Live members** `M` are counted from what another database user
 //!   cannot forge: nodes with a row in the candidate registry
 //!   (`<schema>.candidates`, writable only by users with candidate grants)
-//!   for one of the group's roles whose registered backend the server shows
-//!   alive, belonging to the user that registered, started before the
-//!   registration (a recycled pid is not taken for it). A hostile user can
-//!   neither inflate `M` (which would shrink the share and leave partitions
-//!   unled) nor deflate it.
+//!   for one of the group's roles. On the session backend the row's
+//!   registered backend must be alive as the server shows it, belong to
+//!   the user that registered and have started before the registration (a
+//!   recycled pid is not taken for it); on the lease backend (no server
+//!   session to check) the row must have been seen within its TTL (a
+//!   standby's looks refresh it every half TTL), or the node must hold a
+//!   lease of the group that has not expired (`leaders`, as writable as
+//!   the registry). A hostile user can neither inflate `M` (which would
+//!   shrink the share and leave partitions unled) nor deflate it.
 //! * The **share** is `s = ⌈N / M⌉`. A member stands for at most
 //!   `s - held` partitions at a time: unled ones first (no holder, an
 //!   expired lease, or a holder that is not a live member), then, of each
@@ -46,7 +60,9 @@
 //! * A member that **dies** (process killed, backend terminated) loses its
 //!   registry rows' backend at once: the others see its partitions unled
 //!   at their next read and take them over after the handover delay (an
-//!   unclean loss: the old holder may still be alive for a moment).
+//!   unclean loss: the old holder may still be alive for a moment). On the
+//!   lease backend its partitions are unled when their leases expire (the
+//!   TTL after its last renewal), and taken over then.
 //! * A member that **leaves** ([`PartitionGroup::leave`]) hands every
 //!   partition over cleanly: tokens cancelled, duties dropped, released
 //!   with `NOTIFY`; the others read the group at once and take them without
@@ -97,7 +113,9 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::conn::{ConnectOptions, TcpTimeouts};
-use crate::election::{ElectorBuilder, LeaderContext, Term, MAX_ROLE_BYTES};
+use crate::election::{
+    Backend, ElectorBuilder, LeaderContext, SharedConnection, SharedLease, Term, MAX_ROLE_BYTES,
+};
 use crate::error::{Error, Result};
 use crate::loss::LossReason;
 
@@ -131,6 +149,7 @@ pub struct PartitionGroupBuilder {
     rebalance_every: Duration,
     release_grace: Duration,
     tcp: TcpTimeouts,
+    listen_via: Option<ConnectOptions>,
     configure: Option<Configure>,
 }
 
@@ -172,9 +191,27 @@ impl PartitionGroupBuilder {
         self
     }
 
-    /// Adjusts every partition's [`ElectorBuilder`] (timing, profile,
-    /// meta). The group then sets the node id, the shared connection and
-    /// the polling standby mode, overriding those. Default: the elector's
+    /// Lease backend: where the member's shared lease client listens for
+    /// release announcements ([`SharedLease::listen_via`](crate::election::SharedLease::listen_via)),
+    /// a connection that can `LISTEN` (directly to PostgreSQL, not through
+    /// a pooler in transaction mode): its standbys then try a released
+    /// partition at once instead of at their next look. Without it they
+    /// look every `poll_interval`. Refused by `build` for the session
+    /// backend (which listens on its own connection) and for another
+    /// schema than the group's.
+    pub fn listen_via(mut self, options: ConnectOptions) -> Self {
+        self.listen_via = Some(options);
+        self
+    }
+
+    /// Adjusts every partition's [`ElectorBuilder`] (backend, timing,
+    /// profile, meta). The group then sets the node id and the shared
+    /// client, overriding those: on the session backend a
+    /// [`SharedConnection`](crate::election::SharedConnection) with
+    /// polling standbys, on the lease backend
+    /// (`.elector(|b| b.backend(Backend::Lease))`) a
+    /// [`SharedLease`](crate::election::SharedLease) whose standbys look
+    /// at the lease every `poll_interval`. Default: the elector's
     /// defaults with a `ttl` of [`DEFAULT_TTL`] (10 s: the local deadline
     /// must end before the default TCP timeouts of the shared connection
     /// let the server drop a silent client).
@@ -249,7 +286,7 @@ impl PartitionGroupBuilder {
                 rand::random::<u32>()
             ),
         };
-        let config = Arc::new(Config {
+        let mut config = Config {
             options: self.options,
             group: self.group,
             partitions: self.partitions,
@@ -258,16 +295,20 @@ impl PartitionGroupBuilder {
             rebalance_every: self.rebalance_every,
             release_grace: self.release_grace,
             tcp: self.tcp,
+            backend: Backend::Session,
+            listen_via: self.listen_via,
             configure: self.configure,
-        });
-        // Checks the member id and the elector configuration once, here,
-        // rather than failing partition by partition later.
-        config
-            .elector_builder(
-                0,
-                &crate::election::SharedConnection::new(&config.options, config.tcp),
-            )
-            .build()?;
+        };
+        config.backend = config.base_builder(0).chosen_backend();
+        if config.listen_via.is_some() && config.backend == Backend::Session {
+            return Err(Error::config(
+                "listen_via is for partition groups on the lease backend; the session backend listens on its own connection",
+            ));
+        }
+        // Checks the member id, the elector configuration and listen_via
+        // once, here, rather than failing partition by partition later.
+        config.elector_builder(0, &Carrier::new(&config)?).build()?;
+        let config = Arc::new(config);
         Ok(PartitionGroup {
             config,
             running: Mutex::new(None),
@@ -296,7 +337,35 @@ pub(crate) struct Config {
     pub(crate) rebalance_every: Duration,
     pub(crate) release_grace: Duration,
     pub(crate) tcp: TcpTimeouts,
+    /// The backend the elector configuration chose.
+    pub(crate) backend: Backend,
+    pub(crate) listen_via: Option<ConnectOptions>,
     configure: Option<Configure>,
+}
+
+/// The member's one shared client, which every partition's elector uses:
+/// the session backend's shared connection or the lease backend's shared
+/// lease client.
+pub(crate) enum Carrier {
+    Session(SharedConnection),
+    Lease(SharedLease),
+}
+
+impl Carrier {
+    pub(crate) fn new(config: &Config) -> Result<Carrier> {
+        Ok(match config.backend {
+            Backend::Session => {
+                Carrier::Session(SharedConnection::new(&config.options, config.tcp))
+            }
+            Backend::Lease => {
+                let client = SharedLease::new(&config.options);
+                Carrier::Lease(match &config.listen_via {
+                    Some(o) => client.listen_via(o.clone())?,
+                    None => client,
+                })
+            }
+        })
+    }
 }
 
 impl Config {
@@ -308,23 +377,26 @@ impl Config {
         (0..self.partitions).map(|p| self.role(p)).collect()
     }
 
-    pub(crate) fn elector_builder(
-        &self,
-        partition: u32,
-        shared: &crate::election::SharedConnection,
-    ) -> ElectorBuilder {
+    /// Partition `partition`'s elector as the group's user configured it.
+    fn base_builder(&self, partition: u32) -> ElectorBuilder {
         // A TTL of 10 s by default, not the elector's 15 s: on a shared
         // connection the local deadline (ttl - margin) must end before the
         // server may declare a silent client gone (10 s with the default
         // TCP timeouts).
         let b =
             crate::Elector::builder(self.options.clone(), &self.role(partition)).ttl(DEFAULT_TTL);
-        let b = match &self.configure {
+        match &self.configure {
             Some(f) => f(b),
             None => b,
-        };
-        b.node_id(&self.member)
-            .on_shared_connection(shared, self.poll_interval)
+        }
+    }
+
+    pub(crate) fn elector_builder(&self, partition: u32, carrier: &Carrier) -> ElectorBuilder {
+        let b = self.base_builder(partition).node_id(&self.member);
+        match carrier {
+            Carrier::Session(c) => b.on_shared_connection(c, self.poll_interval),
+            Carrier::Lease(c) => b.on_shared_lease(c, self.poll_interval),
+        }
     }
 }
 
@@ -360,6 +432,7 @@ impl PartitionGroup {
             rebalance_every: Duration::from_secs(1),
             release_grace: Duration::from_secs(5),
             tcp: TcpTimeouts::default(),
+            listen_via: None,
             configure: None,
         }
     }

@@ -12,10 +12,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pgelect::{
-    loss::LossReason, partitions::partition_assignment, partitions::PartitionEvent,
-    partitions::PartitionEvents, partitions::PartitionGroup, ConnectOptions, Term,
+    election::Backend, loss::LossReason, partitions::partition_assignment,
+    partitions::PartitionEvent, partitions::PartitionEvents, partitions::PartitionGroup,
+    ConnectOptions, Term,
 };
-use pgelect_testkit::TestDb;
+use pgelect_testkit::{Cluster, PgBouncer, PoolMode, TestDb};
 
 use crate::support;
 use support::{migrated, Intervals};
@@ -374,4 +375,175 @@ fn joining_outside_a_runtime_is_an_error_not_a_panic() {
     let g = PartitionGroup::builder(o, "g", 4).build().unwrap();
     let e = g.join().unwrap_err();
     assert!(e.to_string().contains("Tokio runtime"), "{e}");
+}
+
+/// A member on the lease backend through `pooled` (PgBouncer in
+/// transaction mode): ttl 3 s, renewals every 750 ms, statements bounded by
+/// 1 s, standbys looking every 200 ms, rebalancing every 500 ms.
+fn join_lease(o: &ConnectOptions, node: &str, seen: &Seen) -> Member {
+    let group = PartitionGroup::builder(o.clone(), GROUP, N)
+        .member(node)
+        .poll_interval(Duration::from_millis(200))
+        .rebalance_every(Duration::from_millis(500))
+        .elector(|b| {
+            b.backend(Backend::Lease)
+                .ttl(Duration::from_secs(3))
+                .renew_every(Duration::from_millis(750))
+                .lease(|l| l.statement_timeout(Duration::from_secs(1)))
+        })
+        .build()
+        .unwrap();
+    record(group.join().unwrap(), node, seen);
+    Member { group }
+}
+
+/// A migrated database and a PgBouncer in transaction mode in front of
+/// it: the database, the options through PgBouncer, the bouncer.
+async fn pooled(hint: &str) -> (TestDb, ConnectOptions, PgBouncer) {
+    let cluster = tokio::task::spawn_blocking(Cluster::shared).await.unwrap();
+    let db = TestDb::on(cluster, hint).await;
+    pgelect::migrate(&support::options(&db.url()))
+        .await
+        .expect("migrate");
+    let bouncer = PgBouncer::start(cluster, PoolMode::Transaction).expect("pgbouncer starts");
+    let pooled = support::options(&bouncer.url(db.name()));
+    (db, pooled, bouncer)
+}
+
+/// The server connections of `db` (PgBouncer's and everyone's).
+async fn server_connections(db: &TestDb) -> i64 {
+    db.connect()
+        .await
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_the_lease_backend_through_pgbouncer_partitions_spread_and_rebalance_by_clean_handoffs()
+{
+    let (db, o, _bouncer) = pooled("partitions_lease_join").await;
+    let seen = Seen::new();
+
+    // Three members through the pooler: 4 partitions each.
+    let a = join_lease(&o, "a", &seen);
+    let b = join_lease(&o, "b", &seen);
+    let c = join_lease(&o, "c", &seen);
+    let took = balanced(&[&a, &b, &c], 4, Duration::from_secs(30)).await;
+    println!("lease, 3 members: every partition led, at most 4 each, {took:?} after start");
+    for m in [&a, &b, &c] {
+        assert_eq!(m.group.held().len(), 4, "{}", m.group.member());
+        for (p, t) in m.group.held() {
+            assert!(
+                !fenced_off(&db, &format!("{GROUP}/{p}"), t).await,
+                "{p} {t}"
+            );
+        }
+    }
+    // The database shows the same (read through the pooler).
+    let shown = partition_assignment(&o, GROUP, N).await.unwrap();
+    assert_eq!(shown.members, vec!["a", "b", "c"]);
+    for m in [&a, &b, &c] {
+        let mine: Vec<u32> = m.group.held().keys().copied().collect();
+        assert_eq!(shown.by_member()[m.group.member()], mine);
+    }
+    println!(
+        "server connections of the database: {}",
+        server_connections(&db).await
+    );
+    let before: BTreeMap<u32, (String, Term)> = [&a, &b, &c]
+        .iter()
+        .flat_map(|m| {
+            m.group
+                .held()
+                .into_iter()
+                .map(|(p, t)| (p, (m.group.member().to_owned(), t)))
+        })
+        .collect();
+    let losses_before = seen.losses().len();
+
+    // A fourth joins: 3 each, by clean handoffs only.
+    let t1 = Instant::now();
+    let d = join_lease(&o, "d", &seen);
+    let took = balanced(&[&a, &b, &c, &d], 3, Duration::from_secs(30)).await;
+    println!("lease, 4th member: balanced (3 each) {took:?} after it joined");
+    let handoffs: Vec<_> = seen.losses()[losses_before..].to_vec();
+    println!("handoffs on join: {handoffs:?}");
+    assert!(
+        handoffs
+            .iter()
+            .all(|(_, _, r)| *r == LossReason::HandedOver),
+        "only clean handoffs: {handoffs:?}"
+    );
+    let mut moved = 0;
+    for m in [&a, &b, &c, &d] {
+        for (p, t) in m.group.held() {
+            let (old_node, old_term) = &before[&p];
+            if old_node != m.group.member() {
+                moved += 1;
+                assert!(t > *old_term, "partition {p}: term {t} after {old_term}");
+                assert!(fenced_off(&db, &format!("{GROUP}/{p}"), *old_term).await);
+            }
+        }
+    }
+    println!(
+        "partitions moved: {moved}; join to balance {:?}",
+        t1.elapsed()
+    );
+    assert!(moved >= 3);
+    seen.assert_disjoint();
+
+    // c leaves cleanly: its 3 go to the others at once (no expiry wait).
+    let t2 = Instant::now();
+    c.group.leave().await.unwrap();
+    let took = balanced(&[&a, &b, &d], 4, Duration::from_secs(30)).await;
+    println!("lease: c left; its partitions led again {took:?} after leave() began (ttl 3 s)");
+    assert!(t2.elapsed() < Duration::from_secs(30));
+    for m in [&a, &b, &d] {
+        m.group.leave().await.unwrap();
+    }
+    seen.assert_disjoint();
+    assert!(seen.logs.iter().all(|l| l.open().is_empty()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_the_lease_backend_a_dead_members_partitions_are_taken_over_after_their_leases_expire() {
+    let (db, o, _bouncer) = pooled("partitions_lease_kill").await;
+    let seen = Seen::new();
+    let a = join_lease(&o, "a", &seen);
+    let b = join_lease(&o, "b", &seen);
+    let c = join_lease(&o, "c", &seen);
+    balanced(&[&a, &b, &c], 4, Duration::from_secs(30)).await;
+    let victims: BTreeMap<u32, Term> = b.group.held();
+
+    // b dies: its task is aborted, its leases are neither renewed nor
+    // released; the others wait for them to expire (ttl 3 s).
+    drop(b);
+    let took = balanced(&[&a, &c], 6, Duration::from_secs(30)).await;
+    println!(
+        "lease: b's {} partitions led again {took:?} after b died (ttl 3 s)",
+        victims.len()
+    );
+    assert!(
+        took >= Duration::from_secs(2),
+        "before the leases expired: {took:?}"
+    );
+    for (p, old) in &victims {
+        let now = a
+            .group
+            .held()
+            .get(p)
+            .or(c.group.held().get(p))
+            .copied()
+            .expect("taken over");
+        assert!(now > *old, "partition {p}: {now} after {old}");
+        assert!(fenced_off(&db, &format!("{GROUP}/{p}"), *old).await);
+    }
+    seen.assert_disjoint();
+    a.group.leave().await.unwrap();
+    c.group.leave().await.unwrap();
 }
