@@ -738,6 +738,19 @@ impl ElectorBuilder {
         self.lease(|l| l.shared_lease(client).retry_every(interval))
     }
 
+    /// Sets `key` in the meta: in the meta object given, or in a new one;
+    /// a meta that is not an object is left as it is.
+    pub(crate) fn with_meta_key(mut self, key: &str, value: serde_json::Value) -> Self {
+        match &mut self.meta {
+            None => self.meta = Some(serde_json::json!({ key: value })),
+            Some(serde_json::Value::Object(m)) => {
+                m.insert(key.to_owned(), value);
+            }
+            Some(_) => {}
+        }
+        self
+    }
+
     /// The backend chosen so far.
     pub(crate) fn chosen_backend(&self) -> Backend {
         self.backend.backend()

@@ -32,12 +32,19 @@ use super::{Carrier, Config, HeldPartition, PartitionEvent};
 ///   within its own TTL (a standby's polls refresh it every half TTL;
 ///   ready), and a leader while its lease runs (a leader does not poll).
 fn read_sql(s: &str) -> String {
+    // `n`: the partition count a member's registration declares (set by
+    // the group on its electors' meta), `since`: when it registered.
+    let declared = format!(
+        "CASE WHEN c.meta->>'{PARTITIONS_KEY}' ~ '^[0-9]{{1,9}}$'
+              THEN (c.meta->>'{PARTITIONS_KEY}')::int8 END"
+    );
     format!(
         "WITH live AS MATERIALIZED (
              SELECT c.role, c.node,
                     c.standby = 'polling'
                     AND c.seen_at >= now() - (greatest(2 * p.ms, 5000) + 2 * p.ms + 1000)
-                                             * interval '1 millisecond' AS fresh
+                                             * interval '1 millisecond' AS fresh,
+                    {declared} AS n, c.registered_at AS since
                FROM {s}.candidates c
                JOIN pg_catalog.pg_stat_activity a ON a.pid = c.backend_pid
                CROSS JOIN LATERAL (SELECT coalesce((c.timing->>'poll_interval_ms')::int8, 1000) AS ms) p
@@ -47,53 +54,93 @@ fn read_sql(s: &str) -> String {
                                 WHERE d.datname = pg_catalog.current_database())
                 AND (a.backend_start IS NULL OR a.backend_start <= c.registered_at)
              UNION ALL
-             SELECT c.role, c.node, true
+             SELECT c.role, c.node, true, {declared}, c.registered_at
                FROM {s}.candidates c
               WHERE c.role = ANY($1::text[]) AND c.backend = 'lease'
                 AND c.seen_at + coalesce((c.timing->>'ttl_ms')::int8, 15000)
                                 * interval '1 millisecond' >= now()
              UNION ALL
-             SELECT l.role, l.holder, false
+             SELECT l.role, l.holder, false, NULL::int8, NULL::timestamptz
                FROM {s}.leaders l
               WHERE l.role = ANY($1::text[]) AND l.backend = 'lease'
                 AND l.holder IS NOT NULL AND l.lease_until > now()
+         ), other AS (
+             -- Live members declaring another partition count than $3,
+             -- registered before member $2 first did (or $2 has none yet).
+             SELECT v.node, v.n, min(v.since) AS since
+               FROM live v
+              WHERE v.n IS NOT NULL AND v.n <> $3 AND v.node IS DISTINCT FROM $2
+              GROUP BY v.node, v.n
          )
          SELECT CASE WHEN l.lease_until > now() THEN l.holder END,
                 l.term,
                 coalesce((SELECT array_agg(v.node) FROM live v WHERE v.role = u.r AND v.fresh),
                          '{{}}'::text[]),
-                (SELECT coalesce(array_agg(DISTINCT v.node), '{{}}'::text[]) FROM live v)
+                (SELECT coalesce(array_agg(DISTINCT v.node), '{{}}'::text[]) FROM live v),
+                (SELECT coalesce(array_agg(o.node || ' declares ' || o.n || ' partitions'
+                                           ORDER BY o.since), '{{}}'::text[])
+                   FROM other o
+                  WHERE o.since < coalesce((SELECT min(v.since) FROM live v WHERE v.node = $2),
+                                           'infinity'))
            FROM unnest($1::text[]) WITH ORDINALITY AS u(r, ord)
            LEFT JOIN {s}.leaders l ON l.role = u.r
           ORDER BY u.ord"
     )
 }
 
-/// Reads the group (see [`read_sql`]): the view and each partition's last
-/// term.
+/// The key of the electors' meta under which the group declares its
+/// partition count, which the read compares between members.
+pub(super) const PARTITIONS_KEY: &str = "pgelect_partitions";
+
+/// What the group read shows: the view, each partition's last term, and
+/// the live members that declare another partition count than `partitions`
+/// and registered before `member` (who then refuses to take part).
+pub(super) struct Read {
+    pub(super) view: GroupView,
+    pub(super) terms: Vec<Option<Term>>,
+    pub(super) conflicts: Vec<String>,
+}
+
+/// Reads the group (see [`read_sql`]) of `roles`, as member `member` (none
+/// for an observer) declaring `roles.len()` partitions.
 pub(super) async fn read(
     client: &Client,
     schema: &str,
     roles: &[String],
-) -> Result<(GroupView, Vec<Option<Term>>)> {
+    member: Option<&str>,
+) -> Result<Read> {
     const WHAT: &str = "read the partition group";
+    let n = roles.len() as i64;
     let rows = client
-        .query_typed(&read_sql(schema), &[(&roles, Type::TEXT_ARRAY)])
+        .query_typed(
+            &read_sql(schema),
+            &[
+                (&roles, Type::TEXT_ARRAY),
+                (&member, Type::TEXT),
+                (&n, Type::INT8),
+            ],
+        )
         .await
         .map_err(|e| Error::db(WHAT, schema, e))?;
     let mut view = GroupView::default();
     let mut terms = Vec::with_capacity(rows.len());
+    let mut conflicts = Vec::new();
     for row in rows {
         let get = |e| Error::db(WHAT, schema, e);
         let holder: Option<String> = row.try_get(0).map_err(get)?;
         let term: Option<i64> = row.try_get(1).map_err(get)?;
         let ready: Vec<String> = row.try_get(2).map_err(get)?;
         let members: Vec<String> = row.try_get(3).map_err(get)?;
+        conflicts = row.try_get(4).map_err(get)?;
         view.members.extend(members);
         view.partitions.push(PartitionView { holder, ready });
         terms.push(term.map(Term::new));
     }
-    Ok((view, terms))
+    Ok(Read {
+        view,
+        terms,
+        conflicts,
+    })
 }
 
 /// A partition led by this member.
@@ -132,6 +179,8 @@ struct Driver {
     wake: Arc<Notify>,
     /// The last error logged, to log a persistent one once.
     last_error: Option<String>,
+    /// Why the member does not take part now (see [`Driver::refuse`]).
+    refused: Option<String>,
 }
 
 /// The member's task, until `stop` is cancelled (then it hands everything
@@ -166,6 +215,7 @@ pub(super) async fn run(
         reader: None,
         wake: Arc::new(Notify::new()),
         last_error: None,
+        refused: None,
     };
     tracing::info!(group = %d.config.group, member = %d.config.member, partitions = d.config.partitions, "joining partition group");
     let mut tick = tokio::time::interval(d.config.rebalance_every);
@@ -314,7 +364,7 @@ impl Driver {
     async fn rebalance(&mut self) {
         // Reap finished releases.
         while self.releases.try_join_next().is_some() {}
-        let view = match self.read().await {
+        let read = match self.read().await {
             Ok(v) => {
                 self.last_error = None;
                 v
@@ -329,6 +379,14 @@ impl Driver {
                 return;
             }
         };
+        if !read.conflicts.is_empty() {
+            self.refuse(&read.conflicts);
+            return;
+        }
+        if self.refused.take().is_some() {
+            tracing::info!(group = %self.config.group, member = %self.config.member, partitions = self.config.partitions, "no earlier member declares another partition count any more; taking part again");
+        }
+        let view = read.view;
         let held: BTreeSet<u32> = self.leading.keys().copied().collect();
         let standing: BTreeSet<u32> = self.standing.keys().copied().collect();
         let plan = plan(&self.config.member, &view, &held, &standing);
@@ -345,6 +403,35 @@ impl Driver {
         }
         for p in plan.stand {
             self.stand(p);
+        }
+    }
+
+    /// Members that registered earlier declare another partition count:
+    /// stops standing, hands every partition over, and says so (once
+    /// while the conflict lasts: an error in the log and a
+    /// [`PartitionEvent::Refused`]). It reads on, and takes part again when
+    /// no such member is left.
+    fn refuse(&mut self, conflicts: &[String]) {
+        for (_, (_, stop)) in self.standing.drain() {
+            stop.cancel();
+        }
+        let held: Vec<u32> = self.leading.keys().copied().collect();
+        for p in held {
+            self.hand_over(p, LossReason::HandedOver);
+        }
+        let reason = format!(
+            "member {:?} declares {} partitions for group {:?}, but members that joined earlier do not: {}; every member of a group must use the same number of partitions",
+            self.config.member,
+            self.config.partitions,
+            self.config.group,
+            conflicts.join(", ")
+        );
+        if self.refused.as_ref() != Some(&reason) {
+            tracing::error!(group = %self.config.group, member = %self.config.member, "{reason}; not taking part while they run");
+            let _ = self.events.send(PartitionEvent::Refused {
+                reason: reason.clone(),
+            });
+            self.refused = Some(reason);
         }
     }
 
@@ -380,7 +467,7 @@ impl Driver {
         self.standing.insert(p, (task, stop));
     }
 
-    async fn read(&mut self) -> Result<GroupView> {
+    async fn read(&mut self) -> Result<Read> {
         if self.reader.as_ref().is_none_or(|r| r.client().is_closed()) {
             self.reader = Some(match self.config.backend {
                 Backend::Session => Reader::Listening(self.open_reader().await?),
@@ -400,11 +487,12 @@ impl Driver {
                 client,
                 self.config.options.schema_name().as_str(),
                 &self.roles,
+                Some(&self.config.member),
             ),
         )
         .await
         {
-            Ok(r) => r.map(|(v, _)| v),
+            Ok(r) => r,
             Err(_) => Err(Error::connection_lost("read the partition group")),
         }
     }

@@ -63,6 +63,10 @@
 //!   unclean loss: the old holder may still be alive for a moment). On the
 //!   lease backend its partitions are unled when their leases expire (the
 //!   TTL after its last renewal), and taken over then.
+//! * Members **agree on N**: each declares its partition count in its
+//!   registrations' meta (key `pgelect_partitions`); a member that finds
+//!   live members registered before it declaring another count takes no
+//!   part ([`PartitionEvent::Refused`]) until they are gone.
 //! * A member that **leaves** ([`PartitionGroup::leave`]) hands every
 //!   partition over cleanly: tokens cancelled, duties dropped, released
 //!   with `NOTIFY`; the others read the group at once and take them without
@@ -392,7 +396,12 @@ impl Config {
     }
 
     pub(crate) fn elector_builder(&self, partition: u32, carrier: &Carrier) -> ElectorBuilder {
-        let b = self.base_builder(partition).node_id(&self.member);
+        // The partition count, declared in the registration's meta (the
+        // user's meta object keeps its keys) for the members to compare.
+        let b = self
+            .base_builder(partition)
+            .node_id(&self.member)
+            .with_meta_key(driver::PARTITIONS_KEY, self.partitions.into());
         match carrier {
             Carrier::Session(c) => b.on_shared_connection(c, self.poll_interval),
             Carrier::Lease(c) => b.on_shared_lease(c, self.poll_interval),
@@ -587,6 +596,15 @@ pub enum PartitionEvent {
     /// A partition was gained: act on it until its token is cancelled, then
     /// drop the [`HeldPartition`].
     Gained(HeldPartition),
+    /// The member does not take part: members that joined the group
+    /// earlier declare another number of partitions. It has stopped
+    /// standing and handed over what it held (each with its `Lost`), and
+    /// takes part again by itself once no such member is left. Sent once
+    /// per conflict; also logged as an error.
+    Refused {
+        /// Who declares what, and what to do.
+        reason: String,
+    },
     /// A partition's leadership ended (its token is already cancelled).
     Lost {
         /// The partition.
@@ -721,10 +739,10 @@ pub async fn partition_assignment(
     let (client, conn) = options.connect_plain("pgelect:partitions:status").await?;
     let task = tokio::spawn(conn);
     let roles: Vec<String> = (0..partitions).map(|p| partition_role(group, p)).collect();
-    let view = driver::read(&client, options.schema_name().as_str(), &roles).await;
+    let read = driver::read(&client, options.schema_name().as_str(), &roles, None).await;
     drop(client);
     let _ = task.await;
-    let (view, terms) = view?;
+    let driver::Read { view, terms, .. } = read?;
     Ok(PartitionAssignment {
         group: group.to_owned(),
         members: view.members.into_iter().collect(),

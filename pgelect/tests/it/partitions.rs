@@ -39,6 +39,8 @@ struct Member {
 struct Seen {
     logs: Arc<Vec<Intervals>>,
     losses: Losses,
+    /// `Refused` events: member, reason.
+    refusals: Arc<Mutex<Vec<(String, String)>>>,
 }
 
 impl Seen {
@@ -46,6 +48,7 @@ impl Seen {
         Seen {
             logs: Arc::new((0..N).map(|_| Intervals::default()).collect()),
             losses: Arc::default(),
+            refusals: Arc::default(),
         }
     }
 
@@ -89,6 +92,9 @@ fn record(mut events: PartitionEvents, node: &str, seen: &Seen) {
                     .lock()
                     .unwrap()
                     .push((node.clone(), partition, reason)),
+                PartitionEvent::Refused { reason } => {
+                    seen.refusals.lock().unwrap().push((node.clone(), reason))
+                }
                 _ => {}
             }
         }
@@ -381,7 +387,12 @@ fn joining_outside_a_runtime_is_an_error_not_a_panic() {
 /// transaction mode): ttl 3 s, renewals every 750 ms, statements bounded by
 /// 1 s, standbys looking every 200 ms, rebalancing every 500 ms.
 fn join_lease(o: &ConnectOptions, node: &str, seen: &Seen) -> Member {
-    let group = PartitionGroup::builder(o.clone(), GROUP, N)
+    join_lease_of(o, node, seen, N)
+}
+
+/// [`join_lease`] declaring `partitions` partitions.
+fn join_lease_of(o: &ConnectOptions, node: &str, seen: &Seen, partitions: u32) -> Member {
+    let group = PartitionGroup::builder(o.clone(), GROUP, partitions)
         .member(node)
         .poll_interval(Duration::from_millis(200))
         .rebalance_every(Duration::from_millis(500))
@@ -546,4 +557,54 @@ async fn on_the_lease_backend_a_dead_members_partitions_are_taken_over_after_the
     seen.assert_disjoint();
     a.group.leave().await.unwrap();
     c.group.leave().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_member_declaring_another_partition_count_is_refused_and_takes_nothing() {
+    let (_db, o, _bouncer) = pooled("partitions_lease_mismatch").await;
+    let seen = Seen::new();
+    let a = join_lease(&o, "a", &seen);
+    let b = join_lease(&o, "b", &seen);
+    balanced(&[&a, &b], 6, Duration::from_secs(30)).await;
+
+    // c declares 8 partitions where a and b, earlier, declare 12.
+    let t0 = Instant::now();
+    let c = join_lease_of(&o, "c", &seen, 8);
+    let reason = loop {
+        if let Some((node, reason)) = seen.refusals.lock().unwrap().first().cloned() {
+            assert_eq!(node, "c");
+            break reason;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "c was not refused within 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    println!("refused after {:?}: {reason}", t0.elapsed());
+    assert!(reason.contains("declares 8 partitions"), "{reason}");
+    assert!(reason.contains("a declares 12 partitions"), "{reason}");
+    // It takes nothing for as long as a and b run; they keep all 12.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(c.group.held().is_empty(), "{:?}", c.group.held());
+    balanced(&[&a, &b], 6, Duration::from_secs(1)).await;
+    assert_eq!(seen.refusals.lock().unwrap().len(), 1, "once per conflict");
+    // a and b leave: c takes part again, with its 8.
+    a.group.leave().await.unwrap();
+    b.group.leave().await.unwrap();
+    let t1 = Instant::now();
+    while c.group.held().len() < 8 {
+        assert!(
+            t1.elapsed() < Duration::from_secs(30),
+            "c did not take its 8 partitions after the others left: {:?}",
+            c.group.held()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    println!(
+        "c leads its 8 partitions {:?} after the others left",
+        t1.elapsed()
+    );
+    c.group.leave().await.unwrap();
+    seen.assert_disjoint();
 }
