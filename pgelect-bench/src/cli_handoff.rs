@@ -593,7 +593,7 @@ fn loadavg() -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-fn machine() -> String {
+pub(crate) fn machine() -> String {
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let model = std::fs::read_to_string("/proc/cpuinfo")
         .ok()

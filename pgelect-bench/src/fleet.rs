@@ -96,9 +96,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let bouncer =
         pgelect_testkit::PgBouncer::start(&cluster, pgelect_testkit::PoolMode::Transaction)
             .map_err(|e| format!("cannot start pgbouncer: {e}"))?;
-    let postmaster = std::fs::read_to_string(cluster.data_dir().join("postmaster.pid"))
-        .ok()
-        .and_then(|s| s.lines().next().and_then(|l| l.trim().parse::<u32>().ok()));
+    let postmaster = postmaster_pid(&cluster);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -224,6 +222,23 @@ fn pgbouncer_pids() -> Vec<u32> {
         .collect()
 }
 
+/// The pid of `cluster`'s postmaster, from its pid file.
+pub(crate) fn postmaster_pid(cluster: &pgelect_testkit::Cluster) -> Option<u32> {
+    std::fs::read_to_string(cluster.data_dir().join("postmaster.pid"))
+        .ok()
+        .and_then(|s| s.lines().next().and_then(|l| l.trim().parse::<u32>().ok()))
+}
+
+/// CPU seconds (user + system) used so far by the postmaster and its
+/// live children.
+pub(crate) fn tree_cpu_s(postmaster: u32) -> f64 {
+    let ticks: u64 = postgres_pids(Some(postmaster))
+        .into_iter()
+        .map(cpu_ticks)
+        .sum();
+    ticks as f64 / ticks_per_s()
+}
+
 /// The postmaster and its children.
 fn postgres_pids(postmaster: Option<u32>) -> Vec<u32> {
     let Some(pm) = postmaster else {
@@ -250,7 +265,7 @@ fn ticks_per_s() -> f64 {
 }
 
 /// Transactions and rows written in the database so far.
-async fn counters(c: &tokio_postgres::Client) -> Result<(i64, i64), String> {
+pub(crate) async fn counters(c: &tokio_postgres::Client) -> Result<(i64, i64), String> {
     let r = c
         .query_one(
             "SELECT (xact_commit + xact_rollback)::int8,

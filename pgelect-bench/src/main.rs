@@ -17,6 +17,7 @@ mod crowd;
 mod failover;
 mod fleet;
 mod lease;
+mod partitions;
 mod promote;
 mod report;
 mod roles;
@@ -60,6 +61,14 @@ benchmarks:
               --start-rate N (members started per second; default all at once),
               --logs DIR (each member's stderr), --json; needs the pgelect binary as
               cli-handoff does)
+  partitions  a partition group on the lease backend through PgBouncer in transaction
+              mode, M library members (each its own pooled clients) in this process:
+              cold start until every partition is led within the share, steady server
+              connections, transactions and rows written per second and server CPU, K
+              members killed at once, J joining; partitions held twice counted
+              (options: --members N (100), --partitions N (100), --ttl SECONDS (5),
+              --window SECONDS (10), --kills N (10), --joins N (10), --start-rate N
+              (members started per second; default all at once), --json)
   promote     a PostgreSQL primary failover (primary stopped hard, streaming replica
               promoted): time until the replica accepts writes and until a candidate
               leads on it, both backends (options: --trials N (10),
@@ -99,6 +108,7 @@ fn main() -> ExitCode {
         Some("roles") => roles::run(&args[1..]),
         Some("crowd") => crowd::run(&args[1..]),
         Some("fleet") => fleet::run(&args[1..]),
+        Some("partitions") => partitions::run(&args[1..]),
         Some("lease-failover") => lease::run(&args[1..]),
         Some("cli-handoff") => cli_handoff::run(&args[1..]),
         Some("report") => report::run(&args[1..]),

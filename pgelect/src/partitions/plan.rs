@@ -141,7 +141,17 @@ pub(crate) fn plan(
         }
     }
     eligible.sort();
-    let desired: BTreeSet<u32> = eligible.iter().take(capacity).map(|e| e.3).collect();
+    let mut desired: BTreeSet<u32> = eligible.iter().take(capacity).map(|e| e.3).collect();
+    // A member that holds nothing and finds nothing to take stands for its
+    // favourite partition all the same: its registration is what shows it
+    // live (on the lease backend nothing else does), so that the others
+    // count it, their share comes down and they hand over to it. Standing
+    // takes nothing from a live holder.
+    if held.is_empty() && desired.is_empty() {
+        let favourite =
+            (0..n as u32).min_by_key(|&p| (!standing.contains(&p), u64::MAX - score(me, p), p));
+        desired.extend(favourite);
+    }
     Plan {
         members: m,
         share: s,
@@ -154,6 +164,32 @@ pub(crate) fn plan(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_member_holding_nothing_stands_for_one_partition_to_be_counted() {
+        // Two partitions, each held by a live member within its share as
+        // they count (2 members): the third, not counted yet, has nothing
+        // to take but stands for one partition all the same.
+        let v = view(&[Some("a"), Some("b")], &["a", "b"]);
+        let p = plan("c", &v, &BTreeSet::new(), &BTreeSet::new());
+        assert_eq!(p.stand.len(), 1, "{p:?}");
+        assert!(p.resign.is_empty());
+        // Still standing for it at the next read: no churn.
+        let again = plan(
+            "c",
+            &v,
+            &BTreeSet::new(),
+            &p.stand.iter().copied().collect(),
+        );
+        assert!(
+            again.stand.is_empty() && again.unstand.is_empty(),
+            "{again:?}"
+        );
+        // A member that holds something does not.
+        let held: BTreeSet<u32> = [0].into();
+        let v = view(&[None, Some("b")], &["a", "b"]);
+        assert!(plan("a", &v, &held, &BTreeSet::new()).stand.is_empty());
+    }
 
     fn view(holders: &[Option<&str>], members: &[&str]) -> GroupView {
         GroupView {
