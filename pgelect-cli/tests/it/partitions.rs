@@ -157,6 +157,26 @@ fn files(dir: &TempDir, prefix: &str) -> Vec<(u32, String)> {
     v
 }
 
+/// The partitions whose commands b runs; a's commands for exactly those
+/// were stopped (and no other command).
+fn moved_to_b_after_a_stopped(dir: &TempDir) -> Vec<u32> {
+    let stopped = files(dir, "stop");
+    let moved: Vec<u32> = files(dir, "run")
+        .into_iter()
+        .filter(|(_, n)| n == "b")
+        .map(|(p, _)| p)
+        .collect();
+    assert_eq!(
+        stopped,
+        moved
+            .iter()
+            .map(|p| (*p, "a".to_owned()))
+            .collect::<Vec<_>>(),
+        "a's commands for the moved partitions got SIGTERM before b started"
+    );
+    moved
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_starts_one_command_per_partition_held_and_hands_over() {
     let db = TestDb::new("cli_partitions_run").await;
@@ -180,20 +200,7 @@ async fn run_starts_one_command_per_partition_held_and_hands_over() {
     })
     .await;
     println!("b joined: 2 commands moved to it after {took:?}");
-    let stopped = files(&dir, "stop");
-    let moved: Vec<u32> = files(&dir, "run")
-        .into_iter()
-        .filter(|(_, n)| n == "b")
-        .map(|(p, _)| p)
-        .collect();
-    assert_eq!(
-        stopped,
-        moved
-            .iter()
-            .map(|p| (*p, "a".to_owned()))
-            .collect::<Vec<_>>(),
-        "a's commands for the moved partitions got SIGTERM before b started"
-    );
+    let moved = moved_to_b_after_a_stopped(&dir);
     let shown = pgelect::partitions::partition_assignment(&o, "jobs", 4)
         .await
         .unwrap();
@@ -267,19 +274,7 @@ async fn run_on_the_lease_backend_through_pgbouncer_spreads_partitions_over_proc
     })
     .await;
     println!("lease, b joined: 2 commands moved to it after {took:?}");
-    let moved: Vec<u32> = files(&dir, "run")
-        .into_iter()
-        .filter(|(_, n)| n == "b")
-        .map(|(p, _)| p)
-        .collect();
-    assert_eq!(
-        files(&dir, "stop"),
-        moved
-            .iter()
-            .map(|p| (*p, "a".to_owned()))
-            .collect::<Vec<_>>(),
-        "a's commands for the moved partitions got SIGTERM before b started"
-    );
+    let moved = moved_to_b_after_a_stopped(&dir);
     let shown = pgelect::partitions::partition_assignment(&o, "jobs", 4)
         .await
         .unwrap();

@@ -157,6 +157,52 @@ async fn fenced_off(db: &TestDb, role: &str, term: Term) -> bool {
         .is_err()
 }
 
+/// Each partition's holder and term among `members`.
+fn holders(members: &[&Member]) -> BTreeMap<u32, (String, Term)> {
+    members
+        .iter()
+        .flat_map(|m| {
+            m.group
+                .held()
+                .into_iter()
+                .map(|(p, t)| (p, (m.group.member().to_owned(), t)))
+        })
+        .collect()
+}
+
+/// Every loss since the first `losses_before` was a clean handoff.
+fn assert_clean_handoffs(seen: &Seen, losses_before: usize) {
+    let handoffs: Vec<_> = seen.losses()[losses_before..].to_vec();
+    println!("handoffs on join: {handoffs:?}");
+    assert!(
+        handoffs
+            .iter()
+            .all(|(_, _, r)| *r == LossReason::HandedOver),
+        "only clean handoffs: {handoffs:?}"
+    );
+}
+
+/// Each partition that moved since `before`: the new term is higher and
+/// the old one is fenced off. Returns how many moved.
+async fn moved_and_fenced(
+    db: &TestDb,
+    members: &[&Member],
+    before: &BTreeMap<u32, (String, Term)>,
+) -> usize {
+    let mut moved = 0;
+    for m in members {
+        for (p, t) in m.group.held() {
+            let (old_node, old_term) = &before[&p];
+            if old_node != m.group.member() {
+                moved += 1;
+                assert!(t > *old_term, "partition {p}: term {t} after {old_term}");
+                assert!(fenced_off(db, &format!("{GROUP}/{p}"), *old_term).await);
+            }
+        }
+    }
+    moved
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn twelve_partitions_spread_over_members_that_join_and_leave() {
     let (db, o) = migrated("partitions_join").await;
@@ -182,15 +228,7 @@ async fn twelve_partitions_spread_over_members_that_join_and_leave() {
         let mine: Vec<u32> = m.group.held().keys().copied().collect();
         assert_eq!(shown.by_member()[m.group.member()], mine);
     }
-    let before: BTreeMap<u32, (String, Term)> = [&a, &b, &c]
-        .iter()
-        .flat_map(|m| {
-            m.group
-                .held()
-                .into_iter()
-                .map(|(p, t)| (p, (m.group.member().to_owned(), t)))
-        })
-        .collect();
+    let before = holders(&[&a, &b, &c]);
     let losses_before = seen.losses().len();
 
     // A fourth joins: 3 each, by clean handoffs.
@@ -199,27 +237,8 @@ async fn twelve_partitions_spread_over_members_that_join_and_leave() {
     let took = balanced(&[&a, &b, &c, &d], 3, Duration::from_secs(30)).await;
     println!("4th member: balanced (3 each) {took:?} after it joined");
     assert_eq!(d.group.held().len(), 3);
-    let handoffs: Vec<_> = seen.losses()[losses_before..].to_vec();
-    println!("handoffs on join: {handoffs:?}");
-    assert!(
-        handoffs
-            .iter()
-            .all(|(_, _, r)| *r == LossReason::HandedOver),
-        "only clean handoffs: {handoffs:?}"
-    );
-    // Each partition that moved: the new term is higher and the old one is
-    // fenced off.
-    let mut moved = 0;
-    for m in [&a, &b, &c, &d] {
-        for (p, t) in m.group.held() {
-            let (old_node, old_term) = &before[&p];
-            if old_node != m.group.member() {
-                moved += 1;
-                assert!(t > *old_term, "partition {p}: term {t} after {old_term}");
-                assert!(fenced_off(&db, &format!("{GROUP}/{p}"), *old_term).await);
-            }
-        }
-    }
+    assert_clean_handoffs(&seen, losses_before);
+    let moved = moved_and_fenced(&db, &[&a, &b, &c, &d], &before).await;
     println!(
         "partitions moved: {moved} (of {N}); join to balance {:?}",
         t1.elapsed()
@@ -466,15 +485,7 @@ async fn on_the_lease_backend_through_pgbouncer_partitions_spread_and_rebalance_
         "server connections of the database: {}",
         server_connections(&db).await
     );
-    let before: BTreeMap<u32, (String, Term)> = [&a, &b, &c]
-        .iter()
-        .flat_map(|m| {
-            m.group
-                .held()
-                .into_iter()
-                .map(|(p, t)| (p, (m.group.member().to_owned(), t)))
-        })
-        .collect();
+    let before = holders(&[&a, &b, &c]);
     let losses_before = seen.losses().len();
 
     // A fourth joins: 3 each, by clean handoffs only.
@@ -482,25 +493,8 @@ async fn on_the_lease_backend_through_pgbouncer_partitions_spread_and_rebalance_
     let d = join_lease(&o, "d", &seen);
     let took = balanced(&[&a, &b, &c, &d], 3, Duration::from_secs(30)).await;
     println!("lease, 4th member: balanced (3 each) {took:?} after it joined");
-    let handoffs: Vec<_> = seen.losses()[losses_before..].to_vec();
-    println!("handoffs on join: {handoffs:?}");
-    assert!(
-        handoffs
-            .iter()
-            .all(|(_, _, r)| *r == LossReason::HandedOver),
-        "only clean handoffs: {handoffs:?}"
-    );
-    let mut moved = 0;
-    for m in [&a, &b, &c, &d] {
-        for (p, t) in m.group.held() {
-            let (old_node, old_term) = &before[&p];
-            if old_node != m.group.member() {
-                moved += 1;
-                assert!(t > *old_term, "partition {p}: term {t} after {old_term}");
-                assert!(fenced_off(&db, &format!("{GROUP}/{p}"), *old_term).await);
-            }
-        }
-    }
+    assert_clean_handoffs(&seen, losses_before);
+    let moved = moved_and_fenced(&db, &[&a, &b, &c, &d], &before).await;
     println!(
         "partitions moved: {moved}; join to balance {:?}",
         t1.elapsed()
