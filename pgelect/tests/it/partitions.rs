@@ -386,6 +386,21 @@ async fn bad_input_is_refused_with_a_clear_error() {
         .build()
         .unwrap_err();
     assert!(e.is_config(), "{e}");
+    // listen_via is the lease backend's.
+    let e = PartitionGroup::builder(o.clone(), "g", 4)
+        .listen_via(o.clone())
+        .build()
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("listen_via is for partition groups on the lease backend"),
+        "{e}"
+    );
+    PartitionGroup::builder(o.clone(), "g", 4)
+        .elector(|b| b.backend(Backend::Lease))
+        .listen_via(o.clone())
+        .build()
+        .expect("listen_via on the lease backend");
     // Joining twice.
     let g = PartitionGroup::builder(o.clone(), "g", 4).build().unwrap();
     let _events = g.join().unwrap();
