@@ -11,11 +11,11 @@
 //!
 //! * **session backend** (the default): polling standbys
 //!   ([`StandbyMode::Polling`](crate::election::StandbyMode::Polling)) on
-//!   one [`SharedConnection`](crate::election::SharedConnection); two
+//!   one [`SharedConnection`]; two
 //!   connections, the shared lock connection and one that reads the group
 //!   and listens for its releases;
 //! * **lease backend** (`.elector(|b| b.backend(Backend::Lease))`): one
-//!   [`SharedLease`](crate::election::SharedLease) client, whose batched
+//!   [`SharedLease`] client, whose batched
 //!   statements serve every partition, and a connection that reads the
 //!   group; both work through PgBouncer in transaction mode, so a fleet of
 //!   members costs the server only the pooler's connections. Standbys look
@@ -196,7 +196,7 @@ impl PartitionGroupBuilder {
     }
 
     /// Lease backend: where the member's shared lease client listens for
-    /// release announcements ([`SharedLease::listen_via`](crate::election::SharedLease::listen_via)),
+    /// release announcements ([`SharedLease::listen_via`]),
     /// a connection that can `LISTEN` (directly to PostgreSQL, not through
     /// a pooler in transaction mode): its standbys then try a released
     /// partition at once instead of at their next look. Without it they
@@ -211,10 +211,10 @@ impl PartitionGroupBuilder {
     /// Adjusts every partition's [`ElectorBuilder`] (backend, timing,
     /// profile, meta). The group then sets the node id and the shared
     /// client, overriding those: on the session backend a
-    /// [`SharedConnection`](crate::election::SharedConnection) with
+    /// [`SharedConnection`] with
     /// polling standbys, on the lease backend
     /// (`.elector(|b| b.backend(Backend::Lease))`) a
-    /// [`SharedLease`](crate::election::SharedLease) whose standbys look
+    /// [`SharedLease`] whose standbys look
     /// at the lease every `poll_interval`. Default: the elector's
     /// defaults with a `ttl` of [`DEFAULT_TTL`] (10 s: the local deadline
     /// must end before the default TCP timeouts of the shared connection
