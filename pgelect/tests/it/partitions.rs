@@ -203,6 +203,19 @@ async fn moved_and_fenced(
     moved
 }
 
+/// Each of a dead member's `victims` is held by one of `survivors` with a
+/// higher term, and its old term is fenced off.
+async fn taken_over_and_fenced(db: &TestDb, survivors: &[&Member], victims: &BTreeMap<u32, Term>) {
+    for (p, old) in victims {
+        let now = survivors
+            .iter()
+            .find_map(|m| m.group.held().get(p).copied())
+            .expect("taken over");
+        assert!(now > *old, "partition {p}: {now} after {old}");
+        assert!(fenced_off(db, &format!("{GROUP}/{p}"), *old).await);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn twelve_partitions_spread_over_members_that_join_and_leave() {
     let (db, o) = migrated("partitions_join").await;
@@ -324,17 +337,7 @@ async fn a_dead_members_partitions_are_taken_over_by_the_others() {
     );
     assert!(took >= Duration::from_millis(2500), "{took:?}");
     let _ = killed_at;
-    for (p, old) in &victims {
-        let now = a
-            .group
-            .held()
-            .get(p)
-            .or(c.group.held().get(p))
-            .copied()
-            .expect("taken over");
-        assert!(now > *old, "partition {p}: {now} after {old}");
-        assert!(fenced_off(&db, &format!("{GROUP}/{p}"), *old).await);
-    }
+    taken_over_and_fenced(&db, &[&a, &c], &victims).await;
     let shown = partition_assignment(&o, GROUP, N).await.unwrap();
     assert_eq!(shown.members, vec!["a", "c"]);
     seen.assert_disjoint();
@@ -552,17 +555,7 @@ async fn on_the_lease_backend_a_dead_members_partitions_are_taken_over_after_the
         took >= Duration::from_secs(2),
         "before the leases expired: {took:?}"
     );
-    for (p, old) in &victims {
-        let now = a
-            .group
-            .held()
-            .get(p)
-            .or(c.group.held().get(p))
-            .copied()
-            .expect("taken over");
-        assert!(now > *old, "partition {p}: {now} after {old}");
-        assert!(fenced_off(&db, &format!("{GROUP}/{p}"), *old).await);
-    }
+    taken_over_and_fenced(&db, &[&a, &c], &victims).await;
     seen.assert_disjoint();
     a.group.leave().await.unwrap();
     c.group.leave().await.unwrap();
