@@ -194,10 +194,15 @@ pub(crate) fn functions_grant(schema: &SchemaName, user: &str) -> String {
 /// Whether the schema's lease functions are installed with this version's
 /// statements and this user may call them: `$1` the signatures, `$2` the
 /// sources ([`Statements::check`]). Read by each new lease connection.
+/// Not on PostgreSQL 13, whose PL/pgSQL runs `RETURN QUERY` through a
+/// cursor: there the 300-role shared-lease test lost leases at steady
+/// state in one CI run of two (not explained yet), so the statements are
+/// sent whole as before.
 pub(super) const FUNCTIONS_CHECK: &str = "SELECT count(*) = pg_catalog.cardinality($1::text[])
        FROM unnest($1::text[], $2::text[]) AS f(sig, src)
        JOIN pg_catalog.pg_proc p ON p.oid = pg_catalog.to_regprocedure(f.sig)
-      WHERE p.prosrc = f.src AND pg_catalog.has_function_privilege(p.oid, 'EXECUTE')";
+      WHERE p.prosrc = f.src AND pg_catalog.has_function_privilege(p.oid, 'EXECUTE')
+        AND pg_catalog.current_setting('server_version_num')::int >= 140000";
 
 /// The lease backend's statements, exactly as the client sends them: one
 /// SQL text per operation, each taking one array element per role, for a
