@@ -71,19 +71,30 @@ fn read_sql(s: &str) -> String {
                FROM live v
               WHERE v.n IS NOT NULL AND v.n <> $3 AND v.node IS DISTINCT FROM $2
               GROUP BY v.node, v.n
+         ), ready AS (
+             SELECT v.role, array_agg(v.node) AS nodes
+               FROM live v
+              WHERE v.fresh
+              GROUP BY v.role
          )
+         -- The members and the conflicts are the group's, not a
+         -- partition's: sent on the first row only.
          SELECT CASE WHEN l.lease_until > now() THEN l.holder END,
                 l.term,
-                coalesce((SELECT array_agg(v.node) FROM live v WHERE v.role = u.r AND v.fresh),
-                         '{{}}'::text[]),
-                (SELECT coalesce(array_agg(DISTINCT v.node), '{{}}'::text[]) FROM live v),
-                (SELECT coalesce(array_agg(o.node || ' declares ' || o.n || ' partitions'
-                                           ORDER BY o.since), '{{}}'::text[])
-                   FROM other o
-                  WHERE o.since < coalesce((SELECT min(v.since) FROM live v WHERE v.node = $2),
-                                           'infinity'))
+                coalesce(r.nodes, '{{}}'::text[]),
+                CASE WHEN u.ord = 1 THEN
+                     (SELECT coalesce(array_agg(DISTINCT v.node), '{{}}'::text[]) FROM live v)
+                ELSE '{{}}'::text[] END,
+                CASE WHEN u.ord = 1 THEN
+                     (SELECT coalesce(array_agg(o.node || ' declares ' || o.n || ' partitions'
+                                                ORDER BY o.since), '{{}}'::text[])
+                        FROM other o
+                       WHERE o.since < coalesce((SELECT min(v.since) FROM live v WHERE v.node = $2),
+                                                'infinity'))
+                ELSE '{{}}'::text[] END
            FROM unnest($1::text[]) WITH ORDINALITY AS u(r, ord)
            LEFT JOIN {s}.leaders l ON l.role = u.r
+           LEFT JOIN ready r ON r.role = u.r
           ORDER BY u.ord"
     )
 }
@@ -131,11 +142,17 @@ pub(super) async fn read(
         let term: Option<i64> = row.try_get(1).map_err(get)?;
         let ready: Vec<String> = row.try_get(2).map_err(get)?;
         let members: Vec<String> = row.try_get(3).map_err(get)?;
-        conflicts = row.try_get(4).map_err(get)?;
+        let declared: Vec<String> = row.try_get(4).map_err(get)?;
+        conflicts.extend(declared);
         view.members.extend(members);
         view.partitions.push(PartitionView { holder, ready });
         terms.push(term.map(Term::new));
     }
+    // Sorted, so that the refusal's text (which the driver compares to
+    // send `Refused` once per conflict) does not change with the order
+    // in which the server lists the same members.
+    conflicts.sort();
+    conflicts.dedup();
     Ok(Read {
         view,
         terms,
