@@ -128,7 +128,19 @@ pub(crate) fn plan(
         resign = ready;
     }
 
-    let capacity = s.saturating_sub(held.len());
+    // A member that holds nothing and is not yet live in the snapshot (its
+    // registration not written or not read yet) announces itself before it
+    // campaigns: it stands for its favourite partition only (below). Members
+    // started together would otherwise each count only themselves, take the
+    // whole group as their share and stand for every partition: N × M
+    // standbys contending for the same rows, where one read later each
+    // counts the others and stands for ⌈N/M⌉.
+    let announcing = held.is_empty() && !view.members.contains(me);
+    let capacity = if announcing {
+        0
+    } else {
+        s.saturating_sub(held.len())
+    };
     // (tier, not currently standing, preference) ascending.
     let rank = |tier: u8, p: u32| (tier, !standing.contains(&p), u64::MAX - score(me, p), p);
     let mut eligible: Vec<(u8, bool, u64, u32)> = unled.iter().map(|&p| rank(0, p)).collect();
@@ -142,11 +154,11 @@ pub(crate) fn plan(
     }
     eligible.sort();
     let mut desired: BTreeSet<u32> = eligible.iter().take(capacity).map(|e| e.3).collect();
-    // A member that holds nothing and finds nothing to take stands for its
-    // favourite partition all the same: its registration is what shows it
-    // live (on the lease backend nothing else does), so that the others
-    // count it, their share comes down and they hand over to it. Standing
-    // takes nothing from a live holder.
+    // A member that holds nothing and finds nothing to take (or announces
+    // itself) stands for its favourite partition all the same: its
+    // registration is what shows it live (on the lease backend nothing else
+    // does), so that the others count it, their share comes down and they
+    // hand over to it. Standing takes nothing from a live holder.
     if held.is_empty() && desired.is_empty() {
         let favourite =
             (0..n as u32).min_by_key(|&p| (!standing.contains(&p), u64::MAX - score(me, p), p));
@@ -230,8 +242,35 @@ mod tests {
         let v = view(&[Some("a"); 4], &["a"]);
         let p = plan("new", &v, &set(&[]), &set(&[]));
         assert_eq!((p.members, p.share), (2, 2));
-        // a leads 4 > 2: two of them are worth standing for.
-        assert_eq!(p.stand.len(), 2);
+        // Not live in the snapshot yet: it announces itself with one
+        // standby before it campaigns for its share.
+        assert_eq!(p.stand.len(), 1, "{p:?}");
+        // Once the snapshot shows it: a leads 4 > 2, two of them are worth
+        // standing for (the announcing standby among them).
+        let v = view(&[Some("a"); 4], &["a", "new"]);
+        let again = plan("new", &v, &set(&[]), &p.stand.iter().copied().collect());
+        assert_eq!(again.share, 2);
+        assert_eq!(again.stand.len(), 1, "{again:?}");
+        assert!(again.unstand.is_empty(), "{again:?}");
+    }
+
+    #[test]
+    fn members_started_together_stand_for_one_partition_each_until_they_count_each_other() {
+        // 100 members, 100 partitions, nobody registered yet: each counts
+        // only itself (share 100) but stands for one partition, not 100.
+        let v = view(&[None; 100], &[]);
+        let total: usize = (0..100)
+            .map(|i| plan(&format!("m{i}"), &v, &set(&[]), &set(&[])).stand.len())
+            .sum();
+        assert_eq!(total, 100);
+        // One read later they count each other: share 1, one standby each.
+        let names: Vec<String> = (0..100).map(|i| format!("m{i}")).collect();
+        let all: Vec<&str> = names.iter().map(String::as_str).collect();
+        let v = view(&[None; 100], &all);
+        for m in &all {
+            let p = plan(m, &v, &set(&[]), &set(&[]));
+            assert_eq!((p.share, p.stand.len()), (1, 1), "{m}: {p:?}");
+        }
     }
 
     #[test]
