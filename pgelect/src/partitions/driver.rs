@@ -198,6 +198,12 @@ struct Driver {
     last_error: Option<String>,
     /// Why the member does not take part now (see [`Driver::refuse`]).
     refused: Option<String>,
+    /// The other live members of the last read: while a read shows one
+    /// more, members are joining and the plan starts no new standby. They
+    /// are counted at the next read too: a member switching standbys has
+    /// no registration for a moment, and a member missing from the count
+    /// raises everyone's share (100 partitions over 99 members: 2).
+    others: BTreeSet<String>,
 }
 
 /// The member's task, until `stop` is cancelled (then it hands everything
@@ -233,6 +239,7 @@ pub(super) async fn run(
         wake: Arc::new(Notify::new()),
         last_error: None,
         refused: None,
+        others: BTreeSet::new(),
     };
     tracing::info!(group = %d.config.group, member = %d.config.member, partitions = d.config.partitions, "joining partition group");
     let mut tick = tokio::time::interval(d.config.rebalance_every);
@@ -403,10 +410,14 @@ impl Driver {
         if self.refused.take().is_some() {
             tracing::info!(group = %self.config.group, member = %self.config.member, partitions = self.config.partitions, "no earlier member declares another partition count any more; taking part again");
         }
-        let view = read.view;
+        let mut view = read.view;
         let held: BTreeSet<u32> = self.leading.keys().copied().collect();
         let standing: BTreeSet<u32> = self.standing.keys().copied().collect();
-        let plan = plan(&self.config.member, &view, &held, &standing);
+        let mut others = view.members.clone();
+        others.remove(&self.config.member);
+        let settled = others.is_subset(&self.others);
+        view.members.extend(std::mem::replace(&mut self.others, others));
+        let plan = plan(&self.config.member, &view, &held, &standing, settled);
         if !plan.stand.is_empty() || !plan.unstand.is_empty() || !plan.resign.is_empty() {
             tracing::debug!(group = %self.config.group, member = %self.config.member, members = plan.members, share = plan.share, held = held.len(), stand = ?plan.stand, unstand = ?plan.unstand, resign = ?plan.resign, "rebalancing");
         }

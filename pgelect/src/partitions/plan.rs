@@ -80,11 +80,16 @@ pub(crate) fn score(member: &str, partition: u32) -> u64 {
 ///   excess of its partitions; current standbys first (no churn), then by
 ///   preference. Hence `held + standing ≤ s` and a member is never granted
 ///   more than its share as it reads it.
+/// * Not `settled` (a member joined since the last snapshot): no new
+///   standbys but the announcing one.
+/// * Not yet live in the snapshot and holding nothing: one standby, for
+///   its favourite partition, which announces it.
 pub(crate) fn plan(
     me: &str,
     view: &GroupView,
     held: &BTreeSet<u32>,
     standing: &BTreeSet<u32>,
+    settled: bool,
 ) -> Plan {
     let n = view.partitions.len();
     let mut members = view.members.clone();
@@ -153,6 +158,14 @@ pub(crate) fn plan(
         }
     }
     eligible.sort();
+    // While members are still joining (the snapshot shows one that the
+    // previous one did not), the share is about to come down: a member
+    // keeps the standbys it has but starts none, so that members started
+    // together do not each win more than their final share and then hand
+    // the rest over one by one.
+    if !settled {
+        eligible.retain(|e| standing.contains(&e.3));
+    }
     let mut desired: BTreeSet<u32> = eligible.iter().take(capacity).map(|e| e.3).collect();
     // A member that holds nothing and finds nothing to take (or announces
     // itself) stands for its favourite partition all the same: its
@@ -183,7 +196,7 @@ mod tests {
         // they count (2 members): the third, not counted yet, has nothing
         // to take but stands for one partition all the same.
         let v = view(&[Some("a"), Some("b")], &["a", "b"]);
-        let p = plan("c", &v, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan("c", &v, &BTreeSet::new(), &BTreeSet::new(), true);
         assert_eq!(p.stand.len(), 1, "{p:?}");
         assert!(p.resign.is_empty());
         // Still standing for it at the next read: no churn.
@@ -192,6 +205,7 @@ mod tests {
             &v,
             &BTreeSet::new(),
             &p.stand.iter().copied().collect(),
+            true,
         );
         assert!(
             again.stand.is_empty() && again.unstand.is_empty(),
@@ -200,7 +214,9 @@ mod tests {
         // A member that holds something does not.
         let held: BTreeSet<u32> = [0].into();
         let v = view(&[None, Some("b")], &["a", "b"]);
-        assert!(plan("a", &v, &held, &BTreeSet::new()).stand.is_empty());
+        assert!(plan("a", &v, &held, &BTreeSet::new(), true)
+            .stand
+            .is_empty());
     }
 
     fn view(holders: &[Option<&str>], members: &[&str]) -> GroupView {
@@ -231,7 +247,7 @@ mod tests {
     #[test]
     fn an_empty_group_is_stood_for_up_to_the_share() {
         let v = view(&[None; 12], &["a", "b", "c"]);
-        let p = plan("a", &v, &set(&[]), &set(&[]));
+        let p = plan("a", &v, &set(&[]), &set(&[]), true);
         assert_eq!(p.share, 4);
         assert_eq!(p.stand.len(), 4);
         assert!(p.unstand.is_empty() && p.resign.is_empty());
@@ -240,7 +256,7 @@ mod tests {
     #[test]
     fn a_member_unknown_to_the_snapshot_counts_itself() {
         let v = view(&[Some("a"); 4], &["a"]);
-        let p = plan("new", &v, &set(&[]), &set(&[]));
+        let p = plan("new", &v, &set(&[]), &set(&[]), true);
         assert_eq!((p.members, p.share), (2, 2));
         // Not live in the snapshot yet: it announces itself with one
         // standby before it campaigns for its share.
@@ -248,7 +264,13 @@ mod tests {
         // Once the snapshot shows it: a leads 4 > 2, two of them are worth
         // standing for (the announcing standby among them).
         let v = view(&[Some("a"); 4], &["a", "new"]);
-        let again = plan("new", &v, &set(&[]), &p.stand.iter().copied().collect());
+        let again = plan(
+            "new",
+            &v,
+            &set(&[]),
+            &p.stand.iter().copied().collect(),
+            true,
+        );
         assert_eq!(again.share, 2);
         assert_eq!(again.stand.len(), 1, "{again:?}");
         assert!(again.unstand.is_empty(), "{again:?}");
@@ -260,7 +282,11 @@ mod tests {
         // only itself (share 100) but stands for one partition, not 100.
         let v = view(&[None; 100], &[]);
         let total: usize = (0..100)
-            .map(|i| plan(&format!("m{i}"), &v, &set(&[]), &set(&[])).stand.len())
+            .map(|i| {
+                plan(&format!("m{i}"), &v, &set(&[]), &set(&[]), true)
+                    .stand
+                    .len()
+            })
             .sum();
         assert_eq!(total, 100);
         // One read later they count each other: share 1, one standby each.
@@ -268,9 +294,25 @@ mod tests {
         let all: Vec<&str> = names.iter().map(String::as_str).collect();
         let v = view(&[None; 100], &all);
         for m in &all {
-            let p = plan(m, &v, &set(&[]), &set(&[]));
+            let p = plan(m, &v, &set(&[]), &set(&[]), true);
             assert_eq!((p.share, p.stand.len()), (1, 1), "{m}: {p:?}");
         }
+    }
+
+    #[test]
+    fn while_members_join_a_member_starts_no_new_standby() {
+        // a and b live, 10 partitions unled: share 5.
+        let v = view(&[None; 10], &["a", "b"]);
+        let settled = plan("a", &v, &set(&[]), &set(&[]), true);
+        assert_eq!(settled.stand.len(), 5, "{settled:?}");
+        // b just appeared: a announces itself with one standby only...
+        let joining = plan("a", &v, &set(&[]), &set(&[]), false);
+        assert_eq!(joining.stand.len(), 1, "{joining:?}");
+        // ...keeps the standbys it has, and one that holds starts none.
+        let kept = plan("a", &v, &set(&[]), &set(&[3, 4]), false);
+        assert!(kept.stand.is_empty() && kept.unstand.is_empty(), "{kept:?}");
+        let holding = plan("a", &v, &set(&[0]), &set(&[]), false);
+        assert!(holding.stand.is_empty(), "{holding:?}");
     }
 
     #[test]
@@ -281,7 +323,7 @@ mod tests {
             h.extend([Some(m); 4]);
         }
         let v = view(&h, &["a", "b", "c", "d"]);
-        let p = plan("d", &v, &set(&[]), &set(&[]));
+        let p = plan("d", &v, &set(&[]), &set(&[]), true);
         assert_eq!(p.share, 3);
         assert_eq!(p.stand.len(), 3);
         let owners: BTreeSet<_> = p.stand.iter().map(|&x| h[x as usize].unwrap()).collect();
@@ -293,15 +335,15 @@ mod tests {
         let mut v = view(&[Some("a"); 4], &["a", "b"]);
         let held = set(&[0, 1, 2, 3]);
         // Nobody waits: keep everything.
-        assert!(plan("a", &v, &held, &set(&[])).resign.is_empty());
+        assert!(plan("a", &v, &held, &set(&[]), true).resign.is_empty());
         // b waits for 2 (and a dead member for 3): hand over 2 only.
         v.partitions[2].ready = vec!["b".into(), "a".into()];
         v.partitions[3].ready = vec!["ghost".into()];
-        let p = plan("a", &v, &held, &set(&[]));
+        let p = plan("a", &v, &held, &set(&[]), true);
         assert_eq!(p.resign, vec![2]);
         v.partitions[1].ready = vec!["b".into()];
         v.partitions[0].ready = vec!["b".into()];
-        assert_eq!(plan("a", &v, &held, &set(&[])).resign.len(), 2);
+        assert_eq!(plan("a", &v, &held, &set(&[]), true).resign.len(), 2);
     }
 
     #[test]
@@ -314,10 +356,10 @@ mod tests {
         let mut v = view(&h, &["a", "b", "c"]);
         v.partitions[0].ready = vec!["b".into()];
         let held = set(&[0, 1, 2, 3]);
-        assert!(plan("a", &v, &held, &set(&[])).resign.is_empty());
+        assert!(plan("a", &v, &held, &set(&[]), true).resign.is_empty());
         // c, under its share, waits for 1: that one goes.
         v.partitions[1].ready = vec!["c".into()];
-        assert_eq!(plan("a", &v, &held, &set(&[])).resign, vec![1]);
+        assert_eq!(plan("a", &v, &held, &set(&[]), true).resign, vec![1]);
     }
 
     #[test]
@@ -326,7 +368,7 @@ mod tests {
             &[Some("a"), Some("a"), Some("dead"), Some("dead")],
             &["a", "b"],
         );
-        let p = plan("b", &v, &set(&[]), &set(&[]));
+        let p = plan("b", &v, &set(&[]), &set(&[]), true);
         assert_eq!(p.stand, vec![2, 3]);
     }
 
@@ -334,7 +376,7 @@ mod tests {
     fn standing_and_held_never_exceed_the_share() {
         let v = view(&[None; 10], &["a", "b", "c"]);
         let held = set(&[0, 1]);
-        let p = plan("a", &v, &held, &set(&[5, 6, 7]));
+        let p = plan("a", &v, &held, &set(&[5, 6, 7]), true);
         // share 4, held 2: two standbys, current ones kept first.
         let after: BTreeSet<u32> = set(&[5, 6, 7])
             .difference(&p.unstand.iter().copied().collect())
@@ -349,7 +391,7 @@ mod tests {
     #[test]
     fn members_at_their_share_are_left_alone() {
         let v = view(&[Some("a"), Some("a"), Some("b"), Some("b")], &["a", "b"]);
-        let p = plan("a", &v, &set(&[0, 1]), &set(&[]));
+        let p = plan("a", &v, &set(&[0, 1]), &set(&[]), true);
         assert_eq!(
             p,
             Plan {
