@@ -141,9 +141,18 @@ impl Fleet {
         let t0 = Instant::now();
         let share = (self.partitions as usize).div_ceil(self.members.len());
         let mut doubles = 0;
+        let mut said = t0;
         loop {
             let (once, twice, most) = self.census();
             doubles += twice;
+            if said.elapsed() >= Duration::from_secs(1) {
+                said = Instant::now();
+                eprintln!(
+                    "partitions: {:5.1} s: {once} of {} led once, {twice} twice, most held {most} (share {share})",
+                    t0.elapsed().as_secs_f64(),
+                    self.partitions
+                );
+            }
             if once == self.partitions as usize && twice == 0 && most <= share {
                 return Ok((t0.elapsed().as_secs_f64(), doubles));
             }
@@ -185,6 +194,18 @@ async fn measure(
         .await
         .map_err(|e| e.to_string())?;
     tokio::spawn(conn);
+    // The kit's PgBouncer takes 500 clients; each member has two (its
+    // lease client and its reading client).
+    let (pgb, conn) = tokio_postgres::connect(&bouncer.url("pgbouncer"), tokio_postgres::NoTls)
+        .await
+        .map_err(|e| e.to_string())?;
+    tokio::spawn(conn);
+    pgb.simple_query(&format!(
+        "SET max_client_conn = {}",
+        2 * (o.members + o.joins) + 100
+    ))
+    .await
+    .map_err(|e| format!("cannot raise PgBouncer's max_client_conn: {e}"))?;
     let pooled = ConnectOptions::from_url(&bouncer.url("postgres")).map_err(|e| e.to_string())?;
     let ttl = Duration::from_secs_f64(o.ttl);
     let mut fleet = Fleet {
