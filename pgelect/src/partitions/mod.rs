@@ -27,8 +27,10 @@
 //!
 //! Every member rebalances on its own, from one statement that reads the
 //! group's leader rows and its live members (every `rebalance_every`, 1 s
-//! by default, at once after its own gains and losses and on a release
-//! `NOTIFY` of one of the group's roles):
+//! by default, while anything changes; after each read that changed
+//! nothing twice as long, up to 4 × `rebalance_every`, shortened at random
+//! by up to a quarter; at once after its own gains and losses and on a
+//! release `NOTIFY` of one of the group's roles):
 //!
 //! * **Live members** `M` are counted from what another database user
 //!   cannot forge: nodes with a row in the candidate registry
@@ -172,9 +174,11 @@ impl PartitionGroupBuilder {
         self
     }
 
-    /// How often the member reads the group and rebalances (also at once
-    /// after its own gains and losses and on a release `NOTIFY` of the
-    /// group). Default: `1s`.
+    /// How often the member reads the group and rebalances while anything
+    /// changes (also at once after its own gains and losses and on a
+    /// release `NOTIFY` of the group); a member whose reads change nothing
+    /// reads half as often after each, down to once every 4 ×
+    /// `rebalance_every`. Default: `1s`.
     pub fn rebalance_every(mut self, every: Duration) -> Self {
         self.rebalance_every = every;
         self
