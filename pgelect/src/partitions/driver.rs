@@ -289,7 +289,8 @@ pub(super) async fn run(
 
 /// When the member reads the group next: every `rebalance_every` while
 /// anything changes; after each read that changed nothing (no gain, loss,
-/// wake, new or missing member, nor anything to start, stop or hand over)
+/// wake, new or missing member, nor anything to start, stop or hand over,
+/// and the member not over its share)
 /// twice as long, up to [`QUIET_READS_AT_MOST`] times `rebalance_every`;
 /// each interval shortened by up to a quarter at random, so that the
 /// members' reads spread out. A balanced group of 300 members read the
@@ -465,7 +466,10 @@ impl Driver {
         view.members
             .extend(std::mem::replace(&mut self.others, others));
         let plan = plan(&self.config.member, &view, &held, &standing, settled);
+        // A member over its share waits for standbys to hand over to: it
+        // keeps looking at `rebalance_every`.
         let quiet = same_members
+            && held.len() <= plan.share
             && plan.stand.is_empty()
             && plan.unstand.is_empty()
             && plan.resign.is_empty();
