@@ -333,7 +333,7 @@ async fn registered(c: &tokio_postgres::Client, ttl: f64) -> Result<i64, String>
 
 /// The size of one of pgelect's tables with its indexes, and its tuples.
 #[derive(Clone, Debug)]
-struct TableSize {
+pub(crate) struct TableSize {
     table: String,
     table_bytes: i64,
     index_bytes: i64,
@@ -343,7 +343,7 @@ struct TableSize {
 
 /// Every table of the `pgelect` schema: heap and index bytes, live and
 /// dead tuples (the statistics collector's counts, a moment behind).
-async fn sizes(c: &tokio_postgres::Client) -> Result<Vec<TableSize>, String> {
+pub(crate) async fn sizes(c: &tokio_postgres::Client) -> Result<Vec<TableSize>, String> {
     let rows = c
         .query(
             "SELECT relname::text, pg_relation_size(relid)::int8, pg_indexes_size(relid)::int8,
@@ -365,7 +365,7 @@ async fn sizes(c: &tokio_postgres::Client) -> Result<Vec<TableSize>, String> {
         .collect())
 }
 
-fn sizes_json(sizes: &[TableSize]) -> serde_json::Value {
+pub(crate) fn sizes_json(sizes: &[TableSize]) -> serde_json::Value {
     sizes
         .iter()
         .map(|t| {
@@ -381,6 +381,29 @@ fn sizes_json(sizes: &[TableSize]) -> serde_json::Value {
         })
         .collect::<serde_json::Map<_, _>>()
         .into()
+}
+
+/// The table of pgelect's tables at a window's start and end.
+pub(crate) fn print_sizes(sizes_start: &[TableSize], sizes_end: &[TableSize]) {
+    println!(
+        "{:<24} {:>26} {:>26} {:>16}",
+        "pgelect table", "heap kB, start -> end", "indexes kB, start -> end", "dead tuples, end"
+    );
+    for end in sizes_end {
+        let start = sizes_start.iter().find(|t| t.table == end.table);
+        let kb = |b: i64| b as f64 / 1024.0;
+        let pair = |a: Option<i64>, b: i64| match a {
+            Some(a) => format!("{:.0} -> {:.0}", kb(a), kb(b)),
+            None => format!("- -> {:.0}", kb(b)),
+        };
+        println!(
+            "{:<24} {:>26} {:>26} {:>16}",
+            end.table,
+            pair(start.map(|t| t.table_bytes), end.table_bytes),
+            pair(start.map(|t| t.index_bytes), end.index_bytes),
+            format!("{} ({} live)", end.dead, end.live)
+        );
+    }
 }
 
 async fn measure(
@@ -680,28 +703,7 @@ async fn measure(
             println!("{k:<44} {v}");
         }
         println!();
-        println!(
-            "{:<24} {:>26} {:>26} {:>16}",
-            "pgelect table",
-            "heap kB, start -> end",
-            "indexes kB, start -> end",
-            "dead tuples, end"
-        );
-        for end in &sizes_end {
-            let start = sizes_start.iter().find(|t| t.table == end.table);
-            let kb = |b: i64| b as f64 / 1024.0;
-            let pair = |a: Option<i64>, b: i64| match a {
-                Some(a) => format!("{:.0} -> {:.0}", kb(a), kb(b)),
-                None => format!("- -> {:.0}", kb(b)),
-            };
-            println!(
-                "{:<24} {:>26} {:>26} {:>16}",
-                end.table,
-                pair(start.map(|t| t.table_bytes), end.table_bytes),
-                pair(start.map(|t| t.index_bytes), end.index_bytes),
-                format!("{} ({} live)", end.dead, end.live)
-            );
-        }
+        print_sizes(&sizes_start, &sizes_end);
         println!();
     }
     figures.attach(&mut line);

@@ -236,12 +236,14 @@ async fn measure(
     );
 
     // Steady state.
+    let sizes_start = crate::fleet::sizes(&admin).await?;
     let (x0, w0) = crate::fleet::counters(&admin).await?;
     let cpu0 = postmaster.map(crate::fleet::tree_cpu_s);
     let w = Instant::now();
     tokio::time::sleep(Duration::from_secs_f64(o.window)).await;
     let secs = w.elapsed().as_secs_f64();
     let (x1, w1) = crate::fleet::counters(&admin).await?;
+    let sizes_end = crate::fleet::sizes(&admin).await?;
     let cpu1 = postmaster.map(crate::fleet::tree_cpu_s);
     let server_cpu = match (cpu0, cpu1) {
         (Some(a), Some(b)) => Some((b - a) / secs * 100.0),
@@ -312,6 +314,9 @@ async fn measure(
         println!("server CPU (steady)                     {c:.1} % of one core");
     }
     println!("partitions held twice at once (20 ms)   {doubles}");
+    println!();
+    println!("over the steady window ({:.0} s):", o.window);
+    crate::fleet::print_sizes(&sizes_start, &sizes_end);
     let s = |k: &str| format!("partitions/{}x{}/{k}", o.members, o.partitions);
     rows.push(&s("start"), "seconds", round2(start), "s");
     rows.push(&s("after-kill"), "seconds", round2(after_kill), "s");
@@ -336,6 +341,11 @@ async fn measure(
             "partitions": o.partitions,
             "ttl_s": o.ttl,
             "start_rate_per_s": o.start_rate,
+            "window_s": o.window,
+            "pgelect_tables": {
+                "window_start": crate::fleet::sizes_json(&sizes_start),
+                "window_end": crate::fleet::sizes_json(&sizes_end),
+            },
         });
         rows.attach(&mut line);
         println!("{line}");
