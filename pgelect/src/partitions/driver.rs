@@ -290,11 +290,11 @@ pub(super) async fn run(
 /// When the member reads the group next: every `rebalance_every` while
 /// anything changes; after each read that changed nothing (no gain, loss,
 /// wake, new or missing member, nor anything to start, stop or hand over,
-/// and the member not over its share)
-/// twice as long, up to [`QUIET_READS_AT_MOST`] times `rebalance_every`;
-/// each interval shortened by up to a quarter at random, so that the
-/// members' reads spread out. A balanced group of 300 members read the
-/// group 300 times a second, most of the server's work.
+/// and the member not over its share) twice as long, up to
+/// [`QUIET_READS_AT_MOST`] times `rebalance_every`; each interval
+/// shortened by up to a quarter at random, so that the members' reads
+/// spread out. A balanced group of 300 members read the group 300 times a
+/// second, most of the server's work.
 struct Cadence {
     base: Duration,
     every: Duration,
@@ -304,7 +304,7 @@ struct Cadence {
 /// How many times `rebalance_every` a quiet member waits at most between
 /// two reads: what a dead member's partitions may wait, after their
 /// leases ran out, for a member to notice them (at most 4 s by default).
-pub(super) const QUIET_READS_AT_MOST: u32 = 4;
+const QUIET_READS_AT_MOST: u32 = 4;
 
 impl Cadence {
     fn new(base: Duration) -> Cadence {
