@@ -31,7 +31,7 @@ use super::{Carrier, Config, HeldPartition, PartitionEvent};
 /// * lease backend (no server session to check): a registration seen
 ///   within its own TTL (a standby's polls refresh it every half TTL;
 ///   ready), and a leader while its lease runs (a leader does not poll).
-fn read_sql(s: &str) -> String {
+pub(super) fn read_sql(s: &str) -> String {
     // `n`: the partition count a member's registration declares (set by
     // the group on its electors' meta), `since`: when it registered.
     let declared = format!(

@@ -142,6 +142,14 @@ pub fn partition_role(group: &str, partition: u32) -> String {
     format!("{group}/{partition}")
 }
 
+/// The statement each member reads its group with (`$1` the group's
+/// roles in partition order, `$2` the member, `$3` its partition count),
+/// for the plan test (`election::plans`); not part of the API.
+#[doc(hidden)]
+pub fn group_read_sql(schema: &crate::schema::SchemaName) -> String {
+    driver::read_sql(schema.as_str())
+}
+
 type Configure = Arc<dyn Fn(ElectorBuilder) -> ElectorBuilder + Send + Sync>;
 
 /// Builds a [`PartitionGroup`]; see [`PartitionGroup::builder`].
