@@ -628,6 +628,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn quiet_reads_slow_down_to_four_intervals_and_any_change_restores_the_pace() {
+        let base = Duration::from_secs(1);
+        let mut c = Cadence::new(base);
+        let mut seen = Vec::new();
+        for quiet in [true, true, true, true, false, true] {
+            let before = tokio::time::Instant::now();
+            c.after(quiet);
+            // Shortened by at most a quarter, never lengthened (beyond the
+            // time this test takes between its clock and the cadence's).
+            let wait = c.next - before;
+            assert!(
+                wait <= c.every + Duration::from_millis(100) && wait >= c.every * 3 / 4,
+                "{wait:?} of {:?}",
+                c.every
+            );
+            seen.push(c.every.as_secs());
+        }
+        assert_eq!(seen, [2, 4, 4, 4, 1, 2]);
+    }
+
+    #[test]
     fn the_read_only_reads() {
         let sql = read_sql("pgelect").to_lowercase();
         for w in [
