@@ -162,7 +162,7 @@ impl Drop for Fleet {
 /// with a `SET` of its own, whenever the two differ: with a name per
 /// member (pgelect's default, `pgelect:lease:<role>:<node>`), every
 /// statement through a transaction pool cost the server a second one.
-fn with_application_name(url: &str) -> String {
+pub(crate) fn with_application_name(url: &str) -> String {
     let sep = if url.contains('?') { '&' } else { '?' };
     format!("{url}{sep}application_name=pgelect-fleet")
 }

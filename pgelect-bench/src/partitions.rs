@@ -12,6 +12,9 @@
 //! joining (clean handoffs). Throughout, every 20 ms, no partition may be
 //! held by two members at once (`held()`, which a member updates before it
 //! releases and after it wins): a violation is counted and reported.
+//! The members share one `application_name` (`--own-application-names`:
+//! pgelect's default name per client, for which PgBouncer sends the server
+//! a `SET application_name` before most transactions).
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -33,6 +36,10 @@ struct Options {
     joins: usize,
     /// Members started per second at the cold start (0: all at once).
     start_rate: f64,
+    /// pgelect's default `application_name` per client instead of one for
+    /// all (for which PgBouncer sends the server a `SET` before most
+    /// transactions).
+    own_names: bool,
     json: bool,
 }
 
@@ -45,6 +52,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
         kills: 10,
         joins: 10,
         start_rate: 0.0,
+        own_names: false,
         json: false,
     };
     let mut it = args.iter();
@@ -58,6 +66,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
             "--kills" => o.kills = number("--kills", 0.0)? as usize,
             "--joins" => o.joins = number("--joins", 0.0)? as usize,
             "--start-rate" => o.start_rate = number("--start-rate", 0.0)?,
+            "--own-application-names" => o.own_names = true,
             "--json" => o.json = true,
             other => return Err(format!("partitions: unknown option {other:?}")),
         }
@@ -206,7 +215,14 @@ async fn measure(
     ))
     .await
     .map_err(|e| format!("cannot raise PgBouncer's max_client_conn: {e}"))?;
-    let pooled = ConnectOptions::from_url(&bouncer.url("postgres")).map_err(|e| e.to_string())?;
+    // One `application_name` for all, as the book advises for fleets
+    // through a pooler.
+    let pooled_url = if o.own_names {
+        bouncer.url("postgres")
+    } else {
+        crate::fleet::with_application_name(&bouncer.url("postgres"))
+    };
+    let pooled = ConnectOptions::from_url(&pooled_url).map_err(|e| e.to_string())?;
     let ttl = Duration::from_secs_f64(o.ttl);
     let mut fleet = Fleet {
         options: pooled,
@@ -288,10 +304,11 @@ async fn measure(
 
     let machine = crate::cli_handoff::machine();
     println!(
-        "partitions: {} members, {} partitions, lease backend through PgBouncer (transaction mode), ttl {} s, looks every ttl, started {}; {machine}",
+        "partitions: {} members, {} partitions, lease backend through PgBouncer (transaction mode), ttl {} s, looks every ttl, application_name {}, started {}; {machine}",
         o.members,
         o.partitions,
         o.ttl,
+        if o.own_names { "one per client" } else { "one for all" },
         if o.start_rate > 0.0 { format!("{} a second", o.start_rate) } else { "all at once".to_owned() }
     );
     println!("phase                                   value");
@@ -341,6 +358,7 @@ async fn measure(
             "partitions": o.partitions,
             "ttl_s": o.ttl,
             "start_rate_per_s": o.start_rate,
+            "application_name": if o.own_names { "one per client" } else { "one for all" },
             "window_s": o.window,
             "pgelect_tables": {
                 "window_start": crate::fleet::sizes_json(&sizes_start),
