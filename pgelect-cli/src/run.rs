@@ -24,8 +24,10 @@ pub struct RunArgs {
     /// handed over to another member gets SIGTERM (SIGKILL after --grace)
     /// first; a command that exits by itself is started again after 1s.
     /// Both backends: with --backend lease a member is one client, which
-    /// may go through PgBouncer in transaction mode.
-    #[arg(long, value_name = "GROUP:N", conflicts_with_all = ["role", "metrics_addr", "retry_every", "listen_url", "listen_url_file", "on_exit"])]
+    /// may go through PgBouncer in transaction mode (and, with
+    /// --listen-url, one direct LISTEN connection, so that a partition
+    /// handed over is taken at once).
+    #[arg(long, value_name = "GROUP:N", conflicts_with_all = ["role", "metrics_addr", "retry_every", "on_exit"])]
     pub partitions: Option<String>,
     /// This candidate's name (default: <hostname>-<pid>-<random>).
     #[arg(long = "id", value_name = "NODE")]
@@ -307,26 +309,9 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
         check_name("--id", node)?;
     }
     let options = global.connect_options()?;
-    let listen_url = crate::cli::resolve_url(
-        args.listen_url.as_deref(),
-        "--listen-url",
-        args.listen_url_file.as_deref(),
-        "--listen-url-file",
-    )?;
+    let listen = listen_options(global, &args)?;
     let backend: BackendOptions = match args.backend {
         BackendArg::Session => {
-            if listen_url.is_some() {
-                if crate::cli::on_command_line("--listen-url")
-                    || crate::cli::on_command_line("--listen-url-file")
-                {
-                    return Err(Failure::new(
-                        exit::USAGE,
-                        "--listen-url is for --backend lease; the session backend listens on its own lock connection",
-                    ));
-                }
-                // From the environment, shared by candidates of both kinds.
-                tracing::info!("PGELECT_LISTEN_URL(_FILE) ignored: the session backend listens on its own lock connection");
-            }
             if args.retry_every.is_some() {
                 return Err(Failure::new(
                     exit::USAGE,
@@ -335,13 +320,7 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
             }
             args.session_options().into()
         }
-        BackendArg::Lease => {
-            let listen = match &listen_url {
-                Some(url) => Some(ConnectOptions::from_url(url)?.schema(&global.schema)?),
-                None => None,
-            };
-            args.lease_options(listen)?.into()
-        }
+        BackendArg::Lease => args.lease_options(listen)?.into(),
     };
     let mut builder = args.configure(Elector::builder(options.clone(), &role), backend);
     if let Some(node) = &args.node {
@@ -762,6 +741,40 @@ const PARTITION_TTL: Duration = pgelect::partitions::DEFAULT_TTL;
 /// when its partition is handed over, while a single command would have to
 /// be restarted (or told) at every change, stopping the work on every
 /// partition for the move of one.
+/// The direct connection the lease backend listens on (`--listen-url`,
+/// `--listen-url-file` or their environment variables). Refused on the
+/// command line for the session backend, which listens on its own lock
+/// connection; from the environment (shared by candidates of both kinds)
+/// ignored there.
+fn listen_options(global: &Global, args: &RunArgs) -> Result<Option<ConnectOptions>, Failure> {
+    let url = crate::cli::resolve_url(
+        args.listen_url.as_deref(),
+        "--listen-url",
+        args.listen_url_file.as_deref(),
+        "--listen-url-file",
+    )?;
+    let Some(url) = url else {
+        return Ok(None);
+    };
+    match args.backend {
+        BackendArg::Session => {
+            if crate::cli::on_command_line("--listen-url")
+                || crate::cli::on_command_line("--listen-url-file")
+            {
+                return Err(Failure::new(
+                    exit::USAGE,
+                    "--listen-url is for --backend lease; the session backend listens on its own lock connection",
+                ));
+            }
+            tracing::info!("PGELECT_LISTEN_URL(_FILE) ignored: the session backend listens on its own lock connection");
+            Ok(None)
+        }
+        BackendArg::Lease => Ok(Some(
+            ConnectOptions::from_url(&url)?.schema(&global.schema)?,
+        )),
+    }
+}
+
 async fn run_partitions(global: &Global, args: RunArgs, spec: &str) -> Result<u8, Failure> {
     use pgelect::{partitions::PartitionEvent, partitions::PartitionGroup};
     let (group_name, n) = crate::status::parse_partitions(spec)?;
@@ -807,6 +820,9 @@ async fn run_partitions(global: &Global, args: RunArgs, spec: &str) -> Result<u8
         });
     if let Some(node) = &args.node {
         builder = builder.member(node);
+    }
+    if let Some(listen) = listen_options(global, &args)? {
+        builder = builder.listen_via(listen);
     }
     let group = match builder.build() {
         Ok(g) => g,

@@ -291,3 +291,52 @@ async fn run_on_the_lease_backend_through_pgbouncer_spreads_partitions_over_proc
     }
     assert_eq!(files(&dir, "stop").len(), 6, "every command stopped");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_on_the_lease_backend_with_a_listen_url_listens_directly_and_hands_over() {
+    let cluster = tokio::task::spawn_blocking(Cluster::shared).await.unwrap();
+    let db = TestDb::on(cluster, "cli_partitions_listen").await;
+    let o = ConnectOptions::from_url(&db.url()).unwrap();
+    pgelect::migrate(&o).await.unwrap();
+    let bouncer = PgBouncer::start(cluster, PoolMode::Transaction).expect("pgbouncer starts");
+    let url = bouncer.url(db.name());
+    let dir = TempDir::new("cli_partitions_listen");
+    let direct = db.url();
+    let lease = ["--backend", "lease", "--listen-url", direct.as_str()];
+
+    let mut a = member_process_at(&url, &dir, "a", &lease);
+    wait_until("a runs 4 commands", Duration::from_secs(30), || async {
+        files(&dir, "run").len() == 4
+    })
+    .await;
+    let mut b = member_process_at(&url, &dir, "b", &lease);
+    let took = wait_until("b runs 2 commands", Duration::from_secs(30), || async {
+        files(&dir, "run").iter().filter(|(_, n)| n == "b").count() == 2
+    })
+    .await;
+    println!("lease with --listen-url, b joined: 2 commands moved to it after {took:?}");
+    moved_to_b_after_a_stopped(&dir);
+    // Each member holds a LISTEN on a direct connection (through the pooler
+    // in transaction mode it could not).
+    let admin = db.connect().await;
+    let listening: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND query ILIKE 'LISTEN%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(listening, 2, "direct LISTEN connections, one per member");
+    for m in [&mut a, &mut b] {
+        m.signal("TERM");
+        assert_eq!(
+            m.wait(Duration::from_secs(20)).await,
+            Some(0),
+            "{}",
+            m.output()
+        );
+    }
+    assert_eq!(files(&dir, "stop").len(), 6, "every command stopped");
+}
