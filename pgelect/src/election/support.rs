@@ -215,6 +215,12 @@ pub(crate) async fn sleep_until_woken(
 #[derive(Debug, Default)]
 pub(crate) struct Reconnect {
     failures: u32,
+    /// Whether a connection was ever made: the first failure before one
+    /// is a warning (a wrong URL, say a `--listen-url`, would otherwise
+    /// only degrade to polling without a word), later ones debug (an
+    /// outage the elector reports on its own).
+    connected_once: bool,
+    warned: bool,
 }
 
 impl Reconnect {
@@ -234,8 +240,9 @@ impl Reconnect {
     }
 
     /// Connects to `options`, retrying with backoff until it succeeds;
-    /// `None` once `stop` is cancelled. Failures are logged at debug level
-    /// as `what`'s.
+    /// `None` once `stop` is cancelled. Failures are logged as `what`'s:
+    /// the first one before any connection was made as a warning, the
+    /// others at debug level.
     pub(crate) async fn connect(
         &mut self,
         options: &ConnectOptions,
@@ -249,7 +256,14 @@ impl Reconnect {
                 c = options.connect(purpose) => c,
             };
             match conn {
-                Ok(conn) => return Some(conn),
+                Ok(conn) => {
+                    self.connected_once = true;
+                    return Some(conn);
+                }
+                Err(e) if !self.connected_once && !self.warned => {
+                    self.warned = true;
+                    tracing::warn!(error = %e, "{what} cannot connect; retrying with backoff (logged once, then at debug level)");
+                }
                 Err(e) => tracing::debug!(error = %e, "{what} cannot connect; retrying"),
             }
             self.failures = self.failures.saturating_add(1);
