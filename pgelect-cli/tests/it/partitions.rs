@@ -251,15 +251,43 @@ async fn run_starts_one_command_per_partition_held_and_hands_over() {
     assert!(r.stderr.contains("expected GROUP:N"), "{}", r.stderr);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn run_on_the_lease_backend_through_pgbouncer_spreads_partitions_over_processes() {
+/// A migrated database `name` with PgBouncer in transaction mode in
+/// front of it: the database, its direct options, the pooler (kept
+/// running while held), the pooled URL and a directory for the commands'
+/// files.
+async fn pooled_group(name: &str) -> (TestDb, ConnectOptions, PgBouncer, String, TempDir) {
     let cluster = tokio::task::spawn_blocking(Cluster::shared).await.unwrap();
-    let db = TestDb::on(cluster, "cli_partitions_lease").await;
+    let db = TestDb::on(cluster, name).await;
     let o = ConnectOptions::from_url(&db.url()).unwrap();
     pgelect::migrate(&o).await.unwrap();
     let bouncer = PgBouncer::start(cluster, PoolMode::Transaction).expect("pgbouncer starts");
     let url = bouncer.url(db.name());
-    let dir = TempDir::new("cli_partitions_lease");
+    let dir = TempDir::new(name);
+    (db, o, bouncer, url, dir)
+}
+
+/// SIGTERMs each member, which must exit 0, and checks that `stops`
+/// commands in all were stopped.
+async fn sigterm_and_every_command_stopped(
+    members: [&mut Background; 2],
+    dir: &TempDir,
+    stops: usize,
+) {
+    for m in members {
+        m.signal("TERM");
+        assert_eq!(
+            m.wait(Duration::from_secs(20)).await,
+            Some(0),
+            "{}",
+            m.output()
+        );
+    }
+    assert_eq!(files(dir, "stop").len(), stops, "every command stopped");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_on_the_lease_backend_through_pgbouncer_spreads_partitions_over_processes() {
+    let (_db, o, _bouncer, url, dir) = pooled_group("cli_partitions_lease").await;
     let lease = ["--backend", "lease"];
 
     let mut a = member_process_at(&url, &dir, "a", &lease);
@@ -280,27 +308,12 @@ async fn run_on_the_lease_backend_through_pgbouncer_spreads_partitions_over_proc
         .unwrap();
     assert_eq!(shown.members, vec!["a", "b"]);
     assert_eq!(shown.by_member()["b"], moved);
-    for m in [&mut a, &mut b] {
-        m.signal("TERM");
-        assert_eq!(
-            m.wait(Duration::from_secs(20)).await,
-            Some(0),
-            "{}",
-            m.output()
-        );
-    }
-    assert_eq!(files(&dir, "stop").len(), 6, "every command stopped");
+    sigterm_and_every_command_stopped([&mut a, &mut b], &dir, 6).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_on_the_lease_backend_with_a_listen_url_listens_directly_and_hands_over() {
-    let cluster = tokio::task::spawn_blocking(Cluster::shared).await.unwrap();
-    let db = TestDb::on(cluster, "cli_partitions_listen").await;
-    let o = ConnectOptions::from_url(&db.url()).unwrap();
-    pgelect::migrate(&o).await.unwrap();
-    let bouncer = PgBouncer::start(cluster, PoolMode::Transaction).expect("pgbouncer starts");
-    let url = bouncer.url(db.name());
-    let dir = TempDir::new("cli_partitions_listen");
+    let (db, _o, _bouncer, url, dir) = pooled_group("cli_partitions_listen").await;
     let direct = db.url();
     let lease = ["--backend", "lease", "--listen-url", direct.as_str()];
 
@@ -329,14 +342,5 @@ async fn run_on_the_lease_backend_with_a_listen_url_listens_directly_and_hands_o
         .unwrap()
         .get(0);
     assert_eq!(listening, 2, "direct LISTEN connections, one per member");
-    for m in [&mut a, &mut b] {
-        m.signal("TERM");
-        assert_eq!(
-            m.wait(Duration::from_secs(20)).await,
-            Some(0),
-            "{}",
-            m.output()
-        );
-    }
-    assert_eq!(files(&dir, "stop").len(), 6, "every command stopped");
+    sigterm_and_every_command_stopped([&mut a, &mut b], &dir, 6).await;
 }
