@@ -375,22 +375,47 @@ async fn the_admin_client_classifies_a_refused_login() {
 }
 
 /// Connecting never holds the caller's runtime: the password exchange
-/// (SCRAM hashes the password 4,096 times in one poll, about 70 ms in a
-/// debug build) runs off the runtime's workers. On a `current_thread`
-/// runtime a timer that ticks every 5 ms meanwhile is never late by more
-/// than a fraction of one connection's time; polled on the runtime, the
-/// exchange made it late by nearly a whole connection, at every one of
-/// them. So the test counts the ticks late by more than half the fastest
+/// (SCRAM hashes the password 4,096 times in one poll) runs off the
+/// runtime's workers. On a `current_thread` runtime a timer that ticks
+/// every 5 ms meanwhile is never late by more than a fraction of one
+/// connection's time; polled on the runtime, the exchange made it late by
+/// nearly a whole connection, at every one of them. So a round of four
+/// connections counts the ticks late by more than half the fastest
 /// connection: one is a loaded machine's scheduling (CI once saw a tick
 /// 7.3 ms late beside connections of 12.8 ms), one per connection is the
-/// runtime held. A leader's keeper and its deadline timer share the
-/// runtime with its reconnections.
+/// runtime held. On a fast machine (connections of 5.5 ms) under load,
+/// scheduling alone once made 2 and 4 ticks late in one round: the test
+/// takes up to three rounds and passes on the first with at most one late
+/// tick. A runtime held by the exchange makes every round fail. A
+/// leader's keeper and its deadline timer share the runtime with its
+/// reconnections.
 #[tokio::test]
 async fn connecting_does_not_hold_the_runtime() {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Arc;
     let db = TestDb::new("connect_off_workers").await;
     let o = options(&db);
+    let mut rounds = Vec::new();
+    for _ in 0..3 {
+        let (held, fastest, worst, ticks) = connect_beside_a_ticker(&o).await;
+        println!(
+            "fastest of 4 connections {fastest:?}; a 5 ms timer was late by at most {worst:?}; {} of {ticks} ticks late by half a connection or more",
+            held.len()
+        );
+        if held.len() <= 1 {
+            return;
+        }
+        rounds.push((held, fastest));
+    }
+    panic!(
+        "in each of 3 rounds a 5 ms timer was late by half a connection or more more than once while connecting (late ticks, fastest connection): {rounds:?}: the connection held the runtime"
+    );
+}
+
+/// Four connections with a 5 ms timer ticking beside them on the same
+/// runtime: the ticks late by half the fastest connection or more, the
+/// fastest connection, the latest tick and the number of ticks.
+async fn connect_beside_a_ticker(o: &ConnectOptions) -> (Vec<Duration>, Duration, Duration, usize) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
     let done = Arc::new(AtomicBool::new(false));
     let ticker = tokio::spawn({
         let done = done.clone();
@@ -407,23 +432,15 @@ async fn connecting_does_not_hold_the_runtime() {
     let mut fastest = Duration::MAX;
     for _ in 0..4 {
         let t = Instant::now();
-        let admin = AdminClient::connect(&o).await.expect("connect");
+        let admin = AdminClient::connect(o).await.expect("connect");
         fastest = fastest.min(t.elapsed());
         drop(admin);
     }
     done.store(true, Ordering::Relaxed);
     let late = ticker.await.unwrap();
     let worst = late.iter().max().copied().unwrap_or_default();
-    let held: Vec<_> = late.iter().filter(|l| **l >= fastest / 2).collect();
-    println!(
-        "fastest of 4 connections {fastest:?}; a 5 ms timer was late by at most {worst:?}; {} of {} ticks late by half a connection or more",
-        held.len(),
-        late.len()
-    );
-    assert!(
-        held.len() <= 1,
-        "a 5 ms timer was late by {held:?} while connecting (fastest connection {fastest:?}): the connection held the runtime"
-    );
+    let held: Vec<Duration> = late.iter().copied().filter(|l| *l >= fastest / 2).collect();
+    (held, fastest, worst, late.len())
 }
 
 /// A blocking pool taken up by the application's own work delays a
