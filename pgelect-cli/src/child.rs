@@ -42,8 +42,9 @@
 //! nothing written (the supervisor stopped standing, or died) ends the
 //! watcher without starting anything.
 //!
-//! Signals and `prctl` go through `nix` (safe wrappers); the one `unsafe`
-//! left is `pre_exec`, whose closure std cannot check.
+//! Signals and `prctl` go through `nix` (safe wrappers); the `unsafe`
+//! left is `pre_exec` (the watcher's signal mask, the command's death
+//! signal), whose closures std cannot check.
 
 use std::ffi::{OsStr, OsString};
 use std::io;
@@ -137,6 +138,58 @@ pub struct Spec<'a> {
 pub struct Child {
     watcher: tokio::process::Child,
     pid: u32,
+    _live: Live,
+}
+
+/// The watchers of this process that have not been reaped, by pid: what
+/// [`kill_orphans`] must leave alone (with everything below them) when
+/// another watcher dies. `pgelect run --partitions` runs a command per
+/// partition, each under a watcher of its own.
+static LIVE_WATCHERS: std::sync::Mutex<std::collections::BTreeSet<i32>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// A watcher's place in [`LIVE_WATCHERS`], from its start until its
+/// handle is dropped (or its death is handled: [`Child::wait`]).
+#[derive(Debug)]
+struct Live(i32);
+
+impl Live {
+    fn new(pid: u32) -> Live {
+        let pid = pid as i32;
+        live_watchers().insert(pid);
+        Live(pid)
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        live_watchers().remove(&self.0);
+    }
+}
+
+fn live_watchers() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<i32>> {
+    LIVE_WATCHERS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The signals a watcher handles ([`watch_main`]): blocked in it from its
+/// first instruction, set between fork and exec (a signal mask survives
+/// exec), so that one sent while it starts stays pending until its loop
+/// takes it, rather than killing it (a supervisor handing a partition
+/// over may stop a command it started a moment ago).
+fn watcher_signals() -> SigSet {
+    let mut mask = SigSet::empty();
+    for s in [
+        Signal::SIGCHLD,
+        Signal::SIGTERM,
+        Signal::SIGINT,
+        Signal::SIGHUP,
+        Signal::SIGUSR1,
+    ] {
+        mask.add(s);
+    }
+    mask
 }
 
 /// Starts the command under a watcher (see the module docs).
@@ -148,7 +201,11 @@ pub struct Child {
 /// message on standard error, as in a shell.
 pub fn spawn(spec: &Spec<'_>) -> Result<Child, Failure> {
     let (watcher, pid) = start_watcher(spec, &[])?;
-    Ok(Child { watcher, pid })
+    Ok(Child {
+        watcher,
+        pid,
+        _live: Live::new(pid),
+    })
 }
 
 /// A watcher started ahead of the command ([`arm`]), waiting for
@@ -157,6 +214,7 @@ pub fn spawn(spec: &Spec<'_>) -> Result<Child, Failure> {
 pub struct Armed {
     watcher: tokio::process::Child,
     pid: u32,
+    live: Live,
     /// The write end of the watcher's go pipe.
     go: std::fs::File,
 }
@@ -185,6 +243,7 @@ pub fn arm(spec: &Spec<'_>) -> Result<Armed, Failure> {
     Ok(Armed {
         watcher,
         pid,
+        live: Live::new(pid),
         go: std::fs::File::from(write),
     })
 }
@@ -209,9 +268,18 @@ impl Armed {
         // watcher that has died leaves no reader: EPIPE (Rust ignores
         // SIGPIPE).
         self.go.write_all(&go)?;
-        let Armed { watcher, pid, go } = self;
+        let Armed {
+            watcher,
+            pid,
+            live,
+            go,
+        } = self;
         drop(go);
-        Ok(Child { watcher, pid })
+        Ok(Child {
+            watcher,
+            pid,
+            _live: live,
+        })
     }
 }
 
@@ -241,6 +309,7 @@ fn start_watcher(spec: &Spec<'_>, extra: &[&str]) -> Result<(tokio::process::Chi
     for (k, v) in spec.env {
         cmd.env(k, v);
     }
+    block_in_watcher(&mut cmd);
     let watcher = cmd.spawn().map_err(|e| {
         Failure::new(
             exit::SOFTWARE,
@@ -249,6 +318,18 @@ fn start_watcher(spec: &Spec<'_>, extra: &[&str]) -> Result<(tokio::process::Chi
     })?;
     let pid = watcher.id().expect("BUG: a just-spawned child has a pid");
     Ok((watcher, pid))
+}
+
+/// Blocks [`watcher_signals`] in the watcher before it executes.
+#[allow(unsafe_code)]
+fn block_in_watcher(cmd: &mut Command) {
+    let mask = watcher_signals();
+    // SAFETY: the closure runs in the forked child before exec and makes
+    // one async-signal-safe system call (sigprocmask); it allocates
+    // nothing.
+    unsafe {
+        cmd.pre_exec(move || mask.thread_block().map_err(io::Error::from));
+    }
 }
 
 /// Makes this process a child subreaper, once: descendants of a watcher
@@ -282,6 +363,7 @@ impl Child {
                 signal,
                 "the process watcher was killed; the command died with it, and what it left in the background is killed now"
             );
+            live_watchers().remove(&(self.pid as i32));
             kill_orphans().await;
         }
         Ok(status)
@@ -344,12 +426,14 @@ impl Child {
     }
 }
 
-/// Kills every descendant of this process that is not a child tokio is
-/// waiting for, and reaps those re-parented here, for at most a second.
+/// Kills every descendant of this process but the live watchers and what
+/// runs under them (the other partitions' commands), and reaps those
+/// re-parented here, for at most a second.
 async fn kill_orphans() {
     let me = std::process::id() as i32;
     for _ in 0..100 {
-        let victims = descendants(me);
+        let spared: Vec<i32> = live_watchers().iter().copied().collect();
+        let victims = descendants_but(me, &spared);
         if victims.is_empty() {
             return;
         }
@@ -368,6 +452,12 @@ async fn kill_orphans() {
 /// Live (not zombie) descendants of `root` as (pid, parent pid), from
 /// `/proc/*/stat`.
 fn descendants(root: i32) -> Vec<(i32, i32)> {
+    descendants_but(root, &[])
+}
+
+/// [`descendants`], leaving out the processes `spared` and everything
+/// below them.
+fn descendants_but(root: i32, spared: &[i32]) -> Vec<(i32, i32)> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
@@ -402,7 +492,7 @@ fn descendants(root: i32) -> Vec<(i32, i32)> {
     while i < found.len() {
         let parent = found[i];
         for &(pid, ppid, dead) in &procs {
-            if ppid == parent && !found.contains(&pid) {
+            if ppid == parent && !found.contains(&pid) && !spared.contains(&pid) {
                 found.push(pid);
                 if !dead {
                     out.push((pid, ppid));
@@ -451,16 +541,9 @@ pub fn watch_main(args: &[OsString]) -> std::process::ExitCode {
     // Block first: until the loop below waits for them, these signals must
     // stay pending rather than kill the watcher. The mask is inherited
     // across fork and exec: the command gets an empty one (`die_with_parent`).
-    let mut mask = SigSet::empty();
-    for s in [
-        Signal::SIGCHLD,
-        Signal::SIGTERM,
-        Signal::SIGINT,
-        Signal::SIGHUP,
-        Signal::SIGUSR1,
-    ] {
-        mask.add(s);
-    }
+    // (Blocked already by the supervisor, between fork and exec: see
+    // `watcher_signals`. Again here for a watcher started otherwise.)
+    let mask = watcher_signals();
     if let Err(e) = mask.thread_block() {
         eprintln!("pgelect: watcher: cannot block signals: {e}");
         return ExitCode::from(exit::SOFTWARE);
@@ -698,6 +781,63 @@ fn die_with_parent(cmd: &mut std::process::Command) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_watcher_holds_a_signal_sent_while_it_starts() {
+        // What the supervisor does to the watcher before exec, on a shell
+        // that sends itself SIGTERM at once: the signal stays pending (the
+        // shell keeps the mask it was started with) instead of killing it.
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "kill -TERM $$; echo alive"])
+            .stdout(std::process::Stdio::piped());
+        block_in_watcher(&mut cmd);
+        let out = cmd.output().await.expect("run sh");
+        assert_eq!(out.status.signal(), None, "{:?}", out.status);
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "alive");
+    }
+
+    #[test]
+    fn the_orphans_to_kill_leave_out_the_live_watchers_and_their_commands() {
+        let spawn = || {
+            std::process::Command::new("sh")
+                .args(["-c", "sleep 30 & echo $!; wait"])
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .expect("spawn sh")
+        };
+        let grandchild = |c: &mut std::process::Child| {
+            let mut line = String::new();
+            std::io::BufRead::read_line(
+                &mut std::io::BufReader::new(c.stdout.take().unwrap()),
+                &mut line,
+            )
+            .unwrap();
+            line.trim().parse::<i32>().unwrap()
+        };
+        let (mut watched, mut orphan) = (spawn(), spawn());
+        let (under_watched, under_orphan) = (grandchild(&mut watched), grandchild(&mut orphan));
+        let live = Live::new(watched.id());
+        let me = std::process::id() as i32;
+        let victims: Vec<i32> = {
+            let spared: Vec<i32> = live_watchers().iter().copied().collect();
+            descendants_but(me, &spared)
+                .iter()
+                .map(|&(p, _)| p)
+                .collect()
+        };
+        drop(live);
+        let after: Vec<i32> = descendants_but(me, &[]).iter().map(|&(p, _)| p).collect();
+        for pid in [under_watched, under_orphan] {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+        let _ = (watched.wait(), orphan.wait());
+        assert!(!victims.contains(&(watched.id() as i32)), "{victims:?}");
+        assert!(!victims.contains(&under_watched), "{victims:?}");
+        assert!(victims.contains(&(orphan.id() as i32)), "{victims:?}");
+        assert!(victims.contains(&under_orphan), "{victims:?}");
+        // Unregistered, a watcher is a descendant like any other.
+        assert!(after.contains(&under_watched), "{after:?}");
+    }
 
     #[test]
     fn descendants_of_this_test_include_a_grandchild() {
