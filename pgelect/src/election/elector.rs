@@ -344,8 +344,11 @@ impl Elector {
             Backend::Lease => {
                 let own_client = lease_host.is_none();
                 let client = lease_host.unwrap_or_else(|| {
-                    SharedLease::own(&options, &role, &node)
-                        .claim(&role)
+                    let own = SharedLease::own(&options, &role, &node);
+                    if listen_via.is_some() {
+                        own.through_pooler();
+                    }
+                    own.claim(&role)
                         .expect("BUG: a new client carries no role yet")
                 });
                 PerBackend::Lease(LeaseState {

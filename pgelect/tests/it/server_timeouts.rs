@@ -704,7 +704,7 @@ async fn lock_timeout_fails_no_renewal_that_waits_for_a_fencing_transaction() {
                 .unwrap_or_else(|| panic!("{name} connected: {pids:?}"))
                 .0
         };
-        let (session_pid, lease_pid) = (pid_of("pgelect:s:a"), pid_of("pgelect:lease:l:a"));
+        let (session_pid, lease_pid) = (pid_of("pgelect:s:a"), pid_of("pgelect:lease"));
         // Each leader's application fences in transactions of 450 ms, 150 ms
         // apart, for 5 s: most renewals (every 500 ms) wait, and those that
         // start early in a transaction wait longer than 300 ms.

@@ -808,7 +808,7 @@ async fn lead_roles(
 /// Waits (bounded) until `b` listens on its own connection, named after
 /// the client, and has sent a statement.
 async fn until_listening(admin: &tokio_postgres::Client, b: &SharedLease) {
-    let listen_name = format!("{}-listen", b.application_name());
+    let listen_name = b.listen_application_name();
     pgelect_testkit::wait_until(
         "b's LISTEN connection, named after the client, and its first poll",
         Duration::from_secs(10),

@@ -54,6 +54,7 @@ impl SharedLease {
             .listen_via
             .lock()
             .unwrap_or_else(PoisonError::into_inner) = Some(options);
+        self.through_pooler();
         if self.inner.started.load(Ordering::Acquire) {
             self.start_listening();
         }

@@ -165,6 +165,10 @@ pub struct SharedLease {
     inner: Arc<Inner>,
 }
 
+/// The name (after `pgelect:`) of every lease client's connection that
+/// goes through a pooler (see [`SharedLease::application_name`]).
+const POOLED_NAME: &str = "lease";
+
 struct Inner {
     options: ConnectOptions,
     /// The connection's `application_name` without the `pgelect:` prefix:
@@ -206,6 +210,10 @@ struct Inner {
     /// Where the client listens for release announcements, if anywhere
     /// ([`SharedLease::listen_via`]).
     listen_via: Mutex<Option<ConnectOptions>>,
+    /// Whether the client's connection goes through a pooler, as a client
+    /// whose candidates listen on a direct connection does: it is then
+    /// named [`POOLED_NAME`] (see [`SharedLease::application_name`]).
+    pooled: AtomicBool,
     /// Set once the listening task runs.
     listening: AtomicBool,
     /// Early acquires brought by release announcements.
@@ -305,6 +313,7 @@ impl SharedLease {
                 functions: AtomicBool::new(false),
                 started: AtomicBool::new(false),
                 listen_via: Mutex::new(None),
+                pooled: AtomicBool::new(false),
                 listening: AtomicBool::new(false),
                 wakes: Mutex::new(Wakes::default()),
                 stop: CancellationToken::new(),
@@ -319,9 +328,49 @@ impl SharedLease {
 
     /// The `application_name` of the client's connection (unless the
     /// connection options set one): `pgelect:shared-lease:<8 hex digits>`,
-    /// unique per client.
+    /// unique per client (`pgelect:lease:<role>:<node>` for a candidate's
+    /// own client); `pgelect:lease`, the same for every client, once its
+    /// candidates listen on a direct connection
+    /// ([`listen_via`](SharedLease::listen_via), or
+    /// [`LeaseOptions::listen_via`](crate::election::LeaseOptions::listen_via)
+    /// for a candidate's own client).
+    ///
+    /// A client that listens elsewhere reaches the server through a pooler,
+    /// whose server connections serve every client in turn: PgBouncer sends
+    /// a `SET application_name` of its own before each statement it
+    /// forwards for a client named otherwise than the connection's previous
+    /// one, so a name per client costs the server a second statement for
+    /// most statements, and the name read on the server is only the last
+    /// client's anyway. Each client's direct `LISTEN` connection keeps a
+    /// name of its own (`pgelect:listen:<role>:<node>`, or
+    /// [`listen_application_name`](SharedLease::listen_application_name)),
+    /// where the server shows it truly.
     pub fn application_name(&self) -> String {
-        format!("pgelect:{}", self.purpose())
+        format!("pgelect:{}", self.connection_name())
+    }
+
+    /// The `application_name` of the client's direct `LISTEN` connection,
+    /// when it listens ([`listen_via`](SharedLease::listen_via); unless
+    /// those options set one): `pgelect:shared-lease:<8 hex digits>-listen`,
+    /// unique per client.
+    pub fn listen_application_name(&self) -> String {
+        format!("pgelect:{}-listen", self.purpose())
+    }
+
+    /// The connection's name without the `pgelect:` prefix (see
+    /// [`SharedLease::application_name`]).
+    fn connection_name(&self) -> String {
+        if self.inner.pooled.load(Ordering::Acquire) {
+            POOLED_NAME.to_owned()
+        } else {
+            self.purpose()
+        }
+    }
+
+    /// Marks the client's connection as going through a pooler: named
+    /// [`POOLED_NAME`] from its next connection on.
+    pub(crate) fn through_pooler(&self) {
+        self.inner.pooled.store(true, Ordering::Release);
     }
 
     /// The number of statements sent on the connection so far (renewals,
@@ -396,7 +445,7 @@ impl SharedLease {
         let operation = op.operation();
         let mut conn = inner.conn.lock().await;
         let open = async {
-            let c = inner.options.connect(&self.purpose()).await?;
+            let c = inner.options.connect(&self.connection_name()).await?;
             let (sigs, sources) = &inner.sql.check;
             let args: [(&(dyn ToSql + Sync), Type); 2] =
                 [(sigs, Type::TEXT_ARRAY), (sources, Type::TEXT_ARRAY)];
