@@ -13,8 +13,22 @@ use crate::run::{BackendArg, ProfileArg};
 #[derive(Debug, Args)]
 pub struct ChaosArgs {
     /// Supervisors standing at once (each a separate `pgelect run`).
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(3..=16))]
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(3..=16), conflicts_with = "partitions")]
     pub candidates: u8,
+    /// Instead of one role per backend: a partition group of N partitions
+    /// on the lease backend (`pgelect run --backend lease --partitions
+    /// GROUP:N`, through the pooler), --members supervisors, a worker per
+    /// partition led. Faults: kill, kill-many, stop, term,
+    /// pgbouncer-restart (the default set here; other kinds given with
+    /// --faults are reported skipped). Every rule is checked per partition,
+    /// and after each fault every partition must be led again within its
+    /// bound.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=4096), conflicts_with_all = ["backends", "python"])]
+    pub partitions: Option<u32>,
+    /// Members of the --partitions group (each a separate `pgelect run`).
+    /// Default: 20.
+    #[arg(long, value_name = "M", value_parser = clap::value_parser!(u16).range(2..=200), requires = "partitions")]
+    pub members: Option<u16>,
     /// How long faults are injected, per backend.
     #[arg(long, value_parser = crate::duration::parse_positive, default_value = "60s", value_name = "DURATION", allow_hyphen_values = true)]
     pub duration: Duration,
@@ -90,6 +104,10 @@ pub struct WorkerArgs {
     /// milliseconds (0: the server's).
     #[arg(long, default_value_t = 0)]
     pub idle_in_transaction_ms: u64,
+    /// How often it logs a `tick`, in milliseconds (a fenced write every
+    /// tenth).
+    #[arg(long, default_value_t = super::worker::TICK.as_millis() as u64)]
+    pub tick_ms: u64,
 }
 
 /// The timing the candidates run with (what `pgelect run` derives from
@@ -124,6 +142,8 @@ pub(super) fn backend_name(b: BackendArg) -> &'static str {
 pub(super) fn standard_timing(backend: BackendArg) -> pgelect::election::TimingReport {
     let args = ChaosArgs {
         candidates: 3,
+        partitions: None,
+        members: None,
         duration: Duration::from_secs(1),
         seed: None,
         ttl: Duration::from_secs(2),

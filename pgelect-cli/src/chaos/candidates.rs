@@ -104,6 +104,9 @@ pub(super) struct Run<'a> {
     pub(super) dir: PathBuf,
     pub(super) table: String,
     pub(super) next_id: u32,
+    /// A partition-group run's shape: `role` names the group, each
+    /// supervisor is a member running a worker per partition it leads.
+    pub(super) group: Option<super::group::Group>,
 }
 
 impl Run<'_> {
@@ -239,6 +242,11 @@ impl Run<'_> {
             ProfileArg::Fast => "fast",
         };
         let ttl_ms = self.args.ttl.as_millis().to_string();
+        let tick_ms = self
+            .group
+            .map_or(super::worker::TICK, |g| g.tick)
+            .as_millis()
+            .to_string();
         let log = self.dir.join(format!("{node}.log"));
         if self.args.python.is_some() {
             // The Python candidate: elector and worker in one process
@@ -256,18 +264,20 @@ impl Run<'_> {
                 cmd.arg("--listen-url-file").arg(direct);
             }
         } else {
-            cmd.args([
-                "run",
-                "--role",
-                &self.role,
-                "--id",
-                &node,
-                "--backend",
-                backend,
-            ])
-            .args(["--profile", profile, "--ttl"])
-            .arg(crate::duration::show(self.args.ttl))
-            .args(["--grace", "1s", "--pass-database-env"]);
+            match &self.group {
+                Some(g) => cmd.args([
+                    "run",
+                    "--partitions",
+                    &format!("{}:{}", self.role, g.partitions),
+                ]),
+                None => cmd.args(["run", "--role", &self.role]),
+            };
+            cmd.args(["--id", &node, "--backend", backend])
+                .args(["--profile", profile, "--ttl"])
+                .arg(crate::duration::show(self.args.ttl))
+                .arg("--grace")
+                .arg(crate::duration::show(super::faults::GRACE))
+                .arg("--pass-database-env");
             if let Some(direct) = &direct {
                 // LISTEN needs a session: directly, bypassing the pooler.
                 cmd.arg("--listen-url-file").arg(direct);
@@ -283,6 +293,8 @@ impl Run<'_> {
                     &self.table,
                     "--idle-in-transaction-ms",
                     &ttl_ms,
+                    "--tick-ms",
+                    &tick_ms,
                     "--log",
                 ])
                 .arg(&log)
@@ -371,7 +383,13 @@ impl Run<'_> {
         ])
         .arg(self.dir.join(format!("{ROGUE}.log")))
         .env("PGELECT_DATABASE_URL_FILE", self.url_file)
-        .env("PGELECT_ROLE", &self.role)
+        .env(
+            "PGELECT_ROLE",
+            match &self.group {
+                Some(_) => pgelect::partitions::partition_role(&self.role, 0),
+                None => self.role.clone(),
+            },
+        )
         .env("PGELECT_NODE", ROGUE)
         .env("PGELECT_TERM", "1")
         .stdin(Stdio::null())

@@ -1,8 +1,10 @@
 //! The workers' logs read back: one [`Event`] per line, the acting
 //! [`Interval`] of each worker process, and the overlaps between them.
 //!
-//! A line is `WHAT NODE TERM AT_NS PID`; `WHAT` is `start`, `tick`,
-//! `write:SEQ:ok|refused|failed` or `stop`.
+//! A line is `WHAT NODE TERM AT_NS PID ROLE`; `WHAT` is `start`, `tick`,
+//! `write:SEQ:ok|refused|failed` or `stop`. `ROLE` (the worker's
+//! `PGELECT_ROLE`: a partition's role in a partition-group run) may be
+//! missing (the Python candidate's lines): then the run's one role.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -18,6 +20,8 @@ pub(super) fn now_ns() -> u128 {
 #[derive(Clone, Debug)]
 pub(super) struct Event {
     pub(super) what: String,
+    /// The role the worker acted for; empty when the line did not say.
+    pub(super) role: String,
     pub(super) node: String,
     pub(super) term: i64,
     pub(super) at: u128,
@@ -37,27 +41,35 @@ pub(super) fn read_events(dir: &Path) -> Vec<Event> {
             continue;
         };
         for l in text.lines() {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            if let [what, node, term, at, pid] = f[..] {
-                if let (Ok(term), Ok(at), Ok(pid)) = (term.parse(), at.parse(), pid.parse()) {
-                    out.push(Event {
-                        what: what.to_owned(),
-                        node: node.to_owned(),
-                        term,
-                        at,
-                        pid,
-                    });
-                }
-            }
+            out.extend(parse_line(l));
         }
     }
     out.sort_by_key(|e| e.at);
     out
 }
 
+/// One log line as an event, if it is one.
+pub(super) fn parse_line(l: &str) -> Option<Event> {
+    let f: Vec<&str> = l.split_whitespace().collect();
+    let (what, node, term, at, pid, role) = match f[..] {
+        [what, node, term, at, pid] => (what, node, term, at, pid, ""),
+        [what, node, term, at, pid, role] => (what, node, term, at, pid, role),
+        _ => return None,
+    };
+    Some(Event {
+        what: what.to_owned(),
+        role: role.to_owned(),
+        node: node.to_owned(),
+        term: term.parse().ok()?,
+        at: at.parse().ok()?,
+        pid: pid.parse().ok()?,
+    })
+}
+
 /// A worker's acting interval.
 #[derive(Clone, Debug)]
 pub(super) struct Interval {
+    pub(super) role: String,
     pub(super) node: String,
     pub(super) term: i64,
     pub(super) pid: u32,
@@ -65,15 +77,17 @@ pub(super) struct Interval {
     pub(super) end: u128,
 }
 
-/// One interval per worker process. A worker is named by its supervisor's
-/// node, its term and its pid together: over a long run the kernel reuses
-/// pids (a soak merged a term-9 worker with a later one of the same pid
-/// into one interval 24 minutes long).
+/// One interval per worker process. A worker is named by its role, its
+/// supervisor's node, its term and its pid together: over a long run the
+/// kernel reuses pids (a soak merged a term-9 worker with a later one of
+/// the same pid into one interval 24 minutes long), and one supervisor of a
+/// partition group runs a worker per partition with terms of their own.
 pub(super) fn intervals(events: &[Event]) -> Vec<Interval> {
-    let mut by_worker: BTreeMap<(&str, i64, u32), Interval> = BTreeMap::new();
+    let mut by_worker: BTreeMap<(&str, &str, i64, u32), Interval> = BTreeMap::new();
     for e in events {
-        let key = (e.node.as_str(), e.term, e.pid);
+        let key = (e.role.as_str(), e.node.as_str(), e.term, e.pid);
         let i = by_worker.entry(key).or_insert_with(|| Interval {
+            role: e.role.clone(),
             node: e.node.clone(),
             term: e.term,
             pid: e.pid,
@@ -88,14 +102,15 @@ pub(super) fn intervals(events: &[Event]) -> Vec<Interval> {
     v
 }
 
-/// Every pair of acting intervals of different workers that overlap, the
-/// earlier-started first.
+/// Every pair of acting intervals of different workers of one role that
+/// overlap, the earlier-started first (`ivs` sorted by start). Workers of
+/// different roles (partitions) may act at once.
 pub(super) fn overlapping(ivs: &[Interval]) -> Vec<(&Interval, &Interval)> {
     let mut out = Vec::new();
     for (i, a) in ivs.iter().enumerate() {
         for b in ivs.iter().skip(i + 1) {
             let same = a.pid == b.pid && a.node == b.node && a.term == b.term;
-            if b.start < a.end && !same {
+            if b.start < a.end && !same && a.role == b.role {
                 out.push((a, b));
             }
         }
@@ -120,11 +135,18 @@ pub(super) fn moved_before(next: Option<&Event>, at: u128) -> Option<String> {
     ))
 }
 
-/// An event at `at_ms` milliseconds, for the tests.
+/// An event of the run's one role at `at_ms` milliseconds, for the tests.
 #[cfg(test)]
 pub(super) fn ev(what: &str, node: &str, term: i64, at_ms: u128, pid: u32) -> Event {
+    ev_of("", what, node, term, at_ms, pid)
+}
+
+/// An event of `role` at `at_ms` milliseconds, for the tests.
+#[cfg(test)]
+pub(super) fn ev_of(role: &str, what: &str, node: &str, term: i64, at_ms: u128, pid: u32) -> Event {
     Event {
         what: what.to_owned(),
+        role: role.to_owned(),
         node: node.to_owned(),
         term,
         at: at_ms * 1_000_000,

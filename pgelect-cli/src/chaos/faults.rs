@@ -9,7 +9,7 @@ use rand::Rng;
 
 use super::admin::terminate_backends;
 use super::candidates::{signal, Run, Supervisor};
-use super::events::{now_ns, Event};
+use super::events::Event;
 use super::{fail, PROMOTE_NEEDS_THROWAWAY};
 use crate::exit::Failure;
 use crate::run::BackendArg;
@@ -19,6 +19,12 @@ use crate::run::BackendArg;
 pub enum Fault {
     /// SIGKILL the leader's supervisor (a crash).
     Kill,
+    /// SIGKILL several members of a partition group at once (2 to a tenth
+    /// of them, at least 3): their partitions all unled together, the
+    /// others' shares grow. Partition-group runs only (--partitions); one
+    /// role has one leader, so elsewhere it is reported skipped.
+    #[value(name = "kill-many")]
+    KillMany,
     /// SIGSTOP the leader's supervisor and worker for 1.5 × the TTL, then
     /// SIGCONT (a pause: only the fence protects).
     Stop,
@@ -77,6 +83,7 @@ impl Fault {
     pub(super) fn name(self) -> &'static str {
         match self {
             Fault::Kill => "kill",
+            Fault::KillMany => "kill-many",
             Fault::Stop => "stop",
             Fault::Term => "term",
             Fault::Terminate => "terminate",
@@ -176,8 +183,8 @@ pub(super) fn bound(
         // The socket closes with the process (or the server ends it): the
         // lock is free at once; an unclean takeover waits the handover
         // delay.
-        (Fault::Kill | Fault::Terminate, Session) => t.handover_delay,
-        (Fault::Kill | Fault::Terminate, Lease) => lease_gone,
+        (Fault::Kill | Fault::KillMany | Fault::Terminate, Session) => t.handover_delay,
+        (Fault::Kill | Fault::KillMany | Fault::Terminate, Lease) => lease_gone,
         // Planned: the leader releases; a lease standby without LISTEN
         // polls within retry_every.
         (Fault::Term, Session) => Duration::ZERO,
@@ -254,11 +261,61 @@ pub(super) fn bound(
     mechanism + SLACK
 }
 
+/// How long after their last look at the group members of a partition
+/// group may take to stand for a partition that became unled, and to
+/// take it: a quiet member reads the group every 4 × `rebalance_every` at
+/// most (1 s: the library's default, which `pgelect run` keeps), one more
+/// read at the busy pace (a joining member, the replacement of one killed,
+/// unsettles the snapshot: no new standby until the next read), and the
+/// new standby's first look within `poll_interval` (1 s).
+pub(super) const REBALANCE_MARGIN: Duration = Duration::from_secs(4 + 1 + 1);
+
+/// The `--grace` chaos gives its supervisors: a command stopped for a
+/// handover gets SIGKILL this long after SIGTERM.
+pub(super) const GRACE: Duration = Duration::from_secs(1);
+
+/// In a partition-group run, the longest time from injecting `fault` until
+/// every partition it hit is led again (a worker of a newer term started,
+/// or, after a pooler restart that let a leader keep its term, that
+/// partition's next acknowledged fenced write): the mechanism plus
+/// [`REBALANCE_MARGIN`] and [`SLACK`]. `write_every`: the period of a
+/// worker's fenced writes.
+pub(super) fn group_bound(
+    fault: Fault,
+    t: &pgelect::election::TimingReport,
+    write_every: Duration,
+) -> Duration {
+    let lease_gone = t.ttl + Duration::from_millis(50);
+    let mechanism = match fault {
+        // The members' leases expire a ttl after their last renewal (a
+        // paused worker inside a fenced transaction holds its row until
+        // the server ends the session, idle_in_transaction = ttl, in the
+        // same time); their registrations are no longer fresh by then.
+        Fault::Kill | Fault::KillMany | Fault::Stop => lease_gone,
+        // The member stops its commands (SIGKILL after GRACE) and releases
+        // with NOTIFY: the others read the group at once (or, NOTIFY
+        // missed, at their next read).
+        Fault::Term => GRACE,
+        // The pooler is back within POOLER_RESTART; a leader that could not
+        // renew meanwhile has lost by lease_gone; a leader that kept its
+        // term shows it at its next write.
+        Fault::PgbouncerRestart => POOLER_RESTART.max(lease_gone) + write_every,
+        // Not drawn in a partition-group run (reported skipped): the one
+        // role's lease bound, never checked.
+        other => return bound(other, BackendArg::Lease, t),
+    };
+    mechanism + REBALANCE_MARGIN + SLACK
+}
+
+/// Why `kill-many` is skipped in a run of one role.
+pub(super) const KILL_MANY_NEEDS_GROUP: &str =
+    "one role has one leader: several members killed at once is the partition-group run's fault (--partitions)";
+
 /// What injecting a fault left to know.
 #[derive(Default)]
 pub(super) struct Effect {
-    /// For a pause: the frozen worker's pid and when it was continued.
-    pub(super) paused: Option<(u32, u128)>,
+    /// For a pause: the frozen leaders were continued.
+    pub(super) paused: bool,
     /// For a promotion: see [`Injected::unreplicated`].
     pub(super) unreplicated: Option<(u128, u128)>,
     /// Why the fault could not run here.
@@ -297,6 +354,7 @@ pub(super) async fn inject(
             run.retire(s);
             sups.push(run.spawn().await?);
         }
+        Fault::KillMany => effect.skipped = Some(KILL_MANY_NEEDS_GROUP.to_owned()),
         Fault::Term => {
             let mut s = sups.remove(i);
             signal(s.child.id(), nix::sys::signal::Signal::SIGTERM);
@@ -316,7 +374,7 @@ pub(super) async fn inject(
             tokio::time::sleep(args.ttl * 3 / 2).await;
             signal(sup, nix::sys::signal::Signal::SIGCONT);
             signal(Some(leader.pid), nix::sys::signal::Signal::SIGCONT);
-            effect.paused = Some((leader.pid, now_ns()));
+            effect.paused = true;
         }
         Fault::Blackhole | Fault::Latency => match &sups[i].proxies[..] {
             [] => {

@@ -2,16 +2,17 @@
 //! writes) judged against the safety properties and the bounds, on the
 //! histories alone (never the supervisors' state).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
 use super::admin::Admin;
 use super::args::timing;
 use super::candidates::Run;
-use super::events::{intervals, overlapping, read_events, Event};
+use super::events::{intervals, is_write_ok, overlapping, read_events, Event};
 use super::fail;
 use super::faults::{bound, Fault};
-use super::schedule::Injected;
+use super::group::Group;
+use super::schedule::{Hit, Injected};
 use crate::exit::Failure;
 use crate::run::BackendArg;
 
@@ -27,6 +28,10 @@ pub(super) struct Findings {
     pub(super) stale_at: Vec<(u128, usize)>,
     /// When each acknowledged but missing write was acknowledged.
     pub(super) lost_at: Vec<u128>,
+    /// Partition-group runs: when each fault after which a partition was
+    /// not led again in time came (or when a partition's unled stretch
+    /// over the longest bound began).
+    pub(super) unled_at: Vec<u128>,
     /// When each write that was acknowledged by a primary in its last
     /// moments and is missing on the promoted replica was acknowledged (not
     /// a violation: see [`promote`]).
@@ -59,6 +64,21 @@ impl Findings {
     }
 }
 
+/// A committed fenced write: role, node, term, seq.
+pub(super) type Committed = (String, String, i64, i64);
+
+impl Findings {
+    /// Partitions not led again in time, per fault kind (each counted at
+    /// the fault it followed).
+    pub(super) fn unled_by_fault(&self, injected: &[Injected], fault: Fault) -> usize {
+        let of = |t: u128| injected.iter().rev().find(|i| i.at <= t).map(|i| i.fault);
+        self.unled_at
+            .iter()
+            .filter(|&&t| of(t) == Some(fault))
+            .count()
+    }
+}
+
 /// Reads one backend's histories (the workers' logs, the table) and
 /// judges them.
 pub(super) async fn check(
@@ -66,54 +86,147 @@ pub(super) async fn check(
     admin: &Admin,
     injected: &[Injected],
 ) -> Result<Findings, Failure> {
-    let events = read_events(&run.dir);
+    let mut events = read_events(&run.dir);
+    for e in &mut events {
+        // A line that does not name its role is of the run's one role.
+        if e.role.is_empty() {
+            e.role.clone_from(&run.role);
+        }
+    }
     // Committed writes, in commit order (the id is drawn inside the
-    // transaction, after the fence, which holds the row against a bump).
+    // transaction, after the fence, which holds the row against a bump):
+    // the role's, or every partition's of the group it names.
     let rows = admin
         .get()
         .await?
         .query(
             &format!(
-                "SELECT node, term, seq FROM {} WHERE role = $1 ORDER BY id",
+                "SELECT role, node, term, seq FROM {} WHERE role = $1 OR left(role, length($1) + 1) = $1 || '/' ORDER BY id",
                 run.table
             ),
             &[&run.role],
         )
         .await
         .map_err(fail)?;
-    let committed: Vec<(String, i64, i64)> = rows
+    let committed: Vec<Committed> = rows
         .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
         .collect();
     let timing = timing(run.args, run.backend)?;
-    Ok(judge(&events, &committed, injected, run.backend, &timing))
+    Ok(judge(
+        &events,
+        &committed,
+        injected,
+        run.backend,
+        &timing,
+        run.group.as_ref(),
+    ))
 }
 
 /// The checker proper, on histories alone: the workers' events (sorted by
-/// time), the committed writes in commit order, the faults injected.
+/// time), the committed writes in commit order, the faults injected. Every
+/// rule holds per role: each partition of a group is an election of its
+/// own (`group`: the partition-group run's shape, `None` for one role).
 pub(super) fn judge(
     events: &[Event],
-    committed: &[(String, i64, i64)],
+    committed: &[Committed],
     injected: &[Injected],
     backend: BackendArg,
     timing: &pgelect::election::TimingReport,
+    group: Option<&Group>,
 ) -> Findings {
-    let mut f = Findings::default();
+    let mut f = Findings {
+        writes_committed: committed.len(),
+        ..Findings::default()
+    };
+    let mut by_role: BTreeMap<&str, (Vec<Event>, Vec<(String, i64, i64)>)> = BTreeMap::new();
+    for e in events {
+        by_role.entry(&e.role).or_default().0.push(e.clone());
+    }
+    for (role, node, term, seq) in committed {
+        by_role
+            .entry(role)
+            .or_default()
+            .1
+            .push((node.clone(), *term, *seq));
+    }
+    for (role, (events, committed)) in &by_role {
+        // Name the partition in what is found; one role needs no name.
+        let prefix = match group {
+            Some(_) => format!("{role}: "),
+            None => String::new(),
+        };
+        judge_role(role, &prefix, events, committed, injected, &mut f);
+    }
+    // After a promotion the promoted server must acknowledge writes again
+    // within the bound (a lease leader may keep its term: no new start).
+    for i in injected
+        .iter()
+        .filter(|i| i.skipped.is_none() && i.unreplicated.is_some())
+    {
+        let b = bound(i.fault, backend, timing);
+        match i.resumed {
+            Some(w) if Duration::from_nanos(w.saturating_sub(i.at) as u64) <= b => {}
+            Some(w) => f.violations.push(format!(
+                "{} on {} (term {}) at {}: the first write acknowledged afterwards came at {}, {} ms later, over the bound of {} ms",
+                i.fault.name(), i.node, i.term, i.at, w, w.saturating_sub(i.at) / 1_000_000, b.as_millis()
+            )),
+            None => f.violations.push(format!(
+                "{} on {} (term {}) at {}: no write was acknowledged within the bound of {} ms afterwards",
+                i.fault.name(), i.node, i.term, i.at, b.as_millis()
+            )),
+        }
+    }
+    match group {
+        Some(g) => led_again_in_time(g, &by_role, injected, timing, &mut f),
+        None => {
+            // The gap after each fault against its bound.
+            for i in injected.iter().filter(|i| i.skipped.is_none()) {
+                let Some(n) = i.next_start else { continue };
+                let gap = Duration::from_nanos(n.saturating_sub(i.at) as u64);
+                let b = bound(i.fault, backend, timing);
+                if gap > b {
+                    f.violations.push(format!(
+                        "{} on {} (term {}) at {}: the next term began at {}, {} ms later, over the bound of {} ms",
+                        i.fault.name(),
+                        i.node,
+                        i.term,
+                        i.at,
+                        n,
+                        gap.as_millis(),
+                        b.as_millis()
+                    ));
+                }
+            }
+        }
+    }
+    f
+}
+
+/// The rules of one role (one partition): `events` its workers' (sorted by
+/// time), `committed` its writes (node, term, seq) in commit order.
+fn judge_role(
+    role: &str,
+    prefix: &str,
+    events: &[Event],
+    committed: &[(String, i64, i64)],
+    injected: &[Injected],
+    f: &mut Findings,
+) {
     let ivs = intervals(events);
     // Terms rise with every start.
     for w in ivs.windows(2) {
         if w[1].term <= w[0].term {
             f.violations.push(format!(
-                "terms did not rise: {} started term {} at {} after {} started term {} at {}",
+                "{prefix}terms did not rise: {} started term {} at {} after {} started term {} at {}",
                 w[1].node, w[1].term, w[1].start, w[0].node, w[0].term, w[0].start
             ));
         }
     }
-    f.writes_committed = committed.len();
     for w in committed.windows(2) {
         if w[1].1 < w[0].1 {
             f.violations.push(format!(
-                "fenced write {}#{} of term {} committed after {}#{} of term {}",
+                "{prefix}fenced write {}#{} of term {} committed after {}#{} of term {}",
                 w[1].0, w[1].2, w[1].1, w[0].0, w[0].2, w[0].1
             ));
         }
@@ -121,9 +234,11 @@ pub(super) fn judge(
     let have: HashSet<(String, i64, i64)> = committed.iter().cloned().collect();
     // Whether a fault was injected on the leader of `term` by `at`.
     let faulted = |term: i64, at: u128| {
-        injected
-            .iter()
-            .any(|i| i.term == term && i.at <= at && i.skipped.is_none())
+        injected.iter().any(|i| {
+            i.skipped.is_none()
+                && i.at <= at
+                && i.hits.iter().any(|h| h.role == role && h.term == term)
+        })
     };
     let first_write_of: HashMap<i64, usize> =
         committed
@@ -155,7 +270,7 @@ pub(super) fn judge(
             }
             f.lost_at.push(e.at);
             f.violations.push(format!(
-                "write {}#{seq} of term {} was acknowledged but is not in the table",
+                "{prefix}write {}#{seq} of term {} was acknowledged but is not in the table",
                 e.node, e.term
             ));
         } else if outcome != Some("ok") && !faulted(e.term, e.at) {
@@ -163,7 +278,7 @@ pub(super) fn judge(
             // a healthy leader's write lost.
             f.lost_at.push(e.at);
             f.violations.push(format!(
-                "write {}#{seq} of term {} (pid {}) was {} at {} although no fault had touched that leader",
+                "{prefix}write {}#{seq} of term {} (pid {}) was {} at {} although no fault had touched that leader",
                 e.node,
                 e.term,
                 e.pid,
@@ -172,86 +287,128 @@ pub(super) fn judge(
             ));
         }
     }
-    // After a promotion the promoted server must acknowledge writes again
-    // within the bound (a lease leader may keep its term: no new start).
-    for i in injected
-        .iter()
-        .filter(|i| i.skipped.is_none() && i.unreplicated.is_some())
-    {
-        let b = bound(i.fault, backend, timing);
-        match i.resumed {
-            Some(w) if Duration::from_nanos(w.saturating_sub(i.at) as u64) <= b => {}
-            Some(w) => f.violations.push(format!(
-                "{} on {} (term {}) at {}: the first write acknowledged afterwards came at {}, {} ms later, over the bound of {} ms",
-                i.fault.name(), i.node, i.term, i.at, w, w.saturating_sub(i.at) / 1_000_000, b.as_millis()
-            )),
-            None => f.violations.push(format!(
-                "{} on {} (term {}) at {}: no write was acknowledged within the bound of {} ms afterwards",
-                i.fault.name(), i.node, i.term, i.at, b.as_millis()
-            )),
-        }
-    }
-    // The gap after each fault against its bound.
-    for i in injected.iter().filter(|i| i.skipped.is_none()) {
-        let Some(n) = i.next_start else { continue };
-        let gap = Duration::from_nanos(n.saturating_sub(i.at) as u64);
-        let b = bound(i.fault, backend, timing);
-        if gap > b {
-            f.violations.push(format!(
-                "{} on {} (term {}) at {}: the next term began at {}, {} ms later, over the bound of {} ms",
-                i.fault.name(),
-                i.node,
-                i.term,
-                i.at,
-                n,
-                gap.as_millis(),
-                b.as_millis()
-            ));
-        }
-    }
     // Acting intervals of different workers must not overlap, except a
     // paused worker's after its pause: then none of its writes may commit
     // once the newer term wrote.
     let paused: HashSet<(u32, i64)> = injected
         .iter()
-        .filter_map(|i| i.paused.map(|(pid, _)| (pid, i.term)))
+        .filter(|i| i.paused)
+        .flat_map(|i| &i.hits)
+        .filter(|h| h.role == role)
+        .map(|h| (h.pid, h.term))
         .collect();
     for (a, b) in overlapping(&ivs) {
-        {
-            if paused.contains(&(a.pid, a.term)) {
-                f.paused_at.push(b.start);
-                if let Some(&newer) = first_write_of.get(&b.term) {
-                    let stale = committed
-                        .iter()
-                        .skip(newer)
-                        .filter(|(_, t, _)| *t == a.term)
-                        .count();
-                    if stale > 0 {
-                        f.stale_at.push((b.start, stale));
-                        f.violations.push(format!(
-                            "{stale} write(s) of the paused {}'s term {} committed after term {} wrote",
-                            a.node, a.term, b.term
-                        ));
-                    }
+        if paused.contains(&(a.pid, a.term)) {
+            f.paused_at.push(b.start);
+            if let Some(&newer) = first_write_of.get(&b.term) {
+                let stale = committed
+                    .iter()
+                    .skip(newer)
+                    .filter(|(_, t, _)| *t == a.term)
+                    .count();
+                if stale > 0 {
+                    f.stale_at.push((b.start, stale));
+                    f.violations.push(format!(
+                        "{prefix}{stale} write(s) of the paused {}'s term {} committed after term {} wrote",
+                        a.node, a.term, b.term
+                    ));
                 }
-                continue;
             }
-            f.overlaps_at.push(b.start);
-            f.violations.push(format!(
-                "two leaders at once: {} (term {}, pid {}) acted until {} and {} (term {}, pid {}) began at {} ({:.1} ms overlap)",
-                a.node, a.term, a.pid, a.end, b.node, b.term, b.pid, b.start,
-                (a.end - b.start) as f64 / 1e6
-            ));
+            continue;
+        }
+        f.overlaps_at.push(b.start);
+        f.violations.push(format!(
+            "{prefix}two leaders at once: {} (term {}, pid {}) acted until {} and {} (term {}, pid {}) began at {} ({:.1} ms overlap)",
+            a.node, a.term, a.pid, a.end, b.node, b.term, b.pid, b.start,
+            (a.end - b.start) as f64 / 1e6
+        ));
+    }
+}
+
+/// When the partition `hit` was hit by `i` is led again, from `events` (its
+/// role's, sorted by time): the first start of a newer term (the fault's
+/// time if that start came before it: the partition had moved already),
+/// or, where the fault need not move leadership (a pooler restart), the
+/// first fenced write acknowledged after the fault was over.
+pub(super) fn led_again(events: &[Event], hit: &Hit, i: &Injected) -> Option<u128> {
+    let may_keep = !i.fault.must_fail_over(BackendArg::Lease);
+    events
+        .iter()
+        .find(|e| {
+            (e.what == "start" && e.term > hit.term)
+                || (may_keep && e.at > i.ended && e.term >= hit.term && is_write_ok(&e.what))
+        })
+        .map(|e| e.at.max(i.at))
+}
+
+/// The partition-group rules: after each fault every partition it hit is
+/// led again within the fault's bound ([`Group::bound`]); and no partition
+/// is led by no worker, at any time after it was first led, for longer than
+/// the longest of those bounds (a rebalance, too, must never leave one
+/// unled).
+fn led_again_in_time(
+    g: &Group,
+    by_role: &BTreeMap<&str, (Vec<Event>, Vec<(String, i64, i64)>)>,
+    injected: &[Injected],
+    timing: &pgelect::election::TimingReport,
+    f: &mut Findings,
+) {
+    let none = Vec::new();
+    for i in injected.iter().filter(|i| i.skipped.is_none()) {
+        let b = g.bound(i.fault, timing);
+        for h in &i.hits {
+            let events = by_role.get(h.role.as_str()).map_or(&none, |(e, _)| e);
+            match led_again(events, h, i) {
+                Some(t) if Duration::from_nanos(t.saturating_sub(i.at) as u64) <= b => {}
+                Some(t) => {
+                    f.unled_at.push(i.at);
+                    f.violations.push(format!(
+                        "{}: {} on {} at {}: led again (after term {}) at {}, {} ms later, over the bound of {} ms",
+                        h.role, i.fault.name(), i.node, i.at, h.term, t,
+                        t.saturating_sub(i.at) / 1_000_000, b.as_millis()
+                    ));
+                }
+                None => {
+                    f.unled_at.push(i.at);
+                    f.violations.push(format!(
+                        "{}: {} on {} at {}: never led again after term {} (bound {} ms)",
+                        h.role,
+                        i.fault.name(),
+                        i.node,
+                        i.at,
+                        h.term,
+                        b.as_millis()
+                    ));
+                }
+            }
         }
     }
-    f
+    let limit = g.longest_bound(timing);
+    for (role, (events, _)) in by_role {
+        let ivs = intervals(events);
+        let Some(first) = ivs.first() else { continue };
+        let mut covered = first.end;
+        for iv in &ivs[1..] {
+            if iv.start > covered {
+                let gap = Duration::from_nanos((iv.start - covered) as u64);
+                if gap > limit {
+                    f.unled_at.push(covered);
+                    f.violations.push(format!(
+                        "{role}: no worker acted from {covered} until {} began term {} at {} ({} ms), over the longest bound of {} ms",
+                        iv.node, iv.term, iv.start, gap.as_millis(), limit.as_millis()
+                    ));
+                }
+            }
+            covered = covered.max(iv.end);
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::chaos::args::standard_timing as standard;
-    use crate::chaos::events::ev;
+    use crate::chaos::events::{ev, ev_of};
     use crate::chaos::faults::bound;
 
     fn fault(fault: Fault, node: &str, term: i64, at_ms: u128, next_ms: Option<u128>) -> Injected {
@@ -260,8 +417,15 @@ mod tests {
             at: at_ms * 1_000_000,
             node: node.to_owned(),
             term,
+            // The pid is not looked at outside a pause.
+            hits: vec![Hit {
+                role: String::new(),
+                term,
+                pid: 0,
+            }],
+            ended: at_ms * 1_000_000,
             next_start: next_ms.map(|n| n * 1_000_000),
-            paused: None,
+            paused: false,
             unreplicated: None,
             resumed: None,
             skipped: None,
@@ -270,7 +434,7 @@ mod tests {
 
     /// c1 leads term 1 from 0 to 1000 ms, is killed at 1000 ms; c2 leads
     /// term 2 from 1400 ms. Clean.
-    fn clean_history() -> (Vec<Event>, Vec<(String, i64, i64)>) {
+    fn clean_history() -> (Vec<Event>, Vec<Committed>) {
         let events = vec![
             ev("start", "c1", 1, 0, 11),
             ev("write:1:ok", "c1", 1, 50, 11),
@@ -279,7 +443,10 @@ mod tests {
             ev("write:1:ok", "c2", 2, 1450, 12),
             ev("tick", "c2", 2, 1500, 12),
         ];
-        let committed = vec![("c1".into(), 1, 1), ("c2".into(), 2, 1)];
+        let committed = vec![
+            (String::new(), "c1".into(), 1, 1),
+            (String::new(), "c2".into(), 2, 1),
+        ];
         (events, committed)
     }
 
@@ -293,6 +460,7 @@ mod tests {
             &[fault(Fault::Kill, "c1", 1, 1000, Some(1400))],
             BackendArg::Session,
             &t,
+            None,
         );
         assert!(f.violations.is_empty(), "{:?}", f.violations);
         assert_eq!(f.writes_committed, 2);
@@ -308,19 +476,19 @@ mod tests {
         events.push(ev("start", "c3", 3, 3000, 11));
         events.push(ev("write:1:ok", "c3", 3, 3050, 11));
         events.push(ev("tick", "c3", 3, 3100, 11));
-        committed.push(("c3".into(), 3, 1));
+        committed.push((String::new(), "c3".into(), 3, 1));
         let t = standard(BackendArg::Session);
         let faults = [
             fault(Fault::Kill, "c1", 1, 1000, Some(1400)),
             fault(Fault::Kill, "c2", 2, 2000, Some(3000)),
         ];
-        let f = judge(&events, &committed, &faults, BackendArg::Session, &t);
+        let f = judge(&events, &committed, &faults, BackendArg::Session, &t, None);
         assert!(f.violations.is_empty(), "{:?}", f.violations);
         // The same pid acting again under another term while c2 acts is
         // still two leaders.
         events.push(ev("tick", "c1", 1, 1460, 11));
         events.sort_by_key(|e| e.at);
-        let f = judge(&events, &committed, &faults, BackendArg::Session, &t);
+        let f = judge(&events, &committed, &faults, BackendArg::Session, &t, None);
         assert!(
             f.violations
                 .iter()
@@ -337,7 +505,7 @@ mod tests {
         let b = bound(Fault::Kill, BackendArg::Session, &t).as_millis();
         // The next leader acted 1 ms after the bound.
         let late = fault(Fault::Kill, "c1", 1, 1000, Some(1000 + b + 1));
-        let f = judge(&events, &committed, &[late], BackendArg::Session, &t);
+        let f = judge(&events, &committed, &[late], BackendArg::Session, &t, None);
         assert_eq!(f.violations.len(), 1, "{:?}", f.violations);
         assert!(
             f.violations[0].starts_with("kill on c1 (term 1)")
@@ -355,7 +523,7 @@ mod tests {
         events.sort_by_key(|e| e.at);
         let t = standard(BackendArg::Lease);
         let injected = [fault(Fault::Kill, "c1", 1, 1000, Some(1400))];
-        let f = judge(&events, &committed, &injected, BackendArg::Lease, &t);
+        let f = judge(&events, &committed, &injected, BackendArg::Lease, &t, None);
         assert_eq!(f.lost_at, vec![1480 * 1_000_000], "{:?}", f.violations);
         assert!(
             f.violations[0].contains("c2#2 of term 2"),
@@ -365,7 +533,7 @@ mod tests {
         // The same refusal after a fault on that leader is no loss.
         let mut after = injected.to_vec();
         after.push(fault(Fault::Stop, "c2", 2, 1470, None));
-        let f = judge(&events, &committed, &after, BackendArg::Lease, &t);
+        let f = judge(&events, &committed, &after, BackendArg::Lease, &t, None);
         assert!(f.lost_at.is_empty(), "{:?}", f.violations);
     }
 
@@ -388,20 +556,28 @@ mod tests {
             std::slice::from_ref(&promote),
             BackendArg::Session,
             &t,
+            None,
         );
         assert!(f.violations.is_empty(), "{:?}", f.violations);
         assert_eq!(f.unreplicated_at, vec![950 * 1_000_000]);
         // Acknowledged before the replica confirmed it had everything: lost.
         let mut early = promote.clone();
         early.unreplicated = Some((960 * 1_000_000, 1010 * 1_000_000));
-        let f = judge(&events, &committed, &[early], BackendArg::Session, &t);
+        let f = judge(&events, &committed, &[early], BackendArg::Session, &t, None);
         assert_eq!(f.lost_at, vec![950 * 1_000_000], "{:?}", f.violations);
         assert!(f.unreplicated_at.is_empty());
         // No write acknowledged again after the promotion: a violation,
         // whether or not the term moved.
         let mut silent = promote.clone();
         silent.resumed = None;
-        let f = judge(&events, &committed, &[silent], BackendArg::Session, &t);
+        let f = judge(
+            &events,
+            &committed,
+            &[silent],
+            BackendArg::Session,
+            &t,
+            None,
+        );
         assert_eq!(f.violations.len(), 1, "{:?}", f.violations);
         assert!(
             f.violations[0].contains("no write was acknowledged within the bound"),
@@ -415,7 +591,7 @@ mod tests {
         let (events, mut committed) = clean_history();
         committed.pop();
         let t = standard(BackendArg::Session);
-        let f = judge(&events, &committed, &[], BackendArg::Session, &t);
+        let f = judge(&events, &committed, &[], BackendArg::Session, &t, None);
         assert_eq!(f.lost_at.len(), 1, "{:?}", f.violations);
         assert!(f.violations[0].contains("acknowledged but is not in the table"));
     }
@@ -426,9 +602,9 @@ mod tests {
         // c1 still ticks at 1450 ms, after c2 began at 1400 ms.
         events.push(ev("tick", "c1", 1, 1450, 11));
         events.sort_by_key(|e| e.at);
-        committed.push(("c1".into(), 1, 2));
+        committed.push((String::new(), "c1".into(), 1, 2));
         let t = standard(BackendArg::Session);
-        let f = judge(&events, &committed, &[], BackendArg::Session, &t);
+        let f = judge(&events, &committed, &[], BackendArg::Session, &t, None);
         assert_eq!(f.overlaps_at.len(), 1, "{:?}", f.violations);
         assert!(f
             .violations
@@ -438,5 +614,191 @@ mod tests {
             .violations
             .iter()
             .any(|v| v.starts_with("fenced write c1#2 of term 1 committed after c2#1 of term 2")));
+    }
+
+    /// Partition-group histories: c1 leads g/0 and c2 leads g/1, both with
+    /// term 1, from 0 to 1000 ms, ticking every 50 ms; writes of both
+    /// partitions interleave in the table.
+    fn two_partitions() -> (Vec<Event>, Vec<Committed>, Group) {
+        let mut events = Vec::new();
+        for (role, node, pid) in [("g/0", "c1", 11), ("g/1", "c2", 12)] {
+            events.push(ev_of(role, "start", node, 1, 0, pid));
+            for at in (50..=1000).step_by(50) {
+                events.push(ev_of(role, "tick", node, 1, at, pid));
+            }
+            events.push(ev_of(role, "write:1:ok", node, 1, 500, pid));
+        }
+        events.sort_by_key(|e| e.at);
+        let committed = vec![
+            ("g/1".into(), "c2".into(), 1, 1),
+            ("g/0".into(), "c1".into(), 1, 1),
+        ];
+        let group = Group {
+            partitions: 2,
+            members: 2,
+            tick: crate::chaos::group::GROUP_TICK,
+        };
+        (events, committed, group)
+    }
+
+    fn hit(role: &str, term: i64, pid: u32) -> Hit {
+        Hit {
+            role: role.to_owned(),
+            term,
+            pid,
+        }
+    }
+
+    #[test]
+    fn the_checker_judges_each_partition_as_an_election_of_its_own() {
+        let (mut events, mut committed, g) = two_partitions();
+        let t = standard(BackendArg::Lease);
+        // Two workers acting at once, and a term-3 write of g/0 committed
+        // before a term-1 write of g/1: different partitions, no violation.
+        events.push(ev_of("g/0", "start", "c3", 3, 1100, 13));
+        events.push(ev_of("g/0", "write:1:ok", "c3", 3, 1150, 13));
+        events.push(ev_of("g/1", "write:2:ok", "c2", 1, 990, 12));
+        events.sort_by_key(|e| e.at);
+        committed.push(("g/0".into(), "c3".into(), 3, 1));
+        committed.push(("g/1".into(), "c2".into(), 1, 2));
+        let f = judge(&events, &committed, &[], BackendArg::Lease, &t, Some(&g));
+        assert!(f.violations.is_empty(), "{:?}", f.violations);
+        // The same start in g/1, still led by c2 with term 1 until 1000 ms
+        // (c3 starting term 3 at 900 ms): two leaders of one partition.
+        let mut planted = events.clone();
+        planted.push(ev_of("g/1", "start", "c3", 3, 900, 14));
+        planted.sort_by_key(|e| e.at);
+        let f = judge(&planted, &committed, &[], BackendArg::Lease, &t, Some(&g));
+        assert_eq!(f.overlaps_at, vec![900 * 1_000_000], "{:?}", f.violations);
+        assert!(
+            f.violations[0].starts_with("g/1: two leaders at once: c2 (term 1, pid 12)"),
+            "{:?}",
+            f.violations
+        );
+        // A write of g/1's term 1 committed after its term 3 wrote: out of
+        // term order in that partition.
+        let mut late = committed.clone();
+        late.insert(2, ("g/1".into(), "c3".into(), 3, 1));
+        planted.push(ev_of("g/1", "write:1:ok", "c3", 3, 950, 14));
+        planted.sort_by_key(|e| e.at);
+        let f = judge(&planted, &late, &[], BackendArg::Lease, &t, Some(&g));
+        assert!(
+            f.violations.iter().any(|v| v
+                .starts_with("g/1: fenced write c2#2 of term 1 committed after c3#1 of term 3")),
+            "{:?}",
+            f.violations
+        );
+    }
+
+    #[test]
+    fn the_checker_fails_a_partition_left_unled_past_its_bound() {
+        let (mut events, committed, g) = two_partitions();
+        let t = standard(BackendArg::Lease);
+        let b = g.bound(Fault::Kill, &t).as_millis();
+        // c1 killed at 1000 ms; c2 takes g/0 with term 2 just within the
+        // bound; g/1 (not hit) keeps its leader.
+        let mut kill = fault(Fault::Kill, "c1", 1, 1000, None);
+        kill.hits = vec![hit("g/0", 1, 11)];
+        let in_time = |at: u128| {
+            let mut e = events.clone();
+            e.push(ev_of("g/0", "start", "c2", 2, at, 15));
+            e.push(ev_of("g/0", "tick", "c2", 2, at + 50, 15));
+            e.push(ev_of("g/1", "tick", "c2", 1, at + 50, 12));
+            e.sort_by_key(|e| e.at);
+            e
+        };
+        let f = judge(
+            &in_time(1000 + b),
+            &committed,
+            std::slice::from_ref(&kill),
+            BackendArg::Lease,
+            &t,
+            Some(&g),
+        );
+        assert!(f.violations.is_empty(), "{:?}", f.violations);
+        // 1 ms later: g/0 was left unled past its bound.
+        let f = judge(
+            &in_time(1000 + b + 1),
+            &committed,
+            std::slice::from_ref(&kill),
+            BackendArg::Lease,
+            &t,
+            Some(&g),
+        );
+        assert_eq!(f.unled_at, vec![1000 * 1_000_000], "{:?}", f.violations);
+        assert!(
+            f.violations[0].starts_with("g/0: kill on c1 at 1000000000: led again (after term 1)")
+                && f.violations[0].contains("over the bound"),
+            "{:?}",
+            f.violations
+        );
+        // Never led again.
+        let f = judge(
+            &events,
+            &committed,
+            std::slice::from_ref(&kill),
+            BackendArg::Lease,
+            &t,
+            Some(&g),
+        );
+        assert!(
+            f.violations[0]
+                .starts_with("g/0: kill on c1 at 1000000000: never led again after term 1"),
+            "{:?}",
+            f.violations
+        );
+        // A partition no fault hit, unled longer than any fault's bound:
+        // caught all the same.
+        let limit = g.longest_bound(&t).as_millis();
+        events.push(ev_of("g/1", "start", "c1", 2, 1000 + limit + 1, 16));
+        events.sort_by_key(|e| e.at);
+        let f = judge(&events, &committed, &[], BackendArg::Lease, &t, Some(&g));
+        assert_eq!(f.violations.len(), 1, "{:?}", f.violations);
+        assert!(
+            f.violations[0].starts_with("g/1: no worker acted from 1000000000"),
+            "{:?}",
+            f.violations
+        );
+    }
+
+    /// After a pooler restart a partition's leader may keep its term: its
+    /// first acknowledged write after the pooler was back shows it led.
+    #[test]
+    fn a_partition_that_kept_its_term_through_a_pooler_restart_is_led_again_by_its_next_write() {
+        let (mut events, committed, g) = two_partitions();
+        let t = standard(BackendArg::Lease);
+        let mut restart = fault(Fault::PgbouncerRestart, "pgbouncer", 1, 600, None);
+        restart.ended = 700 * 1_000_000;
+        restart.hits = vec![hit("g/0", 1, 11), hit("g/1", 1, 12)];
+        // Failed writes while the pooler was away are no loss (hit).
+        events.push(ev_of("g/0", "write:2:failed", "c1", 1, 650, 11));
+        events.push(ev_of("g/0", "write:3:ok", "c1", 1, 800, 11));
+        events.sort_by_key(|e| e.at);
+        let mut committed = committed;
+        committed.push(("g/0".into(), "c1".into(), 1, 3));
+        let f = judge(
+            &events,
+            &committed,
+            std::slice::from_ref(&restart),
+            BackendArg::Lease,
+            &t,
+            Some(&g),
+        );
+        // g/1 wrote nothing after 700 ms: never led again as the logs show.
+        assert_eq!(f.violations.len(), 1, "{:?}", f.violations);
+        assert!(
+            f.violations[0].starts_with("g/1: pgbouncer-restart"),
+            "{:?}",
+            f.violations
+        );
+        let g0 = events
+            .iter()
+            .filter(|e| e.role == "g/0")
+            .cloned()
+            .collect::<Vec<_>>();
+        assert_eq!(
+            led_again(&g0, &restart.hits[0], &restart),
+            Some(800 * 1_000_000)
+        );
     }
 }

@@ -36,6 +36,7 @@ mod args;
 mod candidates;
 mod events;
 mod faults;
+mod group;
 mod judge;
 mod netns;
 mod pooler;
@@ -56,7 +57,8 @@ use args::{backend_name, timing};
 pub use args::{ChaosArgs, WorkerArgs};
 use candidates::{find_faketime, Netted, Run};
 use events::now_ns;
-use faults::Fault;
+use faults::{Fault, KILL_MANY_NEEDS_GROUP};
+use group::{not_in_group, schedule_group, Group, GROUP_FAULTS};
 use judge::check;
 use pooler::pooler_for;
 use report::{report, Rows};
@@ -118,6 +120,20 @@ async fn chaos(
     server: &mut Option<crate::demo::throwaway::Server>,
 ) -> Result<(Rows, Vec<String>), Failure> {
     let explicit = global.explicit_url()?;
+    let group = Group::from_args(args)?;
+    // A partition-group run is the lease backend's, with its own default
+    // faults.
+    let (backends, faults) = match group {
+        Some(_) => (
+            vec![BackendArg::Lease],
+            if crate::cli::on_command_line("--faults") {
+                args.faults.clone()
+            } else {
+                GROUP_FAULTS.to_vec()
+            },
+        ),
+        None => (args.backends.clone(), args.faults.clone()),
+    };
     if let Some(python) = &args.python {
         candidates::check_python(python)?;
     }
@@ -133,11 +149,10 @@ async fn chaos(
             "--pooler-url needs --database-url or --database-url-file: the database behind the pooler (on its own throwaway server chaos starts its own PgBouncer)",
         ));
     }
-    let net_kinds: Vec<Fault> = args
-        .faults
+    let net_kinds: Vec<Fault> = faults
         .iter()
         .copied()
-        .filter(|f| f.needs_netns())
+        .filter(|f| f.needs_netns() && group.is_none())
         .collect();
     let net_possible = partitions_possible(explicit.is_none());
     let mut net = None;
@@ -172,8 +187,19 @@ async fn chaos(
     pgelect::migrate(&options).await?;
     // Refuse before touching anything if a role of ours has a live leader
     // (a dead run's last leader, whose row outlives it, is no reason).
-    for &backend in &args.backends {
-        let role = format!("chaos-{seed:x}-{}", backend_name(backend));
+    let roles: Vec<String> = backends
+        .iter()
+        .flat_map(|&backend| {
+            let role = format!("chaos-{seed:x}-{}", run_name(backend, group));
+            match group {
+                Some(g) => (0..g.partitions)
+                    .map(|p| pgelect::partitions::partition_role(&role, p))
+                    .collect(),
+                None => vec![role],
+            }
+        })
+        .collect();
+    for role in roles {
         if let Some(l) = live_leader(&options, &role).await? {
             return Err(Failure::new(
                 exit::USAGE,
@@ -187,7 +213,7 @@ async fn chaos(
     let url_file = crate::demo::UrlFile::write(&url)?;
     // The lease backend's pooler, or why it runs without one.
     let pooler_file = url_file.dir().join("pooler.url");
-    let pooler: Result<pooler::Pooler, String> = if !args.backends.contains(&BackendArg::Lease) {
+    let pooler: Result<pooler::Pooler, String> = if !backends.contains(&BackendArg::Lease) {
         Err("the lease backend does not run".to_owned())
     } else if let Some(u) = &pooler_url {
         Ok(pooler::Pooler::given(u, pooler_file).await?)
@@ -202,14 +228,22 @@ async fn chaos(
     let schema = options.schema_name().as_str().to_owned();
     let table = format!("pgelect_chaos_{seed:x}");
     create_table(&admin, &table).await?;
-    let lease_via = match (&pooler, args.backends.contains(&BackendArg::Lease)) {
+    let lease_via = match (&pooler, backends.contains(&BackendArg::Lease)) {
         (_, false) => String::new(),
         (Ok(p), true) => format!(", lease backend through {}", p.describe),
         (Err(why), true) => format!(", lease backend direct ({why})"),
     };
+    let who = match group {
+        Some(g) => format!(
+            "{} members of a partition group of {} partitions (lease backend), workers ticking every {} ms",
+            g.members,
+            g.partitions,
+            g.tick.as_millis()
+        ),
+        None => format!("{} candidates", args.candidates),
+    };
     println!(
-        "pgelect chaos: seed {seed} (replay with --seed {seed}), {} candidates, ttl {}, profile {:?}, {} per backend and phase, table {table}{lease_via}",
-        args.candidates,
+        "pgelect chaos: seed {seed} (replay with --seed {seed}), {who}, ttl {}, profile {:?}, {} per backend and phase, table {table}{lease_via}",
         crate::duration::show(args.ttl),
         args.profile,
         crate::duration::show(args.duration)
@@ -238,7 +272,7 @@ async fn chaos(
     // The promote phase's primary and replica, its own connection and URL
     // file; the schema and the table made on the primary and replayed on
     // the replica before any candidate starts.
-    let promote_asked = args.faults.contains(&Fault::Promote);
+    let promote_asked = faults.contains(&Fault::Promote) && group.is_none();
     // The replica is made with pg_basebackup, which not every PostgreSQL
     // build ships (the npm packages the version tests use do not).
     let mut promote_skip = PROMOTE_NEEDS_THROWAWAY.to_owned();
@@ -286,8 +320,8 @@ async fn chaos(
     let mut rows = Vec::new();
     let mut all_violations = Vec::new();
     let outcome: Result<(), Failure> = async {
-        for &backend in &args.backends {
-            let bname = backend_name(backend);
+        for &backend in &backends {
+            let bname = run_name(backend, group);
             let role = format!("chaos-{seed:x}-{bname}");
             let dir = args.logs.as_deref().unwrap_or(url_file.dir()).join(bname);
             std::fs::create_dir_all(&dir).map_err(fail)?;
@@ -296,13 +330,40 @@ async fn chaos(
                 Ok(p) => p.not_restartable(),
                 Err(why) => Some(why.clone()),
             };
-            let mut first: Vec<Fault> = args
-                .faults
+            if let Some(g) = group {
+                let found = group_run(
+                    GroupRun {
+                        exe: &exe,
+                        url_file: url_file.path(),
+                        server: server.as_ref(),
+                        pooler: run_pooler,
+                        admin: &admin,
+                        schema: &schema,
+                        role: &role,
+                        args,
+                        dir,
+                        table: &table,
+                        group: g,
+                        faults: &faults,
+                        seed,
+                    },
+                    &mut rng,
+                )
+                .await?;
+                rows.extend(found.0);
+                all_violations.extend(found.1.into_iter().map(|v| format!("{bname}: {v}")));
+                continue;
+            }
+            let mut first: Vec<Fault> = faults
                 .iter()
                 .copied()
                 .filter(|f| !f.needs_netns() && !f.needs_replica())
                 .collect();
             let mut injected = Vec::new();
+            if first.contains(&Fault::KillMany) {
+                first.retain(|&f| f != Fault::KillMany);
+                injected.push(Injected::not_run(Fault::KillMany, KILL_MANY_NEEDS_GROUP));
+            }
             if let (true, Some(why)) = (first.contains(&Fault::PgbouncerRestart), &pooler_restart_skip) {
                 // Not drawn where it cannot run; one skipped trial, with the
                 // reason, not silently.
@@ -316,7 +377,7 @@ async fn chaos(
                 proxied: proxied.as_ref(),
                 net: None,
                 // Not for Python candidates: their log's clock would jump too.
-                faketime: (args.faults.contains(&Fault::ClockJump) && args.python.is_none())
+                faketime: (faults.contains(&Fault::ClockJump) && args.python.is_none())
                     .then(find_faketime)
                     .flatten(),
                 server: server.as_ref(),
@@ -330,6 +391,7 @@ async fn chaos(
                 dir,
                 table: table.clone(),
                 next_id: 0,
+                group: None,
             };
             let first_phase: HashSet<Fault> = first.iter().copied().collect();
             if !first.is_empty() {
@@ -401,6 +463,7 @@ async fn chaos(
                     dir,
                     table: table.clone(),
                     next_id: 0,
+                    group: None,
                 };
                 let injected = schedule(&mut run, vec![Fault::Promote], &mut rng).await?;
                 let found = check(&run, run.admin, &injected).await?;
@@ -421,7 +484,7 @@ async fn chaos(
             let timing = timing(args, backend)?;
             let (mut faults, mut committed, mut violations) = (0, 0, Vec::new());
             for (injected, found, pooled_kinds) in parts {
-            rows.extend(report::rows(bname, seed, backend, &timing, &injected, &found, &pooled_kinds));
+            rows.extend(report::rows(bname, seed, backend, &timing, &injected, &found, &pooled_kinds, None));
             faults += injected.len();
             committed += found.writes_committed;
             if !found.unreplicated_at.is_empty() {
@@ -450,4 +513,131 @@ async fn chaos(
     drop(netted);
     drop(url_file);
     outcome.map(|()| (rows, all_violations))
+}
+
+/// The name of a backend's run (its roles, its log directory, its rows):
+/// the backend's, `lease-group` for a partition-group run.
+fn run_name(backend: BackendArg, group: Option<Group>) -> &'static str {
+    match group {
+        Some(_) => "lease-group",
+        None => backend_name(backend),
+    }
+}
+
+/// What a partition-group run needs of the command's set-up.
+struct GroupRun<'a> {
+    exe: &'a std::path::Path,
+    url_file: &'a std::path::Path,
+    server: Option<&'a crate::demo::throwaway::Server>,
+    pooler: Result<&'a pooler::Pooler, String>,
+    admin: &'a Admin,
+    schema: &'a str,
+    role: &'a str,
+    args: &'a ChaosArgs,
+    dir: std::path::PathBuf,
+    table: &'a str,
+    group: Group,
+    faults: &'a [Fault],
+    seed: u64,
+}
+
+/// The partition-group run ([`group`]): its schedule, its check; its rows
+/// and violations.
+async fn group_run(g: GroupRun<'_>, rng: &mut StdRng) -> Result<(Rows, Vec<String>), Failure> {
+    let bname = run_name(BackendArg::Lease, Some(g.group));
+    // Kinds that do not run here: one skipped trial each, with the reason.
+    let mut injected = Vec::new();
+    let mut kinds = Vec::new();
+    for &f in g.faults {
+        match not_in_group(f) {
+            Some(why) => injected.push(Injected::not_run(f, why)),
+            None => kinds.push(f),
+        }
+    }
+    let restart_skip = match &g.pooler {
+        Ok(p) => p.not_restartable(),
+        Err(why) => Some(why.clone()),
+    };
+    if let (true, Some(why)) = (kinds.contains(&Fault::PgbouncerRestart), &restart_skip) {
+        kinds.retain(|&f| f != Fault::PgbouncerRestart);
+        injected.push(Injected::not_run(Fault::PgbouncerRestart, why));
+    }
+    let pooled = g.pooler.is_ok();
+    match &g.pooler {
+        Ok(p) => println!(
+            "  {bname}: {} members of group {} through {}, their LISTEN connections direct",
+            g.group.members, g.role, p.describe
+        ),
+        Err(why) => println!(
+            "  {bname}: {} members of group {}, directly: {why}",
+            g.group.members, g.role
+        ),
+    }
+    let mut run = candidates::Run {
+        exe: g.exe.to_owned(),
+        url_file: g.url_file,
+        // No proxy per member: a hundred members would be two hundred
+        // proxies in this process.
+        proxied: None,
+        net: None,
+        faketime: None,
+        server: g.server,
+        replicas: None,
+        pooler: g.pooler,
+        admin: g.admin,
+        schema: g.schema.to_owned(),
+        role: g.role.to_owned(),
+        backend: BackendArg::Lease,
+        args: g.args,
+        dir: g.dir,
+        table: g.table.to_owned(),
+        next_id: 0,
+        group: Some(g.group),
+    };
+    if !kinds.is_empty() {
+        injected.extend(schedule_group(&mut run, kinds, rng).await?);
+    }
+    if let Ok(p) = &run.pooler {
+        if let Some(n) = p.served().await {
+            println!(
+                "  {bname}: PgBouncer served {n} transactions to the members and their workers"
+            );
+        }
+    }
+    let found = check(&run, g.admin, &injected).await?;
+    let timing = timing(g.args, BackendArg::Lease)?;
+    let pooled_kinds: HashSet<Fault> = match pooled {
+        true => injected.iter().map(|i| i.fault).collect(),
+        false => HashSet::new(),
+    };
+    let rows = report::rows(
+        bname,
+        g.seed,
+        BackendArg::Lease,
+        &timing,
+        &injected,
+        &found,
+        &pooled_kinds,
+        Some(&g.group),
+    );
+    let (ok, refused, failed) = write_outcomes(&run.dir);
+    println!(
+        "{bname}: {} faults, {} fenced writes committed (workers saw {ok} acknowledged, {refused} refused, {failed} failed), {} violation(s)",
+        injected.iter().filter(|i| i.skipped.is_none()).count(),
+        found.writes_committed,
+        found.violations.len()
+    );
+    Ok((rows, found.violations))
+}
+
+/// The fenced writes the workers logged: acknowledged, refused, failed.
+fn write_outcomes(dir: &std::path::Path) -> (usize, usize, usize) {
+    let events = events::read_events(dir);
+    let count = |end: &str| {
+        events
+            .iter()
+            .filter(|e| e.what.starts_with("write:") && e.what.ends_with(end))
+            .count()
+    };
+    (count(":ok"), count(":refused"), count(":failed"))
 }

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, HashSet};
 use super::args::ChaosArgs;
 use super::fail;
 use super::faults::{bound, Fault};
+use super::group::Group;
 use super::judge::Findings;
 use super::schedule::Injected;
 use crate::exit::{self, Failure};
@@ -31,7 +32,7 @@ pub(super) fn report(
     all_violations: Vec<String>,
 ) -> Result<u8, Failure> {
     println!(
-        "\n{:<19} {:<12} {:>6} {:>6} {:>8} {:>6} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9}  verdict",
+        "\n{:<19} {:<18} {:>6} {:>6} {:>8} {:>6} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9}  verdict",
         "fault",
         "backend",
         "trials",
@@ -52,11 +53,15 @@ pub(super) fn report(
             _ => "OVER THE BOUND".to_owned(),
         };
         println!(
-            "{:<19} {:<12} {:>6} {:>6} {:>8} {:>6} {:>6} {:>6} {:>9.1} {:>9.1} {:>9.1} {:>9}  {verdict}",
+            "{:<19} {:<18} {:>6} {:>6} {:>8} {:>6} {:>6} {:>6} {:>9.1} {:>9.1} {:>9.1} {:>9}  {verdict}",
             r["fault"].as_str().unwrap_or(""),
             format!(
-                "{}{}",
+                "{}{}{}",
                 r["backend"].as_str().unwrap_or(""),
+                match r["partitions"].as_u64() {
+                    Some(n) => format!("/{}x{n}", r["members"]),
+                    None => String::new(),
+                },
                 if r["pooler"] == true { "/pooler" } else { "" }
             ),
             r["trials"].as_u64().unwrap_or(0),
@@ -91,7 +96,12 @@ pub(super) fn report(
 }
 
 /// The table's rows for one part of a backend's run (its faults on one
-/// server, judged together): one per fault kind.
+/// server, judged together): one per fault kind. `group`: a
+/// partition-group run's shape (its gaps are until every partition a fault
+/// hit was led again).
+// Eight arguments, two call sites: a struct of them would only name them
+// again.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn rows(
     bname: &str,
     seed: u64,
@@ -100,6 +110,7 @@ pub(super) fn rows(
     injected: &[Injected],
     found: &Findings,
     pooled_kinds: &HashSet<Fault>,
+    group: Option<&Group>,
 ) -> Rows {
     let mut rows = Vec::new();
     let mut kinds: BTreeMap<Fault, Vec<&Injected>> = BTreeMap::new();
@@ -133,7 +144,18 @@ pub(super) fn rows(
             })
             .collect();
         let max_resumed = resumed.iter().copied().fold(0.0, f64::max);
-        let bound_ms = bound(fault, backend, timing).as_millis() as u64;
+        let bound_ms = match group {
+            Some(g) => g.bound(fault, timing),
+            None => bound(fault, backend, timing),
+        }
+        .as_millis() as u64;
+        let (unled, hits) = match group {
+            Some(_) => (
+                Some(found.unled_by_fault(injected, fault)),
+                Some(list.iter().map(|i| i.hits.len()).sum::<usize>()),
+            ),
+            None => (None, None),
+        };
         rows.push(serde_json::json!({
             "fault": fault.name(),
             "backend": bname,
@@ -157,7 +179,9 @@ pub(super) fn rows(
             "failover_p99_ms": (percentile(&took, 99.0) * 10.0).round() / 10.0,
             "max_gap_ms": (max_gap * 10.0).round() / 10.0,
             "bound_ms": bound_ms,
-            "within_bound": max_gap <= bound_ms as f64 && max_resumed <= bound_ms as f64,
+            "within_bound": max_gap <= bound_ms as f64
+                && max_resumed <= bound_ms as f64
+                && unled.unwrap_or(0) == 0,
             // Promotions: the longest time from the fault until a
             // write was acknowledged again (null for other faults,
             // and when none came within the bound: a violation).
@@ -166,6 +190,14 @@ pub(super) fn rows(
             // Whether its candidates connected through the pooler
             // (the lease backend's first and promote phases).
             "pooler": pooled_kinds.contains(&fault),
+            // Partition-group runs: the group's size, how many partition
+            // leaders the trials hit, and how many of those were not led
+            // again within the bound (the failover figures are until the
+            // last one was).
+            "partitions": group.map(|g| g.partitions),
+            "members": group.map(|g| g.members),
+            "partitions_hit": hits,
+            "partitions_late": unled,
         }));
     }
     rows

@@ -17,17 +17,35 @@ use super::fail;
 use super::faults::{bound, inject, Effect, Fault};
 use crate::exit::Failure;
 
+/// A leader a fault hit: the worker acting for one role (one partition, in
+/// a partition-group run) when the fault came.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Hit {
+    pub(super) role: String,
+    pub(super) term: i64,
+    pub(super) pid: u32,
+}
+
 /// One injected fault and what followed.
 #[derive(Clone, Debug)]
 pub(super) struct Injected {
     pub(super) fault: Fault,
     pub(super) at: u128,
+    /// The supervisor(s) it hit (comma-separated), or what else (`pgbouncer`).
     pub(super) node: String,
+    /// The term of the leader it hit (the first, in a partition group).
     pub(super) term: i64,
+    /// Every leader it hit: its write refused or failed from `at` on is no
+    /// loss, and in a partition-group run each of their partitions must be
+    /// led again within the bound.
+    pub(super) hits: Vec<Hit>,
+    /// When the fault's action was over (the pooler back, the pause
+    /// continued); `at` for instant ones.
+    pub(super) ended: u128,
     /// The next start of a higher term, if any.
     pub(super) next_start: Option<u128>,
-    /// For a pause: the frozen worker's pid and when it was continued.
-    pub(super) paused: Option<(u32, u128)>,
+    /// A pause: the hits were frozen, then continued.
+    pub(super) paused: bool,
     /// For a promotion: from when the replica may have missed a commit
     /// (everything acknowledged before had reached it) until the primary
     /// died. An acknowledged write of that window may be lost with the
@@ -45,13 +63,16 @@ impl Injected {
     /// A fault that could not run here: one skipped trial with the reason,
     /// so that the table and the JSON say so.
     pub(super) fn not_run(fault: Fault, why: &str) -> Injected {
+        let at = now_ns();
         Injected {
             fault,
-            at: now_ns(),
+            at,
             node: "-".to_owned(),
             term: 0,
+            hits: Vec::new(),
+            ended: at,
             next_start: None,
-            paused: None,
+            paused: false,
             unreplicated: None,
             resumed: None,
             skipped: Some(why.to_owned()),
@@ -188,6 +209,12 @@ pub(super) async fn schedule(
                 at,
                 node: leader.node.clone(),
                 term: leader.term,
+                hits: vec![Hit {
+                    role: run.role.clone(),
+                    term: leader.term,
+                    pid: leader.pid,
+                }],
+                ended: at,
                 next_start: next.as_ref().map(|e| e.at),
                 paused,
                 unreplicated,

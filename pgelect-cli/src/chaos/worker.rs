@@ -15,7 +15,10 @@ use crate::exit::Failure;
 /// The node name of the test-only rogue worker (`--rogue`).
 pub(super) const ROGUE: &str = "rogue";
 
+/// How often a worker logs that it acts, unless `--tick-ms` says
+/// otherwise: an overlap shorter than the tick may go unseen.
 pub(super) const TICK: Duration = Duration::from_millis(5);
+/// A fenced write every this many ticks.
 pub(super) const WRITE_EVERY: u32 = 10;
 
 /// The worker: records when it acts and makes fenced writes until SIGTERM.
@@ -51,7 +54,8 @@ pub async fn worker(global: &Global, args: WorkerArgs) -> Result<u8, Failure> {
         .map_err(fail)?;
     let mut line = |what: &str| {
         // One write per line (O_APPEND): lines never interleave.
-        let _ = log.write_all(format!("{what} {node} {term} {} {pid}\n", now_ns()).as_bytes());
+        let _ =
+            log.write_all(format!("{what} {node} {term} {} {pid} {role}\n", now_ns()).as_bytes());
     };
     line("start");
     let options = global.connect_options()?;
@@ -83,7 +87,7 @@ pub async fn worker(global: &Global, args: WorkerArgs) -> Result<u8, Failure> {
     let mut client = connect().await?;
     let mut term_signal =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(fail)?;
-    let mut ticks = tokio::time::interval(TICK);
+    let mut ticks = tokio::time::interval(Duration::from_millis(args.tick_ms.max(1)));
     let mut n: u32 = 0;
     let mut seq: i64 = 0;
     loop {
