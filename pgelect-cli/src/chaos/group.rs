@@ -53,6 +53,12 @@ pub(super) const GROUP_FAULTS: [Fault; 5] = [
     Fault::PgbouncerRestart,
 ];
 
+/// How long paused workers, continued before their supervisors, are given
+/// to have a fenced write refused (or, wrongly, acknowledged): the first
+/// attempt may find its pooled connection ended and fail, and the next
+/// one reconnects (within 1 s).
+const PAUSED_WRITES_WITHIN: Duration = Duration::from_secs(3);
+
 /// How long the members may take to lead every partition at the start.
 const FIRST_LED_WITHIN: Duration = Duration::from_secs(120);
 
@@ -150,6 +156,8 @@ struct RoleLog {
     starts: Vec<Event>,
     /// Acknowledged writes: when, and of which term.
     oks: Vec<(u128, i64)>,
+    /// Writes with a verdict (acknowledged or refused): which worker, when.
+    verdicts: Vec<(u32, u128)>,
 }
 
 impl Tail {
@@ -207,7 +215,20 @@ impl Tail {
             }
         } else if is_write_ok(&e.what) {
             r.oks.push((e.at, e.term));
+            r.verdicts.push((e.pid, e.at));
+        } else if e.what.ends_with(":refused") {
+            r.verdicts.push((e.pid, e.at));
         }
+    }
+
+    /// Whether `hit`'s worker had a write acknowledged or refused after
+    /// `after`.
+    fn judged_after(&self, hit: &Hit, after: u128) -> bool {
+        self.roles.get(&hit.role).is_some_and(|r| {
+            r.verdicts
+                .iter()
+                .any(|&(pid, at)| pid == hit.pid && at > after)
+        })
     }
 
     /// Every partition's leader as the logs show it now (not one whose
@@ -319,7 +340,8 @@ pub(super) async fn schedule_group(
                 })
                 .collect();
             let at = now_ns();
-            let (paused, skipped) = inject(fault, run, &mut sups, &targets, &hits).await?;
+            let (paused, skipped) =
+                inject(fault, run, &mut sups, &targets, &hits, &mut tail).await?;
             let ended = now_ns();
             // Until every partition hit is led again, or well past the
             // bound (the checker then reports it).
@@ -418,6 +440,7 @@ async fn inject(
     sups: &mut Vec<Supervisor>,
     targets: &[String],
     hits: &[Hit],
+    tail: &mut Tail,
 ) -> Result<(bool, Option<String>), Failure> {
     let mut picked = Vec::new();
     if fault != Fault::PgbouncerRestart {
@@ -446,16 +469,31 @@ async fn inject(
             replace(run, sups, picked).await?;
         }
         Fault::Stop => {
-            let pids: Vec<Option<u32>> = picked
-                .iter()
-                .map(|&i| sups[i].child.id())
-                .chain(hits.iter().map(|h| Some(h.pid)))
-                .collect();
-            for &p in &pids {
+            let members: Vec<Option<u32>> = picked.iter().map(|&i| sups[i].child.id()).collect();
+            let workers: Vec<Option<u32>> = hits.iter().map(|h| Some(h.pid)).collect();
+            for &p in members.iter().chain(&workers) {
                 signal(p, nix::sys::signal::Signal::SIGSTOP);
             }
             tokio::time::sleep(run.args.ttl * 3 / 2).await;
-            for &p in &pids {
+            // The workers first: they write on (their missed ticks come
+            // at once) before their supervisors can see the leadership
+            // lost and end them, so that the fence, not the supervisor,
+            // must refuse their writes. Until each had a verdict (a first
+            // attempt may find its pooled connection gone and fail), at
+            // most PAUSED_WRITES_WITHIN.
+            let continued = now_ns();
+            for &p in &workers {
+                signal(p, nix::sys::signal::Signal::SIGCONT);
+            }
+            let until = Instant::now() + PAUSED_WRITES_WITHIN;
+            while Instant::now() < until {
+                tail.update();
+                if hits.iter().all(|h| tail.judged_after(h, continued)) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            for &p in &members {
                 signal(p, nix::sys::signal::Signal::SIGCONT);
             }
             return Ok((true, None));

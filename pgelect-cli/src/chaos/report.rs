@@ -32,7 +32,7 @@ pub(super) fn report(
     all_violations: Vec<String>,
 ) -> Result<u8, Failure> {
     println!(
-        "\n{:<19} {:<18} {:>6} {:>6} {:>8} {:>6} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9}  verdict",
+        "\n{:<19} {:<24} {:>6} {:>6} {:>8} {:>6} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9}  verdict",
         "fault",
         "backend",
         "trials",
@@ -53,7 +53,7 @@ pub(super) fn report(
             _ => "OVER THE BOUND".to_owned(),
         };
         println!(
-            "{:<19} {:<18} {:>6} {:>6} {:>8} {:>6} {:>6} {:>6} {:>9.1} {:>9.1} {:>9.1} {:>9}  {verdict}",
+            "{:<19} {:<24} {:>6} {:>6} {:>8} {:>6} {:>6} {:>6} {:>9.1} {:>9.1} {:>9.1} {:>9}  {verdict}",
             r["fault"].as_str().unwrap_or(""),
             format!(
                 "{}{}{}",
