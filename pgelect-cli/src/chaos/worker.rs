@@ -84,9 +84,11 @@ pub async fn worker(global: &Global, args: WorkerArgs) -> Result<u8, Failure> {
         "INSERT INTO {} (role, node, term, seq) VALUES ($1, $2, $3, $4)",
         args.table
     );
-    let mut client = connect().await?;
+    // Before connecting, which may take a while on a loaded machine: a
+    // SIGTERM meanwhile (a handover) is then logged as a stop, not a death.
     let mut term_signal =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(fail)?;
+    let mut client = connect().await?;
     let mut ticks = tokio::time::interval(Duration::from_millis(args.tick_ms.max(1)));
     let mut n: u32 = 0;
     let mut seq: i64 = 0;
