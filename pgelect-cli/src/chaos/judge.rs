@@ -32,6 +32,11 @@ pub(super) struct Findings {
     /// not led again in time came (or when a partition's unled stretch
     /// over the longest bound began).
     pub(super) unled_at: Vec<u128>,
+    /// Partition-group runs: when a member started its command again under
+    /// the same term after the previous one stopped acting (`pgelect run
+    /// --partitions` restarts a command that exited while its partition
+    /// stays held): not a violation, reported.
+    pub(super) restarted_at: Vec<u128>,
     /// When each write that was acknowledged by a primary in its last
     /// moments and is missing on the promoted replica was acknowledged (not
     /// a violation: see [`promote`]).
@@ -66,6 +71,10 @@ impl Findings {
 
 /// A committed fenced write: role, node, term, seq.
 pub(super) type Committed = (String, String, i64, i64);
+
+/// One role's history: its workers' events (by time), and its committed
+/// writes (node, term, seq) in commit order.
+type RoleHistory = (Vec<Event>, Vec<(String, i64, i64)>);
 
 impl Findings {
     /// Partitions not led again in time, per fault kind (each counted at
@@ -139,7 +148,7 @@ pub(super) fn judge(
         writes_committed: committed.len(),
         ..Findings::default()
     };
-    let mut by_role: BTreeMap<&str, (Vec<Event>, Vec<(String, i64, i64)>)> = BTreeMap::new();
+    let mut by_role: BTreeMap<&str, RoleHistory> = BTreeMap::new();
     for e in events {
         by_role.entry(&e.role).or_default().0.push(e.clone());
     }
@@ -156,7 +165,15 @@ pub(super) fn judge(
             Some(_) => format!("{role}: "),
             None => String::new(),
         };
-        judge_role(role, &prefix, events, committed, injected, &mut f);
+        judge_role(
+            role,
+            &prefix,
+            events,
+            committed,
+            injected,
+            group.is_some(),
+            &mut f,
+        );
     }
     // After a promotion the promoted server must acknowledge writes again
     // within the bound (a lease leader may keep its term: no new start).
@@ -205,17 +222,28 @@ pub(super) fn judge(
 
 /// The rules of one role (one partition): `events` its workers' (sorted by
 /// time), `committed` its writes (node, term, seq) in commit order.
+/// `restarts`: whether a supervisor may start its command again within one
+/// leadership (a partition group's member does, 1 s after the command
+/// exited by itself).
 fn judge_role(
     role: &str,
     prefix: &str,
     events: &[Event],
     committed: &[(String, i64, i64)],
     injected: &[Injected],
+    restarts: bool,
     f: &mut Findings,
 ) {
     let ivs = intervals(events);
-    // Terms rise with every start.
+    // Terms rise with every start: with every new leadership. The same
+    // supervisor's next worker of the same term, once the last one stopped
+    // acting, is that leadership's command started again (the overlap rule
+    // below still holds for it).
     for w in ivs.windows(2) {
+        if restarts && w[1].term == w[0].term && w[1].node == w[0].node && w[1].start >= w[0].end {
+            f.restarted_at.push(w[1].start);
+            continue;
+        }
         if w[1].term <= w[0].term {
             f.violations.push(format!(
                 "{prefix}terms did not rise: {} started term {} at {} after {} started term {} at {}",
@@ -348,7 +376,7 @@ pub(super) fn led_again(events: &[Event], hit: &Hit, i: &Injected) -> Option<u12
 /// unled).
 fn led_again_in_time(
     g: &Group,
-    by_role: &BTreeMap<&str, (Vec<Event>, Vec<(String, i64, i64)>)>,
+    by_role: &BTreeMap<&str, RoleHistory>,
     injected: &[Injected],
     timing: &pgelect::election::TimingReport,
     f: &mut Findings,
@@ -759,6 +787,47 @@ mod tests {
             "{:?}",
             f.violations
         );
+    }
+
+    /// A member starts its command again within one leadership (same term)
+    /// after it exited: counted, not a violation; the same term from
+    /// another member, or a restart while the old worker still acts, is.
+    #[test]
+    fn a_members_command_started_again_within_its_leadership_is_no_new_term() {
+        let (mut events, committed, g) = two_partitions();
+        let t = standard(BackendArg::Lease);
+        events.push(ev_of("g/0", "start", "c1", 1, 2000, 21));
+        events.push(ev_of("g/0", "tick", "c1", 1, 2050, 21));
+        events.sort_by_key(|e| e.at);
+        let f = judge(&events, &committed, &[], BackendArg::Lease, &t, Some(&g));
+        assert!(f.violations.is_empty(), "{:?}", f.violations);
+        assert_eq!(f.restarted_at, vec![2000 * 1_000_000]);
+        // Not in a run of one role: there every worker is a new term.
+        let one: Vec<Event> = events.iter().filter(|e| e.role == "g/0").cloned().collect();
+        let f = judge(&one, &[], &[], BackendArg::Lease, &t, None);
+        assert!(
+            f.violations[0].contains("terms did not rise"),
+            "{:?}",
+            f.violations
+        );
+        // Term 1 again, from another member: two leaderships of one term.
+        let mut other = events.clone();
+        other.push(ev_of("g/0", "start", "c2", 1, 3000, 22));
+        other.sort_by_key(|e| e.at);
+        let f = judge(&other, &committed, &[], BackendArg::Lease, &t, Some(&g));
+        assert!(
+            f.violations
+                .iter()
+                .any(|v| v.starts_with("g/0: terms did not rise: c2 started term 1")),
+            "{:?}",
+            f.violations
+        );
+        // Started again while the first worker still acts: an overlap.
+        let mut early = events.clone();
+        early.push(ev_of("g/0", "start", "c1", 1, 900, 23));
+        early.sort_by_key(|e| e.at);
+        let f = judge(&early, &committed, &[], BackendArg::Lease, &t, Some(&g));
+        assert_eq!(f.overlaps_at.len(), 1, "{:?}", f.violations);
     }
 
     /// After a pooler restart a partition's leader may keep its term: its

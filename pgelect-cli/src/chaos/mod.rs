@@ -30,6 +30,19 @@
 //! Every fault has a bound on the time until the next leader acts
 //! ([`bound`], one table); a longer gap is a violation, as is a healthy
 //! leader's refused or lost write.
+//!
+//! With `--partitions N` the run is instead a partition group on the lease
+//! backend ([`group`]): `--members` supervisors `pgelect run --backend
+//! lease --partitions GROUP:N` through the pooler, a worker per partition
+//! led (ticking every 50 ms: a hundred workers at 5 ms would starve the
+//! supervisors on a small machine; the tick stays below the leader's
+//! safety margin), faults on members (`kill`, `kill-many`, `stop`,
+//! `term`) and the pooler (`pgbouncer-restart`). The workers log their
+//! partition's role and write it with their fenced writes; every rule above
+//! holds per partition, and after each fault every partition it hit must be
+//! led again within [`faults::group_bound`] (the mechanism, a rebalance
+//! margin and the slack), and no partition may go unled longer than the
+//! longest of those bounds.
 
 mod admin;
 mod args;
@@ -620,6 +633,12 @@ async fn group_run(g: GroupRun<'_>, rng: &mut StdRng) -> Result<(Rows, Vec<Strin
         &pooled_kinds,
         Some(&g.group),
     );
+    if !found.restarted_at.is_empty() {
+        println!(
+            "  {bname}: {} command(s) started again by their member within one leadership (same term, after the last one stopped acting): `pgelect run --partitions` restarts a command that exited while its partition stays held; not a violation, but each one is a command that died under its supervisor (--logs keeps the supervisors' warnings)",
+            found.restarted_at.len()
+        );
+    }
     let (ok, refused, failed) = write_outcomes(&run.dir);
     println!(
         "{bname}: {} faults, {} fenced writes committed (workers saw {ok} acknowledged, {refused} refused, {failed} failed), {} violation(s)",
