@@ -202,6 +202,7 @@ listed again.")]
   pgelect chaos --duration 5m --seed 42 --json chaos.json
   pgelect chaos --database-url-file staging.url --backends session --faults kill,stop,term,blackhole
   pgelect chaos --database-url-file staging.url --pooler-url-file bouncer.url --backends lease
+  pgelect chaos --partitions 100 --members 100 --duration 3m   # a partition group through PgBouncer
 
 Faults: kill (SIGKILL the leader's supervisor), stop (SIGSTOP it and its
 command for 1.5 x the TTL, then SIGCONT), term (SIGTERM: a planned
@@ -222,8 +223,14 @@ Without --database-url or --database-url-file it starts a throwaway
 PostgreSQL, and PgBouncer in transaction mode in front of it for the lease
 backend's supervisors (--no-pooler: not). Against your database the lease
 backend goes through --pooler-url if given. The session backend never goes
-through a pooler, nor do the lease backend's LISTEN connections and the
-workers' fenced writes. Against your database it uses roles named chaos-<seed>-<backend>
+through a pooler, nor do the lease backend's LISTEN connections.
+With --partitions N: a partition group on the lease backend instead,
+--members supervisors `pgelect run --backend lease --partitions
+chaos-<seed>-lease-group:N` through the pooler, a worker per partition led
+(ticking every 50 ms); faults kill, kill-many (several members at once),
+stop, term, pgbouncer-restart; every rule is checked per partition, and
+after each fault every partition it hit must be led again within its bound.
+Against your database it uses roles named chaos-<seed>-<backend>
 (refused if one has a live leader: a session leader whose backend is
 still connected, or a lease that is still renewed after one TTL's wait;
 a dead run's last leader is no reason) and a table pgelect_chaos_<seed>,
