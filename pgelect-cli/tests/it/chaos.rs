@@ -425,6 +425,54 @@ async fn chaos_fails_a_run_with_a_second_leader() {
     assert!(!r.stdout.contains("no violation"), "{}", r.stdout);
 }
 
+/// The same in a partition group (`--partitions`): the rogue acts for
+/// partition 0 only. The checker judges each partition on its own: it names
+/// the overlap in partition 0, and nothing in the others, whose workers
+/// act at the same time as the rogue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_fails_a_partition_group_run_with_a_second_leader_of_one_partition() {
+    let db = TestDb::new("chaos_group_rogue").await;
+    let r = run(
+        chaos(
+            &db,
+            &[
+                "--partitions",
+                "3",
+                "--members",
+                "3",
+                "--duration",
+                "2s",
+                "--seed",
+                "10",
+                "--faults",
+                "term",
+                "--rogue",
+            ],
+        ),
+        CHAOS,
+    )
+    .await;
+    println!("{}", r.stdout);
+    r.assert_code(70);
+    let violations: Vec<&str> = r
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("VIOLATION"))
+        .collect();
+    assert!(
+        violations.iter().any(|l| l
+            .starts_with("VIOLATION lease-group: chaos-a-lease-group/0: two leaders at once")
+            && l.contains("rogue")),
+        "no overlap with the rogue in partition 0:\n{}",
+        r.stdout
+    );
+    assert!(
+        violations.iter().all(|l| l.contains("lease-group/0: ")),
+        "a violation outside partition 0:\n{}",
+        r.stdout
+    );
+}
+
 /// On its own throwaway server, the lease backend's supervisors and their
 /// workers' fenced writes go through a PgBouncer in transaction mode that
 /// chaos starts in front of it (the header says so, every lease row of the
