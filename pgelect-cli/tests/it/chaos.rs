@@ -887,7 +887,9 @@ async fn chaos_promotes_the_replica_and_candidates_follow_with_rising_terms() {
                         .filter_map(|l| {
                             let f: Vec<&str> = l.split_whitespace().collect();
                             match f[..] {
-                                ["start", _, term, at, _] => {
+                                // The sixth field, the role, is the
+                                // run's one role here.
+                                ["start", _, term, at, _] | ["start", _, term, at, _, _] => {
                                     Some((at.parse().ok()?, term.parse().ok()?))
                                 }
                                 _ => None,
