@@ -473,12 +473,14 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
                             continue;
                         }
                         OnExit::Exit => {
+                            // A lease candidate's registration goes first:
+                            // a standby woken by the release must not
+                            // defer to this node as a ready candidate.
                             let lease = elector.backend() == pgelect::election::Backend::Lease;
-                            tokio::join!(release(leadership), async {
-                                if lease {
-                                    withdraw(&elector).await;
-                                }
-                            });
+                            if lease {
+                                withdraw(&elector).await;
+                            }
+                            release(leadership).await;
                             leave(&elector, lease).await;
                             return Ok(code);
                         }

@@ -506,6 +506,7 @@ impl Elector {
         // A standby exports is_leader = 0 from the start, so that dashboards
         // and alerts see every candidate, not only those that have led.
         crate::metrics::standing(&self.shared.role);
+        super::watchdog::ready();
         match self.shared.backend() {
             // Boxed: a waiting candidate's future holds its backend's
             // campaign only (thousands wait on a shared connection).

@@ -113,6 +113,16 @@ pub(crate) async fn listen(
             payload: format!("{}:released:{}", s.options.schema_name().as_str(), s.role),
         });
         if let Some(lease) = s.lease() {
+            // The role's standby is woken from here, on the thread that
+            // read the announcement, rather than by the campaign once the
+            // broadcast reaches it (another task, often another thread):
+            // a planned handover's successor sends its acquire sooner.
+            let schema = s.options.schema_name().as_str();
+            if n.channel == LEADER_CHANNEL
+                && parse_leader_event(schema, &n.payload) == Some(("released", s.role.as_str()))
+            {
+                lease.client.client().wake_standbys(Some(&s.role));
+            }
             let _ = lease.notices.send(n);
         }
         true
