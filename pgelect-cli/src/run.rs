@@ -473,15 +473,8 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
                             continue;
                         }
                         OnExit::Exit => {
-                            // A lease candidate's registration goes first:
-                            // a standby woken by the release must not
-                            // defer to this node as a ready candidate.
-                            let lease = elector.backend() == pgelect::election::Backend::Lease;
-                            if lease {
-                                withdraw(&elector).await;
-                            }
                             release(leadership).await;
-                            leave(&elector, lease).await;
+                            leave(&elector).await;
                             return Ok(code);
                         }
                         _ => {
@@ -532,23 +525,11 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
                 sig = signals.recv() => {
                     tracing::info!(event = "stopping", signal = %sig, term = term.get(),
                         "{sig} received; stopping the command, then handing over role {:?}", role);
-                    // A lease candidate's registration goes while the
-                    // command stops: a standby woken by the release must
-                    // not defer to this node as a ready candidate.
-                    let lease = elector.backend() == pgelect::election::Backend::Lease;
-                    let (status, ()) = tokio::join!(
-                        stop_gracefully(&mut child, grace, &leadership),
-                        async {
-                            if lease {
-                                withdraw(&elector).await;
-                            }
-                        }
-                    );
-                    if let Some(status) = status {
+                    if let Some(status) = stop_gracefully(&mut child, grace, &leadership).await {
                         exited(Ok(status), term);
                     }
                     release(leadership).await;
-                    leave(&elector, lease).await;
+                    leave(&elector).await;
                     return Ok(0);
                 }
             }
@@ -560,8 +541,7 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
 /// waits before it closes its connections and exits.
 ///
 /// What an exit costs the server (each connection's backend ending, the
-/// session backend's registration deleted on the connection kept from
-/// the release) would otherwise run at the very moment the successor is
+/// registration deleted) would otherwise run at the very moment the successor is
 /// granted the role and records its term, and slow it down: measured with
 /// `pgelect-bench cli-handoff` on a 2-core machine running PostgreSQL and
 /// every candidate, about 1 ms of a 6-8 ms planned handover. A successor
@@ -569,14 +549,13 @@ pub async fn run(global: &Global, args: RunArgs) -> Result<u8, Failure> {
 const HANDOVER_LINGER: Duration = Duration::from_millis(25);
 
 /// The end of a supervisor that handed over and stops for good: waits
-/// [`HANDOVER_LINGER`], then leaves the candidate registry (the session
-/// backend; a lease candidate left it before its release), and returns to
-/// exit.
-async fn leave(elector: &Elector, withdrawn: bool) {
+/// [`HANDOVER_LINGER`], then leaves the candidate registry, and returns to
+/// exit. (No standby defers to it meanwhile: the lease backend's release
+/// marks the releasing node's registration as not seen, and the session
+/// backend reads readiness from the lock queue.)
+async fn leave(elector: &Elector) {
     tokio::time::sleep(HANDOVER_LINGER).await;
-    if !withdrawn {
-        withdraw(elector).await;
-    }
+    withdraw(elector).await;
 }
 
 /// Leaves the candidate registry when stopping for good (best effort: a

@@ -450,6 +450,15 @@ LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS 
      WHERE (SELECT count(*) FROM hint) > 0
 $fn$;
 "#,
+    // 10: the lease functions again, from this version's statements: the
+    // release marks the releasing node's registration as not seen (a
+    // standby of lower priority woken by the release no longer defers to
+    // the node that gave the role up). Clients of version 9 find the new
+    // source different from theirs and send their statements whole until
+    // they are upgraded (slower, never different).
+    r#"
+{lease_functions}
+"#,
 ];
 
 /// [`migrate`](crate::migrate), waiting at most about `lock_timeout` for the migration lock.

@@ -532,6 +532,69 @@ async fn lease_backend_hands_over_to_a_higher_priority_standby() {
     lc.resign().await.unwrap();
 }
 
+/// Lease backend: a leader of higher priority that gives the role up (and
+/// stands no more, without withdrawing) is no ready candidate any more: its
+/// release marks its registration as not seen, so the standby of lower
+/// priority woken by the release takes the role at once, rather than defer
+/// to the node that just left until its registration ages out (a TTL,
+/// 30 s here) or its own next poll (10 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_standby_takes_over_from_a_preferred_leader_that_resigned() {
+    let (db, o) = migrated("prio_lease_left").await;
+    let admin = db.connect().await;
+    let role = "lease-left";
+    let lease = |node: &str, priority: i32| {
+        slow(&o, role, node, priority)
+            .backend(Backend::Lease)
+            .lease(|l| l.listen_via(o.clone()).retry_every(Duration::from_secs(10)))
+    };
+    let a = lease("preferred", 10).build().unwrap();
+    let la = a.leadership().await.unwrap();
+    let term = la.term();
+    let b = lease("standby", 0).build().unwrap();
+    let b_task = tokio::spawn(async move { (b.leadership().await.unwrap(), b) });
+    let t0 = Instant::now();
+    loop {
+        let n: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM pgelect.candidates WHERE node = 'standby'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if n == 1 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The leader's own registration is there and fresh: without the
+    // release's mark it would be a ready candidate of priority 10.
+    let fresh: bool = admin
+        .query_one(
+            "SELECT seen_at > now() - interval '30 seconds' FROM pgelect.candidates
+              WHERE role = $1 AND node = 'preferred'",
+            &[&role],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(fresh);
+    let t0 = Instant::now();
+    la.resign().await.unwrap();
+    drop(a);
+    let (lb, _b) = tokio::time::timeout(Duration::from_secs(8), b_task)
+        .await
+        .expect("the standby leads long before its next poll (10 s)")
+        .unwrap();
+    let took = t0.elapsed();
+    println!("the standby leads {took:?} after the preferred leader resigned");
+    assert_eq!(lb.term().get(), term.get() + 1);
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    lb.resign().await.unwrap();
+}
+
 /// No livelock when the preferred candidate is gone: a polling candidate of
 /// priority 10 is ready (its backend lives and its row is fresh), so the
 /// leader hands over to it and the standby granted the lock gives it back,

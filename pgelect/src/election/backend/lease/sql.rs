@@ -427,8 +427,17 @@ fn renew_sql(s: &str) -> String {
 /// The release (see [`LeaseSql::release`]): clears the holder where holder
 /// and term are still the given ones, with a NOTIFY per cleared row in the
 /// same transaction.
+///
+/// The releasing node's registration for the role (if any) is marked as
+/// not seen since long ago (`seen_at` at the epoch) in the same
+/// statement: a node that gives a role up is no ready candidate for it,
+/// and a standby of lower priority woken by the release must not defer to
+/// it (`preferred_lease_sql`) and wait for its next poll. A node that
+/// stands again is seen again at its first poll, which refreshes a
+/// registration older than half a TTL.
 fn release_sql(s: &str) -> String {
     let of_m = among("l", "m");
+    let reg_of_m = among("r", "m");
     format!(
         "WITH m AS (
              SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::text[])
@@ -440,6 +449,11 @@ fn release_sql(s: &str) -> String {
                FROM m
               WHERE l.role = m.role AND l.holder = m.node AND l.term = m.term AND {of_m}
              RETURNING m.payload
+         ), unready AS (
+             UPDATE {s}.candidates r SET seen_at = 'epoch'
+               FROM m
+              WHERE r.role = m.role AND r.node = m.node AND r.backend = 'lease' AND {reg_of_m}
+             RETURNING 1
          )
          SELECT count(*), count(pg_catalog.pg_notify('{LEADER_CHANNEL}', c.payload)::text)
            FROM c"
