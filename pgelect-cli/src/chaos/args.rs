@@ -25,6 +25,21 @@ pub struct ChaosArgs {
     /// bound.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=4096), conflicts_with_all = ["backends", "python"])]
     pub partitions: Option<u32>,
+    /// Instead of chaos's own servers: under a real HA manager. With
+    /// `pg_auto_failover`, chaos starts a formation of its own on loopback
+    /// (a monitor and two data nodes, synchronous replication, failure
+    /// detection lowered for a test machine; pg_autoctl from Debian's
+    /// pg-auto-failover-cli, as scripts/setup.sh installs it), the
+    /// candidates of --backends on a URL naming both data nodes with
+    /// target_session_attrs=read-write (the lease backend directly: no
+    /// pooler), the fenced table on the formation. Faults: switchover,
+    /// failover (`pg_autoctl perform`), postmaster-kill, node-kill (SIGKILL
+    /// of the primary's postmaster, of its whole node), and kill, stop,
+    /// term on the candidates (the default set here; other kinds given with
+    /// --faults are reported skipped). Without pg_autoctl the run is
+    /// reported skipped (exit 0).
+    #[arg(long, value_enum, value_name = "MANAGER", conflicts_with_all = ["partitions", "python", "pooler_url", "pooler_url_file"])]
+    pub ha: Option<HaArg>,
     /// Members of the --partitions group (each a separate `pgelect run`).
     /// Default: 20.
     #[arg(long, value_name = "M", value_parser = clap::value_parser!(u16).range(2..=200), requires = "partitions")]
@@ -93,6 +108,14 @@ pub struct ChaosArgs {
     pub rogue: bool,
 }
 
+/// An HA manager `--ha` runs under.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum HaArg {
+    /// pg_auto_failover: a monitor and two data nodes (`pg_autoctl`).
+    #[value(name = "pg_auto_failover")]
+    PgAutoFailover,
+}
+
 /// The hidden worker: `pgelect chaos-worker --log FILE --table NAME`.
 #[derive(Debug, Args)]
 pub struct WorkerArgs {
@@ -144,6 +167,7 @@ pub(super) fn standard_timing(backend: BackendArg) -> pgelect::election::TimingR
         candidates: 3,
         partitions: None,
         members: None,
+        ha: None,
         duration: Duration::from_secs(1),
         seed: None,
         ttl: Duration::from_secs(2),

@@ -93,6 +93,8 @@ pub(super) struct Run<'a> {
     pub(super) server: Option<&'a crate::demo::throwaway::Server>,
     /// The primary and its replica, for promotions (third phase).
     pub(super) replicas: Option<&'a mut promote::Pair>,
+    /// The HA manager's formation, for its faults (a run under `--ha`).
+    pub(super) manager: Option<&'a mut super::ha::Formation>,
     /// The pooler the supervisors and their workers connect through (lease
     /// backend, first and promote phases), or why there is none.
     pub(super) pooler: Result<&'a pooler::Pooler, String>,
@@ -410,18 +412,23 @@ impl Run<'_> {
     }
 
     /// Waits for a fenced write acknowledged after `after`; returns when.
+    /// The logs are read at least once, even when `within` is zero (the
+    /// fault may have lasted its whole bound, and the write be logged
+    /// already).
     pub(super) async fn next_write_ok(&self, after: u128, within: Duration) -> Option<u128> {
         let until = Instant::now() + within;
-        while Instant::now() < until {
+        loop {
             if let Some(e) = read_events(&self.dir)
                 .into_iter()
                 .find(|e| e.at > after && e.node != ROGUE && is_write_ok(&e.what))
             {
                 return Some(e.at);
             }
+            if Instant::now() >= until {
+                return None;
+            }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        None
     }
 
     pub(super) async fn next_start(

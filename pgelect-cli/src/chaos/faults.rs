@@ -77,6 +77,20 @@ pub enum Fault {
     /// the primary, where PgBouncer is installed (LISTEN on the two-host
     /// URL).
     Promote,
+    /// Under an HA manager (`--ha`): `pg_autoctl perform switchover` (the
+    /// monitor demotes the primary and promotes its synchronous standby).
+    Switchover,
+    /// Under an HA manager (`--ha`): `pg_autoctl perform failover`.
+    Failover,
+    /// Under an HA manager (`--ha`): SIGKILL of the primary's postmaster
+    /// (its keeper restarts it in place, or the monitor fails over).
+    #[value(name = "postmaster-kill")]
+    PostmasterKill,
+    /// Under an HA manager (`--ha`): SIGKILL of the primary's whole node
+    /// (keeper and PostgreSQL, as a machine that dies): the monitor fails
+    /// over; the node is started again and rejoins as a standby.
+    #[value(name = "node-kill")]
+    NodeKill,
 }
 
 impl Fault {
@@ -97,7 +111,28 @@ impl Fault {
             Fault::RestartImmediate => "restart-immediate",
             Fault::PgbouncerRestart => "pgbouncer-restart",
             Fault::Promote => "promote",
+            Fault::Switchover => "switchover",
+            Fault::Failover => "failover",
+            Fault::PostmasterKill => "postmaster-kill",
+            Fault::NodeKill => "node-kill",
         }
+    }
+
+    /// Whether the fault is the HA manager's (a run under `--ha`): it
+    /// hits the database, and with it every leader, until the formation
+    /// has settled again.
+    pub(super) fn needs_manager(self) -> bool {
+        matches!(
+            self,
+            Fault::Switchover | Fault::Failover | Fault::PostmasterKill | Fault::NodeKill
+        )
+    }
+
+    /// Whether writes must be acknowledged again within the bound after
+    /// the fault, whether or not the term moved: the primary changed or
+    /// restarted, and a lease leader may keep its term through that.
+    pub(super) fn writes_must_resume(self) -> bool {
+        self == Fault::Promote || self.needs_manager()
     }
 
     /// Whether the fault needs a primary with a replica (the third phase).
@@ -123,7 +158,11 @@ impl Fault {
                         | Fault::RestartFast
                         | Fault::RestartImmediate
                         | Fault::PgbouncerRestart
-                        | Fault::Promote,
+                        | Fault::Promote
+                        | Fault::Switchover
+                        | Fault::Failover
+                        | Fault::PostmasterKill
+                        | Fault::NodeKill,
                     BackendArg::Lease
                 )
         )
@@ -165,6 +204,29 @@ pub(super) const PROMOTE: Duration = Duration::from_secs(5);
 /// backoff doubles from 100 ms up to this (the library's reconnection
 /// backoff). While the primary is down it may have grown this far.
 pub(super) const RECONNECT_CAP: Duration = Duration::from_secs(5);
+
+/// The longest an HA manager's fault may leave the formation without a
+/// primary that accepts a write (`txid_current()` through a connection to
+/// a data node, polled every 50 ms), on a loaded 2-core machine, with the
+/// test kit's failure detection (health checks every second, a node
+/// unhealthy after 2 s, `primary_demote_timeout` 4 s). A switchover or a
+/// failover ordered by `pg_autoctl perform` returns once it is done; a
+/// dead node is failed over once the monitor found it unhealthy and waited
+/// for it to have demoted itself; a killed postmaster is restarted in
+/// place by its keeper (or, if that outlasts the monitor's patience,
+/// failed over). Measured figures: the book's chaos page.
+pub(super) fn manager_outage(fault: Fault) -> Duration {
+    match fault {
+        Fault::Switchover | Fault::Failover => Duration::from_secs(MANAGER_PLANNED_S),
+        Fault::PostmasterKill | Fault::NodeKill => Duration::from_secs(MANAGER_CRASH_S),
+        _ => Duration::ZERO,
+    }
+}
+
+/// [`manager_outage`] of an ordered switchover or failover, in seconds.
+const MANAGER_PLANNED_S: u64 = 12;
+/// [`manager_outage`] of a killed postmaster or node, in seconds.
+const MANAGER_CRASH_S: u64 = 15;
 
 /// The longest time from injecting `fault` on `backend` until the next
 /// leader's worker acts: the mechanism's bound as the README states it,
@@ -257,6 +319,17 @@ pub(super) fn bound(
                 + RETRY_EVERY
                 + t.handover_delay
         }
+        // Under the HA manager: as a promotion, the manager's outage in
+        // place of PROMOTE, and no pooler (the candidates connect to the
+        // data nodes directly). Replication is synchronous, so the lease
+        // row on the new primary is the last one renewed.
+        (
+            Fault::Switchover | Fault::Failover | Fault::PostmasterKill | Fault::NodeKill,
+            Session,
+        ) => manager_outage(fault) + RECONNECT_CAP + t.handover_delay,
+        (Fault::Switchover | Fault::Failover | Fault::PostmasterKill | Fault::NodeKill, Lease) => {
+            manager_outage(fault) + RECONNECT_CAP + lease_gone + RETRY_EVERY + t.handover_delay
+        }
     };
     mechanism + SLACK
 }
@@ -318,6 +391,16 @@ pub(super) struct Effect {
     pub(super) paused: bool,
     /// For a promotion: see [`Injected::unreplicated`].
     pub(super) unreplicated: Option<(u128, u128)>,
+    /// For a fault that replaced or restarted the primary: writes must be
+    /// acknowledged again within the bound, counting those after this
+    /// time (the primary's death; under the manager, the moment a primary
+    /// accepted a write again).
+    pub(super) resume_after: Option<u128>,
+    /// Under the manager: when a primary accepted a write again.
+    pub(super) writable: Option<u128>,
+    /// When the fault was over (the formation settled again), if later
+    /// than its injection.
+    pub(super) ended: Option<u128>,
     /// Why the fault could not run here.
     pub(super) skipped: Option<String>,
     /// The next leader's start, for faults that last until the next leader
@@ -469,6 +552,7 @@ pub(super) async fn inject(
             (Some(pair), Some(durable)) => {
                 let (died, took) = pair.promote()?;
                 effect.unreplicated = Some((durable, died));
+                effect.resume_after = Some(died);
                 println!(
                     "  (primary killed, replica promoted: accepted a write {:.1} ms after the death)",
                     took.as_secs_f64() * 1e3
@@ -476,6 +560,17 @@ pub(super) async fn inject(
             }
             _ => effect.skipped = Some(PROMOTE_NEEDS_THROWAWAY.to_owned()),
         },
+        Fault::Switchover | Fault::Failover | Fault::PostmasterKill | Fault::NodeKill => {
+            match run.manager.as_deref_mut() {
+                None => effect.skipped = Some(super::ha::NEEDS_MANAGER.to_owned()),
+                Some(formation) => {
+                    let after = formation.inject(fault).await?;
+                    effect.resume_after = Some(after.writable);
+                    effect.writable = Some(after.writable);
+                    effect.ended = Some(after.settled);
+                }
+            }
+        }
         Fault::PgbouncerRestart => match &run.pooler {
             Err(why) => effect.skipped = Some(why.clone()),
             Ok(p) => match p.not_restartable() {

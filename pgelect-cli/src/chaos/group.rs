@@ -137,6 +137,9 @@ pub(super) fn not_in_group(fault: Fault) -> Option<&'static str> {
             "the members connect through PgBouncer on loopback, out of the network namespaces' reach",
         ),
         Fault::Promote => Some("the partition-group run has no replica"),
+        Fault::Switchover | Fault::Failover | Fault::PostmasterKill | Fault::NodeKill => {
+            Some(super::ha::NEEDS_MANAGER)
+        }
     }
 }
 
@@ -401,6 +404,7 @@ pub(super) async fn schedule_group(
                 paused,
                 unreplicated: None,
                 resumed: None,
+                writable: None,
                 skipped,
             });
             if stuck {

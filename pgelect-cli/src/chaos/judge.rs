@@ -179,7 +179,7 @@ pub(super) fn judge(
     // within the bound (a lease leader may keep its term: no new start).
     for i in injected
         .iter()
-        .filter(|i| i.skipped.is_none() && i.unreplicated.is_some())
+        .filter(|i| i.skipped.is_none() && i.fault.writes_must_resume())
     {
         let b = bound(i.fault, backend, timing);
         match i.resumed {
@@ -260,12 +260,16 @@ fn judge_role(
         }
     }
     let have: HashSet<(String, i64, i64)> = committed.iter().cloned().collect();
-    // Whether a fault was injected on the leader of `term` by `at`.
+    // Whether a fault was injected on the leader of `term` by `at`, or a
+    // manager's fault on the database was still on at `at` (it hits every
+    // leader until the formation has settled: a leader elected on a
+    // primary restarted in place may yet see it failed over).
     let faulted = |term: i64, at: u128| {
         injected.iter().any(|i| {
             i.skipped.is_none()
                 && i.at <= at
-                && i.hits.iter().any(|h| h.role == role && h.term == term)
+                && (i.hits.iter().any(|h| h.role == role && h.term == term)
+                    || (i.fault.needs_manager() && at <= i.ended))
         })
     };
     let first_write_of: HashMap<i64, usize> =
@@ -456,6 +460,7 @@ mod tests {
             paused: false,
             unreplicated: None,
             resumed: None,
+            writable: None,
             skipped: None,
         }
     }

@@ -50,6 +50,7 @@ mod candidates;
 mod events;
 mod faults;
 mod group;
+mod ha;
 mod judge;
 mod netns;
 mod pooler;
@@ -133,6 +134,15 @@ async fn chaos(
     server: &mut Option<crate::demo::throwaway::Server>,
 ) -> Result<(Rows, Vec<String>), Failure> {
     let explicit = global.explicit_url()?;
+    if let Some(manager) = args.ha {
+        if explicit.is_some() {
+            return Err(Failure::new(
+                exit::USAGE,
+                "--ha runs on a formation chaos starts itself: run without --database-url",
+            ));
+        }
+        return ha::run(global, args, manager, seed).await;
+    }
     let group = Group::from_args(args)?;
     // A partition-group run is the lease backend's, with its own default
     // faults.
@@ -373,6 +383,11 @@ async fn chaos(
                 .filter(|f| !f.needs_netns() && !f.needs_replica())
                 .collect();
             let mut injected = Vec::new();
+            // The manager's faults: a run under --ha only.
+            for f in faults.iter().copied().filter(|f| f.needs_manager()) {
+                first.retain(|&k| k != f);
+                injected.push(Injected::not_run(f, ha::NEEDS_MANAGER));
+            }
             if first.contains(&Fault::KillMany) {
                 first.retain(|&f| f != Fault::KillMany);
                 injected.push(Injected::not_run(Fault::KillMany, KILL_MANY_NEEDS_GROUP));
@@ -395,6 +410,7 @@ async fn chaos(
                     .flatten(),
                 server: server.as_ref(),
                 replicas: None,
+                manager: None,
                 pooler: run_pooler,
                 admin: &admin,
                 schema: schema.clone(),
@@ -467,6 +483,7 @@ async fn chaos(
                     faketime: None,
                     server: None,
                     replicas: Some(pair),
+                    manager: None,
                     pooler: promote_via,
                     admin: &*pair_admin,
                     schema: schema.clone(),
@@ -596,6 +613,7 @@ async fn group_run(g: GroupRun<'_>, rng: &mut StdRng) -> Result<(Rows, Vec<Strin
         faketime: None,
         server: g.server,
         replicas: None,
+        manager: None,
         pooler: g.pooler,
         admin: g.admin,
         schema: g.schema.to_owned(),
@@ -650,7 +668,7 @@ async fn group_run(g: GroupRun<'_>, rng: &mut StdRng) -> Result<(Rows, Vec<Strin
 }
 
 /// The fenced writes the workers logged: acknowledged, refused, failed.
-fn write_outcomes(dir: &std::path::Path) -> (usize, usize, usize) {
+pub(super) fn write_outcomes(dir: &std::path::Path) -> (usize, usize, usize) {
     let events = events::read_events(dir);
     let count = |end: &str| {
         events

@@ -137,13 +137,20 @@ pub(super) fn rows(
         // Promotions: until writes were acknowledged again.
         let resumed: Vec<f64> = list
             .iter()
-            .filter(|i| i.skipped.is_none() && i.unreplicated.is_some())
+            .filter(|i| i.skipped.is_none() && i.fault.writes_must_resume())
             .map(|i| {
                 i.resumed
                     .map_or(f64::INFINITY, |w| w.saturating_sub(i.at) as f64 / 1e6)
             })
             .collect();
         let max_resumed = resumed.iter().copied().fold(0.0, f64::max);
+        // Under the HA manager: until a primary accepted a write again.
+        let outage: Vec<f64> = list
+            .iter()
+            .filter(|i| i.skipped.is_none())
+            .filter_map(|i| i.writable.map(|w| w.saturating_sub(i.at) as f64 / 1e6))
+            .collect();
+        let ms = |v: f64| (v * 10.0).round() / 10.0;
         let bound_ms = match group {
             Some(g) => g.bound(fault, timing),
             None => bound(fault, backend, timing),
@@ -187,6 +194,14 @@ pub(super) fn rows(
             // and when none came within the bound: a violation).
             "writes_resumed_max_ms": (!resumed.is_empty() && max_resumed.is_finite())
                 .then(|| (max_resumed * 10.0).round() / 10.0),
+            "writes_resumed_p50_ms": (!resumed.is_empty() && max_resumed.is_finite())
+                .then(|| ms(percentile(&resumed, 50.0))),
+            // Under the HA manager (--ha): from the fault until a primary
+            // accepted a write again (the manager's outage; null for
+            // other faults).
+            "manager_outage_p50_ms": (!outage.is_empty()).then(|| ms(percentile(&outage, 50.0))),
+            "manager_outage_max_ms": (!outage.is_empty())
+                .then(|| ms(outage.iter().copied().fold(0.0, f64::max))),
             // Whether its candidates connected through the pooler
             // (the lease backend's first and promote phases).
             "pooler": pooled_kinds.contains(&fault),

@@ -56,6 +56,9 @@ pub(super) struct Injected {
     /// within the bound. A lease leader may keep its term through a
     /// promotion: then this, not a new term, shows it acting again.
     pub(super) resumed: Option<u128>,
+    /// Under the HA manager: when a primary accepted a write again after
+    /// the fault (the manager's outage ends there).
+    pub(super) writable: Option<u128>,
     pub(super) skipped: Option<String>,
 }
 
@@ -75,6 +78,7 @@ impl Injected {
             paused: false,
             unreplicated: None,
             resumed: None,
+            writable: None,
             skipped: Some(why.to_owned()),
         }
     }
@@ -145,6 +149,11 @@ pub(super) async fn schedule(
                 (Fault::Promote, Some(pair)) => Some(pair.prepare()?),
                 _ => None,
             };
+            // Likewise a manager's fault needs a settled formation (a
+            // killed node back as a synchronous standby).
+            if let (true, Some(formation)) = (fault.needs_manager(), run.manager.as_deref_mut()) {
+                formation.prepare()?;
+            }
             // Leadership may have moved after the last fault's window (a
             // lease leader that lost its deadline during a restart).
             if let Some(e) = run.latest_start().filter(|e| e.term > leader.term) {
@@ -160,6 +169,9 @@ pub(super) async fn schedule(
             let Effect {
                 paused,
                 unreplicated,
+                resume_after,
+                writable,
+                ended,
                 mut skipped,
                 found,
             } = inject(fault, run, &mut sups, i, &leader, &timing, rng, durable).await?;
@@ -180,7 +192,11 @@ pub(super) async fn schedule(
                     Fault::RestartFast
                     | Fault::RestartImmediate
                     | Fault::PgbouncerRestart
-                    | Fault::Promote => args.ttl,
+                    | Fault::Promote
+                    | Fault::Switchover
+                    | Fault::Failover
+                    | Fault::PostmasterKill
+                    | Fault::NodeKill => args.ttl,
                     _ => Duration::ZERO,
                 };
                 run.next_start(leader.term, leader.at, window + Duration::from_millis(500))
@@ -194,13 +210,14 @@ pub(super) async fn schedule(
             if let Some(why) = moved_before(next.as_ref(), at) {
                 skipped = Some(why);
             }
-            // After a promotion, writes must be acknowledged again (by the
-            // new primary) within the bound, whether or not the term moved.
-            let resumed = match (unreplicated, &skipped) {
-                (Some((_, died)), None) => {
+            // After a promotion (or a manager's fault), writes must be
+            // acknowledged again (by the new primary) within the bound,
+            // whether or not the term moved.
+            let resumed = match (resume_after, &skipped) {
+                (Some(after), None) => {
                     let within = bound(fault, run.backend, &timing)
                         .saturating_sub(Duration::from_nanos(now_ns().saturating_sub(at) as u64));
-                    run.next_write_ok(died, within).await
+                    run.next_write_ok(after, within).await
                 }
                 _ => None,
             };
@@ -214,11 +231,12 @@ pub(super) async fn schedule(
                     term: leader.term,
                     pid: leader.pid,
                 }],
-                ended: at,
+                ended: ended.unwrap_or(at).max(at),
                 next_start: next.as_ref().map(|e| e.at),
                 paused,
                 unreplicated,
                 resumed,
+                writable,
                 skipped,
             });
             if let Some(f) = injected.last() {
@@ -237,12 +255,12 @@ pub(super) async fn schedule(
                     }
                     (None, None) => "no new term".to_owned(),
                 };
-                let outcome = match (f.unreplicated, f.resumed, &f.skipped) {
-                    (Some(_), Some(w), None) => format!(
+                let outcome = match (f.fault.writes_must_resume(), f.resumed, &f.skipped) {
+                    (true, Some(w), None) => format!(
                         "{outcome}; writes acknowledged again {:.1} ms after the fault",
                         w.saturating_sub(f.at) as f64 / 1e6
                     ),
-                    (Some(_), None, None) => format!("{outcome}; no write acknowledged again"),
+                    (true, None, None) => format!("{outcome}; no write acknowledged again"),
                     _ => outcome,
                 };
                 println!(

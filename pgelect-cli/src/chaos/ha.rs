@@ -1,0 +1,544 @@
+//! The run under a real HA manager (`--ha pg_auto_failover`): the manager
+//! owns the primary, chaos orders its switchovers and failovers and kills
+//! what it manages, and the same checker judges the workers' logs and the
+//! fenced table.
+//!
+//! **The formation.** The test kit's [`AutoFailover`]: a monitor and two
+//! data nodes on loopback, run as the kit's unprivileged server user,
+//! failure detection lowered for a test machine (a dead primary is failed
+//! over in seconds, not in about 50 s). Two data nodes rather than three:
+//! the formation starts in about half the time on a small machine (one
+//! base backup fewer), and the four faults need no more. Replication is
+//! synchronous (`ANY 1`) whenever the formation is settled, and chaos
+//! injects a manager's fault only then ([`Formation::prepare`]): a write
+//! acknowledged before a failover is on the standby promoted, so the
+//! checker excuses none (unlike `promote`, whose replica is asynchronous).
+//! After a node kill the survivor takes writes alone (`wait_primary`,
+//! replication off) until the killed node is started again and has caught
+//! up; chaos does that within the fault, before the next one.
+//!
+//! **The candidates** of each backend run on the formation's multi-host URL
+//! with `target_session_attrs=read-write` (as the HA integration tests
+//! do), their workers' fenced writes too. The lease backend connects
+//! directly: PgBouncer cannot follow `target_session_attrs`, and chaos puts
+//! no address that follows the primary in front of the formation.
+//!
+//! **The faults**: `switchover` and `failover` (`pg_autoctl perform`),
+//! `postmaster-kill` (SIGKILL of the primary's postmaster: its keeper
+//! restarts it in place, or the monitor fails over), `node-kill` (SIGKILL
+//! of the primary's keeper and PostgreSQL together: the monitor fails
+//! over), and the process faults `kill`, `stop`, `term` on the leader's
+//! supervisor. A manager's fault hits the database, so every leader until
+//! the formation has settled again: a write that fails or is refused
+//! meanwhile is no loss ([`Injected::ended`]).
+//!
+//! **The gap.** Per fault, chaos polls the data nodes until one that is
+//! new to the role (another node, or the same node's postmaster started
+//! after the fault) commits a write (an insert into a probe table, whose
+//! commit waits for the synchronous standby as the workers' do): the
+//! manager's outage. The bound on the time until
+//! a leader acts again ([`bound`](super::faults::bound)) is that outage's
+//! bound ([`manager_outage`](super::faults::manager_outage)) plus the
+//! backend's, as for a promotion; a leader's write must be acknowledged
+//! again within it, and a new term (the session backend always; the lease
+//! backend when its leader did not renew through the outage) begin within
+//! it.
+
+use std::collections::HashSet;
+
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use super::admin::{create_table, Admin};
+use super::args::{backend_name, timing, HaArg};
+use super::candidates::Run;
+use super::faults::Fault;
+use super::judge::check;
+use super::report::{self, Rows};
+use super::schedule::{schedule, Injected};
+use super::{fail, write_outcomes, ChaosArgs};
+use crate::cli::Global;
+use crate::exit::Failure;
+
+#[cfg(feature = "throwaway")]
+use pgelect_testkit::AutoFailover;
+
+/// Why a manager's fault is skipped elsewhere.
+pub(super) const NEEDS_MANAGER: &str =
+    "a fault of the HA manager's: only in a run under it (--ha pg_auto_failover)";
+
+/// The faults a run under the manager injects unless `--faults` says.
+pub(super) const HA_FAULTS: [Fault; 7] = [
+    Fault::Switchover,
+    Fault::Failover,
+    Fault::PostmasterKill,
+    Fault::NodeKill,
+    Fault::Kill,
+    Fault::Stop,
+    Fault::Term,
+];
+
+/// Why `fault` is not injected under the manager, if it is not.
+pub(super) fn not_under_manager(fault: Fault) -> Option<&'static str> {
+    match fault {
+        Fault::Switchover
+        | Fault::Failover
+        | Fault::PostmasterKill
+        | Fault::NodeKill
+        | Fault::Kill
+        | Fault::Stop
+        | Fault::Term
+        | Fault::Terminate => None,
+        Fault::KillMany => Some(super::faults::KILL_MANY_NEEDS_GROUP),
+        Fault::Blackhole | Fault::Latency => Some(
+            "the candidates connect to the formation's data nodes directly (a multi-host URL): no proxy",
+        ),
+        Fault::Starve | Fault::ClockJump => {
+            Some("not implemented under the manager (the runs on chaos's own server inject it)")
+        }
+        Fault::RestartFast | Fault::RestartImmediate | Fault::Promote => Some(
+            "the manager owns the servers: its own faults (switchover, failover, postmaster-kill, node-kill) replace these",
+        ),
+        Fault::PgbouncerRestart => {
+            Some("no pooler under the manager (PgBouncer cannot follow target_session_attrs)")
+        }
+        Fault::Partition | Fault::PartitionNoPreempt => {
+            Some("the formation listens on loopback, out of the network namespaces' reach")
+        }
+    }
+}
+
+/// The run under the manager: the formation started, each backend's
+/// schedule and check; the rows and violations.
+pub(super) async fn run(
+    global: &Global,
+    args: &ChaosArgs,
+    manager: HaArg,
+    seed: u64,
+) -> Result<(Rows, Vec<String>), Failure> {
+    let HaArg::PgAutoFailover = manager;
+    let kinds = if crate::cli::on_command_line("--faults") {
+        args.faults.clone()
+    } else {
+        HA_FAULTS.to_vec()
+    };
+    let mut not_run = Vec::new();
+    let mut drawn = Vec::new();
+    for f in kinds {
+        match not_under_manager(f) {
+            Some(why) => not_run.push((f, why.to_owned())),
+            None => drawn.push(f),
+        }
+    }
+    let names: Vec<String> = args
+        .backends
+        .iter()
+        .map(|&b| format!("{}-ha", backend_name(b)))
+        .collect();
+    if let Err(why) = available() {
+        println!("pgelect chaos --ha pg_auto_failover: skipped: {why}");
+        let mut rows = Vec::new();
+        for (&backend, bname) in args.backends.iter().zip(&names) {
+            let injected: Vec<Injected> = drawn
+                .iter()
+                .map(|&f| Injected::not_run(f, &why))
+                .chain(not_run.iter().map(|(f, why)| Injected::not_run(*f, why)))
+                .collect();
+            rows.extend(report::rows(
+                bname,
+                seed,
+                backend,
+                &timing(args, backend)?,
+                &injected,
+                &Default::default(),
+                &HashSet::new(),
+                None,
+            ));
+        }
+        return Ok((rows, Vec::new()));
+    }
+    let started = std::time::Instant::now();
+    let mut formation = Formation::start().await?;
+    println!(
+        "  {} (started in {:.1} s)",
+        formation.describe(),
+        started.elapsed().as_secs_f64()
+    );
+    let url = formation.url();
+    let options = pgelect::ConnectOptions::from_url(&url)?.schema(&global.schema)?;
+    pgelect::migrate(&options).await?;
+    let admin = Admin::connect(&options).await?;
+    let schema = options.schema_name().as_str().to_owned();
+    let table = format!("pgelect_chaos_{seed:x}");
+    create_table(&admin, &table).await?;
+    let probe = format!("{table}_probe");
+    admin
+        .get()
+        .await?
+        .batch_execute(&format!(
+            "CREATE TABLE {probe} (at timestamptz NOT NULL DEFAULT clock_timestamp())"
+        ))
+        .await
+        .map_err(|e| fail(format!("cannot create the table {probe}: {e}")))?;
+    formation.probe_with(&probe);
+    let url_file = crate::demo::UrlFile::write(&url)?;
+    println!(
+        "pgelect chaos: seed {seed} (replay with --seed {seed}), {} candidates under pg_auto_failover, ttl {}, profile {:?}, {} per backend, table {table} on the formation, lease backend direct (PgBouncer cannot follow target_session_attrs)",
+        args.candidates,
+        crate::duration::show(args.ttl),
+        args.profile,
+        crate::duration::show(args.duration)
+    );
+    let exe = std::env::current_exe().map_err(fail)?;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut rows = Vec::new();
+    let mut all_violations = Vec::new();
+    let outcome: Result<(), Failure> = async {
+        for (&backend, bname) in args.backends.iter().zip(&names) {
+            let role = format!("chaos-{seed:x}-{bname}");
+            let dir = args.logs.as_deref().unwrap_or(url_file.dir()).join(bname);
+            std::fs::create_dir_all(&dir).map_err(fail)?;
+            let mut injected: Vec<Injected> = not_run
+                .iter()
+                .map(|(f, why)| Injected::not_run(*f, why))
+                .collect();
+            let mut run = Run {
+                exe: exe.clone(),
+                url_file: url_file.path(),
+                proxied: None,
+                net: None,
+                faketime: None,
+                server: None,
+                replicas: None,
+                manager: Some(&mut formation),
+                pooler: Err(
+                    "under the manager the candidates connect directly (PgBouncer cannot follow target_session_attrs)"
+                        .to_owned(),
+                ),
+                admin: &admin,
+                schema: schema.clone(),
+                role,
+                backend,
+                args,
+                dir,
+                table: table.clone(),
+                next_id: 0,
+                group: None,
+            };
+            if !drawn.is_empty() {
+                injected.extend(schedule(&mut run, drawn.clone(), &mut rng).await?);
+            }
+            let found = check(&run, &admin, &injected).await?;
+            let t = timing(args, backend)?;
+            let kind_rows = report::rows(
+                bname,
+                seed,
+                backend,
+                &t,
+                &injected,
+                &found,
+                &HashSet::new(),
+                None,
+            );
+            for r in kind_rows.iter().filter(|r| r["manager_outage_max_ms"].is_number()) {
+                println!(
+                    "  {bname} {}: a primary took writes again after p50 {} / max {} ms, a leader's write was acknowledged again after p50 {} / max {} ms (bound {} ms)",
+                    r["fault"].as_str().unwrap_or(""),
+                    r["manager_outage_p50_ms"],
+                    r["manager_outage_max_ms"],
+                    r["writes_resumed_p50_ms"],
+                    r["writes_resumed_max_ms"],
+                    r["bound_ms"]
+                );
+            }
+            rows.extend(kind_rows);
+            let (ok, refused, failed) = write_outcomes(&run.dir);
+            println!(
+                "{bname}: {} faults, {} fenced writes committed (workers saw {ok} acknowledged, {refused} refused, {failed} failed), {} violation(s)",
+                injected.iter().filter(|i| i.skipped.is_none()).count(),
+                found.writes_committed,
+                found.violations.len()
+            );
+            all_violations.extend(found.violations.into_iter().map(|v| format!("{bname}: {v}")));
+        }
+        Ok(())
+    }
+    .await;
+    if let Ok(c) = admin.get().await {
+        let _ = c
+            .batch_execute(&format!("DROP TABLE IF EXISTS {table}, {probe}"))
+            .await;
+    }
+    drop(url_file);
+    tokio::task::block_in_place(|| drop(formation));
+    outcome.map(|()| (rows, all_violations))
+}
+
+/// Whether a formation can be started here; why not otherwise.
+#[cfg(feature = "throwaway")]
+fn available() -> Result<(), String> {
+    pgelect_testkit::autofailover_available().map_err(|e| e.to_string())
+}
+
+#[cfg(not(feature = "throwaway"))]
+fn available() -> Result<(), String> {
+    Err("this pgelect was built without the throwaway feature (the test kit's formation)".into())
+}
+
+/// What followed a manager's fault.
+#[cfg_attr(not(feature = "throwaway"), allow(dead_code))]
+pub(super) struct After {
+    /// When a primary new to the role accepted a write (ns since the
+    /// epoch).
+    pub(super) writable: u128,
+    /// When the formation had settled again: one primary, a synchronous
+    /// standby (a killed node started again and caught up).
+    pub(super) settled: u128,
+}
+
+#[cfg(feature = "throwaway")]
+pub(super) use own::Formation;
+
+#[cfg(feature = "throwaway")]
+mod own {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use pgelect_testkit::NodeIndex;
+
+    use super::{After, AutoFailover};
+    use crate::chaos::events::now_ns;
+    use crate::chaos::fail;
+    use crate::chaos::faults::Fault;
+    use crate::exit::{self, Failure};
+
+    /// How long the formation may take to settle (a killed node's
+    /// `pg_rewind` and catch-up included) or to have a primary again.
+    const SETTLE_WITHIN: Duration = Duration::from_secs(120);
+
+    /// The formation, which node is its primary, and which node was
+    /// killed and not started again.
+    pub(in crate::chaos) struct Formation {
+        haf: Arc<AutoFailover>,
+        primary: NodeIndex,
+        killed: Option<NodeIndex>,
+        /// The statement that tells whether a node takes writes.
+        probe: String,
+    }
+
+    fn unavailable(what: impl std::fmt::Display) -> Failure {
+        Failure::new(exit::UNAVAILABLE, what.to_string())
+    }
+
+    impl Formation {
+        /// Starts a monitor and two data nodes; returns once node 0 is
+        /// primary and node 1 a synchronous standby.
+        pub async fn start() -> Result<Formation, Failure> {
+            let haf = tokio::task::spawn_blocking(AutoFailover::start)
+                .await
+                .map_err(fail)?
+                .map_err(|e| {
+                    unavailable(format!("cannot start a pg_auto_failover formation: {e}"))
+                })?;
+            Ok(Formation {
+                haf: Arc::new(haf),
+                primary: 0,
+                killed: None,
+                probe: String::new(),
+            })
+        }
+
+        /// Probes for a primary that takes writes with an insert into
+        /// `table` (`at timestamptz DEFAULT clock_timestamp()`, made on
+        /// the formation): a commit that waits for the synchronous standby,
+        /// as the workers' do. (`txid_current()` alone writes no WAL, and
+        /// its commit does not wait.)
+        pub fn probe_with(&mut self, table: &str) {
+            self.probe = format!(
+                "INSERT INTO {table} DEFAULT VALUES RETURNING (extract(epoch FROM pg_postmaster_start_time()) * 1e9)::float8"
+            );
+        }
+
+        /// The candidates' URL: both data nodes, the primary wherever it
+        /// is.
+        pub fn url(&self) -> String {
+            format!("{}&connect_timeout=2", self.haf.url("postgres"))
+        }
+
+        /// How the header line names it.
+        pub fn describe(&self) -> String {
+            let nodes: Vec<String> = self
+                .haf
+                .ports()
+                .iter()
+                .map(|p| format!("127.0.0.1:{p}"))
+                .collect();
+            format!(
+                "a pg_auto_failover formation: a monitor on 127.0.0.1:{}, data nodes on {} (synchronous replication), the candidates on both with target_session_attrs=read-write",
+                self.haf.monitor_port(),
+                nodes.join(" and ")
+            )
+        }
+
+        /// Readies the next manager's fault: a killed node started again,
+        /// then one primary and a settled synchronous standby. Not counted
+        /// in any fault's gap. Blocks this worker thread meanwhile.
+        pub fn prepare(&mut self) -> Result<(), Failure> {
+            let haf = self.haf.clone();
+            let killed = self.killed.take();
+            self.primary = tokio::task::block_in_place(move || {
+                if let Some(k) = killed {
+                    haf.restart_node(k)?;
+                }
+                haf.wait_stable(SETTLE_WITHIN)
+            })
+            .map_err(|e| unavailable(format!("the formation did not settle: {e}")))?;
+            Ok(())
+        }
+
+        /// Injects `fault` on the primary, watches for a primary new to
+        /// the role to accept a write, then lets the formation settle.
+        pub async fn inject(&mut self, fault: Fault) -> Result<After, Failure> {
+            let at = now_ns();
+            let old = self.primary;
+            let haf = self.haf.clone();
+            // The manager's command (or the kill) and the watch at once:
+            // `perform` returns only once its failover is done, later than
+            // the new primary took writes.
+            let order = tokio::task::spawn_blocking(move || match fault {
+                Fault::Switchover => haf.perform_switchover(),
+                Fault::Failover => haf.perform_failover(),
+                Fault::PostmasterKill => haf.kill_postmaster(old).map(|_| ()),
+                Fault::NodeKill => haf.kill_node(old),
+                _ => Err(std::io::Error::other("BUG: not a manager's fault")),
+            });
+            let writable = self.watch_writable(old, at).await;
+            let ordered = order.await.map_err(fail)?;
+            ordered.map_err(|e| unavailable(format!("{}: {e}", fault.name())))?;
+            if fault == Fault::NodeKill {
+                self.killed = Some(old);
+            }
+            let (writable, new) = writable?;
+            self.prepare()?;
+            let settled = now_ns();
+            let ms = |t: u128| t.saturating_sub(at) as f64 / 1e6;
+            println!(
+                "  ({}: node{} was primary; node{} took a write {:.1} ms after the fault; settled, node{} primary, after {:.1} ms)",
+                fault.name(),
+                old + 1,
+                new + 1,
+                ms(writable),
+                self.primary + 1,
+                ms(settled)
+            );
+            Ok(After { writable, settled })
+        }
+
+        /// Polls the data nodes every 50 ms until one new to the role (not
+        /// `old`, or `old` with its postmaster started after `at`) accepts
+        /// a write; returns when, and which.
+        async fn watch_writable(
+            &self,
+            old: NodeIndex,
+            at: u128,
+        ) -> Result<(u128, NodeIndex), Failure> {
+            let until = std::time::Instant::now() + SETTLE_WITHIN;
+            loop {
+                for node in 0..self.haf.ports().len() {
+                    let mut config = self.haf.node_config(node, "postgres");
+                    config.connect_timeout(Duration::from_secs(1));
+                    if let Some(started) = takes_writes(config, &self.probe).await {
+                        if node != old || started > at as f64 {
+                            return Ok((now_ns(), node));
+                        }
+                    }
+                }
+                if std::time::Instant::now() >= until {
+                    let haf = self.haf.clone();
+                    let state = tokio::task::spawn_blocking(move || haf.state())
+                        .await
+                        .map_err(fail)?;
+                    return Err(unavailable(format!(
+                        "no primary took a write within {} s of the fault; the monitor says {state:?}",
+                        SETTLE_WITHIN.as_secs()
+                    )));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+
+    /// Whether the server of `config` commits the write `probe` within a
+    /// second (a standby refuses it, a primary waits for its synchronous
+    /// standby); if so, when its postmaster started (ns since the epoch,
+    /// what `probe` returns).
+    async fn takes_writes(config: tokio_postgres::Config, probe: &str) -> Option<f64> {
+        let probe = async {
+            let (client, connection) = config.connect(tokio_postgres::NoTls).await.ok()?;
+            let task = tokio::spawn(connection);
+            let row = client.query_one(probe, &[]).await.ok();
+            drop(client);
+            task.abort();
+            row.map(|r| r.get::<_, f64>(0))
+        };
+        tokio::time::timeout(Duration::from_secs(1), probe)
+            .await
+            .ok()
+            .flatten()
+    }
+}
+
+/// Without the throwaway feature there is no formation: never built.
+#[cfg(not(feature = "throwaway"))]
+pub(super) enum Formation {}
+
+#[cfg(not(feature = "throwaway"))]
+impl Formation {
+    pub async fn start() -> Result<Formation, Failure> {
+        Err(fail("BUG: --ha without the throwaway feature"))
+    }
+
+    pub fn url(&self) -> String {
+        match *self {}
+    }
+
+    pub fn probe_with(&mut self, _table: &str) {
+        match *self {}
+    }
+
+    pub fn describe(&self) -> String {
+        match *self {}
+    }
+
+    pub fn prepare(&mut self) -> Result<(), Failure> {
+        match *self {}
+    }
+
+    pub async fn inject(&mut self, _fault: Fault) -> Result<After, Failure> {
+        match *self {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::ValueEnum;
+
+    use super::*;
+
+    #[test]
+    fn every_fault_is_either_injected_under_the_manager_or_skipped_with_a_reason() {
+        for &f in <Fault as ValueEnum>::value_variants() {
+            let skipped = not_under_manager(f);
+            assert_eq!(
+                skipped.is_none(),
+                f.needs_manager()
+                    || matches!(
+                        f,
+                        Fault::Kill | Fault::Stop | Fault::Term | Fault::Terminate
+                    ),
+                "{f:?}"
+            );
+        }
+        assert!(HA_FAULTS.iter().all(|&f| not_under_manager(f).is_none()));
+    }
+}
