@@ -638,4 +638,36 @@ mod tests {
                 >= t.ttl + t.handover_delay + SLACK
         );
     }
+
+    #[test]
+    fn a_managers_fault_is_bounded_by_its_outage_plus_the_backends_bound_after_a_promotion() {
+        // Under the HA manager: the manager's outage, then the backend's
+        // bound as after a promotion (without the pooler's login retry).
+        for backend in [BackendArg::Session, BackendArg::Lease] {
+            let t = standard(backend);
+            let pooler = match backend {
+                BackendArg::Lease => POOLER_LOGIN_RETRY,
+                BackendArg::Session => Duration::ZERO,
+            };
+            for f in [
+                Fault::Switchover,
+                Fault::Failover,
+                Fault::PostmasterKill,
+                Fault::NodeKill,
+            ] {
+                let b = bound(f, backend, &t);
+                assert!(
+                    b >= manager_outage(f) + RECONNECT_CAP + SLACK,
+                    "{f:?} {backend:?}: {b:?}"
+                );
+                assert_eq!(
+                    b - manager_outage(f),
+                    bound(Fault::Promote, backend, &t) - PROMOTE - pooler,
+                    "{f:?} {backend:?}"
+                );
+                assert!(f.writes_must_resume() && f.needs_manager());
+                assert_eq!(f.must_fail_over(backend), backend == BackendArg::Session);
+            }
+        }
+    }
 }

@@ -619,6 +619,69 @@ mod tests {
         );
     }
 
+    /// A node kill under the HA manager at 1000 ms: c2 (term 2) is
+    /// elected at 1400 ms, before the formation settled at 1600 ms. A
+    /// write of c2's that fails meanwhile (the database was still moving)
+    /// is no loss; one that fails after the formation settled is. And
+    /// writes must be acknowledged again within the bound.
+    #[test]
+    fn a_managers_fault_excuses_every_leaders_failed_writes_until_the_formation_settled() {
+        let (mut events, committed) = clean_history();
+        events.push(ev("write:2:failed", "c2", 2, 1550, 12));
+        events.sort_by_key(|e| e.at);
+        let t = standard(BackendArg::Session);
+        let mut kill = fault(Fault::NodeKill, "c1", 1, 1000, Some(1400));
+        kill.ended = 1600 * 1_000_000;
+        kill.writable = Some(1300 * 1_000_000);
+        kill.resumed = Some(1450 * 1_000_000);
+        let f = judge(
+            &events,
+            &committed,
+            std::slice::from_ref(&kill),
+            BackendArg::Session,
+            &t,
+            None,
+        );
+        assert!(f.violations.is_empty(), "{:?}", f.violations);
+        // Settled at 1500 ms: the failure at 1550 ms is a healthy
+        // leader's write lost.
+        let mut early = kill.clone();
+        early.ended = 1500 * 1_000_000;
+        let f = judge(&events, &committed, &[early], BackendArg::Session, &t, None);
+        assert_eq!(f.lost_at, vec![1550 * 1_000_000], "{:?}", f.violations);
+        // A process fault excuses only the leader it hit.
+        let mut process = kill.clone();
+        process.fault = Fault::Kill;
+        let f = judge(
+            &events,
+            &committed,
+            &[process],
+            BackendArg::Session,
+            &t,
+            None,
+        );
+        assert_eq!(f.lost_at, vec![1550 * 1_000_000], "{:?}", f.violations);
+        // No write acknowledged again after the manager's fault.
+        let mut silent = kill.clone();
+        silent.resumed = None;
+        let f = judge(
+            &events,
+            &committed,
+            &[silent],
+            BackendArg::Session,
+            &t,
+            None,
+        );
+        assert!(
+            f.violations
+                .iter()
+                .any(|v| v.starts_with("node-kill on c1 (term 1)")
+                    && v.contains("no write was acknowledged within the bound")),
+            "{:?}",
+            f.violations
+        );
+    }
+
     #[test]
     fn the_checker_fails_an_acknowledged_write_missing_from_the_table() {
         let (events, mut committed) = clean_history();
