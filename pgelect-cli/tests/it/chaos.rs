@@ -1041,3 +1041,56 @@ async fn chaos_reports_promote_skipped_against_a_given_database() {
         );
     }
 }
+
+/// Under a real HA manager (`--ha pg_auto_failover`: a formation chaos
+/// starts): a switchover, a failover, a killed postmaster and a killed
+/// node, once each per backend, and no violation; every fault's row says
+/// how long the manager left no primary and when a leader wrote again.
+/// Slow (about a minute): only with `PGELECT_HA_TESTS=1`; reported skipped
+/// when pg_autoctl is not installed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_under_pg_auto_failover_finds_no_violation_after_each_managers_fault() {
+    if std::env::var("PGELECT_HA_TESTS").map_or(true, |v| v != "1") {
+        eprintln!("SKIPPED: slow; set PGELECT_HA_TESTS=1");
+        return;
+    }
+    let dir = TempDir::new("chaos-ha");
+    let json = dir.join("ha.json");
+    let r = run(
+        pgelect([
+            "chaos",
+            "--ha",
+            "pg_auto_failover",
+            "--every-fault",
+            "--duration",
+            "1s",
+            "--seed",
+            "36",
+            "--faults",
+            "switchover,failover,postmaster-kill,node-kill",
+            "--json",
+            json.to_str().unwrap(),
+        ]),
+        CHAOS * 3,
+    )
+    .await;
+    println!("{}", r.stdout);
+    r.assert_code(0);
+    if r.stdout.contains("--ha pg_auto_failover: skipped: ") {
+        eprintln!("SKIPPED: {}", r.stdout.lines().next().unwrap_or(""));
+        return;
+    }
+    assert!(r.stdout.contains("no violation"), "{}", r.stdout);
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("json written")).unwrap();
+    assert_eq!(rows.len(), 8, "four faults, two backends: {rows:?}");
+    for row in &rows {
+        assert_eq!(row["trials"], 1, "{row}");
+        assert_eq!(row["skipped"], 0, "{row}");
+        assert_eq!(row["lost_writes"], 0, "{row}");
+        assert_eq!(row["overlaps"], 0, "{row}");
+        assert_eq!(row["within_bound"], true, "{row}");
+        assert!(row["manager_outage_max_ms"].is_number(), "{row}");
+        assert!(row["writes_resumed_max_ms"].is_number(), "{row}");
+    }
+}
