@@ -25,6 +25,10 @@ pub struct ChaosArgs {
     /// bound.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=4096), conflicts_with_all = ["backends", "python"])]
     pub partitions: Option<u32>,
+    /// Members of the --partitions group (each a separate `pgelect run`).
+    /// Default: 20.
+    #[arg(long, value_name = "M", value_parser = clap::value_parser!(u16).range(2..=200), requires = "partitions")]
+    pub members: Option<u16>,
     /// Instead of chaos's own servers: under a real HA manager. With
     /// `pg_auto_failover`, chaos starts a formation of its own on loopback
     /// (a monitor and two data nodes, synchronous replication, failure
@@ -40,10 +44,6 @@ pub struct ChaosArgs {
     /// reported skipped (exit 0).
     #[arg(long, value_enum, value_name = "MANAGER", conflicts_with_all = ["partitions", "python", "pooler_url", "pooler_url_file"])]
     pub ha: Option<HaArg>,
-    /// Members of the --partitions group (each a separate `pgelect run`).
-    /// Default: 20.
-    #[arg(long, value_name = "M", value_parser = clap::value_parser!(u16).range(2..=200), requires = "partitions")]
-    pub members: Option<u16>,
     /// How long faults are injected, per backend.
     #[arg(long, value_parser = crate::duration::parse_positive, default_value = "60s", value_name = "DURATION", allow_hyphen_values = true)]
     pub duration: Duration,
@@ -111,7 +111,7 @@ pub struct ChaosArgs {
 /// An HA manager `--ha` runs under.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum HaArg {
-    /// pg_auto_failover: a monitor and two data nodes (`pg_autoctl`).
+    /// A monitor and two data nodes (`pg_autoctl`).
     #[value(name = "pg_auto_failover")]
     PgAutoFailover,
 }
