@@ -30,7 +30,7 @@
 //! over), and the process faults `kill`, `stop`, `term` on the leader's
 //! supervisor. A manager's fault hits the database, so every leader until
 //! the formation has settled again: a write that fails or is refused
-//! meanwhile is no loss ([`Injected::ended`]).
+//! meanwhile is no loss (until `Injected::ended`).
 //!
 //! **The gap.** Per fault, chaos polls the data nodes until one that is
 //! new to the role (another node, or the same node's postmaster started

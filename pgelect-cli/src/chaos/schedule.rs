@@ -40,7 +40,8 @@ pub(super) struct Injected {
     /// led again within the bound.
     pub(super) hits: Vec<Hit>,
     /// When the fault's action was over (the pooler back, the pause
-    /// continued); `at` for instant ones.
+    /// continued, under the HA manager the formation settled again); `at`
+    /// for instant ones.
     pub(super) ended: u128,
     /// The next start of a higher term, if any.
     pub(super) next_start: Option<u128>,
