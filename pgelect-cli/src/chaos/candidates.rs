@@ -371,6 +371,33 @@ impl Run<'_> {
         }
     }
 
+    /// The end of a phase: the rogue (if any) killed, every supervisor
+    /// sent SIGTERM (a clean handover each), those still running after
+    /// `bound` in all killed, and each retired.
+    pub(super) async fn stop_all(
+        &mut self,
+        rogue: Option<Child>,
+        sups: Vec<Supervisor>,
+        bound: Duration,
+    ) {
+        if let Some(mut r) = rogue {
+            let _ = r.start_kill();
+            let _ = r.wait().await;
+        }
+        for s in &sups {
+            signal(s.child.id(), nix::sys::signal::Signal::SIGTERM);
+        }
+        let deadline = Instant::now() + bound;
+        for mut s in sups {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if tokio::time::timeout(left, s.child.wait()).await.is_err() {
+                let _ = s.child.start_kill();
+                let _ = s.child.wait().await;
+            }
+            self.retire(s);
+        }
+    }
+
     /// The test-only rogue: a worker under no supervisor, acting with
     /// term 1 all along (see `--rogue`).
     pub(super) fn spawn_rogue(&self) -> Result<Child, Failure> {

@@ -416,22 +416,7 @@ pub(super) async fn schedule_group(
         Ok(injected)
     }
     .await;
-    if let Some(mut r) = rogue {
-        let _ = r.start_kill();
-        let _ = r.wait().await;
-    }
-    for s in &sups {
-        signal(s.child.id(), nix::sys::signal::Signal::SIGTERM);
-    }
-    let deadline = Instant::now() + Duration::from_secs(20);
-    for mut s in sups {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if tokio::time::timeout(left, s.child.wait()).await.is_err() {
-            let _ = s.child.start_kill();
-            let _ = s.child.wait().await;
-        }
-        run.retire(s);
-    }
+    run.stop_all(rogue, sups, Duration::from_secs(20)).await;
     outcome
 }
 

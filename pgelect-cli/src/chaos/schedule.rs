@@ -10,7 +10,7 @@ use rand::Rng;
 
 use super::admin::stuck_state;
 use super::args::timing;
-use super::candidates::{signal, Run, Supervisor};
+use super::candidates::{Run, Supervisor};
 
 use super::events::{moved_before, now_ns};
 use super::fail;
@@ -290,23 +290,8 @@ pub(super) async fn schedule(
         Ok(injected)
     }
     .await;
-    if let Some(mut r) = rogue {
-        let _ = r.start_kill();
-        let _ = r.wait().await;
-    }
-    for s in &sups {
-        signal(s.child.id(), nix::sys::signal::Signal::SIGTERM);
-    }
-    for mut s in sups {
-        if tokio::time::timeout(Duration::from_secs(15), s.child.wait())
-            .await
-            .is_err()
-        {
-            let _ = s.child.start_kill();
-            let _ = s.child.wait().await;
-        }
-        run.retire(s);
-    }
+    // All stopped within 20 s (each had 15 s before, one after another).
+    run.stop_all(rogue, sups, Duration::from_secs(20)).await;
     outcome
 }
 

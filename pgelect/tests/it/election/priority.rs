@@ -469,6 +469,26 @@ async fn holder_pid(admin: &Client, role: &str) -> i32 {
         .get(0)
 }
 
+/// Waits (bounded) until `node` has a row in the candidate registry.
+async fn await_registered(admin: &Client, node: &str) {
+    pgelect_testkit::wait_until(
+        "the candidate's registration",
+        Duration::from_secs(10),
+        || async {
+            admin
+                .query_one(
+                    "SELECT count(*) FROM pgelect.candidates WHERE node = $1",
+                    &[&node],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+                == 1
+        },
+    )
+    .await;
+}
+
 /// Lease backend, with a `LISTEN` connection: a standby of higher priority
 /// registers and hints; the leader hands over at once, a lower standby
 /// leaves the released lease to it, and it leads with the next term.
@@ -494,22 +514,7 @@ async fn lease_backend_hands_over_to_a_higher_priority_standby() {
     let b = lease("old-b", 0).build().unwrap();
     let b_task = tokio::spawn(async move { (b.leadership().await.unwrap(), b) });
     // old-b is registered (and so seen) before new-c stands.
-    let t0 = Instant::now();
-    loop {
-        let n: i64 = admin
-            .query_one(
-                "SELECT count(*) FROM pgelect.candidates WHERE node = 'old-b'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if n == 1 {
-            break;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10));
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    await_registered(&admin, "old-b").await;
     let t0 = Instant::now();
     let c = lease("new-c", 10).build().unwrap();
     let lc = tokio::time::timeout(Duration::from_secs(8), c.leadership())
@@ -553,22 +558,7 @@ async fn lease_standby_takes_over_from_a_preferred_leader_that_resigned() {
     let term = la.term();
     let b = lease("standby", 0).build().unwrap();
     let b_task = tokio::spawn(async move { (b.leadership().await.unwrap(), b) });
-    let t0 = Instant::now();
-    loop {
-        let n: i64 = admin
-            .query_one(
-                "SELECT count(*) FROM pgelect.candidates WHERE node = 'standby'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if n == 1 {
-            break;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10));
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    await_registered(&admin, "standby").await;
     // The leader's own registration is there and fresh: without the
     // release's mark it would be a ready candidate of priority 10.
     let fresh: bool = admin
