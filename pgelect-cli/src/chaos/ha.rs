@@ -259,6 +259,9 @@ pub(super) async fn run(
                 found.writes_committed,
                 found.violations.len()
             );
+            for v in &found.violations {
+                println!("  VIOLATION {bname}: {v}");
+            }
             all_violations.extend(found.violations.into_iter().map(|v| format!("{bname}: {v}")));
         }
         Ok(())

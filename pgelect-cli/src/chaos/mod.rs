@@ -529,6 +529,11 @@ async fn chaos(
                 "{bname}: {faults} faults, {committed} fenced writes committed, {} violation(s)",
                 violations.len()
             );
+            // At once: a later phase that fails stops the run before its
+            // report.
+            for v in &violations {
+                println!("  VIOLATION {bname}: {v}");
+            }
             all_violations.extend(violations.into_iter().map(|v| format!("{bname}: {v}")));
         }
         Ok(())
@@ -664,6 +669,9 @@ async fn group_run(g: GroupRun<'_>, rng: &mut StdRng) -> Result<(Rows, Vec<Strin
         found.writes_committed,
         found.violations.len()
     );
+    for v in &found.violations {
+        println!("  VIOLATION {bname}: {v}");
+    }
     Ok((rows, found.violations))
 }
 

@@ -133,10 +133,18 @@ pub(super) async fn schedule(
             rogue = Some(run.spawn_rogue()?);
         }
         let mut injected = Vec::new();
-        let mut leader = run
+        let mut leader = match run
             .next_start(0, phase_start, Duration::from_secs(60))
             .await
-            .ok_or_else(|| fail("no leader within 60 s of the start"))?;
+        {
+            Some(leader) => leader,
+            None => {
+                return Err(fail(format!(
+                    "no leader within 60 s of the start; what the server and the logs show:\n{}",
+                    stuck_state(admin, run).await
+                )))
+            }
+        };
         let mut draw = Draw::new(kinds);
         let end = Instant::now() + args.duration;
         // With --every-fault, at least one full round.
