@@ -294,6 +294,12 @@ impl PgBouncer {
         ))
     }
 
+    /// The pgbouncer process's id while it runs (to freeze it with
+    /// `SIGSTOP`, say); `None` once stopped.
+    pub fn pid(&self) -> Option<u32> {
+        self.lock().child.as_ref().map(|c| c.id())
+    }
+
     /// The port pgbouncer listens on (stable across
     /// [`restart`](PgBouncer::restart)).
     pub fn port(&self) -> u16 {

@@ -279,6 +279,26 @@ impl Reconnect {
     }
 }
 
+/// A `LISTEN` connection lent out between notifications (see
+/// [`listen_for`]): `None` while it is down.
+pub(crate) type ParkedConnection = tokio::sync::Mutex<Option<DedicatedConnection>>;
+
+/// Where [`listen_for`] lends its connection out, and what it runs on each
+/// new connection first, before its `LISTEN` (what the statements sent on
+/// it need: grants checked, plans made).
+pub(crate) struct Park<'a> {
+    pub(crate) slot: &'a ParkedConnection,
+    pub(crate) prepare: &'a dyn Prepare,
+}
+
+/// What [`Park`] runs on each new connection before its `LISTEN`.
+pub(crate) trait Prepare: Sync {
+    fn prepare<'c>(
+        &'c self,
+        c: &'c DedicatedConnection,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'c>>;
+}
+
 /// Keeps a connection to `options` that `LISTEN`s on `channels` (reopened
 /// with backoff, never affecting anything but the notices it hands on)
 /// until `stop` is cancelled or `heard` returns false. `heard(Some(n))`
@@ -286,11 +306,17 @@ impl Reconnect {
 /// missed: once each time the `LISTEN` took effect (one sent before it
 /// was not heard) and whenever the connection's notice channel lagged.
 /// Failures are logged at debug level.
+///
+/// With `park`, each new connection is prepared by it, then waits in its
+/// slot between notifications once its `LISTEN` took effect (before
+/// `heard(None)`), for others to send a statement on it now and then; it
+/// is taken back when lost or done.
 pub(crate) async fn listen_for(
     options: &ConnectOptions,
     purpose: &str,
     channels: &[&str],
     stop: &CancellationToken,
+    park: Option<Park<'_>>,
     mut heard: impl FnMut(Option<Notice>) -> bool,
 ) {
     let listen: String = channels.iter().map(|c| format!("LISTEN {c};")).collect();
@@ -303,14 +329,23 @@ pub(crate) async fn listen_for(
             return;
         };
         let mut rx = conn.notices();
-        match conn.client().batch_execute(&listen).await {
+        let closed = conn.closed().clone();
+        if let Some(p) = &park {
+            p.prepare.prepare(&conn).await;
+        }
+        let listening = conn.client().batch_execute(&listen).await;
+        let mut conn = Some(conn);
+        match listening {
             Ok(()) => {
                 reconnect.succeeded();
+                if let Some(p) = &park {
+                    *p.slot.lock().await = conn.take();
+                }
                 let mut go_on = heard(None);
                 while go_on {
                     go_on = tokio::select! {
                         _ = stop.cancelled() => false,
-                        _ = conn.closed().cancelled() => break,
+                        _ = closed.cancelled() => break,
                         n = rx.recv() => match n {
                             Ok(n) => heard(Some(n)),
                             Err(broadcast::error::RecvError::Lagged(_)) => heard(None),
@@ -318,15 +353,24 @@ pub(crate) async fn listen_for(
                         },
                     };
                 }
+                if let Some(p) = &park {
+                    // Waits for a statement in flight on it, within that
+                    // statement's bound.
+                    conn = p.slot.lock().await.take();
+                }
                 if !go_on {
-                    conn.close().await;
+                    if let Some(c) = conn {
+                        c.close().await;
+                    }
                     return;
                 }
                 tracing::debug!("LISTEN connection lost; reconnecting");
             }
             Err(e) => tracing::debug!(error = %e, "LISTEN failed; retrying"),
         }
-        conn.kill();
+        if let Some(c) = conn {
+            c.kill();
+        }
         if !reconnect.back_off(stop).await {
             return;
         }

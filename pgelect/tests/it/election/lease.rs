@@ -1588,3 +1588,94 @@ async fn a_forged_elected_notice_does_not_end_a_resigners_stand_aside() {
     again.abort();
     winner.1.resign().await.unwrap();
 }
+
+/// Sends `sig` (`-STOP`, `-CONT`) to process `pid` with kill(1).
+fn kill(sig: &str, pid: u32) {
+    let st = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success(), "kill {sig} {pid}");
+}
+
+/// With a direct `LISTEN` connection (`listen_via`), a planned handover
+/// does not go through the pooler: the leader's release and the acquire
+/// its announcement brings run on the candidates' listening connections,
+/// one hop (the pooler's) shorter. Shown with PgBouncer frozen (SIGSTOP)
+/// across the handover: through it neither statement would be answered
+/// (nothing else is due meanwhile: a 60 s lease renewed every 20 s, a
+/// standby polling every 30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planned_handover_with_listen_via_goes_around_a_frozen_pooler() {
+    let (db, pooled, direct, bouncer) = setup("lease_around").await;
+    let admin = db.connect().await;
+    let role = "around";
+    let build = |node: &str| {
+        Elector::builder(pooled.clone(), role)
+            .backend(Backend::Lease)
+            .ttl(Duration::from_secs(60))
+            .lease(|l| {
+                l.retry_every(Duration::from_secs(30))
+                    .listen_via(direct.clone())
+            })
+            .node_id(node)
+            .build()
+            .unwrap()
+    };
+    let a = build("a");
+    let la = a.leadership().await.unwrap();
+    let b = build("b");
+    let standby = tokio::spawn(async move {
+        let l = b.leadership().await.unwrap();
+        (Instant::now(), l, b)
+    });
+    // Both listening (prepared before their LISTEN), b past its first
+    // acquire, which found the lease held.
+    wait_listeners(&admin, role, 2).await;
+    tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let polled: i64 = admin
+                .query_typed_one(
+                    "SELECT count(*) FROM pgelect.candidates WHERE role = $1 AND node = 'b'",
+                    &[(&role, Type::TEXT)],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if polled == 1 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("b registered");
+    let pid = bouncer.pid().expect("pgbouncer runs");
+    kill("-STOP", pid);
+    // Thawed however the test ends.
+    struct Thaw(u32);
+    impl Drop for Thaw {
+        fn drop(&mut self) {
+            kill("-CONT", self.0);
+        }
+    }
+    let thaw = Thaw(pid);
+    let t0 = Instant::now();
+    let resigned = tokio::time::timeout(Duration::from_secs(10), la.resign()).await;
+    let handed = tokio::time::timeout(Duration::from_secs(10), standby).await;
+    let released = t0.elapsed();
+    drop(thaw);
+    resigned
+        .expect("the release is answered with the pooler frozen")
+        .unwrap();
+    let (elected_at, lb, _b) = handed.expect("b leads with the pooler frozen").unwrap();
+    println!(
+        "pooler frozen: released and taken over in {:?} (resign returned after {released:?})",
+        elected_at - t0
+    );
+    let now = row(&admin, role).await;
+    assert_eq!(now.0.as_deref(), Some("b"));
+    assert_eq!(now.1, lb.term().get());
+    assert!(lb.term().get() > 1, "a new term: {}", lb.term());
+    lb.resign().await.unwrap();
+}

@@ -65,12 +65,12 @@ pub(crate) async fn campaign(shared: &Arc<ElectorState>) -> Result<Leadership> {
                             && parse_leader_event(schema, &n.payload)
                                 == Some(("released", shared.role.as_str())) =>
                         {
-                            client.wake_standbys(Some(&shared.role));
+                            client.wake_standbys(Some(&shared.role), false);
                         }
                         Ok(_) => {}
                         // Missed announcements: poll as if one was ours.
                         Err(broadcast::error::RecvError::Lagged(_)) => {
-                            client.wake_standbys(Some(&shared.role));
+                            client.wake_standbys(Some(&shared.role), false);
                         }
                         // Never: the sender lives in `shared`.
                         Err(broadcast::error::RecvError::Closed) => break member.won().await,
@@ -308,6 +308,11 @@ pub(super) struct Standby {
     /// When its role was last announced released (or announcements may
     /// have been missed): an acquire sent before then may not have seen it.
     pub(super) woken_at: Option<Instant>,
+    /// Whether a release of its role was heard since its last acquire (a
+    /// real announcement, not a wake-up for announcements that may have
+    /// been missed): the next acquire then takes the listening connection
+    /// if it is ready (see `SharedLease::exec_direct`).
+    pub(super) announced: bool,
     pub(super) registration: Registration,
     /// For the elector's last-contact time.
     pub(super) shared: Weak<ElectorState>,
@@ -393,6 +398,7 @@ impl SharedLease {
                 register_due: first,
                 refresh_by: first + shared.timing.ttl,
                 woken_at: None,
+                announced: false,
                 registration: register.entry(shared),
                 shared: Arc::downgrade(shared),
                 won: Some(tx),
@@ -620,6 +626,9 @@ async fn acquire_all(client: &SharedLease) -> bool {
     if entries.is_empty() {
         return true;
     }
+    // Brought forward by a release announcement: on the listening
+    // connection if it is ready (see `SharedLease::exec_direct`).
+    let direct = client.inner.standbys().values().any(|s| s.announced);
     // From this client's own place in role order (see `offset`); each chunk
     // is sorted again below, so every statement locks its rows in role
     // order and concurrent acquires cannot deadlock.
@@ -638,12 +647,12 @@ async fn acquire_all(client: &SharedLease) -> bool {
         let part = &mut entries[chunk];
         part.sort_by(|a, b| a.0.cmp(&b.0));
         let part = &*part;
-        match acquire_chunk(client, part, bound).await {
+        match acquire_chunk(client, part, bound, direct).await {
             Ok(()) => {}
             Err(e) if is_transient(&e) => return false,
             Err(e) => {
                 let roles: Vec<&str> = part.iter().map(|e| e.0.as_str()).collect();
-                let alone = |i: usize| acquire_chunk(client, &part[i..=i], bound);
+                let alone = |i: usize| acquire_chunk(client, &part[i..=i], bound, false);
                 if !refuse(client, &roles, e, alone).await {
                     return false;
                 }
@@ -656,10 +665,17 @@ async fn acquire_all(client: &SharedLease) -> bool {
 /// Sends the batched acquire for `part`; hands each won role to its
 /// standby and schedules the others' next attempt. Returns the statement's
 /// error.
-async fn acquire_chunk(client: &SharedLease, part: &[Entry], bound: Duration) -> Result<()> {
+async fn acquire_chunk(
+    client: &SharedLease,
+    part: &[Entry],
+    bound: Duration,
+    direct: bool,
+) -> Result<()> {
     let token = random_u64() as i64;
     let unanswered: Vec<i64> = client.inner.unanswered().iter().copied().collect();
-    let (sent, r) = client.acquire(part, token, &unanswered, bound).await;
+    let (sent, r) = client
+        .acquire(part, token, &unanswered, bound, direct)
+        .await;
     tracing::debug!(standbys = part.len(), took = ?sent.elapsed(), "batched lease acquire");
     let decoded = match r {
         Ok(decoded) => decoded,
@@ -757,6 +773,7 @@ async fn acquire_chunk(client: &SharedLease, part: &[Entry], bound: Duration) ->
                     };
                     // Announced released after this statement was sent:
                     // it may have read the row before the release.
+                    e.announced = false;
                     let wait = match e.woken_at.take() {
                         Some(w) if w >= sent => wait.min(REWAKE_GAP),
                         _ => wait,

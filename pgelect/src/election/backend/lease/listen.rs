@@ -9,11 +9,14 @@ use std::sync::{Arc, PoisonError, Weak};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::conn::{ConnectOptions, Notice};
+use std::future::Future;
+use std::pin::Pin;
+
+use crate::conn::{ConnectOptions, DedicatedConnection, Notice};
 use crate::election::config_error::ConfigError;
 use crate::error::{Error, Result};
 
-use crate::election::support::{listen_for, WakeLimit};
+use crate::election::support::{listen_for, Park, Prepare, WakeLimit};
 use crate::election::watch::{parse_leader_event, LEADER_CHANNEL, RESIGN_CHANNEL};
 use crate::election::ElectorState;
 
@@ -94,12 +97,27 @@ pub(crate) async fn listen(
     options: ConnectOptions,
     stop: CancellationToken,
 ) {
-    let purpose = match shared.upgrade() {
-        Some(s) => format!("listen:{}:{}", s.role, s.node),
+    let (purpose, client) = match shared.upgrade() {
+        Some(s) => (
+            format!("listen:{}:{}", s.role, s.node),
+            s.lease().map(|l| Arc::downgrade(&l.client.client().inner)),
+        ),
         None => return,
     };
+    // Parked on the candidate's lease client between notifications: its
+    // release and the acquires a release brings go on it (see
+    // `SharedLease::exec_direct`).
+    let slot = client
+        .as_ref()
+        .and_then(Weak::upgrade)
+        .map(|i| i.direct.clone());
+    let prepare = ReadyDirect(client);
+    let park = slot.as_deref().map(|slot| Park {
+        slot,
+        prepare: &prepare,
+    });
     let channels = [LEADER_CHANNEL, RESIGN_CHANNEL];
-    listen_for(&options, &purpose, &channels, &stop, |n| {
+    listen_for(&options, &purpose, &channels, &stop, park, |n| {
         let Some(s) = shared.upgrade() else {
             return false;
         };
@@ -108,6 +126,7 @@ pub(crate) async fn listen(
         // found the lease held would sleep until its next retry. Wake it
         // as if it had been heard; it reads the row again (a hint like any
         // other, within the wake-up limit).
+        let announced = n.is_some();
         let n = n.unwrap_or_else(|| Notice {
             channel: LEADER_CHANNEL.to_owned(),
             payload: format!("{}:released:{}", s.options.schema_name().as_str(), s.role),
@@ -121,7 +140,10 @@ pub(crate) async fn listen(
             if n.channel == LEADER_CHANNEL
                 && parse_leader_event(schema, &n.payload) == Some(("released", s.role.as_str()))
             {
-                lease.client.client().wake_standbys(Some(&s.role));
+                lease
+                    .client
+                    .client()
+                    .wake_standbys(Some(&s.role), announced);
             }
             let _ = lease.notices.send(n);
         }
@@ -142,27 +164,59 @@ pub(super) async fn listen_releases(
     let schema = options.schema_name().as_str().to_owned();
     let wake = |role: Option<&str>| match inner.upgrade() {
         Some(i) => {
-            SharedLease { inner: i }.wake_standbys(role);
+            SharedLease { inner: i }.wake_standbys(role, role.is_some());
             true
         }
         None => false,
     };
-    listen_for(&options, &purpose, &[LEADER_CHANNEL], &stop, |n| match n {
-        // Missed (before the LISTEN took effect, or the notices lagged):
-        // poll as if one was ours.
-        None => wake(None),
-        Some(n) => match parse_leader_event(&schema, &n.payload) {
-            Some(("released", role)) if n.channel == LEADER_CHANNEL => {
-                let alive = wake(Some(role));
-                if let Some(i) = inner.upgrade() {
-                    i.releases_heard.fetch_add(1, Ordering::Relaxed);
+    let Some(slot) = inner.upgrade().map(|i| i.direct.clone()) else {
+        return;
+    };
+    let prepare = ReadyDirect(Some(inner.clone()));
+    let park = Park {
+        slot: &slot,
+        prepare: &prepare,
+    };
+    listen_for(
+        &options,
+        &purpose,
+        &[LEADER_CHANNEL],
+        &stop,
+        Some(park),
+        |n| match n {
+            // Missed (before the LISTEN took effect, or the notices lagged):
+            // poll as if one was ours.
+            None => wake(None),
+            Some(n) => match parse_leader_event(&schema, &n.payload) {
+                Some(("released", role)) if n.channel == LEADER_CHANNEL => {
+                    let alive = wake(Some(role));
+                    if let Some(i) = inner.upgrade() {
+                        i.releases_heard.fetch_add(1, Ordering::Relaxed);
+                    }
+                    alive
                 }
-                alive
-            }
-            _ => inner.strong_count() > 0,
+                _ => inner.strong_count() > 0,
+            },
         },
-    })
+    )
     .await
+}
+
+/// [`SharedLease::ready_direct`] for the client (if it still lives) on
+/// each new listening connection.
+struct ReadyDirect(Option<Weak<Inner>>);
+
+impl Prepare for ReadyDirect {
+    fn prepare<'c>(
+        &'c self,
+        c: &'c DedicatedConnection,
+    ) -> Pin<Box<dyn Future<Output = ()> + Send + 'c>> {
+        Box::pin(async move {
+            if let Some(inner) = self.0.as_ref().and_then(Weak::upgrade) {
+                SharedLease { inner }.ready_direct(c).await;
+            }
+        })
+    }
 }
 
 /// Early acquires brought by release announcements, within the wake-up
@@ -178,8 +232,9 @@ pub(super) struct Wakes {
 impl SharedLease {
     /// Brings the next acquire forward for the standby of `role` (for any
     /// standby when `None`: announcements may have been missed), if there
-    /// is one, within the wake-up limit: its role was announced released.
-    pub(super) fn wake_standbys(&self, role: Option<&str>) {
+    /// is one, within the wake-up limit: its role was announced released
+    /// (`announced`: heard so, not only possibly missed).
+    pub(super) fn wake_standbys(&self, role: Option<&str>, announced: bool) {
         let inner = &self.inner;
         let now = Instant::now();
         {
@@ -192,6 +247,7 @@ impl SharedLease {
                 Some(r) => {
                     if let Some(s) = standbys.get_mut(r) {
                         s.woken_at = Some(now);
+                        s.announced |= announced;
                     }
                 }
                 None => standbys.values_mut().for_each(|s| s.woken_at = Some(now)),

@@ -50,7 +50,8 @@ use crate::error::{Error, Result};
 use crate::schema::check_schema;
 
 use crate::election::config::random_u64;
-use crate::election::support::is_transient;
+use crate::election::support::{is_transient, ParkedConnection};
+use crate::election::watch::LEADER_CHANNEL;
 
 use super::claim::{Claim, Roles};
 
@@ -216,6 +217,15 @@ struct Inner {
     pooled: AtomicBool,
     /// Set once the listening task runs.
     listening: AtomicBool,
+    /// The listening connection, between notifications: it bypasses the
+    /// pooler, so a release and an acquire that a release announcement
+    /// brought take it ([`SharedLease::exec_direct`]) instead of the
+    /// pooled one, one hop (PgBouncer's) shorter on a handover's path.
+    direct: Arc<ParkedConnection>,
+    /// The server pid of the parked connection once it was found able to
+    /// call this version's lease functions and their plans were made
+    /// ([`SharedLease::ready_direct`]); only then does a statement take it.
+    direct_ready: Mutex<Option<i32>>,
     /// Early acquires brought by release announcements.
     wakes: Mutex<Wakes>,
     /// Cancelled when the last handle is dropped: ends the tasks.
@@ -315,6 +325,8 @@ impl SharedLease {
                 listen_via: Mutex::new(None),
                 pooled: AtomicBool::new(false),
                 listening: AtomicBool::new(false),
+                direct: Arc::new(ParkedConnection::default()),
+                direct_ready: Mutex::new(None),
                 wakes: Mutex::new(Wakes::default()),
                 stop: CancellationToken::new(),
                 statements: AtomicU64::new(0),
@@ -519,6 +531,125 @@ impl SharedLease {
         let r = tokio::time::timeout(bound, run).await;
         let r = drop_connection_on_failure(&mut conn, operation, r);
         (sent, r)
+    }
+}
+
+impl SharedLease {
+    /// [`exec`](Self::exec), on the listening connection if it is parked
+    /// and ready ([`ready_direct`](Self::ready_direct)): a call of the
+    /// schema's function that runs the lease statement `sql`. `None` when
+    /// that connection is not there (or is not ready, or is busy with
+    /// another statement): the caller sends the statement through the
+    /// pooler as usual. After a timeout or a lost connection the listening
+    /// connection is dropped (the listener opens a new one).
+    async fn exec_direct(
+        &self,
+        op: Op,
+        bound: Duration,
+        sql: fn(&sql::LeaseSql) -> &String,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Option<(Instant, Result<Vec<Row>>)> {
+        let inner = &self.inner;
+        let mut direct = inner.direct.try_lock().ok()?;
+        let c = direct.as_ref().filter(|c| !c.is_closed())?;
+        if *inner
+            .direct_ready
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            != Some(c.pid())
+        {
+            return None;
+        }
+        let schema = inner.options.schema_name();
+        let operation = op.operation();
+        inner.statements.fetch_add(1, Ordering::Relaxed);
+        crate::metrics::lease_statement(&inner.metric_role, op_kind(op));
+        let sent = Instant::now();
+        // Followed, in the same round trip, by a LISTEN it already has (a
+        // no-op on the server): `pg_stat_activity` shows the connection's
+        // last statement, and an operator (or a check) looking there sees
+        // it as what it mostly is, a listener.
+        let relisten = format!("LISTEN {LEADER_CHANNEL}");
+        let run = async {
+            let (rows, listen) = tokio::join!(
+                c.client().query_typed(sql(&inner.sql.calls), params),
+                c.client().batch_execute(&relisten),
+            );
+            rows.and_then(|rows| listen.map(|()| rows))
+                .map_err(|e| Error::db(operation, schema.as_str(), e))
+        };
+        let r = tokio::time::timeout(bound, run).await;
+        Some((sent, drop_connection_on_failure(&mut direct, operation, r)))
+    }
+
+    /// Readies a new listening connection `c` for
+    /// [`exec_direct`](Self::exec_direct), before its `LISTEN`: checks that
+    /// it may call this version's lease functions (it may connect as
+    /// another user than the pooled one) and has the server plan the
+    /// acquire and the release once (each called with no role), so that a
+    /// handover waits for neither.
+    pub(super) async fn ready_direct(&self, c: &DedicatedConnection) {
+        let inner = &self.inner;
+        let (sigs, sources) = &inner.sql.check;
+        let check: [(&(dyn ToSql + Sync), Type); 2] =
+            [(sigs, Type::TEXT_ARRAY), (sources, Type::TEXT_ARRAY)];
+        let ready = async {
+            let found: bool = c
+                .client()
+                .query_typed_one(sql::FUNCTIONS_CHECK, &check)
+                .await?
+                .try_get(0)?;
+            if !found {
+                return Ok(false);
+            }
+            let none: Vec<&str> = Vec::new();
+            let no_meta: Vec<Option<&serde_json::Value>> = Vec::new();
+            let no_ints: Vec<i64> = Vec::new();
+            let no_prios: Vec<i32> = Vec::new();
+            let token = 0i64;
+            let acquire: [(&(dyn ToSql + Sync), Type); 8] = [
+                (&none, Type::TEXT_ARRAY),
+                (&none, Type::TEXT_ARRAY),
+                (&no_meta, Type::JSONB_ARRAY),
+                (&no_ints, Type::INT8_ARRAY),
+                (&none, Type::TEXT_ARRAY),
+                (&no_prios, Type::INT4_ARRAY),
+                (&token, Type::INT8),
+                (&no_ints, Type::INT8_ARRAY),
+            ];
+            let release: [(&(dyn ToSql + Sync), Type); 4] = [
+                (&none, Type::TEXT_ARRAY),
+                (&none, Type::TEXT_ARRAY),
+                (&no_ints, Type::INT8_ARRAY),
+                (&none, Type::TEXT_ARRAY),
+            ];
+            // Counted rather than returned: nothing comes back, and the
+            // text differs from the client's calls (`SELECT *`), so that
+            // the connection's last statement in `pg_stat_activity` tells
+            // this preparation from a release or an acquire sent on it.
+            let count = |call: &str| call.replacen("SELECT *", "SELECT count(*)", 1);
+            let (plan_acquire, plan_release) = (
+                count(&inner.sql.calls.acquire),
+                count(&inner.sql.calls.release),
+            );
+            let (a, r) = tokio::join!(
+                c.client().query_typed(&plan_acquire, &acquire),
+                c.client().query_typed(&plan_release, &release),
+            );
+            a.and(r).map(|_| true)
+        };
+        let ready = match tokio::time::timeout(PATIENT_BOUND, ready).await {
+            Ok(Ok(ready)) => ready,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "the listening connection cannot call the lease functions; releases and early acquires go through the pooler");
+                false
+            }
+            Err(_) => false,
+        };
+        *inner
+            .direct_ready
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = ready.then_some(c.pid());
     }
 }
 

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
-use tokio_postgres::types::Type;
+use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Row;
 
 use crate::election::backend::session::Registration;
@@ -477,12 +477,17 @@ impl SharedLease {
     /// Sends the acquire ([`LeaseSql::acquire`]) for the standbys of `part`,
     /// with this attempt's `token` and the `unanswered` tokens, bounded by
     /// `bound`: its send time and each role's row.
+    ///
+    /// With `direct`, on the listening connection if it is ready (see
+    /// [`SharedLease::exec_direct`]): an acquire that a release
+    /// announcement brought.
     pub(super) async fn acquire(
         &self,
         part: &[Entry],
         token: i64,
         unanswered: &[i64],
         bound: Duration,
+        direct: bool,
     ) -> (Instant, Result<Vec<Acquired>>) {
         let roles: Vec<&str> = part.iter().map(|e| e.0.as_str()).collect();
         let nodes: Vec<&str> = part.iter().map(|e| e.1.as_str()).collect();
@@ -490,23 +495,33 @@ impl SharedLease {
         let ttls: Vec<i64> = part.iter().map(|e| e.3).collect();
         let payloads: Vec<&str> = part.iter().map(|e| e.4.as_str()).collect();
         let priorities: Vec<i32> = part.iter().map(|e| e.5).collect();
-        let (sent, r) = self
-            .exec(
-                Op::Acquire,
-                bound,
-                Sql::Lease(|s| &s.acquire),
-                &[
-                    (&roles, Type::TEXT_ARRAY),
-                    (&nodes, Type::TEXT_ARRAY),
-                    (&metas, Type::JSONB_ARRAY),
-                    (&ttls, Type::INT8_ARRAY),
-                    (&payloads, Type::TEXT_ARRAY),
-                    (&priorities, Type::INT4_ARRAY),
-                    (&token, Type::INT8),
-                    (&unanswered, Type::INT8_ARRAY),
-                ],
-            )
-            .await;
+        let params: [(&(dyn ToSql + Sync), Type); 8] = [
+            (&roles, Type::TEXT_ARRAY),
+            (&nodes, Type::TEXT_ARRAY),
+            (&metas, Type::JSONB_ARRAY),
+            (&ttls, Type::INT8_ARRAY),
+            (&payloads, Type::TEXT_ARRAY),
+            (&priorities, Type::INT4_ARRAY),
+            (&token, Type::INT8),
+            (&unanswered, Type::INT8_ARRAY),
+        ];
+        // A failure there is the caller's to handle, as through the
+        // pooler: an acquire that got no answer may have committed (its
+        // token goes to the next one's unanswered list).
+        let direct = match direct {
+            true => {
+                self.exec_direct(Op::Acquire, bound, |s| &s.acquire, &params)
+                    .await
+            }
+            false => None,
+        };
+        let (sent, r) = match direct {
+            Some(done) => done,
+            None => {
+                self.exec(Op::Acquire, bound, Sql::Lease(|s| &s.acquire), &params)
+                    .await
+            }
+        };
         // A row that cannot be read (never: the columns are ours) fails
         // the whole answer; whatever it won expires unused after a TTL.
         let decoded = r.and_then(|rows| {
@@ -612,19 +627,26 @@ impl SharedLease {
         let s = self.inner.options.schema_name().as_str();
         let payload = format!("{s}:released:{role}");
         let (roles, nodes, terms, payloads) = (vec![role], vec![node], vec![term], vec![payload]);
-        let (sent, r) = self
-            .exec(
-                Op::Release,
-                bound,
-                Sql::Lease(|s| &s.release),
-                &[
-                    (&roles, Type::TEXT_ARRAY),
-                    (&nodes, Type::TEXT_ARRAY),
-                    (&terms, Type::INT8_ARRAY),
-                    (&payloads, Type::TEXT_ARRAY),
-                ],
-            )
+        let params: [(&(dyn ToSql + Sync), Type); 4] = [
+            (&roles, Type::TEXT_ARRAY),
+            (&nodes, Type::TEXT_ARRAY),
+            (&terms, Type::INT8_ARRAY),
+            (&payloads, Type::TEXT_ARRAY),
+        ];
+        // Directly when the listening connection is ready: the standbys
+        // hear the announcement one hop sooner. A release is idempotent
+        // (it clears the row only while it names this holder and term),
+        // so one that failed there is sent again through the pooler.
+        let direct = self
+            .exec_direct(Op::Release, bound, |s| &s.release, &params)
             .await;
+        let (sent, r) = match direct {
+            Some((sent, Ok(rows))) => (sent, Ok(rows)),
+            _ => {
+                self.exec(Op::Release, bound, Sql::Lease(|s| &s.release), &params)
+                    .await
+            }
+        };
         let cleared = r.and_then(|rows| {
             rows.first()
                 .map(|r| r.try_get::<_, i64>(0))
