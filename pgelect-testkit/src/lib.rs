@@ -10,7 +10,9 @@
 //!   `PGELECT_TEST_DATABASE_URL` ([`external_url`]) if set, else on the
 //!   per-process [`Cluster::shared`] cluster.
 //! * [`PgBouncer`]: a real pgbouncer in front of a [`Cluster`], in session or
-//!   transaction pooling mode.
+//!   transaction pooling mode; or one per data node of an [`AutoFailover`]
+//!   formation ([`PgBouncer::start_for_node`]), named together in a
+//!   multi-host URL.
 //! * [`FaultProxy`]: a TCP proxy that can blackhole, cut or refuse
 //!   connections, to simulate network partitions.
 //! * [`ReplicaSet`]: a primary and a streaming replica of it (asynchronous

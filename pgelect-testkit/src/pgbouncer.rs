@@ -1,4 +1,5 @@
-//! A real pgbouncer in front of a [`Cluster`] (or of a port).
+//! A real pgbouncer in front of a [`Cluster`], of a data node of an
+//! [`AutoFailover`] formation, or of a port.
 
 use std::fs;
 use std::io;
@@ -8,12 +9,13 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use crate::autofailover::NodeIndex;
 use crate::tls::{CertFiles, DEFAULT_SERVER_NAMES};
 use crate::util::{
     self, as_server_user, block_on_fresh_runtime, ctx, err, make_temp_dir, open_log, wait_or_kill,
     write_private, ReadyError, Reaper,
 };
-use crate::{free_port, percent_encode, Cluster, HOST, SUPERUSER};
+use crate::{free_port, percent_encode, AutoFailover, Cluster, HOST, SUPERUSER, TEST_PASSWORD};
 
 /// How long pgbouncer may take to answer a query through it after being
 /// spawned.
@@ -227,6 +229,67 @@ impl PgBouncer {
             None,
             mode,
             BouncerTls::Off,
+        )
+    }
+
+    /// Starts pgbouncer in `mode` in front of data node `node` of a
+    /// pg_auto_failover `formation`, as PgBouncer is deployed next to an HA
+    /// manager: one per data node, pointed at its local node, since
+    /// PgBouncer cannot follow the primary itself (it has no
+    /// `target_session_attrs`). Clients name every node's bouncer in a
+    /// multi-host URL ([`PgBouncer::multi_host_url`]) with
+    /// `target_session_attrs=read-write`: the driver's check (`SHOW
+    /// transaction_read_only`) goes through a bouncer to its node, so it
+    /// keeps the bouncer of the node that accepts writes.
+    ///
+    /// The bouncer outlives its node's restarts, demotions and promotions:
+    /// it connects to whatever answers on the node's port, a primary or a
+    /// standby (after a failed login, only `server_login_retry`, 1 s,
+    /// later). Waits (at most 10 s) until a `SELECT 1` through it succeeds,
+    /// so the node must answer now.
+    ///
+    /// # Errors
+    ///
+    /// As [`start`](PgBouncer::start); `InvalidInput` if the formation has
+    /// no node `node`.
+    pub fn start_for_node(
+        formation: &AutoFailover,
+        node: NodeIndex,
+        mode: PoolMode,
+    ) -> io::Result<PgBouncer> {
+        let port = *formation.ports().get(node).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "the formation has {} data nodes, no node {node}",
+                    formation.ports().len()
+                ),
+            )
+        })?;
+        Self::start_in_front_of(port, TEST_PASSWORD, mode)
+    }
+
+    /// `postgres://postgres:PASSWORD@127.0.0.1:P1,127.0.0.1:P2/<database>?<params>`:
+    /// a multi-host URL over `bouncers` in their order (plain TCP, the
+    /// first bouncer's password), e.g. with
+    /// `params = "target_session_attrs=read-write"` over the bouncers of
+    /// [`start_for_node`](PgBouncer::start_for_node).
+    ///
+    /// # Panics
+    ///
+    /// If `bouncers` is empty.
+    pub fn multi_host_url(bouncers: &[PgBouncer], database: &str, params: &str) -> String {
+        let first = bouncers.first().expect("at least one pgbouncer");
+        let hosts: Vec<String> = bouncers
+            .iter()
+            .map(|b| format!("{}:{}", b.tcp_host(), b.port))
+            .collect();
+        format!(
+            "postgres://{}:{}@{}/{}?{params}",
+            percent_encode(SUPERUSER),
+            percent_encode(&first.password),
+            hosts.join(","),
+            percent_encode(database)
         )
     }
 
