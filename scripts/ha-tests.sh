@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The slow tests under a real HA manager (pg_auto_failover from the test
 # kit's AutoFailover: a monitor and two data nodes on loopback): for each
-# backend, a switchover, a failover, a postmaster kill and a node kill issued
-# through the manager, with safety checked and availability printed as
-# HA-RESULT lines (summarised at the end), then `pgelect chaos` under the
+# backend on the data nodes' multi-host URL, and for the lease backend
+# through one PgBouncer per data node, a switchover, a failover, a
+# postmaster kill and a node kill issued through the manager, with safety
+# checked and availability printed as HA-RESULT lines (summarised at the
+# end), then `pgelect chaos` under the
 # manager (the end-to-end test of `--ha pg_auto_failover`). About 3-5 minutes on an idle
 # machine. The default suite (scripts/test.sh) runs only the kit's own
 # formation test and the multi-host tests on ordinary servers.
@@ -26,7 +28,7 @@ command -v cargo-nextest >/dev/null 2>&1 || { echo "scripts/ha-tests.sh: needs c
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0
-filter=(-E 'test(/^ha::manager::/)')
+filter=(-E 'test(/^ha::(manager|pooled)::/)')
 [ ${#extra[@]} -gt 0 ] && filter=()
 PGELECT_HA_TESTS=1 cargo nextest run -p pgelect --test it --no-capture --test-threads 1 --no-fail-fast \
   "${filter[@]}" "${extra[@]}" 2>&1 | tee "$log" || status=$?

@@ -26,12 +26,12 @@ use tokio_postgres::{Client, NoTls};
 
 use crate::support::{fast_lease, fast_session, Intervals};
 
-const DB: &str = "pgelect_ha";
-const ROLE: &str = "ha";
+pub(super) const DB: &str = "pgelect_ha";
+pub(super) const ROLE: &str = "ha";
 
 /// Whether to run: `PGELECT_HA_TESTS=1` and pg_auto_failover installed;
 /// prints why not otherwise.
-fn enabled(test: &str) -> bool {
+pub(super) fn enabled(test: &str) -> bool {
     if std::env::var("PGELECT_HA_TESTS").map_or(true, |v| v != "1") {
         eprintln!("SKIPPED {test}: slow; set PGELECT_HA_TESTS=1 (scripts/ha-tests.sh)");
         return false;
@@ -182,8 +182,9 @@ async fn candidate(
     }
 }
 
+/// A fault issued through the manager.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Fault {
+pub(super) enum Fault {
     Switchover,
     Failover,
     PostmasterKill,
@@ -197,38 +198,85 @@ fn elector(o: &ConnectOptions, node: &str, backend: Backend) -> Elector {
     }
 }
 
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+pub(super) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     tokio::task::spawn_blocking(f).await.unwrap()
 }
 
-async fn under_the_manager(backend: Backend, faults: &[Fault]) {
-    // The library's log with the faults, on one clock, for a failure's
-    // story.
-    let _ = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::INFO)
-        .with_ansi(false)
-        .with_test_writer()
-        .try_init();
-    let haf = Arc::new(
-        blocking(AutoFailover::start)
-            .await
-            .expect("a pg_auto_failover formation"),
-    );
-    haf.create_database(DB).unwrap();
-    let url = haf.url(DB);
-    let o = ConnectOptions::from_url(&format!("{url}&connect_timeout=2")).unwrap();
-    pgelect::migrate(&o).await.expect("migrate");
-    let (admin, _) = connect(&url).await.expect("admin connection");
-    admin
-        .batch_execute(
-            "CREATE TABLE ha_probe (id bigserial PRIMARY KEY, at timestamptz DEFAULT clock_timestamp());
-             CREATE TABLE ha_acts (id bigserial PRIMARY KEY, node text, term bigint,
-                                   at timestamptz DEFAULT clock_timestamp());",
-        )
-        .await
-        .unwrap();
-    drop(admin);
+/// A formation with the tests' database, pgelect's schema and the tables
+/// the candidates and the probe write to.
+pub(super) struct Formation {
+    pub(super) haf: Arc<AutoFailover>,
+    /// The multi-host URL of the data nodes (`target_session_attrs=read-write`).
+    pub(super) url: String,
+    /// [`url`](Formation::url) with a 2 s connect timeout.
+    pub(super) options: ConnectOptions,
+}
 
+impl Formation {
+    /// Starts a formation (two data nodes, fast failure detection) and sets
+    /// the database up on its primary.
+    pub(super) async fn start() -> Formation {
+        // The library's log with the faults, on one clock, for a failure's
+        // story.
+        let _ = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::INFO)
+            .with_ansi(false)
+            .with_test_writer()
+            .try_init();
+        let haf = Arc::new(
+            blocking(AutoFailover::start)
+                .await
+                .expect("a pg_auto_failover formation"),
+        );
+        haf.create_database(DB).unwrap();
+        let url = haf.url(DB);
+        let options = ConnectOptions::from_url(&format!("{url}&connect_timeout=2")).unwrap();
+        pgelect::migrate(&options).await.expect("migrate");
+        let (admin, _) = connect(&url).await.expect("admin connection");
+        admin
+            .batch_execute(
+                "CREATE TABLE ha_probe (id bigserial PRIMARY KEY, at timestamptz DEFAULT clock_timestamp());
+                 CREATE TABLE ha_acts (id bigserial PRIMARY KEY, node text, term bigint,
+                                       at timestamptz DEFAULT clock_timestamp());",
+            )
+            .await
+            .unwrap();
+        Formation { haf, url, options }
+    }
+
+    /// Stops every process of the formation and removes its files.
+    pub(super) async fn stop(self) {
+        let haf = Arc::into_inner(self.haf).expect("last handle");
+        blocking(move || haf.stop()).await;
+    }
+}
+
+async fn under_the_manager(backend: Backend, faults: &[Fault]) {
+    let f = Formation::start().await;
+    let electors = NODES
+        .iter()
+        .map(|node| (node.to_string(), elector(&f.options, node, backend)))
+        .collect();
+    under_faults(&f, backend, "direct", electors, faults).await;
+    f.stop().await;
+}
+
+/// The candidates' names.
+pub(super) const NODES: [&str; 3] = ["node-a", "node-b", "node-c"];
+
+/// Runs `electors` (node name, elector) as candidates that write fenced
+/// rows (directly to the primary, through the formation's URL) while
+/// leading, issues `faults` one after the other through the manager, and
+/// checks safety at the end. Prints one `HA-RESULT` line per fault, its
+/// `via` field saying how the candidates reach the database.
+pub(super) async fn under_faults(
+    f: &Formation,
+    backend: Backend,
+    via: &str,
+    electors: Vec<(String, Elector)>,
+    faults: &[Fault],
+) {
+    let (haf, url) = (&f.haf, &f.url);
     let stop = tokio_util::sync::CancellationToken::new();
     let (intervals, acts, probes) = (Intervals::default(), Events::default(), Events::default());
     let mut tasks = Vec::new();
@@ -237,10 +285,10 @@ async fn under_the_manager(backend: Backend, faults: &[Fault]) {
         probes.clone(),
         stop.clone(),
     )));
-    for node in ["node-a", "node-b", "node-c"] {
+    for (node, elector) in electors {
         tasks.push(tokio::spawn(candidate(
-            elector(&o, node, backend),
-            node.to_owned(),
+            elector,
+            node,
             url.clone(),
             intervals.clone(),
             acts.clone(),
@@ -333,7 +381,7 @@ async fn under_the_manager(backend: Backend, faults: &[Fault]) {
         let term_after = intervals.open().first().map(|i| i.1);
         tracing::info!(?fault, writable_after = ?outage, leader_after = ?gap, "HA-TEST measured");
         println!(
-            "HA-RESULT backend={backend:?} fault={fault:?} writes_back_after={outage:?} leader_acting_after_writable={sign}{gap:?} kept_term={}",
+            "HA-RESULT backend={backend:?} via={via} fault={fault:?} writes_back_after={outage:?} leader_acting_after_writable={sign}{gap:?} kept_term={}",
             term_before == term_after
         );
         // Generous bounds on a loaded machine: the targets (500 ms session,
@@ -404,14 +452,12 @@ async fn under_the_manager(backend: Backend, faults: &[Fault]) {
     drop(tx);
     let distinct: std::collections::BTreeSet<i64> = terms.iter().copied().collect();
     eprintln!(
-        "{backend:?}: terms {distinct:?}, {} fenced writes",
+        "{backend:?} via {via}: terms {distinct:?}, {} fenced writes",
         terms.len()
     );
-    let haf = Arc::into_inner(haf).expect("last handle");
-    blocking(move || haf.stop()).await;
 }
 
-const ALL: [Fault; 4] = [
+pub(super) const ALL: [Fault; 4] = [
     Fault::Switchover,
     Fault::Failover,
     Fault::PostmasterKill,
