@@ -557,6 +557,108 @@ async fn lease_candidates_through_pgbouncer_follow_a_promotion() {
     log.assert_disjoint();
 }
 
+/// The lease backend through a PgBouncer (transaction mode) pointed at one
+/// server, on a multi-host URL naming that bouncer first and a writable
+/// server second, as with one bouncer per data node next to an HA manager.
+/// The bouncer's server turns read-only while the client's connection to
+/// the bouncer stays open (the bouncer's server sessions too): every write
+/// on that connection is refused with SQLSTATE 25006, as after a
+/// switchover when the old primary is back as a standby behind its
+/// bouncer. The client must drop that connection and reconnect through the
+/// URL, whose `target_session_attrs=read-write` check (answered through the
+/// bouncer by the read-only server) skips the bouncer for the writable
+/// server: the leader loses its term (the other server has no row of it)
+/// and is elected again there, instead of retrying on the read-only
+/// server for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_client_leaves_a_bouncer_whose_server_turned_read_only() {
+    use pgelect_testkit::{PgBouncer, PoolMode};
+    if !pgelect_testkit::pgbouncer_available() {
+        println!("skipped: pgbouncer is not installed");
+        return;
+    }
+    // The refusal's text, where the global subscriber is ours.
+    let captured = Log::install_global(tracing::Level::INFO);
+    let (old, new) = tokio::task::block_in_place(|| (Cluster::start(), Cluster::start()));
+    let (old, new) = (old.expect("cluster"), new.expect("cluster"));
+    let db_old = TestDb::on(&old, "ro_bouncer").await;
+    // The same database name on the other server (a throwaway cluster of
+    // this test's own: dropped with it).
+    connect(&new, "postgres")
+        .await
+        .simple_query(&format!("CREATE DATABASE \"{}\"", db_old.name()))
+        .await
+        .expect("create the database on the other server");
+    for c in [&old, &new] {
+        let o = ConnectOptions::from_url(&c.url(db_old.name())).unwrap();
+        pgelect::migrate(&o).await.expect("migrate");
+    }
+    let bouncer = tokio::task::block_in_place(|| PgBouncer::start(&old, PoolMode::Transaction))
+        .expect("pgbouncer");
+    let pooled = ConnectOptions::from_url(&format!(
+        "postgres://{SUPERUSER}:{TEST_PASSWORD}@127.0.0.1:{},127.0.0.1:{}/{}\
+         ?target_session_attrs=read-write&connect_timeout=2",
+        bouncer.port(),
+        new.port(),
+        db_old.name()
+    ))
+    .unwrap();
+    let role = "ro-bouncer";
+    let a = fast_elector(&pooled, role, "node-a", Backend::Lease);
+    let first = elected(&a, Duration::from_secs(10)).await;
+    let on_old = connect(&old, db_old.name()).await;
+    assert_eq!(
+        row_term(&on_old, role).await,
+        first.term().get(),
+        "elected on the bouncer's server"
+    );
+
+    let fenced = Instant::now();
+    fence_read_only(&old, true).await;
+    timeout(Duration::from_secs(10), first.lost())
+        .await
+        .expect("the leader on the read-only server loses");
+    let lost = fenced.elapsed();
+    let reason = first.loss().map(|l| l.reason());
+    drop(first);
+    let next = elected(&a, Duration::from_secs(15)).await;
+    let took = fenced.elapsed();
+    eprintln!(
+        "lease through a bouncer whose server turned read-only: lost ({reason:?}) {lost:?} and elected on the writable host {took:?} after the fence"
+    );
+    // On the writable server, with its own term; the read-only server's
+    // row is untouched.
+    let on_new = connect(&new, db_old.name()).await;
+    assert_eq!(row_term(&on_new, role).await, next.term().get());
+    let mut c = connect(&new, db_old.name()).await;
+    let tx = c.transaction().await.unwrap();
+    next.fence(&tx)
+        .await
+        .expect("the new term fences on the writable server");
+    tx.commit().await.unwrap();
+    // Bounds for a loaded machine: the leader loses by its local deadline
+    // (TTL 2 s), and the fast multi-host retry reaches the other host
+    // within moments.
+    assert!(lost < Duration::from_secs(5), "lost after {lost:?}");
+    assert!(took < Duration::from_secs(8), "elected after {took:?}");
+    if let Some(log) = captured {
+        assert!(
+            log.count("read-only transaction") > 0,
+            "the refusal came from the server behind the bouncer (SQLSTATE 25006); the log:\n{}",
+            log.text()
+        );
+        eprintln!(
+            "{}",
+            log.text()
+                .lines()
+                .find(|l| l.contains("read-only transaction"))
+                .unwrap_or_default()
+        );
+    }
+    next.resign().await.unwrap();
+    fence_read_only(&old, false).await;
+}
+
 /// The lease backend, when the promoted replica never received the old
 /// primary's last renewals (asynchronous replication): the row it reads
 /// shows a lease that expires seconds before the one the leader renewed.
