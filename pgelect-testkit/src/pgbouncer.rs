@@ -495,6 +495,15 @@ impl PgBouncer {
         self.restart()
     }
 
+    /// Whether the pgbouncer process runs (it was started and has not
+    /// exited).
+    pub fn is_running(&self) -> bool {
+        matches!(
+            self.lock().child.as_mut().map(|c| c.try_wait()),
+            Some(Ok(None))
+        )
+    }
+
     /// How pgbouncer is doing, for a failure message: whether its process
     /// still runs (or how it exited) and the last `lines` of its log.
     pub fn diagnose(&self, lines: usize) -> String {

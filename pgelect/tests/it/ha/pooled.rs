@@ -45,6 +45,20 @@ async fn transactions(bouncer: &PgBouncer) -> u64 {
         .sum()
 }
 
+/// The bouncers; on a failure (a panic), how each is doing and its log's
+/// tail.
+struct Bouncers(Vec<PgBouncer>);
+
+impl Drop for Bouncers {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for b in &self.0 {
+                eprintln!("{}", b.diagnose(40));
+            }
+        }
+    }
+}
+
 async fn through_bouncers(faults: &[Fault]) {
     let f = Formation::start().await;
     let haf = f.haf.clone();
@@ -54,9 +68,10 @@ async fn through_bouncers(faults: &[Fault]) {
             .collect::<io::Result<Vec<_>>>()
     })
     .await
+    .map(Bouncers)
     .expect("a pgbouncer per data node");
     let pooled = PgBouncer::multi_host_url(
-        &bouncers,
+        &bouncers.0,
         DB,
         "target_session_attrs=read-write&connect_timeout=2",
     );
@@ -75,7 +90,12 @@ async fn through_bouncers(faults: &[Fault]) {
     // The lease statements went through the bouncers (the probe and the
     // fenced writes go directly to the nodes): through each one, since
     // each node was primary at some point.
-    for (node, bouncer) in bouncers.iter().enumerate() {
+    for (node, bouncer) in bouncers.0.iter().enumerate() {
+        assert!(
+            bouncer.is_running(),
+            "the pgbouncer of node {node} exited: {}",
+            bouncer.diagnose(40)
+        );
         let n = transactions(bouncer).await;
         eprintln!("pgbouncer of node {node}: {n} transactions in {DB}");
         assert!(
