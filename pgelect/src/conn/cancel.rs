@@ -5,36 +5,35 @@ use std::time::Duration;
 
 use tokio_postgres::config::Host;
 use tokio_postgres::tls::MakeTlsConnect;
+use tokio_postgres::Config;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::options::ConnectOptions;
-
-impl ConnectOptions {
-    /// The one TCP server these settings name, if they name exactly one
-    /// (no `hostaddr`): where [`Canceller`] sends its requests itself.
-    pub(super) fn cancel_target(&self) -> Option<CancelTarget> {
-        let hosts = self.config.get_hosts();
-        if hosts.len() != 1 || !self.config.get_hostaddrs().is_empty() {
-            return None;
-        }
-        let Host::Tcp(host) = &hosts[0] else {
-            return None;
-        };
-        let port = match self.config.get_ports() {
-            [] => 5432,
-            [p] => *p,
-            _ => return None,
-        };
-        Some(CancelTarget {
-            host: host.clone(),
-            port,
-            connect_timeout: self
-                .config
-                .get_connect_timeout()
-                .copied()
-                .unwrap_or(Duration::from_secs(5)),
-        })
+/// The one TCP server `reached` names, if it names exactly one (no
+/// `hostaddr`): where [`Canceller`] sends its requests itself. `reached` is
+/// the host a connection reached
+/// ([`open_reaching`](super::options::ConnectOptions::open_reaching)): of a
+/// multi-host URL, the one host that accepted it.
+pub(super) fn cancel_target(reached: &Config) -> Option<CancelTarget> {
+    let hosts = reached.get_hosts();
+    if hosts.len() != 1 || !reached.get_hostaddrs().is_empty() {
+        return None;
     }
+    let Host::Tcp(host) = &hosts[0] else {
+        return None;
+    };
+    let port = match reached.get_ports() {
+        [] => 5432,
+        [p] => *p,
+        _ => return None,
+    };
+    Some(CancelTarget {
+        host: host.clone(),
+        port,
+        connect_timeout: reached
+            .get_connect_timeout()
+            .copied()
+            .unwrap_or(Duration::from_secs(5)),
+    })
 }
 
 /// Cancels the statement running on a
@@ -70,9 +69,11 @@ impl Canceller {
     /// client state: 0", pgbouncer/pgbouncer#801): a pooler every other
     /// client depends on, brought down by a lease renewal's timeout. So
     /// with a single TCP host pgelect opens the connection itself and
-    /// keeps it until the other side has closed it. With several hosts
-    /// (which one the statement's connection reached is not known here)
-    /// or a Unix socket, the driver's own request is sent.
+    /// keeps it until the other side has closed it, at the host the
+    /// connection reached (of a multi-host URL, the one that accepted it:
+    /// one PgBouncer per data node is the usual deployment next to an HA
+    /// manager). With a Unix socket or a `hostaddr`, the driver's own
+    /// request is sent.
     pub(crate) async fn cancel(self) -> std::io::Result<()> {
         let Some(t) = self.target else {
             return tokio::time::timeout(CANCEL_BOUND, self.token.cancel_query(self.tls))

@@ -117,9 +117,22 @@ impl ConnectOptions {
     /// else the last host's; its target names that host, followed by what
     /// the other hosts answered.
     pub(super) async fn open(&self, config: Config) -> Result<(Client, TlsConnection)> {
+        self.open_reaching(config)
+            .await
+            .map(|(client, connection, _)| (client, connection))
+    }
+
+    /// [`open`](ConnectOptions::open), also returning the one host the
+    /// connection reached as a single-host configuration (every other
+    /// setting kept): where a cancel request for it must go.
+    pub(super) async fn open_reaching(
+        &self,
+        config: Config,
+    ) -> Result<(Client, TlsConnection, Config)> {
         let count = config.get_hosts().len().max(config.get_hostaddrs().len());
         if count <= 1 {
-            return self.open_one(config, self.target()).await;
+            let (client, connection) = self.open_one(config.clone(), self.target()).await?;
+            return Ok((client, connection, config));
         }
         let mut order: Vec<usize> = (0..count).collect();
         if config.get_load_balance_hosts() == LoadBalanceHosts::Random {
@@ -128,12 +141,13 @@ impl ConnectOptions {
         let mut failed: Vec<(String, Error)> = Vec::with_capacity(count);
         for i in order {
             let target = target_of(&config, Some(i));
-            match self.open_one(single_host(&config, i), target.clone()).await {
-                Ok(pair) => {
+            let host = single_host(&config, i);
+            match self.open_one(host.clone(), target.clone()).await {
+                Ok((client, connection)) => {
                     if !failed.is_empty() {
                         tracing::debug!(host = %target, tried_before = %others(&failed, None), "connected to a later host of the URL");
                     }
-                    return Ok(pair);
+                    return Ok((client, connection, host));
                 }
                 Err(e) => failed.push((target, e)),
             }

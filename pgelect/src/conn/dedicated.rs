@@ -17,7 +17,7 @@ use tokio_postgres::{AsyncMessage, Client, Row, Statement};
 use tokio_postgres_rustls::MakeRustlsConnect;
 use tokio_util::sync::CancellationToken;
 
-use super::cancel::{CancelTarget, Canceller};
+use super::cancel::{cancel_target, CancelTarget, Canceller};
 use super::connect::TlsConnection;
 use super::options::ConnectOptions;
 use super::tcp::TcpTimeouts;
@@ -96,12 +96,12 @@ impl ConnectOptions {
         let mut attempts = 0;
         let (mut conn, row) = loop {
             attempts += 1;
-            let (client, connection) = self.open(config.clone()).await?;
+            let (client, connection, reached) = self.open_reaching(config.clone()).await?;
             let conn = DedicatedConnection::drive(
                 client,
                 connection,
                 self.tls.connector()?,
-                self.cancel_target(),
+                cancel_target(&reached),
                 notices,
             );
             let started = conn

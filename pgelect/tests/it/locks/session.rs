@@ -801,11 +801,37 @@ async fn a_lost_connection_keeps_the_servers_reason_as_its_source() {
 /// driver's cancel the first or second round fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_waits_through_pgbouncer_leave_it_running() {
+    cancelled_waits_through_pgbouncer(false, "lock_cancel_bouncer").await;
+}
+
+/// The same on a multi-host URL whose first host is the PgBouncer (the
+/// second, the server itself, is never reached): one PgBouncer per data
+/// node of an HA pair, named together in the URL, is the usual deployment
+/// with an HA manager. The cancel goes to the host the connection reached,
+/// and waits for the close there too; the driver's request (which the
+/// library sent with several hosts) took a PgBouncer down in an HA test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_waits_through_pgbouncer_on_a_multi_host_url_leave_it_running() {
+    cancelled_waits_through_pgbouncer(true, "lock_cancel_bouncer_multi").await;
+}
+
+async fn cancelled_waits_through_pgbouncer(multi_host: bool, hint: &str) {
     use pgelect_testkit::{Cluster, PgBouncer, PoolMode};
-    let (db, options, admin) = setup("lock_cancel_bouncer").await;
+    let (db, options, admin) = setup(hint).await;
     let cluster = tokio::task::spawn_blocking(Cluster::shared).await.unwrap();
     let bouncer = PgBouncer::start(cluster, PoolMode::Session).expect("pgbouncer starts");
-    let pooled = ConnectOptions::from_url(&bouncer.url(db.name())).unwrap();
+    let url = if multi_host {
+        let url = bouncer.url(db.name());
+        let first = format!("127.0.0.1:{}/", bouncer.port());
+        assert!(url.contains(&first), "{url}");
+        url.replace(
+            &first,
+            &format!("127.0.0.1:{},127.0.0.1:{}/", bouncer.port(), cluster.port()),
+        )
+    } else {
+        bouncer.url(db.name())
+    };
+    let pooled = ConnectOptions::from_url(&url).unwrap();
     let holder = LockSession::connect(&options).await.unwrap();
     let key = LockKey::from_i64(17);
     let held = holder
