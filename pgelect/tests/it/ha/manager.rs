@@ -366,10 +366,24 @@ pub(super) async fn under_faults(
                 if let Some(t) = acts.back_on(port, at) {
                     break t;
                 }
-                assert!(
-                    Instant::now() < deadline,
-                    "{fault:?}: no leader acted on the new primary"
-                );
+                if Instant::now() >= deadline {
+                    // Whether the primary still took the probe's writes
+                    // (a manager that stopped commits, e.g. waiting for a
+                    // synchronous standby, stops both), and its state.
+                    let probed = probes.all();
+                    let after = probed.iter().filter(|e| e.0 > writable);
+                    let (ok, failed) = after.fold((0, 0), |(ok, failed), e| match e.2 {
+                        Some(_) => (ok + 1, failed),
+                        None => (ok, failed + 1),
+                    });
+                    let h = haf.clone();
+                    let state = blocking(move || h.state()).await;
+                    panic!(
+                        "{fault:?}: no leader acted on the new primary (port {port}) within 30 s; \
+                         since it accepted a write, the probe wrote {ok} times and failed {failed} times; \
+                         state {state:?}"
+                    );
+                }
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         };
