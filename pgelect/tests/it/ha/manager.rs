@@ -438,7 +438,7 @@ pub(super) async fn under_faults(
             last = t;
         }
     }
-    let (c, _) = connect(&url).await.expect("the final primary");
+    let (c, _) = connect(url).await.expect("the final primary");
     let terms: Vec<i64> = c
         .query("SELECT term FROM ha_acts ORDER BY id", &[])
         .await
