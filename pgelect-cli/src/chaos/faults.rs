@@ -563,12 +563,17 @@ pub(super) async fn inject(
         Fault::Switchover | Fault::Failover | Fault::PostmasterKill | Fault::NodeKill => {
             match run.manager.as_deref_mut() {
                 None => effect.skipped = Some(super::ha::NEEDS_MANAGER.to_owned()),
-                Some(formation) => {
-                    let after = formation.inject(fault).await?;
-                    effect.resume_after = Some(after.writable);
-                    effect.writable = Some(after.writable);
-                    effect.ended = Some(after.settled);
-                }
+                Some(formation) => match formation.inject(fault).await? {
+                    Ok(after) => {
+                        effect.resume_after = Some(after.writable);
+                        effect.writable = Some(after.writable);
+                        effect.ended = Some(after.settled);
+                    }
+                    Err(refused) => {
+                        effect.skipped = Some(refused.why);
+                        effect.ended = Some(refused.settled);
+                    }
+                },
             }
         }
         Fault::PgbouncerRestart => match &run.pooler {

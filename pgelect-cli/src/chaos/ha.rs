@@ -299,6 +299,16 @@ pub(super) struct After {
     pub(super) settled: u128,
 }
 
+/// A manager's order it refused: why, and when the formation had settled
+/// again after it.
+pub(super) struct Refused {
+    pub(super) why: String,
+    pub(super) settled: u128,
+}
+
+/// What a manager's fault came to.
+pub(super) type Ordered = Result<After, Refused>;
+
 #[cfg(feature = "throwaway")]
 pub(super) use own::Formation;
 
@@ -309,7 +319,7 @@ mod own {
 
     use pgelect_testkit::NodeIndex;
 
-    use super::{After, AutoFailover};
+    use super::{After, AutoFailover, Ordered, Refused};
     use crate::chaos::events::now_ns;
     use crate::chaos::fail;
     use crate::chaos::faults::Fault;
@@ -407,7 +417,7 @@ mod own {
 
         /// Injects `fault` on the primary, watches for a primary new to
         /// the role to accept a write, then lets the formation settle.
-        pub async fn inject(&mut self, fault: Fault) -> Result<After, Failure> {
+        pub async fn inject(&mut self, fault: Fault) -> Result<Ordered, Failure> {
             let at = now_ns();
             let old = self.primary;
             let haf = self.haf.clone();
@@ -421,9 +431,41 @@ mod own {
                 Fault::NodeKill => haf.kill_node(old),
                 _ => Err(std::io::Error::other("BUG: not a manager's fault")),
             });
-            let writable = self.watch_writable(old, at).await;
-            let ordered = order.await.map_err(fail)?;
-            ordered.map_err(|e| unavailable(format!("{}: {e}", fault.name())))?;
+            // The manager may refuse an order (pg_auto_failover's monitor
+            // once failed a `perform failover` on a lock wait of its own):
+            // then nothing is judged but what followed.
+            let writable = {
+                let watch = self.watch_writable(old, at);
+                tokio::pin!(watch);
+                tokio::pin!(order);
+                tokio::select! {
+                    w = &mut watch => {
+                        let ordered = (&mut order).await.map_err(fail)?;
+                        ordered.map_err(|e| unavailable(format!("{}: {e}", fault.name())))?;
+                        Ok(w)
+                    }
+                    ordered = &mut order => match ordered.map_err(fail)? {
+                        Ok(()) => Ok(watch.await),
+                        Err(e) if matches!(fault, Fault::Switchover | Fault::Failover) => {
+                            let e = e.to_string();
+                            Err(e.lines().next().unwrap_or_default().to_owned())
+                        }
+                        Err(e) => return Err(unavailable(format!("{}: {e}", fault.name()))),
+                    },
+                }
+            };
+            let writable = match writable {
+                Ok(w) => w,
+                Err(why) => {
+                    // Whatever it started is let settle, inside the
+                    // fault's window.
+                    self.prepare()?;
+                    return Ok(Err(Refused {
+                        why: format!("the manager refused the order: {why}"),
+                        settled: now_ns(),
+                    }));
+                }
+            };
             if fault == Fault::NodeKill {
                 self.killed = Some(old);
             }
@@ -440,7 +482,7 @@ mod own {
                 self.primary + 1,
                 ms(settled)
             );
-            Ok(After { writable, settled })
+            Ok(Ok(After { writable, settled }))
         }
 
         /// Polls the data nodes every 50 ms until one new to the role (not
@@ -523,7 +565,7 @@ impl Formation {
         match *self {}
     }
 
-    pub async fn inject(&mut self, _fault: Fault) -> Result<After, Failure> {
+    pub async fn inject(&mut self, _fault: Fault) -> Result<Ordered, Failure> {
         match *self {}
     }
 
