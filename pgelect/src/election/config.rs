@@ -277,12 +277,15 @@ impl LeaseOptions {
     }
 
     /// A connection that bypasses the pooler (directly to PostgreSQL, or
-    /// through a session-mode pool), used only to `LISTEN`. With it,
+    /// through a session-mode pool), used to `LISTEN`. With it,
     /// standbys wake up on a leader's release `NOTIFY` (a voluntary
     /// release is taken over in milliseconds instead of within
     /// [`retry_every`](LeaseOptions::retry_every)), and a leader hears
     /// [`request_resign`](crate::admin::request_resign) at once instead of at its
-    /// next renewal. Losing this connection never affects leadership; it is
+    /// next renewal. When it may call the schema's lease functions (it may
+    /// connect as another user), the leader's release and the acquire that
+    /// a release announcement brings are sent on it too: a planned
+    /// handover does not wait for the pooler's hop. Losing this connection never affects leadership; it is
     /// reopened with backoff. It must use the elector's schema. Default:
     /// none (`LISTEN` through a transaction pooler does not work).
     pub fn listen_via(mut self, options: ConnectOptions) -> Self {

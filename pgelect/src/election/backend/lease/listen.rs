@@ -29,9 +29,11 @@ impl SharedLease {
     /// standbys waits for brings the next batched acquire forward, so a
     /// voluntary release is taken over in milliseconds instead of within
     /// `retry_every`. One connection for all the client's candidates, used
-    /// only to `LISTEN` (through a pooler in transaction mode `LISTEN` does
-    /// not work); losing it never affects leadership, and it is reopened
-    /// with backoff. Anyone who can connect may `NOTIFY`: a flood of
+    /// to `LISTEN` (through a pooler in transaction mode `LISTEN` does not
+    /// work) and, when it may call the schema's lease functions, for the
+    /// releases and for the acquires that a release announcement brings
+    /// (a planned handover then skips the pooler's hop); losing it never
+    /// affects leadership, and it is reopened with backoff. Anyone who can connect may `NOTIFY`: a flood of
     /// announcements costs at most ten acquires a second.
     ///
     /// Refused for another schema than the client's.

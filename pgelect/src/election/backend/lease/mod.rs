@@ -121,8 +121,9 @@ use sql::Statements;
 ///
 /// # Cost
 ///
-/// One connection, and one more used only to `LISTEN` with
-/// [`listen_via`](SharedLease::listen_via). At steady state, per process: one renewal statement per
+/// One connection, and one more with
+/// [`listen_via`](SharedLease::listen_via) (to `LISTEN`, and for the
+/// releases and the acquires a release announcement brings). At steady state, per process: one renewal statement per
 /// `renew_every` per 2,000 leaders and one acquire per 5,000 standbys at
 /// the earliest of: the lease's expiry on the server's clock (plus up to
 /// 50 ms of jitter), `retry_every`, and nine tenths of the TTL after the
