@@ -544,3 +544,98 @@ async fn the_batched_renewal_of_thousands_of_leaders_finds_skipped_rows_by_hash(
         .get(0);
     assert_eq!(renewed, n, "every leader was renewed");
 }
+
+/// A standby that leaves while its shared connection's batched poll waits
+/// for its turn (after the poll read the standbys, before its statement)
+/// may be granted its lock by that poll after it left; its campaign's
+/// clean-up ran before and found nothing to unlock. The lock is unlocked
+/// then by the poll itself: left with the session, it would keep its role
+/// led by nobody for as long as the connection lives (a partition unled
+/// for good after a rebalance).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_granted_to_a_standby_that_left_during_the_poll_is_unlocked() {
+    let log = support::Log::install_global(tracing::Level::DEBUG).expect("one test per process");
+    let (db, o) = migrated("shared_orphan").await;
+    let admin = db.connect().await;
+    let host = SharedConnection::new(&o, TcpTimeouts::default());
+    // The role is led elsewhere: the standby polls without being granted.
+    let leader = fast(&o, "orphan", "leader").build().unwrap();
+    let l = leader.leadership().await.unwrap();
+    let standby = fast(&o, "orphan", "standby")
+        .session(|s| s.shared_connection(&host))
+        .build()
+        .unwrap();
+    let campaign = tokio::spawn(async move { standby.leadership().await });
+    log.wait_for_line(&["batched poll", "standbys=1"], Duration::from_secs(10))
+        .await;
+    let pid = host
+        .backend_pid()
+        .await
+        .expect("the shared connection is open");
+    // The next poll reads the standby, then waits for the lane.
+    let lane = host.hold_campaign_lane().await.unwrap();
+    // The lock freed: the release's announcement brings the poll forward
+    // (otherwise it comes within its 200 ms interval). A precondition,
+    // not a synchronisation: the log line awaited below shows it was met.
+    l.resign().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    // The standby leaves (its clean-up finds nothing to unlock), then the
+    // poll runs and is granted the lock.
+    campaign.abort();
+    let _ = campaign.await;
+    // Its clean-up (an unlock if held, not waiting for the lane) has run
+    // on the shared connection, before the poll's statement.
+    tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let cleaned: bool = admin
+                .query_one(
+                    "SELECT state = 'idle' AND query LIKE '%pg_advisory_unlock%'
+                       FROM pg_stat_activity WHERE pid = $1",
+                    &[&pid],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if cleaned {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the standby's clean-up ran");
+    drop(lane);
+    // The role is free for anyone at once (a lock left behind would be
+    // freed only by a candidate preempting the shared connection, every
+    // other role on it lost too)...
+    let next = fast(&o, "orphan", "next").build().unwrap();
+    let t0 = Instant::now();
+    let ln = tokio::time::timeout(Duration::from_secs(10), next.leadership())
+        .await
+        .expect("the role is taken again")
+        .unwrap();
+    println!("taken again after {:?}", t0.elapsed());
+    assert_eq!(
+        host.backend_pid().await,
+        Some(pid),
+        "the shared connection was not ended to free the role"
+    );
+    ln.resign().await.unwrap();
+    // ...because the poll unlocked what it was granted (which also shows
+    // that the poll ran after the standby left, as arranged).
+    log.wait_for_line(
+        &["unlocked a lock granted to a standby that left"],
+        Duration::from_secs(10),
+    )
+    .await;
+    let held: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database
+              WHERE l.locktype = 'advisory' AND l.granted AND d.datname = current_database()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(held, 0, "no lock left with the shared connection");
+}

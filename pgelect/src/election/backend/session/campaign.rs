@@ -1186,32 +1186,66 @@ pub(super) async fn poll_batches(session: std::sync::Weak<SharedSession>, schema
             }
         }
         preempt_vacant(&s, &mut found).await;
-        let mut standbys = s.standbys();
-        for (role, refreshed) in roles.iter().zip(refreshed) {
-            // A standby that left while the poll ran may have been granted
-            // its lock: its campaign's clean-up unlocks it (it runs after
-            // this statement on the same connection).
-            let Some(w) = standbys.get_mut(role) else {
-                continue;
-            };
-            if let Some(at) = refreshed {
-                w.refreshed = at;
-            }
-            let polled = if failed.contains(role) {
-                Polled::Failed
-            } else {
-                match found.remove(role) {
-                    Some((p, known)) => {
-                        w.known = Some(known);
-                        p
+        let (orphans, failed) = {
+            let mut standbys = s.standbys();
+            // Locks granted to standbys that left since the poll read them:
+            // nobody would ever unlock them (see below).
+            let mut orphans = Vec::new();
+            for ((role, refreshed), key) in roles.iter().zip(refreshed).zip(&keys) {
+                // A standby that left after this poll read the standbys may
+                // have been granted its lock. Its campaign's clean-up unlocks
+                // it only if that clean-up ran after this statement on the
+                // connection; it may have run before (while this poll waited
+                // for its lane), finding nothing to unlock, and the lock would
+                // stay with the session, its role led by nobody (a partition
+                // unled for good after a rebalance, in the partition tests).
+                // So it is unlocked here too, if still held.
+                let Some(w) = standbys.get_mut(role) else {
+                    if let Some((Polled::Granted, _)) = found.remove(role) {
+                        orphans.push(*key);
                     }
-                    None => continue,
+                    continue;
+                };
+                if let Some(at) = refreshed {
+                    w.refreshed = at;
                 }
-            };
-            w.outcome.send_replace(Some((round, polled)));
+                let polled = if failed.contains(role) {
+                    Polled::Failed
+                } else {
+                    match found.remove(role) {
+                        Some((p, known)) => {
+                            w.known = Some(known);
+                            p
+                        }
+                        None => continue,
+                    }
+                };
+                w.outcome.send_replace(Some((round, polled)));
+            }
+            (orphans, !failed.is_empty())
+        };
+        for key in orphans {
+            let key = crate::key::LockKey::Single(key);
+            let _lane = s.lane().await;
+            let params = key.params();
+            let args: Vec<(&(dyn ToSql + Sync), Type)> =
+                params.iter().map(|p| p.as_sql()).collect();
+            let unlocked = s
+                .conn
+                .client()
+                .query_typed_one(&super::unlock_if_held_sql(key), &args)
+                .await;
+            match unlocked {
+                Ok(_) => tracing::debug!(%key, "unlocked a lock granted to a standby that left"),
+                Err(e) => {
+                    // A lock that cannot be released must not stay with a
+                    // session that no candidate of its role uses.
+                    tracing::warn!(%key, error = %e, "could not unlock a lock granted to a standby that left; dropping the shared connection");
+                    s.conn.kill();
+                    return;
+                }
+            }
         }
-        let failed = !failed.is_empty();
-        drop(standbys);
         if failed && s.conn.is_closed() {
             return;
         }

@@ -147,6 +147,26 @@ impl SharedConnection {
         &self.inner.options
     }
 
+    /// Test hook, not API (feature `test-hooks`): holds the session's
+    /// campaign lane (the batched polls, registrations and elections wait
+    /// for it) until the returned sender is dropped, so that a test can
+    /// stop a batched poll between its reading of the standbys and its
+    /// statement.
+    #[doc(hidden)]
+    #[cfg(feature = "test-hooks")]
+    pub async fn hold_campaign_lane(&self) -> Result<tokio::sync::oneshot::Sender<()>> {
+        let session = self.get().await?;
+        let (held, is_held) = tokio::sync::oneshot::channel();
+        let (release, released) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let _lane = session.lane().await;
+            let _ = held.send(());
+            let _ = released.await;
+        });
+        let _ = is_held.await;
+        Ok(release)
+    }
+
     /// Claims `role` for one elector; refused while another holds it.
     pub(crate) fn claim(&self, role: &str) -> Result<RoleClaim> {
         self.inner.roles.claim(
@@ -841,16 +861,7 @@ impl LockConn {
                     // Only if held: a campaign dropped while polling holds
                     // nothing, and an unlock of a lock not held makes the
                     // server log a warning.
-                    let (classid, objid, objsubid) = key.pg_locks_ids();
-                    let sql = format!(
-                        "SELECT CASE WHEN EXISTS (
-                             SELECT 1 FROM pg_locks
-                              WHERE locktype = 'advisory' AND pid = pg_backend_pid()
-                                AND granted AND mode = 'ExclusiveLock' AND classid = {classid}
-                                AND objid = {objid} AND objsubid = {objsubid})
-                         THEN pg_advisory_unlock({}) ELSE true END",
-                        key.sql_args(1)
-                    );
+                    let sql = unlock_if_held_sql(key);
                     let params = key.params();
                     let args: Vec<(&(dyn ToSql + Sync), Type)> =
                         params.iter().map(|p| p.as_sql()).collect();
@@ -873,6 +884,22 @@ impl LockConn {
             }
         }
     }
+}
+
+/// Unlocks `key` (bound as [`LockKey::params`](crate::key::LockKey::params))
+/// if this session holds it; true when unlocked or not held. No warning in
+/// the server's log for a lock not held.
+pub(super) fn unlock_if_held_sql(key: crate::key::LockKey) -> String {
+    let (classid, objid, objsubid) = key.pg_locks_ids();
+    format!(
+        "SELECT CASE WHEN EXISTS (
+             SELECT 1 FROM pg_locks
+              WHERE locktype = 'advisory' AND pid = pg_backend_pid()
+                AND granted AND mode = 'ExclusiveLock' AND classid = {classid}
+                AND objid = {objid} AND objsubid = {objsubid})
+         THEN pg_advisory_unlock({}) ELSE true END",
+        key.sql_args(1)
+    )
 }
 
 /// Undoes a campaign dropped half-way, unless disarmed: its own connection
