@@ -587,32 +587,31 @@ pub fn watch_main(args: &[OsString]) -> std::process::ExitCode {
     if nix::unistd::getppid().as_raw() != parent {
         return ExitCode::from(exit::SOFTWARE);
     }
-    let mut cmd = std::process::Command::new(program);
-    cmd.args(rest).process_group(0);
-    if let Some(fd) = go_fd {
-        match wait_for_go(fd) {
-            Ok(Some(env)) => {
-                for (k, v) in env {
-                    cmd.env(k, v);
-                }
-            }
-            // Stood down, or the supervisor died: nothing to start.
-            Ok(None) => return ExitCode::SUCCESS,
+    let command_pid = match go_fd {
+        // Started ahead: the command's process is forked now and waits for
+        // the go itself, then executes the command: at the go, one process
+        // wakes and executes, no fork on the way.
+        Some(fd) => match fork_ahead(fd, program, rest) {
+            Ok(pid) => pid,
             Err(e) => {
                 eprintln!(
-                    "pgelect: watcher: cannot read the go pipe: {e}; the command was not started"
+                    "pgelect: watcher: cannot fork the command's process: {e}; the command was not started"
                 );
                 return ExitCode::from(exit::SOFTWARE);
             }
-        }
-    }
-    die_with_parent(&mut cmd);
-    let command_pid = match cmd.spawn() {
-        Ok(child) => Pid::from_raw(child.id() as i32),
-        Err(e) => {
-            let (code, message) = spawn_failure(program, &e);
-            eprintln!("pgelect: {message}");
-            return ExitCode::from(code);
+        },
+        None => {
+            let mut cmd = std::process::Command::new(program);
+            cmd.args(rest).process_group(0);
+            die_with_parent(&mut cmd);
+            match cmd.spawn() {
+                Ok(child) => Pid::from_raw(child.id() as i32),
+                Err(e) => {
+                    let (code, message) = spawn_failure(program, &e);
+                    eprintln!("pgelect: {message}");
+                    return ExitCode::from(code);
+                }
+            }
         }
     };
     let mut watch = Watch {
@@ -634,6 +633,63 @@ pub fn watch_main(args: &[OsString]) -> std::process::ExitCode {
                 }
             }
             _ => {}
+        }
+    }
+}
+
+/// Forks the command's process ahead of the go (see [`arm`]): in its own
+/// process group, dying with the watcher, with an empty signal mask, it
+/// waits for the go on the inherited pipe `fd`, then executes `program`
+/// with the go's variables added (a command that cannot be executed exits
+/// 127 or 126 with a message, as [`spawn`]'s); stood down (the pipe closed
+/// with nothing written) it exits 0. Returns its pid.
+#[allow(unsafe_code)]
+fn fork_ahead(fd: i32, program: &OsStr, rest: &[OsString]) -> nix::Result<Pid> {
+    use nix::unistd::{fork, setpgid, ForkResult};
+    let watcher = nix::unistd::getpid();
+    // SAFETY: the watcher has one thread (its main), so the child may do
+    // anything a process may, allocation included.
+    match unsafe { fork() }? {
+        ForkResult::Parent { child } => {
+            // Both sides set the group: it exists when either returns, so
+            // a signal to it from here is never lost.
+            match setpgid(child, child) {
+                Ok(()) | Err(Errno::EACCES) | Err(Errno::ESRCH) => {}
+                Err(e) => return Err(e),
+            }
+            Ok(child)
+        }
+        ForkResult::Child => {
+            let code = (|| {
+                let _ = setpgid(Pid::from_raw(0), Pid::from_raw(0));
+                if SigSet::empty().thread_set_mask().is_err()
+                    || nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).is_err()
+                    || nix::unistd::getppid() != watcher
+                {
+                    // The watcher is gone (or the process cannot follow
+                    // it): nothing to start.
+                    return exit::SOFTWARE;
+                }
+                let env = match wait_for_go(fd) {
+                    Ok(Some(env)) => env,
+                    // Stood down, or the supervisor died: nothing to start.
+                    Ok(None) => return 0,
+                    Err(e) => {
+                        eprintln!(
+                            "pgelect: watcher: cannot read the go pipe: {e}; the command was not started"
+                        );
+                        return exit::SOFTWARE;
+                    }
+                };
+                let e = std::process::Command::new(program)
+                    .args(rest)
+                    .envs(env)
+                    .exec();
+                let (code, message) = spawn_failure(program, &e);
+                eprintln!("pgelect: {message}");
+                code
+            })();
+            std::process::exit(code.into())
         }
     }
 }
