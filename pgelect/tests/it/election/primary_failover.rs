@@ -386,18 +386,13 @@ async fn target_session_attrs_primary_skips_a_standby_listed_first() {
     l.resign().await.unwrap();
 }
 
-/// A blocking standby waiting on a server that turns read-only (a demoted
-/// or fenced primary) stops waiting there within its observer's check and
-/// reconnects to the host that accepts writes, instead of waiting out its
-/// wait slice (10 s) behind a lock nobody will release: here the lock on
-/// the old server is held by a plain session that never lets go.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_blocking_standby_leaves_a_server_that_turned_read_only() {
+/// Two throwaway servers of the test's own (dropped with it), each with a
+/// migrated database of the same name (named after `hint`, made on the
+/// first).
+async fn two_servers(hint: &str) -> (Cluster, Cluster, TestDb) {
     let (old, new) = tokio::task::block_in_place(|| (Cluster::start(), Cluster::start()));
     let (old, new) = (old.expect("cluster"), new.expect("cluster"));
-    let db_old = TestDb::on(&old, "ro_standby").await;
-    // The same database name on the other server (a throwaway cluster of
-    // this test's own: dropped with it).
+    let db_old = TestDb::on(&old, hint).await;
     connect(&new, "postgres")
         .await
         .simple_query(&format!("CREATE DATABASE \"{}\"", db_old.name()))
@@ -407,6 +402,17 @@ async fn a_blocking_standby_leaves_a_server_that_turned_read_only() {
         let o = ConnectOptions::from_url(&c.url(db_old.name())).unwrap();
         pgelect::migrate(&o).await.expect("migrate");
     }
+    (old, new, db_old)
+}
+
+/// A blocking standby waiting on a server that turns read-only (a demoted
+/// or fenced primary) stops waiting there within its observer's check and
+/// reconnects to the host that accepts writes, instead of waiting out its
+/// wait slice (10 s) behind a lock nobody will release: here the lock on
+/// the old server is held by a plain session that never lets go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocking_standby_leaves_a_server_that_turned_read_only() {
+    let (old, new, db_old) = two_servers("ro_standby").await;
     let url = format!(
         "postgres://{SUPERUSER}:{TEST_PASSWORD}@127.0.0.1:{},127.0.0.1:{}/{}\
          ?target_session_attrs=read-write&connect_timeout=2",
@@ -579,20 +585,7 @@ async fn a_lease_client_leaves_a_bouncer_whose_server_turned_read_only() {
     }
     // The refusal's text, where the global subscriber is ours.
     let captured = Log::install_global(tracing::Level::INFO);
-    let (old, new) = tokio::task::block_in_place(|| (Cluster::start(), Cluster::start()));
-    let (old, new) = (old.expect("cluster"), new.expect("cluster"));
-    let db_old = TestDb::on(&old, "ro_bouncer").await;
-    // The same database name on the other server (a throwaway cluster of
-    // this test's own: dropped with it).
-    connect(&new, "postgres")
-        .await
-        .simple_query(&format!("CREATE DATABASE \"{}\"", db_old.name()))
-        .await
-        .expect("create the database on the other server");
-    for c in [&old, &new] {
-        let o = ConnectOptions::from_url(&c.url(db_old.name())).unwrap();
-        pgelect::migrate(&o).await.expect("migrate");
-    }
+    let (old, new, db_old) = two_servers("ro_bouncer").await;
     let bouncer = tokio::task::block_in_place(|| PgBouncer::start(&old, PoolMode::Transaction))
         .expect("pgbouncer");
     let pooled = ConnectOptions::from_url(&format!(
