@@ -82,7 +82,7 @@ pub use worker::worker;
 
 use crate::cli::Global;
 use crate::exit::{self, Failure};
-use crate::run::BackendArg;
+use crate::run::{BackendArg, ProfileArg};
 
 /// An internal failure of the command (exit code 70).
 fn fail(what: impl std::fmt::Display) -> Failure {
@@ -134,6 +134,16 @@ async fn chaos(
     server: &mut Option<crate::demo::throwaway::Server>,
 ) -> Result<(Rows, Vec<String>), Failure> {
     let explicit = global.explicit_url()?;
+    // Refused here rather than by the candidates' `pgelect run`, which
+    // would leave the phase without a leader for its first 60 s.
+    if args.profile == ProfileArg::Fast
+        && (args.backends.contains(&BackendArg::Lease) || args.partitions.is_some())
+    {
+        return Err(Failure::new(
+            exit::USAGE,
+            "--profile fast is for the session backend (the lease backend's failover follows its --ttl): add --backends session",
+        ));
+    }
     if let Some(manager) = args.ha {
         if explicit.is_some() {
             return Err(Failure::new(

@@ -615,6 +615,29 @@ async fn chaos_refuses_a_pooler_url_without_a_database_url() {
     );
 }
 
+/// `--profile fast` with the lease backend (the default backends include
+/// it, and a partition group is the lease backend's) is refused at once,
+/// not after a phase without a leader (the candidates refuse it).
+#[tokio::test]
+async fn chaos_refuses_the_fast_profile_with_the_lease_backend() {
+    for extra in [
+        &[][..],
+        &["--backends", "lease"][..],
+        &["--partitions", "4"][..],
+    ] {
+        let mut args = vec!["chaos", "--profile", "fast", "--duration", "1s"];
+        args.extend_from_slice(extra);
+        let r = run(pgelect(args), CHAOS).await;
+        r.assert_code(64);
+        assert!(
+            r.stderr
+                .contains("--profile fast is for the session backend"),
+            "{extra:?}: {}",
+            r.stderr
+        );
+    }
+}
+
 /// `--python` with an interpreter that is missing, or that cannot import
 /// the Python candidate, is refused before anything starts, saying what
 /// to install.
