@@ -9,7 +9,7 @@ use rand::Rng;
 
 use super::admin::terminate_backends;
 use super::candidates::{signal, Run, Supervisor};
-use super::events::Event;
+use super::events::{now_ns, Event};
 use super::{fail, PROMOTE_NEEDS_THROWAWAY};
 use crate::exit::Failure;
 use crate::run::BackendArg;
@@ -116,6 +116,15 @@ impl Fault {
             Fault::PostmasterKill => "postmaster-kill",
             Fault::NodeKill => "node-kill",
         }
+    }
+
+    /// Whether the fault hits the server (or the pooler) rather than one
+    /// candidate: every leader's writes may fail while it lasts.
+    pub(super) fn hits_the_server(self) -> bool {
+        matches!(
+            self,
+            Fault::RestartFast | Fault::RestartImmediate | Fault::PgbouncerRestart | Fault::Promote
+        ) || self.needs_manager()
     }
 
     /// Whether the fault is the HA manager's (a run under `--ha`): it
@@ -546,7 +555,10 @@ pub(super) async fn inject(
                     "restarts need the throwaway server: run without --database-url".to_owned(),
                 )
             }
-            Some(server) => server.restart(fault == Fault::RestartImmediate)?,
+            Some(server) => {
+                server.restart(fault == Fault::RestartImmediate)?;
+                effect.ended = Some(now_ns());
+            }
         },
         Fault::Promote => match (run.replicas.as_deref_mut(), durable) {
             (Some(pair), Some(durable)) => {

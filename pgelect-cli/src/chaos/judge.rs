@@ -266,10 +266,14 @@ fn judge_role(
     // primary restarted in place may yet see it failed over).
     let faulted = |term: i64, at: u128| {
         injected.iter().any(|i| {
-            i.skipped.is_none()
-                && i.at <= at
-                && (i.hits.iter().any(|h| h.role == role && h.term == term)
-                    || (i.fault.needs_manager() && at <= i.ended))
+            i.at <= at
+                && ((i.skipped.is_none()
+                    && (i.hits.iter().any(|h| h.role == role && h.term == term)
+                        || (i.fault.needs_manager() && at <= i.ended)))
+                    // A fault on the server hits whoever leads while it
+                    // lasts, even one reported skipped because leadership
+                    // had moved just before it (it ran all the same).
+                    || (i.ran && i.fault.hits_the_server() && at <= i.ended))
         })
     };
     let first_write_of: HashMap<i64, usize> =
@@ -462,6 +466,7 @@ mod tests {
             resumed: None,
             writable: None,
             skipped: None,
+            ran: true,
         }
     }
 
@@ -624,6 +629,47 @@ mod tests {
     /// write of c2's that fails meanwhile (the database was still moving)
     /// is no loss; one that fails after the formation settled is. And
     /// writes must be acknowledged again within the bound.
+    /// A server restart aimed at a leader that had lost just before it is
+    /// reported skipped, but it ran: the write of the new leader that
+    /// failed while the server restarted is no loss; one that failed after
+    /// the restart is. (A soak judged the first a violation.)
+    #[test]
+    fn a_restart_reported_skipped_still_excuses_the_writes_it_failed() {
+        let (mut events, committed) = clean_history();
+        events.push(ev("write:2:failed", "c2", 2, 1550, 12));
+        events.sort_by_key(|e| e.at);
+        let t = standard(BackendArg::Session);
+        let mut restart = fault(Fault::RestartImmediate, "c1", 1, 1500, None);
+        restart.skipped = Some(
+            "leadership had already moved to c2 (term 2) 100.0 ms before the fault".to_owned(),
+        );
+        restart.ended = 1800 * 1_000_000;
+        let judged = |i: &Injected| {
+            judge(
+                &events,
+                &committed,
+                std::slice::from_ref(i),
+                BackendArg::Session,
+                &t,
+                None,
+            )
+        };
+        let f = judged(&restart);
+        assert!(f.violations.is_empty(), "{:?}", f.violations);
+        // Over at 1520 ms: the failure at 1550 ms is a healthy leader's.
+        let mut short = restart.clone();
+        short.ended = 1520 * 1_000_000;
+        assert_eq!(judged(&short).lost_at, vec![1550 * 1_000_000]);
+        // Skipped before it ran (no server to restart): no excuse.
+        let mut not_run = restart.clone();
+        not_run.ran = false;
+        assert_eq!(judged(&not_run).lost_at, vec![1550 * 1_000_000]);
+        // A process fault reported skipped excuses nothing either.
+        let mut kill = restart.clone();
+        kill.fault = Fault::Kill;
+        assert_eq!(judged(&kill).lost_at, vec![1550 * 1_000_000]);
+    }
+
     #[test]
     fn a_managers_fault_excuses_every_leaders_failed_writes_until_the_formation_settled() {
         let (mut events, committed) = clean_history();

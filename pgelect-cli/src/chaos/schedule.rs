@@ -61,6 +61,10 @@ pub(super) struct Injected {
     /// the fault (the manager's outage ends there).
     pub(super) writable: Option<u128>,
     pub(super) skipped: Option<String>,
+    /// Whether its action ran. A fault skipped because leadership had
+    /// moved before it still ran: on the server (a restart, a promotion,
+    /// a manager's fault) it hit whoever led then.
+    pub(super) ran: bool,
 }
 
 impl Injected {
@@ -81,6 +85,7 @@ impl Injected {
             resumed: None,
             writable: None,
             skipped: Some(why.to_owned()),
+            ran: false,
         }
     }
 }
@@ -184,6 +189,7 @@ pub(super) async fn schedule(
                 mut skipped,
                 found,
             } = inject(fault, run, &mut sups, i, &leader, &timing, rng, durable).await?;
+            let ran = skipped.is_none();
             let next = if let Some(found) = found {
                 found
             } else if skipped.is_some() {
@@ -247,6 +253,7 @@ pub(super) async fn schedule(
                 resumed,
                 writable,
                 skipped,
+                ran,
             });
             if let Some(f) = injected.last() {
                 let outcome = match (&f.skipped, f.next_start) {
