@@ -16,6 +16,7 @@
 //!
 //! [`LockSession`]: crate::LockSession
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -161,32 +162,60 @@ impl Probe {
         owner: std::sync::Weak<S>,
         parts: fn(&S) -> (&Probe, &DedicatedConnection),
     ) {
-        let (mut wanted, closed) = match owner.upgrade() {
-            Some(s) => {
+        each_wanted(
+            owner,
+            move |s| {
+                let (probe, conn) = parts(s);
+                (&probe.wanted, conn)
+            },
+            async move |s: Arc<S>| {
                 let (probe, conn) = parts(&s);
-                (probe.wanted.subscribe(), conn.closed().clone())
-            }
-            None => return,
+                probe.wanted.send_replace(None);
+                let sent = Instant::now();
+                let found = ask(conn.client()).await.ok();
+                tracing::debug!(pid = conn.pid(), took = ?sent.elapsed(), "heartbeat");
+                if found.is_some() {
+                    probe.credit(sent);
+                }
+                probe.beats.send_replace(Some((sent, found)));
+                found.is_some()
+            },
+        )
+        .await;
+    }
+}
+
+/// What [`each_wanted`] watches of its owner: the earliest deadline
+/// wanted, and the connection whose end ends the task.
+pub(crate) type Wanted<'s> = (&'s watch::Sender<Option<Instant>>, &'s DedicatedConnection);
+
+/// The loop of a task that sends one owner's statement each time a request
+/// wants it: waits until the earliest request's deadline (the `wanted`
+/// that `parts` gives, see [`until_wanted`]), then runs `round` with the
+/// owner. Ends when the owner is gone, its connection (the other part)
+/// closes, or `round` returns false. The probe and a shared session's
+/// batched renewals, registrations and elections are such tasks.
+pub(crate) async fn each_wanted<S>(
+    owner: std::sync::Weak<S>,
+    parts: impl for<'s> Fn(&'s S) -> Wanted<'s>,
+    mut round: impl AsyncFnMut(Arc<S>) -> bool,
+) {
+    let (mut wanted, closed) = match owner.upgrade() {
+        Some(s) => {
+            let (wanted, conn) = parts(&s);
+            (wanted.subscribe(), conn.closed().clone())
+        }
+        None => return,
+    };
+    loop {
+        if !until_wanted(&mut wanted, &closed).await {
+            return;
+        }
+        let Some(s) = owner.upgrade() else {
+            return;
         };
-        loop {
-            if !until_wanted(&mut wanted, &closed).await {
-                return;
-            }
-            let Some(s) = owner.upgrade() else {
-                return;
-            };
-            let (probe, conn) = parts(&s);
-            probe.wanted.send_replace(None);
-            let sent = Instant::now();
-            let found = ask(conn.client()).await.ok();
-            tracing::debug!(pid = conn.pid(), took = ?sent.elapsed(), "heartbeat");
-            if found.is_some() {
-                probe.credit(sent);
-            }
-            probe.beats.send_replace(Some((sent, found)));
-            if found.is_none() {
-                return;
-            }
+        if !round(s).await {
+            return;
         }
     }
 }

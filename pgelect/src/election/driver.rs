@@ -188,6 +188,29 @@ fn report_late(role: &str, reason: LossReason, now: Instant, deadline: Instant) 
 }
 
 impl<B: KeepBackend + 'static> Keep<B> {
+    /// A leadership the user is told of at once ([`Activation::Done`]),
+    /// not counted in the elector's activity; the session backend sets
+    /// both fields after.
+    pub(crate) fn new(
+        shared: Arc<ElectorState>,
+        backend: B,
+        keeper: Keeper,
+        state: Arc<LeaderState>,
+        commands: mpsc::UnboundedReceiver<Command>,
+        notices: broadcast::Receiver<Notice>,
+    ) -> Self {
+        Keep {
+            shared,
+            backend,
+            keeper,
+            state,
+            commands,
+            notices,
+            activation: Activation::Done,
+            count_leading: false,
+        }
+    }
+
     /// Starts the leader's task in `span`. A leadership the user is told of
     /// at once is watched from here: the task may not be polled in time.
     pub(crate) fn spawn(self, span: tracing::Span) {
@@ -590,20 +613,19 @@ mod tests {
         let (commands, rx) = mpsc::unbounded_channel();
         let (notices_tx, notices) = broadcast::channel(4);
         let log = Arc::new(Mutex::new(Vec::new()));
-        let keep = Keep {
-            shared: elector.shared.clone(),
-            backend: Scripted {
-                answers: Mutex::new(answers.into()),
-                log: log.clone(),
-                hold_worker,
-            },
-            keeper,
-            state: state.clone(),
-            commands: rx,
-            notices,
-            activation: Activation::Done,
-            count_leading: false,
+        let backend = Scripted {
+            answers: Mutex::new(answers.into()),
+            log: log.clone(),
+            hold_worker,
         };
+        let keep = Keep::new(
+            elector.shared.clone(),
+            backend,
+            keeper,
+            state.clone(),
+            rx,
+            notices,
+        );
         if hold_worker.is_zero() {
             // The paused-clock tests: the watchdog thread runs on the real
             // clock, which a paused test's deadlines do not follow.
@@ -651,6 +673,14 @@ mod tests {
         // clean release.
         r.state.token().cancelled().await;
         assert_eq!(r.state.reason(), Some(LossReason::HandedOver));
+        let log = release(&r).await;
+        assert_eq!(log, ["renew", "release after None"]);
+        assert_eq!(r.state.reason(), Some(LossReason::HandedOver));
+    }
+
+    /// Releases the leadership as a resignation does and returns the
+    /// backend's log.
+    async fn release(r: &Running) -> Vec<String> {
         let (reply, answer) = oneshot::channel();
         r.commands
             .send(Command::Release {
@@ -659,9 +689,7 @@ mod tests {
             })
             .unwrap();
         answer.await.unwrap().unwrap();
-        let log = r.log.lock().unwrap().clone();
-        assert_eq!(log, ["renew", "release after None"]);
-        assert_eq!(r.state.reason(), Some(LossReason::HandedOver));
+        r.log.lock().unwrap().clone()
     }
 
     fn renewals(r: &Running) -> usize {
@@ -716,15 +744,7 @@ mod tests {
         // The lease row's mark cancels the token but keeps the lease.
         r.state.token().cancelled().await;
         assert_eq!(r.state.reason(), Some(LossReason::Resigned));
-        let (reply, answer) = oneshot::channel();
-        r.commands
-            .send(Command::Release {
-                reason: LossReason::Resigned,
-                reply,
-            })
-            .unwrap();
-        answer.await.unwrap().unwrap();
-        let log = r.log.lock().unwrap().clone();
+        let log = release(&r).await;
         assert_eq!(log.first().map(String::as_str), Some("renew"));
         assert_eq!(log.last().map(String::as_str), Some("release after None"));
     }

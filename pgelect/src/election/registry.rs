@@ -37,7 +37,6 @@ use tokio_postgres::types::{ToSql, Type};
 use crate::conn::DedicatedConnection;
 use crate::error::{Error, Result};
 
-use super::backend::session::Registration;
 use super::timing::Timing;
 use super::watch::RESIGN_CHANNEL;
 use super::{ElectorState, StandbyMode};
@@ -134,75 +133,80 @@ impl Waits {
     }
 }
 
-/// The registration statement: upserts this candidate's row (server-set
-/// `backend_pid` for the session backend), deletes the role's rows of dead
-/// candidates, and, when the current leader is registered with a lower
-/// priority (or not at all, which counts as 0), sends it a hint on
-/// [`RESIGN_CHANNEL`] (a hint only brings its next check forward).
+/// A candidate's registration: the values one element of the
+/// registration statement ([`register_sql`]) binds.
+pub(crate) struct Registration {
+    pub(crate) role: String,
+    pub(crate) node: String,
+    pub(crate) priority: i32,
+    pub(crate) standby: Option<&'static str>,
+    pub(crate) timing: Arc<serde_json::Value>,
+    pub(crate) meta: Option<serde_json::Value>,
+    pub(crate) payload: String,
+}
+
+/// The arrays of one registration statement ([`register_sql`]), one
+/// element per candidate, bound in this order by [`params`](Self::params).
+pub(crate) struct Registrations<'a> {
+    roles: Vec<&'a str>,
+    nodes: Vec<&'a str>,
+    priorities: Vec<i32>,
+    standbys: Vec<Option<&'a str>>,
+    timings: Vec<&'a serde_json::Value>,
+    metas: Vec<Option<&'a serde_json::Value>>,
+    payloads: Vec<&'a str>,
+}
+
+impl<'a> Registrations<'a> {
+    pub(crate) fn of(part: impl ExactSizeIterator<Item = &'a Registration>) -> Self {
+        let n = part.len();
+        let mut r = Registrations {
+            roles: Vec::with_capacity(n),
+            nodes: Vec::with_capacity(n),
+            priorities: Vec::with_capacity(n),
+            standbys: Vec::with_capacity(n),
+            timings: Vec::with_capacity(n),
+            metas: Vec::with_capacity(n),
+            payloads: Vec::with_capacity(n),
+        };
+        for e in part {
+            r.roles.push(&e.role);
+            r.nodes.push(&e.node);
+            r.priorities.push(e.priority);
+            r.standbys.push(e.standby);
+            r.timings.push(&e.timing);
+            r.metas.push(e.meta.as_ref());
+            r.payloads.push(&e.payload);
+        }
+        r
+    }
+
+    pub(crate) fn params(&self) -> [(&(dyn ToSql + Sync), Type); 7] {
+        [
+            (&self.roles, Type::TEXT_ARRAY),
+            (&self.nodes, Type::TEXT_ARRAY),
+            (&self.priorities, Type::INT4_ARRAY),
+            (&self.standbys, Type::TEXT_ARRAY),
+            (&self.timings, Type::JSONB_ARRAY),
+            (&self.metas, Type::JSONB_ARRAY),
+            (&self.payloads, Type::TEXT_ARRAY),
+        ]
+    }
+}
+
+/// The registration statement, of one candidate or many (a candidate
+/// registering alone is a batch of one): for each, upserts its row (with
+/// the server's `backend_pid` for the session backend, none for the lease
+/// backend), deletes the role's rows of dead candidates, and, when the
+/// current leader is registered with a lower priority (or not at all,
+/// which counts as 0), sends it a hint on [`RESIGN_CHANNEL`] (a hint only
+/// brings its next check forward).
 ///
-/// Parameters: `$1` role, `$2` node, `$3` priority (int4), `$4` standby
-/// (text, NULL for the lease backend), `$5` timing (jsonb), `$6` meta
-/// (jsonb), `$7` hint payload (text). One row: rows deleted (int8).
+/// Parameters, one array element per candidate ([`Registrations`]): `$1`
+/// role, `$2` node, `$3` priority (int4), `$4` standby (text, NULL for the
+/// lease backend), `$5` timing (jsonb), `$6` meta (jsonb), `$7` hint
+/// payload (text). One row: rows deleted (int8), rows upserted, hints sent.
 pub(crate) fn register_sql(s: &str, waits: Waits) -> String {
-    let backend = waits.backend();
-    let pid = match waits {
-        Waits::Lease => "NULL::int4",
-        Waits::Blocking | Waits::Polling => "pg_catalog.pg_backend_pid()",
-    };
-    format!(
-        "WITH me AS (
-             INSERT INTO {s}.candidates AS c
-                    (role, node, backend_pid, priority, backend, standby, timing, meta,
-                     db_user, registered_at, seen_at)
-             VALUES ($1, $2, {pid}, $3, '{backend}', $4, $5, $6, session_user, now(), now())
-             ON CONFLICT (role, node) DO UPDATE
-                SET backend_pid = EXCLUDED.backend_pid, priority = EXCLUDED.priority,
-                    backend = EXCLUDED.backend, standby = EXCLUDED.standby,
-                    timing = EXCLUDED.timing, meta = EXCLUDED.meta, db_user = session_user,
-                    registered_at = CASE WHEN c.backend_pid IS NOT DISTINCT FROM EXCLUDED.backend_pid
-                                         THEN c.registered_at ELSE now() END,
-                    seen_at = now()
-             RETURNING 1
-         ), stale AS (
-             DELETE FROM {s}.candidates c
-              WHERE c.role = $1 AND c.node <> $2
-                AND CASE WHEN c.backend = 'session'
-                         THEN NOT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_activity a
-                                           WHERE a.pid = c.backend_pid)
-                         ELSE c.seen_at + {LEASE_ROW_STALE_TTLS}
-                                * coalesce((c.timing->>'ttl_ms')::int8, 15000)
-                                * interval '1 millisecond' < now() END
-             RETURNING 1
-         )
-         SELECT (SELECT count(*) FROM stale),
-                (SELECT count(*) FROM me),
-                CASE WHEN EXISTS (
-                    SELECT 1 FROM {s}.leaders l
-                      LEFT JOIN {s}.candidates lc ON lc.role = l.role AND lc.node = l.holder
-                     WHERE l.role = $1 AND l.holder IS NOT NULL AND l.holder <> $2
-                       AND coalesce(lc.priority, 0) < $3)
-                THEN pg_catalog.pg_notify('{RESIGN_CHANNEL}', $7)::text END"
-    )
-}
-
-/// The registration of many polling standbys of one shared session in one
-/// statement: for each, what [`register_sql`] does for one (upsert with the
-/// server's `backend_pid`, deletion of the role's rows of dead candidates,
-/// a resign hint to a leader of lower priority).
-///
-/// Parameters, one array element per candidate: `$1` role, `$2` node, `$3`
-/// priority (int4), `$4` standby (text), `$5` timing (jsonb), `$6` meta
-/// (jsonb), `$7` hint payload (text). One row: rows deleted (int8), rows
-/// upserted, hints sent.
-pub(crate) fn batch_register_sql(s: &str) -> String {
-    batch_register_sql_for(s, Waits::Polling)
-}
-
-/// [`batch_register_sql`] for candidates that wait as `waits`: with
-/// [`Waits::Lease`] (a [`SharedLease`](crate::election::SharedLease)'s standbys) the
-/// rows carry no backend pid, as [`register_sql`] writes them for one
-/// lease-backend candidate.
-pub(crate) fn batch_register_sql_for(s: &str, waits: Waits) -> String {
     let backend = waits.backend();
     let pid = match waits {
         Waits::Lease => "NULL::int4",
@@ -380,29 +384,8 @@ impl Register {
         }
     }
 
-    /// The statement and its parameters. The statement's text is built
-    /// here, when a candidate registers alone: on a shared connection
-    /// thousands register in one batched statement.
-    pub(crate) fn statement<'a>(
-        &'a self,
-        shared: &'a ElectorState,
-    ) -> (String, [(&'a (dyn ToSql + Sync), Type); 7]) {
-        (
-            register_sql(shared.options.schema_name().as_str(), self.waits),
-            [
-                (&shared.role, Type::TEXT),
-                (&shared.node, Type::TEXT),
-                (&shared.priority, Type::INT4),
-                (&self.standby, Type::TEXT),
-                (&*self.timing, Type::JSONB),
-                (&shared.meta, Type::JSONB),
-                (&self.payload, Type::TEXT),
-            ],
-        )
-    }
-
-    /// This registration as an entry of a shared session's batched
-    /// registration ([`batch_register_sql`]; polling standbys only).
+    /// This candidate's registration, alone or as an entry of a shared
+    /// session's batched registration.
     pub(crate) fn entry(&self, shared: &ElectorState) -> Registration {
         Registration {
             role: shared.role.clone(),
@@ -415,17 +398,21 @@ impl Register {
         }
     }
 
-    /// Registers (upsert) on `conn`; the backend pid is the server's.
+    /// Registers (upsert) on `conn`, a batch of one; the backend pid is the
+    /// server's. The statement's text is built here, when a candidate
+    /// registers alone: on a shared connection thousands register in one
+    /// batched statement of the same text.
     pub(crate) async fn run(
         &self,
         shared: &ElectorState,
         conn: &DedicatedConnection,
     ) -> Result<()> {
         let s = shared.options.schema_name().as_str();
-        let (sql, args) = self.statement(shared);
+        let entry = self.entry(shared);
+        let rows = Registrations::of(std::iter::once(&entry));
         let row = conn
             .client()
-            .query_typed_one(&sql, &args)
+            .query_typed_one(&register_sql(s, self.waits), &rows.params())
             .await
             .map_err(|e| Error::db("register as a candidate", s, e))?;
         let stale: i64 = row

@@ -325,6 +325,29 @@ struct Summary {
 
 /// Runs `runs` random scenarios with random valid timings, changed by
 /// `tweak`.
+impl Summary {
+    /// Fails with the first violation, if any run had one.
+    fn assert_safe(&self) {
+        assert!(
+            self.violations.is_empty(),
+            "{} of {} runs violated the property, e.g. {}",
+            self.violations.len(),
+            self.runs,
+            self.violations[0]
+        );
+    }
+
+    /// Fails unless the runs found a violation: the broken setting
+    /// (`with`) must be caught.
+    fn assert_caught(&self, with: &str) {
+        assert!(
+            !self.violations.is_empty(),
+            "no violation in {} runs with {with}",
+            self.runs
+        );
+    }
+}
+
 fn run_many(seed: u64, runs: usize, tweak: impl Fn(Timing) -> Timing) -> Summary {
     run_many_with(seed, runs, random_timing, tweak)
 }
@@ -380,13 +403,7 @@ fn the_standby_never_acts_while_the_old_leader_believes() {
         "{} runs, {} takeovers, closest: standby acted {:?} after the old leader stopped",
         s.runs, s.takeovers, s.closest
     );
-    assert!(
-        s.violations.is_empty(),
-        "{} of {} runs violated the property, e.g. {}",
-        s.violations.len(),
-        s.runs,
-        s.violations[0]
-    );
+    s.assert_safe();
     // Not vacuous: nearly every fault ends in a takeover within the horizon.
     assert!(
         s.takeovers * 10 >= s.runs * 9,
@@ -416,13 +433,7 @@ fn the_fast_profile_never_lets_the_standby_act_while_the_old_leader_believes() {
         "fast profile: {} runs, {} takeovers, {} lost before the fault, closest: standby acted {:?} after the old leader stopped",
         s.runs, s.takeovers, s.idle, s.closest
     );
-    assert!(
-        s.violations.is_empty(),
-        "{} of {} runs violated the property, e.g. {}",
-        s.violations.len(),
-        s.runs,
-        s.violations[0]
-    );
+    s.assert_safe();
     // Not vacuous: the leader was alive at the fault, and a standby took
     // over, in nearly every run.
     assert!(s.idle * 100 <= s.runs, "{} of {} idle", s.idle, s.runs);
@@ -442,11 +453,7 @@ fn the_fast_profile_with_a_handover_delay_below_detection_is_caught() {
         t.handover_delay = Duration::from_millis(20);
         t
     });
-    assert!(
-        !s.violations.is_empty(),
-        "no violation in {} runs with a 20 ms handover delay",
-        s.runs
-    );
+    s.assert_caught("a 20 ms handover delay");
 }
 
 #[test]
@@ -457,11 +464,7 @@ fn a_handover_delay_shorter_than_detection_is_caught() {
         t.handover_delay = Duration::from_millis(10);
         t
     });
-    assert!(
-        !s.violations.is_empty(),
-        "no violation in {} runs with a 10 ms handover delay",
-        s.runs
-    );
+    s.assert_caught("a 10 ms handover delay");
 }
 
 #[test]
@@ -482,9 +485,5 @@ fn tcp_timeouts_shorter_than_the_deadline_are_caught() {
         t.handover_delay = Duration::ZERO;
         t
     });
-    assert!(
-        !s.violations.is_empty(),
-        "no violation in {} runs with TCP timeouts below the deadline",
-        s.runs
-    );
+    s.assert_caught("TCP timeouts below the deadline");
 }

@@ -558,33 +558,22 @@ mod tests {
         let t1 = Instant::now();
         tx.send(notice(LEADER_CHANNEL, "pgelect:elected:r"))
             .unwrap();
-        let any = WakeOn::AnyChange {
-            schema: "pgelect",
-            role: "r",
+        // An observer's nap: woken by any change of the role.
+        let mut nap_any = async |rx: &mut broadcast::Receiver<Notice>| {
+            let any = WakeOn::AnyChange {
+                schema: "pgelect",
+                role: "r",
+            };
+            sleep_until_woken(t1 + Duration::from_secs(10), rx, any, &mut limit, || {
+                Duration::ZERO
+            })
+            .await
         };
-        let end = sleep_until_woken(
-            t1 + Duration::from_secs(10),
-            &mut rx,
-            any,
-            &mut limit,
-            || Duration::ZERO,
-        )
-        .await;
+        let end = nap_any(&mut rx).await;
         assert_eq!(end, NapEnd::Awake);
         assert_eq!(Instant::now(), t1);
         drop(tx);
-        let any = WakeOn::AnyChange {
-            schema: "pgelect",
-            role: "r",
-        };
-        let end = sleep_until_woken(
-            t1 + Duration::from_secs(10),
-            &mut rx,
-            any,
-            &mut limit,
-            || Duration::ZERO,
-        )
-        .await;
+        let end = nap_any(&mut rx).await;
         assert_eq!(end, NapEnd::ChannelClosed);
     }
 

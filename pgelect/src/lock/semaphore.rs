@@ -667,11 +667,28 @@ fn unexpected(operation: &str, outcome: &str) -> Error {
     ))
 }
 
+/// The PL/pgSQL loop that tries the free slots (`slots`, their indexes in
+/// `idx`) in order while holding the gate key: the first slot taken lets
+/// go of the gate and is the outcome (`slot N`); the block returns then.
+fn try_slots_sql(gate: &str) -> String {
+    format!(
+        "  FOR i IN 1 .. coalesce(array_length(slots, 1), 0) LOOP
+    IF pg_try_advisory_lock(slots[i]) THEN
+      PERFORM pg_advisory_unlock({gate});
+      PERFORM set_config('{OUTCOME}', 'slot ' || idx[i], true);
+      RETURN;
+    END IF;
+  END LOOP;
+"
+    )
+}
+
 fn enter_sql(semaphore: &Semaphore, wait: Wait, held: impl Fn(LockKey) -> bool) -> String {
     let (keys, indexes) = semaphore.slot_arrays(held);
     let (classid, objid, _) = semaphore.limit_key().pg_locks_ids();
     let limit = key_literals(&semaphore.limit_key());
     let gate = key_literals(&semaphore.gate_key());
+    let try_slots = try_slots_sql(&gate);
     let (listen, no_gate, no_slot) = if wait == Wait::Never {
         (
             String::new(),
@@ -710,14 +727,7 @@ BEGIN
     {no_gate}
     RETURN;
   END IF;
-  FOR i IN 1 .. coalesce(array_length(slots, 1), 0) LOOP
-    IF pg_try_advisory_lock(slots[i]) THEN
-      PERFORM pg_advisory_unlock({gate});
-      PERFORM set_config('{OUTCOME}', 'slot ' || idx[i], true);
-      RETURN;
-    END IF;
-  END LOOP;
-  {no_slot}
+{try_slots}  {no_slot}
 END $pgelect$;
 SELECT current_setting('{OUTCOME}', true)"
     )
@@ -725,21 +735,14 @@ SELECT current_setting('{OUTCOME}', true)"
 
 fn look_sql(semaphore: &Semaphore, held: impl Fn(LockKey) -> bool) -> String {
     let (keys, indexes) = semaphore.slot_arrays(held);
-    let gate = key_literals(&semaphore.gate_key());
+    let try_slots = try_slots_sql(&key_literals(&semaphore.gate_key()));
     format!(
         "DO $pgelect$
 DECLARE
   slots int8[] := {keys};
   idx int4[] := {indexes};
 BEGIN
-  FOR i IN 1 .. coalesce(array_length(slots, 1), 0) LOOP
-    IF pg_try_advisory_lock(slots[i]) THEN
-      PERFORM pg_advisory_unlock({gate});
-      PERFORM set_config('{OUTCOME}', 'slot ' || idx[i], true);
-      RETURN;
-    END IF;
-  END LOOP;
-  PERFORM set_config('{OUTCOME}', 'none', true);
+{try_slots}  PERFORM set_config('{OUTCOME}', 'none', true);
 END $pgelect$;
 SELECT current_setting('{OUTCOME}', true)"
     )

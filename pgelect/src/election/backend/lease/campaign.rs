@@ -18,11 +18,11 @@ use crate::error::{Error, Result};
 use crate::metrics;
 
 use crate::election::backend::batch::chunks;
-use crate::election::backend::session::Registration;
 use crate::election::config::random_u64;
-use crate::election::driver::{Activation, Keep};
+use crate::election::driver::Keep;
 use crate::election::keeper::{Action, Keeper, Liveness};
 use crate::election::leadership::{LeaderContext, LeaderState, Leadership};
+use crate::election::registry::Registration;
 use crate::election::registry::{Register, Waits};
 use crate::election::support::{is_transient, retry_backoff};
 use crate::election::watch::{parse_leader_event, LeaderInfo, LEADER_CHANNEL};
@@ -227,16 +227,8 @@ async fn elected(
     let (commands, rx) = mpsc::unbounded_channel();
     let notices = lease_state(shared).notices.subscribe();
     let span = tracing::info_span!("pgelect.leader", role = %shared.role, node = %shared.node, term = term.get(), backend = "lease");
-    let keep = Keep {
-        shared: shared.clone(),
-        backend: LeaseKeep::new(shared, client, term.get()),
-        keeper,
-        state: state.clone(),
-        commands: rx,
-        notices,
-        activation: Activation::Done,
-        count_leading: false,
-    };
+    let backend = LeaseKeep::new(shared, client, term.get());
+    let keep = Keep::new(shared.clone(), backend, keeper, state.clone(), rx, notices);
     keep.spawn(span);
     Some(Leadership {
         context: LeaderContext::new(state),

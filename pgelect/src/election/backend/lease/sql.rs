@@ -18,10 +18,9 @@ use tokio::time::Instant;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Row;
 
-use crate::election::backend::session::Registration;
 use crate::error::{Error, Result};
 
-use crate::election::registry;
+use crate::election::registry::{self, Registration, Registrations};
 use crate::election::term::{next_term_sql, rearm_lease_sql, stale_row_sql, TIMELINE_SQL};
 use crate::election::watch::LEADER_CHANNEL;
 use crate::schema::SchemaName;
@@ -61,7 +60,7 @@ impl Statements {
             },
             sql,
             check,
-            register: registry::batch_register_sql_for(s, registry::Waits::Lease),
+            register: registry::register_sql(s, registry::Waits::Lease),
         }
     }
 }
@@ -658,34 +657,20 @@ impl SharedLease {
     }
 
     /// Sends the registration (the registry's batched upsert, see
-    /// [`registry::batch_register_sql_for`]) of the standbys of `part`,
+    /// [`registry::register_sql`]) of the standbys of `part`,
     /// bounded by `bound`: its send time and its outcome.
     pub(super) async fn register(
         &self,
         part: &[&Registration],
         bound: Duration,
     ) -> (Instant, Result<()>) {
-        let roles: Vec<&str> = part.iter().map(|r| r.role.as_str()).collect();
-        let nodes: Vec<&str> = part.iter().map(|r| r.node.as_str()).collect();
-        let priorities: Vec<i32> = part.iter().map(|r| r.priority).collect();
-        let standbys: Vec<Option<&str>> = part.iter().map(|r| r.standby).collect();
-        let timings: Vec<&serde_json::Value> = part.iter().map(|r| &*r.timing).collect();
-        let metas: Vec<Option<&serde_json::Value>> = part.iter().map(|r| r.meta.as_ref()).collect();
-        let payloads: Vec<&str> = part.iter().map(|r| r.payload.as_str()).collect();
+        let rows = Registrations::of(part.iter().copied());
         let (sent, r) = self
             .exec(
                 Op::Register,
                 bound,
                 Sql::Text(&self.inner.sql.register),
-                &[
-                    (&roles, Type::TEXT_ARRAY),
-                    (&nodes, Type::TEXT_ARRAY),
-                    (&priorities, Type::INT4_ARRAY),
-                    (&standbys, Type::TEXT_ARRAY),
-                    (&timings, Type::JSONB_ARRAY),
-                    (&metas, Type::JSONB_ARRAY),
-                    (&payloads, Type::TEXT_ARRAY),
-                ],
+                &rows.params(),
             )
             .await;
         (sent, r.map(drop))

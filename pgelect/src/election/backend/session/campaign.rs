@@ -13,6 +13,7 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Row;
 use tracing::Instrument;
 
+use crate::conn::probe::{each_wanted, Wanted};
 use crate::conn::{DedicatedConnection, Notice};
 use crate::election::config_error::ConfigError;
 use crate::error::{Error, Result};
@@ -363,19 +364,13 @@ pub(super) fn start_keep(
     let (commands, rx) = mpsc::unbounded_channel();
     let (activated_tx, activated_rx) = oneshot::channel();
     let span = tracing::info_span!("pgelect.leader", role = %shared.role, node = %shared.node, term = term.get());
-    let keep = Keep {
-        shared: shared.clone(),
-        backend: SessionKeep::new(shared.clone(), conn, term.get()),
-        keeper,
-        state: state.clone(),
-        commands: rx,
-        notices,
-        activation: Activation::Pending {
-            tx: activated_tx,
-            granted_at,
-        },
-        count_leading: true,
+    let backend = SessionKeep::new(shared.clone(), conn, term.get());
+    let mut keep = Keep::new(shared.clone(), backend, keeper, state.clone(), rx, notices);
+    keep.activation = Activation::Pending {
+        tx: activated_tx,
+        granted_at,
     };
+    keep.count_leading = true;
     keep.spawn(span);
     let leadership = Leadership {
         context: LeaderContext::new(state),
@@ -1256,65 +1251,32 @@ pub(super) async fn poll_batches(session: std::sync::Weak<SharedSession>, schema
 /// registrations, [`BATCH_ROWS`] at a time, and tells each whether it was
 /// registered; ends with the session or its connection.
 pub(super) async fn register_batches(session: std::sync::Weak<SharedSession>) {
-    let (mut wanted, closed) = match session.upgrade() {
-        Some(s) => (s.registrations.wanted.subscribe(), s.conn.closed().clone()),
-        None => return,
-    };
-    loop {
-        if !until_wanted(&mut wanted, &closed).await {
-            return;
-        }
-        let Some(s) = session.upgrade() else {
-            return;
-        };
+    fn wanted(s: &SharedSession) -> Wanted<'_> {
+        (&s.registrations.wanted, &s.conn)
+    }
+    each_wanted(session, wanted, async |s: Arc<SharedSession>| {
         let mut batch = s.registrations.take();
         if batch.is_empty() {
-            continue;
+            return true;
         }
         // In role order: two candidates registering the same roles lock
         // the registry's rows in the same order.
         batch.sort_by(|a, b| a.0.role.cmp(&b.0.role));
-        let mut roles = Vec::with_capacity(batch.len());
-        let mut nodes = Vec::with_capacity(batch.len());
-        let mut priorities = Vec::with_capacity(batch.len());
-        let mut standbys = Vec::with_capacity(batch.len());
-        let mut timings = Vec::with_capacity(batch.len());
-        let mut metas = Vec::with_capacity(batch.len());
-        let mut payloads = Vec::with_capacity(batch.len());
-        for (r, _) in &batch {
-            roles.push(r.role.as_str());
-            nodes.push(r.node.as_str());
-            priorities.push(r.priority);
-            standbys.push(r.standby);
-            timings.push(&*r.timing);
-            metas.push(r.meta.as_ref());
-            payloads.push(r.payload.as_str());
-        }
+        let rows = registry::Registrations::of(batch.iter().map(|(r, _)| r));
         // Elections first: a granted role waits for its term, while a
         // registration only announces a standby (at a start, thousands of
         // them queue for roles that others will lead).
         let mut elections = s.elections.wanted.subscribe();
         tokio::select! {
             _ = elections.wait_for(Option::is_none) => {}
-            _ = s.conn.closed().cancelled() => return,
+            _ = s.conn.closed().cancelled() => return false,
         }
         let lane = s.lane().await;
         let sent = Instant::now();
         let r = s
             .conn
             .client()
-            .query_typed(
-                &s.register_sql,
-                &[
-                    (&roles, Type::TEXT_ARRAY),
-                    (&nodes, Type::TEXT_ARRAY),
-                    (&priorities, Type::INT4_ARRAY),
-                    (&standbys, Type::TEXT_ARRAY),
-                    (&timings, Type::JSONB_ARRAY),
-                    (&metas, Type::JSONB_ARRAY),
-                    (&payloads, Type::TEXT_ARRAY),
-                ],
-            )
+            .query_typed(&s.register_sql, &rows.params())
             .await;
         drop(lane);
         tracing::debug!(pid = s.conn.pid(), candidates = batch.len(), took = ?sent.elapsed(), "batched registration");
@@ -1338,33 +1300,28 @@ pub(super) async fn register_batches(session: std::sync::Weak<SharedSession>) {
             let _ = done.send(ok);
         }
         if !ok && s.conn.is_closed() {
-            return;
+            return false;
         }
-    }
+        true
+    })
+    .await;
 }
 
 /// The election task of a shared session: sends the queued elections,
 /// [`BATCH_ROWS`] at a time, and hands each its role's row and the
 /// statement's send time; ends with the session or its connection.
 pub(super) async fn elect_batches(session: std::sync::Weak<SharedSession>) {
-    let (mut wanted, closed) = match session.upgrade() {
-        Some(s) => (s.elections.wanted.subscribe(), s.conn.closed().clone()),
-        None => return,
-    };
-    loop {
-        if !until_wanted(&mut wanted, &closed).await {
-            return;
-        }
-        let Some(s) = session.upgrade() else {
-            return;
-        };
+    fn wanted(s: &SharedSession) -> Wanted<'_> {
+        (&s.elections.wanted, &s.conn)
+    }
+    each_wanted(session, wanted, async |s: Arc<SharedSession>| {
         let mut batch = s.elections.take();
         // A campaign dropped while queued (its role's lock is being let go
         // of) must not be elected after the unlock: its row would name a
         // leader that holds nothing.
         batch.retain(|(_, done)| !done.is_closed());
         if batch.is_empty() {
-            continue;
+            return true;
         }
         // In role order, for the reason the registrations are.
         batch.sort_by(|a, b| a.0.role.cmp(&b.0.role));
@@ -1402,9 +1359,11 @@ pub(super) async fn elect_batches(session: std::sync::Weak<SharedSession>) {
             let _ = done.send(row);
         }
         if failed && s.conn.is_closed() {
-            return;
+            return false;
         }
-    }
+        true
+    })
+    .await;
 }
 
 /// The zombie preemption, for the roles in `zombies` (see

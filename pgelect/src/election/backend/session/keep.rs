@@ -10,7 +10,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_postgres::types::{ToSql, Type};
 
-use crate::conn::probe::{self, Probed};
+use crate::conn::probe::{self, each_wanted, Probed, Wanted};
 use crate::conn::DedicatedConnection;
 use crate::error::{Error, Result};
 
@@ -377,17 +377,10 @@ pub(super) async fn release(shared: &ElectorState, conn: &LockConn, term: i64) -
 /// session, and hands each its outcome; ends with the session or when its
 /// connection fails.
 pub(super) async fn renew_batches(session: std::sync::Weak<SharedSession>) {
-    let (mut wanted, closed) = match session.upgrade() {
-        Some(s) => (s.renew_wanted.subscribe(), s.conn.closed().clone()),
-        None => return,
-    };
-    loop {
-        if !until_wanted(&mut wanted, &closed).await {
-            return;
-        }
-        let Some(s) = session.upgrade() else {
-            return;
-        };
+    fn wanted(s: &SharedSession) -> Wanted<'_> {
+        (&s.renew_wanted, &s.conn)
+    }
+    each_wanted(session, wanted, async |s: Arc<SharedSession>| {
         s.renew_wanted.send_replace(None);
         let mut rows = Renewals::default();
         let mut outcomes = HashMap::new();
@@ -397,7 +390,7 @@ pub(super) async fn renew_batches(session: std::sync::Weak<SharedSession>) {
         }
         let roles = &rows.roles;
         if roles.is_empty() {
-            continue;
+            return true;
         }
         // In chunks, one in flight at a time, as the polls: a heartbeat
         // waits behind one chunk, and every chunk's answer shows the
@@ -428,8 +421,10 @@ pub(super) async fn renew_batches(session: std::sync::Weak<SharedSession>) {
                 tx.send_replace(Some((sent, b)));
             }
             if failed && s.conn.is_closed() {
-                return;
+                return false;
             }
         }
-    }
+        true
+    })
+    .await;
 }

@@ -37,13 +37,11 @@ use tokio_postgres::types::Type;
 use crate::conn::probe::Probe;
 use crate::conn::{ConnectOptions, DedicatedConnection, Notice, TcpTimeouts};
 use crate::election::driver::Preferred;
-use crate::election::registry;
+use crate::election::registry::{self, Registration};
 use crate::error::{Error, Result};
 use crate::schema::{check_schema, SchemaName};
 
-use crate::election::backend::batch::{
-    chunks, remove_if_term, until_wanted, Batch, Member, Outcome, Termed,
-};
+use crate::election::backend::batch::{chunks, remove_if_term, Batch, Member, Outcome, Termed};
 use crate::election::backend::claim::{Claim, Roles};
 use crate::election::watch::{
     leader_info_at, parse_leader_event, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
@@ -443,7 +441,7 @@ impl SharedSession {
             poll_all: AtomicBool::new(false),
             poll_sql: batch_poll_sql(schema.as_str()),
             registrations: Queue::default(),
-            register_sql: registry::batch_register_sql(schema.as_str()),
+            register_sql: registry::register_sql(schema.as_str(), registry::Waits::Polling),
             elections: Queue::default(),
             elect_sql: batch_elect_sql(schema.as_str()),
             schema: schema.clone(),
@@ -743,19 +741,6 @@ impl<E> Queue<E> {
         self.wanted.send_replace(more.then(Instant::now));
         taken
     }
-}
-
-/// A polling standby's registration, for the batched registration
-/// statement ([`registry::batch_register_sql`]): the values a single
-/// registration binds.
-pub(crate) struct Registration {
-    pub(crate) role: String,
-    pub(crate) node: String,
-    pub(crate) priority: i32,
-    pub(crate) standby: Option<&'static str>,
-    pub(crate) timing: Arc<serde_json::Value>,
-    pub(crate) meta: Option<serde_json::Value>,
-    pub(crate) payload: String,
 }
 
 /// A role's row of a batched election and the statement's send time.
