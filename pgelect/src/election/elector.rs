@@ -507,11 +507,15 @@ impl Elector {
         // and alerts see every candidate, not only those that have led.
         crate::metrics::standing(&self.shared.role);
         super::watchdog::ready();
-        match self.shared.backend() {
+        match &self.shared.per_backend {
             // Boxed: a waiting candidate's future holds its backend's
             // campaign only (thousands wait on a shared connection).
-            Backend::Session => Box::pin(backend::session::campaign(&self.shared)).await,
-            Backend::Lease => Box::pin(backend::lease::campaign(&self.shared)).await,
+            PerBackend::Session(session) => {
+                Box::pin(backend::session::campaign(&self.shared, session)).await
+            }
+            PerBackend::Lease(lease) => {
+                Box::pin(backend::lease::campaign(&self.shared, lease)).await
+            }
         }
     }
 

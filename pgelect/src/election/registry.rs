@@ -89,22 +89,6 @@ fn polling_fresh_sql() -> &'static str {
     "c.seen_at >= now() - (greatest(2 * p.ms, 5000) + 2 * p.ms + 1000) * interval '1 millisecond'"
 }
 
-/// A poll of a polling standby: tries the lock (`key_arg`, `$1` or `$1,
-/// $2`) and, when its row's `seen_at` is older than `$4` ms, refreshes it
-/// (`$2` role, `$3` node; only the row this backend registered). One row:
-/// granted (bool).
-pub(crate) fn poll_sql(s: &str, key_arg: &str) -> String {
-    format!(
-        "WITH seen AS (
-             UPDATE {s}.candidates SET seen_at = now()
-              WHERE role = $2 AND node = $3 AND backend_pid = pg_catalog.pg_backend_pid()
-                AND seen_at < now() - $4 * interval '1 millisecond'
-             RETURNING 1
-         )
-         SELECT pg_catalog.pg_try_advisory_lock({key_arg}), (SELECT count(*) FROM seen)"
-    )
-}
-
 /// How a candidate waits, as stored in `candidates.standby`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Waits {

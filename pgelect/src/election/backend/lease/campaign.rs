@@ -32,13 +32,6 @@ use super::keep::LeaseKeep;
 use super::sql::{ms, Entry};
 use super::{Inner, SharedLease, CHUNK_ROWS, PATIENT_BOUND};
 
-/// The lease state of an elector that campaigns with the lease backend.
-fn lease_state(shared: &ElectorState) -> &LeaseState {
-    shared
-        .lease()
-        .expect("BUG: the lease backend campaigns for lease electors only")
-}
-
 /// Campaigns until elected: the client's acquire tries the role at every
 /// poll, and the first win that arrives in time is kept, with this
 /// elector's renewals in the client's renewal batch. Release announcements
@@ -46,14 +39,14 @@ fn lease_state(shared: &ElectorState) -> &LeaseState {
 /// forward. Transient failures (connection refused or reset, pooler
 /// restarting, timeouts) are retried by the client; a missing schema, a
 /// permission error or a role held by the session backend are returned.
-pub(crate) async fn campaign(shared: &Arc<ElectorState>) -> Result<Leadership> {
+pub(crate) async fn campaign(shared: &Arc<ElectorState>, lease: &LeaseState) -> Result<Leadership> {
     let span = tracing::info_span!("pgelect.campaign", role = %shared.role, node = %shared.node, backend = "lease");
     async {
-        let client = lease_state(shared).client.client();
-        let mut notices = lease_state(shared).notices.subscribe();
+        let client = lease.client.client();
+        let mut notices = lease.notices.subscribe();
         shared.ensure_lease_listener();
         let schema = shared.options.schema_name().as_str();
-        step_aside(shared, &client, &mut notices).await;
+        step_aside(shared, lease, &client, &mut notices).await;
         let mut failures = 0u32;
         loop {
             let mut member = client.join_standbys(shared);
@@ -94,6 +87,7 @@ pub(crate) async fn campaign(shared: &Arc<ElectorState>) -> Result<Leadership> {
             }
             if let Some(l) = elected(
                 shared,
+                lease,
                 &client,
                 Term::new(won.term),
                 won.sent,
@@ -124,10 +118,11 @@ pub(crate) async fn campaign(shared: &Arc<ElectorState>) -> Result<Leadership> {
 /// vacant that long.
 async fn step_aside(
     shared: &ElectorState,
+    lease: &LeaseState,
     client: &SharedLease,
     notices: &mut broadcast::Receiver<Notice>,
 ) {
-    let since = lease_state(shared)
+    let since = lease
         .stepped_aside
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -182,6 +177,7 @@ async fn step_aside(
 /// local deadline already passed (the lease is then released unused).
 async fn elected(
     shared: &Arc<ElectorState>,
+    lease: &LeaseState,
     client: &SharedLease,
     term: Term,
     sent: Instant,
@@ -225,7 +221,7 @@ async fn elected(
         keeper.deadline(),
     ));
     let (commands, rx) = mpsc::unbounded_channel();
-    let notices = lease_state(shared).notices.subscribe();
+    let notices = lease.notices.subscribe();
     let span = tracing::info_span!("pgelect.leader", role = %shared.role, node = %shared.node, term = term.get(), backend = "lease");
     let backend = LeaseKeep::new(shared, client, term.get());
     let keep = Keep::new(shared.clone(), backend, keeper, state.clone(), rx, notices);

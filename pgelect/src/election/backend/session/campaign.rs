@@ -27,6 +27,7 @@ use super::sql::*;
 use super::*;
 use crate::election::config::watch_key;
 use crate::election::driver::{Activation, Keep};
+use crate::election::elector::SessionState;
 use crate::election::keeper::{Keeper, Liveness};
 use crate::election::leadership::{LeaderContext, LeaderState, Leadership};
 use crate::election::registry::{self, yield_pause, Register, Waits};
@@ -35,19 +36,22 @@ use crate::election::support::{
     WakeLimit, WakeOn,
 };
 use crate::election::watch::{
-    read_leader, read_leader_mode_and_lease, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
+    leader_info_at, read_leader_mode_and_lease, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
 };
 use crate::election::{Backend, ElectorState, StandbyMode, Term};
 
 /// Campaigns until elected. Transient failures are retried with backoff;
 /// configuration, schema, permission and pooler errors are returned.
-pub(crate) async fn campaign(shared: &Arc<ElectorState>) -> Result<Leadership> {
+pub(crate) async fn campaign(
+    shared: &Arc<ElectorState>,
+    session: &SessionState,
+) -> Result<Leadership> {
     let span = tracing::info_span!("pgelect.campaign", role = %shared.role, node = %shared.node);
     async {
         let mut failures = 0u32;
         let mut yields = 0u32;
         loop {
-            match Box::pin(attempt(shared)).await {
+            match Box::pin(attempt(shared, session)).await {
                 Ok(Attempt::Elected(l)) => return Ok(l),
                 Ok(Attempt::Again) => {
                     // Lost during the handover delay: stand again at once.
@@ -121,13 +125,10 @@ pub(super) async fn lock_connection(
     conn.kept_if(prepared)
 }
 
-pub(super) async fn attempt(shared: &Arc<ElectorState>) -> Result<Attempt> {
+pub(super) async fn attempt(shared: &Arc<ElectorState>, session: &SessionState) -> Result<Attempt> {
     let schema = shared.options.schema_name().clone();
     let s = schema.as_str();
     let elect = ElectStatement::new(shared);
-    let session = shared
-        .session()
-        .expect("BUG: the session backend campaigns for session electors only");
     let register = Register::new(
         shared,
         match session.standby {
@@ -176,11 +177,9 @@ pub(super) async fn attempt(shared: &Arc<ElectorState>) -> Result<Attempt> {
                 LockConn::Own(_) => Box::pin(register.run(shared, &conn)).await?,
             }
             match &conn {
-                LockConn::Own(own) => {
-                    Box::pin(poll_for_lock(shared, own, interval, &args, true)).await?
-                }
+                LockConn::Own(own) => Box::pin(poll_for_lock(shared, own, interval, true)).await?,
                 LockConn::Shared(session) => {
-                    Box::pin(poll_in_batch(shared, session, interval, &args)).await?
+                    Box::pin(poll_in_batch(shared, session, interval)).await?
                 }
             }
         }
@@ -780,7 +779,6 @@ pub(super) async fn poll_for_lock(
     shared: &ElectorState,
     conn: &DedicatedConnection,
     interval: Duration,
-    args: &[(&(dyn ToSql + Sync), Type)],
     listen: bool,
 ) -> Result<()> {
     let schema = shared.options.schema_name();
@@ -796,22 +794,19 @@ pub(super) async fn poll_for_lock(
     // Each poll also proves, every few seconds, that this standby still
     // polls (see the registry): a row that stops being refreshed is not
     // ready, so nobody hands over or yields to a candidate that is gone.
-    let sql = registry::poll_sql(s, &shared.key.sql_args(1));
-    let refresh_ms = registry::polling_refresh(interval).as_millis() as i64;
-    let mut poll_args: Vec<(&(dyn ToSql + Sync), Type)> = args.to_vec();
-    poll_args.push((&shared.role, Type::TEXT));
-    poll_args.push((&shared.node, Type::TEXT));
-    poll_args.push((&refresh_ms, Type::INT8));
+    // It was refreshed by the registration just before.
+    let refresh = registry::polling_refresh(interval);
+    let mut refreshed = Instant::now();
     let mut squat = SquatWatch::default();
     // Release notifications wake the standby early; anyone may send them.
     let mut wakes = WakeLimit::default();
     loop {
-        let granted: bool = conn
-            .client()
-            .query_typed_one(&sql, &poll_args)
-            .await
-            .and_then(|row| row.try_get(0))
-            .map_err(|e| Error::db("try the leader's lock", s, e))?;
+        let due = refreshed.elapsed() >= refresh;
+        let sent = Instant::now();
+        let (granted, info) = poll_one(shared, conn, due).await?;
+        if due {
+            refreshed = sent;
+        }
         shared.contact.touch();
         if granted {
             if listen {
@@ -822,7 +817,6 @@ pub(super) async fn poll_for_lock(
             }
             return Ok(());
         }
-        let info = read_leader(conn.client(), schema, &shared.role).await?;
         // The lock is taken but no live lease names its holder: a zombie
         // leader, or a candidate frozen before its term.
         if info.as_ref().is_none_or(|i| i.lease_expired) {
@@ -851,6 +845,59 @@ pub(super) async fn poll_for_lock(
     }
 }
 
+/// One standby's poll on `conn`, a batch of one of the session backend's
+/// poll ([`batch_poll_sql`]): tries the role's lock, refreshes the
+/// standby's registry row (`seen_at`) when `refresh`, and reads the role's
+/// row. Returns whether the lock was granted and, if not, the leader the
+/// row names (`None` when it names none).
+pub(super) async fn poll_one(
+    shared: &ElectorState,
+    conn: &DedicatedConnection,
+    refresh: bool,
+) -> Result<(bool, Option<LeaderInfo>)> {
+    let s = shared.options.schema_name().as_str();
+    let LockKey::Single(key) = shared.key else {
+        unreachable!("BUG: role keys are hashed names, which are single keys")
+    };
+    let one = |v: &str| vec![v.to_owned()];
+    let (roles, nodes, keys) = (one(&shared.role), one(&shared.node), vec![key]);
+    // Nothing known: the row comes back whatever it holds.
+    let (terms, holders): (Vec<Option<i64>>, Vec<Option<String>>) = (vec![None], vec![None]);
+    let (seen_roles, seen_nodes) = match refresh {
+        true => (roles.clone(), nodes.clone()),
+        false => (Vec::new(), Vec::new()),
+    };
+    let rows = conn
+        .client()
+        .query_typed(
+            &batch_poll_sql(s),
+            &[
+                (&roles, Type::TEXT_ARRAY),
+                (&nodes, Type::TEXT_ARRAY),
+                (&keys, Type::INT8_ARRAY),
+                (&terms, Type::INT8_ARRAY),
+                (&holders, Type::TEXT_ARRAY),
+                (&seen_roles, Type::TEXT_ARRAY),
+                (&seen_nodes, Type::TEXT_ARRAY),
+            ],
+        )
+        .await;
+    let decode = |rows: Vec<Row>| {
+        let Some(row) = rows.first() else {
+            return Ok((false, None));
+        };
+        let granted: bool = row.try_get(1)?;
+        let holder: Option<String> = row.try_get(2)?;
+        let info = match (granted, holder) {
+            (false, Some(_)) => Some(leader_info_at(&shared.role, row, 2)?),
+            _ => None,
+        };
+        Ok::<_, tokio_postgres::Error>((granted, info))
+    };
+    rows.and_then(decode)
+        .map_err(|e| Error::db("try the leader's lock", s, e))
+}
+
 /// A polling standby on a shared connection: waits in the session's
 /// batched poll (one statement tries the locks of all its standbys) until
 /// this role's lock is granted. Publishes the leader row when it changes;
@@ -867,10 +914,7 @@ pub(super) async fn poll_in_batch(
     shared: &ElectorState,
     session: &Arc<SharedSession>,
     interval: Duration,
-    args: &[(&(dyn ToSql + Sync), Type)],
 ) -> Result<()> {
-    let schema = shared.options.schema_name();
-    let s = schema.as_str();
     let refresh_ms = registry::polling_refresh(interval).as_millis() as i64;
     let mut member = session.join_poll(
         &shared.role,
@@ -907,17 +951,7 @@ pub(super) async fn poll_in_batch(
                 // The single standby's poll, to learn this role's error (or
                 // be granted after all); a few at a time.
                 let _turn = session.campaign_turn().await;
-                let sql = registry::poll_sql(s, &shared.key.sql_args(1));
-                let mut poll_args: Vec<(&(dyn ToSql + Sync), Type)> = args.to_vec();
-                poll_args.push((&shared.role, Type::TEXT));
-                poll_args.push((&shared.node, Type::TEXT));
-                poll_args.push((&refresh_ms, Type::INT8));
-                let granted: bool = session
-                    .client()
-                    .query_typed_one(&sql, &poll_args)
-                    .await
-                    .and_then(|row| row.try_get(0))
-                    .map_err(|e| Error::db("try the leader's lock", s, e))?;
+                let (granted, _) = poll_one(shared, session, true).await?;
                 if granted {
                     return Ok(());
                 }

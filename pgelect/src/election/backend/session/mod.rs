@@ -43,9 +43,7 @@ use crate::schema::{check_schema, SchemaName};
 
 use crate::election::backend::batch::{chunks, remove_if_term, Batch, Member, Outcome, Termed};
 use crate::election::backend::claim::{Claim, Roles};
-use crate::election::watch::{
-    leader_info_at, parse_leader_event, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
-};
+use crate::election::watch::{parse_leader_event, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
 use crate::key::LockKey;
 use tokio_postgres::types::ToSql;
 
