@@ -304,6 +304,76 @@ mod code_map_tests {
         }
     }
 
+    /// Fails naming what in `all` (paths relative to `src`, filtered and
+    /// mapped by `name`) `text` does not name in backquotes.
+    fn assert_named(text: &str, all: &[String], name: impl Fn(&str) -> Option<String>, in_: &str) {
+        let missing: Vec<String> = all
+            .iter()
+            .filter_map(|m| name(m))
+            .filter(|n| !text.contains(&format!("`{n}`")))
+            .collect();
+        assert!(missing.is_empty(), "name these in {in_}: {missing:?}");
+    }
+
+    #[test]
+    fn every_top_level_module_and_crate_is_in_the_readme_layout() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let readme = std::fs::read_to_string(root.join("README.md")).expect("BUG: README.md");
+        let layout = readme
+            .split("## Layout")
+            .nth(1)
+            .and_then(|rest| rest.split("\n## ").next())
+            .expect("the README has a Layout section");
+        let mut all = Vec::new();
+        modules(&src, &src, &mut all);
+        // Top-level files are named by their file name after the first one
+        // of their row (`pgelect/src/error.rs`, `key.rs`, ...).
+        assert_named(
+            layout,
+            &all,
+            |m| match m.strip_suffix('/') {
+                Some(dir) if !dir.contains('/') => Some(format!("pgelect/src/{dir}/")),
+                None if !m.contains('/') && m != "lib.rs" && m != "error.rs" => Some(m.to_owned()),
+                None if !m.contains('/') => Some(format!("pgelect/src/{m}")),
+                _ => None,
+            },
+            "the README's Layout table",
+        );
+        for member in [
+            "pgelect",
+            "pgelect-cli",
+            "pgelect-testkit",
+            "pgelect-bench",
+            "pgelect-py",
+        ] {
+            assert!(
+                layout.contains(&format!("`{member}/`")),
+                "name {member}/ in the README's Layout table"
+            );
+        }
+    }
+
+    #[test]
+    fn every_election_file_and_folder_is_in_the_election_modules_table() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let docs: String = std::fs::read_to_string(src.join("election/mod.rs"))
+            .expect("BUG: election/mod.rs is readable")
+            .lines()
+            .filter_map(|l| l.trim_start().strip_prefix("//!"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let mut all = Vec::new();
+        modules(&src, &src.join("election"), &mut all);
+        assert!(all.len() > 10, "found too few modules: {all:?}");
+        assert_named(
+            &docs,
+            &all,
+            |m| m.strip_prefix("election/").map(str::to_owned),
+            "the table of pgelect/src/election/mod.rs",
+        );
+    }
+
     #[test]
     fn every_module_file_and_folder_is_named_in_the_code_map() {
         let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");

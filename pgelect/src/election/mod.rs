@@ -162,8 +162,20 @@
 //!
 //! # Where the code is
 //!
-//! The crate's front page has the one code map (every file of this module
-//! included).
+//! The crate's front page has the code map (what each file holds); by
+//! what they do (a unit test fails when a file or folder here is missing):
+//!
+//! | what | files |
+//! | --- | --- |
+//! | the elector and its handles | `elector.rs`, `config.rs`, `config_error.rs`, `leadership.rs` |
+//! | pure rules | `timing.rs`, `keeper.rs`, `term.rs` |
+//! | keeping a leadership | `driver.rs` (the one keep loop), `watchdog.rs` |
+//! | candidates and observers | `registry.rs`, `watch.rs`, `support.rs` |
+//! | the backends' common parts | `backend/`: `backend/mod.rs`, `backend/batch.rs`, `backend/claim.rs` |
+//! | the session backend | `backend/session/`: `backend/session/mod.rs` (its connections), `backend/session/sql.rs`, `backend/session/campaign.rs`, `backend/session/keep.rs` |
+//! | the lease backend | `backend/lease/`: `backend/lease/mod.rs` (its client), `backend/lease/sql.rs`, `backend/lease/campaign.rs`, `backend/lease/keep.rs`, `backend/lease/listen.rs` |
+//! | the proof (tests only) | `sim.rs`; `model/`: `model/mod.rs`, `model/scenario.rs`, `model/scenarios.rs`, `model/state.rs`, `model/actions.rs`, `model/server.rs`, `model/candidate.rs`, `model/properties.rs`, `model/explorer.rs`, `model/tests.rs` |
+//! | this page | `mod.rs` |
 //!
 //! ```no_run
 //! # async fn f() -> Result<(), pgelect::Error> {
