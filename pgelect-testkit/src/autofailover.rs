@@ -52,7 +52,13 @@ host    all          all                                                        
 /// its keeper does so after `timeout.network_partition_timeout`
 /// ([`KEEPER_SETTINGS`], 2 s here) plus its 1 s loop. It stays above that
 /// sum, as pg_auto_failover's defaults keep 30 s above 20 s, so lowering
-/// both keeps the manager's own protection against two primaries.
+/// both keeps the manager's own protection against two primaries. That
+/// protection needs the old primary's keeper to reach `demote_timeout`: in
+/// pg_auto_failover 2.0 one in wait_primary cannot (no such transition),
+/// and a race of a `perform switchover` with its keeper's report can put it
+/// there (the book's chaos page, "The lost writes"); then this timeout is
+/// how long it takes writes without a synchronous standby while the
+/// standby is promoted.
 const MONITOR_SETTINGS: &str = "
 # --- pgelect-testkit: failure detection for a test machine ---
 pgautofailover.health_check_period = 1000          # [5000] ms
@@ -118,6 +124,7 @@ impl NodeState {
 pub struct AutoFailoverOptions {
     nodes: usize,
     fast_detection: bool,
+    keep: Option<PathBuf>,
 }
 
 impl Default for AutoFailoverOptions {
@@ -132,6 +139,7 @@ impl AutoFailoverOptions {
         AutoFailoverOptions {
             nodes: 2,
             fast_detection: true,
+            keep: None,
         }
     }
 
@@ -147,7 +155,33 @@ impl AutoFailoverOptions {
         self.fast_detection = fast;
         self
     }
+
+    /// Keeps the formation's evidence in `dir` when it stops (created if
+    /// need be; a failing run's post-mortem): the monitor's events and the
+    /// nodes' last states, every `pg_autoctl` log (with its PostgreSQL's
+    /// messages), pg_autoctl's configuration and state files and each
+    /// server's settings files, and the servers' own logs (`pglog/`, a file
+    /// per postmaster start): they then log every statement with its
+    /// duration (`log_min_duration_statement = 0`), connections and
+    /// replication commands, with the application name and transaction id
+    /// in each line's prefix (a commit's wait for the synchronous standby
+    /// shows in its duration, a released wait as PostgreSQL's warning).
+    pub fn keep_in(mut self, dir: impl Into<PathBuf>) -> AutoFailoverOptions {
+        self.keep = Some(dir.into());
+        self
+    }
 }
+
+/// The servers' logging when the evidence is kept
+/// ([`AutoFailoverOptions::keep_in`]).
+const KEEP_LOGGING: &str = "
+# --- pgelect-testkit: evidence kept (AutoFailoverOptions::keep_in) ---
+log_min_duration_statement = 0
+log_connections = on
+log_disconnections = on
+log_replication_commands = on
+log_line_prefix = '%m [%p] %q%u@%d %a x%x '
+";
 
 /// Whether a formation can be started here: `pg_autoctl` is found and the
 /// `pgautofailover` extension is installed for a PostgreSQL whose server
@@ -373,6 +407,7 @@ pub struct AutoFailover {
     monitor: Mutex<Service>,
     nodes: Vec<Mutex<Service>>,
     reaper: Mutex<Option<GroupReaper>>,
+    keep: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for AutoFailover {
@@ -437,6 +472,7 @@ impl AutoFailover {
             monitor_port,
             ports,
             reaper: Mutex::new(Some(reaper)),
+            keep: options.keep.clone(),
         };
         formation.set_up(&options)?;
         Ok(formation)
@@ -569,7 +605,28 @@ log_line_prefix = '%m [%p] %q%u@%d '
 ",
             self.dir.display()
         );
-        append(&pgdata.join("postgresql.conf"), &settings)
+        append(&pgdata.join("postgresql.conf"), &settings)?;
+        if self.keep.is_some() {
+            // Out of the data directories, which pg_rewind overwrites with
+            // the source's files (and pg_autoctl's startup.log is
+            // truncated at each start): one file per postmaster start, its
+            // first lines name the port.
+            let logs = self.dir.join("pglog");
+            if !logs.exists() {
+                fs::create_dir(&logs).map_err(|e| ctx(e, format!("create {}", logs.display())))?;
+                chown_to_server(&logs)?;
+            }
+            append(
+                &pgdata.join("postgresql.conf"),
+                &format!(
+                    "{KEEP_LOGGING}logging_collector = on\nlog_directory = '{}'\n\
+                     log_filename = 'postgresql-%Y%m%d-%H%M%S.log'\n\
+                     log_rotation_age = 0\nlog_rotation_size = 0\n",
+                    logs.display()
+                ),
+            )?;
+        }
+        Ok(())
     }
 
     /// The environment every `pg_autoctl` runs with: its configuration,
@@ -769,6 +826,20 @@ log_line_prefix = '%m [%p] %q%u@%d '
         c
     }
 
+    /// A driver configuration for `database` on the monitor (its events are
+    /// in `pgautofailover.event` of `pg_auto_failover`), as the kit's
+    /// superuser.
+    pub fn monitor_config(&self, database: &str) -> tokio_postgres::Config {
+        let mut c = tokio_postgres::Config::new();
+        c.host(HOST)
+            .port(self.monitor_port)
+            .user(SUPERUSER)
+            .password(TEST_PASSWORD)
+            .dbname(database)
+            .connect_timeout(Duration::from_secs(5));
+        c
+    }
+
     /// Creates `database` on the current primary (the standbys get it by
     /// replication).
     pub fn create_database(&self, database: &str) -> io::Result<()> {
@@ -905,7 +976,81 @@ log_line_prefix = '%m [%p] %q%u@%d '
         drop(self);
     }
 
+    /// Saves the evidence [`AutoFailoverOptions::keep_in`] asks for: what
+    /// the monitor says first (it is still running), the files once every
+    /// service has stopped ([`copy_kept`](Self::copy_kept)).
+    fn save_monitor_view(&self, keep: &Path) -> io::Result<()> {
+        fs::create_dir_all(keep).map_err(|e| ctx(e, format!("create {}", keep.display())))?;
+        for (args, file) in [
+            (&["show", "events", "--count", "100000"][..], "events.txt"),
+            (
+                &["show", "events", "--count", "100000", "--json"][..],
+                "events.json",
+            ),
+            (&["show", "state"][..], "state.txt"),
+            (&["show", "settings"][..], "settings.txt"),
+        ] {
+            let text = self
+                .monitor_command(args, &format!("pg_autoctl {}", args.join(" ")))
+                .unwrap_or_else(|e| format!("(failed: {e})\n"));
+            fs::write(keep.join(file), text)
+                .map_err(|e| ctx(e, format!("write {}", keep.join(file).display())))?;
+        }
+        Ok(())
+    }
+
+    /// Copies the logs, pg_autoctl's files and each server's settings into
+    /// `keep` (the data directories themselves are left out).
+    fn copy_kept(&self, keep: &Path) -> io::Result<()> {
+        let mut cp = Command::new("cp");
+        cp.arg("-a");
+        for entry in fs::read_dir(&self.dir)? {
+            let path = entry?.path();
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+            if name.as_deref().is_some_and(|n| n.ends_with(".log")) {
+                cp.arg(&path);
+            }
+        }
+        cp.arg(self.dir.join("config"))
+            .arg(self.dir.join("share"))
+            .arg(self.dir.join("pglog"))
+            .arg(keep);
+        util::run_logged(cp, &keep.join("cp.log"), Duration::from_secs(60), "cp -a")?;
+        let services: Vec<PathBuf> = self
+            .nodes
+            .iter()
+            .chain(std::iter::once(&self.monitor))
+            .map(|s| lock(s).pgdata.clone())
+            .collect();
+        for pgdata in services {
+            let name = pgdata
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let to = keep.join(format!("{name}-conf"));
+            fs::create_dir_all(&to)?;
+            for f in [
+                "postgresql.conf",
+                "postgresql-auto-failover.conf",
+                "postgresql-auto-failover-standby.conf",
+                "postgresql.auto.conf",
+                "pg_hba.conf",
+                "current_logfiles",
+            ] {
+                if pgdata.join(f).is_file() {
+                    let _ = fs::copy(pgdata.join(f), to.join(f));
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn shutdown(&mut self) {
+        if let Some(keep) = self.keep.clone() {
+            if let Err(e) = self.save_monitor_view(&keep) {
+                eprintln!("pgelect-testkit: cannot keep the formation's evidence: {e}");
+            }
+        }
         let services: Vec<&Mutex<Service>> = self
             .nodes
             .iter()
@@ -924,6 +1069,15 @@ log_line_prefix = '%m [%p] %q%u@%d '
             if !matches!(wait_timeout(c, Duration::from_secs(5)), Ok(Some(_))) {
                 kill_group(c.id(), "KILL");
                 let _ = wait_timeout(c, Duration::from_secs(5));
+            }
+        }
+        if let Some(keep) = self.keep.clone() {
+            match self.copy_kept(&keep) {
+                Ok(()) => eprintln!(
+                    "pgelect-testkit: the formation's logs and events are kept in {}",
+                    keep.display()
+                ),
+                Err(e) => eprintln!("pgelect-testkit: cannot keep the formation's files: {e}"),
             }
         }
         if let Some(r) = lock(&self.reaper).take() {

@@ -88,8 +88,10 @@ pub struct ChaosArgs {
     #[arg(long)]
     pub every_fault: bool,
     /// Keep the histories in DIR (a directory per backend: each worker's
-    /// log and each supervisor's warnings), for a failing run's evidence.
-    /// Default: a private directory removed at the end.
+    /// log and each supervisor's warnings), for a failing run's evidence;
+    /// under --ha also the formation's (DIR/formation: the monitor's events,
+    /// every node's pg_autoctl and PostgreSQL log, with every statement and
+    /// its duration logged). Default: a private directory removed at the end.
     #[arg(long, value_name = "DIR")]
     pub logs: Option<PathBuf>,
     /// Run Python candidates instead of `pgelect run` supervisors: `PYTHON

@@ -407,6 +407,8 @@ pub(super) struct Effect {
     pub(super) resume_after: Option<u128>,
     /// Under the manager: when a primary accepted a write again.
     pub(super) writable: Option<u128>,
+    /// Under the manager: see [`Injected::unsynchronized`](super::schedule::Injected::unsynchronized).
+    pub(super) unsynchronized: Option<super::ha::Unsynchronized>,
     /// When the fault was over (the formation settled again), if later
     /// than its injection.
     pub(super) ended: Option<u128>,
@@ -580,6 +582,7 @@ pub(super) async fn inject(
                         effect.resume_after = Some(after.writable);
                         effect.writable = Some(after.writable);
                         effect.ended = Some(after.settled);
+                        effect.unsynchronized = after.unsynchronized;
                     }
                     Err(refused) => {
                         effect.skipped = Some(refused.why);

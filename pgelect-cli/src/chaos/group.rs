@@ -405,6 +405,7 @@ pub(super) async fn schedule_group(
                 unreplicated: None,
                 resumed: None,
                 writable: None,
+                unsynchronized: None,
                 ran: skipped.is_none(),
                 skipped,
             });

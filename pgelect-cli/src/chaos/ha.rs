@@ -13,6 +13,12 @@
 //! injects a manager's fault only then ([`Formation::prepare`]): a write
 //! acknowledged before a failover is on the standby promoted, so the
 //! checker excuses none (unlike `promote`, whose replica is asynchronous).
+//! The manager itself may break that promise: pg_auto_failover 2.0 can
+//! assign the old primary `wait_primary` (synchronous replication off) in
+//! a race with the order, and keep it writable while it promotes the
+//! standby. Chaos finds that in the monitor's events ([`Unsynchronized`])
+//! and the checker reports a write lost then as its own kind of violation,
+//! naming the manager's state; it excuses none.
 //! After a node kill the survivor takes writes alone (`wait_primary`,
 //! replication off) until the killed node is started again and has caught
 //! up; chaos does that within the fault, before the next one.
@@ -158,7 +164,9 @@ pub(super) async fn run(
         return Ok((rows, Vec::new()));
     }
     let started = std::time::Instant::now();
-    let mut formation = Formation::start().await?;
+    // With --logs, the formation's own logs and the monitor's events are
+    // kept beside the histories.
+    let mut formation = Formation::start(args.logs.as_deref().map(|d| d.join("formation"))).await?;
     println!(
         "  {} (started in {:.1} s)",
         formation.describe(),
@@ -259,6 +267,12 @@ pub(super) async fn run(
                 found.writes_committed,
                 found.violations.len()
             );
+            if !found.unsynchronized_lost_at.is_empty() {
+                println!(
+                    "  {bname}: {} of the lost writes were acknowledged by the old primary while pg_auto_failover ran it without synchronous replication (wait_primary) as it promoted the standby: the manager's loss, still a violation",
+                    found.unsynchronized_lost_at.len()
+                );
+            }
             for v in &found.violations {
                 println!("  VIOLATION {bname}: {v}");
             }
@@ -297,6 +311,30 @@ pub(super) struct After {
     /// When the formation had settled again: one primary, a synchronous
     /// standby (a killed node started again and caught up).
     pub(super) settled: u128,
+    /// When the manager itself ran the old primary without synchronous
+    /// replication while it promoted another node, if it did
+    /// ([`Unsynchronized`]).
+    pub(super) unsynchronized: Option<Unsynchronized>,
+}
+
+/// A stretch in which the HA manager had the old primary take writes
+/// without its synchronous standby while it promoted that standby: found in
+/// the monitor's events (pg_auto_failover assigned the old primary
+/// `wait_primary`, which empties `synchronous_standby_names` and releases
+/// the commits waiting for the standby, after the order). Writes the old
+/// primary acknowledged then are on no other server: when it is rewound to
+/// follow the promoted node they are gone. The checker still fails such a
+/// loss, as its own kind, naming the manager's state as the cause.
+#[derive(Clone, Debug)]
+pub(super) struct Unsynchronized {
+    /// The manager's assignment of `wait_primary` to the old primary (ns
+    /// since the epoch; the monitor's transaction start).
+    pub(super) from: u128,
+    /// When the old primary reported that it stopped (`draining`,
+    /// `demote_timeout` or `demoted`), or the formation settled.
+    pub(super) to: u128,
+    /// The manager's events that show it, for the report.
+    pub(super) why: String,
 }
 
 /// A manager's order it refused: why, and when the formation had settled
@@ -319,7 +357,9 @@ mod own {
 
     use pgelect_testkit::NodeIndex;
 
-    use super::{After, AutoFailover, Ordered, Refused};
+    use pgelect_testkit::AutoFailoverOptions;
+
+    use super::{judge_events, After, AutoFailover, Ordered, Refused, Unsynchronized};
     use crate::chaos::events::now_ns;
     use crate::chaos::fail;
     use crate::chaos::faults::Fault;
@@ -351,9 +391,15 @@ mod own {
         }
 
         /// Starts a monitor and two data nodes; returns once node 0 is
-        /// primary and node 1 a synchronous standby.
-        pub async fn start() -> Result<Formation, Failure> {
-            let haf = tokio::task::spawn_blocking(AutoFailover::start)
+        /// primary and node 1 a synchronous standby. With `keep`, the
+        /// formation's logs, its monitor's events and its settings are kept
+        /// there when it stops ([`AutoFailoverOptions::keep_in`]).
+        pub async fn start(keep: Option<std::path::PathBuf>) -> Result<Formation, Failure> {
+            let mut options = AutoFailoverOptions::new();
+            if let Some(dir) = keep {
+                options = options.keep_in(dir);
+            }
+            let haf = tokio::task::spawn_blocking(move || AutoFailover::start_with(options))
                 .await
                 .map_err(fail)?
                 .map_err(|e| {
@@ -472,6 +518,20 @@ mod own {
             let (writable, new) = writable?;
             self.prepare()?;
             let settled = now_ns();
+            let unsynchronized = if self.primary != old {
+                self.unsynchronized(fault, old, at, settled).await
+            } else {
+                None
+            };
+            if let Some(u) = &unsynchronized {
+                println!(
+                    "  ({}: the manager ran node{} without synchronous replication for {:.1} ms while promoting another node: {})",
+                    fault.name(),
+                    old + 1,
+                    u.to.saturating_sub(u.from) as f64 / 1e6,
+                    u.why
+                );
+            }
             let ms = |t: u128| t.saturating_sub(at) as f64 / 1e6;
             println!(
                 "  ({}: node{} was primary; node{} took a write {:.1} ms after the fault; settled, node{} primary, after {:.1} ms)",
@@ -482,7 +542,75 @@ mod own {
                 self.primary + 1,
                 ms(settled)
             );
-            Ok(Ok(After { writable, settled }))
+            Ok(Ok(After {
+                writable,
+                settled,
+                unsynchronized,
+            }))
+        }
+
+        /// Whether the monitor's events since `at` show it assigning the
+        /// old primary `old` `wait_primary` (synchronous replication off)
+        /// during this fault: see [`Unsynchronized`]. `None` also when the
+        /// events cannot be read (said on stderr).
+        async fn unsynchronized(
+            &self,
+            fault: Fault,
+            old: NodeIndex,
+            at: u128,
+            settled: u128,
+        ) -> Option<Unsynchronized> {
+            let config = self.haf.monitor_config("pg_auto_failover");
+            let port = i32::from(self.haf.ports()[old]);
+            let sql = "SELECT (extract(epoch FROM eventtime) * 1e9)::float8, nodeport, \
+                       reportedstate::text, goalstate::text, coalesce(description, '') \
+                       FROM pgautofailover.event \
+                       WHERE eventtime >= to_timestamp($1) ORDER BY eventid";
+            let from_s = at as f64 / 1e9;
+            let rows = async {
+                let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
+                let task = tokio::spawn(connection);
+                let rows = client.query(sql, &[&from_s]).await;
+                drop(client);
+                task.abort();
+                rows
+            };
+            let rows = match tokio::time::timeout(Duration::from_secs(10), rows).await {
+                Ok(Ok(rows)) => rows,
+                Ok(Err(e)) => {
+                    eprintln!("pgelect chaos: cannot read the monitor's events: {e}");
+                    return None;
+                }
+                Err(_) => {
+                    eprintln!("pgelect chaos: cannot read the monitor's events: timed out");
+                    return None;
+                }
+            };
+            let events: Vec<(u128, i32, String, String, String)> = rows
+                .iter()
+                .map(|r| {
+                    (
+                        r.get::<_, f64>(0) as u128,
+                        r.get(1),
+                        r.get(2),
+                        r.get(3),
+                        r.get(4),
+                    )
+                })
+                .collect();
+            judge_events(&events, port, settled).map(|(from, to, assigned, ended)| {
+                let ms = |t: u128| t.saturating_sub(at) as f64 / 1e6;
+                Unsynchronized {
+                    from,
+                    to,
+                    why: format!(
+                        "{} {:.0} ms after the order: \"{assigned}\"; {ended} {:.0} ms after it",
+                        fault.name(),
+                        ms(from),
+                        ms(to)
+                    ),
+                }
+            })
         }
 
         /// Polls the data nodes every 50 ms until one new to the role (not
@@ -539,13 +667,39 @@ mod own {
     }
 }
 
+/// The stretch [`Unsynchronized`] in the monitor's events (time in ns,
+/// node port, reported state, assigned state, description; in order) for
+/// the old primary on `port`: from the first assignment of `wait_primary`
+/// to it until it reported `draining`, `demote_timeout` or `demoted` (else
+/// `settled`). Returns the stretch, the assignment's description and how
+/// it ended.
+#[cfg_attr(not(feature = "throwaway"), allow(dead_code))]
+pub(super) fn judge_events(
+    events: &[(u128, i32, String, String, String)],
+    port: i32,
+    settled: u128,
+) -> Option<(u128, u128, String, String)> {
+    let start = events
+        .iter()
+        .position(|(_, p, _, goal, _)| *p == port && goal == "wait_primary")?;
+    let (from, _, _, _, assigned) = &events[start];
+    let end = events[start..].iter().find(|(_, p, reported, _, _)| {
+        *p == port && matches!(reported.as_str(), "draining" | "demote_timeout" | "demoted")
+    });
+    let (to, ended) = match end {
+        Some((t, _, reported, _, _)) => (*t, format!("it reported {reported}")),
+        None => (settled, "the formation settled".to_owned()),
+    };
+    Some((*from, to.max(*from), assigned.clone(), ended))
+}
+
 /// Without the throwaway feature there is no formation: never built.
 #[cfg(not(feature = "throwaway"))]
 pub(super) enum Formation {}
 
 #[cfg(not(feature = "throwaway"))]
 impl Formation {
-    pub async fn start() -> Result<Formation, Failure> {
+    pub async fn start(_keep: Option<std::path::PathBuf>) -> Result<Formation, Failure> {
         Err(fail("BUG: --ha without the throwaway feature"))
     }
 
@@ -579,6 +733,78 @@ mod tests {
     use clap::ValueEnum;
 
     use super::*;
+
+    /// The monitor's events of the switchover that lost 125 acknowledged
+    /// writes in a soak (2026-12-01, node2 the old primary on port 2):
+    /// the order's `draining` overwritten by `wait_primary`, node2 in
+    /// `wait_primary` until the demote timeout had it `demoted`.
+    #[test]
+    fn the_managers_wait_primary_on_the_old_primary_is_found_in_its_events() {
+        let e = |t: u128, port: i32, reported: &str, goal: &str, what: &str| {
+            (
+                t * 1_000_000,
+                port,
+                reported.to_owned(),
+                goal.to_owned(),
+                what.to_owned(),
+            )
+        };
+        let events = vec![
+            e(10_030, 2, "primary", "draining", "user-initiated failover"),
+            e(
+                10_030,
+                1,
+                "secondary",
+                "prepare_promotion",
+                "user-initiated failover",
+            ),
+            e(
+                11_128,
+                2,
+                "primary",
+                "wait_primary",
+                "none of the standby nodes in the quorum are healthy",
+            ),
+            e(
+                11_461,
+                1,
+                "prepare_promotion",
+                "stop_replication",
+                "converged",
+            ),
+            e(11_461, 2, "primary", "demote_timeout", "converged"),
+            e(13_547, 2, "wait_primary", "demote_timeout", "new state"),
+            e(
+                18_455,
+                2,
+                "wait_primary",
+                "demoted",
+                "demote timeout expired",
+            ),
+            e(18_896, 2, "demoted", "demoted", "new state"),
+        ];
+        let (from, to, assigned, ended) = judge_events(&events, 2, 30_000_000_000).unwrap();
+        assert_eq!((from, to), (11_128_000_000, 18_896_000_000));
+        assert!(assigned.contains("none of the standby"), "{assigned}");
+        assert_eq!(ended, "it reported demoted");
+        // An ordinary switchover: draining, demote_timeout, demoted.
+        let clean = vec![
+            e(10_000, 2, "primary", "draining", "user-initiated failover"),
+            e(10_300, 2, "draining", "demote_timeout", "converged"),
+            e(10_400, 2, "demote_timeout", "demoted", "done"),
+        ];
+        assert!(judge_events(&clean, 2, 30_000_000_000).is_none());
+        // The new primary's own wait_primary (its standby not back yet) is
+        // not the old primary's.
+        let new_primary = vec![e(
+            11_000,
+            1,
+            "stop_replication",
+            "wait_primary",
+            "demote timeout expired",
+        )];
+        assert!(judge_events(&new_primary, 2, 30_000_000_000).is_none());
+    }
 
     #[test]
     fn every_fault_is_either_injected_under_the_manager_or_skipped_with_a_reason() {

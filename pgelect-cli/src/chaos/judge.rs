@@ -41,6 +41,13 @@ pub(super) struct Findings {
     /// moments and is missing on the promoted replica was acknowledged (not
     /// a violation: see [`promote`]).
     pub(super) unreplicated_at: Vec<u128>,
+    /// Under the HA manager: when each acknowledged but missing write that
+    /// the manager's own state explains was acknowledged: the old primary
+    /// took it while the manager ran it without synchronous replication
+    /// and promoted another node ([`Injected::unsynchronized`]). Also in
+    /// `lost_at` and a violation: a lost write all the same, its cause
+    /// named.
+    pub(super) unsynchronized_lost_at: Vec<u128>,
     pub(super) writes_committed: usize,
 }
 
@@ -305,6 +312,21 @@ fn judge_role(
                 continue;
             }
             f.lost_at.push(e.at);
+            // The manager's own state may explain it: still a loss (the
+            // acknowledgement promised a synchronous standby), named so.
+            let unsynchronized = injected.iter().find_map(|i| {
+                i.unsynchronized
+                    .as_ref()
+                    .filter(|u| i.skipped.is_none() && u.from <= e.at && e.at <= u.to)
+            });
+            if let Some(u) = unsynchronized {
+                f.unsynchronized_lost_at.push(e.at);
+                f.violations.push(format!(
+                    "{prefix}write {}#{seq} of term {} was acknowledged but is not in the table: lost by the HA manager (it ran the old primary without synchronous replication while it promoted the standby: {})",
+                    e.node, e.term, u.why
+                ));
+                continue;
+            }
             f.violations.push(format!(
                 "{prefix}write {}#{seq} of term {} was acknowledged but is not in the table",
                 e.node, e.term
@@ -465,6 +487,7 @@ mod tests {
             unreplicated: None,
             resumed: None,
             writable: None,
+            unsynchronized: None,
             skipped: None,
             ran: true,
         }
@@ -736,6 +759,55 @@ mod tests {
         let f = judge(&events, &committed, &[], BackendArg::Session, &t, None);
         assert_eq!(f.lost_at.len(), 1, "{:?}", f.violations);
         assert!(f.violations[0].contains("acknowledged but is not in the table"));
+    }
+
+    /// A write the old primary acknowledged while the HA manager ran it
+    /// without synchronous replication (its events show `wait_primary`
+    /// during a switchover) and that is missing: still a lost write and a
+    /// violation, reported with the manager's state as its cause; one
+    /// acknowledged outside that stretch is an unexplained loss.
+    #[test]
+    fn a_write_lost_while_the_manager_ran_the_old_primary_unsynchronized_is_a_named_violation() {
+        let (mut events, committed) = clean_history();
+        events.push(ev("write:2:ok", "c2", 2, 1460, 12));
+        events.push(ev("write:3:ok", "c2", 2, 1490, 12));
+        events.sort_by_key(|e| e.at);
+        let t = standard(BackendArg::Session);
+        let mut switchover = fault(Fault::Switchover, "c2", 2, 1455, None);
+        switchover.ended = 1470 * 1_000_000;
+        // c2's write #3 at 1490 ms came after the switchover.
+        switchover.resumed = Some(1490 * 1_000_000);
+        switchover.unsynchronized = Some(crate::chaos::ha::Unsynchronized {
+            from: 1456 * 1_000_000,
+            to: 1470 * 1_000_000,
+            why: "switchover 1 ms after the order: \"wait_primary\"".to_owned(),
+        });
+        let f = judge(
+            &events,
+            &committed,
+            &[switchover],
+            BackendArg::Session,
+            &t,
+            None,
+        );
+        assert_eq!(
+            f.lost_at,
+            vec![1460 * 1_000_000, 1490 * 1_000_000],
+            "{:?}",
+            f.violations
+        );
+        assert_eq!(f.unsynchronized_lost_at, vec![1460 * 1_000_000]);
+        assert_eq!(f.violations.len(), 2, "{:?}", f.violations);
+        assert!(
+            f.violations[0].contains("lost by the HA manager"),
+            "{:?}",
+            f.violations
+        );
+        assert!(
+            !f.violations[1].contains("HA manager"),
+            "{:?}",
+            f.violations
+        );
     }
 
     #[test]

@@ -133,6 +133,14 @@ pub(super) fn rows(
         } else {
             0
         };
+        // Under the HA manager: lost writes (counted in lost_writes) that
+        // the manager's own state explains (see Findings).
+        let of = |t: u128| injected.iter().rev().find(|i| i.at <= t).map(|i| i.fault);
+        let lost_unsynchronized = found
+            .unsynchronized_lost_at
+            .iter()
+            .filter(|&&t| of(t) == Some(fault))
+            .count();
         let max_gap = took.iter().copied().fold(0.0, f64::max);
         // Promotions: until writes were acknowledged again.
         let resumed: Vec<f64> = list
@@ -182,6 +190,10 @@ pub(super) fn rows(
             // not yet on its replica (promote, asynchronous
             // replication): not counted in lost_writes.
             "unreplicated_writes": unreplicated,
+            // Of lost_writes: those the old primary acknowledged while the
+            // HA manager ran it without synchronous replication during
+            // its promotion of the standby (its events show it).
+            "lost_writes_manager_unsynchronized": lost_unsynchronized,
             "failover_p50_ms": (percentile(&took, 50.0) * 10.0).round() / 10.0,
             "failover_p99_ms": (percentile(&took, 99.0) * 10.0).round() / 10.0,
             "max_gap_ms": (max_gap * 10.0).round() / 10.0,

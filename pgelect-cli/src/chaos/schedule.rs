@@ -60,6 +60,12 @@ pub(super) struct Injected {
     /// Under the HA manager: when a primary accepted a write again after
     /// the fault (the manager's outage ends there).
     pub(super) writable: Option<u128>,
+    /// Under the HA manager: when the manager itself had the old primary
+    /// take writes without its synchronous standby while it promoted that
+    /// standby (its events show it). An acknowledged write of that stretch
+    /// that is missing is still a lost write, reported with this as its
+    /// cause.
+    pub(super) unsynchronized: Option<super::ha::Unsynchronized>,
     pub(super) skipped: Option<String>,
     /// Whether its action ran. A fault skipped because leadership had
     /// moved before it still ran: on the server (a restart, a promotion,
@@ -84,6 +90,7 @@ impl Injected {
             unreplicated: None,
             resumed: None,
             writable: None,
+            unsynchronized: None,
             skipped: Some(why.to_owned()),
             ran: false,
         }
@@ -185,6 +192,7 @@ pub(super) async fn schedule(
                 unreplicated,
                 resume_after,
                 writable,
+                unsynchronized,
                 ended,
                 mut skipped,
                 found,
@@ -252,6 +260,7 @@ pub(super) async fn schedule(
                 unreplicated,
                 resumed,
                 writable,
+                unsynchronized,
                 skipped,
                 ran,
             });
