@@ -154,3 +154,54 @@ async fn formation_settings_switchover_node_death_and_cleanup() {
     assert_eq!(processes_in(&dir), Vec::<String>::new());
     assert!(!dir.exists(), "{} removed", dir.display());
 }
+
+/// `keep_in`: the formation's evidence is kept when it stops (the
+/// monitor's events, the keepers' and the servers' logs, with every
+/// statement logged), and its directory is removed all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_formation_leaves_its_events_and_logs() {
+    if !available("a_kept_formation_leaves_its_events_and_logs") {
+        return;
+    }
+    let keep = std::env::temp_dir().join(format!("pgelect-testkit-kept-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&keep);
+    let options = pgelect_testkit::AutoFailoverOptions::new().keep_in(&keep);
+    let haf = tokio::task::spawn_blocking(move || AutoFailover::start_with(options))
+        .await
+        .unwrap()
+        .expect("start a pg_auto_failover formation");
+    let dir = haf.dir().to_owned();
+    let n0 = connect(&haf.node_config(0, "postgres")).await;
+    assert_eq!(
+        scalar(&n0, "SELECT current_setting('log_min_duration_statement')").await,
+        "0"
+    );
+    scalar(&n0, "SELECT 'kept-formation-marker'").await;
+    drop(n0);
+    tokio::task::spawn_blocking(move || haf.stop())
+        .await
+        .unwrap();
+    assert!(!dir.exists(), "{} left behind", dir.display());
+    let read = |f: &str| std::fs::read_to_string(keep.join(f)).unwrap_or_default();
+    assert!(
+        read("events.txt").contains("node1"),
+        "{}",
+        read("events.txt")
+    );
+    assert!(read("events.json").trim_start().starts_with('['));
+    assert!(
+        read("node1.log").contains("pg_autoctl"),
+        "{}",
+        read("node1.log")
+    );
+    let server_logs: String = std::fs::read_dir(keep.join("pglog"))
+        .expect("the servers' logs")
+        .flatten()
+        .map(|e| std::fs::read_to_string(e.path()).unwrap_or_default())
+        .collect();
+    assert!(
+        server_logs.contains("kept-formation-marker"),
+        "the statement is in a server's log"
+    );
+    let _ = std::fs::remove_dir_all(&keep);
+}
