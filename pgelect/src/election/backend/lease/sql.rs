@@ -18,6 +18,7 @@ use tokio::time::Instant;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Row;
 
+use crate::election::backend::batch::among;
 use crate::error::{Error, Result};
 
 use crate::election::registry::{self, Registration, Registrations};
@@ -262,17 +263,6 @@ pub fn lease_sql(schema: &SchemaName) -> LeaseSql {
         renew: renew_sql(s),
         release: release_sql(s),
     }
-}
-
-/// `<l>.role = ANY (ARRAY(SELECT role FROM <batch>))`: the condition by
-/// which every statement reaches the leaders' rows of its batch. The array
-/// is an init plan whose size the planner cannot know (it assumes a few
-/// elements), so it probes the primary key whatever the batch's size.
-/// Joined on the batch alone, whose size it reads from the parameter, it
-/// scanned the whole table instead, from a batch of 100 roles in 10,000
-/// (see the `election::plans` test).
-fn among(l: &str, batch: &str) -> String {
-    format!("{l}.role = ANY (ARRAY(SELECT {batch}.role FROM {batch}))")
 }
 
 /// The acquire (see [`LeaseSql::acquire`]). `cur` reads the rows as of the
