@@ -37,6 +37,7 @@ use tokio_postgres::types::{ToSql, Type};
 use crate::conn::DedicatedConnection;
 use crate::error::{Error, Result};
 
+use super::backend::among;
 use super::timing::Timing;
 use super::watch::RESIGN_CHANNEL;
 use super::{ElectorState, StandbyMode};
@@ -190,7 +191,11 @@ impl<'a> Registrations<'a> {
 /// role, `$2` node, `$3` priority (int4), `$4` standby (text, NULL for the
 /// lease backend), `$5` timing (jsonb), `$6` meta (jsonb), `$7` hint
 /// payload (text). One row: rows deleted (int8), rows upserted, hints sent.
+///
+/// The roles' rows are reached by their primary keys ([`among`]; joined
+/// on `r` alone, a batch of 2,000 in 10,000 rows scanned both tables).
 pub(crate) fn register_sql(s: &str, waits: Waits) -> String {
+    let (of_c, of_l) = (among("c", "r"), among("l", "r"));
     let backend = waits.backend();
     let pid = match waits {
         Waits::Lease => "NULL::int4",
@@ -219,7 +224,7 @@ pub(crate) fn register_sql(s: &str, waits: Waits) -> String {
          ), stale AS (
              DELETE FROM {s}.candidates c
               USING r
-              WHERE c.role = r.role AND c.node <> r.node
+              WHERE c.role = r.role AND c.node <> r.node AND {of_c}
                 AND CASE WHEN c.backend = 'session'
                          THEN NOT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_activity a
                                            WHERE a.pid = c.backend_pid)
@@ -236,7 +241,7 @@ pub(crate) fn register_sql(s: &str, waits: Waits) -> String {
                     SELECT 1 FROM {s}.leaders l
                       LEFT JOIN {s}.candidates lc ON lc.role = l.role AND lc.node = l.holder
                      WHERE l.role = r.role AND l.holder IS NOT NULL AND l.holder <> r.node
-                       AND coalesce(lc.priority, 0) < r.priority)
+                       AND coalesce(lc.priority, 0) < r.priority AND {of_l})
          )
          SELECT (SELECT count(*) FROM stale), (SELECT count(*) FROM me), (SELECT count(*) FROM hint)"
     )

@@ -25,3 +25,5 @@ mod batch;
 mod claim;
 pub(crate) mod lease;
 pub(crate) mod session;
+
+pub(crate) use batch::among;
