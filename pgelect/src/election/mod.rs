@@ -222,9 +222,11 @@ pub(crate) use backend::lease::{
 #[doc(hidden)]
 #[cfg(feature = "test-hooks")]
 pub use backend::lease::{lease_sql, LeaseSql};
-#[cfg(feature = "test-hooks")]
-pub use backend::session::shared_renew_sql;
 pub use backend::session::SharedConnection;
+#[cfg(feature = "test-hooks")]
+pub use backend::session::{
+    shared_elect_sql, shared_poll_sql, shared_preempt_sql, shared_renew_sql,
+};
 #[cfg(test)]
 pub(crate) use config::watch_key;
 pub(crate) use config::{role_key, validate_name};
@@ -234,6 +236,8 @@ pub use config::{
 pub use config_error::{ConfigError, Setting};
 pub use elector::TimingReport;
 pub use leadership::LeaderContext;
+#[cfg(feature = "test-hooks")]
+pub use registry::shared_register_sql;
 pub(crate) use timing::worst_detection;
 pub use timing::Profile;
 pub(crate) use watch::{leader_info, read_leader};

@@ -247,6 +247,15 @@ pub(crate) fn register_sql(s: &str, waits: Waits) -> String {
     )
 }
 
+/// The registration statement for `schema` (see [`register_sql`]), as a
+/// shared session sends it for its polling standbys, so that a test can
+/// check its plan.
+#[cfg(feature = "test-hooks")]
+#[doc(hidden)]
+pub fn shared_register_sql(schema: &crate::schema::SchemaName) -> String {
+    register_sql(schema.as_str(), Waits::Polling)
+}
+
 /// Deletes this candidate's row: `$1` role, `$2` node.
 pub(crate) fn withdraw_sql(s: &str) -> String {
     format!("DELETE FROM {s}.candidates WHERE role = $1 AND node = $2")

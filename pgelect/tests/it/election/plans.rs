@@ -7,7 +7,10 @@
 //! table, or a `NOT IN` run as a plain subplan (once per row, as one did
 //! before), fails the test with the plan. And the partition group's read
 //! at 1,000 partitions: one pass, no subquery per partition, the member
-//! list sent once.
+//! list sent once. The same for the session backend's batched statements
+//! (renewal, poll, election, zombie preemption, registration), for a
+//! batch of one and for a full chunk, planned by the backend whose pid the
+//! rows name and by a new one.
 
 use pgelect::schema::SchemaName;
 use serde_json::Value;
@@ -21,6 +24,33 @@ const ROWS: usize = 10_000;
 /// releases in chunks of 2,000, acquires in chunks of 5,000.
 const RENEW_ROWS: usize = 2_000;
 const ACQUIRE_ROWS: usize = 5_000;
+
+/// The session backend's chunks (`session/mod.rs`): registrations and
+/// elections 200 at a time, renewals 2,000, polls 10,000 (and a zombie
+/// preemption takes every vacant role a poll found, so as many).
+const SESSION_BATCH_ROWS: usize = 200;
+const SESSION_RENEW_ROWS: usize = 2_000;
+const SESSION_POLL_ROWS: usize = 10_000;
+
+/// `n` of the `ROWS` roles `r-1`..: every `ROWS / n`-th, across the table.
+fn spread(n: usize) -> Vec<String> {
+    (0..n)
+        .map(|i| format!("r-{}", 1 + i * (ROWS / n)))
+        .collect()
+}
+
+/// Fills the tables, `leaders` and `candidates` each a column list and
+/// the query of its rows, and analyzes them.
+async fn fill(c: &tokio_postgres::Client, leaders: &str, candidates: &str) {
+    c.batch_execute(&format!(
+        "INSERT INTO pgelect.leaders {leaders};
+         INSERT INTO pgelect.candidates {candidates};
+         ANALYZE pgelect.leaders;
+         ANALYZE pgelect.candidates;"
+    ))
+    .await
+    .unwrap();
+}
 
 /// What in `plan` (an `EXPLAIN (FORMAT JSON)` node) reads a whole table
 /// of pgelect's, or runs a subplan per row where a hashed one belongs.
@@ -114,25 +144,23 @@ async fn lease_statements_reach_their_rows_by_index_at_ten_thousand_roles() {
     let c = db.connect().await;
     // 10,000 leased roles held by `n` with term 1, and a lease candidate of
     // lower priority registered for each (the priority check reads them).
-    c.batch_execute(&format!(
-        "INSERT INTO pgelect.leaders
-                (role, holder, term, backend, acquired_at, renewed_at, lease_until)
-         SELECT 'r-' || i, 'n', 1, 'lease', now(), now(), now() + interval '1 hour'
-           FROM generate_series(1, {ROWS}) AS i;
-         INSERT INTO pgelect.candidates (role, node, priority, backend, timing)
-         SELECT 'r-' || i, 'm', 0, 'lease', '{{\"ttl_ms\": 15000}}'
-           FROM generate_series(1, {ROWS}) AS i;
-         ANALYZE pgelect.leaders;
-         ANALYZE pgelect.candidates;"
-    ))
-    .await
-    .unwrap();
+    fill(
+        &c,
+        &format!(
+            "(role, holder, term, backend, acquired_at, renewed_at, lease_until)
+             SELECT 'r-' || i, 'n', 1, 'lease', now(), now(), now() + interval '1 hour'
+               FROM generate_series(1, {ROWS}) AS i"
+        ),
+        &format!(
+            "(role, node, priority, backend, timing)
+             SELECT 'r-' || i, 'm', 0, 'lease', '{{\"ttl_ms\": 15000}}'
+               FROM generate_series(1, {ROWS}) AS i"
+        ),
+    )
+    .await;
     let sql = pgelect::election::lease_sql(&SchemaName::default());
     for n in [1, 100, RENEW_ROWS, ACQUIRE_ROWS] {
-        // Every n-th role, across the table.
-        let roles: Vec<String> = (0..n)
-            .map(|i| format!("r-{}", 1 + i * (ROWS / n)))
-            .collect();
+        let roles = spread(n);
         let nodes = vec!["n"; n];
         let terms = vec![1i64; n];
         let ttls = vec![15_000i64; n];
@@ -191,6 +219,171 @@ async fn lease_statements_reach_their_rows_by_index_at_ten_thousand_roles() {
     }
 }
 
+/// Runs `sql` with `params` under `EXPLAIN ANALYZE` in a transaction
+/// that is rolled back (for a statement whose side effects are writes and
+/// notifications, which the rollback undoes; never a lock or a
+/// termination), fails on a regression in the plan it ran, and returns
+/// its execution time (ms).
+async fn assert_indexed_as_run(
+    c: &tokio_postgres::Client,
+    what: &str,
+    sql: &str,
+    params: &[(&(dyn ToSql + Sync), Type)],
+) -> f64 {
+    c.batch_execute("BEGIN").await.unwrap();
+    let row = c
+        .query_typed_one(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {sql}"), params)
+        .await
+        .unwrap_or_else(|e| panic!("{what}: EXPLAIN ANALYZE failed: {e:?}"));
+    c.batch_execute("ROLLBACK").await.unwrap();
+    let plan: Value = row.get(0);
+    assert_no_regression(&format!("{what}, as run"), &plan);
+    plan[0]["Execution Time"].as_f64().unwrap_or_default()
+}
+
+/// The session backend's batched statements (`session/sql.rs` and the
+/// batched registration), for a batch of one up to a full chunk of each,
+/// planned for the batch and generically (a shared session keeps its
+/// statements prepared), by the backend whose pid the rows name and by a
+/// new one (a shared connection that reconnected: its pid is in no
+/// statistics). The statements that only write and notify are also run,
+/// in a transaction rolled back; the poll (advisory locks, which a
+/// rollback keeps) and the preemption (terminations) are only planned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_statements_reach_their_rows_by_index_at_ten_thousand_roles() {
+    let (db, _options) = migrated("session_plans").await;
+    // 10,000 roles led by `n` at term 1 on one shared session (`writer`'s
+    // backend), and a polling standby `m` of the same priority registered
+    // on it for each (the readiness checks read them).
+    let writer = db.connect().await;
+    fill(
+        &writer,
+        &format!(
+            "(role, holder, term, backend, holder_pid, acquired_at, renewed_at, lease_until)
+             SELECT 'r-' || i, 'n', 1, 'session', pg_backend_pid(), now(), now(),
+                    now() + interval '1 hour'
+               FROM generate_series(1, {ROWS}) AS i"
+        ),
+        &format!(
+            "(role, node, backend_pid, priority, backend, standby, timing)
+             SELECT 'r-' || i, 'm', pg_backend_pid(), 0, 'session', 'polling',
+                    '{{\"ttl_ms\": 15000, \"poll_interval_ms\": 1000}}'
+               FROM generate_series(1, {ROWS}) AS i"
+        ),
+    )
+    .await;
+    let newcomer = db.connect().await;
+    let schema = SchemaName::default();
+    let renew = pgelect::election::shared_renew_sql(&schema);
+    let poll = pgelect::election::shared_poll_sql(&schema);
+    let elect = pgelect::election::shared_elect_sql(&schema);
+    let preempt = pgelect::election::shared_preempt_sql(&schema);
+    let register = pgelect::election::shared_register_sql(&schema);
+    let timing = serde_json::json!({"ttl_ms": 15000, "poll_interval_ms": 1000});
+    let mut times = Vec::new();
+    for (who, c) in [("writer", &writer), ("newcomer", &newcomer)] {
+        for n in [1, SESSION_BATCH_ROWS, SESSION_RENEW_ROWS, SESSION_POLL_ROWS] {
+            // Roles with a row (held, or vacant once their leader is gone)
+            // and roles without one yet (a first start).
+            let held = spread(n);
+            let fresh: Vec<String> = (0..n).map(|i| format!("new-{i}")).collect();
+            // The registered standby `m` polls and is elected; `s`
+            // registers beside it (the stale-row check reads `m`'s row).
+            let (leaders, standbys, joiners) = (vec!["n"; n], vec!["m"; n], vec!["s"; n]);
+            let terms = vec![1i64; n];
+            let ttls = vec![15_000i64; n];
+            let priorities = vec![0i32; n];
+            let ids: Vec<i64> = (1..=n as i64).collect();
+            let subids = vec![1i16; n];
+            let metas: Vec<Option<Value>> = vec![None; n];
+            let timings = vec![timing.clone(); n];
+            let polling = vec!["polling"; n];
+            let payloads = vec!["pgelect:r"; n];
+            if n <= SESSION_RENEW_ROWS {
+                let what = format!("renewal of {n} ({who})");
+                let params: [(&(dyn ToSql + Sync), Type); 7] = [
+                    (&held, Type::TEXT_ARRAY),
+                    (&leaders, Type::TEXT_ARRAY),
+                    (&terms, Type::INT8_ARRAY),
+                    (&ttls, Type::INT8_ARRAY),
+                    (&priorities, Type::INT4_ARRAY),
+                    (&ids, Type::INT8_ARRAY),
+                    (&ids, Type::INT8_ARRAY),
+                ];
+                assert_indexed(c, &what, &renew, &params).await;
+                let ms = assert_indexed_as_run(c, &what, &renew, &params).await;
+                times.push(format!("{what}: {ms:.1} ms"));
+            }
+            for (kind, roles) in [("held", &held), ("new", &fresh)] {
+                let what = format!("poll of {n} {kind} roles ({who})");
+                assert_indexed(
+                    c,
+                    &what,
+                    &poll,
+                    &[
+                        (roles, Type::TEXT_ARRAY),
+                        (&standbys, Type::TEXT_ARRAY),
+                        (&ids, Type::INT8_ARRAY),
+                        (&terms, Type::INT8_ARRAY),
+                        (&leaders, Type::TEXT_ARRAY),
+                        // Every standby's registration due for a refresh.
+                        (roles, Type::TEXT_ARRAY),
+                        (&standbys, Type::TEXT_ARRAY),
+                    ],
+                )
+                .await;
+                let what = format!("zombie preemption of {n} {kind} roles ({who})");
+                assert_indexed(
+                    c,
+                    &what,
+                    &preempt,
+                    &[
+                        (roles, Type::TEXT_ARRAY),
+                        (&ids, Type::INT8_ARRAY),
+                        (&ids, Type::INT8_ARRAY),
+                        (&subids, Type::INT2_ARRAY),
+                        (&ttls, Type::INT8_ARRAY),
+                        (&false, Type::BOOL),
+                    ],
+                )
+                .await;
+                if n > SESSION_BATCH_ROWS {
+                    continue;
+                }
+                let what = format!("election of {n} {kind} roles ({who})");
+                let params: [(&(dyn ToSql + Sync), Type); 9] = [
+                    (roles, Type::TEXT_ARRAY),
+                    (&standbys, Type::TEXT_ARRAY),
+                    (&metas, Type::JSONB_ARRAY),
+                    (&ttls, Type::INT8_ARRAY),
+                    (&payloads, Type::TEXT_ARRAY),
+                    (&priorities, Type::INT4_ARRAY),
+                    (&ids, Type::INT8_ARRAY),
+                    (&ids, Type::INT8_ARRAY),
+                    (&subids, Type::INT2_ARRAY),
+                ];
+                assert_indexed(c, &what, &elect, &params).await;
+                let ms = assert_indexed_as_run(c, &what, &elect, &params).await;
+                times.push(format!("{what}: {ms:.1} ms"));
+                let what = format!("registration of {n} standbys of {kind} roles ({who})");
+                let params: [(&(dyn ToSql + Sync), Type); 7] = [
+                    (roles, Type::TEXT_ARRAY),
+                    (&joiners, Type::TEXT_ARRAY),
+                    (&priorities, Type::INT4_ARRAY),
+                    (&polling, Type::TEXT_ARRAY),
+                    (&timings, Type::JSONB_ARRAY),
+                    (&metas, Type::JSONB_ARRAY),
+                    (&payloads, Type::TEXT_ARRAY),
+                ];
+                assert_indexed(c, &what, &register, &params).await;
+                let ms = assert_indexed_as_run(c, &what, &register, &params).await;
+                times.push(format!("{what}: {ms:.1} ms"));
+            }
+        }
+    }
+    println!("{}", times.join("\n"));
+}
+
 /// The nodes of `plan` that run once per row of their parent (a
 /// correlated subquery), by name.
 fn per_row_subplans(plan: &Value, found: &mut Vec<String>) {
@@ -219,24 +412,26 @@ async fn the_partition_group_read_is_one_pass_and_sends_the_members_once_at_a_th
     let c = db.connect().await;
     // 1,000 partitions of group g, each led (lease backend) by its own
     // member and stood for by the next one, beside 10,000 other roles.
-    c.batch_execute(&format!(
-        "INSERT INTO pgelect.leaders
-                (role, holder, term, backend, acquired_at, renewed_at, lease_until)
-         SELECT 'g/' || i, 'm' || i, 1, 'lease', now(), now(), now() + interval '1 hour'
-           FROM generate_series(0, {last}) AS i
-         UNION ALL
-         SELECT 'r-' || i, 'n', 1, 'lease', now(), now(), now() + interval '1 hour'
-           FROM generate_series(1, {ROWS}) AS i;
-         INSERT INTO pgelect.candidates (role, node, priority, backend, timing, meta, standby)
-         SELECT 'g/' || i, 'm' || ((i + 1) % {PARTITIONS}), 0, 'lease',
-                '{{\"ttl_ms\": 600000}}', '{{\"pgelect_partitions\": \"{PARTITIONS}\"}}', 'polling'
-           FROM generate_series(0, {last}) AS i;
-         ANALYZE pgelect.leaders;
-         ANALYZE pgelect.candidates;",
-        last = PARTITIONS - 1
-    ))
-    .await
-    .unwrap();
+    let last = PARTITIONS - 1;
+    fill(
+        &c,
+        &format!(
+            "(role, holder, term, backend, acquired_at, renewed_at, lease_until)
+             SELECT 'g/' || i, 'm' || i, 1, 'lease', now(), now(), now() + interval '1 hour'
+               FROM generate_series(0, {last}) AS i
+             UNION ALL
+             SELECT 'r-' || i, 'n', 1, 'lease', now(), now(), now() + interval '1 hour'
+               FROM generate_series(1, {ROWS}) AS i"
+        ),
+        &format!(
+            "(role, node, priority, backend, timing, meta, standby)
+             SELECT 'g/' || i, 'm' || ((i + 1) % {PARTITIONS}), 0, 'lease',
+                    '{{\"ttl_ms\": 600000}}', '{{\"pgelect_partitions\": \"{PARTITIONS}\"}}',
+                    'polling'
+               FROM generate_series(0, {last}) AS i"
+        ),
+    )
+    .await;
     let sql = pgelect::partitions::group_read_sql(&SchemaName::default());
     let roles: Vec<String> = (0..PARTITIONS)
         .map(|p| pgelect::partitions::partition_role("g", p as u32))

@@ -16,9 +16,9 @@ mod keep;
 mod sql;
 
 pub(crate) use campaign::{campaign, preempt};
-#[cfg(feature = "test-hooks")]
-pub use sql::shared_renew_sql;
 pub(crate) use sql::Zombies;
+#[cfg(feature = "test-hooks")]
+pub use sql::{shared_elect_sql, shared_poll_sql, shared_preempt_sql, shared_renew_sql};
 
 use campaign::{elect_batches, poll_batches, register_batches, NEW_STANDBY_WAIT};
 use keep::renew_batches;

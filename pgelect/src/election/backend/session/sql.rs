@@ -90,6 +90,32 @@ pub fn shared_renew_sql(schema: &crate::schema::SchemaName) -> String {
     batch_renew_sql(schema.as_str())
 }
 
+/// The batched poll's statement for `schema` (see `batch_poll_sql`), as a
+/// shared session sends it, so that a test can check its plan.
+#[cfg(feature = "test-hooks")]
+#[doc(hidden)]
+pub fn shared_poll_sql(schema: &crate::schema::SchemaName) -> String {
+    batch_poll_sql(schema.as_str())
+}
+
+/// The batched election's statement for `schema` (see
+/// `batch_elect_sql`), as a shared session sends it, so that a test can
+/// check its plan.
+#[cfg(feature = "test-hooks")]
+#[doc(hidden)]
+pub fn shared_elect_sql(schema: &crate::schema::SchemaName) -> String {
+    batch_elect_sql(schema.as_str())
+}
+
+/// The zombie preemption's statement for `schema` (see `preempt_sql`), as
+/// a shared session and a standby alone send it, so that a test can check
+/// its plan.
+#[cfg(feature = "test-hooks")]
+#[doc(hidden)]
+pub fn shared_preempt_sql(schema: &crate::schema::SchemaName) -> String {
+    preempt_sql(schema.as_str())
+}
+
 /// The batched poll: refreshes the registry rows of the standbys whose
 /// refresh is due (`$6`, `$7`: role, node; as a single standby's poll
 /// does), tries every standby's lock, and returns the granted roles and,
