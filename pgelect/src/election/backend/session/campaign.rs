@@ -177,7 +177,7 @@ pub(super) async fn attempt(shared: &Arc<ElectorState>, session: &SessionState) 
                 LockConn::Own(_) => Box::pin(register.run(shared, &conn)).await?,
             }
             match &conn {
-                LockConn::Own(own) => Box::pin(poll_for_lock(shared, own, interval, true)).await?,
+                LockConn::Own(own) => Box::pin(poll_for_lock(shared, own, interval)).await?,
                 LockConn::Shared(session) => {
                     Box::pin(poll_in_batch(shared, session, interval)).await?
                 }
@@ -779,18 +779,15 @@ pub(super) async fn poll_for_lock(
     shared: &ElectorState,
     conn: &DedicatedConnection,
     interval: Duration,
-    listen: bool,
 ) -> Result<()> {
     let schema = shared.options.schema_name();
     let s = schema.as_str();
     let mut notices = conn.notices();
-    if listen {
-        conn.client()
-            .batch_execute(&format!("LISTEN {LEADER_CHANNEL}"))
-            .await
-            .map_err(|e| Error::db("listen for leader changes", s, e))?;
-        step_aside(shared, conn, interval, &mut notices).await?;
-    }
+    conn.client()
+        .batch_execute(&format!("LISTEN {LEADER_CHANNEL}"))
+        .await
+        .map_err(|e| Error::db("listen for leader changes", s, e))?;
+    step_aside(shared, conn, interval, &mut notices).await?;
     // Each poll also proves, every few seconds, that this standby still
     // polls (see the registry): a row that stops being refreshed is not
     // ready, so nobody hands over or yields to a candidate that is gone.
@@ -809,12 +806,10 @@ pub(super) async fn poll_for_lock(
         }
         shared.contact.touch();
         if granted {
-            if listen {
-                conn.client()
-                    .batch_execute(&format!("UNLISTEN {LEADER_CHANNEL}"))
-                    .await
-                    .map_err(|e| Error::db("stop listening", s, e))?;
-            }
+            conn.client()
+                .batch_execute(&format!("UNLISTEN {LEADER_CHANNEL}"))
+                .await
+                .map_err(|e| Error::db("stop listening", s, e))?;
             return Ok(());
         }
         // The lock is taken but no live lease names its holder: a zombie
