@@ -36,7 +36,7 @@ use crate::election::support::{
     WakeLimit, WakeOn,
 };
 use crate::election::watch::{
-    leader_info_at, read_leader_mode_and_lease, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL,
+    leader_info_at, read_leader_mode_and_lease, LeaderInfo, LEADER_CHANNEL,
 };
 use crate::election::{Backend, ElectorState, StandbyMode, Term};
 
@@ -136,15 +136,7 @@ pub(super) async fn attempt(shared: &Arc<ElectorState>, session: &SessionState) 
             StandbyMode::Polling { .. } => Waits::Polling,
         },
     );
-    let conn = match &session.host {
-        Some(host) => LockConn::Shared(Box::pin(host.client().get()).await?),
-        // The connection of this elector's last clean release, if it is
-        // still open: warmed up and checked already, no backend to start.
-        None => LockConn::Own(match session.take_spare() {
-            Some(conn) => conn,
-            None => Box::pin(lock_connection(shared, &elect)).await?,
-        }),
-    };
+    let conn = LockConn::open(shared, session, &elect).await?;
     let mut guard = KillOnDrop {
         conn: Some(&conn),
         key: shared.key,
@@ -162,107 +154,16 @@ pub(super) async fn attempt(shared: &Arc<ElectorState>, session: &SessionState) 
             watch_held = Box::pin(wait_blocking(shared, &conn, &register)).await?
         }
         StandbyMode::Polling { interval } => {
-            match &conn {
-                // On a shared connection, one statement registers the
-                // standbys of many roles: the leaders' renewals and
-                // heartbeats on it must not queue behind a thousand
-                // registrations. A failed batch is run alone (a few at a
-                // time) to learn and report this role's error.
-                LockConn::Shared(session) => {
-                    if !session.register(register.entry(shared)).await {
-                        let _turn = session.campaign_turn().await;
-                        Box::pin(register.run(shared, &conn)).await?;
-                    }
-                }
-                LockConn::Own(_) => Box::pin(register.run(shared, &conn)).await?,
-            }
-            match &conn {
-                LockConn::Own(own) => Box::pin(poll_for_lock(shared, own, interval)).await?,
-                LockConn::Shared(session) => {
-                    Box::pin(poll_in_batch(shared, session, interval)).await?
-                }
-            }
+            conn.register_polling(shared, &register).await?;
+            conn.poll_until_granted(shared, interval).await?;
         }
     }
     metrics::squatters(&shared.role, 0);
     tracing::debug!(waited = ?wait_started.elapsed(), "lock granted");
     let granted_at = Instant::now();
 
-    // The term bump and the lease row, in one transaction. LISTEN for
-    // resign requests commits with it: requests are delivered from the
-    // moment the row names us, and none meant for the previous leader.
-    let (elected, notices, sent_at) = match &conn {
-        LockConn::Own(own) => {
-            let sent_at = Instant::now();
-            let notices = own.notices();
-            // The three requests are pipelined (sent in this order in one
-            // go, run in order by the server): one round trip, not three.
-            let listen = format!("BEGIN; LISTEN {RESIGN_CHANNEL}");
-            // Boxed, as the other long or rare steps of an attempt: a
-            // standby's future, thousands of them on a shared connection,
-            // holds only the step it waits in.
-            let unwatch = async {
-                match watch_held {
-                    Some(w) => own
-                        .client()
-                        .query_typed_one("SELECT pg_advisory_unlock($1)", &[(&w, Type::INT8)])
-                        .await
-                        .map(|_| ()),
-                    None => Ok(()),
-                }
-            };
-            let (begun, elected, committed, unwatched) = Box::pin(async {
-                tokio::join!(
-                    own.client().batch_execute(&listen),
-                    elect.run(shared, own),
-                    own.client().batch_execute("COMMIT"),
-                    unwatch,
-                )
-            })
-            .await;
-            unwatched.map_err(|e| Error::db("let go of the role's watch key", s, e))?;
-            begun.map_err(|e| Error::db("record the new term", s, e))?;
-            let elected = elected?;
-            committed.map_err(|e| Error::db("record the new term", s, e))?;
-            if let ElectOutcome::Yield(_) = &elected {
-                // The LISTEN committed with the (empty) transaction.
-                own.client()
-                    .batch_execute(&format!("UNLISTEN {RESIGN_CHANNEL}"))
-                    .await
-                    .map_err(|e| Error::db("stop listening", s, e))?;
-            }
-            (elected, notices, sent_at)
-        }
-        LockConn::Shared(c) => {
-            if let Some(w) = watch_held {
-                c.client()
-                    .query_typed_one("SELECT pg_advisory_unlock($1)", &[(&w, Type::INT8)])
-                    .await
-                    .map_err(|e| Error::db("let go of the role's watch key", s, e))?;
-            }
-            // Other roles' statements run on this connection too: no
-            // explicit transaction, one statement. The connection listens
-            // for resign requests all along and hands this role's to this
-            // candidate from the subscription on: one sent just before
-            // this term costs at most an early check of the row, which
-            // carries the request only if it names this term.
-            let hints = c.hints(&registry::hint_payload(s, &shared.role));
-            // One statement elects every role of this connection granted
-            // meanwhile. The deadline counts from its sending: a wait for
-            // it is no time led.
-            match c.elect(elect.entry(shared)).await {
-                Some((sent_at, row)) => (elect.outcome(shared, &row, 1)?, hints, sent_at),
-                None => {
-                    // Failed: alone, a few at a time, to learn this role's
-                    // error (a failed statement wrote nothing).
-                    let _turn = c.campaign_turn().await;
-                    let sent_at = Instant::now();
-                    let elected = Box::pin(elect.run(shared, c)).await?;
-                    (elected, hints, sent_at)
-                }
-            }
-        }
-    };
+    let (elected, notices, sent_at) =
+        Box::pin(conn.record_term(shared, &elect, watch_held)).await?;
     let answered = Instant::now();
     shared.contact.touch();
     let elected = match elected {
@@ -275,10 +176,7 @@ pub(super) async fn attempt(shared: &Arc<ElectorState>, session: &SessionState) 
             // to: whoever is granted next checks again.
             tracing::info!(%preferred, "granted the lock while a ready candidate of higher priority waits; giving it back");
             let unlock = format!("SELECT pg_advisory_unlock({})", key.sql_args(1));
-            let _turn = match &conn {
-                LockConn::Shared(c) => Some(c.campaign_turn().await),
-                LockConn::Own(_) => None,
-            };
+            let _turn = conn.campaign_turn().await;
             let unlocked: bool = Box::pin(conn.client().query_typed_one(&unlock, &args))
                 .await
                 .and_then(|row| row.try_get(0))
@@ -293,9 +191,7 @@ pub(super) async fn attempt(shared: &Arc<ElectorState>, session: &SessionState) 
             }
             guard.conn = None;
             drop(guard);
-            if let LockConn::Own(own) = conn {
-                session.put_spare(own);
-            }
+            conn.keep_for_next_campaign(session);
             return Ok(Attempt::Yielded);
         }
     };
@@ -440,12 +336,11 @@ pub(super) async fn wait_blocking(
 ) -> Result<Option<i64>> {
     let schema = shared.options.schema_name().clone();
     let s = schema.as_str();
-    if let LockConn::Own(own) = conn {
-        *shared
-            .lock_server
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = own.server().cloned();
-    }
+    // (A blocking standby stands on a connection of its own.)
+    *shared
+        .lock_server
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = conn.server().cloned();
     let (LockKey::Single(k), LockKey::Single(w)) = (shared.key, watch_key(s, &shared.role)) else {
         unreachable!("BUG: role keys are hashed names, which are single keys")
     };
@@ -654,7 +549,11 @@ impl ElectStatement {
         Ok(())
     }
 
-    async fn run(&self, shared: &ElectorState, conn: &DedicatedConnection) -> Result<ElectOutcome> {
+    pub(super) async fn run(
+        &self,
+        shared: &ElectorState,
+        conn: &DedicatedConnection,
+    ) -> Result<ElectOutcome> {
         let s = shared.options.schema_name().as_str();
         let row = self
             .rows(shared)
@@ -666,7 +565,7 @@ impl ElectStatement {
 
     /// This election as an entry of a shared session's batched election,
     /// which does what this statement does, for many roles at once.
-    fn entry(&self, shared: &ElectorState) -> Election {
+    pub(super) fn entry(&self, shared: &ElectorState) -> Election {
         Election {
             role: shared.role.clone(),
             node: shared.node.clone(),
@@ -680,7 +579,12 @@ impl ElectStatement {
 
     /// Decodes the statement's row, whose columns start at `at` (0 for
     /// this statement's own, 1 in the batched election's).
-    fn outcome(&self, shared: &ElectorState, row: &Row, at: usize) -> Result<ElectOutcome> {
+    pub(super) fn outcome(
+        &self,
+        shared: &ElectorState,
+        row: &Row,
+        at: usize,
+    ) -> Result<ElectOutcome> {
         let s = shared.options.schema_name().as_str();
         let preferred: Option<String> = row
             .try_get(at + 5)
@@ -1257,7 +1161,7 @@ pub(super) async fn poll_batches(session: std::sync::Weak<SharedSession>, schema
             let unlocked = s
                 .conn
                 .client()
-                .query_typed_one(&super::unlock_if_held_sql(key), &args)
+                .query_typed_one(&unlock_if_held_sql(key), &args)
                 .await;
             match unlocked {
                 Ok(_) => tracing::debug!(%key, "unlocked a lock granted to a standby that left"),

@@ -98,18 +98,15 @@ impl SessionKeep {
         // one batch ask again at the same moment (each is handed every
         // batch's outcome), so a short wait is enough.
         let share_wait = (shared.timing.heartbeat_timeout / 10).min(Duration::from_millis(20));
-        let batch = match &conn {
-            LockConn::Shared(session) => Some(session.join_batch(
-                &shared.role,
-                &shared.node,
-                term,
-                ttl_ms,
-                shared.priority,
-                shared.key,
-                share_wait,
-            )),
-            LockConn::Own(_) => None,
-        };
+        let batch = conn.join_renewals(
+            &shared.role,
+            &shared.node,
+            term,
+            ttl_ms,
+            shared.priority,
+            shared.key,
+            share_wait,
+        );
         SessionKeep {
             renewal: renewal_of(&shared, term, ttl_ms),
             shared,
@@ -199,10 +196,8 @@ impl KeepBackend for SessionKeep {
             // its leaders (its `Alive` whatever the server's mode, as
             // before: the renewal finds a read-only server); a failed one
             // is asked again here to get the error to report.
-            if let LockConn::Shared(session) = &self.conn {
-                if session.probe().answer(sent, share_wait).await.is_some() {
-                    return (sent, Ok(Answer::Alive));
-                }
+            if self.conn.probe_answered(sent, share_wait).await {
+                return (sent, Ok(Answer::Alive));
             }
             let r = probe::ask(self.conn.client())
                 .await
@@ -216,10 +211,7 @@ impl KeepBackend for SessionKeep {
     }
 
     async fn answered(&self) -> Instant {
-        match &self.conn {
-            LockConn::Shared(session) => session.probe().next_answer().await,
-            LockConn::Own(_) => std::future::pending().await,
-        }
+        self.conn.next_probe_answer().await
     }
 
     fn closed(&self) -> impl Future<Output = ()> + Send + '_ {
@@ -286,8 +278,8 @@ impl KeepBackend for SessionKeep {
                 // that would compete with the successor's election
                 // (measured in the failover benchmark); it is closed
                 // when the elector is dropped.
-                if let (LockConn::Own(own), Some(session)) = (self.conn, self.shared.session()) {
-                    session.put_spare(own);
+                if let Some(session) = self.shared.session() {
+                    self.conn.keep_for_next_campaign(session);
                 }
             }
             Err(e) => {
@@ -343,9 +335,9 @@ pub(super) async fn release(shared: &ElectorState, conn: &LockConn, term: i64) -
     // A listening backend that does not read (a later lock wait) would
     // hold back the server's notification queue. A shared connection
     // listens for its whole life and never waits.
-    let unlisten = match conn {
-        LockConn::Own(_) => format!("UNLISTEN {RESIGN_CHANNEL}"),
-        LockConn::Shared(_) => String::new(),
+    let unlisten = match conn.listens_for_life() {
+        true => String::new(),
+        false => format!("UNLISTEN {RESIGN_CHANNEL}"),
     };
     let (cleared, unlocked, unlistened) = tokio::join!(
         conn.query_kept_one(&sql, &clear_args),

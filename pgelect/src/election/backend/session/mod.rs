@@ -3,8 +3,10 @@
 //! connection, or a [`SharedConnection`](crate::election::SharedConnection)
 //! carrying the candidates of many roles. Split by what it does:
 //!
-//! * this file: the connections that carry the roles ([`SharedConnection`],
-//!   [`SharedSession`], [`LockConn`]) and their queues;
+//! * this file: the shared connections that carry many roles
+//!   ([`SharedConnection`], [`SharedSession`]) and their queues;
+//! * [`lock_conn`]: the connection one candidate stands on ([`LockConn`]:
+//!   its own or a shared one), with every step in which the two differ;
 //! * [`sql`]: the backend's statements, one text per operation;
 //! * [`campaign`]: gaining leadership (a blocking wait on a connection of
 //!   one candidate, polling or batched otherwise);
@@ -13,6 +15,7 @@
 
 mod campaign;
 mod keep;
+mod lock_conn;
 mod sql;
 
 pub(crate) use campaign::{campaign, preempt};
@@ -22,6 +25,7 @@ pub use sql::{shared_elect_sql, shared_poll_sql, shared_preempt_sql, shared_rene
 
 use campaign::{elect_batches, poll_batches, register_batches, NEW_STANDBY_WAIT};
 use keep::renew_batches;
+use lock_conn::{unlock_if_held_sql, KillOnDrop, LockConn};
 use sql::{batch_elect_sql, batch_poll_sql, batch_renew_sql};
 
 use std::collections::{HashMap, HashSet};
@@ -32,7 +36,6 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::{broadcast, oneshot, watch, Mutex as AsyncMutex, Semaphore, SemaphorePermit};
 use tokio::time::Instant;
-use tokio_postgres::types::Type;
 
 use crate::conn::probe::Probe;
 use crate::conn::{ConnectOptions, DedicatedConnection, Notice, TcpTimeouts};
@@ -44,8 +47,6 @@ use crate::schema::{check_schema, SchemaName};
 use crate::election::backend::batch::{chunks, remove_if_term, Batch, Member, Outcome, Termed};
 use crate::election::backend::claim::{Claim, Roles};
 use crate::election::watch::{parse_leader_event, LeaderInfo, LEADER_CHANNEL, RESIGN_CHANNEL};
-use crate::key::LockKey;
-use tokio_postgres::types::ToSql;
 
 /// One server session shared by the session-backend candidates of many
 /// roles, so that a process standing for a hundred roles holds one
@@ -800,113 +801,6 @@ impl SharedSession {
         tokio::select! {
             r = rx => r.ok().flatten(),
             _ = self.conn.closed().cancelled() => None,
-        }
-    }
-}
-
-/// The connection a candidate stands on.
-// One per campaign, built once and borrowed: the size difference costs
-// nothing worth a box.
-#[allow(clippy::large_enum_variant)]
-pub(crate) enum LockConn {
-    /// Its own: dropped leadership kills it (the server releases the lock),
-    /// a clean release keeps it for the next campaign.
-    Own(DedicatedConnection),
-    /// A [`SharedConnection`](crate::election::SharedConnection), also holding other
-    /// roles' locks: dropped leadership unlocks this role's key only.
-    Shared(Arc<SharedSession>),
-}
-
-impl std::ops::Deref for LockConn {
-    type Target = DedicatedConnection;
-
-    fn deref(&self) -> &DedicatedConnection {
-        match self {
-            LockConn::Own(c) => c,
-            LockConn::Shared(c) => c,
-        }
-    }
-}
-
-impl LockConn {
-    /// Lets go of `key` without a clean release: the lease row still names
-    /// this candidate, so the next leader waits the handover delay.
-    fn abandon(&self, key: LockKey) {
-        match self {
-            LockConn::Own(c) => c.kill(),
-            LockConn::Shared(c) => {
-                let c = c.clone();
-                let Ok(rt) = tokio::runtime::Handle::try_current() else {
-                    c.kill();
-                    return;
-                };
-                rt.spawn(async move {
-                    // Only if held: a campaign dropped while polling holds
-                    // nothing, and an unlock of a lock not held makes the
-                    // server log a warning.
-                    let sql = unlock_if_held_sql(key);
-                    let params = key.params();
-                    let args: Vec<(&(dyn ToSql + Sync), Type)> =
-                        params.iter().map(|p| p.as_sql()).collect();
-                    let unlocked = c
-                        .client()
-                        .query_typed_one(&sql, &args)
-                        .await
-                        .and_then(|row| row.try_get::<_, bool>(0));
-                    match unlocked {
-                        Ok(true) => {}
-                        Ok(false) => tracing::warn!(%key, "an abandoned role's lock was not held on the shared connection"),
-                        Err(e) => {
-                            // A lock that cannot be released must not stay
-                            // with a session that no longer renews it.
-                            tracing::warn!(%key, error = %e, "could not unlock an abandoned role; dropping the shared connection");
-                            c.kill();
-                        }
-                    }
-                });
-            }
-        }
-    }
-}
-
-/// Unlocks `key` (bound as [`LockKey::params`](crate::key::LockKey::params))
-/// if this session holds it; true when unlocked or not held. No warning in
-/// the server's log for a lock not held.
-pub(super) fn unlock_if_held_sql(key: crate::key::LockKey) -> String {
-    let (classid, objid, objsubid) = key.pg_locks_ids();
-    format!(
-        "SELECT CASE WHEN EXISTS (
-             SELECT 1 FROM pg_locks
-              WHERE locktype = 'advisory' AND pid = pg_backend_pid()
-                AND granted AND mode = 'ExclusiveLock' AND classid = {classid}
-                AND objid = {objid} AND objsubid = {objsubid})
-         THEN pg_advisory_unlock({}) ELSE true END",
-        key.sql_args(1)
-    )
-}
-
-/// Undoes a campaign dropped half-way, unless disarmed: its own connection
-/// is killed (no waiting backend left behind); on a shared connection the
-/// role's lock is released if it was taken.
-struct KillOnDrop<'a> {
-    conn: Option<&'a LockConn>,
-    key: LockKey,
-}
-
-impl Drop for KillOnDrop<'_> {
-    fn drop(&mut self) {
-        match self.conn.take() {
-            Some(LockConn::Own(conn)) => {
-                let cancel = conn.canceller();
-                if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                    rt.spawn(async move {
-                        let _ = cancel.cancel().await;
-                    });
-                }
-                conn.kill();
-            }
-            Some(shared @ LockConn::Shared(_)) => shared.abandon(self.key),
-            None => {}
         }
     }
 }
