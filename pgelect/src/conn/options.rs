@@ -258,6 +258,11 @@ impl ConnectOptions {
         Ok(self)
     }
 
+    /// The bound on establishing a connection ([`connect_timeout`](Self::connect_timeout)).
+    pub(crate) fn connect_bound(&self) -> Duration {
+        self.connect_timeout
+    }
+
     /// The TLS mode connections use (`sslmode`, else `PGSSLMODE`, else
     /// `prefer`); see [`SslMode`] for what each protects against.
     pub fn ssl_mode(&self) -> SslMode {

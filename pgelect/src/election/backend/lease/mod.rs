@@ -183,9 +183,10 @@ struct Inner {
     /// Whether requests wait a moment for others to share their statement:
     /// not on a candidate's own client, which carries one role.
     shares: bool,
-    /// The connection between two statements; a statement holds the lock
-    /// while in flight, so one statement at a time is sent.
-    conn: AsyncMutex<Option<DedicatedConnection>>,
+    /// The connection between two statements (and one being opened); a
+    /// statement holds the lock while in flight, so one statement at a
+    /// time is sent.
+    conn: AsyncMutex<Link>,
     /// Roles with a live elector on this client.
     roles: Roles,
     /// The leaders on this client, by role: every batched renewal renews
@@ -269,6 +270,8 @@ enum Op {
     Release,
     Withdraw,
     Read,
+    /// A partition group's read ([`SharedLease::read_group`]).
+    ReadGroup,
 }
 
 impl Op {
@@ -280,6 +283,7 @@ impl Op {
             Op::Release => "release the lease",
             Op::Withdraw => "withdraw from the candidate registry",
             Op::Read => "read the lease",
+            Op::ReadGroup => "read the partition group",
         }
     }
 }
@@ -313,7 +317,7 @@ impl SharedLease {
                 purpose,
                 metric_role,
                 shares,
-                conn: AsyncMutex::new(None),
+                conn: AsyncMutex::new(Link::default()),
                 roles: Roles::default(),
                 leaders: Mutex::new(HashMap::new()),
                 renew_wanted: watch::Sender::new(None),
@@ -387,8 +391,8 @@ impl SharedLease {
     }
 
     /// The number of statements sent on the connection so far (renewals,
-    /// acquires, registrations, releases; not the schema check of a new
-    /// connection).
+    /// acquires, registrations, releases, a partition group's reads; not
+    /// the schema check of a new connection).
     pub fn statements(&self) -> u64 {
         self.inner.statements.load(Ordering::Relaxed)
     }
@@ -403,8 +407,11 @@ impl SharedLease {
     /// The server process id of the current connection, if one is open
     /// (through a pooler: the pooler's id for the client connection).
     pub async fn backend_pid(&self) -> Option<i32> {
-        let conn = self.inner.conn.lock().await;
-        conn.as_ref().filter(|c| !c.is_closed()).map(|c| c.pid())
+        let link = self.inner.conn.lock().await;
+        link.open
+            .as_ref()
+            .filter(|c| !c.is_closed())
+            .map(|c| c.pid())
     }
 
     fn purpose(&self) -> String {
@@ -443,9 +450,11 @@ impl SharedLease {
     /// Runs one statement, (re)connecting first if needed, bounded by
     /// `bound` (connecting by at least [`PATIENT_BOUND`]). Returns the
     /// moment the statement was handed to the connection — taken right
-    /// before it, never later — and its rows. On a timeout or a connection
-    /// failure the connection is dropped (the running statement cancelled),
-    /// so the next statement starts on a fresh one.
+    /// before it, never later — and its rows. After a connection failure,
+    /// or a second statement in a row without an answer in time, the
+    /// connection is dropped (a running statement cancelled), so the next
+    /// statement starts on a fresh one; after a first one it is kept (see
+    /// [`Link::late`]).
     async fn exec(
         &self,
         op: Op,
@@ -456,37 +465,15 @@ impl SharedLease {
         let inner = &self.inner;
         let schema = inner.options.schema_name();
         let operation = op.operation();
-        let mut conn = inner.conn.lock().await;
-        let open = async {
-            let c = inner.options.connect(&self.connection_name()).await?;
-            let (sigs, sources) = &inner.sql.check;
-            let args: [(&(dyn ToSql + Sync), Type); 2] =
-                [(sigs, Type::TEXT_ARRAY), (sources, Type::TEXT_ARRAY)];
-            // Pipelined: one round trip.
-            let (checked, functions) = tokio::join!(
-                check_schema(c.client(), schema),
-                c.client().query_typed_one(sql::FUNCTIONS_CHECK, &args)
-            );
-            let functions = functions
-                .and_then(|row| row.try_get::<_, bool>(0))
-                .map_err(|e| Error::db("look for the lease functions", schema.as_str(), e));
-            let checked = checked.and_then(|()| {
-                let found = functions?;
-                if !found {
-                    tracing::debug!(
-                        schema = schema.as_str(),
-                        "the schema's lease functions are missing, differ from this version's statements or may not be called (no EXECUTE grant): the statements are sent whole"
-                    );
-                }
-                inner.functions.store(found, Ordering::Relaxed);
-                Ok(())
-            });
-            c.kept_if(checked)
-        };
-        if let Err(e) = reopen(&mut conn, bound.max(PATIENT_BOUND), operation, open).await {
+        let mut link = inner.conn.lock().await;
+        if let Err(e) = self
+            .reopen(&mut link, bound.max(PATIENT_BOUND), operation)
+            .await
+        {
             return (Instant::now(), Err(e));
         }
-        let c = conn.as_ref().expect("BUG: connected above");
+        let conn = link.open.as_ref().expect("BUG: connected above");
+        let c = conn;
         inner.statements.fetch_add(1, Ordering::Relaxed);
         crate::metrics::lease_statement(&inner.metric_role, op_kind(op));
         // Taken before the statement is written to the socket: the
@@ -503,7 +490,7 @@ impl SharedLease {
         // `jit` for its own statement.
         let call = match sql {
             Sql::Lease(pick) if inner.functions.load(Ordering::Relaxed) => {
-                Some(pick(&inner.sql.calls))
+                Some(pick(&inner.sql.calls).as_str())
             }
             _ => None,
         };
@@ -530,8 +517,169 @@ impl SharedLease {
                 .map_err(|e| Error::db(operation, schema.as_str(), e))
         };
         let r = tokio::time::timeout(bound, run).await;
-        let r = drop_connection_on_failure(&mut conn, operation, r);
+        let r = match r {
+            // The first statement in a row that got no answer in time: the
+            // connection is kept (see `Link::late`).
+            Err(_) if !link.late => {
+                link.late = true;
+                Err(Error::connection_lost(operation))
+            }
+            r => {
+                if r.is_ok() {
+                    link.late = false;
+                }
+                let r = drop_connection_on_failure(&mut link.open, operation, r);
+                if link.open.is_none() {
+                    link.late = false;
+                }
+                r
+            }
+        };
         (sent, r)
+    }
+
+    /// Makes sure `link` has an open connection, waiting at most `bound`
+    /// for one. A connection attempt runs in a task of its own, which a
+    /// caller that stops waiting leaves running: the next statement takes
+    /// the connection it opens (or its error). Through a pooler that logs
+    /// clients in slowly (PgBouncer hashes each SCRAM login on its one
+    /// thread: about 100 a second on a 2-core machine), a login given up
+    /// at every statement's bound and started again by the next one was
+    /// work thrown away: 1,000 members starting together never all logged
+    /// in.
+    async fn reopen(
+        &self,
+        link: &mut Link,
+        bound: Duration,
+        operation: &'static str,
+    ) -> Result<()> {
+        if link.open.as_ref().is_some_and(|c| c.is_closed()) {
+            link.open.take();
+        }
+        if link.open.is_some() {
+            return Ok(());
+        }
+        let opening = link
+            .opening
+            .get_or_insert_with(|| tokio::spawn(self.open_connection()));
+        let joined = match tokio::time::timeout(bound, opening).await {
+            Ok(joined) => joined,
+            // Still connecting: left running for the next statement.
+            Err(_) => return Err(Error::connection_lost(operation)),
+        };
+        link.opening = None;
+        match joined {
+            Ok(Ok((c, functions))) => {
+                self.inner.functions.store(functions, Ordering::Relaxed);
+                link.open = Some(c);
+                Ok(())
+            }
+            Ok(Err(e)) => Err(e),
+            // Panicked or cancelled at the runtime's shutdown.
+            Err(_) => Err(Error::connection_lost(operation)),
+        }
+    }
+
+    /// A new connection for the client, checked: the schema's version, and
+    /// whether it may call the lease functions (the second value). Owns
+    /// what it needs, to run in a task of its own ([`Self::reopen`]),
+    /// bounded by the connect timeout (plus [`PATIENT_BOUND`] for the
+    /// checks, which wait behind other clients through a pooler).
+    fn open_connection(
+        &self,
+    ) -> impl std::future::Future<Output = Result<(DedicatedConnection, bool)>> + Send + 'static
+    {
+        let options = self.inner.options.clone();
+        let name = self.connection_name();
+        let (sigs, sources) = self.inner.sql.check.clone();
+        let at_most = options.connect_bound() + PATIENT_BOUND;
+        async move {
+            let open = async {
+                let schema = options.schema_name();
+                let c = options.connect(&name).await?;
+                let args: [(&(dyn ToSql + Sync), Type); 2] =
+                    [(&sigs, Type::TEXT_ARRAY), (&sources, Type::TEXT_ARRAY)];
+                // Pipelined: one round trip.
+                let (checked, functions) = tokio::join!(
+                    check_schema(c.client(), schema),
+                    c.client().query_typed_one(sql::FUNCTIONS_CHECK, &args)
+                );
+                let functions = functions
+                    .and_then(|row| row.try_get::<_, bool>(0))
+                    .map_err(|e| Error::db("look for the lease functions", schema.as_str(), e));
+                let mut found = false;
+                let checked = checked.and_then(|()| {
+                    found = functions?;
+                    if !found {
+                        tracing::debug!(
+                            schema = schema.as_str(),
+                            "the schema's lease functions are missing, differ from this version's statements or may not be called (no EXECUTE grant): the statements are sent whole"
+                        );
+                    }
+                    Ok(())
+                });
+                c.kept_if(checked).map(|c| (c, found))
+            };
+            match tokio::time::timeout(at_most, open).await {
+                Ok(r) => r,
+                Err(_) => Err(Error::connection_lost("connect and check the schema")),
+            }
+        }
+    }
+}
+
+/// The client's connection between two statements, and a connection
+/// attempt that a statement stopped waiting for ([`SharedLease::reopen`]).
+#[derive(Default)]
+struct Link {
+    open: Option<DedicatedConnection>,
+    /// The last statement on `open` got no answer within its bound, and
+    /// the connection was kept: the answer is read and thrown away when it
+    /// comes (the driver does so for a dropped request), and the next
+    /// statement goes after it. Through a pooler a late answer is mostly a
+    /// statement waiting in the pooler's queue; dropping the connection
+    /// for it cost a new login (PgBouncer's scarcest work at 1,000
+    /// clients) and, if the statement had reached a server connection,
+    /// that server connection too. A second statement in a row without an
+    /// answer in time drops the connection (with a cancel request), as
+    /// any transient failure does. What a late statement did is never
+    /// counted: a renewal without an answer is a failed renewal, whose
+    /// leader's deadline still runs from its last answered one (a late
+    /// commit only moves the server's expiry later); an acquire without
+    /// an answer is remembered as unanswered (see `Inner::unanswered`).
+    late: bool,
+    opening: Option<tokio::task::JoinHandle<Result<(DedicatedConnection, bool)>>>,
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        // The client is gone: nobody takes the connection being opened.
+        if let Some(t) = self.opening.take() {
+            t.abort();
+        }
+    }
+}
+
+impl SharedLease {
+    /// Runs `sql`, a statement that only reads (a partition group's read
+    /// of its rows), on the client's connection between the client's own
+    /// statements, bounded by `bound` as they are: a member of a partition
+    /// group is then one pooled client, not two, and logs in once. A
+    /// failure is handled as any of the client's statements' (after a
+    /// timeout or a lost connection the next statement reconnects).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only reads; a statement dropped in flight is
+    /// answered on the connection and its answer discarded.
+    pub(crate) async fn read_group(
+        &self,
+        bound: Duration,
+        sql: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<Vec<Row>> {
+        self.exec(Op::ReadGroup, bound, Sql::Text(sql), params)
+            .await
+            .1
     }
 }
 
@@ -664,26 +812,6 @@ pub(super) enum Sql<'a> {
     Text(&'a str),
 }
 
-/// Opens a lease connection with `open`, bounded by `bound`, unless one is
-/// open.
-async fn reopen(
-    conn: &mut Option<DedicatedConnection>,
-    bound: Duration,
-    operation: &'static str,
-    open: impl std::future::Future<Output = Result<DedicatedConnection>>,
-) -> Result<()> {
-    if conn.as_ref().is_some_and(|c| c.is_closed()) {
-        conn.take();
-    }
-    if conn.is_none() {
-        match tokio::time::timeout(bound, open).await {
-            Ok(c) => *conn = Some(c?),
-            Err(_) => return Err(Error::connection_lost(operation)),
-        }
-    }
-    Ok(())
-}
-
 /// The result of a statement run on a lease connection within its bound.
 /// After a timeout or a transient failure the connection is dropped (a
 /// statement still running is cancelled on the server), so the next
@@ -722,7 +850,7 @@ fn op_kind(op: Op) -> &'static str {
         Op::Renew => "renew",
         Op::Acquire => "acquire",
         Op::Release => "release",
-        Op::Register | Op::Withdraw | Op::Read => "other",
+        Op::Register | Op::Withdraw | Op::Read | Op::ReadGroup => "other",
     }
 }
 
