@@ -1,8 +1,9 @@
 //! `partitions`: balanced partitions on the lease backend through PgBouncer
 //! in transaction mode, M library members of one group of N partitions, in
-//! this process (each member its own `SharedLease` client and reading
-//! client, as separate processes would have; one process keeps a 2-core
-//! machine's CPU for the server and the pooler rather than for M runtimes).
+//! this process (each member its own `SharedLease` client, which also
+//! reads the group, as separate processes would have; one process keeps a
+//! 2-core machine's CPU for the server and the pooler rather than for M
+//! runtimes).
 //!
 //! Phases, each timed from its start until every partition is led by
 //! exactly one member and no member leads more than its share ⌈N/M⌉:
@@ -203,8 +204,9 @@ async fn measure(
         .await
         .map_err(|e| e.to_string())?;
     tokio::spawn(conn);
-    // The kit's PgBouncer takes 500 clients; each member has two (its
-    // lease client and its reading client).
+    // The kit's PgBouncer takes 500 clients; each member is one (its lease
+    // client, which also reads the group), and twice that leaves room for
+    // connections being replaced.
     let (pgb, conn) = tokio_postgres::connect(&bouncer.url("pgbouncer"), tokio_postgres::NoTls)
         .await
         .map_err(|e| e.to_string())?;

@@ -12,7 +12,7 @@ use tokio_postgres::types::Type;
 use tokio_postgres::{AsyncMessage, Client};
 use tokio_util::sync::CancellationToken;
 
-use crate::election::{Backend, Elector, Leadership, Term, LEADER_CHANNEL};
+use crate::election::{Elector, Leadership, SharedLease, Term, LEADER_CHANNEL};
 use crate::error::{Error, Result};
 use crate::loss::{LossReason, LossSignal};
 
@@ -120,7 +120,6 @@ pub(super) async fn read(
     roles: &[String],
     member: Option<&str>,
 ) -> Result<Read> {
-    const WHAT: &str = "read the partition group";
     let n = roles.len() as i64;
     let rows = client
         .query_typed(
@@ -132,12 +131,43 @@ pub(super) async fn read(
             ],
         )
         .await
-        .map_err(|e| Error::db(WHAT, schema, e))?;
+        .map_err(|e| Error::db(READ, schema, e))?;
+    decode(rows, schema)
+}
+
+/// [`read`] on a member's lease client, between the client's own
+/// statements (see [`SharedLease::read_group`]), bounded by `bound`.
+async fn read_on_lease(
+    client: &SharedLease,
+    schema: &str,
+    roles: &[String],
+    member: &str,
+    bound: Duration,
+) -> Result<Read> {
+    let n = roles.len() as i64;
+    let member = Some(member);
+    let rows = client
+        .read_group(
+            bound,
+            &read_sql(schema),
+            &[
+                (&roles, Type::TEXT_ARRAY),
+                (&member, Type::TEXT),
+                (&n, Type::INT8),
+            ],
+        )
+        .await?;
+    decode(rows, schema)
+}
+
+const READ: &str = "read the partition group";
+
+fn decode(rows: Vec<tokio_postgres::Row>, schema: &str) -> Result<Read> {
     let mut view = GroupView::default();
     let mut terms = Vec::with_capacity(rows.len());
     let mut conflicts = Vec::new();
     for row in rows {
-        let get = |e| Error::db(WHAT, schema, e);
+        let get = |e| Error::db(READ, schema, e);
         let holder: Option<String> = row.try_get(0).map_err(get)?;
         let term: Option<i64> = row.try_get(1).map_err(get)?;
         let ready: Vec<String> = row.try_get(2).map_err(get)?;
@@ -180,7 +210,7 @@ struct Driver {
     roles: Vec<String>,
     carrier: Carrier,
     events: mpsc::UnboundedSender<PartitionEvent>,
-    held: Arc<Mutex<BTreeMap<u32, Term>>>,
+    held: Arc<Mutex<BTreeMap<u32, (Term, CancellationToken)>>>,
     /// The standbys' tasks, each with the token that stops it (it then
     /// withdraws its registration: a lease standby's row would otherwise
     /// look ready for a TTL).
@@ -189,10 +219,11 @@ struct Driver {
     won: mpsc::UnboundedSender<Won>,
     lost: mpsc::UnboundedSender<(u32, Term)>,
     releases: JoinSet<()>,
-    /// The reading connection: the session backend's listens for the
-    /// group's releases; the lease backend's goes where the lease client
-    /// goes (a pooler too) and does not listen.
-    reader: Option<Reader>,
+    /// The session backend's reading connection, which listens for the
+    /// group's releases. On the lease backend the group is read on the
+    /// member's lease client ([`SharedLease::read_group`]): one pooled
+    /// client per member.
+    reader: Option<Client>,
     wake: Arc<Notify>,
     /// The last error logged, to log a persistent one once.
     last_error: Option<String>,
@@ -204,6 +235,8 @@ struct Driver {
     /// no registration for a moment, and a member missing from the count
     /// raises everyone's share (100 partitions over 99 members: 2).
     others: BTreeSet<String>,
+    /// The share the last read computed (`None` before the first).
+    share: Option<usize>,
 }
 
 /// The member's task, until `stop` is cancelled (then it hands everything
@@ -211,7 +244,7 @@ struct Driver {
 pub(super) async fn run(
     config: Arc<Config>,
     events: mpsc::UnboundedSender<PartitionEvent>,
-    held: Arc<Mutex<BTreeMap<u32, Term>>>,
+    held: Arc<Mutex<BTreeMap<u32, (Term, CancellationToken)>>>,
     stop: CancellationToken,
 ) {
     let (won, mut won_rx) = mpsc::unbounded_channel();
@@ -240,31 +273,42 @@ pub(super) async fn run(
         last_error: None,
         refused: None,
         others: BTreeSet::new(),
+        share: None,
     };
     tracing::info!(group = %d.config.group, member = %d.config.member, partitions = d.config.partitions, "joining partition group");
     let mut cadence = Cadence::new(d.config.rebalance_every);
     loop {
-        let mut eventful = true;
+        // Whether this turn reads: a gain that leaves the member at or
+        // over its share changes nothing it would do next (at 1,000
+        // members of 1,000 partitions, a read per gain was 1,000 reads of
+        // 1,000 rows within a cold start's first seconds).
+        let mut read_now = true;
         tokio::select! {
             biased;
             _ = stop.cancelled() => break,
-            Some((p, r, e)) = won_rx.recv() => d.on_won(p, r, e),
+            Some((p, r, e)) = won_rx.recv() => {
+                d.on_won(p, r, e);
+                read_now = d.under_share();
+            }
             Some((p, term)) = lost_rx.recv() => d.on_lost(p, term),
             _ = d.wake.notified() => {}
-            _ = tokio::time::sleep_until(cadence.next) => eventful = false,
+            _ = tokio::time::sleep_until(cadence.next) => {}
         }
         // Gains and losses that arrived together are applied before one
         // read.
         while let Ok((p, r, e)) = won_rx.try_recv() {
             d.on_won(p, r, e);
-            eventful = true;
+            read_now |= d.under_share();
         }
         while let Ok((p, term)) = lost_rx.try_recv() {
             d.on_lost(p, term);
-            eventful = true;
+            read_now = true;
         }
-        let quiet = d.rebalance().await;
-        cadence.after(quiet && !eventful);
+        if !read_now && tokio::time::Instant::now() < cadence.next {
+            continue;
+        }
+        let pace = d.rebalance().await;
+        cadence.after(pace);
     }
     // Leaving: no more standbys, every partition handed over cleanly.
     for (_, (t, stop)) in d.standing.drain() {
@@ -287,40 +331,98 @@ pub(super) async fn run(
     tracing::info!(group = %d.config.group, member = %d.config.member, "left partition group");
 }
 
-/// When the member reads the group next: every `rebalance_every` while
-/// anything changes; after each read that changed nothing (no gain, loss,
-/// wake, new or missing member, nor anything to start, stop or hand over,
-/// and the member not over its share) twice as long, up to
-/// [`QUIET_READS_AT_MOST`] times `rebalance_every`; each interval
-/// shortened by up to a quarter at random, so that the members' reads
-/// spread out. A balanced group of 300 members read the group 300 times a
-/// second, most of the server's work.
+/// When the member reads the group next ([`Cadence::after`]):
+///
+/// * every `rebalance_every` while the member has work that the next
+///   reads decide ([`Pace::Busy`]): it is over its share, or could stand
+///   for a partition it does not stand for yet, or this read started,
+///   stopped or handed over something, or showed a member missing (the
+///   next read confirms the smaller count);
+/// * otherwise ([`Pace::Quiet`]: balanced, or changes that give it
+///   nothing to do) twice as long after each read, up to a cap of
+///   [`QUIET_READS_AT_MOST`] times `rebalance_every`, or more in a big
+///   group: as many times as the fleet's quiet reads of `members` x
+///   `partitions` rows need to stay within [`FLEET_READ_ROWS`] a second
+///   per second of `rebalance_every` (10 s at 1,000 members of 1,000
+///   partitions);
+/// * after a failed read ([`Pace::Failed`]) twice as long each time, up to
+///   twice that cap, so that a fleet whose pooler or server is overloaded
+///   backs off instead of retrying together every second.
+///
+/// Each interval is shortened by up to a quarter at random, so that the
+/// members' reads spread out. Every member reading its group every
+/// second was most of the server's work at 300 members, and at 1,000
+/// members of 1,000 partitions more than two cores' worth.
 struct Cadence {
     base: Duration,
     every: Duration,
+    /// The quiet cap of the last successful read's group.
+    cap: Duration,
     next: tokio::time::Instant,
 }
 
-/// How many times `rebalance_every` a quiet member waits at most between
-/// two reads: what a dead member's partitions may wait, after their
-/// leases ran out, for a member to notice them (at most 4 s by default).
+/// How the last read went, for the next one ([`Cadence`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pace {
+    Busy { members: usize, partitions: usize },
+    Quiet { members: usize, partitions: usize },
+    Failed,
+}
+
+/// How many times `rebalance_every` a quiet member of a small group waits
+/// at most between two reads: what a dead member's partitions may wait,
+/// after their leases ran out, for a member to notice them (at most 4 s
+/// by default).
 const QUIET_READS_AT_MOST: u32 = 4;
+
+/// The rows (partitions) that a fleet's quiet reads may read per
+/// `rebalance_every` at most (see [`Cadence`]): 100,000, a hundred reads
+/// of 1,000 partitions. Up to 400 members of 1,000 partitions, or 630 of
+/// 630, the cap stays at [`QUIET_READS_AT_MOST`]; in bigger groups it
+/// grows with members x partitions, and since the fleet's reads are
+/// spread out, some member still reads every `rebalance_every` / 100 or
+/// so: a dead member's unled partitions are noticed as soon as in a small
+/// group.
+const FLEET_READ_ROWS: u64 = 100_000;
 
 impl Cadence {
     fn new(base: Duration) -> Cadence {
         Cadence {
             base,
             every: base,
+            cap: base * QUIET_READS_AT_MOST,
             // The first read at once.
             next: tokio::time::Instant::now(),
         }
     }
 
-    fn after(&mut self, quiet: bool) {
-        self.every = if quiet {
-            (self.every * 2).min(self.base * QUIET_READS_AT_MOST)
-        } else {
-            self.base
+    /// The longest interval between two quiet reads of a member of
+    /// `members` members and `partitions` partitions.
+    fn quiet_cap(&self, members: usize, partitions: usize) -> Duration {
+        let rows = members as u64 * partitions as u64;
+        let times = rows
+            .div_ceil(FLEET_READ_ROWS)
+            .max(u64::from(QUIET_READS_AT_MOST));
+        self.base * u32::try_from(times).unwrap_or(u32::MAX)
+    }
+
+    fn after(&mut self, pace: Pace) {
+        self.every = match pace {
+            Pace::Busy {
+                members,
+                partitions,
+            } => {
+                self.cap = self.quiet_cap(members, partitions);
+                self.base
+            }
+            Pace::Quiet {
+                members,
+                partitions,
+            } => {
+                self.cap = self.quiet_cap(members, partitions);
+                (self.every * 2).min(self.cap)
+            }
+            Pace::Failed => (self.every * 2).min(self.cap * 2),
         };
         let cut = self
             .every
@@ -347,6 +449,10 @@ impl Driver {
         let (done_tx, done) = oneshot::channel();
         let watch = signal.raw_token().clone();
         let lost = self.lost.clone();
+        // `PartitionGroup::held` leaves the partition out the moment this
+        // token is cancelled, not when this loop next turns (it may be
+        // waiting for a read).
+        let ended = watch.clone();
         tokio::spawn(async move {
             watch.cancelled().await;
             let _ = lost.send((p, term));
@@ -368,7 +474,7 @@ impl Driver {
         self.held
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(p, term);
+            .insert(p, (term, ended));
         tracing::info!(group = %self.config.group, member = %self.config.member, partition = p, %term, "partition gained");
         let _ = self.events.send(PartitionEvent::Gained(held));
     }
@@ -429,9 +535,9 @@ impl Driver {
     }
 
     /// Reads the group and applies the plan; errors are logged (once while
-    /// they persist) and retried at the next tick. True when the read
-    /// succeeded and changed nothing (see [`Cadence`]).
-    async fn rebalance(&mut self) -> bool {
+    /// they persist) and retried later. Returns how the next read should
+    /// be paced (see [`Cadence`]).
+    async fn rebalance(&mut self) -> Pace {
         // Reap finished releases.
         while self.releases.try_join_next().is_some() {}
         let read = match self.read().await {
@@ -446,12 +552,17 @@ impl Driver {
                     self.last_error = Some(text);
                 }
                 self.reader = None;
-                return false;
+                return Pace::Failed;
             }
         };
+        let partitions = self.roles.len();
         if !read.conflicts.is_empty() {
             self.refuse(&read.conflicts);
-            return false;
+            // Reads on at the base pace, to take part again soon.
+            return Pace::Busy {
+                members: self.others.len() + 1,
+                partitions,
+            };
         }
         if self.refused.take().is_some() {
             tracing::info!(group = %self.config.group, member = %self.config.member, partitions = self.config.partitions, "no earlier member declares another partition count any more; taking part again");
@@ -462,19 +573,29 @@ impl Driver {
         let mut others = view.members.clone();
         others.remove(&self.config.member);
         let settled = others.is_subset(&self.others);
-        let same_members = others == self.others;
+        // A member missing: it is still counted this once (see `others`);
+        // the next read, soon, confirms the smaller count.
+        let missing = !self.others.is_subset(&others);
         view.members
             .extend(std::mem::replace(&mut self.others, others));
         let plan = plan(&self.config.member, &view, &held, &standing, settled);
+        self.share = Some(plan.share);
         // A member over its share waits for standbys to hand over to: it
-        // keeps looking at `rebalance_every`.
-        let quiet = same_members
-            && held.len() <= plan.share
-            && plan.stand.is_empty()
-            && plan.unstand.is_empty()
-            && plan.resign.is_empty();
-        if !quiet {
-            tracing::debug!(group = %self.config.group, member = %self.config.member, members = plan.members, share = plan.share, held = held.len(), stand = ?plan.stand, unstand = ?plan.unstand, resign = ?plan.resign, "rebalancing");
+        // keeps looking at `rebalance_every` (`plan.busy`).
+        let changes = !plan.stand.is_empty() || !plan.unstand.is_empty() || !plan.resign.is_empty();
+        let pace = if plan.busy || changes || missing {
+            Pace::Busy {
+                members: plan.members,
+                partitions,
+            }
+        } else {
+            Pace::Quiet {
+                members: plan.members,
+                partitions,
+            }
+        };
+        if changes || !settled || missing {
+            tracing::debug!(group = %self.config.group, member = %self.config.member, members = plan.members, share = plan.share, held = held.len(), stand = ?plan.stand, unstand = ?plan.unstand, resign = ?plan.resign, ?pace, "rebalancing");
         }
         for p in plan.unstand {
             if let Some((_, stop)) = self.standing.remove(&p) {
@@ -487,7 +608,13 @@ impl Driver {
         for p in plan.stand {
             self.stand(p);
         }
-        quiet
+        pace
+    }
+
+    /// Whether the member leads fewer partitions than its share as its
+    /// last read counted it (true before its first read).
+    fn under_share(&self) -> bool {
+        self.share.is_none_or(|s| self.leading.len() < s)
     }
 
     /// Members that registered earlier declare another partition count:
@@ -552,32 +679,21 @@ impl Driver {
     }
 
     async fn read(&mut self) -> Result<Read> {
-        if self.reader.as_ref().is_none_or(|r| r.client().is_closed()) {
-            self.reader = Some(match self.config.backend {
-                Backend::Session => Reader::Listening(self.open_reader().await?),
-                Backend::Lease => Reader::Pooled(
-                    self.config
-                        .options
-                        .connect(&format!("partitions:{}", self.config.group))
-                        .await?,
-                ),
-            });
+        let schema = self.config.options.schema_name().as_str();
+        let member = &self.config.member;
+        if let Carrier::Lease(client) = &self.carrier {
+            // The lease client's own bound for a standby's statement: the
+            // read waits behind a renewal at most, and a renewal behind it.
+            return read_on_lease(client, schema, &self.roles, member, LEASE_READ_BOUND).await;
         }
-        let client = self.reader.as_ref().expect("BUG: opened above").client();
+        if self.reader.as_ref().is_none_or(|c| c.is_closed()) {
+            self.reader = Some(self.open_reader().await?);
+        }
+        let client = self.reader.as_ref().expect("BUG: opened above");
         let bound = Duration::from_secs(5).max(self.config.rebalance_every);
-        match tokio::time::timeout(
-            bound,
-            read(
-                client,
-                self.config.options.schema_name().as_str(),
-                &self.roles,
-                Some(&self.config.member),
-            ),
-        )
-        .await
-        {
+        match tokio::time::timeout(bound, read(client, schema, &self.roles, Some(member))).await {
             Ok(r) => r,
-            Err(_) => Err(Error::connection_lost("read the partition group")),
+            Err(_) => Err(Error::connection_lost(READ)),
         }
     }
 
@@ -608,33 +724,22 @@ impl Driver {
     }
 }
 
-/// The connection that reads the group; see [`Driver::reader`].
-enum Reader {
-    Listening(Client),
-    Pooled(crate::conn::DedicatedConnection),
-}
-
-impl Reader {
-    fn client(&self) -> &Client {
-        match self {
-            Reader::Listening(c) => c,
-            Reader::Pooled(c) => c.client(),
-        }
-    }
-}
+/// How long a member's read of its group on the lease client may take:
+/// as the client's acquires and registrations (renewals may wait behind
+/// it).
+const LEASE_READ_BOUND: Duration = Duration::from_secs(2);
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn quiet_reads_slow_down_to_four_intervals_and_any_change_restores_the_pace() {
-        let base = Duration::from_secs(1);
-        let mut c = Cadence::new(base);
+    /// The intervals (whole seconds) after each pace, each checked to be
+    /// shortened by at most a quarter.
+    fn intervals(c: &mut Cadence, paces: &[Pace]) -> Vec<u64> {
         let mut seen = Vec::new();
-        for quiet in [true, true, true, true, false, true] {
+        for &pace in paces {
             let before = tokio::time::Instant::now();
-            c.after(quiet);
+            c.after(pace);
             // Shortened by at most a quarter, never lengthened (beyond the
             // time this test takes between its clock and the cadence's).
             let wait = c.next - before;
@@ -645,7 +750,54 @@ mod tests {
             );
             seen.push(c.every.as_secs());
         }
-        assert_eq!(seen, [2, 4, 4, 4, 1, 2]);
+        seen
+    }
+
+    #[test]
+    fn quiet_reads_slow_down_to_four_intervals_and_any_work_restores_the_pace() {
+        let mut c = Cadence::new(Duration::from_secs(1));
+        let (members, partitions) = (3, 12);
+        let quiet = Pace::Quiet {
+            members,
+            partitions,
+        };
+        let busy = Pace::Busy {
+            members,
+            partitions,
+        };
+        assert_eq!(
+            intervals(&mut c, &[quiet, quiet, quiet, quiet, busy, quiet]),
+            [2, 4, 4, 4, 1, 2]
+        );
+    }
+
+    #[test]
+    fn in_a_big_group_quiet_reads_slow_down_with_the_fleet_and_failures_back_off() {
+        let mut c = Cadence::new(Duration::from_secs(1));
+        // 630 x 630 rows: still the small group's cap.
+        let small = Pace::Quiet {
+            members: 630,
+            partitions: 630,
+        };
+        assert_eq!(intervals(&mut c, &[small, small, small]), [2, 4, 4]);
+        // 1,000 x 1,000: the fleet's quiet reads stay at 100,000 rows a
+        // second, each member reading every 10 s.
+        let big = Pace::Quiet {
+            members: 1000,
+            partitions: 1000,
+        };
+        assert_eq!(intervals(&mut c, &[big, big, big]), [8, 10, 10]);
+        // Failed reads back off to twice the last cap, and a busy read
+        // restores the base pace.
+        let f = Pace::Failed;
+        let busy = Pace::Busy {
+            members: 1000,
+            partitions: 1000,
+        };
+        assert_eq!(
+            intervals(&mut c, &[f, f, busy, f, f, f, f, f]),
+            [20, 20, 1, 2, 4, 8, 16, 20]
+        );
     }
 
     #[test]

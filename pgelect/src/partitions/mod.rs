@@ -15,10 +15,11 @@
 //!   connections, the shared lock connection and one that reads the group
 //!   and listens for its releases;
 //! * **lease backend** (`.elector(|b| b.backend(Backend::Lease))`): one
-//!   [`SharedLease`] client, whose batched
-//!   statements serve every partition, and a connection that reads the
-//!   group; both work through PgBouncer in transaction mode, so a fleet of
-//!   members costs the server only the pooler's connections. Standbys look
+//!   [`SharedLease`] client, whose batched statements serve every
+//!   partition and which also reads the group: one connection, which
+//!   works through PgBouncer in transaction mode, so a fleet of members
+//!   costs the server only the pooler's connections, and the pooler one
+//!   login per member. Standbys look
 //!   at the lease every `poll_interval`, and at once on a release with
 //!   [`listen_via`](PartitionGroupBuilder::listen_via) (a direct
 //!   connection that can `LISTEN`).
@@ -26,11 +27,18 @@
 //! # How the partitions are spread
 //!
 //! Every member rebalances on its own, from one statement that reads the
-//! group's leader rows and its live members (every `rebalance_every`, 1 s
-//! by default, while anything changes; after each read that changed
-//! nothing twice as long, up to 4 × `rebalance_every`, shortened at random
-//! by up to a quarter; at once after its own gains and losses and on a
-//! release `NOTIFY` of one of the group's roles):
+//! group's leader rows and its live members: every `rebalance_every` (1 s
+//! by default) while it has work that the next reads decide (it is over
+//! its share, or could stand for a partition it does not stand for yet,
+//! or a read started, stopped or handed over something, or showed a member
+//! missing); otherwise twice as long after each read, up to 4 ×
+//! `rebalance_every`, or more in a group of more than 100,000 members ×
+//! partitions, so that the fleet's quiet reads read at most 100,000 rows
+//! per `rebalance_every` (10 s at 1,000 members of 1,000 partitions);
+//! after a failed read twice as long each time, up to twice that; each
+//! interval shortened at random by up to a quarter. It also reads at once
+//! after a loss, after a gain that leaves it under its share, and on a
+//! release `NOTIFY` of one of the group's roles:
 //!
 //! * **Live members** `M` are counted from what another database user
 //!   cannot forge: nodes with a row in the candidate registry
@@ -182,11 +190,14 @@ impl PartitionGroupBuilder {
         self
     }
 
-    /// How often the member reads the group and rebalances while anything
-    /// changes (also at once after its own gains and losses and on a
-    /// release `NOTIFY` of the group); a member whose reads change nothing
-    /// reads half as often after each, down to once every 4 ×
-    /// `rebalance_every`. Default: `1s`.
+    /// How often the member reads the group and rebalances while it has
+    /// work that the next reads decide (also at once after a loss, after
+    /// a gain that leaves it under its share, and on a release `NOTIFY` of
+    /// the group); a member with nothing to do reads half as often after
+    /// each read, down to once every 4 × `rebalance_every`, or less often
+    /// in a group of more than 100,000 members × partitions (see the
+    /// [module docs](crate::partitions)); failed reads back off. Default:
+    /// `1s`.
     pub fn rebalance_every(mut self, every: Duration) -> Self {
         self.rebalance_every = every;
         self
@@ -431,7 +442,8 @@ impl Config {
 pub struct PartitionGroup {
     config: Arc<Config>,
     running: Mutex<Option<Running>>,
-    held: Arc<Mutex<BTreeMap<u32, Term>>>,
+    /// What the member leads, each with the token its loss cancels.
+    held: Arc<Mutex<BTreeMap<u32, (Term, CancellationToken)>>>,
 }
 
 struct Running {
@@ -506,12 +518,16 @@ impl PartitionGroup {
     }
 
     /// The partitions this member leads now, with their terms (those gained
-    /// and not yet lost or handed over).
+    /// and not yet lost or handed over): a partition is left out from the
+    /// moment its [`HeldPartition`]'s token is cancelled.
     pub fn held(&self) -> BTreeMap<u32, Term> {
         self.held
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+            .iter()
+            .filter(|(_, (_, ended))| !ended.is_cancelled())
+            .map(|(p, (term, _))| (*p, *term))
+            .collect()
     }
 
     /// Leaves the group: stops standing, cancels every held partition's

@@ -40,6 +40,11 @@ pub(crate) struct Plan {
     /// Held partitions to hand over (a ready standby of another live member
     /// waits for each).
     pub(crate) resign: Vec<u32>,
+    /// Whether the member has work that the next snapshots decide: it is
+    /// over its share, or it is under its share and could stand for a
+    /// partition it does not stand for yet (one unled, or of a member over
+    /// its share), whether or not it starts that standby now.
+    pub(crate) busy: bool,
 }
 
 /// ⌈n / m⌉ for m ≥ 1.
@@ -158,6 +163,10 @@ pub(crate) fn plan(
         }
     }
     eligible.sort();
+    // Computed before the joining members' pause below: a member that
+    // waits for the count to settle is still hungry.
+    let busy =
+        held.len() > s || (held.len() < s && eligible.iter().any(|e| !standing.contains(&e.3)));
     // While members are still joining (the snapshot shows one that the
     // previous one did not), the share is about to come down: a member
     // keeps the standbys it has but starts none, so that members started
@@ -183,6 +192,7 @@ pub(crate) fn plan(
         stand: desired.difference(standing).copied().collect(),
         unstand: standing.difference(&desired).copied().collect(),
         resign,
+        busy,
     }
 }
 
@@ -234,6 +244,49 @@ mod tests {
 
     fn set(v: &[u32]) -> BTreeSet<u32> {
         v.iter().copied().collect()
+    }
+
+    #[test]
+    fn a_member_is_busy_while_over_its_share_or_able_to_stand_for_more() {
+        // Balanced: 6 partitions, 2 members with 3 each.
+        let held = [
+            Some("a"),
+            Some("a"),
+            Some("a"),
+            Some("b"),
+            Some("b"),
+            Some("b"),
+        ];
+        let p = plan(
+            "a",
+            &view(&held, &["a", "b"]),
+            &set(&[0, 1, 2]),
+            &set(&[]),
+            true,
+        );
+        assert!(!p.busy, "{p:?}");
+        // Over its share once a third member counts: busy until handed over.
+        let p = plan(
+            "a",
+            &view(&held, &["a", "b", "c"]),
+            &set(&[0, 1, 2]),
+            &set(&[]),
+            true,
+        );
+        assert!(p.busy, "{p:?}");
+        // Under its share with an unled partition, while members still join
+        // (it starts no standby): busy all the same.
+        let v = view(&[Some("a"), None, Some("b"), Some("b")], &["a", "b"]);
+        let p = plan("a", &v, &set(&[0]), &set(&[]), false);
+        assert!(p.stand.is_empty() && p.busy, "{p:?}");
+        // ... and no longer once it stands for all it may.
+        let p = plan("a", &v, &set(&[0]), &set(&[1]), true);
+        assert!(!p.busy, "{p:?}");
+        // More members than partitions, every partition led within the
+        // share: a member leading nothing has nothing to do.
+        let v = view(&[Some("a"), Some("b")], &["a", "b", "c"]);
+        let p = plan("c", &v, &set(&[]), &set(&[0]), true);
+        assert!(!p.busy, "{p:?}");
     }
 
     #[test]
