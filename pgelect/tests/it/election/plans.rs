@@ -219,6 +219,20 @@ async fn lease_statements_reach_their_rows_by_index_at_ten_thousand_roles() {
     }
 }
 
+/// [`assert_indexed`], then [`assert_indexed_as_run`]: the statement's
+/// plans checked, then the statement run; returns the report's line with
+/// the run's time.
+async fn planned_and_run(
+    c: &tokio_postgres::Client,
+    what: &str,
+    sql: &str,
+    params: &[(&(dyn ToSql + Sync), Type)],
+) -> String {
+    assert_indexed(c, what, sql, params).await;
+    let ms = assert_indexed_as_run(c, what, sql, params).await;
+    format!("{what}: {ms:.1} ms")
+}
+
 /// Runs `sql` with `params` under `EXPLAIN ANALYZE` in a transaction
 /// that is rolled back (for a statement whose side effects are writes and
 /// notifications, which the rollback undoes; never a lock or a
@@ -310,9 +324,7 @@ async fn session_statements_reach_their_rows_by_index_at_ten_thousand_roles() {
                     (&ids, Type::INT8_ARRAY),
                     (&ids, Type::INT8_ARRAY),
                 ];
-                assert_indexed(c, &what, &renew, &params).await;
-                let ms = assert_indexed_as_run(c, &what, &renew, &params).await;
-                times.push(format!("{what}: {ms:.1} ms"));
+                times.push(planned_and_run(c, &what, &renew, &params).await);
             }
             for (kind, roles) in [("held", &held), ("new", &fresh)] {
                 let what = format!("poll of {n} {kind} roles ({who})");
@@ -362,9 +374,7 @@ async fn session_statements_reach_their_rows_by_index_at_ten_thousand_roles() {
                     (&ids, Type::INT8_ARRAY),
                     (&subids, Type::INT2_ARRAY),
                 ];
-                assert_indexed(c, &what, &elect, &params).await;
-                let ms = assert_indexed_as_run(c, &what, &elect, &params).await;
-                times.push(format!("{what}: {ms:.1} ms"));
+                times.push(planned_and_run(c, &what, &elect, &params).await);
                 let what = format!("registration of {n} standbys of {kind} roles ({who})");
                 let params: [(&(dyn ToSql + Sync), Type); 7] = [
                     (roles, Type::TEXT_ARRAY),
@@ -375,9 +385,7 @@ async fn session_statements_reach_their_rows_by_index_at_ten_thousand_roles() {
                     (&metas, Type::JSONB_ARRAY),
                     (&payloads, Type::TEXT_ARRAY),
                 ];
-                assert_indexed(c, &what, &register, &params).await;
-                let ms = assert_indexed_as_run(c, &what, &register, &params).await;
-                times.push(format!("{what}: {ms:.1} ms"));
+                times.push(planned_and_run(c, &what, &register, &params).await);
             }
         }
     }
