@@ -65,9 +65,43 @@ impl Events {
     /// `since`: when writes came back there after the fault.
     fn back_on(&self, port: u16, since: Instant) -> Option<Instant> {
         let v = self.all();
-        let failed = v.iter().find(|e| e.0 > since && e.2.is_none())?.0;
+        let failed = self.first_failure(since)?;
         v.iter()
             .find(|e| e.0 > failed && e.1 == port && e.2.is_some())
+            .map(|e| e.0)
+    }
+
+    /// When the first write after `since` failed.
+    fn first_failure(&self, since: Instant) -> Option<Instant> {
+        self.all()
+            .iter()
+            .find(|e| e.0 > since && e.2.is_none())
+            .map(|e| e.0)
+    }
+
+    /// When a leader acted on `port` after the fault at `since`: as
+    /// [`back_on`](Self::back_on) when a leader's write failed in the
+    /// outage. When none did (the leader lost its role between two writes,
+    /// and its successor's first write succeeded), the first write of a
+    /// term other than `before` after the probe's first failure: no write
+    /// of the old leader counts then, however early it slipped through.
+    fn acted_on(
+        &self,
+        port: u16,
+        since: Instant,
+        before: Option<i64>,
+        probes: &Events,
+    ) -> Option<Instant> {
+        if let Some(t) = self.back_on(port, since) {
+            return Some(t);
+        }
+        if self.first_failure(since).is_some() {
+            return None;
+        }
+        let outage = probes.first_failure(since)?;
+        self.all()
+            .iter()
+            .find(|e| e.0 > outage && e.1 == port && e.2.is_some() && e.2 != before)
             .map(|e| e.0)
     }
 }
@@ -363,7 +397,7 @@ pub(super) async fn under_faults(
         let acted = {
             let deadline = Instant::now() + Duration::from_secs(30);
             loop {
-                if let Some(t) = acts.back_on(port, at) {
+                if let Some(t) = acts.acted_on(port, at, term_before.map(|t| t.get()), &probes) {
                     break t;
                 }
                 if Instant::now() >= deadline {
