@@ -250,13 +250,16 @@ pub(super) async fn run(
             );
             for r in kind_rows.iter().filter(|r| r["manager_outage_max_ms"].is_number()) {
                 println!(
-                    "  {bname} {}: a primary took writes again after p50 {} / max {} ms, a leader's write was acknowledged again after p50 {} / max {} ms (bound {} ms)",
+                    "  {bname} {}: a primary took writes again after p50 {} / max {} ms, a leader's write was acknowledged again after p50 {} / max {} ms (bound {} ms); after the primary's first write: p50 {} / p99 {} / max {} ms",
                     r["fault"].as_str().unwrap_or(""),
                     r["manager_outage_p50_ms"],
                     r["manager_outage_max_ms"],
                     r["writes_resumed_p50_ms"],
                     r["writes_resumed_max_ms"],
-                    r["bound_ms"]
+                    r["bound_ms"],
+                    r["after_writable_p50_ms"],
+                    r["after_writable_p99_ms"],
+                    r["after_writable_max_ms"]
                 );
             }
             rows.extend(kind_rows);

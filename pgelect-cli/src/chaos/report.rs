@@ -158,6 +158,14 @@ pub(super) fn rows(
             .filter(|i| i.skipped.is_none())
             .filter_map(|i| i.writable.map(|w| w.saturating_sub(i.at) as f64 / 1e6))
             .collect();
+        // Under the HA manager: from a primary's first accepted write
+        // (the probe's) to a leader's next acknowledged write, the
+        // availability the manager's outage does not explain.
+        let after_writable: Vec<f64> = list
+            .iter()
+            .filter(|i| i.skipped.is_none())
+            .filter_map(|i| Some(i.resumed?.saturating_sub(i.writable?) as f64 / 1e6))
+            .collect();
         let ms = |v: f64| (v * 10.0).round() / 10.0;
         let bound_ms = match group {
             Some(g) => g.bound(fault, timing),
@@ -214,6 +222,15 @@ pub(super) fn rows(
             "manager_outage_p50_ms": (!outage.is_empty()).then(|| ms(percentile(&outage, 50.0))),
             "manager_outage_max_ms": (!outage.is_empty())
                 .then(|| ms(outage.iter().copied().fold(0.0, f64::max))),
+            // Under the HA manager: from the probe's first write accepted
+            // by a primary after the fault to a leader's next acknowledged
+            // write (null for other faults).
+            "after_writable_p50_ms": (!after_writable.is_empty())
+                .then(|| ms(percentile(&after_writable, 50.0))),
+            "after_writable_p99_ms": (!after_writable.is_empty())
+                .then(|| ms(percentile(&after_writable, 99.0))),
+            "after_writable_max_ms": (!after_writable.is_empty())
+                .then(|| ms(after_writable.iter().copied().fold(0.0, f64::max))),
             // Whether its candidates connected through the pooler
             // (the lease backend's first and promote phases).
             "pooler": pooled_kinds.contains(&fault),

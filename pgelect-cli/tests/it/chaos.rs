@@ -1115,5 +1115,14 @@ async fn chaos_under_pg_auto_failover_finds_no_violation_after_each_managers_fau
         assert_eq!(row["within_bound"], true, "{row}");
         assert!(row["manager_outage_max_ms"].is_number(), "{row}");
         assert!(row["writes_resumed_max_ms"].is_number(), "{row}");
+        // The leader's write again after the new primary's first: never
+        // longer than the whole gap from the fault.
+        let after = row["after_writable_max_ms"]
+            .as_f64()
+            .expect("after_writable_max_ms");
+        assert!(
+            after <= row["writes_resumed_max_ms"].as_f64().unwrap(),
+            "{row}"
+        );
     }
 }
