@@ -137,34 +137,16 @@ pub(crate) async fn forget(
         .map_err(db(TAKE))?
         .unwrap_or(false);
     const LOOK: &str = "look for the role's candidates";
-    let (classid, objid, objsubid) = key.pg_locks_ids();
-    let sessions = tx
-        .query_typed(
-            "SELECT l.pid, a.application_name, l.granted
-               FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-              WHERE l.locktype = 'advisory'
-                AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-                AND l.classid = $1 AND l.objid = $2 AND l.objsubid = $3
-                AND l.pid <> pg_backend_pid()
-              ORDER BY l.pid",
-            &[
-                (&classid, Type::OID),
-                (&objid, Type::OID),
-                (&objsubid, Type::INT2),
-            ],
-        )
+    let sessions = crate::lock::holders::key_sessions(&tx, key, true)
         .await
         .map_err(db(LOOK))?
-        .iter()
-        .map(|r| {
-            Ok(KeySession {
-                backend_pid: r.try_get(0)?,
-                application_name: r.try_get(1)?,
-                granted: r.try_get(2)?,
-            })
+        .into_iter()
+        .map(|s| KeySession {
+            backend_pid: s.holder.pid,
+            application_name: s.application_name,
+            granted: s.granted,
         })
-        .collect::<std::result::Result<Vec<_>, tokio_postgres::Error>>()
-        .map_err(db(LOOK))?;
+        .collect::<Vec<_>>();
     if !sessions.is_empty() || !got {
         return Ok(ForgetOutcome::Locked { sessions });
     }

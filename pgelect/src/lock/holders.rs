@@ -112,15 +112,38 @@ pub(crate) async fn query_holders<C: GenericClient + Sync>(
     client: &C,
     key: LockKey,
 ) -> std::result::Result<Vec<LockHolder>, tokio_postgres::Error> {
+    Ok(key_sessions(client, key, false)
+        .await?
+        .into_iter()
+        .map(|s| s.holder)
+        .collect())
+}
+
+/// A session with `key` in `pg_locks`: what [`LockHolder`] says of it
+/// (`mode` the mode held or wanted), its `application_name` as the server
+/// gave it (`None` when it is not visible), and whether it holds the key.
+pub(crate) struct KeySessionRow {
+    pub(crate) holder: LockHolder,
+    pub(crate) application_name: Option<String>,
+    pub(crate) granted: bool,
+}
+
+/// The other backends of this database that hold `key`, and with
+/// `waiting` also those that wait for it, in pid order.
+pub(crate) async fn key_sessions<C: GenericClient + Sync>(
+    client: &C,
+    key: LockKey,
+    waiting: bool,
+) -> std::result::Result<Vec<KeySessionRow>, tokio_postgres::Error> {
     let (classid, objid, objsubid) = key.pg_locks_ids();
     let rows = client
         .query_typed(
-            "SELECT l.pid, a.usename::text, coalesce(a.application_name, ''),
+            "SELECT l.pid, a.usename::text, a.application_name,
                     host(a.client_addr), l.mode,
-                    extract(epoch FROM now() - a.state_change)::float8
+                    extract(epoch FROM now() - a.state_change)::float8, l.granted
                FROM pg_locks l
                LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-              WHERE l.locktype = 'advisory' AND l.granted
+              WHERE l.locktype = 'advisory' AND (l.granted OR $4)
                 AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
                 AND l.classid = $1 AND l.objid = $2 AND l.objsubid = $3
                 AND l.pid <> pg_backend_pid()
@@ -129,25 +152,31 @@ pub(crate) async fn query_holders<C: GenericClient + Sync>(
                 (&classid, Type::OID),
                 (&objid, Type::OID),
                 (&objsubid, Type::INT2),
+                (&waiting, Type::BOOL),
             ],
         )
         .await?;
     rows.iter()
         .map(|r| {
-            Ok(LockHolder {
-                pid: r.try_get(0)?,
-                user: r.try_get(1)?,
-                application_name: r.try_get(2)?,
-                client_addr: r.try_get(3)?,
-                mode: if r.try_get::<_, &str>(4)? == "ShareLock" {
-                    LockMode::Shared
-                } else {
-                    LockMode::Exclusive
+            let application_name: Option<String> = r.try_get(2)?;
+            Ok(KeySessionRow {
+                holder: LockHolder {
+                    pid: r.try_get(0)?,
+                    user: r.try_get(1)?,
+                    application_name: application_name.clone().unwrap_or_default(),
+                    client_addr: r.try_get(3)?,
+                    mode: if r.try_get::<_, &str>(4)? == "ShareLock" {
+                        LockMode::Shared
+                    } else {
+                        LockMode::Exclusive
+                    },
+                    state_age: r
+                        .try_get::<_, Option<f64>>(5)?
+                        .filter(|s| s.is_finite() && *s >= 0.0)
+                        .map(Duration::from_secs_f64),
                 },
-                state_age: r
-                    .try_get::<_, Option<f64>>(5)?
-                    .filter(|s| s.is_finite() && *s >= 0.0)
-                    .map(Duration::from_secs_f64),
+                application_name,
+                granted: r.try_get(6)?,
             })
         })
         .collect()
