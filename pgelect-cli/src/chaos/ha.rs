@@ -358,7 +358,7 @@ mod own {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use pgelect_testkit::NodeIndex;
+    use pgelect_testkit::{NodeIndex, NodeState};
 
     use pgelect_testkit::AutoFailoverOptions;
 
@@ -371,6 +371,10 @@ mod own {
     /// How long the formation may take to settle (a killed node's
     /// `pg_rewind` and catch-up included) or to have a primary again.
     const SETTLE_WITHIN: Duration = Duration::from_secs(120);
+    /// How long a formation stays healthy and settled before chaos gives
+    /// the manager an order: more than the monitor's health-check period
+    /// (1 s in the test kit) and its retry delay.
+    const HEALTHY_FOR: Duration = Duration::from_millis(1_600);
 
     /// The formation, which node is its primary, and which node was
     /// killed and not started again.
@@ -449,8 +453,20 @@ mod own {
         }
 
         /// Readies the next manager's fault: a killed node started again,
-        /// then one primary and a settled synchronous standby. Not counted
-        /// in any fault's gap. Blocks this worker thread meanwhile.
+        /// then one primary and a settled synchronous standby, every node
+        /// found healthy by the monitor's own checks, and all of it again
+        /// `HEALTHY_FOR` later with the same primary. Not counted in any
+        /// fault's gap. Blocks this worker thread meanwhile.
+        ///
+        /// `show state` can report a settled formation before the monitor
+        /// counts the standby healthy again (after the primary's restart,
+        /// say): an order then had pg_auto_failover set the primary
+        /// `wait_primary` (replication off) 56 ms later and promote the
+        /// standby without the writes it had taken (a CI run of `--quick`,
+        /// 93 writes lost). An operator waits for a healthy formation
+        /// before a switchover; so does chaos. The window is the monitor's
+        /// health-check period and more: its verdict is not an event one
+        /// can wait for.
         pub fn prepare(&mut self) -> Result<(), Failure> {
             let haf = self.haf.clone();
             let killed = self.killed.take();
@@ -458,7 +474,26 @@ mod own {
                 if let Some(k) = killed {
                     haf.restart_node(k)?;
                 }
-                haf.wait_stable(SETTLE_WITHIN)
+                let until = std::time::Instant::now() + SETTLE_WITHIN;
+                loop {
+                    let primary = haf.wait_stable(SETTLE_WITHIN)?;
+                    let healthy = |s: &[NodeState]| s.iter().all(|n| n.healthy);
+                    let left = until.saturating_duration_since(std::time::Instant::now());
+                    haf.wait_for("every node healthy", left, healthy)?;
+                    std::thread::sleep(HEALTHY_FOR);
+                    let s = haf.state()?;
+                    let same = s.get(primary).is_some_and(NodeState::is_primary)
+                        && s.iter().filter(|n| n.is_primary()).count() == 1
+                        && s.iter().all(|n| n.is_primary() || (n.reported == "secondary" && n.is_settled()));
+                    if same && healthy(&s) {
+                        return Ok(primary);
+                    }
+                    if std::time::Instant::now() >= until {
+                        return Err(std::io::Error::other(format!(
+                            "not healthy and settled for {HEALTHY_FOR:?} within {SETTLE_WITHIN:?}: {s:?}"
+                        )));
+                    }
+                }
             })
             .map_err(|e| unavailable(format!("the formation did not settle: {e}")))?;
             Ok(())
