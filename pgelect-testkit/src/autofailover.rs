@@ -113,6 +113,15 @@ impl NodeState {
             )
     }
 
+    /// One node of `formation` is primary and every other one a settled
+    /// secondary ([`AutoFailover::wait_stable`] waits for it).
+    pub fn stable(formation: &[NodeState]) -> bool {
+        formation.iter().filter(|n| n.is_primary()).count() == 1
+            && formation
+                .iter()
+                .all(|n| n.is_primary() || (n.reported == "secondary" && n.is_settled()))
+    }
+
     /// Reported and assigned the same state: not in a transition.
     pub fn is_settled(&self) -> bool {
         self.reported == self.assigned
@@ -891,11 +900,11 @@ log_line_prefix = '%m [%p] %q%u@%d '
     /// Waits until one node is primary and every other one a settled
     /// secondary; returns the primary.
     pub fn wait_stable(&self, timeout: Duration) -> io::Result<NodeIndex> {
-        let s = self.wait_for("one primary and settled secondaries", timeout, |s| {
-            s.iter().filter(|n| n.is_primary()).count() == 1
-                && s.iter()
-                    .all(|n| n.is_primary() || (n.reported == "secondary" && n.is_settled()))
-        })?;
+        let s = self.wait_for(
+            "one primary and settled secondaries",
+            timeout,
+            NodeState::stable,
+        )?;
         Ok(s.iter().position(NodeState::is_primary).expect("checked"))
     }
 

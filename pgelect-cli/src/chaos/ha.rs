@@ -482,9 +482,7 @@ mod own {
                     haf.wait_for("every node healthy", left, healthy)?;
                     std::thread::sleep(HEALTHY_FOR);
                     let s = haf.state()?;
-                    let same = s.get(primary).is_some_and(NodeState::is_primary)
-                        && s.iter().filter(|n| n.is_primary()).count() == 1
-                        && s.iter().all(|n| n.is_primary() || (n.reported == "secondary" && n.is_settled()));
+                    let same = NodeState::stable(&s) && s.get(primary).is_some_and(NodeState::is_primary);
                     if same && healthy(&s) {
                         return Ok(primary);
                     }
