@@ -6,7 +6,7 @@
 //! `PGELECT_ROLE`: a partition's role in a partition-group run) may be
 //! missing (the Python candidate's lines): then the run's one role.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -46,6 +46,62 @@ pub(super) fn read_events(dir: &Path) -> Vec<Event> {
     }
     out.sort_by_key(|e| e.at);
     out
+}
+
+/// The leaderships (node, term) that their own supervisor gave up at its
+/// own timing bound, from the supervisors' standard error (`NODE.stderr`
+/// in `dir`, `pgelect run`'s log): its keeper found a probe of the lock
+/// connection unanswered within its limit and took the connection for
+/// dead, or its local deadline passed. With no fault on it, that is the
+/// machine running slower than the timings allow (a 25 ms heartbeat bound
+/// beside a build), and a write the fence refused afterwards is the fence
+/// doing its work, not a healthy leader's write lost.
+pub(super) fn read_own_bound_losses(dir: &Path) -> HashSet<(String, String, i64)> {
+    let mut out = HashSet::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        if path.extension().is_none_or(|x| x != "stderr") {
+            continue;
+        }
+        let (Some(node), Ok(text)) = (
+            path.file_stem().and_then(|n| n.to_str()),
+            std::fs::read_to_string(&path),
+        ) else {
+            continue;
+        };
+        out.extend(
+            own_bound_losses(text.lines()).map(|(role, term)| (role, node.to_owned(), term)),
+        );
+    }
+    out
+}
+
+/// The (role, term) of each `lost` event of one supervisor's log that came
+/// after its keeper's "no answer on the lock connection in time" (since
+/// the last election) or names the deadline.
+pub(super) fn own_bound_losses<'a>(
+    lines: impl Iterator<Item = &'a str> + 'a,
+) -> impl Iterator<Item = (String, i64)> + 'a {
+    let mut unanswered = false;
+    lines.filter_map(move |l| {
+        if l.contains("no answer on the lock connection in time") {
+            unanswered = true;
+        } else if l.contains("event=\"elected\"") {
+            unanswered = false;
+        } else if l.contains("event=\"lost\"") {
+            let own = l.contains("reason=\"deadline\"")
+                || (unanswered && l.contains("reason=\"connection_lost\""));
+            unanswered = false;
+            let field = |k: &str| l.split_whitespace().find_map(|f| f.strip_prefix(k));
+            let role = field("role=").map(|r| r.trim_matches('"').to_owned());
+            let term = field("term=").and_then(|t| t.parse().ok());
+            return role.zip(term).filter(|_| own);
+        }
+        None
+    })
 }
 
 /// One log line as an event, if it is one.
@@ -162,6 +218,39 @@ mod tests {
 
     fn log(dir: &Path, name: &str, lines: &[&str]) {
         std::fs::write(dir.join(name), lines.join("\n") + "\n").unwrap();
+    }
+
+    /// Lines as `pgelect run` writes them (from a fast-profile chaos run
+    /// beside a build, where leaders kept giving up at the 25 ms bound).
+    #[test]
+    fn a_leadership_given_up_at_its_own_bound_is_read_from_the_supervisors_log() {
+        let lines = [
+            // A standby's probe: no leadership of its own to give up.
+            r#"2026-12-02T13:49:50.125937Z  WARN pgelect::election::keeper: no answer on the lock connection in time; taking it for dead probe=Heartbeat limit=25ms unanswered_for=25.559708ms checked_late_by=559.708µs"#,
+            r#"2026-12-02T13:49:50.771437Z  INFO pgelect::run: elected leader of role "r" with term 5 after 4.3s; starting the command event="elected" role=r node=c4 term=5 after_ms=4342"#,
+            r#"2026-12-02T13:49:52.546684Z  WARN pgelect::run: lost leadership of role "r" (term 5): connection_lost; the command was killed event="lost" role=r term=5 reason="connection_lost" killed_in_ms=12"#,
+            r#"2026-12-02T13:49:55.400753Z  INFO pgelect::run: elected leader of role "r" with term 8 after 0.6s; starting the command event="elected" role=r node=c4 term=8 after_ms=605"#,
+            r#"2026-12-02T13:49:56.304346Z  WARN pgelect::election::keeper: no answer on the lock connection in time; taking it for dead probe=Heartbeat limit=25ms unanswered_for=33.920426ms checked_late_by=8.920426ms"#,
+            r#"2026-12-02T13:49:56.304572Z  WARN pgelect::election::driver: leadership lost reason=connection_lost"#,
+            r#"2026-12-02T13:49:56.362306Z  WARN pgelect::run: lost leadership of role "r" (term 8): connection_lost; the command was killed event="lost" role=r term=8 reason="connection_lost" killed_in_ms=57"#,
+            r#"2026-12-02T13:49:57.000000Z  INFO pgelect::run: elected leader of role "r" with term 11 after 0.6s; starting the command event="elected" role=r node=c4 term=11 after_ms=605"#,
+            r#"2026-12-02T13:49:58.000000Z  WARN pgelect::run: lost leadership of role "r" (term 11): deadline; the command was killed event="lost" role=r term=11 reason="deadline" killed_in_ms=3"#,
+            r#"2026-12-02T13:49:59.000000Z  INFO pgelect::run: elected leader of role "r" with term 13 after 0.6s; starting the command event="elected" role=r node=c4 term=13 after_ms=605"#,
+            r#"2026-12-02T13:50:00.000000Z  WARN pgelect::run: lost leadership of role "r" (term 13): preempted; the command was killed event="lost" role=r term=13 reason="preempted" killed_in_ms=3"#,
+        ];
+        let found: Vec<(String, i64)> = own_bound_losses(lines.into_iter()).collect();
+        // Term 5 ended with its connection closed under it (no probe of its
+        // own had gone unanswered), term 13 preempted: neither counts.
+        assert_eq!(found, vec![("r".to_owned(), 8), ("r".to_owned(), 11)]);
+        let dir = std::env::temp_dir().join(format!("pgelect-chaos-bound-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        log(&dir, "c4.stderr", &lines);
+        // A worker's log is not a supervisor's.
+        log(&dir, "c4.log", &lines);
+        let all = read_own_bound_losses(&dir);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(all.len(), 2, "{all:?}");
+        assert!(all.contains(&("r".to_owned(), "c4".to_owned(), 8)));
     }
 
     #[test]

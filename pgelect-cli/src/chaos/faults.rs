@@ -149,6 +149,23 @@ impl Fault {
         self == Fault::Promote
     }
 
+    /// Whether the fault acts for a while on the leader's supervisor, its
+    /// worker or their connections, rather than on a term: until it is
+    /// over, whatever leadership that node holds (a new one too: a starved
+    /// or slowed standby still wins when the lock is free) is under it.
+    pub(super) fn lasts_on_the_node(self) -> bool {
+        matches!(
+            self,
+            Fault::Stop
+                | Fault::Blackhole
+                | Fault::Latency
+                | Fault::Starve
+                | Fault::ClockJump
+                | Fault::Partition
+                | Fault::PartitionNoPreempt
+        )
+    }
+
     /// Whether the fault needs candidates in network namespaces (the second
     /// phase).
     pub(super) fn needs_netns(self) -> bool {
@@ -626,6 +643,9 @@ pub(super) async fn inject(
                 _ => effect.skipped = Some("the candidates are not in network namespaces".into()),
             }
         }
+    }
+    if fault.lasts_on_the_node() && effect.skipped.is_none() {
+        effect.ended.get_or_insert_with(now_ns);
     }
     Ok(effect)
 }

@@ -263,6 +263,7 @@ pub(super) async fn run(
                 );
             }
             rows.extend(kind_rows);
+            found.print_own_bound(bname);
             let (ok, refused, failed) = write_outcomes(&run.dir);
             println!(
                 "{bname}: {} faults, {} fenced writes committed (workers saw {ok} acknowledged, {refused} refused, {failed} failed), {} violation(s)",

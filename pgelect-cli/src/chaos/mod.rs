@@ -527,6 +527,7 @@ async fn chaos(
             rows.extend(report::rows(bname, seed, backend, &timing, &injected, &found, &pooled_kinds, None));
             faults += injected.len();
             committed += found.writes_committed;
+            found.print_own_bound(bname);
             if !found.unreplicated_at.is_empty() {
                 println!(
                     "  {bname}: {} write(s) acknowledged by a primary in its last moments were not on its promoted replica (asynchronous replication; not a violation)",
@@ -672,6 +673,7 @@ async fn group_run(g: GroupRun<'_>, rng: &mut StdRng) -> Result<(Rows, Vec<Strin
             found.restarted_at.len()
         );
     }
+    found.print_own_bound(bname);
     let (ok, refused, failed) = write_outcomes(&run.dir);
     println!(
         "{bname}: {} faults, {} fenced writes committed (workers saw {ok} acknowledged, {refused} refused, {failed} failed), {} violation(s)",

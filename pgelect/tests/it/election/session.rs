@@ -1100,10 +1100,20 @@ async fn la_term(db: &TestDb) -> i64 {
 async fn a_resigning_leader_with_polling_standbys_hands_the_role_to_the_waiting_standby() {
     let (_db, o) = migrated("sess_aside").await;
     let role = "aside-polling";
-    let electors = [
-        Arc::new(support::fast_polling(&o, role, "a").build().unwrap()),
-        Arc::new(support::fast_polling(&o, role, "b").build().unwrap()),
-    ];
+    // Polling every second: the resigned leader stands aside for 1.25 s,
+    // room for the woken standby on a loaded machine (at 200 ms, a CI run
+    // beside a build saw the standby act after the 250 ms were over).
+    let polling = |node: &str| {
+        support::fast_session(&o, role, node)
+            .session(|s| {
+                s.standby(pgelect::election::StandbyMode::Polling {
+                    interval: Duration::from_secs(1),
+                })
+            })
+            .build()
+            .unwrap()
+    };
+    let electors = [Arc::new(polling("a")), Arc::new(polling("b"))];
     // A polling standby shows nothing on the server between polls: let it
     // make its first one.
     let settle = tokio::time::sleep(Duration::from_millis(400));
