@@ -642,14 +642,23 @@ mod tests {
         );
     }
 
-    #[test]
-    fn the_checker_counts_a_healthy_leaders_refused_write_as_lost() {
+    /// The clean history, and c2 (term 2) having a write refused at 1480
+    /// ms although nothing was done to it; c1 killed at 1000 ms.
+    fn refused_c2() -> (Vec<Event>, Vec<Committed>, [Injected; 1]) {
         let (mut events, committed) = clean_history();
-        // c2 (term 2) had a write refused although nothing was done to it.
         events.push(ev("write:2:refused", "c2", 2, 1480, 12));
         events.sort_by_key(|e| e.at);
+        (
+            events,
+            committed,
+            [fault(Fault::Kill, "c1", 1, 1000, Some(1400))],
+        )
+    }
+
+    #[test]
+    fn the_checker_counts_a_healthy_leaders_refused_write_as_lost() {
+        let (events, committed, injected) = refused_c2();
         let t = standard(BackendArg::Lease);
-        let injected = [fault(Fault::Kill, "c1", 1, 1000, Some(1400))];
         let f = judge(&events, &committed, &injected, BackendArg::Lease, &t, None);
         assert_eq!(f.lost_at, vec![1480 * 1_000_000], "{:?}", f.violations);
         assert!(
@@ -722,11 +731,8 @@ mod tests {
     /// without that give-up in c2's log is a healthy leader's write lost.
     #[test]
     fn a_write_refused_after_its_leader_gave_up_at_its_own_bound_is_no_loss() {
-        let (mut events, committed) = clean_history();
-        events.push(ev("write:2:refused", "c2", 2, 1480, 12));
-        events.sort_by_key(|e| e.at);
+        let (events, committed, injected) = refused_c2();
         let t = standard(BackendArg::Session);
-        let injected = [fault(Fault::Kill, "c1", 1, 1000, Some(1400))];
         let judged = |gave_up: &[(&str, &str, i64)]| {
             let gave_up = gave_up
                 .iter()
