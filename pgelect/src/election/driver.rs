@@ -9,6 +9,7 @@
 //! [`KeepBackend`].
 
 use std::future::Future;
+use std::ops::ControlFlow;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -221,12 +222,12 @@ impl<B: KeepBackend + 'static> Keep<B> {
     }
 
     /// The leader's task: carries out the keeper's actions until leadership
-    /// ends, then releases when asked to.
+    /// ends ([`Leading`]), then releases when asked to.
     pub(crate) async fn run(self) {
         let Keep {
             shared,
             backend,
-            mut keeper,
+            keeper,
             state,
             mut commands,
             mut notices,
@@ -234,222 +235,36 @@ impl<B: KeepBackend + 'static> Keep<B> {
             count_leading,
         } = self;
         let _leading = count_leading.then(|| Counted::new(&shared.activity, |a| &mut a.leading));
-        let s = shared.options.schema_name().as_str().to_owned();
-        let term = state.term.get();
-        let resign_payload = format!("{s}:{}", shared.role);
-        let (mut activated, granted_at, mut was_active) = match activation {
-            Activation::Pending { tx, granted_at } => (Some(tx), Some(granted_at), false),
-            Activation::Done => (None, None, true),
+        let resign_payload = format!("{}:{}", shared.options.schema_name().as_str(), shared.role);
+        // What the loop leaves; the statement in flight still borrows the
+        // backend, which the release below consumes.
+        let (mut keeper, mut in_flight, mut activated, mut release_reply, ended, was_active, term) = {
+            let mut leading = Leading::new(&shared, &backend, keeper, &state, activation);
+            while leading
+                .step(&mut commands, &mut notices, &resign_payload)
+                .await
+                .is_continue()
+            {}
+            let Leading {
+                keeper,
+                in_flight,
+                activated,
+                release_reply,
+                ended,
+                was_active,
+                term,
+                ..
+            } = leading;
+            (
+                keeper,
+                in_flight,
+                activated,
+                release_reply,
+                ended,
+                was_active,
+                term,
+            )
         };
-        let mut in_flight: Option<Statement<'_>> = None;
-        let mut failures = 0u32;
-        let mut release_reply: Option<(LossReason, oneshot::Sender<Result<()>>)> = None;
-        let mut ended: Option<LossReason> = None;
-        let mut rechecks = 0u8;
-
-        'outer: loop {
-            if state.reason().is_some() {
-                // Only the watchdog thread (or a handle reading the clock)
-                // ends a live keeper's state: its deadline passed.
-                keeper.expired_elsewhere();
-            }
-            let now = Instant::now();
-            while let Some(action) = keeper.poll(now) {
-                match action {
-                    Action::Renew => in_flight = Some(backend.renew()),
-                    Action::Heartbeat => in_flight = Some(backend.heartbeat()),
-                    Action::Activate => {
-                        let Some(tx) = activated.take() else {
-                            continue;
-                        };
-                        was_active = true;
-                        // From now on the deadline is also watched by a
-                        // thread that does not depend on this task being
-                        // polled in time.
-                        super::watchdog::watch(&state);
-                        let took = granted_at.map_or(Duration::ZERO, |g| g.elapsed());
-                        metrics::leader_on(&shared.role, term, took);
-                        tracing::info!(takeover = ?took, "leadership begins");
-                        if tx.send(true).is_err() {
-                            // The campaign was dropped while waiting: nobody
-                            // will ever hold this leadership.
-                            state.end_counted(LossReason::Dropped, was_active);
-                            backend.let_go(None);
-                            break 'outer;
-                        }
-                    }
-                    Action::Lose { reason, kill } => {
-                        report_late(&shared.role, reason, now, keeper.deadline());
-                        let first = state.end_counted(reason, was_active);
-                        if first && was_active && reason == LossReason::Resigned {
-                            // Asked for (by an operator's request_resign):
-                            // news, not trouble.
-                            tracing::info!(%reason, "leadership handed back on request");
-                        } else if first && reason == LossReason::HandedOver {
-                            tracing::info!(%reason, "handing leadership over to a candidate of higher priority");
-                        } else if first && was_active {
-                            tracing::warn!(%reason, "leadership lost");
-                        } else if first {
-                            tracing::warn!(%reason, "lost the lock before acting");
-                        }
-                        if kill {
-                            backend.let_go(Some(reason));
-                            if was_active {
-                                shared.publish_if_holder(&shared.node, term, None);
-                            }
-                            ended = Some(reason);
-                            break 'outer;
-                        }
-                    }
-                }
-            }
-            if keeper.phase() == Phase::Done {
-                break;
-            }
-            let wake = keeper
-                .next_wake()
-                .expect("BUG: a live keeper has a wake time");
-            let mut answered = None;
-            let live = matches!(keeper.phase(), Phase::Pending | Phase::Active);
-            tokio::select! {
-                biased;
-                // Ended by the watchdog: let go at once (the top of the loop).
-                _ = state.token().cancelled(), if live => {}
-                _ = backend.closed() => keeper.connection_lost(),
-                cmd = commands.recv() => match cmd {
-                    None => {
-                        state.end_counted(LossReason::Dropped, was_active);
-                        backend.let_go(None);
-                        break;
-                    }
-                    Some(Command::Stop { reason }) => keeper.stop_requested(reason, Instant::now()),
-                    Some(Command::Release { reason, reply }) => {
-                        release_reply = Some((reason, reply));
-                        break;
-                    }
-                },
-                (sent, result) = async { in_flight.as_mut().expect("BUG: guarded").await }, if in_flight.is_some() => {
-                    in_flight = None;
-                    answered = Some((sent, result));
-                }
-                // A batch that renewed this leader with the others on its
-                // connection: the same news as an answer to its own renewal
-                // sent at that moment (its rows were read then), so that
-                // the leaders on one connection keep one schedule.
-                (sent, result) = backend.pushed(), if in_flight.is_none() => {
-                    answered = Some((sent, result));
-                }
-                // Our statement waits behind others on a shared connection:
-                // their answers show the session alive meanwhile.
-                sent = backend.answered(), if in_flight.is_some() => {
-                    keeper.alive_at(sent);
-                }
-                n = notices.recv() => {
-                    if let Ok(n) = n {
-                        // Only a hint: anyone who can connect may send it.
-                        // The renewal it brings forward reads the row,
-                        // which only `request_resign` (a granted privilege)
-                        // marks.
-                        // The same hint is sent by a registering candidate
-                        // of higher priority: the renewal also reads the
-                        // candidate registry against pg_locks.
-                        if n.channel == RESIGN_CHANNEL && n.payload == resign_payload {
-                            tracing::debug!("resign hint heard; checking the lease row and the candidates");
-                            rechecks = PENDING_RECHECKS;
-                            keeper.check_requested(Instant::now());
-                        }
-                    }
-                }
-                _ = tokio::time::sleep_until(wake) => {}
-            }
-            let Some((sent, result)) = answered.take() else {
-                continue;
-            };
-            let now = Instant::now();
-            match result {
-                Ok(Answer::Renewed {
-                    row,
-                    resign_requested,
-                    preferred,
-                }) => {
-                    failures = 0;
-                    shared.contact.touch();
-                    keeper.renewed(sent, now);
-                    state.set_deadline(keeper.deadline());
-                    let remaining = keeper.deadline().saturating_duration_since(now);
-                    metrics::renewed(&shared.role, now - sent, remaining);
-                    tracing::trace!(deadline_in = ?remaining, "renewed");
-                    // Watchers see the renewal: while leading, a
-                    // session elector's observer is closed and the
-                    // leader is the one that knows.
-                    if let Some((renewed_at, lease_until)) = row {
-                        shared.leader.send_if_modified(|cur| match cur {
-                            Some(c) if c.holder == shared.node && c.term.get() == term => {
-                                c.renewed_at = renewed_at;
-                                c.lease_until = lease_until;
-                                c.lease_expired = false;
-                                true
-                            }
-                            _ => false,
-                        });
-                    }
-                    if resign_requested {
-                        tracing::info!("resignation requested for this term (lease row)");
-                        keeper.stop_requested(LossReason::Resigned, now);
-                    } else if let Some(to) = preferred.ready {
-                        tracing::info!(to = %to, "a ready candidate of higher priority stands");
-                        keeper.stop_requested(LossReason::HandedOver, now);
-                    } else if preferred.pending && rechecks > 0 {
-                        rechecks -= 1;
-                        keeper.check_requested(now);
-                    }
-                }
-                Ok(Answer::NotOurs) => {
-                    shared.contact.touch();
-                    tracing::warn!("renewal found the lease row no longer ours: preempted");
-                    keeper.preempted();
-                }
-                Ok(Answer::Busy) => {
-                    shared.contact.touch();
-                    tracing::debug!(deadline_in = ?keeper.deadline().saturating_duration_since(now), "the lease row is held by a fenced transaction; renewing again soon");
-                    keeper.renew_busy(now);
-                }
-                Ok(Answer::Alive) => {
-                    shared.contact.touch();
-                    keeper.heartbeat_ok(now);
-                }
-                Ok(Answer::ReadOnly) => {
-                    shared.contact.touch();
-                    tracing::warn!("the server accepts no writes (transaction_read_only is on): demoted or fenced");
-                    keeper.server_read_only();
-                }
-                Err(e) => {
-                    failures = failures.saturating_add(1);
-                    match backend.failed(&e, failures) {
-                        Failed::ConnectionLost => {
-                            tracing::warn!(error = %e, "lock connection failed");
-                            keeper.connection_lost();
-                        }
-                        Failed::ServerReadOnly => {
-                            tracing::warn!(error = %e, "the server accepts no writes: demoted or fenced");
-                            keeper.server_read_only();
-                        }
-                        Failed::RetrySoon => {
-                            tracing::warn!(error = %e, "renewal failed; retrying until the deadline");
-                            keeper.renew_failed(now);
-                        }
-                        Failed::ReadOnlyRetryAfter(wait) => {
-                            tracing::warn!(error = %e, retry_in = ?wait, deadline_in = ?keeper.deadline().saturating_duration_since(now), "the server accepts no writes (demoted or fenced); retrying on a new connection until the deadline");
-                            keeper.renew_refused_read_only(now, wait);
-                        }
-                        Failed::RetryAfter(wait) => {
-                            tracing::warn!(error = %e, retry_in = ?wait, deadline_in = ?keeper.deadline().saturating_duration_since(now), "renewal failed; retrying until the deadline");
-                            keeper.renew_retry(now, wait);
-                        }
-                    }
-                }
-            }
-        }
 
         if !B::FINISH_IN_FLIGHT_BEFORE_RELEASE {
             drop(in_flight.take());
@@ -496,6 +311,332 @@ impl<B: KeepBackend + 'static> Keep<B> {
             shared.publish_if_holder(&shared.node, term, None);
         }
         let _ = reply.send(result);
+    }
+}
+
+/// A leadership while it runs: the keeper, the statement in flight and
+/// what the loop has learnt so far. Each [`step`](Leading::step) carries
+/// out the keeper's actions, then waits for the next event and tells the
+/// keeper; [`Keep::run`] steps until the leadership ends.
+struct Leading<'a, B> {
+    shared: &'a ElectorState,
+    backend: &'a B,
+    keeper: Keeper,
+    state: &'a Arc<LeaderState>,
+    term: i64,
+    /// Until [`Action::Activate`]: the campaign waiting to be told.
+    activated: Option<oneshot::Sender<bool>>,
+    granted_at: Option<Instant>,
+    /// Whether the user was told that leadership began.
+    was_active: bool,
+    in_flight: Option<Statement<'a>>,
+    /// Failed statements in a row.
+    failures: u32,
+    /// The handle's release request, which ends the loop.
+    release_reply: Option<(LossReason, oneshot::Sender<Result<()>>)>,
+    /// The loss that ended the loop with the lock let go of.
+    ended: Option<LossReason>,
+    /// Early checks left after a hint (see [`PENDING_RECHECKS`]).
+    rechecks: u8,
+}
+
+impl<'a, B: KeepBackend> Leading<'a, B> {
+    fn new(
+        shared: &'a ElectorState,
+        backend: &'a B,
+        keeper: Keeper,
+        state: &'a Arc<LeaderState>,
+        activation: Activation,
+    ) -> Self {
+        let (activated, granted_at, was_active) = match activation {
+            Activation::Pending { tx, granted_at } => (Some(tx), Some(granted_at), false),
+            Activation::Done => (None, None, true),
+        };
+        Leading {
+            shared,
+            backend,
+            keeper,
+            state,
+            term: state.term.get(),
+            activated,
+            granted_at,
+            was_active,
+            in_flight: None,
+            failures: 0,
+            release_reply: None,
+            ended: None,
+            rechecks: 0,
+        }
+    }
+
+    /// One turn of the loop; `Break` once the leadership's loop is over.
+    async fn step(
+        &mut self,
+        commands: &mut mpsc::UnboundedReceiver<Command>,
+        notices: &mut broadcast::Receiver<Notice>,
+        resign_payload: &str,
+    ) -> ControlFlow<()> {
+        if self.state.reason().is_some() {
+            // Only the watchdog thread (or a handle reading the clock)
+            // ends a live keeper's state: its deadline passed.
+            self.keeper.expired_elsewhere();
+        }
+        self.act(Instant::now())?;
+        if self.keeper.phase() == Phase::Done {
+            return ControlFlow::Break(());
+        }
+        if let Some((sent, result)) = self.wait(commands, notices, resign_payload).await? {
+            self.answered(sent, result, Instant::now());
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// Carries out every action the keeper has for `now`.
+    fn act(&mut self, now: Instant) -> ControlFlow<()> {
+        while let Some(action) = self.keeper.poll(now) {
+            match action {
+                Action::Renew => self.in_flight = Some(self.backend.renew()),
+                Action::Heartbeat => self.in_flight = Some(self.backend.heartbeat()),
+                Action::Activate => self.activate()?,
+                Action::Lose { reason, kill } => self.lose(reason, kill, now)?,
+            }
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// Tells the campaign that leadership begins.
+    fn activate(&mut self) -> ControlFlow<()> {
+        let Some(tx) = self.activated.take() else {
+            return ControlFlow::Continue(());
+        };
+        self.was_active = true;
+        // From now on the deadline is also watched by a thread that does
+        // not depend on this task being polled in time.
+        super::watchdog::watch(self.state);
+        let took = self.granted_at.map_or(Duration::ZERO, |g| g.elapsed());
+        metrics::leader_on(&self.shared.role, self.term, took);
+        tracing::info!(takeover = ?took, "leadership begins");
+        if tx.send(true).is_err() {
+            // The campaign was dropped while waiting: nobody will ever
+            // hold this leadership.
+            self.state.end_counted(LossReason::Dropped, self.was_active);
+            self.backend.let_go(None);
+            return ControlFlow::Break(());
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// The keeper ends the leadership for `reason`; `kill`: let go of the
+    /// lock at once.
+    fn lose(&mut self, reason: LossReason, kill: bool, now: Instant) -> ControlFlow<()> {
+        let shared = self.shared;
+        report_late(&shared.role, reason, now, self.keeper.deadline());
+        let first = self.state.end_counted(reason, self.was_active);
+        if first && self.was_active && reason == LossReason::Resigned {
+            // Asked for (by an operator's request_resign): news, not
+            // trouble.
+            tracing::info!(%reason, "leadership handed back on request");
+        } else if first && reason == LossReason::HandedOver {
+            tracing::info!(%reason, "handing leadership over to a candidate of higher priority");
+        } else if first && self.was_active {
+            tracing::warn!(%reason, "leadership lost");
+        } else if first {
+            tracing::warn!(%reason, "lost the lock before acting");
+        }
+        if !kill {
+            return ControlFlow::Continue(());
+        }
+        self.backend.let_go(Some(reason));
+        if self.was_active {
+            shared.publish_if_holder(&shared.node, self.term, None);
+        }
+        self.ended = Some(reason);
+        ControlFlow::Break(())
+    }
+
+    /// Waits for the next event until the keeper's next wake: an answer
+    /// (returned for [`answered`](Leading::answered)), a command, a hint,
+    /// the connection's death; `Break` when the handle is dropped or asks
+    /// for the release.
+    async fn wait(
+        &mut self,
+        commands: &mut mpsc::UnboundedReceiver<Command>,
+        notices: &mut broadcast::Receiver<Notice>,
+        resign_payload: &str,
+    ) -> ControlFlow<(), Option<(Instant, Result<Answer>)>> {
+        let wake = self
+            .keeper
+            .next_wake()
+            .expect("BUG: a live keeper has a wake time");
+        let live = matches!(self.keeper.phase(), Phase::Pending | Phase::Active);
+        let Leading {
+            backend,
+            state,
+            keeper,
+            in_flight,
+            ..
+        } = self;
+        let (backend, state) = (*backend, *state);
+        tokio::select! {
+            biased;
+            // Ended by the watchdog: let go at once (the top of the loop).
+            _ = state.token().cancelled(), if live => {}
+            _ = backend.closed() => keeper.connection_lost(),
+            cmd = commands.recv() => match cmd {
+                None => {
+                    state.end_counted(LossReason::Dropped, self.was_active);
+                    backend.let_go(None);
+                    return ControlFlow::Break(());
+                }
+                Some(Command::Stop { reason }) => keeper.stop_requested(reason, Instant::now()),
+                Some(Command::Release { reason, reply }) => {
+                    self.release_reply = Some((reason, reply));
+                    return ControlFlow::Break(());
+                }
+            },
+            (sent, result) = async { in_flight.as_mut().expect("BUG: guarded").await }, if in_flight.is_some() => {
+                *in_flight = None;
+                return ControlFlow::Continue(Some((sent, result)));
+            }
+            // A batch that renewed this leader with the others on its
+            // connection: the same news as an answer to its own renewal
+            // sent at that moment (its rows were read then), so that the
+            // leaders on one connection keep one schedule.
+            (sent, result) = backend.pushed(), if in_flight.is_none() => {
+                return ControlFlow::Continue(Some((sent, result)));
+            }
+            // Our statement waits behind others on a shared connection:
+            // their answers show the session alive meanwhile.
+            sent = backend.answered(), if in_flight.is_some() => {
+                keeper.alive_at(sent);
+            }
+            n = notices.recv() => {
+                if let Ok(n) = n {
+                    // Only a hint: anyone who can connect may send it. The
+                    // renewal it brings forward reads the row, which only
+                    // `request_resign` (a granted privilege) marks.
+                    // The same hint is sent by a registering candidate of
+                    // higher priority: the renewal also reads the
+                    // candidate registry against pg_locks.
+                    if n.channel == RESIGN_CHANNEL && n.payload == resign_payload {
+                        tracing::debug!("resign hint heard; checking the lease row and the candidates");
+                        self.rechecks = PENDING_RECHECKS;
+                        keeper.check_requested(Instant::now());
+                    }
+                }
+            }
+            _ = tokio::time::sleep_until(wake) => {}
+        }
+        ControlFlow::Continue(None)
+    }
+
+    /// Tells the keeper what a renewal or heartbeat sent at `sent` found.
+    fn answered(&mut self, sent: Instant, result: Result<Answer>, now: Instant) {
+        let (shared, keeper) = (self.shared, &mut self.keeper);
+        match result {
+            Ok(Answer::Renewed {
+                row,
+                resign_requested,
+                preferred,
+            }) => {
+                self.failures = 0;
+                shared.contact.touch();
+                self.renewed(sent, now, row, resign_requested, preferred);
+            }
+            Ok(Answer::NotOurs) => {
+                shared.contact.touch();
+                tracing::warn!("renewal found the lease row no longer ours: preempted");
+                keeper.preempted();
+            }
+            Ok(Answer::Busy) => {
+                shared.contact.touch();
+                tracing::debug!(deadline_in = ?keeper.deadline().saturating_duration_since(now), "the lease row is held by a fenced transaction; renewing again soon");
+                keeper.renew_busy(now);
+            }
+            Ok(Answer::Alive) => {
+                shared.contact.touch();
+                keeper.heartbeat_ok(now);
+            }
+            Ok(Answer::ReadOnly) => {
+                shared.contact.touch();
+                tracing::warn!(
+                    "the server accepts no writes (transaction_read_only is on): demoted or fenced"
+                );
+                keeper.server_read_only();
+            }
+            Err(e) => {
+                self.failures = self.failures.saturating_add(1);
+                self.failed(&e, now);
+            }
+        }
+    }
+
+    /// A renewal sent at `sent` found the lease row still ours.
+    fn renewed(
+        &mut self,
+        sent: Instant,
+        now: Instant,
+        row: Option<(SystemTime, SystemTime)>,
+        resign_requested: bool,
+        preferred: Preferred,
+    ) {
+        let (shared, keeper) = (self.shared, &mut self.keeper);
+        keeper.renewed(sent, now);
+        self.state.set_deadline(keeper.deadline());
+        let remaining = keeper.deadline().saturating_duration_since(now);
+        metrics::renewed(&shared.role, now - sent, remaining);
+        tracing::trace!(deadline_in = ?remaining, "renewed");
+        // Watchers see the renewal: while leading, a session elector's
+        // observer is closed and the leader is the one that knows.
+        if let Some((renewed_at, lease_until)) = row {
+            shared.leader.send_if_modified(|cur| match cur {
+                Some(c) if c.holder == shared.node && c.term.get() == self.term => {
+                    c.renewed_at = renewed_at;
+                    c.lease_until = lease_until;
+                    c.lease_expired = false;
+                    true
+                }
+                _ => false,
+            });
+        }
+        if resign_requested {
+            tracing::info!("resignation requested for this term (lease row)");
+            keeper.stop_requested(LossReason::Resigned, now);
+        } else if let Some(to) = preferred.ready {
+            tracing::info!(to = %to, "a ready candidate of higher priority stands");
+            keeper.stop_requested(LossReason::HandedOver, now);
+        } else if preferred.pending && self.rechecks > 0 {
+            self.rechecks -= 1;
+            keeper.check_requested(now);
+        }
+    }
+
+    /// A renewal or heartbeat failed (the `failures`-th in a row).
+    fn failed(&mut self, e: &Error, now: Instant) {
+        let keeper = &mut self.keeper;
+        let deadline_in = keeper.deadline().saturating_duration_since(now);
+        match self.backend.failed(e, self.failures) {
+            Failed::ConnectionLost => {
+                tracing::warn!(error = %e, "lock connection failed");
+                keeper.connection_lost();
+            }
+            Failed::ServerReadOnly => {
+                tracing::warn!(error = %e, "the server accepts no writes: demoted or fenced");
+                keeper.server_read_only();
+            }
+            Failed::RetrySoon => {
+                tracing::warn!(error = %e, "renewal failed; retrying until the deadline");
+                keeper.renew_failed(now);
+            }
+            Failed::ReadOnlyRetryAfter(wait) => {
+                tracing::warn!(error = %e, retry_in = ?wait, deadline_in = ?deadline_in, "the server accepts no writes (demoted or fenced); retrying on a new connection until the deadline");
+                keeper.renew_refused_read_only(now, wait);
+            }
+            Failed::RetryAfter(wait) => {
+                tracing::warn!(error = %e, retry_in = ?wait, deadline_in = ?deadline_in, "renewal failed; retrying until the deadline");
+                keeper.renew_retry(now, wait);
+            }
+        }
     }
 }
 
