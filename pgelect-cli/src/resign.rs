@@ -70,8 +70,13 @@ pub async fn run(global: &Global, args: ResignArgs) -> Result<u8, Failure> {
     );
     let deadline = tokio::time::Instant::now() + args.timeout;
     let mut said_released = false;
+    // Nothing has changed yet: the leader acts on the request once it
+    // committed, and a read now would only take the server's time from the
+    // handover. Changes since the connection are kept for `changed`.
+    let mut asked_just_now = true;
     loop {
-        if let Some(row) = admin.lease_row(&args.role).await? {
+        if std::mem::take(&mut asked_just_now) {
+        } else if let Some(row) = admin.lease_row(&args.role).await? {
             let (term, holder) = (row.term, row.holder);
             if term != old_term {
                 // Alone, a `pgelect run` leader stands again at once and wins:
