@@ -236,75 +236,21 @@ impl<B: KeepBackend + 'static> Keep<B> {
         } = self;
         let _leading = count_leading.then(|| Counted::new(&shared.activity, |a| &mut a.leading));
         let resign_payload = format!("{}:{}", shared.options.schema_name().as_str(), shared.role);
-        // What the loop leaves; the statement in flight still borrows the
-        // backend, which the release below consumes.
-        let (mut keeper, mut in_flight, mut activated, mut release_reply, ended, was_active, term) = {
-            let mut leading = Leading::new(&shared, &backend, keeper, &state, activation);
-            while leading
-                .step(&mut commands, &mut notices, &resign_payload)
-                .await
-                .is_continue()
-            {}
-            let Leading {
-                keeper,
-                in_flight,
-                activated,
-                release_reply,
-                ended,
-                was_active,
-                term,
-                ..
-            } = leading;
-            (
-                keeper,
-                in_flight,
-                activated,
-                release_reply,
-                ended,
-                was_active,
-                term,
-            )
-        };
-
-        if !B::FINISH_IN_FLIGHT_BEFORE_RELEASE {
-            drop(in_flight.take());
-        }
-        if let Some(tx) = activated.take() {
-            let _ = tx.send(false);
-        }
-        // After some losses the lock may still be ours on the server (a
-        // lease after a deadline loss: the database was unreachable for a
-        // while); once the user's duties stopped (it calls `resign`, as
-        // `Elector::run` does) a release lets standbys take over without
-        // waiting for the expiry.
-        if release_reply.is_none() && ended.is_some_and(|r| backend.releasable_after(r)) {
-            drop(in_flight.take());
-            loop {
-                match commands.recv().await {
-                    Some(Command::Release { reason, reply }) => {
-                        release_reply = Some((reason, reply));
-                        break;
-                    }
-                    Some(Command::Stop { .. }) => {}
-                    None => break,
-                }
-            }
-        }
-        let Some((reason, reply)) = release_reply else {
-            drop(in_flight);
+        let mut leading = Leading::new(&shared, &backend, keeper, &state, activation);
+        while leading
+            .step(&mut commands, &mut notices, &resign_payload)
+            .await
+            .is_continue()
+        {}
+        let release = leading.wind_up(&mut commands).await;
+        let (ended, term) = (leading.ended, leading.term);
+        // Its statement in flight borrowed the backend, which the release
+        // consumes.
+        drop(leading);
+        let Some((reason, reply)) = release else {
             backend.close().await;
             return;
         };
-        // A statement in flight finishes first where its connection is the
-        // one to release on (bounded by the statement timeout).
-        if let Some(f) = in_flight.take() {
-            let _ = f.await;
-        }
-        drop(in_flight);
-        // Duties have stopped (the caller says so by releasing): cancel
-        // first, then clear the holder and notify, then unlock.
-        state.end_counted(reason, was_active);
-        keeper.finish(reason);
         let result = backend.release(ended).await;
         if result.is_ok() {
             tracing::info!(%reason, "leadership released");
@@ -389,6 +335,56 @@ impl<'a, B: KeepBackend> Leading<'a, B> {
             self.answered(sent, result, Instant::now());
         }
         ControlFlow::Continue(())
+    }
+
+    /// After the loop: settles the statement in flight and tells a
+    /// campaign still waiting that it lost; returns the handle's release
+    /// request, with the user's duties stopped and the keeper finished,
+    /// or `None` when the leadership ends without a release.
+    async fn wind_up(
+        &mut self,
+        commands: &mut mpsc::UnboundedReceiver<Command>,
+    ) -> Option<(LossReason, oneshot::Sender<Result<()>>)> {
+        if !B::FINISH_IN_FLIGHT_BEFORE_RELEASE {
+            self.in_flight = None;
+        }
+        if let Some(tx) = self.activated.take() {
+            let _ = tx.send(false);
+        }
+        // After some losses the lock may still be ours on the server (a
+        // lease after a deadline loss: the database was unreachable for a
+        // while); once the user's duties stopped (it calls `resign`, as
+        // `Elector::run` does) a release lets standbys take over without
+        // waiting for the expiry.
+        if self.release_reply.is_none()
+            && self.ended.is_some_and(|r| self.backend.releasable_after(r))
+        {
+            self.in_flight = None;
+            loop {
+                match commands.recv().await {
+                    Some(Command::Release { reason, reply }) => {
+                        self.release_reply = Some((reason, reply));
+                        break;
+                    }
+                    Some(Command::Stop { .. }) => {}
+                    None => break,
+                }
+            }
+        }
+        let Some((reason, reply)) = self.release_reply.take() else {
+            self.in_flight = None;
+            return None;
+        };
+        // A statement in flight finishes first where its connection is the
+        // one to release on (bounded by the statement timeout).
+        if let Some(f) = self.in_flight.take() {
+            let _ = f.await;
+        }
+        // Duties have stopped (the caller says so by releasing): cancel
+        // first, then clear the holder and notify, then unlock.
+        self.state.end_counted(reason, self.was_active);
+        self.keeper.finish(reason);
+        Some((reason, reply))
     }
 
     /// Carries out every action the keeper has for `now`.
