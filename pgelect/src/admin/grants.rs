@@ -144,6 +144,10 @@ pub fn grant_statements(kind: UserKind, user: &str, schema: &SchemaName) -> Resu
                 needed_for: Some("blocking standbys"),
             },
             Grant {
+                sql: format!("GRANT SELECT, INSERT, UPDATE ON {s}.group_views TO {u}"),
+                needed_for: Some("partition groups: the group's view, kept for the fleet"),
+            },
+            Grant {
                 sql: crate::election::lease_functions_grant(schema, &u),
                 needed_for: Some(
                     "lease backend: statements the server plans once (without it they are sent whole)",

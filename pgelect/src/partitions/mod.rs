@@ -26,8 +26,10 @@
 //!
 //! # How the partitions are spread
 //!
-//! Every member rebalances on its own, from one statement that reads the
-//! group's leader rows and its live members: every `rebalance_every` (1 s
+//! Every member rebalances on its own, from a view of the group's leader
+//! rows and its live members that the members share (kept in
+//! `<schema>.group_views`: computed again by one member when it is 250 ms
+//! old, taken by the others, never acted on when over a second old): every `rebalance_every` (1 s
 //! by default) while it has work that the next reads decide (it is over
 //! its share, or could stand for a partition it does not stand for yet,
 //! or a read started, stopped or handed over something, or showed a member
@@ -150,12 +152,12 @@ pub fn partition_role(group: &str, partition: u32) -> String {
     format!("{group}/{partition}")
 }
 
-/// The statement each member reads its group with (`$1` the group's
-/// roles in partition order, `$2` the member, `$3` its partition count),
-/// for the plan test (`election::plans`); not part of the API.
+/// The statement that computes a group's view (`$1` the group's roles in
+/// partition order, `$2` their count), for the plan test
+/// (`election::plans`); not part of the API.
 #[doc(hidden)]
 pub fn group_read_sql(schema: &crate::schema::SchemaName) -> String {
-    driver::read_sql(schema.as_str())
+    driver::view_sql(schema.as_str())
 }
 
 type Configure = Arc<dyn Fn(ElectorBuilder) -> ElectorBuilder + Send + Sync>;
@@ -767,7 +769,7 @@ pub async fn partition_assignment(
     let (client, conn) = options.connect_plain("pgelect:partitions:status").await?;
     let task = tokio::spawn(conn);
     let roles: Vec<String> = (0..partitions).map(|p| partition_role(group, p)).collect();
-    let read = driver::read(&client, options.schema_name().as_str(), &roles, None).await;
+    let read = driver::read(&client, options.schema_name().as_str(), &roles).await;
     drop(client);
     let _ = task.await;
     let driver::Read { view, terms, .. } = read?;

@@ -97,9 +97,9 @@ pub(crate) fn plan(
     settled: bool,
 ) -> Plan {
     let n = view.partitions.len();
-    let mut members = view.members.clone();
-    members.insert(me.to_owned());
-    let m = members.len();
+    // The live members and me (not copied: thousands of names).
+    let is_member = |h: &str| h == me || view.members.contains(h);
+    let m = view.members.len() + usize::from(!view.members.contains(me));
     let s = share(n, m);
 
     let mut counts: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
@@ -110,7 +110,7 @@ pub(crate) fn plan(
             continue;
         }
         match v.holder.as_deref() {
-            Some(h) if h != me && members.contains(h) => counts.entry(h).or_default().push(p),
+            Some(h) if h != me && is_member(h) => counts.entry(h).or_default().push(p),
             // A row naming me that I do not hold: a leadership of mine that
             // just ended; free for anyone, me included.
             _ => unled.push(p),
@@ -122,8 +122,7 @@ pub(crate) fn plan(
         // A member at or over its share stands for nothing: a fresh row of
         // one is left from a standby it stopped (rows stay fresh for a few
         // polling intervals), not a taker.
-        let takes =
-            |r: &str| r != me && members.contains(r) && counts.get(r).map_or(0, Vec::len) < s;
+        let takes = |r: &str| r != me && is_member(r) && counts.get(r).map_or(0, Vec::len) < s;
         let mut ready: Vec<u32> = held
             .iter()
             .copied()

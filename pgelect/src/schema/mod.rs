@@ -459,6 +459,50 @@ $fn$;
     r#"
 {lease_functions}
 "#,
+    // 11: a partition group's view, kept for its fleet. Every member reads
+    // its group every second or so while anything changes; at 1,000
+    // members of 1,000 partitions the members' reads of the tables were
+    // more work than two server cores do. A member that finds the group's
+    // kept view older than a quarter of a second claims it, computes it
+    // again and keeps it; the others take the older view meanwhile. Unlogged: it is a cache of what `leaders` and `candidates`
+    // show, recomputed after a crash or on a promoted standby. Written
+    // only by candidates (those who may update `leaders`), like the
+    // registry: a user without those grants cannot change what members
+    // see.
+    r#"
+CREATE UNLOGGED TABLE {s}.group_views (
+    grp     text NOT NULL CHECK (grp <> ''),
+    n       bigint NOT NULL CHECK (n > 0),
+    read_at timestamptz NOT NULL,
+    -- Until when a member that found the view old recomputes it; the
+    -- others take the older view meanwhile.
+    claimed_until timestamptz NOT NULL DEFAULT '-infinity',
+    view    json NOT NULL,
+    PRIMARY KEY (grp, n)
+);
+COMMENT ON TABLE {s}.group_views IS 'pgelect: each partition group''s view (leaders, ready standbys, live members) as a member last computed it, for the other members to take while it is fresh';
+REVOKE ALL ON {s}.group_views FROM PUBLIC;
+
+-- A rolling upgrade keeps working: whoever may update `leaders` (a
+-- candidate) may keep and take views.
+DO $grants$
+DECLARE
+    g record;
+BEGIN
+    FOR g IN
+        SELECT DISTINCT a.grantee
+          FROM pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
+         WHERE c.oid = '{s}.leaders'::pg_catalog.regclass
+           AND a.privilege_type = 'UPDATE'
+           AND a.grantee <> c.relowner
+    LOOP
+        EXECUTE pg_catalog.format('GRANT SELECT, INSERT, UPDATE ON {s}.group_views TO %s',
+            CASE g.grantee WHEN 0 THEN 'PUBLIC'
+                           ELSE pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(g.grantee)) END);
+    END LOOP;
+END
+$grants$;
+"#,
 ];
 
 /// [`migrate`](crate::migrate), waiting at most about `lock_timeout` for the migration lock.

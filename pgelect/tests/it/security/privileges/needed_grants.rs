@@ -467,6 +467,7 @@ async fn migrations_4_and_5_keep_the_rights_of_earlier_candidates_and_observers(
     admin
         .batch_execute(
             "DROP TABLE pgelect.candidates;
+             DROP TABLE pgelect.group_views;
              DELETE FROM pgelect.migrations WHERE version >= 4",
         )
         .await
@@ -510,4 +511,44 @@ async fn migrations_4_and_5_keep_the_rights_of_earlier_candidates_and_observers(
         .get(0);
     assert!(!public, "the registry is not readable by PUBLIC");
     l.resign().await.unwrap();
+}
+
+/// A member of a partition group needs the candidate's grants and the
+/// group views' (`grant_statements` lists both): with them it reads its
+/// group, keeps the group's view for the others, and leads every
+/// partition alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_member_with_the_candidate_and_group_view_grants_leads_its_group() {
+    let (db, _) = migrated("priv_partitions").await;
+    let mut grants = CANDIDATE.to_vec();
+    grants.push("GRANT SELECT, INSERT, UPDATE ON pgelect.group_views TO {r}");
+    let o = user(&db, "member", &grants).await;
+    let group = pgelect::partitions::PartitionGroup::builder(o, "pg", 4)
+        .member("m1")
+        .poll_interval(Duration::from_millis(200))
+        .rebalance_every(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let _events = group.join().unwrap();
+    let t0 = std::time::Instant::now();
+    while group.held().len() < 4 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "held {:?} after 30 s",
+            group.held()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let admin = db.connect().await;
+    let kept: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pgelect.group_views WHERE grp = 'pg' AND n = 4
+                AND json_array_length(view->0) = 4",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(kept, 1, "the group's view, kept");
+    group.leave().await.unwrap();
 }
