@@ -581,8 +581,18 @@ struct Cadence {
 /// How the last read went, for the next one ([`Cadence`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Pace {
-    Busy { members: usize, partitions: usize },
-    Quiet { members: usize, partitions: usize },
+    Busy {
+        members: usize,
+        partitions: usize,
+    },
+    /// The read showed the same kept view as the one before (or none:
+    /// another member was computing it), and the member has work: it reads
+    /// again as soon as the view can be a newer one.
+    Soon,
+    Quiet {
+        members: usize,
+        partitions: usize,
+    },
     Failed,
 }
 
@@ -624,7 +634,16 @@ impl Cadence {
     }
 
     fn after(&mut self, pace: Pace) {
+        if pace == Pace::Soon {
+            // Once the kept view can have been computed again; the pace
+            // itself does not change.
+            let cut = VIEW_FRESH_FOR
+                .mul_f64((crate::election::config::random_u64() % 1_000) as f64 / 4_000.0);
+            self.next = tokio::time::Instant::now() + VIEW_FRESH_FOR * 2 - cut;
+            return;
+        }
         self.every = match pace {
+            Pace::Soon => unreachable!("BUG: handled above"),
             Pace::Busy {
                 members,
                 partitions,
@@ -766,10 +785,7 @@ impl Driver {
                 // Another member is computing the group's view: this turn
                 // does nothing, and the next reads again soon.
                 self.last_error = None;
-                return Pace::Busy {
-                    members: self.others.len() + 1,
-                    partitions: self.roles.len(),
-                };
+                return Pace::Soon;
             }
             Err(e) => {
                 let text = e.to_string();
@@ -827,7 +843,9 @@ impl Driver {
         // A member over its share waits for standbys to hand over to: it
         // keeps looking at `rebalance_every` (`plan.busy`).
         let changes = !plan.stand.is_empty() || !plan.unstand.is_empty() || !plan.resign.is_empty();
-        let pace = if plan.busy || changes || missing {
+        let pace = if again && plan.busy {
+            Pace::Soon
+        } else if plan.busy || changes || missing {
             Pace::Busy {
                 members: plan.members,
                 partitions,
