@@ -1,7 +1,7 @@
 //! A member's task: one loop that reads the group, applies the plan
 //! ([`plan`](super::plan::plan)), and turns leaderships into events.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::future::poll_fn;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -20,9 +20,10 @@ use super::plan::{plan, GroupView, PartitionView};
 use super::{Carrier, Config, HeldPartition, PartitionEvent};
 
 /// The group's view as one `json` value, computed from the tables, an
-/// array of: the partitions (for each of the roles `$1`, in order,
-/// `[holder while its lease runs, last term, the nodes ready to take
-/// it]`); the live members; the live registrations that declare another
+/// array of: every node it names, once (the rest refers to them by their
+/// number in this list, from 0); the partitions (for each of the roles
+/// `$1`, in order, `[holder while its lease runs, last term, the nodes
+/// ready to take it]`); the live members; the live registrations that declare another
 /// partition count than `$2` (`[node, declared, first registration in µs
 /// since the epoch]`); and then each member's first registration (to tell
 /// who came first), or null. Reads only; one
@@ -79,9 +80,20 @@ pub(super) fn view_sql(s: &str) -> String {
                JOIN {s}.leaders l ON l.role = g.r
               WHERE l.backend = 'lease'
                 AND l.holder IS NOT NULL AND l.lease_until > now()
+         ), names AS MATERIALIZED (
+             -- Every node the view names, each once, numbered from 0: the
+             -- rest of the view refers to them by number.
+             SELECT x.node, (row_number() OVER (ORDER BY x.node) - 1)::int4 AS i
+               FROM (SELECT v.node FROM live v
+                     UNION
+                     SELECT l.holder
+                       FROM g
+                       JOIN {s}.leaders l ON l.role = g.r
+                      WHERE l.holder IS NOT NULL AND l.lease_until > now()) x
          ), ready AS (
-             SELECT v.role, pg_catalog.json_agg(v.node) AS nodes
+             SELECT v.role, pg_catalog.json_agg(nm.i) AS nodes
                FROM live v
+               JOIN names nm ON nm.node = v.node
               WHERE v.fresh
               GROUP BY v.role
          ), declared AS (
@@ -92,15 +104,18 @@ pub(super) fn view_sql(s: &str) -> String {
               WHERE v.n IS NOT NULL AND v.n <> $2::text
               GROUP BY v.node, v.n
          )
-         -- [partitions, members, declared, since]: `json`, the text
-         -- itself, which the server sends without converting it.
+         -- [names, partitions, members, declared, since]: `json`, the
+         -- text itself, which the server sends without converting it.
          SELECT pg_catalog.json_build_array(
+                    (SELECT coalesce(pg_catalog.json_agg(nm.node ORDER BY nm.i), '[]'::json)
+                       FROM names nm),
                     pg_catalog.json_agg(pg_catalog.json_build_array(
-                        CASE WHEN l.lease_until > now() THEN l.holder END,
+                        CASE WHEN l.lease_until > now() THEN h.i END,
                         l.term,
                         coalesce(r.nodes, '[]'::json)) ORDER BY u.ord),
-                    (SELECT coalesce(pg_catalog.json_agg(m.node), '[]'::json)
-                       FROM (SELECT DISTINCT v.node FROM live v) m),
+                    (SELECT coalesce(pg_catalog.json_agg(nm.i), '[]'::json)
+                       FROM names nm
+                      WHERE EXISTS (SELECT 1 FROM live v WHERE v.node = nm.node)),
                     (SELECT coalesce(pg_catalog.json_agg(pg_catalog.json_build_array(d.node, d.n, d.since)),
                                      '[]'::json)
                        FROM declared d),
@@ -113,6 +128,7 @@ pub(super) fn view_sql(s: &str) -> String {
                     END) AS view
            FROM g u
            LEFT JOIN {s}.leaders l ON l.role = u.r
+           LEFT JOIN names h ON h.node = l.holder
            LEFT JOIN ready r ON r.role = u.r"
     )
 }
@@ -318,8 +334,9 @@ const READ: &str = "read the partition group";
 /// thousand views of 38 kB a second: the allocations of a generic tree were
 /// most of the members' CPU).
 type ViewParts = (
-    Vec<(Option<String>, Option<i64>, Vec<String>)>,
     Vec<String>,
+    Vec<(Option<u32>, Option<i64>, Vec<u32>)>,
+    Vec<u32>,
     Vec<(String, String, i64)>,
     Option<HashMap<String, i64>>,
 );
@@ -338,7 +355,7 @@ fn decode(
 }
 
 fn decode_parts(
-    (ps, members, declared, since): ViewParts,
+    (names, ps, members, declared, since): ViewParts,
     member: Option<&str>,
     partitions: usize,
     schema: &str,
@@ -350,13 +367,28 @@ fn decode_parts(
         tracing::warn!(%schema, partitions, found = ps.len(), "the group's view is not one this version of pgelect writes; is a row of {schema}.group_views written by something else?");
         return Err(Error::connection_lost(READ));
     }
-    let mut view = GroupView::default();
+    let known = |i: &u32| (*i as usize) < names.len();
+    let in_range = ps
+        .iter()
+        .all(|(h, _, r)| h.as_ref().is_none_or(known) && r.iter().all(known))
+        && members.iter().all(known);
+    if !in_range {
+        tracing::warn!(%schema, "the group's view names a node it does not list; is a row of {schema}.group_views written by something else?");
+        return Err(Error::connection_lost(READ));
+    }
+    let mut view = GroupView {
+        live: vec![false; names.len()],
+        names,
+        partitions: Vec::with_capacity(ps.len()),
+    };
     let mut terms = Vec::with_capacity(ps.len());
     for (holder, term, ready) in ps {
         view.partitions.push(PartitionView { holder, ready });
         terms.push(term.map(Term::new));
     }
-    view.members = members.into_iter().collect();
+    for i in members {
+        view.live[i as usize] = true;
+    }
     let conflicts = match member {
         Some(me) => {
             let mine = since.as_ref().and_then(|s| s.get(me)).copied();
@@ -448,7 +480,7 @@ struct Driver {
     /// are counted at the next read too: a member switching standbys has
     /// no registration for a moment, and a member missing from the count
     /// raises everyone's share (100 partitions over 99 members: 2).
-    others: BTreeSet<String>,
+    others: HashSet<String>,
     /// The share the last read computed (`None` before the first).
     share: Option<usize>,
     /// When the view of the last read was computed ([`Read::at`]).
@@ -488,7 +520,7 @@ pub(super) async fn run(
         wake: Arc::new(Notify::new()),
         last_error: None,
         refused: None,
-        others: BTreeSet::new(),
+        others: HashSet::new(),
         share: None,
         view_at: None,
     };
@@ -819,26 +851,29 @@ impl Driver {
         // cannot show that members stopped joining.
         let again = read.at.is_some() && read.at == self.view_at;
         self.view_at = read.at;
-        let settled = !again
-            && view
-                .members
-                .iter()
-                .all(|m| m == me || self.others.contains(m));
+        let settled = !again && view.members().all(|m| m == me || self.others.contains(m));
         // A member missing: it is still counted this once (see `others`);
         // the next read, soon, confirms the smaller count.
-        let absent: Vec<String> = std::mem::take(&mut self.others)
-            .into_iter()
-            .filter(|o| !view.members.contains(o))
-            .collect();
+        let absent: HashSet<String> = {
+            let live: HashSet<&str> = view.members().collect();
+            std::mem::take(&mut self.others)
+                .into_iter()
+                .filter(|o| !live.contains(o.as_str()))
+                .collect()
+        };
         let missing = !absent.is_empty();
-        view.members.extend(absent.iter().cloned());
-        let plan = plan(me, &view, &held, &standing, settled);
-        let mut others = std::mem::take(&mut view.members);
         for a in &absent {
-            others.remove(a);
+            view.add_member(a.clone());
         }
-        others.remove(me);
-        self.others = others;
+        let plan = plan(me, &view, &held, &standing, settled);
+        // This read's live members but me, the absent ones not again.
+        self.others = view
+            .names
+            .into_iter()
+            .zip(view.live)
+            .filter(|(n, l)| *l && n != me && !absent.contains(n))
+            .map(|(n, _)| n)
+            .collect();
         self.share = Some(plan.share);
         // A member over its share waits for standbys to hand over to: it
         // keeps looking at `rebalance_every` (`plan.busy`).
@@ -1106,8 +1141,9 @@ mod tests {
 
     fn view(declared: serde_json::Value, since: serde_json::Value) -> ViewParts {
         serde_json::from_value(serde_json::json!([
-            [["a", 3, ["b"]], [null, null, []]],
             ["a", "b", "c"],
+            [[0, 3, [1]], [null, null, []]],
+            [0, 1, 2],
             declared,
             since,
         ]))
@@ -1118,14 +1154,24 @@ mod tests {
     fn a_view_decodes_into_the_plans_snapshot() {
         let none = || view(serde_json::json!([]), serde_json::Value::Null);
         let r = decode_parts(none(), Some("b"), 2, "pgelect").unwrap();
-        assert_eq!(r.view.partitions[0].holder.as_deref(), Some("a"));
-        assert_eq!(r.view.partitions[0].ready, ["b"]);
+        let holder = r.view.partitions[0].holder.map(|h| r.view.name(h));
+        assert_eq!(holder, Some("a"));
+        let ready: Vec<&str> = r.view.partitions[0]
+            .ready
+            .iter()
+            .map(|&i| r.view.name(i))
+            .collect();
+        assert_eq!(ready, ["b"]);
         assert_eq!(r.view.partitions[1], PartitionView::default());
         assert_eq!(r.terms, [Some(Term::new(3)), None]);
-        assert_eq!(r.view.members.len(), 3);
+        assert_eq!(r.view.members().count(), 3);
         assert!(r.conflicts.is_empty());
         // A view of another partition count than the reader's: refused.
         assert!(decode_parts(none(), Some("b"), 3, "pgelect").is_err());
+        // A view naming a node it does not list: refused.
+        let mut bad = none();
+        bad.1[1].0 = Some(7);
+        assert!(decode_parts(bad, Some("b"), 2, "pgelect").is_err());
     }
 
     #[test]

@@ -773,17 +773,19 @@ pub async fn partition_assignment(
     drop(client);
     let _ = task.await;
     let driver::Read { view, terms, .. } = read?;
+    let mut members: Vec<String> = view.members().map(str::to_owned).collect();
+    members.sort();
     Ok(PartitionAssignment {
         group: group.to_owned(),
-        members: view.members.into_iter().collect(),
+        members,
         partitions: view
             .partitions
-            .into_iter()
+            .iter()
             .zip(roles)
             .zip(terms)
             .map(|((v, role), term)| PartitionLeader {
                 role,
-                holder: v.holder,
+                holder: v.holder.map(|h| view.name(h).to_owned()),
                 term,
             })
             .collect(),

@@ -5,25 +5,109 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-/// One partition as the rebalancing statement read it.
+/// One partition as the rebalancing statement read it; members are
+/// indices into [`GroupView::names`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct PartitionView {
     /// The leader row's holder while its lease runs (`None`: released,
     /// never led, or expired).
-    pub(crate) holder: Option<String>,
+    pub(crate) holder: Option<u32>,
     /// Members with a live, still polling registration for the partition's
     /// role (may include the holder itself).
-    pub(crate) ready: Vec<String>,
+    pub(crate) ready: Vec<u32>,
 }
 
-/// The group as one statement read it.
+/// The group as one statement read it. Every name appears once, in
+/// `names`; the partitions refer to them by index, so that a member reads,
+/// counts and compares thousands of holders as integers (at 1,000 members
+/// of 1,000 partitions, comparing and copying the names was most of the
+/// members' CPU).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct GroupView {
+    /// Every node the view names: live members and holders.
+    pub(crate) names: Vec<String>,
+    /// Indexed like `names`: whether the node is a live member (a node
+    /// with a registry row of one of the group's roles whose backend the
+    /// server shows alive, or a lease holder).
+    pub(crate) live: Vec<bool>,
     /// Indexed by partition.
     pub(crate) partitions: Vec<PartitionView>,
-    /// Live members: nodes with a registry row of one of the group's roles
-    /// whose backend the server shows alive.
-    pub(crate) members: BTreeSet<String>,
+}
+
+impl GroupView {
+    /// The index of `name` (one pass over the names: once per read).
+    pub(crate) fn index(&self, name: &str) -> Option<u32> {
+        self.names.iter().position(|n| n == name).map(|i| i as u32)
+    }
+
+    /// The name at `i` (an index the view holds).
+    pub(crate) fn name(&self, i: u32) -> &str {
+        &self.names[i as usize]
+    }
+
+    /// Whether the node at `i` is a live member.
+    pub(crate) fn is_live(&self, i: u32) -> bool {
+        self.live.get(i as usize).copied().unwrap_or(false)
+    }
+
+    /// The live members' names.
+    pub(crate) fn members(&self) -> impl Iterator<Item = &str> + '_ {
+        self.names
+            .iter()
+            .zip(&self.live)
+            .filter(|(_, l)| **l)
+            .map(|(n, _)| n.as_str())
+    }
+
+    /// How many live members the view shows.
+    pub(crate) fn member_count(&self) -> usize {
+        self.live.iter().filter(|l| **l).count()
+    }
+
+    /// Counts `name` as a live member (added when the view lacks it).
+    pub(crate) fn add_member(&mut self, name: String) {
+        match self.index(&name) {
+            Some(i) => self.live[i as usize] = true,
+            None => {
+                self.names.push(name);
+                self.live.push(true);
+            }
+        }
+    }
+
+    /// The index of `name`, added (not live) when the view lacks it.
+    #[cfg(test)]
+    pub(crate) fn intern(&mut self, name: &str) -> u32 {
+        self.index(name).unwrap_or_else(|| {
+            self.names.push(name.to_owned());
+            self.live.push(false);
+            (self.names.len() - 1) as u32
+        })
+    }
+
+    /// Test set-up: partitions held by `holders`, the live `members`.
+    #[cfg(test)]
+    pub(crate) fn of(holders: &[Option<&str>], members: &[&str]) -> Self {
+        let mut v = GroupView::default();
+        for m in members {
+            v.add_member((*m).to_owned());
+        }
+        v.partitions = holders
+            .iter()
+            .map(|h| PartitionView {
+                holder: h.map(|h| v.intern(h)),
+                ready: Vec::new(),
+            })
+            .collect();
+        v
+    }
+
+    /// Test set-up: the members ready to take partition `p`.
+    #[cfg(test)]
+    pub(crate) fn set_ready(&mut self, p: usize, names: &[&str]) {
+        let ready = names.iter().map(|n| self.intern(n)).collect();
+        self.partitions[p].ready = ready;
+    }
 }
 
 /// What a member should do now.
@@ -97,39 +181,44 @@ pub(crate) fn plan(
     settled: bool,
 ) -> Plan {
     let n = view.partitions.len();
-    // The live members and me (not copied: thousands of names).
-    let is_member = |h: &str| h == me || view.members.contains(h);
-    let m = view.members.len() + usize::from(!view.members.contains(me));
+    let me_at = view.index(me);
+    let me_live = me_at.is_some_and(|i| view.is_live(i));
+    let m = view.member_count() + usize::from(!me_live);
     let s = share(n, m);
+    // Another live member than me.
+    let other = |i: u32| Some(i) != me_at && view.is_live(i);
 
-    let mut counts: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
+    // Partitions led by each other live member (indexed by name), and the
+    // unled ones.
+    let mut counts = vec![0usize; view.names.len()];
     let mut unled = Vec::new();
     for (p, v) in view.partitions.iter().enumerate() {
         let p = p as u32;
         if held.contains(&p) {
             continue;
         }
-        match v.holder.as_deref() {
-            Some(h) if h != me && is_member(h) => counts.entry(h).or_default().push(p),
+        match v.holder {
+            Some(h) if other(h) => counts[h as usize] += 1,
             // A row naming me that I do not hold: a leadership of mine that
             // just ended; free for anyone, me included.
             _ => unled.push(p),
         }
     }
+    let count = |i: u32| counts.get(i as usize).copied().unwrap_or(0);
 
     let mut resign = Vec::new();
     if held.len() > s {
         // A member at or over its share stands for nothing: a fresh row of
         // one is left from a standby it stopped (rows stay fresh for a few
         // polling intervals), not a taker.
-        let takes = |r: &str| r != me && is_member(r) && counts.get(r).map_or(0, Vec::len) < s;
+        let takes = |r: u32| other(r) && count(r) < s;
         let mut ready: Vec<u32> = held
             .iter()
             .copied()
             .filter(|&p| {
                 view.partitions
                     .get(p as usize)
-                    .is_some_and(|v| v.ready.iter().any(|r| takes(r)))
+                    .is_some_and(|v| v.ready.iter().any(|&r| takes(r)))
             })
             .collect();
         ready.sort_by_key(|&p| (score(me, p), p));
@@ -144,7 +233,7 @@ pub(crate) fn plan(
     // whole group as their share and stand for every partition: N × M
     // standbys contending for the same rows, where one read later each
     // counts the others and stands for ⌈N/M⌉.
-    let announcing = held.is_empty() && !view.members.contains(me);
+    let announcing = held.is_empty() && !me_live;
     let capacity = if announcing {
         0
     } else {
@@ -153,13 +242,22 @@ pub(crate) fn plan(
     // (tier, not currently standing, preference) ascending.
     let rank = |tier: u8, p: u32| (tier, !standing.contains(&p), u64::MAX - score(me, p), p);
     let mut eligible: Vec<(u8, bool, u64, u32)> = unled.iter().map(|&p| rank(0, p)).collect();
-    for ps in counts.values() {
-        if ps.len() > s {
-            let mut mine: Vec<_> = ps.iter().map(|&p| rank(1, p)).collect();
-            mine.sort();
-            mine.truncate(ps.len() - s);
-            eligible.extend(mine);
+    // Per member over its share, its excess (rare: a second pass only for
+    // those).
+    let mut over: BTreeMap<u32, Vec<(u8, bool, u64, u32)>> = BTreeMap::new();
+    for (p, v) in view.partitions.iter().enumerate() {
+        let p = p as u32;
+        if let Some(h) = v
+            .holder
+            .filter(|&h| !held.contains(&p) && other(h) && count(h) > s)
+        {
+            over.entry(h).or_default().push(rank(1, p));
         }
+    }
+    for (h, mut mine) in over {
+        mine.sort();
+        mine.truncate(count(h) - s);
+        eligible.extend(mine);
     }
     eligible.sort();
     // Computed before the joining members' pause below: a member that
@@ -229,16 +327,7 @@ mod tests {
     }
 
     fn view(holders: &[Option<&str>], members: &[&str]) -> GroupView {
-        GroupView {
-            partitions: holders
-                .iter()
-                .map(|h| PartitionView {
-                    holder: h.map(str::to_owned),
-                    ready: Vec::new(),
-                })
-                .collect(),
-            members: members.iter().map(|m| (*m).to_owned()).collect(),
-        }
+        GroupView::of(holders, members)
     }
 
     fn set(v: &[u32]) -> BTreeSet<u32> {
@@ -389,12 +478,12 @@ mod tests {
         // Nobody waits: keep everything.
         assert!(plan("a", &v, &held, &set(&[]), true).resign.is_empty());
         // b waits for 2 (and a dead member for 3): hand over 2 only.
-        v.partitions[2].ready = vec!["b".into(), "a".into()];
-        v.partitions[3].ready = vec!["ghost".into()];
+        v.set_ready(2, &["b", "a"]);
+        v.set_ready(3, &["ghost"]);
         let p = plan("a", &v, &held, &set(&[]), true);
         assert_eq!(p.resign, vec![2]);
-        v.partitions[1].ready = vec!["b".into()];
-        v.partitions[0].ready = vec!["b".into()];
+        v.set_ready(1, &["b"]);
+        v.set_ready(0, &["b"]);
         assert_eq!(plan("a", &v, &held, &set(&[]), true).resign.len(), 2);
     }
 
@@ -406,11 +495,11 @@ mod tests {
         h.extend([Some("b"); 3]);
         h.extend([Some("c"); 2]);
         let mut v = view(&h, &["a", "b", "c"]);
-        v.partitions[0].ready = vec!["b".into()];
+        v.set_ready(0, &["b"]);
         let held = set(&[0, 1, 2, 3]);
         assert!(plan("a", &v, &held, &set(&[]), true).resign.is_empty());
         // c, under its share, waits for 1: that one goes.
-        v.partitions[1].ready = vec!["c".into()];
+        v.set_ready(1, &["c"]);
         assert_eq!(plan("a", &v, &held, &set(&[]), true).resign, vec![1]);
     }
 

@@ -464,18 +464,19 @@ async fn the_partition_group_read_is_one_pass_and_sends_the_members_once_at_a_th
     let rows = c.query_typed(&sql, &params).await.unwrap();
     assert_eq!(rows.len(), 1, "the group's view is one value");
     let view: Value = rows[0].get(0);
-    // [partitions, members, declared, since]
-    let partitions = view[0].as_array().unwrap();
+    // [names, partitions, members, declared, since]: nodes by number.
+    let names = view[0].as_array().unwrap();
+    let name = |i: &Value| names[i.as_u64().unwrap() as usize].as_str().unwrap();
+    let partitions = view[1].as_array().unwrap();
     assert_eq!(partitions.len(), PARTITIONS);
     for (p, v) in partitions.iter().enumerate() {
-        assert_eq!(v[0].as_str(), Some(format!("m{p}").as_str()));
-        assert_eq!(
-            v[2],
-            serde_json::json!([format!("m{}", (p + 1) % PARTITIONS)])
-        );
+        assert_eq!(name(&v[0]), format!("m{p}"));
+        let ready: Vec<&str> = v[2].as_array().unwrap().iter().map(name).collect();
+        assert_eq!(ready, [format!("m{}", (p + 1) % PARTITIONS)]);
     }
-    let members = view[1].as_array().unwrap();
+    let members = view[2].as_array().unwrap();
     assert_eq!(members.len(), PARTITIONS, "every live member, once");
+    assert_eq!(names.len(), PARTITIONS, "every node named once");
     let lists = 1;
     // Once for the group, not on each of 1,000 rows (4.9 MB a read).
     assert_eq!(lists, 1, "rows carrying the member list");

@@ -543,7 +543,7 @@ async fn a_partition_member_with_the_candidate_and_group_view_grants_leads_its_g
     let kept: i64 = admin
         .query_one(
             "SELECT count(*) FROM pgelect.group_views WHERE grp = 'pg' AND n = 4
-                AND json_array_length(view->0) = 4",
+                AND json_array_length(view->1) = 4",
             &[],
         )
         .await
