@@ -132,6 +132,7 @@ impl NodeState {
 #[derive(Debug, Clone)]
 pub struct AutoFailoverOptions {
     nodes: usize,
+    number_sync_standbys: usize,
     fast_detection: bool,
     keep: Option<PathBuf>,
 }
@@ -147,6 +148,7 @@ impl AutoFailoverOptions {
     pub fn new() -> AutoFailoverOptions {
         AutoFailoverOptions {
             nodes: 2,
+            number_sync_standbys: 0,
             fast_detection: true,
             keep: None,
         }
@@ -155,6 +157,23 @@ impl AutoFailoverOptions {
     /// The number of data nodes: 2 or 3.
     pub fn nodes(mut self, nodes: usize) -> AutoFailoverOptions {
         self.nodes = nodes;
+        self
+    }
+
+    /// The formation's `number_sync_standbys` (pg_auto_failover's default
+    /// 0): how many standbys must acknowledge a commit. pg_auto_failover
+    /// accepts 1 only with at least two standbys (three data nodes).
+    ///
+    /// With 0, the monitor may run a primary without synchronous
+    /// replication (`wait_primary`) whenever it counts no healthy standby,
+    /// by design, and pg_auto_failover 2.0 can do so in a race with a
+    /// `perform switchover` while it promotes that standby (the book's
+    /// chaos page, "The lost writes"): writes acknowledged then are lost.
+    /// With 1 the monitor keeps synchronous replication on (a primary
+    /// without a standby blocks writes instead): an acknowledged write is
+    /// on a standby.
+    pub fn number_sync_standbys(mut self, n: usize) -> AutoFailoverOptions {
+        self.number_sync_standbys = n;
         self
     }
 
@@ -449,6 +468,14 @@ impl AutoFailover {
                 options.nodes
             )));
         }
+        if options.number_sync_standbys > 0 && options.number_sync_standbys + 2 > options.nodes {
+            return Err(err(format!(
+                "number_sync_standbys {} needs at least {} data nodes, not {}",
+                options.number_sync_standbys,
+                options.number_sync_standbys + 2,
+                options.nodes
+            )));
+        }
         let autoctl = pg_autoctl()?;
         let bin = bin_dir()?;
         let dir = make_temp_dir("haf")?;
@@ -571,6 +598,28 @@ impl AutoFailover {
                 |s| {
                     s.len() == want && s.iter().all(NodeState::is_settled) && s[0].reported == first
                 },
+            )?;
+        }
+        if options.number_sync_standbys > 0 {
+            // The monitor's function that `pg_autoctl set formation
+            // number-sync-standbys` calls: that command (2.0) tests a
+            // stale `errno` after parsing its argument and can refuse a
+            // valid number.
+            let config = self.monitor_config("pg_auto_failover");
+            let sql = format!(
+                "SELECT pgautofailover.set_formation_number_sync_standbys('default', {})",
+                options.number_sync_standbys
+            );
+            block_on_fresh_runtime(Duration::from_secs(60), move || async move {
+                util::simple_rows(config, &sql).await.map(|_| ())
+            })
+            .map_err(|e| ctx(e, "set the formation's number_sync_standbys"))?;
+            // The primary applies it (`apply_settings`) and is `primary`
+            // again.
+            self.wait_for(
+                "the primary to apply number_sync_standbys",
+                START_TIMEOUT.saturating_sub(started.elapsed()),
+                NodeState::stable,
             )?;
         }
         if std::env::var_os("PGELECT_TESTKIT_DEBUG").is_some() {
@@ -1152,6 +1201,20 @@ fn parse_state(json: &str, ports: &[u16]) -> io::Result<Vec<NodeState>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// pg_auto_failover accepts `number_sync_standbys` 1 only with two
+    /// standbys: the kit says so before it starts anything.
+    #[test]
+    fn a_synchronous_standby_count_the_formation_cannot_hold_is_refused_before_anything_starts() {
+        let Err(e) = AutoFailover::start_with(AutoFailoverOptions::new().number_sync_standbys(1))
+        else {
+            panic!("two data nodes cannot keep number_sync_standbys 1");
+        };
+        assert!(
+            e.to_string().contains("needs at least 3 data nodes, not 2"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn parses_show_state() {

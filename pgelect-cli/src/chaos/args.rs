@@ -31,8 +31,8 @@ pub struct ChaosArgs {
     pub members: Option<u16>,
     /// Instead of chaos's own servers: under a real HA manager. With
     /// `pg_auto_failover`, chaos starts a formation of its own on loopback
-    /// (a monitor and two data nodes, synchronous replication, failure
-    /// detection lowered for a test machine; pg_autoctl from Debian's
+    /// (a monitor and three data nodes, synchronous replication that the
+    /// manager keeps on, failure detection lowered for a test machine; pg_autoctl from Debian's
     /// pg-auto-failover-cli, as scripts/setup.sh installs it), the
     /// candidates of --backends on a URL naming both data nodes with
     /// target_session_attrs=read-write (the lease backend directly: no
@@ -113,7 +113,7 @@ pub struct ChaosArgs {
 /// An HA manager `--ha` runs under.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum HaArg {
-    /// A monitor and two data nodes (`pg_autoctl`).
+    /// A monitor and three data nodes (`pg_autoctl`).
     #[value(name = "pg_auto_failover")]
     PgAutoFailover,
 }

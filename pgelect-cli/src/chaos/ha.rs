@@ -6,17 +6,22 @@
 //! **The formation.** The test kit's [`AutoFailover`]: a monitor and two
 //! data nodes on loopback, run as the kit's unprivileged server user,
 //! failure detection lowered for a test machine (a dead primary is failed
-//! over in seconds, not in about 50 s). Two data nodes rather than three:
-//! the formation starts in about half the time on a small machine (one
-//! base backup fewer), and the four faults need no more. Replication is
-//! synchronous (`ANY 1`) whenever the formation is settled, and chaos
-//! injects a manager's fault only then ([`Formation::prepare`]): a write
-//! acknowledged before a failover is on the standby promoted, so the
-//! checker excuses none (unlike `promote`, whose replica is asynchronous).
-//! The manager itself may break that promise: pg_auto_failover 2.0 can
-//! assign the old primary `wait_primary` (synchronous replication off) in
-//! a race with the order, and keep it writable while it promotes the
-//! standby. Chaos finds that in the monitor's events ([`Unsynchronized`])
+//! over in seconds, not in about 50 s). Three data nodes with
+//! `number_sync_standbys = 1`, the configuration in which pg_auto_failover
+//! promises durability: the monitor keeps synchronous replication on
+//! (`ANY 1` of the two standbys) and never runs a primary without it
+//! (`wait_primary`); with no standby left a primary blocks writes instead.
+//! With two data nodes `number_sync_standbys` must be 0, and pg_auto_failover
+//! 2.0 then can assign the old primary `wait_primary` in a race with a
+//! `perform switchover` and keep it writable while it promotes the standby
+//! (the book's chaos page, "The lost writes"; one switchover in about 30
+//! to 70, which failed a CI run of `--quick`). The third node costs a base
+//! backup at start and about 40 s per `--quick` run. Chaos injects a
+//! manager's fault only when the formation is settled
+//! ([`Formation::prepare`]): a write acknowledged before a failover is on
+//! a standby, so the checker excuses none (unlike `promote`, whose replica
+//! is asynchronous). Should the manager break that promise anyway, chaos
+//! finds its `wait_primary` in the monitor's events ([`Unsynchronized`])
 //! and the checker reports a write lost then as its own kind of violation,
 //! naming the manager's state; it excuses none.
 //! After a node kill the survivor takes writes alone (`wait_primary`,
@@ -398,12 +403,13 @@ mod own {
             tokio::task::block_in_place(|| drop(self));
         }
 
-        /// Starts a monitor and two data nodes; returns once node 0 is
-        /// primary and node 1 a synchronous standby. With `keep`, the
+        /// Starts a monitor and three data nodes (`number_sync_standbys`
+        /// 1); returns once node 0 is primary and the others synchronous
+        /// standbys. With `keep`, the
         /// formation's logs, its monitor's events and its settings are kept
         /// there when it stops ([`AutoFailoverOptions::keep_in`]).
         pub async fn start(keep: Option<std::path::PathBuf>) -> Result<Formation, Failure> {
-            let mut options = AutoFailoverOptions::new();
+            let mut options = AutoFailoverOptions::new().nodes(3).number_sync_standbys(1);
             if let Some(dir) = keep {
                 options = options.keep_in(dir);
             }
