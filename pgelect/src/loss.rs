@@ -334,6 +334,40 @@ impl fmt::Debug for LossSignal {
     }
 }
 
+/// The loss API's four methods on a holder of something the server keeps
+/// for a connection (a lock session, a lock, a permit): `lost`, `token`,
+/// `is_lost`, `loss`, each delegating to `$signal` (an expression on
+/// `$self`, which the caller names so that it is the methods' `self`).
+/// `$ended` says what ends ("the connection holding the lock"), `$after`
+/// what the loss means to the holder, `$loss` what `loss()` reports.
+macro_rules! connection_loss_methods {
+    ($self:ident => $signal:expr; ended: $ended:literal, after: $after:literal, loss: $loss:literal $(,)?) => {
+        #[doc = concat!("Completes with the [`Loss`](crate::loss::Loss) when ", $ended, " has ended ([`LossReason::ConnectionLost`](crate::loss::LossReason::ConnectionLost))", $after, " See [`loss`](crate::loss).")]
+        ///
+        /// # Cancel safety
+        /// Cancel safe: it only observes.
+        pub fn lost(&$self) -> crate::loss::Lost {
+            $signal.lost()
+        }
+
+        #[doc = concat!("A token cancelled when ", $ended, " ends; hand it to work that must stop then. A child token: cancelling it ends nothing. See [`loss`](crate::loss).")]
+        pub fn token(&$self) -> tokio_util::sync::CancellationToken {
+            $signal.token()
+        }
+
+        #[doc = concat!("True once ", $ended, " has ended; see [`loss`](crate::loss).")]
+        pub fn is_lost(&$self) -> bool {
+            $signal.is_lost()
+        }
+
+        #[doc = concat!($loss, " See [`loss`](crate::loss).")]
+        pub fn loss(&$self) -> Option<crate::loss::Loss> {
+            $signal.loss()
+        }
+    };
+}
+pub(crate) use connection_loss_methods;
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,6 +11,20 @@ use crate::key::LockKey;
 use super::timing::{Profile, Takeover, Timing, TimingRequest};
 use super::{Elector, SharedConnection, SharedLease};
 
+/// Builder methods that each set the optional field of their name
+/// (`self.name = Some(arg)`), documented where they are listed.
+macro_rules! optional_setters {
+    ($($(#[$doc:meta])* $name:ident($arg:ident: $ty:ty);)*) => {
+        $(
+            $(#[$doc])*
+            pub fn $name(mut self, $arg: $ty) -> Self {
+                self.$name = Some($arg);
+                self
+            }
+        )*
+    };
+}
+
 /// The longest role or node id accepted, in bytes.
 pub const MAX_ROLE_BYTES: usize = 255;
 
@@ -145,34 +159,27 @@ impl SessionOptions {
         self
     }
 
-    /// Time between heartbeats (`SHOW transaction_read_only`, which also
-    /// finds a server that accepts no writes) on the lock connection while
-    /// leading, backing up the push detection of a closed socket. Default:
-    /// `ttl / 15`, between 20 ms and 1 s (1 s at the default TTL; 20 ms in
-    /// [`Profile::Fast`]).
-    pub fn heartbeat(mut self, every: Duration) -> Self {
-        self.heartbeat = Some(every);
-        self
-    }
+    optional_setters! {
+        /// Time between heartbeats (`SHOW transaction_read_only`, which also
+        /// finds a server that accepts no writes) on the lock connection while
+        /// leading, backing up the push detection of a closed socket. Default:
+        /// `ttl / 15`, between 20 ms and 1 s (1 s at the default TTL; 20 ms in
+        /// [`Profile::Fast`]).
+        heartbeat(every: Duration);
 
-    /// How long a heartbeat or renewal may take before the lock connection
-    /// is declared dead and dropped. Must be shorter than `ttl -
-    /// safety_margin`. Default: the profile's heartbeat interval (`1s` at
-    /// the default TTL; 25 ms in [`Profile::Fast`]).
-    pub fn heartbeat_timeout(mut self, timeout: Duration) -> Self {
-        self.heartbeat_timeout = Some(timeout);
-        self
-    }
+        /// How long a heartbeat or renewal may take before the lock connection
+        /// is declared dead and dropped. Must be shorter than `ttl -
+        /// safety_margin`. Default: the profile's heartbeat interval (`1s` at
+        /// the default TTL; 25 ms in [`Profile::Fast`]).
+        heartbeat_timeout(timeout: Duration);
 
-    /// Wait after an unclean takeover before acting. Default:
-    /// `min(heartbeat + heartbeat_timeout, ttl - safety_margin) +
-    /// min(heartbeat_timeout, 500ms)` (`2.5s` with the other defaults,
-    /// 400 ms with a TTL of 2 s, 70 ms in [`Profile::Fast`]); values below
-    /// `min(heartbeat + heartbeat_timeout, ttl - safety_margin)` are
-    /// refused with [`ConfigError::HandoverBelowDetection`].
-    pub fn handover_delay(mut self, delay: Duration) -> Self {
-        self.handover_delay = Some(delay);
-        self
+        /// Wait after an unclean takeover before acting. Default:
+        /// `min(heartbeat + heartbeat_timeout, ttl - safety_margin) +
+        /// min(heartbeat_timeout, 500ms)` (`2.5s` with the other defaults,
+        /// 400 ms with a TTL of 2 s, 70 ms in [`Profile::Fast`]); values below
+        /// `min(heartbeat + heartbeat_timeout, ttl - safety_margin)` are
+        /// refused with [`ConfigError::HandoverBelowDetection`].
+        handover_delay(delay: Duration);
     }
 
     /// TCP timeouts of the lock connection, on both ends. Default: derived
@@ -193,31 +200,30 @@ impl SessionOptions {
         self
     }
 
-    /// How long one slice of a blocking standby's lock wait lasts before
-    /// it is issued again. Default: 20 s.
-    ///
-    /// Blocking standbys of the default priority queue for the role's
-    /// *watch key* in slices of this length; only the key's holder (the
-    /// watch) waits for the role's lock itself, in slices of
-    /// `check_every`, and between them reads the row and preempts a zombie
-    /// leader for all of them. So each other standby costs one connection
-    /// and one statement per slice: 100 standbys of one role, 5 statements
-    /// per second. A watch frozen for a TTL is ended by the next standby
-    /// whose slice ends, so a leader that fails while its watch is frozen
-    /// is followed within `ttl + wait_slice` (otherwise within the usual
-    /// bound).
-    ///
-    /// A statement holds a snapshot while it runs, and the oldest snapshot
-    /// bounds what VACUUM may remove in the whole database (the xmin
-    /// horizon): a standby blocked in one `pg_advisory_lock` for days would
-    /// keep every dead row for days. Each slice is one statement
-    /// (`pgelect.lock_wait_slice`) that catches its own lock timeout, so the
-    /// server logs no error for it. Between two slices the lock is not
-    /// waited for during one round trip; a release in that moment is taken
-    /// by the next slice at once (or by another standby).
-    pub fn wait_slice(mut self, slice: Duration) -> Self {
-        self.wait_slice = Some(slice);
-        self
+    optional_setters! {
+        /// How long one slice of a blocking standby's lock wait lasts before
+        /// it is issued again. Default: 20 s.
+        ///
+        /// Blocking standbys of the default priority queue for the role's
+        /// *watch key* in slices of this length; only the key's holder (the
+        /// watch) waits for the role's lock itself, in slices of
+        /// `check_every`, and between them reads the row and preempts a zombie
+        /// leader for all of them. So each other standby costs one connection
+        /// and one statement per slice: 100 standbys of one role, 5 statements
+        /// per second. A watch frozen for a TTL is ended by the next standby
+        /// whose slice ends, so a leader that fails while its watch is frozen
+        /// is followed within `ttl + wait_slice` (otherwise within the usual
+        /// bound).
+        ///
+        /// A statement holds a snapshot while it runs, and the oldest snapshot
+        /// bounds what VACUUM may remove in the whole database (the xmin
+        /// horizon): a standby blocked in one `pg_advisory_lock` for days would
+        /// keep every dead row for days. Each slice is one statement
+        /// (`pgelect.lock_wait_slice`) that catches its own lock timeout, so the
+        /// server logs no error for it. Between two slices the lock is not
+        /// waited for during one round trip; a release in that moment is taken
+        /// by the next slice at once (or by another standby).
+        wait_slice(slice: Duration);
     }
 
     /// Stand on `connection`, shared with the candidates of other roles,
@@ -293,32 +299,28 @@ impl LeaseOptions {
         self
     }
 
-    /// The longest a standby sleeps between two attempts to take the
-    /// lease. A standby normally sleeps exactly until the lease's
-    /// server-reported expiry plus a jitter of at most 50 ms (ttl/20 below
-    /// a 1 s TTL); this caps that sleep, and so bounds how late a standby
-    /// without a [`listen_via`](LeaseOptions::listen_via) connection
-    /// notices a voluntary release. Default: `1s`. Through a transaction
-    /// pooler with many standbys (a fleet of processes for one role), set
-    /// it to the TTL or more: each standby then costs about one statement
-    /// per lease expiry (its registration is refreshed by the same
-    /// statement) instead of one a second, and a crashed leader is still
-    /// taken over at its lease's expiry.
-    pub fn retry_every(mut self, every: Duration) -> Self {
-        self.retry_every = Some(every);
-        self
-    }
+    optional_setters! {
+        /// The longest a standby sleeps between two attempts to take the
+        /// lease. A standby normally sleeps exactly until the lease's
+        /// server-reported expiry plus a jitter of at most 50 ms (ttl/20 below
+        /// a 1 s TTL); this caps that sleep, and so bounds how late a standby
+        /// without a [`listen_via`](LeaseOptions::listen_via) connection
+        /// notices a voluntary release. Default: `1s`. Through a transaction
+        /// pooler with many standbys (a fleet of processes for one role), set
+        /// it to the TTL or more: each standby then costs about one statement
+        /// per lease expiry (its registration is refreshed by the same
+        /// statement) instead of one a second, and a crashed leader is still
+        /// taken over at its lease's expiry.
+        retry_every(every: Duration);
 
-    /// The bound on a leader's renewal and release; one that runs out is
-    /// cancelled, its connection dropped, and it is retried within the
-    /// deadline budget. Connecting and a standby's attempt may take up to
-    /// `max(statement_timeout, 2s)` (no risk: the deadline counts from
-    /// before the connection, and a standby holds nothing). Must be
-    /// shorter than `ttl - safety_margin`. Default: `min(1s, (ttl -
-    /// safety_margin) / 4)`.
-    pub fn statement_timeout(mut self, timeout: Duration) -> Self {
-        self.statement_timeout = Some(timeout);
-        self
+        /// The bound on a leader's renewal and release; one that runs out is
+        /// cancelled, its connection dropped, and it is retried within the
+        /// deadline budget. Connecting and a standby's attempt may take up to
+        /// `max(statement_timeout, 2s)` (no risk: the deadline counts from
+        /// before the connection, and a standby holds nothing). Must be
+        /// shorter than `ttl - safety_margin`. Default: `min(1s, (ttl -
+        /// safety_margin) / 4)`.
+        statement_timeout(timeout: Duration);
     }
 
     /// Send this candidate's statements over `client`, batched with those
@@ -377,6 +379,14 @@ pub enum BackendOptions {
 }
 
 impl BackendOptions {
+    /// The session options or the lease options, whichever these are.
+    fn split(self) -> (Option<SessionOptions>, Option<LeaseOptions>) {
+        match self {
+            BackendOptions::Session(s) => (Some(s), None),
+            BackendOptions::Lease(l) => (None, Some(l)),
+        }
+    }
+
     /// Which backend.
     pub fn backend(&self) -> Backend {
         match self {
@@ -613,11 +623,8 @@ impl ElectorBuilder {
     /// assert_eq!(fast.build().unwrap().handover_delay(), Duration::from_millis(100));
     /// ```
     pub fn session(mut self, adjust: impl FnOnce(SessionOptions) -> SessionOptions) -> Self {
-        let current = match std::mem::take(&mut self.backend) {
-            BackendOptions::Session(s) => s,
-            BackendOptions::Lease(_) => SessionOptions::default(),
-        };
-        self.backend = BackendOptions::Session(adjust(current));
+        let (current, _) = std::mem::take(&mut self.backend).split();
+        self.backend = BackendOptions::Session(adjust(current.unwrap_or_default()));
         self
     }
 
@@ -637,11 +644,8 @@ impl ElectorBuilder {
     /// assert_eq!(elector.backend(), Backend::Lease);
     /// ```
     pub fn lease(mut self, adjust: impl FnOnce(LeaseOptions) -> LeaseOptions) -> Self {
-        let current = match std::mem::take(&mut self.backend) {
-            BackendOptions::Lease(l) => l,
-            BackendOptions::Session(_) => LeaseOptions::default(),
-        };
-        self.backend = BackendOptions::Lease(adjust(current));
+        let (_, current) = std::mem::take(&mut self.backend).split();
+        self.backend = BackendOptions::Lease(adjust(current.unwrap_or_default()));
         self
     }
 
@@ -654,37 +658,24 @@ impl ElectorBuilder {
         self
     }
 
-    /// Lease time to live. Default: `15s`.
-    pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = Some(ttl);
-        self
-    }
+    optional_setters! {
+        /// Lease time to live. Default: `15s`.
+        ttl(ttl: Duration);
 
-    /// How much earlier than the lease the local deadline ends. Default:
-    /// `ttl / 5`.
-    pub fn safety_margin(mut self, margin: Duration) -> Self {
-        self.safety_margin = Some(margin);
-        self
-    }
+        /// How much earlier than the lease the local deadline ends. Default:
+        /// `ttl / 5`.
+        safety_margin(margin: Duration);
 
-    /// Time between renewals. Default: `ttl / 3`.
-    pub fn renew_every(mut self, every: Duration) -> Self {
-        self.renew_every = Some(every);
-        self
-    }
+        /// Time between renewals. Default: `ttl / 3`.
+        renew_every(every: Duration);
 
-    /// How often a standby reads the lease row (for [`Elector::watch`] and to
-    /// preempt a leader whose lease expired). Default: `renew_every`.
-    pub fn check_every(mut self, every: Duration) -> Self {
-        self.check_every = Some(every);
-        self
-    }
+        /// How often a standby reads the lease row (for [`Elector::watch`] and to
+        /// preempt a leader whose lease expired). Default: `renew_every`.
+        check_every(every: Duration);
 
-    /// JSON stored as `holder_meta` in the lease row while this candidate
-    /// leads (an address, a version). Default: none.
-    pub fn meta(mut self, meta: serde_json::Value) -> Self {
-        self.meta = Some(meta);
-        self
+        /// JSON stored as `holder_meta` in the lease row while this candidate
+        /// leads (an address, a version). Default: none.
+        meta(meta: serde_json::Value);
     }
 
     /// The shortest TTL, in whole milliseconds, that [`build`](ElectorBuilder::build)
@@ -823,7 +814,7 @@ impl ElectorBuilder {
                 })
             })
         };
-        match self.backend {
+        let (standby, backend, listen, claim, lease_claim) = match self.backend {
             BackendOptions::Session(s) => {
                 if let StandbyMode::Polling { interval } = s.standby {
                     if interval.is_zero() {
@@ -850,20 +841,7 @@ impl ElectorBuilder {
                         Some(c.claim(&self.role)?)
                     }
                 };
-                Ok(Elector::from_parts(
-                    self.priority,
-                    self.options,
-                    self.role,
-                    node,
-                    key,
-                    timing,
-                    s.standby,
-                    self.meta,
-                    Backend::Session,
-                    None,
-                    claim,
-                    None,
-                ))
+                (s.standby, Backend::Session, None, claim, None)
             }
             BackendOptions::Lease(l) => {
                 if let Some(listen) = &l.listen_via {
@@ -886,22 +864,30 @@ impl ElectorBuilder {
                         Some(c.claim(&self.role)?)
                     }
                 };
-                Ok(Elector::from_parts(
-                    self.priority,
-                    self.options,
-                    self.role,
-                    node,
-                    key,
-                    timing,
+                let listen = l.listen_via.map(|b| *b);
+                (
                     StandbyMode::default(),
-                    self.meta,
                     Backend::Lease,
-                    l.listen_via.map(|b| *b),
+                    listen,
                     None,
                     lease_claim,
-                ))
+                )
             }
-        }
+        };
+        Ok(Elector::from_parts(
+            self.priority,
+            self.options,
+            self.role,
+            node,
+            key,
+            timing,
+            standby,
+            self.meta,
+            backend,
+            listen,
+            claim,
+            lease_claim,
+        ))
     }
 }
 

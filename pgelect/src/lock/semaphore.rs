@@ -7,14 +7,12 @@ use std::time::{Duration, Instant};
 use tokio::sync::broadcast::error::RecvError;
 use tokio_postgres::types::Type;
 use tokio_postgres::{GenericClient, SimpleQueryMessage};
-use tokio_util::sync::CancellationToken;
 
 use super::holders::LockHolder;
 use super::session::{LockGuard, LockSession, Turn};
 use super::{key_literals, wait_millis, LockMode, Wait};
 use crate::error::{Error, Result};
 use crate::key::{hash_in_domain, validate_name, LockKey};
-use crate::loss::{Loss, Lost};
 
 /// The largest limit a [`Semaphore`] may have.
 ///
@@ -822,33 +820,11 @@ impl Permit {
         self.session.backend_pid()
     }
 
-    /// Completes with the [`Loss`] when the connection holding the permit
-    /// has ended ([`LossReason::ConnectionLost`](crate::loss::LossReason::ConnectionLost)):
-    /// from then on the slot is free for another holder. Stop the work. See
-    /// [`loss`](crate::loss).
-    ///
-    /// # Cancel safety
-    /// Cancel safe: it only observes.
-    pub fn lost(&self) -> Lost {
-        self.session.lost()
-    }
-
-    /// A token cancelled when the connection holding the permit ends. A
-    /// child token: cancelling it ends nothing. See [`loss`](crate::loss).
-    pub fn token(&self) -> CancellationToken {
-        self.session.token()
-    }
-
-    /// True once the connection holding the permit has ended; see
-    /// [`loss`](crate::loss).
-    pub fn is_lost(&self) -> bool {
-        self.session.is_lost()
-    }
-
-    /// Why and when the permit was lost; `None` while it is held. See
-    /// [`loss`](crate::loss).
-    pub fn loss(&self) -> Option<Loss> {
-        self.session.loss()
+    crate::loss::connection_loss_methods! {
+        self => self.session;
+        ended: "the connection holding the permit",
+        after: ": from then on the slot is free for another holder. Stop the work.",
+        loss: "Why and when the permit was lost; `None` while it is held.",
     }
 
     /// Releases the permit, and wakes the longest waiter with a `NOTIFY`.

@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::key::LockKey;
 #[cfg(doc)]
 use crate::loss::LossReason;
-use crate::loss::{Loss, LossSignal, Lost};
+use crate::loss::LossSignal;
 
 // A lock session's defaults, documented on `LockSessionBuilder`, are
 // defined beside the elector's, which differ (`conn/probe.rs`).
@@ -303,32 +303,11 @@ impl LockSession {
         self.inner.conn.pid()
     }
 
-    /// Completes with the [`Loss`] when the connection has ended, and with
-    /// it every lock of this session ([`LossReason::ConnectionLost`]); see
-    /// "Losing the connection" and [`loss`](crate::loss).
-    ///
-    /// # Cancel safety
-    /// Cancel safe: it only observes.
-    pub fn lost(&self) -> Lost {
-        self.inner.signal().lost()
-    }
-
-    /// A token cancelled when the connection ends; hand it to work that
-    /// must stop then. A child token: cancelling it ends nothing. See
-    /// [`loss`](crate::loss).
-    pub fn token(&self) -> CancellationToken {
-        self.inner.signal().token()
-    }
-
-    /// True once the connection has ended; see [`loss`](crate::loss).
-    pub fn is_lost(&self) -> bool {
-        self.inner.signal().is_lost()
-    }
-
-    /// Why and when the connection ended; `None` while it lasts. See
-    /// [`loss`](crate::loss).
-    pub fn loss(&self) -> Option<Loss> {
-        self.inner.signal().loss()
+    crate::loss::connection_loss_methods! {
+        self => self.inner.signal();
+        ended: "the connection",
+        after: ", and with it every lock of this session; see \"Losing the connection\".",
+        loss: "Why and when the connection ended; `None` while it lasts.",
     }
 
     /// Test hook, not API, built only with the `test-hooks` feature: runs
@@ -560,33 +539,11 @@ impl LockGuard {
         self.inner.conn.pid()
     }
 
-    /// Completes with the [`Loss`] when the connection holding the lock has
-    /// ended ([`LossReason::ConnectionLost`]): from then on the lock is not
-    /// held (the server released it, or will as soon as it notices). Stop
-    /// the work the lock protects. See [`loss`](crate::loss).
-    ///
-    /// # Cancel safety
-    /// Cancel safe: it only observes.
-    pub fn lost(&self) -> Lost {
-        self.inner.signal().lost()
-    }
-
-    /// A token cancelled when the connection holding the lock ends. A child
-    /// token: cancelling it ends nothing. See [`loss`](crate::loss).
-    pub fn token(&self) -> CancellationToken {
-        self.inner.signal().token()
-    }
-
-    /// True once the connection holding the lock has ended; see
-    /// [`loss`](crate::loss).
-    pub fn is_lost(&self) -> bool {
-        self.inner.signal().is_lost()
-    }
-
-    /// Why and when the lock was lost; `None` while it is held. See
-    /// [`loss`](crate::loss).
-    pub fn loss(&self) -> Option<Loss> {
-        self.inner.signal().loss()
+    crate::loss::connection_loss_methods! {
+        self => self.inner.signal();
+        ended: "the connection holding the lock",
+        after: ": from then on the lock is not held (the server released it, or will as soon as it notices). Stop the work the lock protects.",
+        loss: "Why and when the lock was lost; `None` while it is held.",
     }
 
     /// Releases the lock and reports what PostgreSQL did: `true` when it

@@ -91,6 +91,40 @@ impl std::fmt::Display for SchemaName {
     }
 }
 
+/// A `DO` block that runs `$grant TO <grantee>` for every user granted
+/// `UPDATE` on `{s}.leaders` but its owner (`PUBLIC` for grantee 0): a
+/// rolling upgrade keeps working, since whoever may update the table (a
+/// candidate of an earlier version) gets what this version's candidates
+/// need. A literal (`concat!`): a migration's text and a `format!` string
+/// alike; `$grant` may name `{s}` and, in a `format!`, other arguments.
+macro_rules! grant_to_leader_updaters {
+    ($grant:literal) => {
+        concat!(
+            r#"DO $grants$
+DECLARE
+    g record;
+BEGIN
+    FOR g IN
+        SELECT DISTINCT a.grantee
+          FROM pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
+         WHERE c.oid = '{s}.leaders'::pg_catalog.regclass
+           AND a.privilege_type = 'UPDATE'
+           AND a.grantee <> c.relowner
+    LOOP
+        EXECUTE pg_catalog.format('"#,
+            $grant,
+            r#" TO %s',
+            CASE g.grantee WHEN 0 THEN 'PUBLIC'
+                           ELSE pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(g.grantee)) END);
+    END LOOP;
+END
+$grants$;
+"#
+        )
+    };
+}
+pub(crate) use grant_to_leader_updaters;
+
 /// The migrations, in order. `{s}` stands for the schema name. Never edit a
 /// shipped migration: add a new one.
 const MIGRATIONS: &[&str] = &[
@@ -469,7 +503,8 @@ $fn$;
     // only by candidates (those who may update `leaders`), like the
     // registry: a user without those grants cannot change what members
     // see.
-    r#"
+    concat!(
+        r#"
 CREATE UNLOGGED TABLE {s}.group_views (
     grp     text NOT NULL CHECK (grp <> ''),
     n       bigint NOT NULL CHECK (n > 0),
@@ -485,24 +520,9 @@ REVOKE ALL ON {s}.group_views FROM PUBLIC;
 
 -- A rolling upgrade keeps working: whoever may update `leaders` (a
 -- candidate) may keep and take views.
-DO $grants$
-DECLARE
-    g record;
-BEGIN
-    FOR g IN
-        SELECT DISTINCT a.grantee
-          FROM pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
-         WHERE c.oid = '{s}.leaders'::pg_catalog.regclass
-           AND a.privilege_type = 'UPDATE'
-           AND a.grantee <> c.relowner
-    LOOP
-        EXECUTE pg_catalog.format('GRANT SELECT, INSERT, UPDATE ON {s}.group_views TO %s',
-            CASE g.grantee WHEN 0 THEN 'PUBLIC'
-                           ELSE pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(g.grantee)) END);
-    END LOOP;
-END
-$grants$;
 "#,
+        grant_to_leader_updaters!("GRANT SELECT, INSERT, UPDATE ON {s}.group_views")
+    ),
 ];
 
 /// [`migrate`](crate::migrate), waiting at most about `lock_timeout` for the migration lock.
@@ -692,5 +712,52 @@ pub async fn check_schema<C: GenericClient>(client: &C, schema: &SchemaName) -> 
             Ok(())
         }
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MIGRATIONS;
+
+    /// FNV-1a, 64 bits: a fixed hash of a migration's text (std's hasher
+    /// may change between Rust releases).
+    fn fnv1a(text: &str) -> u64 {
+        text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        })
+    }
+
+    /// "Never edit a shipped migration: add a new one": a database
+    /// migrated by an earlier version never runs an edited one again, so
+    /// an edit would make two installations differ. Each shipped
+    /// migration's text, as `migrate` reads it before it names the
+    /// schema, keeps its hash; a new migration adds its own line.
+    #[test]
+    fn shipped_migrations_keep_their_text() {
+        let shipped: [u64; 11] = [
+            0x7f23_bfb4_5a04_208d,
+            0x1407_9f5f_b8b4_0e66,
+            0x73f8_2d6c_c6c2_9a55,
+            0x3d58_d97e_50e7_99b5,
+            0x6c5c_7561_992c_d145,
+            0x9abc_6f64_78fc_058c,
+            0x4b5f_d79a_4d07_1b1c,
+            0x41bf_eb13_2808_2cc5,
+            0x80f5_d9d9_87b4_65af,
+            0x7844_f69f_6826_8561,
+            0xf3c0_7f35_edc0_81b0,
+        ];
+        assert!(
+            MIGRATIONS.len() >= shipped.len(),
+            "a shipped migration was removed"
+        );
+        for (i, (m, want)) in MIGRATIONS.iter().zip(shipped).enumerate() {
+            assert_eq!(
+                fnv1a(m),
+                want,
+                "migration {} was edited; ship the change as a new migration",
+                i + 1
+            );
+        }
     }
 }

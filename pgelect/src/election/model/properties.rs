@@ -8,7 +8,7 @@ use super::state::{ElectionModel, State};
 
 /// Every property, the `always` ones first.
 pub(super) fn all() -> Vec<Property<ElectionModel>> {
-    vec![
+    let mut properties = vec![
         Property::always("(a) one acting leader", |m: &ElectionModel, st: &State| {
             (0..m.s.roles).all(|r| st.acting(r).len() <= 1)
         }),
@@ -26,27 +26,22 @@ pub(super) fn all() -> Vec<Property<ElectionModel>> {
         Property::sometimes("a second term acts", |_: &ElectionModel, st: &State| {
             st.last_active.iter().any(|&t| t >= 2)
         }),
-        Property::sometimes("an unclean takeover", |_: &ElectionModel, st: &State| {
-            st.seen_unclean_takeover
-        }),
-        Property::sometimes("a fenced write commits", |_: &ElectionModel, st: &State| {
-            st.seen_write
-        }),
-        Property::sometimes(
-            "the fence refuses a stale write",
-            |_: &ElectionModel, st: &State| st.seen_fence_refusal,
-        ),
-        Property::sometimes(
-            "a holder idle before its term is preempted",
-            |_: &ElectionModel, st: &State| st.seen_idle_preempt,
-        ),
-        Property::sometimes(
-            "the watch key passes from one standby to another",
-            |_: &ElectionModel, st: &State| st.seen_watch_handoff,
-        ),
-        Property::sometimes(
-            "a queued standby ends an idle watch",
-            |_: &ElectionModel, st: &State| st.seen_watch_end,
-        ),
-    ]
+    ];
+    // The examples that are one flag of the state each (a closure that
+    // names a field captures nothing, so it is the plain `fn` stateright
+    // takes).
+    macro_rules! seen {
+        ($($name:literal => $flag:ident),* $(,)?) => {
+            [$(Property::sometimes($name, |_: &ElectionModel, st: &State| st.$flag)),*]
+        };
+    }
+    properties.extend(seen![
+        "an unclean takeover" => seen_unclean_takeover,
+        "a fenced write commits" => seen_write,
+        "the fence refuses a stale write" => seen_fence_refusal,
+        "a holder idle before its term is preempted" => seen_idle_preempt,
+        "the watch key passes from one standby to another" => seen_watch_handoff,
+        "a queued standby ends an idle watch" => seen_watch_end,
+    ]);
+    properties
 }

@@ -161,23 +161,8 @@ REVOKE ALL ON FUNCTION {sig} FROM PUBLIC;
     // whoever may update it may call the functions.
     let sigs: Vec<String> = FUNCTIONS.iter().map(|f| f.signature(s)).collect();
     out.push_str(&format!(
-        "DO $grants$
-DECLARE
-    g record;
-BEGIN
-    FOR g IN
-        SELECT DISTINCT a.grantee
-          FROM pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
-         WHERE c.oid = '{s}.leaders'::pg_catalog.regclass
-           AND a.privilege_type = 'UPDATE' AND a.grantee <> c.relowner
-    LOOP
-        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION {sigs} TO %s',
-            CASE g.grantee WHEN 0 THEN 'PUBLIC'
-                           ELSE pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(g.grantee)) END);
-    END LOOP;
-END
-$grants$;
-",
+        crate::schema::grant_to_leader_updaters!("GRANT EXECUTE ON FUNCTION {sigs}"),
+        s = s,
         sigs = sigs.join(", ")
     ));
     out
