@@ -453,7 +453,7 @@ mod own {
                 .map(|p| format!("127.0.0.1:{p}"))
                 .collect();
             format!(
-                "a pg_auto_failover formation: a monitor on 127.0.0.1:{}, data nodes on {} (synchronous replication), the candidates on both with target_session_attrs=read-write",
+                "a pg_auto_failover formation: a monitor on 127.0.0.1:{}, data nodes on {} (synchronous replication), the candidates on every one with target_session_attrs=read-write",
                 self.haf.monitor_port(),
                 nodes.join(" and ")
             )
