@@ -169,9 +169,10 @@ impl AutoFailoverOptions {
     /// by design, and pg_auto_failover 2.0 can do so in a race with a
     /// `perform switchover` while it promotes that standby (the book's
     /// chaos page, "The lost writes"): writes acknowledged then are lost.
-    /// With 1 the monitor keeps synchronous replication on (a primary
-    /// without a standby blocks writes instead): an acknowledged write is
-    /// on a standby.
+    /// With 1 a primary left without a standby in the quorum blocks writes
+    /// instead, so on a settled formation an acknowledged write is on a
+    /// standby (a newly promoted primary still runs as `wait_primary`
+    /// until a standby has caught up).
     pub fn number_sync_standbys(mut self, n: usize) -> AutoFailoverOptions {
         self.number_sync_standbys = n;
         self
@@ -614,10 +615,9 @@ impl AutoFailover {
                 util::simple_rows(config, &sql).await.map(|_| ())
             })
             .map_err(|e| ctx(e, "set the formation's number_sync_standbys"))?;
-            // The primary applies it (`apply_settings`) and is `primary`
-            // again.
+            // Stable again (the primary may go through `apply_settings`).
             self.wait_for(
-                "the primary to apply number_sync_standbys",
+                "a stable formation after setting number_sync_standbys",
                 START_TIMEOUT.saturating_sub(started.elapsed()),
                 NodeState::stable,
             )?;

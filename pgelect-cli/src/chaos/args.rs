@@ -32,9 +32,10 @@ pub struct ChaosArgs {
     /// Instead of chaos's own servers: under a real HA manager. With
     /// `pg_auto_failover`, chaos starts a formation of its own on loopback
     /// (a monitor and three data nodes, synchronous replication that the
-    /// manager keeps on, failure detection lowered for a test machine; pg_autoctl from Debian's
-    /// pg-auto-failover-cli, as scripts/setup.sh installs it), the
-    /// candidates of --backends on a URL naming both data nodes with
+    /// manager keeps on, failure detection lowered for a test machine;
+    /// pg_autoctl from Debian's pg-auto-failover-cli, as scripts/setup.sh
+    /// installs it), the candidates of --backends on a URL naming every
+    /// data node with
     /// target_session_attrs=read-write (the lease backend directly: no
     /// pooler), the fenced table on the formation. Faults: switchover,
     /// failover (`pg_autoctl perform`), postmaster-kill, node-kill (SIGKILL

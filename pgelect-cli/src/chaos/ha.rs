@@ -3,14 +3,17 @@
 //! what it manages, and the same checker judges the workers' logs and the
 //! fenced table.
 //!
-//! **The formation.** The test kit's [`AutoFailover`]: a monitor and two
+//! **The formation.** The test kit's [`AutoFailover`]: a monitor and three
 //! data nodes on loopback, run as the kit's unprivileged server user,
 //! failure detection lowered for a test machine (a dead primary is failed
 //! over in seconds, not in about 50 s). Three data nodes with
 //! `number_sync_standbys = 1`, the configuration in which pg_auto_failover
-//! promises durability: the monitor keeps synchronous replication on
-//! (`ANY 1` of the two standbys) and never runs a primary without it
-//! (`wait_primary`); with no standby left a primary blocks writes instead.
+//! promises durability: on a settled formation the monitor keeps
+//! synchronous replication on (`ANY 1` of the two standbys), and a primary
+//! left without a standby in the quorum blocks writes instead of running
+//! without it (`wait_primary`; a newly promoted primary still passes
+//! through that state until a standby has caught up, and chaos faults only
+//! a settled formation).
 //! With two data nodes `number_sync_standbys` must be 0, and pg_auto_failover
 //! 2.0 then can assign the old primary `wait_primary` in a race with a
 //! `perform switchover` and keep it writable while it promotes the standby
