@@ -13,8 +13,9 @@
 //!   transaction pooling mode; or one per data node of an [`AutoFailover`]
 //!   formation ([`PgBouncer::start_for_node`]), named together in a
 //!   multi-host URL.
-//! * [`FaultProxy`]: a TCP proxy that can blackhole, cut or refuse
-//!   connections, to simulate network partitions.
+//! * [`FaultProxy`]: a TCP proxy that can blackhole, delay, cut or refuse
+//!   connections, to simulate network partitions (the crate
+//!   `pgelect-faultproxy`, which `pgelect chaos` uses too).
 //! * [`ReplicaSet`]: a primary and a streaming replica of it (asynchronous
 //!   or synchronous, [`Replication`]), with the `promote` fault (the
 //!   primary killed, the replica promoted) and a way to make the replica
@@ -125,7 +126,6 @@
 mod autofailover;
 mod cluster;
 mod pgbouncer;
-mod proxy;
 mod replica;
 pub mod stats;
 mod testdb;
@@ -142,7 +142,7 @@ pub use autofailover::{
 };
 pub use cluster::{Cluster, ClusterOptions};
 pub use pgbouncer::{pgbouncer_available, BouncerTls, PgBouncer, PoolMode};
-pub use proxy::FaultProxy;
+pub use pgelect_faultproxy::FaultProxy;
 pub use replica::{ReplicaSet, Replication, REPLICA_NAME};
 pub use testdb::TestDb;
 

@@ -8,12 +8,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::cluster::Cluster;
-use crate::proxy::FaultProxy;
 use crate::util::{
     self, as_server_user, block_on_fresh_runtime, chown_to_server, ctx, err, run_logged,
     write_private,
 };
 use crate::{pg_bin_dir, HOST, SUPERUSER, TEST_PASSWORD};
+use pgelect_faultproxy::FaultProxy;
 
 /// The replica's `application_name` on the primary (what
 /// `synchronous_standby_names` names).

@@ -13,12 +13,12 @@ use tokio::process::{Child, Command};
 use super::admin::{db_error, Admin};
 use super::args::{backend_name, ChaosArgs};
 use super::events::{is_write_ok, read_events, Event};
-use super::proxy;
 use super::url::UrlParts;
 use super::worker::ROGUE;
 use super::{fail, netns, pooler, promote};
 use crate::exit::Failure;
 use crate::run::{BackendArg, ProfileArg};
+use pgelect_faultproxy::FaultProxy;
 
 pub(super) struct Supervisor {
     pub(super) node: String,
@@ -26,7 +26,7 @@ pub(super) struct Supervisor {
     /// The proxies its connections (and its worker's) go through, when the
     /// URLs allow them: one to the server, and one to the pooler when it
     /// connects through one.
-    pub(super) proxies: Vec<proxy::Proxy>,
+    pub(super) proxies: Vec<FaultProxy>,
     /// Its network namespace, in the partition phase.
     pub(super) ns: Option<netns::Ns>,
     /// The file libfaketime reads its clock offset from, if preloaded.
@@ -188,19 +188,19 @@ impl Run<'_> {
                 let path = self.dir.join(format!("{node}.url"));
                 match (proxied, pooler) {
                     (Some(url), None) => {
-                        let proxy = proxy_to(url, &path).await?;
+                        let proxy = proxy_to(url, &path)?;
                         (vec![proxy], path, None)
                     }
                     // Both paths proxied, so that a network fault cuts all
                     // of the leader's traffic.
                     (Some(url), Some(pooler)) if pooler.parts.is_some() => {
                         let p = pooler.parts.as_ref().expect("BUG: checked above");
-                        let proxy = proxy_to(url, &path).await?;
-                        let to_pooler = proxy::Proxy::start(p.addr).await.map_err(|e| {
+                        let proxy = proxy_to(url, &path)?;
+                        let to_pooler = FaultProxy::start(p.addr).map_err(|e| {
                             fail(format!("cannot start a proxy to the pooler: {e}"))
                         })?;
                         let pooled = self.dir.join(format!("{node}.pooled.url"));
-                        write_private(&pooled, &p.to("127.0.0.1", to_pooler.port, None))?;
+                        write_private(&pooled, &p.to("127.0.0.1", to_pooler.port(), None))?;
                         (vec![to_pooler, proxy], pooled, Some(path))
                     }
                     (_, Some(pooler)) => (
@@ -507,11 +507,10 @@ pub(super) fn check_python(python: &Path) -> Result<(), Failure> {
 
 /// A proxy to the server of `url`, and at `path` a private file with the
 /// URL through it.
-pub(super) async fn proxy_to(url: &UrlParts, path: &Path) -> Result<proxy::Proxy, Failure> {
-    let proxy = proxy::Proxy::start(url.addr)
-        .await
-        .map_err(|e| fail(format!("cannot start a proxy: {e}")))?;
-    write_private(path, &url.to("127.0.0.1", proxy.port, None))?;
+pub(super) fn proxy_to(url: &UrlParts, path: &Path) -> Result<FaultProxy, Failure> {
+    let proxy =
+        FaultProxy::start(url.addr).map_err(|e| fail(format!("cannot start a proxy: {e}")))?;
+    write_private(path, &url.to("127.0.0.1", proxy.port(), None))?;
     Ok(proxy)
 }
 

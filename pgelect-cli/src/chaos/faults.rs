@@ -503,13 +503,13 @@ pub(super) async fn inject(
                 });
                 for p in proxies {
                     match delay {
-                        None => p.blackhole(true),
+                        None => p.blackhole(),
                         Some(d) => p.delay(d),
                     }
                 }
                 tokio::time::sleep(args.ttl * 3 / 2).await;
                 for p in proxies {
-                    p.blackhole(false);
+                    p.heal();
                     p.delay(Duration::ZERO);
                 }
             }

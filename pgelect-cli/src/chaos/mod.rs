@@ -13,7 +13,7 @@
 //! Faults come in up to three phases per backend. The first: process faults
 //! (SIGKILL, SIGSTOP beyond the TTL then SIGCONT, SIGTERM, CPU starvation by
 //! a SIGSTOP/SIGCONT duty cycle), `pg_terminate_backend` on the leader's
-//! backends, a blackhole or added latency in a TCP proxy of its own per
+//! backends, a blackhole or added latency in a fault proxy (`pgelect-faultproxy`) per
 //! supervisor, a wall-clock jump (libfaketime) and, on the throwaway server,
 //! restarts (fast and immediate). The second, on the throwaway server only
 //! and as root: real network partitions, each supervisor in a network
@@ -55,7 +55,6 @@ mod judge;
 mod netns;
 mod pooler;
 mod promote;
-mod proxy;
 mod report;
 mod schedule;
 mod url;

@@ -1,4 +1,20 @@
-//! A TCP proxy with injectable faults.
+//! A TCP proxy with injectable network faults, for pgelect's tests, its
+//! benchmarks and `pgelect chaos` (which runs in a build without the test
+//! kit, against a database the user names): one proxy, not a copy per user.
+//!
+//! ```no_run
+//! # fn example() -> std::io::Result<()> {
+//! use std::time::Duration;
+//! use pgelect_faultproxy::FaultProxy;
+//!
+//! let proxy = FaultProxy::start("127.0.0.1:5432".parse().unwrap())?;
+//! // Point a client at 127.0.0.1:<proxy.port()>, then:
+//! proxy.delay(Duration::from_millis(200)); // a slow network
+//! proxy.blackhole(); // a partition: nothing forwarded, sockets stay open
+//! proxy.heal();
+//! proxy.cut(); // every connection reset
+//! # Ok(()) }
+//! ```
 
 use std::collections::HashMap;
 use std::io;
@@ -12,11 +28,15 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, watch};
 
-use crate::util::ctx;
+/// `e` with what was being done in front of its message.
+fn ctx(e: io::Error, what: impl std::fmt::Display) -> io::Error {
+    io::Error::new(e.kind(), format!("{what}: {e}"))
+}
 
 /// A TCP proxy from `127.0.0.1:<random port>` to an upstream address, with
 /// faults to simulate network trouble: [`blackhole`](FaultProxy::blackhole)
-/// (partition), [`cut`](FaultProxy::cut) (connections reset) and
+/// (partition), [`delay`](FaultProxy::delay) (a slow network),
+/// [`cut`](FaultProxy::cut) (connections reset) and
 /// [`refuse`](FaultProxy::refuse) (server unreachable).
 ///
 /// It runs on its own thread with its own tokio runtime, so it is
@@ -35,6 +55,8 @@ struct Shared {
     upstream: SocketAddr,
     /// `true` while blackholed.
     blackholed: watch::Sender<bool>,
+    /// Milliseconds every forwarded chunk waits (0: none).
+    delay_ms: AtomicU64,
     refuse: AtomicBool,
     live: AtomicUsize,
     next_id: AtomicU64,
@@ -73,6 +95,7 @@ impl FaultProxy {
         let shared = Arc::new(Shared {
             upstream,
             blackholed: watch::Sender::new(false),
+            delay_ms: AtomicU64::new(0),
             refuse: AtomicBool::new(false),
             live: AtomicUsize::new(0),
             next_id: AtomicU64::new(0),
@@ -127,6 +150,17 @@ impl FaultProxy {
     /// connections.
     pub fn heal(&self) {
         self.shared.blackholed.send_replace(false);
+    }
+
+    /// Delays every chunk forwarded from now on, in either direction and on
+    /// current and new connections, by `d` (`Duration::ZERO` ends it). The
+    /// chunks of one direction stay in order, each waiting its turn, so a
+    /// busy connection's throughput falls as well: a slow, congested link
+    /// rather than a long one. Independent of
+    /// [`blackhole`](FaultProxy::blackhole).
+    pub fn delay(&self, d: Duration) {
+        let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        self.shared.delay_ms.store(ms, Ordering::SeqCst);
     }
 
     /// Closes all current connections abruptly: both the client and the
@@ -252,16 +286,21 @@ async fn wait_open(state: &mut watch::Receiver<bool>) -> io::Result<()> {
 }
 
 /// Copies `src` to `dst` until EOF (then half-closes `dst`), pausing while
-/// blackholed.
-async fn pump<R, W>(src: &mut R, dst: &mut W, mut state: watch::Receiver<bool>) -> io::Result<()>
+/// blackholed and holding each chunk for the current delay.
+async fn pump<R, W>(src: &mut R, dst: &mut W, shared: &Shared) -> io::Result<()>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
+    let mut state = shared.blackholed.subscribe();
     let mut buf = vec![0u8; 16 * 1024];
     loop {
         wait_open(&mut state).await?;
         let n = src.read(&mut buf).await?;
+        let delay = shared.delay_ms.load(Ordering::SeqCst);
+        if delay > 0 && n > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
         // Bytes read while (or just before) blackholed are held here.
         wait_open(&mut state).await?;
         if n == 0 {
@@ -305,8 +344,8 @@ async fn proxy_conn(mut client: TcpStream, shared: &Shared, mut cut: oneshot::Re
     let end = {
         let (mut cr, mut cw) = client.split();
         let (mut ur, mut uw) = upstream.split();
-        let to_upstream = pump(&mut cr, &mut uw, shared.blackholed.subscribe());
-        let to_client = pump(&mut ur, &mut cw, shared.blackholed.subscribe());
+        let to_upstream = pump(&mut cr, &mut uw, shared);
+        let to_client = pump(&mut ur, &mut cw, shared);
         tokio::pin!(to_upstream, to_client);
         let (mut up_done, mut down_done) = (false, false);
         loop {
@@ -329,5 +368,86 @@ async fn proxy_conn(mut client: TcpStream, shared: &Shared, mut cut: oneshot::Re
     if end == End::Abort {
         reset_on_drop(&client);
         reset_on_drop(&upstream);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+
+    /// An upstream that echoes every byte back, on its own thread.
+    fn echo_server() -> SocketAddr {
+        let listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { return };
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 1024];
+                    while let Ok(n) = conn.read(&mut buf) {
+                        if n == 0 || conn.write_all(&buf[..n]).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        addr
+    }
+
+    /// One byte there and back through the proxy; how long it took.
+    fn round_trip(conn: &mut std::net::TcpStream, byte: u8) -> Duration {
+        let started = Instant::now();
+        conn.write_all(&[byte]).unwrap();
+        let mut back = [0u8; 1];
+        conn.read_exact(&mut back).unwrap();
+        assert_eq!(back[0], byte, "the proxy forwarded another byte");
+        started.elapsed()
+    }
+
+    #[test]
+    fn a_delay_holds_each_direction_and_zero_ends_it() {
+        let proxy = FaultProxy::start(echo_server()).unwrap();
+        let mut conn = std::net::TcpStream::connect(proxy.addr()).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let direct = round_trip(&mut conn, 1);
+        proxy.delay(Duration::from_millis(150));
+        let delayed = round_trip(&mut conn, 2);
+        proxy.delay(Duration::ZERO);
+        let after = round_trip(&mut conn, 3);
+        eprintln!(
+            "round trips: {direct:?} undelayed, {delayed:?} at 150 ms each way, {after:?} after"
+        );
+        // Held once on the way there and once on the way back.
+        assert!(
+            delayed >= Duration::from_millis(300),
+            "a 150 ms delay each way gave a round trip of {delayed:?}"
+        );
+        assert!(
+            after < Duration::from_millis(150),
+            "the delay outlived delay(ZERO): {after:?}"
+        );
+        assert_eq!(proxy.connections(), 1);
+    }
+
+    #[test]
+    fn a_blackhole_holds_bytes_until_healed() {
+        let proxy = FaultProxy::start(echo_server()).unwrap();
+        let mut conn = std::net::TcpStream::connect(proxy.addr()).unwrap();
+        round_trip(&mut conn, 1);
+        proxy.blackhole();
+        conn.write_all(&[2]).unwrap();
+        conn.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        let mut back = [0u8; 1];
+        let held = conn.read(&mut back);
+        assert!(held.is_err(), "answered through a blackhole: {held:?}");
+        proxy.heal();
+        conn.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        conn.read_exact(&mut back).unwrap();
+        assert_eq!(back[0], 2, "the held byte was lost");
     }
 }
