@@ -525,10 +525,14 @@ impl TlsSettings {
             .with_protocol_versions(versions)
             .map_err(|e| Error::config(format!("TLS protocol versions: {e}")))?;
         let verifier: Arc<dyn ServerCertVerifier> = match self.verify() {
-            Verify::None => Arc::new(NoVerification(provider.clone())),
+            Verify::None => Arc::new(Lenient {
+                provider: provider.clone(),
+                chain: None,
+            }),
             level => {
                 let roots = self.root_store()?;
-                let mut b = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider);
+                let mut b =
+                    WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone());
                 if let Some((path, from)) = &self.crl {
                     let crls = read_pem_all::<CertificateRevocationListDer<'static>>(path, from)?;
                     b = b.with_crls(crls);
@@ -539,7 +543,10 @@ impl TlsSettings {
                 if level == Verify::Full {
                     inner
                 } else {
-                    Arc::new(ChainOnly(inner))
+                    Arc::new(Lenient {
+                        provider,
+                        chain: Some(inner),
+                    })
                 }
             }
         };
@@ -768,63 +775,20 @@ pub(crate) fn rustls_error_in<'a>(
     None
 }
 
-/// `require` without a root certificate: encrypt, check the handshake's
-/// signatures, trust any certificate (libpq's meaning; see [`SslMode`]).
+/// The two checks weaker than `verify-full` (libpq's meanings; see
+/// [`SslMode`]). Both check the handshake's signatures.
+/// * `require` without a root certificate (`chain` `None`): encrypt,
+///   trust any certificate;
+/// * `verify-ca`: the full check, except that a certificate naming another
+///   host is accepted (the chain is checked before the name, so a name
+///   error means the chain was good).
 #[derive(Debug)]
-struct NoVerification(Arc<CryptoProvider>);
-
-impl ServerCertVerifier for NoVerification {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
-    }
+struct Lenient {
+    provider: Arc<CryptoProvider>,
+    chain: Option<Arc<WebPkiServerVerifier>>,
 }
 
-/// `verify-ca`: the full check, except that a certificate naming another
-/// host is accepted (the chain is checked before the name, so a name error
-/// means the chain was good).
-#[derive(Debug)]
-struct ChainOnly(Arc<WebPkiServerVerifier>);
-
-impl ServerCertVerifier for ChainOnly {
+impl ServerCertVerifier for Lenient {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -833,10 +797,10 @@ impl ServerCertVerifier for ChainOnly {
         ocsp_response: &[u8],
         now: UnixTime,
     ) -> std::result::Result<ServerCertVerified, rustls::Error> {
-        match self
-            .0
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
-        {
+        let Some(chain) = &self.chain else {
+            return Ok(ServerCertVerified::assertion());
+        };
+        match chain.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now) {
             Err(rustls::Error::InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
             )) => Ok(ServerCertVerified::assertion()),
@@ -850,7 +814,8 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        let algorithms = &self.provider.signature_verification_algorithms;
+        rustls::crypto::verify_tls12_signature(message, cert, dss, algorithms)
     }
 
     fn verify_tls13_signature(
@@ -859,11 +824,14 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        let algorithms = &self.provider.signature_verification_algorithms;
+        rustls::crypto::verify_tls13_signature(message, cert, dss, algorithms)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
     }
 }
 
