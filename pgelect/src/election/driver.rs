@@ -247,11 +247,15 @@ impl<B: KeepBackend + 'static> Keep<B> {
         // Its statement in flight borrowed the backend, which the release
         // consumes.
         drop(leading);
+        // Boxed: the release's and the close's statements are far larger
+        // than the loop's state, and would otherwise be part of every
+        // leader's task for its whole life (a kilobyte-sized future per
+        // role led, thousands on a shared connection).
         let Some((reason, reply)) = release else {
-            backend.close().await;
+            Box::pin(backend.close()).await;
             return;
         };
-        let result = backend.release(ended).await;
+        let result = Box::pin(backend.release(ended)).await;
         if result.is_ok() {
             tracing::info!(%reason, "leadership released");
             shared.publish_if_holder(&shared.node, term, None);
