@@ -29,13 +29,12 @@ use crate::error::{Error, Result};
 use crate::key::LockKey;
 
 /// The connection a candidate stands on.
-// One per campaign, built once and borrowed: the size difference costs
-// nothing worth a box.
-#[allow(clippy::large_enum_variant)]
 pub(crate) enum LockConn {
     /// Its own: dropped leadership kills it (the server releases the lock),
-    /// a clean release keeps it for the next campaign.
-    Own(DedicatedConnection),
+    /// a clean release keeps it for the next campaign. Boxed: every
+    /// campaign and every leader's keep task holds a `LockConn`, thousands
+    /// of them on a shared connection, where it is one pointer.
+    Own(Box<DedicatedConnection>),
     /// A [`SharedConnection`](crate::election::SharedConnection), also holding other
     /// roles' locks: dropped leadership unlocks this role's key only.
     Shared(Arc<SharedSession>),
@@ -64,10 +63,10 @@ impl LockConn {
     ) -> Result<LockConn> {
         Ok(match &session.host {
             Some(host) => LockConn::Shared(Box::pin(host.client().get()).await?),
-            None => LockConn::Own(match session.take_spare() {
+            None => LockConn::Own(Box::new(match session.take_spare() {
                 Some(conn) => conn,
                 None => Box::pin(lock_connection(shared, elect)).await?,
-            }),
+            })),
         })
     }
 
@@ -201,7 +200,7 @@ impl LockConn {
     /// dropped.
     pub(super) fn keep_for_next_campaign(self, session: &SessionState) {
         if let LockConn::Own(own) = self {
-            session.put_spare(own);
+            session.put_spare(*own);
         }
     }
 
