@@ -838,9 +838,12 @@ pub(super) async fn poll_in_batch(
                 // The session's batched preemption ran for this vacant
                 // row; it leaves to the role what it cannot do for all (a
                 // holder of another database user: may this one end it?).
+                // (The rare branches' futures are boxed: thousands of
+                // standbys of a shared connection each hold this one.)
                 if preempt_alone {
                     let _turn = session.campaign_turn().await;
-                    if let Some(pid) = preempt_one(shared, session.client()).await?.first() {
+                    let ended = Box::pin(preempt_one(shared, session.client())).await?;
+                    if let Some(pid) = ended.first() {
                         tracing::debug!(pid, "preempted; trying the lock again");
                         session.poll_soon(Duration::ZERO);
                     }
@@ -850,7 +853,7 @@ pub(super) async fn poll_in_batch(
                 // The single standby's poll, to learn this role's error (or
                 // be granted after all); a few at a time.
                 let _turn = session.campaign_turn().await;
-                let (granted, _) = poll_one(shared, session, true).await?;
+                let (granted, _) = Box::pin(poll_one(shared, session, true)).await?;
                 if granted {
                     return Ok(());
                 }

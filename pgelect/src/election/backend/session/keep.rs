@@ -79,9 +79,6 @@ fn renewal_of(shared: &ElectorState, term: i64, ttl_ms: i64) -> Renewals {
 pub(super) struct SessionKeep {
     shared: Arc<ElectorState>,
     conn: LockConn,
-    /// The renewal statement, for this leader alone: a batch of one.
-    renewal: Renewals,
-    renew_sql: String,
     term: i64,
     /// On a shared connection: this leader's place in the session's
     /// batched renewal (one statement renews every leader on it).
@@ -90,7 +87,6 @@ pub(super) struct SessionKeep {
 
 impl SessionKeep {
     pub(super) fn new(shared: Arc<ElectorState>, conn: LockConn, term: i64) -> SessionKeep {
-        let renew_sql = batch_renew_sql(shared.options.schema_name().as_str());
         let ttl_ms = shared.timing.ttl.as_millis() as i64;
         // A renewal request waits a little for others to share its batch;
         // the keeper's answer limit (the heartbeat timeout) runs from the
@@ -108,21 +104,25 @@ impl SessionKeep {
             share_wait,
         );
         SessionKeep {
-            renewal: renewal_of(&shared, term, ttl_ms),
             shared,
             conn,
-            renew_sql,
             term,
             batch,
         }
     }
 
-    /// This leader's own renewal statement.
+    /// This leader's own renewal statement: the renewal, for this leader
+    /// alone (a batch of one). Its text and rows are built for each
+    /// renewal rather than kept: a leader on a shared connection renews in
+    /// the session's batch, and alone only after a failed one, and the
+    /// text alone took about 5 KB of each of its thousands of leaders.
     async fn renew_alone(&self) -> (Instant, Result<Answer>) {
+        let ttl_ms = self.shared.timing.ttl.as_millis() as i64;
+        let rows = renewal_of(&self.shared, self.term, ttl_ms);
+        let sql = batch_renew_sql(self.schema());
         let sent = Instant::now();
-        let r = self
-            .renewal
-            .run(&self.conn, &self.renew_sql, 0..1)
+        let r = rows
+            .run(&self.conn, &sql, 0..1)
             .await
             .and_then(|rows| Renewals::outcomes(&rows))
             .map(|mut found| {
@@ -162,15 +162,18 @@ impl KeepBackend for SessionKeep {
 
     fn renew(&self) -> Statement<'_> {
         Box::pin(async move {
+            // (Alone, the statement's future is boxed: a leader on a
+            // shared connection renews in the batch, and its statement in
+            // flight is held by each of thousands of leaders.)
             let Some(batch) = &self.batch else {
-                return self.renew_alone().await;
+                return Box::pin(self.renew_alone()).await;
             };
             let requested = Instant::now();
             match batch.renewal(requested).await {
                 Some((sent, Batched::Failed)) => {
                     // Run alone to learn (and report) why it failed.
                     tracing::debug!(batch_sent = ?sent, "the batched renewal failed; renewing alone");
-                    self.renew_alone().await
+                    Box::pin(self.renew_alone()).await
                 }
                 Some((sent, b)) => (sent, Ok(batched_answer(b))),
                 None => (requested, Err(Error::connection_lost("renew the lease"))),
@@ -199,7 +202,7 @@ impl KeepBackend for SessionKeep {
             if self.conn.probe_answered(sent, share_wait).await {
                 return (sent, Ok(Answer::Alive));
             }
-            let r = probe::ask(self.conn.client())
+            let r = Box::pin(probe::ask(self.conn.client()))
                 .await
                 .map(|p| match p {
                     Probed::ReadOnly => Answer::ReadOnly,
