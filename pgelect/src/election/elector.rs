@@ -351,9 +351,14 @@ impl Elector {
                     own.claim(&role)
                         .expect("BUG: a new client carries no role yet")
                 });
+                // Only this elector's own `LISTEN` connection sends here:
+                // without one the channel stays empty, and a broadcast
+                // channel allocates all its slots at once (64 slots are
+                // 4.6 kB, for each of thousands of roles on a SharedLease).
+                let slots = if listen_via.is_some() { 64 } else { 1 };
                 PerBackend::Lease(LeaseState {
+                    notices: tokio::sync::broadcast::Sender::new(slots),
                     listen_via,
-                    notices: tokio::sync::broadcast::Sender::new(64),
                     listener: Mutex::new(None),
                     client,
                     own_client,

@@ -70,6 +70,64 @@ fn regressions(plan: &Value, found: &mut Vec<String>) {
             {
                 found.push("a nested anti-join (rescans its inner side for every row)".to_owned());
             }
+            // An index scan with array keys (`= ANY`) on a nested loop's
+            // inner side sorts the whole array again at every rescan, once
+            // per outer row: a batch of 5,000 costs 5,000 sorts of 5,000
+            // keys (PostgreSQL 15).
+            if kind == Some("Nested Loop") {
+                // (Harmless under a single outer row: a batch of one.)
+                let outer_rows = node
+                    .get("Plans")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .find(|p| p.get("Parent Relationship").and_then(Value::as_str) == Some("Outer"))
+                    .and_then(|p| p.get("Plan Rows"))
+                    .and_then(Value::as_f64)
+                    .unwrap_or(0.0);
+                for inner in node
+                    .get("Plans")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .filter(|p| {
+                        p.get("Parent Relationship").and_then(Value::as_str) == Some("Inner")
+                    })
+                {
+                    // An inner join that reads a batch (a CTE or the
+                    // arrays' rows) whole, once per outer row: a subquery
+                    // the planner inlined (a CTE used once) and joined to
+                    // a batch it took for a few rows. (A materialized
+                    // CTE's scan there is not caught: see `reads_a_batch`.)
+                    let inner_kind = inner.get("Node Type").and_then(Value::as_str);
+                    let join = matches!(
+                        inner_kind,
+                        Some("Hash Join" | "Merge Join" | "Nested Loop" | "Materialize")
+                    );
+                    if outer_rows > 1.0 && join {
+                        if let Some(what) = reads_a_batch(inner) {
+                            found.push(format!("a batch read whole per outer row: {what}"));
+                        }
+                    }
+                    let cond = inner
+                        .get("Index Cond")
+                        .and_then(Value::as_str)
+                        .unwrap_or("");
+                    if cond.contains("ANY (") {
+                        found.push(format!(
+                            "array keys rescanned per outer row: {} on {}: {cond}",
+                            inner
+                                .get("Node Type")
+                                .and_then(Value::as_str)
+                                .unwrap_or("?"),
+                            inner
+                                .get("Relation Name")
+                                .and_then(Value::as_str)
+                                .unwrap_or("?"),
+                        ));
+                    }
+                }
+            }
             for key in ["Filter", "Join Filter", "Hash Cond"] {
                 if let Some(f) = node.get(key).and_then(Value::as_str) {
                     if f.contains("NOT ") && f.contains("SubPlan") && !f.contains("hashed SubPlan")
@@ -83,6 +141,26 @@ fn regressions(plan: &Value, found: &mut Vec<String>) {
         Value::Array(items) => items.iter().for_each(|v| regressions(v, found)),
         _ => {}
     }
+}
+
+/// A scan in `plan` (not below a subplan) that reads more than one row of
+/// a CTE or of a function (the batch's arrays), described. Checked below
+/// the inner joins of nested loops only: a nested loop that rescans a
+/// materialized CTE (a statement's `up`, say) for each row of the batch is
+/// a plan the planner makes for small estimates, and not caught here.
+fn reads_a_batch(plan: &Value) -> Option<String> {
+    let kind = plan.get("Node Type").and_then(Value::as_str)?;
+    let rows = plan.get("Plan Rows").and_then(Value::as_f64).unwrap_or(0.0);
+    if matches!(kind, "CTE Scan" | "Function Scan") && rows > 1.0 {
+        let name = plan.get("Alias").and_then(Value::as_str).unwrap_or("?");
+        return Some(format!("{kind} on {name}"));
+    }
+    plan.get("Plans")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter(|p| p.get("Parent Relationship").and_then(Value::as_str) != Some("SubPlan"))
+        .find_map(reads_a_batch)
 }
 
 /// Plans `sql` with `params` both ways the client runs it, and fails on a

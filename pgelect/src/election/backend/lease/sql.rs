@@ -313,7 +313,11 @@ fn acquire_sql(s: &str) -> String {
                  -- nobody acts on it, take it again with a new term
                  OR (l.holder = EXCLUDED.holder AND l.lease_token = ANY($8::int8[]))
              RETURNING l.role, l.term, l.acquired_at, l.lease_until
-         ), reg AS (
+         ), reg AS MATERIALIZED (
+             -- MATERIALIZED: used once, it was inlined into the final
+             -- join, which the generic plan (batch size unknown) made a
+             -- nested loop over the batch with this join inside: 5,000
+             -- standbys of new roles cost 5 s.
              SELECT c.role, c.seen_at
                FROM {s}.candidates c JOIN a ON c.role = a.role AND c.node = a.node
               WHERE c.backend = 'lease' AND {reg_of_a}
