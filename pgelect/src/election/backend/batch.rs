@@ -159,6 +159,14 @@ impl<B: Batch, O: Outcome> Drop for Member<B, O> {
 /// index scan with array keys sorts the whole array again at every rescan
 /// (PostgreSQL 15), once per row of the batch, which made a batch of
 /// 5,000 cost seconds; a range costs nothing to set up again.
+///
+/// The price: where the planner makes the range a scan of its own (the
+/// outer side of a join; the `election::plans` test finds such plans), it
+/// reads every row between the batch's first and last role, not only the
+/// batch's. That is the whole table for a small batch whose names span it
+/// (random names, say). The fix at the right depth is a statement that
+/// reads the batch's rows once by an array into a materialized CTE and
+/// joins on that; it is not written yet.
 pub(crate) fn among(l: &str, batch: &str) -> String {
     format!(
         "{l}.role BETWEEN (SELECT pg_catalog.min({batch}.role) FROM {batch})
