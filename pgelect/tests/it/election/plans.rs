@@ -10,7 +10,10 @@
 //! list sent once. The same for the session backend's batched statements
 //! (renewal, poll, election, zombie preemption, registration), for a
 //! batch of one and for a full chunk, planned by the backend whose pid the
-//! rows name and by a new one.
+//! rows name and by a new one. And the lease functions' kept plans, made
+//! at their first call while the tables were empty, run full chunks once
+//! the tables are full without a node that handles the batch times the
+//! table.
 
 use pgelect::schema::SchemaName;
 use serde_json::Value;
@@ -295,6 +298,236 @@ async fn lease_statements_reach_their_rows_by_index_at_ten_thousand_roles() {
             .await;
         }
     }
+}
+
+/// The rows a node of `plan` (an `EXPLAIN ANALYZE` plan in JSON) handled
+/// over all its loops, counting those its filters removed: the most of
+/// any node, with its type. A batch joined the wrong way round shows as a
+/// node that handled the batch times the table.
+fn most_rows_handled(plan: &Value) -> (f64, String) {
+    let mut most = (0.0, String::new());
+    fn walk(v: &Value, most: &mut (f64, String)) {
+        match v {
+            Value::Object(node) => {
+                let num = |k: &str| node.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+                // EXPLAIN shows rows and removed rows per loop.
+                let handled = (num("Actual Rows")
+                    + num("Rows Removed by Filter")
+                    + num("Rows Removed by Join Filter")
+                    + num("Rows Removed by Index Recheck"))
+                    * num("Actual Loops").max(1.0);
+                if handled > most.0 {
+                    let kind = node.get("Node Type").and_then(Value::as_str).unwrap_or("?");
+                    let on = node
+                        .get("Relation Name")
+                        .or_else(|| node.get("Alias"))
+                        .and_then(Value::as_str)
+                        .unwrap_or("");
+                    *most = (handled, format!("{kind} {on}").trim().to_owned());
+                }
+                node.values().for_each(|v| walk(v, most));
+            }
+            Value::Array(items) => items.iter().for_each(|v| walk(v, most)),
+            _ => {}
+        }
+    }
+    walk(plan, &mut most);
+    most
+}
+
+/// A fleet's first start: each server process plans a lease function at
+/// its first call and keeps the plan, and at a first start the tables are
+/// still empty then. Such plans once joined batches of thousands the wrong
+/// way round until autovacuum's first `ANALYZE` (an acquire of 5,000 roles
+/// took 6-12 s). Here the functions are called once on empty tables, the
+/// tables are filled to 10,000 roles without an `ANALYZE` (autovacuum off
+/// for them), and full chunks are run through the same server process:
+/// `auto_explain` reports the plans that ran, and no node of them may
+/// handle more rows than a few passes over the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_functions_first_called_on_empty_tables_scale_once_the_tables_are_full() {
+    let (db, _options) = migrated("lease_cold_plans").await;
+    let admin = db.connect().await;
+    admin
+        .batch_execute(
+            "ALTER TABLE pgelect.leaders SET (autovacuum_enabled = off);
+             ALTER TABLE pgelect.candidates SET (autovacuum_enabled = off);",
+        )
+        .await
+        .unwrap();
+    // A connection whose notices (auto_explain's plans) are kept.
+    let (c, mut connection) = db.config().connect(tokio_postgres::NoTls).await.unwrap();
+    let (tx, mut notices) = tokio::sync::mpsc::unbounded_channel::<String>();
+    tokio::spawn(async move {
+        while let Some(Ok(m)) = std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+            if let tokio_postgres::AsyncMessage::Notice(n) = m {
+                let _ = tx.send(n.message().to_owned());
+            }
+        }
+    });
+    let (acquire, renew, release) = (
+        "SELECT * FROM pgelect.lease_acquire($1, $2, $3, $4, $5, $6, $7, $8)",
+        "SELECT * FROM pgelect.lease_renew($1, $2, $3, $4, $5)",
+        "SELECT * FROM pgelect.lease_release($1, $2, $3, $4)",
+    );
+    let call = |n: usize, first: usize| -> Vec<String> {
+        (first..first + n).map(|i| format!("r-{i:05}")).collect()
+    };
+    // The first calls, on empty tables, of a batch of one each: the plans
+    // the server process keeps.
+    for (sql, roles) in [
+        (acquire, call(1, 0)),
+        (renew, call(1, 0)),
+        (release, call(1, 0)),
+    ] {
+        run_lease_call(&c, sql, &roles, "s").await;
+    }
+    // 10,000 roles led by `n`, a lease standby `s` registered for each.
+    admin
+        .batch_execute(&format!(
+            "INSERT INTO pgelect.leaders
+                    (role, holder, term, backend, acquired_at, renewed_at, lease_until)
+             SELECT 'r-' || lpad(i::text, 5, '0'), 'n', 1, 'lease', now(), now(),
+                    now() + interval '1 hour'
+               FROM generate_series(1, {ROWS}) AS i;
+             INSERT INTO pgelect.candidates (role, node, priority, backend, timing)
+             SELECT 'r-' || lpad(i::text, 5, '0'), k, 0, 'lease', '{{\"ttl_ms\": 15000}}'
+               FROM generate_series(1, {ROWS}) AS i, unnest(ARRAY['n', 's']) AS k;"
+        ))
+        .await
+        .unwrap();
+    c.batch_execute(
+        "LOAD 'auto_explain';
+         SET auto_explain.log_min_duration = 0;
+         SET auto_explain.log_analyze = on;
+         SET auto_explain.log_timing = off;
+         SET auto_explain.log_nested_statements = on;
+         SET auto_explain.log_format = json;
+         SET client_min_messages = log;",
+    )
+    .await
+    .unwrap();
+    // Full chunks, in a transaction rolled back: a poll of `s` for 5,000
+    // roles `n` holds, a renewal and a release of 2,000 of them by `n`.
+    c.batch_execute("BEGIN").await.unwrap();
+    let t = std::time::Instant::now();
+    let polled = run_lease_call(&c, acquire, &call(ACQUIRE_ROWS, 1), "s").await;
+    let won = polled
+        .iter()
+        .filter(|r| r.get::<_, Option<i64>>(0).is_some())
+        .count();
+    assert_eq!(
+        (polled.len(), won),
+        (ACQUIRE_ROWS, 0),
+        "the poll: a row per role, none won"
+    );
+    let renewed = run_lease_call(&c, renew, &call(RENEW_ROWS, 1), "n").await;
+    assert_eq!(
+        renewed.len(),
+        RENEW_ROWS,
+        "the renewal: a row per role renewed"
+    );
+    let released = run_lease_call(&c, release, &call(RENEW_ROWS, 1), "n").await;
+    assert_eq!(
+        released[0].get::<_, i64>(0),
+        RENEW_ROWS as i64,
+        "the release cleared them"
+    );
+    let took = t.elapsed();
+    c.batch_execute("ROLLBACK").await.unwrap();
+    drop(c);
+    let mut report = Vec::new();
+    while let Some(message) = notices.recv().await {
+        let Some((_, json)) = message.split_once("plan:") else {
+            continue;
+        };
+        let plan: Value = serde_json::from_str(json.trim())
+            .unwrap_or_else(|e| panic!("auto_explain's plan does not parse ({e}): {json}"));
+        let text = plan["Query Text"].as_str().unwrap_or_default();
+        // The statements inside the functions (not the calls around them).
+        if !text.trim_start().starts_with("WITH") {
+            continue;
+        }
+        let (rows, node) = most_rows_handled(&plan["Plan"]);
+        let what: String = text
+            .split_whitespace()
+            .take(4)
+            .collect::<Vec<_>>()
+            .join(" ");
+        report.push(format!(
+            "{what}…: at most {rows:.0} rows in one node ({node})"
+        ));
+        assert!(
+            rows <= 6.0 * ROWS as f64,
+            "a plan kept from empty tables handled {rows:.0} rows in one node ({node}) \
+             against {ROWS} roles:\n{}",
+            serde_json::to_string_pretty(&plan).unwrap()
+        );
+    }
+    assert_eq!(
+        report.len(),
+        3,
+        "auto_explain reported the three statements: {report:?}"
+    );
+    println!("{}\nthe three calls took {took:?}", report.join("\n"));
+}
+
+/// Calls a lease function (`sql`: acquire, renewal or release, by its
+/// name) for `roles` as `node`, term 1, TTL 15 s; its rows.
+async fn run_lease_call(
+    c: &tokio_postgres::Client,
+    sql: &str,
+    roles: &[String],
+    node: &str,
+) -> Vec<tokio_postgres::Row> {
+    let n = roles.len();
+    let nodes = vec![node; n];
+    let terms = vec![1i64; n];
+    let ttls = vec![15_000i64; n];
+    let priorities = vec![0i32; n];
+    let payloads = vec!["pgelect:released:r"; n];
+    let metas: Vec<Option<Value>> = vec![None; n];
+    let no_tokens: Vec<i64> = Vec::new();
+    let r = if sql.contains("lease_acquire") {
+        c.query_typed(
+            sql,
+            &[
+                (&roles, Type::TEXT_ARRAY),
+                (&nodes, Type::TEXT_ARRAY),
+                (&metas, Type::JSONB_ARRAY),
+                (&ttls, Type::INT8_ARRAY),
+                (&payloads, Type::TEXT_ARRAY),
+                (&priorities, Type::INT4_ARRAY),
+                (&7i64, Type::INT8),
+                (&no_tokens, Type::INT8_ARRAY),
+            ],
+        )
+        .await
+    } else if sql.contains("lease_renew") {
+        c.query_typed(
+            sql,
+            &[
+                (&roles, Type::TEXT_ARRAY),
+                (&nodes, Type::TEXT_ARRAY),
+                (&terms, Type::INT8_ARRAY),
+                (&ttls, Type::INT8_ARRAY),
+                (&priorities, Type::INT4_ARRAY),
+            ],
+        )
+        .await
+    } else {
+        c.query_typed(
+            sql,
+            &[
+                (&roles, Type::TEXT_ARRAY),
+                (&nodes, Type::TEXT_ARRAY),
+                (&terms, Type::INT8_ARRAY),
+                (&payloads, Type::TEXT_ARRAY),
+            ],
+        )
+        .await
+    };
+    r.unwrap_or_else(|e| panic!("{sql}: {e:?}"))
 }
 
 /// [`assert_indexed`], then [`assert_indexed_as_run`]: the statement's
