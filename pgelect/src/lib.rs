@@ -165,12 +165,11 @@
 //!     * `election/backend/session/`: the session backend in one folder,
 //!       on a connection that carries roles (one candidate's own, or a
 //!       [`SharedConnection`](election::SharedConnection) for many roles):
-//!       * `election/backend/session/mod.rs`: the shared connections and
-//!         their queues;
+//!       * `election/backend/session/mod.rs`: the sessions that carry
+//!         roles (of one candidate, or shared by many) and their batches;
 //!       * `election/backend/session/lock_conn.rs`: the connection one
-//!         candidate stands on (its own or a shared one), with every step
-//!         in which the two differ, called the same way by the campaign
-//!         and the keep;
+//!         candidate stands on, a session of its own or a shared one, run
+//!         the same way by the campaign and the keep;
 //!       * `election/backend/session/sql.rs`: its statements (elect,
 //!         renew, poll, preempt, watch-key wait);
 //!       * `election/backend/session/campaign.rs`: gaining leadership

@@ -229,6 +229,13 @@ pub(crate) async fn until_wanted(
 ) -> bool {
     loop {
         let by = *wanted.borrow_and_update();
+        // Wanted now (a session of one's request): at once, not at the
+        // timer's next millisecond tick.
+        if by.is_some_and(|by| by <= Instant::now()) {
+            // (A turn of the task's budget, as the timer would take.)
+            tokio::task::consume_budget().await;
+            return !closed.is_cancelled();
+        }
         let changed = tokio::select! {
             _ = closed.cancelled() => return false,
             r = wanted.changed() => r,

@@ -15,7 +15,7 @@ use crate::error::Result;
 use crate::key::LockKey;
 
 use super::backend::lease::LeaseClaim;
-use super::backend::session::RoleClaim;
+use super::backend::session::{LockConn, RoleClaim};
 use super::timing::Timing;
 use super::{
     backend, registry, watch, Backend, ElectorBuilder, LeaderContext, LeaderInfo, Leadership,
@@ -68,7 +68,9 @@ pub(crate) struct ElectorState {
     pub(crate) lock_server: std::sync::Mutex<Option<(String, i32)>>,
 }
 
-/// The state only one backend keeps.
+/// The state only one backend keeps. (Unboxed: it is built once per
+/// elector, inside the elector's one `Arc`.)
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum PerBackend {
     Session(SessionState),
     Lease(LeaseState),
@@ -79,7 +81,7 @@ pub(crate) struct SessionState {
     /// How a standby waits for the lock.
     pub(crate) standby: StandbyMode,
     /// The lock connection of the last clean release, for the next campaign.
-    spare: Mutex<Option<DedicatedConnection>>,
+    spare: Mutex<Option<LockConn>>,
     /// The shared connection this candidate stands on.
     pub(crate) host: Option<RoleClaim>,
     /// When this candidate last gave the role up of its own accord, and
@@ -90,17 +92,17 @@ pub(crate) struct SessionState {
 
 impl SessionState {
     /// Takes the spare lock connection, if it is still open.
-    pub(crate) fn take_spare(&self) -> Option<DedicatedConnection> {
+    pub(crate) fn take_spare(&self) -> Option<LockConn> {
         let conn = self
             .spare
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take()?;
-        (!conn.is_closed()).then_some(conn)
+        conn.is_open().then_some(conn)
     }
 
     /// Keeps a released lock connection for the next campaign.
-    pub(crate) fn put_spare(&self, conn: DedicatedConnection) {
+    pub(crate) fn put_spare(&self, conn: LockConn) {
         *self.spare.lock().unwrap_or_else(PoisonError::into_inner) = Some(conn);
     }
 }
@@ -677,28 +679,38 @@ async fn registry_withdraw(shared: &ElectorState) -> Result<()> {
     }
     let spare = shared.session().and_then(SessionState::take_spare);
     let withdraw = async {
-        let conn = match spare {
-            Some(c) => c,
-            None => {
-                shared
-                    .options
-                    .connect(&format!("withdraw:{}:{}", shared.role, shared.node))
-                    .await?
-            }
-        };
         let sql = registry::withdraw_sql(s);
         let args: [(&(dyn tokio_postgres::types::ToSql + Sync), _); 2] = [
             (&shared.role, tokio_postgres::types::Type::TEXT),
             (&shared.node, tokio_postgres::types::Type::TEXT),
         ];
-        let result = conn
-            .client()
-            .query_typed(&sql, &args)
-            .await
-            .map(|_| ())
-            .map_err(|e| crate::Error::db(WHAT, s, e));
-        conn.close().await;
-        result
+        async fn withdrawn(
+            conn: &DedicatedConnection,
+            sql: &str,
+            args: &[(
+                &(dyn tokio_postgres::types::ToSql + Sync),
+                tokio_postgres::types::Type,
+            )],
+        ) -> Result<(), tokio_postgres::Error> {
+            conn.client().query_typed(sql, args).await.map(|_| ())
+        }
+        let result = match spare {
+            Some(conn) => {
+                let result = withdrawn(&conn, &sql, &args).await;
+                conn.close().await;
+                result
+            }
+            None => {
+                let conn = shared
+                    .options
+                    .connect(&format!("withdraw:{}:{}", shared.role, shared.node))
+                    .await?;
+                let result = withdrawn(&conn, &sql, &args).await;
+                conn.close().await;
+                result
+            }
+        };
+        result.map_err(|e| crate::Error::db(WHAT, s, e))
     };
     match tokio::time::timeout(bound, withdraw).await {
         Ok(r) => r,

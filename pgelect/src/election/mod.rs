@@ -172,7 +172,7 @@
 //! | keeping a leadership | `driver.rs` (the one keep loop), `watchdog.rs` |
 //! | candidates and observers | `registry.rs`, `watch.rs`, `support.rs` |
 //! | the backends' common parts | `backend/`: `backend/mod.rs`, `backend/batch.rs`, `backend/claim.rs` |
-//! | the session backend | `backend/session/`: `backend/session/mod.rs` (its shared connections), `backend/session/lock_conn.rs` (one candidate's connection: its own or a shared one), `backend/session/sql.rs`, `backend/session/campaign.rs`, `backend/session/keep.rs` |
+//! | the session backend | `backend/session/`: `backend/session/mod.rs` (its sessions: of one candidate or shared, and their batches), `backend/session/lock_conn.rs` (one candidate's connection: a session of its own or a shared one), `backend/session/sql.rs`, `backend/session/campaign.rs`, `backend/session/keep.rs` |
 //! | the lease backend | `backend/lease/`: `backend/lease/mod.rs` (its client), `backend/lease/sql.rs`, `backend/lease/campaign.rs`, `backend/lease/keep.rs`, `backend/lease/listen.rs` |
 //! | the proof (tests only) | `sim.rs`; `model/`: `model/mod.rs`, `model/scenario.rs`, `model/scenarios.rs`, `model/state.rs`, `model/actions.rs`, `model/server.rs`, `model/candidate.rs`, `model/properties.rs`, `model/explorer.rs`, `model/tests.rs` |
 //! | this page | `mod.rs` |

@@ -1183,6 +1183,91 @@ pub(super) async fn poll_batches(session: std::sync::Weak<SharedSession>, schema
     }
 }
 
+impl SharedSession {
+    /// Sends one registration statement for `entries` (at most
+    /// [`BATCH_ROWS`]); true when it ran.
+    pub(super) async fn send_registrations<'a>(
+        &self,
+        entries: impl ExactSizeIterator<Item = &'a Registration>,
+    ) -> bool {
+        let n = entries.len();
+        let rows = registry::Registrations::of(entries);
+        let lane = self.campaign_lane().await;
+        let sent = Instant::now();
+        let r = self
+            .conn
+            .client()
+            .query_typed(&self.register_sql, &rows.params())
+            .await;
+        drop(lane);
+        tracing::debug!(pid = self.conn.pid(), candidates = n, took = ?sent.elapsed(), "batched registration");
+        match r {
+            Ok(rows) => {
+                self.answered(sent);
+                let stale: i64 = rows.first().and_then(|r| r.try_get(0).ok()).unwrap_or(0);
+                if stale > 0 {
+                    tracing::debug!(stale, "deleted registry rows of candidates that died");
+                }
+                true
+            }
+            Err(e) => {
+                self.batch_failed("registration", &e, n);
+                false
+            }
+        }
+    }
+
+    /// Sends one election statement for `entries` (at most
+    /// [`BATCH_ROWS`]): its send time and each elected role's row, or
+    /// `None` when it failed.
+    pub(super) async fn send_elections<'a>(
+        &self,
+        entries: impl Iterator<Item = &'a Election>,
+    ) -> Option<(Instant, HashMap<String, Row>)> {
+        let mut rows = Elections::default();
+        for e in entries {
+            rows.push(e);
+        }
+        let lane = self.campaign_lane().await;
+        let sent = Instant::now();
+        let r = rows.run(&self.conn, &self.elect_sql).await;
+        drop(lane);
+        tracing::debug!(pid = self.conn.pid(), candidates = rows.len(), took = ?sent.elapsed(), "batched election");
+        let found = r.and_then(|found| {
+            found
+                .into_iter()
+                .map(|row| Ok((row.try_get::<_, String>(0)?, row)))
+                .collect::<Result<HashMap<_, _>, tokio_postgres::Error>>()
+        });
+        match found {
+            Ok(found) => {
+                self.answered(sent);
+                Some((sent, found))
+            }
+            Err(e) => {
+                self.batch_failed("election", &e, rows.len());
+                None
+            }
+        }
+    }
+
+    /// Logs a failed batched `statement` of `n` candidates, which each
+    /// candidate then runs alone to learn its error: a warning on a shared
+    /// session, where that is news; on a session of one the candidate's own
+    /// statement reports it.
+    fn batch_failed(&self, statement: &str, e: &tokio_postgres::Error, n: usize) {
+        let cause = e.as_db_error().map(|d| d.message());
+        match self.alone {
+            true => {
+                tracing::debug!(error = %e, ?cause, statement, "the statement failed; running it again to report why")
+            }
+            false => {
+                tracing::warn!(error = %e, ?cause, statement, candidates = n, "a batched statement failed; each candidate runs it alone")
+            }
+        }
+    }
+}
+
 /// The registration task of a shared session: sends the queued
 /// registrations, [`BATCH_ROWS`] at a time, and tells each whether it was
 /// registered; ends with the session or its connection.
@@ -1198,7 +1283,6 @@ pub(super) async fn register_batches(session: std::sync::Weak<SharedSession>) {
         // In role order: two candidates registering the same roles lock
         // the registry's rows in the same order.
         batch.sort_by(|a, b| a.0.role.cmp(&b.0.role));
-        let rows = registry::Registrations::of(batch.iter().map(|(r, _)| r));
         // Elections first: a granted role waits for its term, while a
         // registration only announces a standby (at a start, thousands of
         // them queue for roles that others will lead).
@@ -1207,38 +1291,11 @@ pub(super) async fn register_batches(session: std::sync::Weak<SharedSession>) {
             _ = elections.wait_for(Option::is_none) => {}
             _ = s.conn.closed().cancelled() => return false,
         }
-        let lane = s.lane().await;
-        let sent = Instant::now();
-        let r = s
-            .conn
-            .client()
-            .query_typed(&s.register_sql, &rows.params())
-            .await;
-        drop(lane);
-        tracing::debug!(pid = s.conn.pid(), candidates = batch.len(), took = ?sent.elapsed(), "batched registration");
-        if r.is_ok() {
-            s.answered(sent);
-        }
-        let ok = match r {
-            Ok(rows) => {
-                let stale: i64 = rows.first().and_then(|r| r.try_get(0).ok()).unwrap_or(0);
-                if stale > 0 {
-                    tracing::debug!(stale, "deleted registry rows of candidates that died");
-                }
-                true
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, cause = ?e.as_db_error().map(|d| d.message()), candidates = batch.len(), "the batched registration failed; each candidate registers alone");
-                false
-            }
-        };
+        let ok = s.send_registrations(batch.iter().map(|(r, _)| r)).await;
         for (_, done) in batch {
             let _ = done.send(ok);
         }
-        if !ok && s.conn.is_closed() {
-            return false;
-        }
-        true
+        ok || !s.conn.is_closed()
     })
     .await;
 }
@@ -1261,43 +1318,15 @@ pub(super) async fn elect_batches(session: std::sync::Weak<SharedSession>) {
         }
         // In role order, for the reason the registrations are.
         batch.sort_by(|a, b| a.0.role.cmp(&b.0.role));
-        let mut rows = Elections::default();
-        for (e, _) in &batch {
-            rows.push(e);
-        }
-        let lane = s.lane().await;
-        let sent = Instant::now();
-        let r = rows.run(&s.conn, &s.elect_sql).await;
-        drop(lane);
-        tracing::debug!(pid = s.conn.pid(), candidates = batch.len(), took = ?sent.elapsed(), "batched election");
-        if r.is_ok() {
-            s.answered(sent);
-        }
-        let mut rows: HashMap<String, tokio_postgres::Row> = HashMap::new();
-        let failed = match r {
-            Ok(found) => found
-                .into_iter()
-                .try_for_each(|row| {
-                    rows.insert(row.try_get::<_, String>(0)?, row);
-                    Ok::<_, tokio_postgres::Error>(())
-                })
-                .is_err(),
-            Err(e) => {
-                tracing::warn!(error = %e, cause = ?e.as_db_error().map(|d| d.message()), candidates = batch.len(), "the batched election failed; each candidate elects alone");
-                true
-            }
-        };
+        let mut found = s.send_elections(batch.iter().map(|(e, _)| e)).await;
+        let failed = found.is_none();
         for (e, done) in batch {
-            let row = match failed {
-                true => None,
-                false => rows.remove(&e.role).map(|row| (sent, row)),
-            };
+            let row = found
+                .as_mut()
+                .and_then(|(sent, rows)| Some((*sent, rows.remove(&e.role)?)));
             let _ = done.send(row);
         }
-        if failed && s.conn.is_closed() {
-            return false;
-        }
-        true
+        !failed || !s.conn.is_closed()
     })
     .await;
 }

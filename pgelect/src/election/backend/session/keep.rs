@@ -80,9 +80,9 @@ pub(super) struct SessionKeep {
     shared: Arc<ElectorState>,
     conn: LockConn,
     term: i64,
-    /// On a shared connection: this leader's place in the session's
-    /// batched renewal (one statement renews every leader on it).
-    batch: Option<BatchMember>,
+    /// This leader's place in the session's batched renewal (one
+    /// statement renews every leader on a shared session).
+    batch: BatchMember,
 }
 
 impl SessionKeep {
@@ -111,11 +111,10 @@ impl SessionKeep {
         }
     }
 
-    /// This leader's own renewal statement: the renewal, for this leader
-    /// alone (a batch of one). Its text and rows are built for each
-    /// renewal rather than kept: a leader on a shared connection renews in
-    /// the session's batch, and alone only after a failed one, and the
-    /// text alone took about 5 KB of each of its thousands of leaders.
+    /// This leader's own renewal statement, after a failed batch: the
+    /// renewal, for this leader alone (a batch of one). Its text and rows
+    /// are built for each such renewal rather than kept: the text alone
+    /// took about 5 KB of each of a shared session's thousands of leaders.
     async fn renew_alone(&self) -> (Instant, Result<Answer>) {
         let ttl_ms = self.shared.timing.ttl.as_millis() as i64;
         let rows = renewal_of(&self.shared, self.term, ttl_ms);
@@ -162,14 +161,11 @@ impl KeepBackend for SessionKeep {
 
     fn renew(&self) -> Statement<'_> {
         Box::pin(async move {
-            // (Alone, the statement's future is boxed: a leader on a
-            // shared connection renews in the batch, and its statement in
-            // flight is held by each of thousands of leaders.)
-            let Some(batch) = &self.batch else {
-                return Box::pin(self.renew_alone()).await;
-            };
+            // (Alone, the statement's future is boxed: the statement in
+            // flight is held by each of a shared session's thousands of
+            // leaders.)
             let requested = Instant::now();
-            match batch.renewal(requested).await {
+            match self.batch.renewal(requested).await {
                 Some((sent, Batched::Failed)) => {
                     // Run alone to learn (and report) why it failed.
                     tracing::debug!(batch_sent = ?sent, "the batched renewal failed; renewing alone");
@@ -182,39 +178,38 @@ impl KeepBackend for SessionKeep {
     }
 
     async fn pushed(&self) -> (Instant, Result<Answer>) {
-        match &self.batch {
-            Some(batch) => {
-                let (sent, b) = batch.pushed().await;
-                (sent, Ok(batched_answer(b)))
-            }
-            None => std::future::pending().await,
-        }
+        let (sent, b) = self.batch.pushed().await;
+        (sent, Ok(batched_answer(b)))
     }
 
     fn heartbeat(&self) -> Statement<'_> {
         let share_wait = (self.shared.timing.heartbeat_timeout / 4).min(Duration::from_millis(100));
         Box::pin(async move {
             let sent = Instant::now();
-            // On a shared connection, the connection's probe answers all
-            // its leaders (its `Alive` whatever the server's mode, as
-            // before: the renewal finds a read-only server); a failed one
-            // is asked again here to get the error to report.
-            if self.conn.probe_answered(sent, share_wait).await {
-                return (sent, Ok(Answer::Alive));
+            let answer = |p| match p {
+                Probed::ReadOnly => Answer::ReadOnly,
+                Probed::Alive => Answer::Alive,
+            };
+            // The session's probe answers all its leaders; a failed one is
+            // asked again here to get the error to report.
+            if let Some(p) = self
+                .conn
+                .probe()
+                .answer(sent, self.conn.share_wait(share_wait))
+                .await
+            {
+                return (sent, Ok(answer(p)));
             }
             let r = Box::pin(probe::ask(self.conn.client()))
                 .await
-                .map(|p| match p {
-                    Probed::ReadOnly => Answer::ReadOnly,
-                    Probed::Alive => Answer::Alive,
-                })
+                .map(answer)
                 .map_err(|e| Error::db("renew the lease", self.schema(), e));
             (sent, r)
         })
     }
 
     async fn answered(&self) -> Instant {
-        self.conn.next_probe_answer().await
+        self.conn.probe().next_answer().await
     }
 
     fn closed(&self) -> impl Future<Output = ()> + Send + '_ {
@@ -232,9 +227,7 @@ impl KeepBackend for SessionKeep {
     }
 
     fn let_go(&self, reason: Option<LossReason>) {
-        if let Some(b) = &self.batch {
-            b.leave();
-        }
+        self.batch.leave();
         // A dead connection goes; otherwise only this role's lock (on its
         // own connection, the same).
         if matches!(
@@ -253,9 +246,7 @@ impl KeepBackend for SessionKeep {
     }
 
     async fn release(self, ended: Option<LossReason>) -> Result<()> {
-        if let Some(b) = &self.batch {
-            b.leave();
-        }
+        self.batch.leave();
         let bound = self.shared.timing.heartbeat_timeout * 2;
         let released = release(&self.shared, &self.conn, self.term);
         let result = match tokio::time::timeout(bound, released).await {

@@ -6,7 +6,7 @@
 //! * this file: the shared connections that carry many roles
 //!   ([`SharedConnection`], [`SharedSession`]) and their queues;
 //! * [`lock_conn`]: the connection one candidate stands on ([`LockConn`]:
-//!   its own or a shared one), with every step in which the two differ;
+//!   a session of its own or a shared one, run the same way);
 //! * [`sql`]: the backend's statements, one text per operation;
 //! * [`campaign`]: gaining leadership (a blocking wait on a connection of
 //!   one candidate, polling or batched otherwise);
@@ -25,7 +25,8 @@ pub use sql::{shared_elect_sql, shared_poll_sql, shared_preempt_sql, shared_rene
 
 use campaign::{elect_batches, poll_batches, register_batches, NEW_STANDBY_WAIT};
 use keep::renew_batches;
-use lock_conn::{unlock_if_held_sql, KillOnDrop, LockConn};
+pub(crate) use lock_conn::LockConn;
+use lock_conn::{unlock_if_held_sql, KillOnDrop};
 use sql::{batch_elect_sql, batch_poll_sql, batch_renew_sql};
 
 use std::collections::{HashMap, HashSet};
@@ -179,7 +180,8 @@ impl SharedConnection {
         if let Some(c) = current.as_ref().filter(|c| !c.is_closed()) {
             return Ok(c.clone());
         }
-        let session = SharedSession::start(self.open().await?, self.inner.options.schema_name());
+        let session =
+            SharedSession::start(self.open().await?, self.inner.options.schema_name(), false);
         *current = Some(session.clone());
         Ok(session)
     }
@@ -220,14 +222,22 @@ impl fmt::Debug for SharedConnection {
 /// A role's place on a shared connection, given back when dropped.
 pub(crate) type RoleClaim = Claim<SharedConnection>;
 
-/// A live shared connection and its one heartbeat.
+/// A live session that carries roles: of one candidate (its own
+/// connection), or of a shared connection; its batches and its one
+/// heartbeat.
 ///
-/// Each leader on the connection asks for a heartbeat at its own pace; the
-/// connection's [`Probe`] sends one for all the requests pending (waiting
-/// a quarter of the asking leader's heartbeat timeout, at most 100 ms, for
-/// others to share it).
+/// Each leader on the session asks for a heartbeat at its own pace; the
+/// session's [`Probe`] sends one for all the requests pending (on a shared
+/// session waiting a quarter of the asking leader's heartbeat timeout, at
+/// most 100 ms, for others to share it; on a session of one at once).
 pub(crate) struct SharedSession {
     conn: DedicatedConnection,
+    /// A session of one candidate (its own connection), not shared: it may
+    /// wait in the server (a blocking standby), it listens while its
+    /// candidate leads only, it sends each batch of one at once (nobody
+    /// shares it) and it is dropped whole when its candidate lets the role
+    /// go (see [`LockConn`]).
+    alone: bool,
     /// The connection's probe, and the record of every statement answered
     /// on it: proof that its server session (and every lock it holds)
     /// lived then. A leader whose own statement waits behind others'
@@ -428,9 +438,10 @@ impl std::ops::Deref for SharedSession {
 }
 
 impl SharedSession {
-    fn start(conn: DedicatedConnection, schema: &SchemaName) -> Arc<SharedSession> {
+    fn start(conn: DedicatedConnection, schema: &SchemaName, alone: bool) -> Arc<SharedSession> {
         let session = Arc::new(SharedSession {
             conn,
+            alone,
             probe: Probe::default(),
             leaders: Mutex::new(HashMap::new()),
             renew_wanted: watch::Sender::new(None),
@@ -460,6 +471,20 @@ impl SharedSession {
             schema.as_str().to_owned(),
         ));
         session
+    }
+
+    /// Whether this is a session of one candidate (see `alone`).
+    pub(crate) fn alone(&self) -> bool {
+        self.alone
+    }
+
+    /// How long a request waits for others to share its statement: `wait`
+    /// on a shared session, none on a session of one.
+    pub(super) fn share_wait(&self, wait: Duration) -> Duration {
+        match self.alone {
+            true => Duration::ZERO,
+            false => wait,
+        }
     }
 
     /// A statement sent at `sent` was answered.
@@ -555,6 +580,15 @@ impl SharedSession {
         self.campaign_lane.lock().await
     }
 
+    /// The lane for a batched registration or election: none on a session
+    /// of one, which nobody shares (the request then goes out at once).
+    async fn campaign_lane(&self) -> Option<tokio::sync::MutexGuard<'_, ()>> {
+        match self.alone {
+            true => None,
+            false => Some(self.lane().await),
+        }
+    }
+
     fn standbys(&self) -> std::sync::MutexGuard<'_, HashMap<String, Standby>> {
         // As for `leaders`: entries are inserted and removed whole.
         self.standbys.lock().unwrap_or_else(PoisonError::into_inner)
@@ -586,7 +620,7 @@ impl SharedSession {
                 outcome: tx,
             },
         );
-        Member::new(self.clone(), role, term, rx, share_wait)
+        Member::new(self.clone(), role, term, rx, self.share_wait(share_wait))
     }
 
     fn leaders(&self) -> std::sync::MutexGuard<'_, HashMap<String, Leader>> {
@@ -716,15 +750,15 @@ impl<E> Default for Queue<E> {
 }
 
 impl<E> Queue<E> {
-    /// Queues `entry` for a statement sent within [`SHARE_WAIT`].
-    fn push(&self, entry: E) {
+    /// Queues `entry` for a statement sent within `wait`.
+    fn push(&self, entry: E, wait: Duration) {
         // Entries are pushed and drained whole: a poisoned lock left the
         // list consistent.
         self.pending
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .push(entry);
-        let by = Instant::now() + SHARE_WAIT;
+        let by = Instant::now() + wait;
         self.wanted
             .send_modify(|w| *w = Some(w.map_or(by, |x| x.min(by))));
     }
@@ -773,8 +807,14 @@ impl SharedSession {
     /// the server, and the row is refreshed or replaced by the next
     /// registration).
     pub(crate) async fn register(&self, entry: Registration) -> bool {
+        if self.alone {
+            // A batch of one, sent at once: nobody shares the session.
+            // (Boxed: thousands of standbys of a shared session each hold
+            // this future, whose size is that of its largest branch.)
+            return Box::pin(self.send_registrations(std::iter::once(&entry))).await;
+        }
         let (tx, rx) = oneshot::channel();
-        self.registrations.push((entry, tx));
+        self.registrations.push((entry, tx), SHARE_WAIT);
         tokio::select! {
             r = rx => r.unwrap_or(false),
             _ = self.conn.closed().cancelled() => false,
@@ -796,8 +836,15 @@ impl SharedSession {
     /// The role's row has the columns of a single election from index 1
     /// (index 0 is the role).
     pub(crate) async fn elect(&self, entry: Election) -> Option<Elected> {
+        if self.alone {
+            // A batch of one, sent at once (the request goes out when the
+            // future is first polled, so it can be pipelined with others).
+            // (Boxed, as the registration's.)
+            let (sent, mut rows) = Box::pin(self.send_elections(std::iter::once(&entry))).await?;
+            return rows.remove(&entry.role).map(|row| (sent, row));
+        }
         let (tx, rx) = oneshot::channel();
-        self.elections.push((entry, tx));
+        self.elections.push((entry, tx), SHARE_WAIT);
         tokio::select! {
             r = rx => r.ok().flatten(),
             _ = self.conn.closed().cancelled() => None,

@@ -328,6 +328,11 @@ pub(super) struct Elections {
 }
 
 impl Elections {
+    /// How many roles the statement elects.
+    pub(super) fn len(&self) -> usize {
+        self.roles.len()
+    }
+
     /// Adds `e`'s role to the statement.
     pub(super) fn push(&mut self, e: &Election) {
         let (classid, objid, objsubid) = e.key.pg_locks_ids();
