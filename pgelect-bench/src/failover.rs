@@ -19,6 +19,9 @@
 //! * `voluntary`: a leader (library defaults) resigns; time from the call
 //!   until a blocked standby is told it leads (clean release: no handover
 //!   delay).
+//! * `voluntary-polling`: the same with a polling standby on its own
+//!   connection (`StandbyMode::Polling`, every second), woken by the
+//!   release's announcement.
 //! * `statements`: the statements per second a leader of each of the three
 //!   timings sends at steady state, alone in the database, over `--window`
 //!   seconds (default 15: three renewals at the default TTL); see
@@ -40,7 +43,10 @@ use crate::common::{connect, round2, ChildProc, Rows, Stats};
 
 use std::time::{Duration, Instant};
 
-use pgelect::{election::Profile, ConnectOptions, Elector, LockKey};
+use pgelect::{
+    election::{Profile, StandbyMode},
+    ConnectOptions, Elector, LockKey,
+};
 use tokio_postgres::types::Type;
 
 const ROLE: &str = "bench-failover";
@@ -105,6 +111,8 @@ enum Series {
     Baseline,
     Crash(Timing),
     Voluntary,
+    /// As `Voluntary`, with a polling standby.
+    VoluntaryPolling,
     /// A candidate of higher priority starts standing while a leader acts;
     /// the leader hands over to it: time from its first `leadership()`
     /// call (its connection set-up included) until it is told it leads.
@@ -113,12 +121,13 @@ enum Series {
 }
 
 impl Series {
-    const ALL: [Series; 7] = [
+    const ALL: [Series; 8] = [
         Series::Baseline,
         Series::Crash(Timing::Default),
         Series::Crash(Timing::Standard2s),
         Series::Crash(Timing::Fast),
         Series::Voluntary,
+        Series::VoluntaryPolling,
         Series::Preferred,
         Series::Statements,
     ];
@@ -130,6 +139,7 @@ impl Series {
             Series::Crash(Timing::Standard2s) => "crash-standard-2s",
             Series::Crash(Timing::Fast) => "crash-fast",
             Series::Voluntary => "voluntary",
+            Series::VoluntaryPolling => "voluntary-polling",
             Series::Preferred => "preferred",
             Series::Statements => "statements",
         }
@@ -258,7 +268,10 @@ async fn measure(
                 let r = match s {
                     Series::Baseline => Some(baseline_trial(url, &observer).await?),
                     Series::Crash(t) => crash_trial(url, &options, &observer, *t).await?,
-                    Series::Voluntary => Some(voluntary_trial(&options, &observer).await?),
+                    Series::Voluntary => Some(voluntary_trial(&options, &observer, false).await?),
+                    Series::VoluntaryPolling => {
+                        Some(voluntary_trial(&options, &observer, true).await?)
+                    }
                     Series::Preferred => Some(preferred_trial(&options).await?),
                     Series::Statements => unreachable!("BUG: not a timed series"),
                 };
@@ -337,6 +350,9 @@ async fn measure(
     if let Some(s) = by(Series::Preferred) {
         line["preferred_ms"] = s.json();
     }
+    if let Some(s) = by(Series::VoluntaryPolling) {
+        line["voluntary_polling_ms"] = s.json();
+    }
     if let Some(s) = by(Series::Voluntary) {
         line["voluntary_ms"] = s.json();
         if let Some(b) = &baseline {
@@ -394,6 +410,9 @@ async fn measure(
                     ),
                 ),
                 Series::Voluntary => ("voluntary (resign, default)".to_owned(), "-".to_owned()),
+                Series::VoluntaryPolling => {
+                    ("voluntary, polling standby".to_owned(), "-".to_owned())
+                }
                 Series::Preferred => ("preferred (priority 1 joins)".to_owned(), "-".to_owned()),
                 Series::Statements => unreachable!("BUG: not a timed series"),
             };
@@ -502,6 +521,29 @@ async fn until_waiting(observer: &tokio_postgres::Client, key: i64) -> Result<()
     }
 }
 
+/// Waits until the polling standby `bench-b` has polled once (it listens
+/// for releases before its first poll).
+async fn until_polled(observer: &tokio_postgres::Client) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let row = observer
+            .query_typed_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE '%bench-b%'
+                   AND state = 'idle' AND query LIKE '%pg_try_advisory_lock%'",
+                &[],
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        if row.get::<_, i64>(0) > 0 {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err("the polling standby did not poll within 30 s".into());
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
 async fn baseline_trial(url: &str, observer: &tokio_postgres::Client) -> Result<f64, String> {
     let mut holder = ChildProc::spawn("failover", &["holder", url, &BASELINE_KEY.to_string()])?;
     holder.expect("HELD", Duration::from_secs(30)).await?;
@@ -574,24 +616,29 @@ async fn crash_trial(
 async fn voluntary_trial(
     options: &ConnectOptions,
     observer: &tokio_postgres::Client,
+    polling: bool,
 ) -> Result<f64, String> {
     let a = Timing::Default
         .builder(options.clone())
         .node_id("bench-a")
         .build()
         .map_err(|e| e.to_string())?;
-    let b = Timing::Default
-        .builder(options.clone())
-        .node_id("bench-b")
-        .build()
-        .map_err(|e| e.to_string())?;
+    let mut b = Timing::Default.builder(options.clone()).node_id("bench-b");
+    if polling {
+        let interval = Duration::from_secs(1);
+        b = b.session(|s| s.standby(StandbyMode::Polling { interval }));
+    }
+    let b = b.build().map_err(|e| e.to_string())?;
     let key = role_key_single(&b);
     let la = a.leadership().await.map_err(|e| e.to_string())?;
     let wait = tokio::spawn(async move {
         let l = b.leadership().await;
         (Instant::now(), l)
     });
-    until_waiting(observer, key).await?;
+    match polling {
+        true => until_polled(observer).await?,
+        false => until_waiting(observer, key).await?,
+    }
     let t0 = Instant::now();
     la.resign().await.map_err(|e| e.to_string())?;
     let (elected, l) = wait.await.map_err(|e| e.to_string())?;
