@@ -86,7 +86,7 @@ pub(crate) struct SessionState {
     pub(crate) host: Option<RoleClaim>,
     /// When this candidate last gave the role up of its own accord, and
     /// the term it gave up: its next polling campaign stands aside first
-    /// (see the session campaign's `poll_for_lock`).
+    /// (see `support::step_aside`).
     pub(crate) stepped_aside: Mutex<Option<(Instant, i64)>>,
 }
 
@@ -121,7 +121,7 @@ pub(crate) struct LeaseState {
     own_client: bool,
     /// When this candidate last gave the role up of its own accord (a
     /// resignation, or a release while leading): its next campaign stands
-    /// aside first (see the lease campaign's `step_aside`); and the term it
+    /// aside first (see `support::step_aside`); and the term it
     /// gave up.
     pub(crate) stepped_aside: Mutex<Option<(Instant, i64)>>,
 }

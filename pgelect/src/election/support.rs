@@ -6,6 +6,7 @@
 //! No election rules live here (those are in `keeper.rs` and `timing.rs`),
 //! and no backend's statements.
 
+use std::future::Future;
 use std::time::Duration;
 
 use tokio::sync::broadcast;
@@ -157,7 +158,8 @@ pub(crate) enum WakeOn<'a> {
 }
 
 impl WakeOn<'_> {
-    fn wanted(&self, n: &Notice) -> bool {
+    /// Whether `n` is such a notification.
+    pub(crate) fn wanted(&self, n: &Notice) -> bool {
         if n.channel != LEADER_CHANNEL {
             return false;
         }
@@ -206,6 +208,72 @@ pub(crate) async fn sleep_until_woken(
                     sleep.as_mut().reset(at);
                 }
             }
+        }
+    }
+}
+
+/// How a candidate that gave its role up of its own accord (a
+/// resignation, a release while leading: `stepped_aside` holds when and
+/// the term, taken here) lets the others take it first, in either backend:
+/// the release woke them, but a resigner that stood again at once would
+/// often win the race for the role it just gave up (its connection is open
+/// and warm; theirs must be woken). It waits a little over one poll
+/// interval of theirs (1.25 × `interval`, at most the TTL) from the
+/// release, or less once the row shows a term above the one given up
+/// (`term_of`), held or released again since: read at the start and at
+/// every announced election of the role (which may be this candidate's own
+/// earlier one delivered late, or anyone's forged `NOTIFY`, hence the
+/// read). A failed read or a closed channel ends the wait: standing again
+/// is what the deadline would do. With no other candidate the role stays
+/// vacant that long.
+pub(crate) async fn step_aside<F: Future<Output = Result<Option<i64>>>>(
+    shared: &super::ElectorState,
+    stepped_aside: &std::sync::Mutex<Option<(Instant, i64)>>,
+    interval: Duration,
+    notices: impl FnOnce() -> broadcast::Receiver<Notice>,
+    term_of: impl Fn() -> F,
+) {
+    let since = stepped_aside
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take();
+    let Some((since, given_up)) = since else {
+        return;
+    };
+    let until = since + (interval + interval / 4).min(shared.timing.ttl);
+    if until <= Instant::now() {
+        return;
+    }
+    tracing::debug!(wait = ?until - Instant::now(), "standing aside after giving the role up");
+    let schema = shared.options.schema_name().as_str();
+    // Subscribed now: an election announced before is read from the row.
+    let mut notices = notices();
+    let taken = || async {
+        match term_of().await {
+            Ok(term) => term.is_some_and(|term| term > given_up),
+            Err(_) => true,
+        }
+    };
+    if taken().await {
+        return;
+    }
+    let deadline = tokio::time::sleep_until(until);
+    tokio::pin!(deadline);
+    loop {
+        tokio::select! {
+            () = &mut deadline => return,
+            n = notices.recv() => match n {
+                Ok(n) if n.channel == LEADER_CHANNEL
+                    && parse_leader_event(schema, &n.payload)
+                        == Some(("elected", shared.role.as_str())) =>
+                {
+                    if taken().await {
+                        return;
+                    }
+                }
+                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+                Err(broadcast::error::RecvError::Closed) => return,
+            },
         }
     }
 }

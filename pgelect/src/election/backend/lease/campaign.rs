@@ -12,7 +12,6 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::conn::Notice;
 use crate::election::config_error::ConfigError;
 use crate::error::{Error, Result};
 use crate::metrics;
@@ -24,8 +23,8 @@ use crate::election::keeper::{Action, Keeper, Liveness};
 use crate::election::leadership::{LeaderContext, LeaderState, Leadership};
 use crate::election::registry::Registration;
 use crate::election::registry::{Register, Waits};
-use crate::election::support::{is_transient, retry_backoff};
-use crate::election::watch::{parse_leader_event, LeaderInfo, LEADER_CHANNEL};
+use crate::election::support::{is_transient, retry_backoff, step_aside, WakeOn};
+use crate::election::watch::LeaderInfo;
 use crate::election::{Backend, ElectorState, LeaseState, Term};
 
 use super::keep::LeaseKeep;
@@ -46,7 +45,14 @@ pub(crate) async fn campaign(shared: &Arc<ElectorState>, lease: &LeaseState) -> 
         let mut notices = lease.notices.subscribe();
         shared.ensure_lease_listener();
         let schema = shared.options.schema_name().as_str();
-        step_aside(shared, lease, &client, &mut notices).await;
+        let bound = shared.timing.heartbeat_timeout;
+        let interval = shared.timing.retry_every;
+        let term_of = || client.term_of(&shared.role, bound);
+        step_aside(shared, &lease.stepped_aside, interval, || lease.notices.subscribe(), term_of).await;
+        let released = WakeOn::Released {
+            schema,
+            role: &shared.role,
+        };
         let mut failures = 0u32;
         loop {
             let mut member = client.join_standbys(shared);
@@ -54,10 +60,7 @@ pub(crate) async fn campaign(shared: &Arc<ElectorState>, lease: &LeaseState) -> 
                 tokio::select! {
                     won = member.won() => break won,
                     n = notices.recv() => match n {
-                        Ok(n) if n.channel == LEADER_CHANNEL
-                            && parse_leader_event(schema, &n.payload)
-                                == Some(("released", shared.role.as_str())) =>
-                        {
+                        Ok(n) if released.wanted(&n) => {
                             client.wake_standbys(Some(&shared.role), false);
                         }
                         Ok(_) => {}
@@ -102,74 +105,6 @@ pub(crate) async fn campaign(shared: &Arc<ElectorState>, lease: &LeaseState) -> 
     }
     .instrument(span)
     .await
-}
-
-/// After this candidate gave the role up of its own accord (a resignation,
-/// a release while leading), lets the other candidates take it first: the
-/// release woke them, but a resigner that stood again at once would often
-/// win the race for the role it just gave up (its connection is already
-/// open; theirs must be woken). It waits a little over one poll interval
-/// of theirs (1.25 × `retry_every`, at most the TTL) from the release, or
-/// less when the role is announced taken on its `LISTEN` connection and
-/// the row confirms it (a term above the one given up, whether still held
-/// or released again since: an announcement may be this elector's own
-/// earlier election delivered late, or anyone's forged `NOTIFY`), then
-/// stands again as any standby. With no other candidate the role stays
-/// vacant that long.
-async fn step_aside(
-    shared: &ElectorState,
-    lease: &LeaseState,
-    client: &SharedLease,
-    notices: &mut broadcast::Receiver<Notice>,
-) {
-    let since = lease
-        .stepped_aside
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .take();
-    let Some((since, given_up)) = since else {
-        return;
-    };
-    let r = shared.timing.retry_every;
-    let until = since + (r + r / 4).min(shared.timing.ttl);
-    if until <= Instant::now() {
-        return;
-    }
-    tracing::debug!(wait = ?until - Instant::now(), "standing aside after giving the role up");
-    let schema = shared.options.schema_name().as_str();
-    let bound = shared.timing.heartbeat_timeout;
-    // Subscribed now: an election announced before is read from the row.
-    if let Ok(Some(term)) = client.term_of(&shared.role, bound).await {
-        if term > given_up {
-            return;
-        }
-    }
-    let deadline = tokio::time::sleep_until(until);
-    tokio::pin!(deadline);
-    loop {
-        tokio::select! {
-            () = &mut deadline => return,
-            n = notices.recv() => match n {
-                Ok(n) if n.channel == LEADER_CHANNEL
-                    && parse_leader_event(schema, &n.payload)
-                        == Some(("elected", shared.role.as_str())) =>
-                {
-                    match client.term_of(&shared.role, bound).await {
-                        Ok(Some(term)) if term > given_up => return,
-                        Ok(_) => {}
-                        // Standing again is what the deadline would do.
-                        Err(_) => return,
-                    }
-                }
-                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
-                // Never: the sender lives in `shared`.
-                Err(broadcast::error::RecvError::Closed) => {
-                    deadline.as_mut().await;
-                    return;
-                }
-            },
-        }
-    }
 }
 
 /// The lease was won by a statement sent at `sent`: starts the keeper task

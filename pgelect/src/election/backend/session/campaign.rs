@@ -32,8 +32,7 @@ use crate::election::keeper::{Keeper, Liveness};
 use crate::election::leadership::{LeaderContext, LeaderState, Leadership};
 use crate::election::registry::{self, yield_pause, Register, Waits};
 use crate::election::support::{
-    check_not_transaction_pooled, is_transient, retry_backoff, sleep_until_woken, Counted,
-    WakeLimit, WakeOn,
+    check_not_transaction_pooled, is_transient, retry_backoff, step_aside, Counted, WakeLimit,
 };
 use crate::election::watch::{
     leader_info_at, read_leader_mode_and_lease, LeaderInfo, LEADER_CHANNEL,
@@ -616,134 +615,6 @@ impl ElectStatement {
     }
 }
 
-/// A polling candidate that gave the role up of its own accord (a
-/// resignation, a release while leading) stands aside before its first
-/// poll, as the lease backend's does: its connection is open and warm,
-/// while the standbys its release woke still have to poll, so it would
-/// often win the role straight back. It waits 1.25 × its poll interval (at
-/// most the TTL) from the release, or less once the row shows a term above
-/// the one given up, held or released again since: read at the start and
-/// on every `elected` announcement (which may be its own earlier one, or
-/// forged, hence the read).
-async fn step_aside(
-    shared: &ElectorState,
-    conn: &DedicatedConnection,
-    interval: Duration,
-    notices: &mut broadcast::Receiver<Notice>,
-) -> Result<()> {
-    let Some((since, given_up)) = shared.session().and_then(|s| {
-        s.stepped_aside
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take()
-    }) else {
-        return Ok(());
-    };
-    let until = since + (interval + interval / 4).min(shared.timing.ttl);
-    let schema = shared.options.schema_name();
-    // Listening now: an election announced before is read from the row.
-    let sql = format!("SELECT term FROM {schema}.leaders WHERE role = $1");
-    let taken = || async {
-        let row = conn
-            .client()
-            .query_typed_opt(&sql, &[(&shared.role, Type::TEXT)])
-            .await
-            .and_then(|r| r.map(|r| r.try_get::<_, i64>(0)).transpose())
-            .map_err(|e| Error::db("read the role's term", schema.as_str(), e))?;
-        Ok::<_, Error>(row.is_some_and(|term| term > given_up))
-    };
-    if taken().await? {
-        return Ok(());
-    }
-    let deadline = tokio::time::sleep_until(until);
-    tokio::pin!(deadline);
-    loop {
-        tokio::select! {
-            () = &mut deadline => return Ok(()),
-            _ = conn.closed().cancelled() => {
-                return Err(Error::connection_lost("stand aside after a release"));
-            }
-            n = notices.recv() => match n {
-                Ok(n) if n.channel == LEADER_CHANNEL
-                    && parse_leader_event(schema.as_str(), &n.payload)
-                        == Some(("elected", shared.role.as_str())) =>
-                {
-                    if taken().await? {
-                        return Ok(());
-                    }
-                }
-                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
-                Err(broadcast::error::RecvError::Closed) => return Ok(()),
-            },
-        }
-    }
-}
-
-pub(super) async fn poll_for_lock(
-    shared: &ElectorState,
-    conn: &DedicatedConnection,
-    interval: Duration,
-) -> Result<()> {
-    let schema = shared.options.schema_name();
-    let s = schema.as_str();
-    let mut notices = conn.notices();
-    conn.client()
-        .batch_execute(&format!("LISTEN {LEADER_CHANNEL}"))
-        .await
-        .map_err(|e| Error::db("listen for leader changes", s, e))?;
-    step_aside(shared, conn, interval, &mut notices).await?;
-    // Each poll also proves, every few seconds, that this standby still
-    // polls (see the registry): a row that stops being refreshed is not
-    // ready, so nobody hands over or yields to a candidate that is gone.
-    // It was refreshed by the registration just before.
-    let refresh = registry::polling_refresh(interval);
-    let mut refreshed = Instant::now();
-    let mut squat = SquatWatch::default();
-    // Release notifications wake the standby early; anyone may send them.
-    let mut wakes = WakeLimit::default();
-    loop {
-        let due = refreshed.elapsed() >= refresh;
-        let sent = Instant::now();
-        let (granted, info) = poll_one(shared, conn, due).await?;
-        if due {
-            refreshed = sent;
-        }
-        shared.contact.touch();
-        if granted {
-            conn.client()
-                .batch_execute(&format!("UNLISTEN {LEADER_CHANNEL}"))
-                .await
-                .map_err(|e| Error::db("stop listening", s, e))?;
-            return Ok(());
-        }
-        // The lock is taken but no live lease names its holder: a zombie
-        // leader, or a candidate frozen before its term.
-        if info.as_ref().is_none_or(|i| i.lease_expired) {
-            if let Some(pid) = preempt_one(shared, conn.client()).await?.first() {
-                tracing::debug!(pid, "preempted; trying the lock again");
-                continue;
-            }
-        }
-        if squat.due(std::time::Instant::now()) {
-            let row_pid = info.as_ref().and_then(|i| i.holder_pid);
-            check_squatters(shared, conn, &mut squat, row_pid).await?;
-        }
-        shared.publish(info);
-        let released = WakeOn::Released {
-            schema: s,
-            role: &shared.role,
-        };
-        let until = Instant::now() + interval;
-        tokio::select! {
-            _ = conn.closed().cancelled() => {
-                return Err(Error::connection_lost("wait for the leader's lock"));
-            }
-            // A closed channel ends the nap: try the lock again.
-            _ = sleep_until_woken(until, &mut notices, released, &mut wakes, || Duration::ZERO) => {}
-        }
-    }
-}
-
 /// One standby's poll on `conn`, a batch of one of the session backend's
 /// poll ([`batch_poll_sql`]): tries the role's lock, refreshes the
 /// standby's registry row (`seen_at`) when `refresh`, and reads the role's
@@ -797,23 +668,58 @@ pub(super) async fn poll_one(
         .map_err(|e| Error::db("try the leader's lock", s, e))
 }
 
-/// A polling standby on a shared connection: waits in the session's
-/// batched poll (one statement tries the locks of all its standbys) until
-/// this role's lock is granted. Publishes the leader row when it changes;
-/// zombie preemption is the session's, one statement per poll for every
-/// vacant row (the standby preempts alone only where that statement leaves
-/// it to the role); on a failed batch polls alone once to learn (and
-/// return) the error.
+/// A polling standby: stands aside first if it gave the role up (see
+/// `support::step_aside`), then waits in its session's batched poll (one
+/// statement tries the locks of all its standbys; a lone candidate's is a
+/// batch of one) until this role's lock is granted. Publishes the leader
+/// row as the poll reports it (on a shared session when it changes, on a
+/// session of one at every poll); zombie preemption is the session's, one
+/// statement per poll for every vacant row (the standby preempts alone
+/// only where that statement leaves it to the role); on a failed batch
+/// polls alone once to learn (and return) the error.
 ///
-/// Unlike a standby on its own connection it does not look for squatters
-/// (sessions other than the named leader holding the role's key): that is
-/// a statement per role, which a connection standing for thousands of
-/// roles cannot afford at every poll.
+/// A session of one listens for releases while it polls (see
+/// [`SharedSession::alone`]), and looks for squatters (sessions other than
+/// the named leader holding the role's key): a statement per role, which a
+/// connection standing for thousands of roles cannot afford at every poll.
 pub(super) async fn poll_in_batch(
     shared: &ElectorState,
     session: &Arc<SharedSession>,
     interval: Duration,
 ) -> Result<()> {
+    let s = shared.options.schema_name().as_str();
+    let alone = session.alone();
+    let listen = |what: &'static str| async move {
+        session
+            .client()
+            .batch_execute(&format!("{what} {LEADER_CHANNEL}"))
+            .await
+            .map_err(|e| Error::db("listen for leader changes", s, e))
+    };
+    if alone {
+        listen("LISTEN").await?;
+    }
+    if let Some(state) = shared.session() {
+        let sql = format!("SELECT term FROM {s}.leaders WHERE role = $1");
+        let term_of = || async {
+            let row = session
+                .client()
+                .query_typed_opt(&sql, &[(&shared.role, Type::TEXT)])
+                .await;
+            row.and_then(|r| r.map(|r| r.try_get::<_, i64>(0)).transpose())
+                .map_err(|e| Error::db("read the role's term", s, e))
+        };
+        let notices = || session.notices();
+        Box::pin(step_aside(
+            shared,
+            &state.stepped_aside,
+            interval,
+            notices,
+            term_of,
+        ))
+        .await;
+    }
+    let mut squat = SquatWatch::default();
     let refresh_ms = registry::polling_refresh(interval).as_millis() as i64;
     let mut member = session.join_poll(
         &shared.role,
@@ -829,11 +735,16 @@ pub(super) async fn poll_in_batch(
         };
         shared.contact.touch();
         match polled {
+            Polled::Granted if alone => return listen("UNLISTEN").await,
             Polled::Granted => return Ok(()),
             Polled::Leader {
                 info,
                 preempt_alone,
             } => {
+                if alone && squat.due(std::time::Instant::now()) {
+                    let row_pid = info.as_ref().and_then(|i| i.holder_pid);
+                    Box::pin(check_squatters(shared, session, &mut squat, row_pid)).await?;
+                }
                 shared.publish(info);
                 // The session's batched preemption ran for this vacant
                 // row; it leaves to the role what it cannot do for all (a
@@ -1074,7 +985,12 @@ pub(super) async fn poll_batches(session: std::sync::Weak<SharedSession>, schema
                 )
                 .await;
             drop(lane);
-            tracing::debug!(pid = s.conn.pid(), standbys = chunk.len(), took = ?sent.elapsed(), "batched poll");
+            let what = if s.alone {
+                "poll of a session of one"
+            } else {
+                "batched poll"
+            };
+            tracing::debug!(pid = s.conn.pid(), standbys = chunk.len(), took = ?sent.elapsed(), "{what}");
             if rows.is_ok() {
                 s.answered(sent);
             }
@@ -1145,7 +1061,11 @@ pub(super) async fn poll_batches(session: std::sync::Weak<SharedSession>, schema
                 } else {
                     match found.remove(role) {
                         Some((p, known)) => {
-                            w.known = Some(known);
+                            // A session of one reports its row at
+                            // every poll, changed or not.
+                            if !s.alone {
+                                w.known = Some(known);
+                            }
                             p
                         }
                         None => continue,

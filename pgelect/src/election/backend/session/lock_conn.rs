@@ -16,9 +16,7 @@ use tokio::sync::{broadcast, SemaphorePermit};
 use tokio::time::Instant;
 use tokio_postgres::types::{ToSql, Type};
 
-use super::campaign::{
-    lock_connection, poll_for_lock, poll_in_batch, ElectOutcome, ElectStatement,
-};
+use super::campaign::{lock_connection, poll_in_batch, ElectOutcome, ElectStatement};
 use super::{BatchMember, SharedSession};
 use crate::conn::Notice;
 use crate::election::elector::SessionState;
@@ -97,18 +95,14 @@ impl LockConn {
         Box::pin(register.run(shared, self)).await
     }
 
-    /// Waits as a polling standby until the role's lock is granted: in the
-    /// session's batched poll, or alone on a session of one, which can
-    /// afford its own look for squatters (a statement per standby).
+    /// Waits as a polling standby in the session's batched poll until the
+    /// role's lock is granted.
     pub(super) async fn poll_until_granted(
         &self,
         shared: &ElectorState,
         interval: Duration,
     ) -> Result<()> {
-        match self.0.alone() {
-            true => Box::pin(poll_for_lock(shared, self, interval)).await,
-            false => Box::pin(poll_in_batch(shared, &self.0, interval)).await,
-        }
+        Box::pin(poll_in_batch(shared, &self.0, interval)).await
     }
 
     /// Records the term of a candidate granted the lock, and lets go of the

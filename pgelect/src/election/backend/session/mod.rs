@@ -499,7 +499,8 @@ impl SharedSession {
     }
 
     /// Enters the polling standby of `role` into the batched poll, which
-    /// tries its lock within [`NEW_STANDBY_WAIT`], then every `interval`
+    /// tries its lock within [`NEW_STANDBY_WAIT`] (a session of one at
+    /// once), then every `interval`
     /// (the shortest of all standbys' on the session), and soon after a
     /// release of the role is announced.
     pub(crate) fn join_poll(
@@ -531,7 +532,7 @@ impl SharedSession {
                 outcome: tx,
             },
         );
-        self.poll_wanted_by(Instant::now() + NEW_STANDBY_WAIT);
+        self.poll_wanted_by(Instant::now() + self.share_wait(NEW_STANDBY_WAIT));
         PollMember {
             session: self.clone(),
             role: role.to_owned(),
