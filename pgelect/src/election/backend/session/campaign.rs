@@ -873,6 +873,11 @@ pub(super) async fn poll_batches(session: std::sync::Weak<SharedSession>, schema
     loop {
         loop {
             let by = *wanted.borrow_and_update();
+            // Due already (a new standby of a session of one, a release
+            // heard): at once, not at the timer's next millisecond tick.
+            if by.is_some_and(|b| b <= Instant::now()) {
+                break;
+            }
             let changed = tokio::select! {
                 _ = closed.cancelled() => return,
                 r = wanted.changed() => r.is_ok(),

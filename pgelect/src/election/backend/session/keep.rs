@@ -29,29 +29,33 @@ use crate::loss::LossReason;
 /// which under the fast profile's 25 ms answer limit cost leaders their
 /// first renewal (the book's design notes, "Renewals and fenced
 /// transactions"); and every renewal after it runs the kept plan. The
-/// release's clearing statement is prepared and run too, for term 0 (no
-/// term has that number: it clears and announces nothing), so that a
-/// planned handover does not wait for its plan either (0.2-0.4 ms).
+/// release's clearing and announcing statements are prepared and run too,
+/// for term 0 (no term has that number: they clear and announce nothing),
+/// so that a planned handover does not wait for their plans either
+/// (0.2-0.4 ms).
 pub(super) async fn warm_up_renewal(
     shared: &ElectorState,
     conn: &DedicatedConnection,
 ) -> Result<()> {
     let s = shared.options.schema_name().as_str();
     let sql = batch_renew_sql(s);
-    let release = release_sql(s);
+    let (clear, announce) = (clear_sql(s), announce_sql(s));
     let warm = async {
         conn.keep_statement(&sql, &Renewals::TYPES).await?;
         Renewals::default().run(conn, &sql, 0..0).await?;
-        conn.keep_statement(&release, &RELEASE_TYPES).await?;
+        conn.keep_statement(&clear, &CLEAR_TYPES).await?;
+        conn.keep_statement(&announce, &ANNOUNCE_TYPES).await?;
         let no_term = 0i64;
-        let [t0, t1, t2, t3] = RELEASE_TYPES;
-        let args: [(&(dyn ToSql + Sync), Type); 4] = [
-            (&shared.role, t0),
-            (&shared.node, t1),
-            (&no_term, t2),
-            (&"", t3),
+        let [t0, t1, t2] = CLEAR_TYPES;
+        let args = [
+            (&shared.role as _, t0),
+            (&shared.node as _, t1),
+            (&no_term as _, t2),
         ];
-        conn.query_kept_one(&release, &args).await.map(|_| ())
+        conn.query_kept_one(&clear, &args).await?;
+        let [t0, t1, t2] = ANNOUNCE_TYPES;
+        let args = [(&shared.role as _, t0), (&no_term as _, t1), (&"" as _, t2)];
+        conn.query_kept_one(&announce, &args).await.map(|_| ())
     };
     warm.await
         .map_err(|e| Error::db("prepare the renewal", s, e))?;
@@ -290,9 +294,8 @@ impl KeepBackend for SessionKeep {
 }
 
 /// The release's clearing statement: the row of role `$1` no longer names
-/// holder `$2` at term `$3`; `$4` is announced on the leader channel if it
-/// did.
-fn release_sql(s: &str) -> String {
+/// holder `$2` at term `$3`; returns how many rows it cleared (0 or 1).
+fn clear_sql(s: &str) -> String {
     format!(
         "WITH c AS (
              UPDATE {s}.leaders
@@ -301,30 +304,50 @@ fn release_sql(s: &str) -> String {
               WHERE role = $1 AND holder = $2 AND term = $3
              RETURNING 1
          )
-         SELECT n.cleared,
-                CASE WHEN n.cleared > 0 THEN pg_notify('{LEADER_CHANNEL}', $4)::text END
-           FROM (SELECT count(*) AS cleared FROM c) n"
+         SELECT count(*) FROM c"
     )
 }
 
-/// The types of [`release_sql`]'s parameters.
-const RELEASE_TYPES: [Type; 4] = [Type::TEXT, Type::TEXT, Type::INT8, Type::TEXT];
+/// The types of [`clear_sql`]'s parameters.
+const CLEAR_TYPES: [Type; 3] = [Type::TEXT, Type::TEXT, Type::INT8];
+
+/// The release's announcement, sent after the unlock: `$3` on the leader
+/// channel if the row of role `$1` is vacant at term `$2` (cleared by this
+/// release, not taken since). Announced only once the lock is free, so
+/// that a polling standby woken by it finds the lock free (announced by
+/// the clearing commit, ahead of the unlock, a standby's poll often came
+/// first and found it held: a whole poll interval lost).
+fn announce_sql(s: &str) -> String {
+    format!(
+        "SELECT count(pg_notify('{LEADER_CHANNEL}', $3)) FROM {s}.leaders
+          WHERE role = $1 AND term = $2 AND holder IS NULL"
+    )
+}
+
+/// The types of [`announce_sql`]'s parameters.
+const ANNOUNCE_TYPES: [Type; 3] = [Type::TEXT, Type::INT8, Type::TEXT];
 
 pub(super) async fn release(shared: &ElectorState, conn: &LockConn, term: i64) -> Result<()> {
     let s = shared.options.schema_name().as_str();
-    let sql = release_sql(s);
+    let (clear, announce) = (clear_sql(s), announce_sql(s));
     let payload = format!("{s}:released:{}", shared.role);
     let params = shared.key.params();
     let args: Vec<(&(dyn ToSql + Sync), Type)> = params.iter().map(|p| p.as_sql()).collect();
     let unlock_sql = format!("SELECT pg_advisory_unlock({})", shared.key.sql_args(1));
-    // Pipelined: the clearing transaction commits before the unlock runs
-    // (the server runs them in order), in one round trip.
-    let [t0, t1, t2, t3] = RELEASE_TYPES;
-    let clear_args: [(&(dyn ToSql + Sync), Type); 4] = [
-        (&shared.role, t0),
-        (&shared.node, t1),
-        (&term, t2),
-        (&payload, t3),
+    // Pipelined: the clearing transaction commits before the unlock runs,
+    // and the announcement after it (the server runs them in order), in
+    // one round trip.
+    let [t0, t1, t2] = CLEAR_TYPES;
+    let clear_args = [
+        (&shared.role as _, t0),
+        (&shared.node as _, t1),
+        (&term as _, t2),
+    ];
+    let [t0, t1, t2] = ANNOUNCE_TYPES;
+    let announce_args = [
+        (&shared.role as _, t0),
+        (&term as _, t1),
+        (&payload as _, t2),
     ];
     // A listening backend that does not read (a later lock wait) would
     // hold back the server's notification queue. A shared connection
@@ -333,9 +356,10 @@ pub(super) async fn release(shared: &ElectorState, conn: &LockConn, term: i64) -
         true => String::new(),
         false => format!("UNLISTEN {RESIGN_CHANNEL}"),
     };
-    let (cleared, unlocked, unlistened) = tokio::join!(
-        conn.query_kept_one(&sql, &clear_args),
+    let (cleared, unlocked, announced, unlistened) = tokio::join!(
+        conn.query_kept_one(&clear, &clear_args),
         conn.client().query_typed_one(&unlock_sql, &args),
+        conn.query_kept_one(&announce, &announce_args),
         conn.client().batch_execute(&unlisten),
     );
     let cleared: i64 = cleared
@@ -354,6 +378,7 @@ pub(super) async fn release(shared: &ElectorState, conn: &LockConn, term: i64) -
             shared.options.target()
         )));
     }
+    announced.map_err(|e| Error::db("announce the release", s, e))?;
     unlistened.map_err(|e| Error::db("stop listening for resign requests", s, e))?;
     Ok(())
 }
