@@ -595,9 +595,6 @@ impl SharedLease {
         (sent, found)
     }
 
-    /// Sends the release ([`LeaseSql::release`]) of `role`'s lease where it
-    /// still names `node` with `term`, bounded by `bound`: its send time
-    /// and whether the row was still ours (and is cleared now).
     /// Deletes the registration of `node` for `role` on this client's
     /// connection: a candidate stopping for good opens no connection of
     /// its own for it (through a pooler, a new client's authentication
@@ -631,6 +628,9 @@ impl SharedLease {
         }
     }
 
+    /// Sends the release ([`LeaseSql::release`]) of `role`'s lease where it
+    /// still names `node` with `term`, bounded by `bound`: its send time
+    /// and whether the row was still ours (and is cleared now).
     pub(super) async fn clear(
         &self,
         role: &str,
