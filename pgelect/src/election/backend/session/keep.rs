@@ -356,9 +356,15 @@ pub(super) async fn release(shared: &ElectorState, conn: &LockConn, term: i64) -
         true => String::new(),
         false => format!("UNLISTEN {RESIGN_CHANNEL}"),
     };
-    let (cleared, unlocked, announced, unlistened) = tokio::join!(
+    // A session-level advisory lock is counted: a lock a poll was granted
+    // once more while the standby turned leader would stay held after one
+    // unlock (its successor refused until this session's next campaign
+    // took the role back), so the lock is unlocked again if still held.
+    let again = super::lock_conn::unlock_if_held_sql(shared.key);
+    let (cleared, unlocked, _, announced, unlistened) = tokio::join!(
         conn.query_kept_one(&clear, &clear_args),
         conn.client().query_typed_one(&unlock_sql, &args),
+        conn.client().query_typed_one(&again, &args),
         conn.query_kept_one(&announce, &announce_args),
         conn.client().batch_execute(&unlisten),
     );
